@@ -1,0 +1,138 @@
+"""Spec + site -> Launch: every number the job runs with, checked. Pure.
+
+The Launch is written to ``resolved.json`` in the run folder; each rank of
+the trainer reads it back, so login node and job agree on one set of numbers.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+from dataclasses import asdict, dataclass, field
+
+from hpc.config import ConfigError
+from hpc.site import SiteProfile
+from hpc.spec import JobSpec
+
+RESOLVED_VERSION = 1
+
+
+@dataclass
+class Launch:
+    """The resolved shape of one run."""
+
+    nodes: int
+    tasks_per_node: int
+    world_size: int
+    cpus_per_task: int
+    gpus_per_node: int
+    backend: str
+    strategy: str
+    sharding: str
+    replicate: int  # HSDP replicate degree (1 otherwise)
+    shard: int  # ranks a parameter is sharded over (1 for ddp/none/dp)
+    grad_accum: int
+    signal_lead_s: int
+    partition: str | None
+    account: str | None
+    qos: str | None
+    plan_reasons: list[str] = field(default_factory=list)
+
+
+def tasks_per_node(spec: JobSpec, site: SiteProfile) -> int:
+    return spec.job.tasks_per_node or site.default_tasks_per_node()
+
+
+def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
+    """Arithmetic checks between spec and site; each message states the numbers it used."""
+    errors = []
+    tpn = tasks_per_node(spec, site)
+    world = spec.job.nodes * tpn
+    if site.node.gpus and tpn > site.node.gpus:
+        errors.append(f"`job.tasks_per_node` = {tpn} but site {site.name!r} has {site.node.gpus} GPUs per node "
+                      "(one task per GPU)")
+    if not site.is_slurm and spec.job.nodes > 1:
+        errors.append(f"`job.nodes` = {spec.job.nodes} but site {site.name!r} runs on this machine only: "
+                      "expected 1 (or a Slurm site)")
+    if site.scheduler.max_nodes and spec.job.nodes > site.scheduler.max_nodes:
+        errors.append(f"`job.nodes` = {spec.job.nodes} but site {site.name!r} has at most "
+                      f"{site.scheduler.max_nodes} nodes")
+    per_step = world * spec.train.micro_batch
+    if spec.train.global_batch % per_step:
+        errors.append(f"`train.global_batch` = {spec.train.global_batch} is not divisible by ranks × micro_batch "
+                      f"= {spec.job.nodes} nodes × {tpn} tasks × {spec.train.micro_batch} = {per_step}")
+    if spec.job.cpus_per_task and spec.job.cpus_per_task * tpn > site.node.cpus:
+        errors.append(f"`job.cpus_per_task` = {spec.job.cpus_per_task} × {tpn} tasks = "
+                      f"{spec.job.cpus_per_task * tpn} CPUs but site {site.name!r} nodes have {site.node.cpus}")
+    errors += _check_strategy(spec, site, world, tpn)
+    lead = spec.job.signal_lead_s or site.scheduler.signal_lead_s
+    if lead >= spec.job.time_limit_min * 60:
+        errors.append(f"signal lead {lead} s is not shorter than `job.time_limit_min` = "
+                      f"{spec.job.time_limit_min} min = {spec.job.time_limit_min * 60} s")
+    return errors
+
+
+def _check_strategy(spec: JobSpec, site: SiteProfile, world: int, tpn: int) -> list[str]:
+    p = spec.parallel
+    if p.strategy == "none" and world > 1:
+        return [f"`parallel.strategy` = 'none' runs one process, but nodes × tasks_per_node = "
+                f"{spec.job.nodes} × {tpn} = {world}: set job.tasks_per_node = 1 and job.nodes = 1, or use ddp/fsdp"]
+    if p.strategy == "dp" and spec.job.nodes > 1:
+        return [f"`parallel.strategy` = 'dp' (nn.DataParallel) is single-process and cannot span "
+                f"{spec.job.nodes} nodes: use ddp"]
+    if p.strategy == "hsdp":
+        shard = p.shard_size or tpn
+        if world % shard:
+            return [f"`parallel.shard_size` = {shard} does not divide the {world} ranks "
+                    f"({spec.job.nodes} nodes × {tpn} tasks)"]
+        if p.mixed_precision != "none" and site.backend == "gloo" and p.mixed_precision == "fp16":
+            return ["`parallel.mixed_precision` = 'fp16' is not supported by gloo on CPU sites: use 'bf16' or 'none'"]
+    if p.shard_size and p.strategy not in ("hsdp", "auto"):
+        return [f"`parallel.shard_size` = {p.shard_size} applies to hsdp only, but strategy = {p.strategy!r}"]
+    if p.cpu_offload and p.strategy not in ("fsdp", "hsdp", "auto"):
+        return [f"`parallel.cpu_offload` needs strategy fsdp or hsdp, not {p.strategy!r}"]
+    return []
+
+
+def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
+    """Check spec against site and compute the launch; raises ConfigError with every problem."""
+    errors = cross_check(spec, site)
+    if errors:
+        raise ConfigError([f"{spec.source}: {e}" for e in errors])
+    from hpc.plan import choose  # the planner decides `auto`
+
+    tpn = tasks_per_node(spec, site)
+    world = spec.job.nodes * tpn
+    strategy, sharding, shard, reasons = choose(spec, site, spec.job.nodes)
+    if strategy == "hsdp":
+        replicate = world // shard
+    else:
+        replicate, shard = 1, (world if strategy == "fsdp" else 1)
+    return Launch(
+        nodes=spec.job.nodes,
+        tasks_per_node=tpn,
+        world_size=world,
+        cpus_per_task=spec.job.cpus_per_task or max(1, site.node.cpus // tpn),
+        gpus_per_node=tpn if site.node.gpus else 0,
+        backend=site.backend,
+        strategy=strategy,
+        sharding=sharding,
+        replicate=replicate,
+        shard=shard,
+        grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),
+        signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
+        partition=spec.job.partition or site.scheduler.partition,
+        account=spec.job.account or site.scheduler.account,
+        qos=spec.job.qos or site.scheduler.qos,
+        plan_reasons=reasons,
+    )
+
+
+def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str) -> dict[str, tp.Any]:
+    """The content of resolved.json: everything a rank needs, and no secret values."""
+    return {
+        "version": RESOLVED_VERSION,
+        "run_dir": run_dir,
+        "spec": spec.to_dict(),
+        "site": asdict(site),
+        "launch": asdict(launch),
+    }

@@ -1,0 +1,160 @@
+"""Site profiles: what one cluster looks like to hpcx.
+
+A profile is ``site/<name>.toml`` (shipped) or any path. Selection order:
+``--site``, then ``$HPCX_SITE``, then ``job.site`` in the spec, then ``local``.
+"""
+
+from __future__ import annotations
+
+import os
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.config import ConfigError, build_document, field, read_toml
+
+SITE_DIR = Path(__file__).resolve().parent.parent / "site"
+DEFAULT_SITE = "local"
+
+
+@dataclass
+class Scheduler:
+    kind: str = field("local", doc="`slurm` submits through sbatch; `local` runs on this machine "
+                      "with submitit's local executor (no Slurm).", choices=("slurm", "local"))
+    partition: str | None = field(None, doc="Default Slurm partition (`--partition`); a spec may override.")
+    account: str | None = field(None, doc="Default Slurm account (`--account`).")
+    qos: str | None = field(None, doc="Default Slurm QOS (`--qos`).")
+    gpu_directive: str = field("gpus-per-node", doc="How this Slurm takes GPUs: `gpus-per-node` "
+                               "(`--gpus-per-node=N`), `gres` (`--gres=gpu:N`), or `none` on CPU clusters.",
+                               choices=("gpus-per-node", "gres", "none"))
+    signal_lead_s: int = field(120, doc="Seconds before the time limit at which Slurm sends USR2 "
+                               "(`--signal=USR2@LEAD`); must exceed the expected checkpoint save time.",
+                               minimum=1)
+    max_nodes: int = field(0, doc="Largest job this site can run, in nodes (0: unknown).", minimum=0)
+    sbatch: dict[str, str] = field(doc="Extra sbatch options for every job, e.g. {constraint = \"h100\"}.",
+                                   factory=dict)
+
+
+@dataclass
+class Node:
+    gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend).", minimum=0)
+    gpu_model: str = field("", doc="GPU model name, e.g. `NVIDIA H100 80GB HBM3`.")
+    gpu_memory_gb: float = field(0.0, doc="Memory per GPU in GB (1e9 bytes).", minimum=0)
+    gpu_peak_tflops: float = field(0.0, doc="Dense bf16 peak per GPU in TFLOP/s, for MFU (0: unknown).",
+                                   minimum=0)
+    cpus: int = field(1, doc="CPU cores per node.", minimum=1)
+    memory_gb: float = field(0.0, doc="Host memory per node in GB (0: unknown).", minimum=0)
+    tasks: int = field(0, doc="Tasks per node on CPU sites (0: one per GPU, or 1 without GPUs).", minimum=0)
+    intra_link: str = field("none", doc="Link between the GPUs of a node.",
+                            choices=("nvswitch", "nvlink", "pcie", "none"))
+    intra_bandwidth_gbs: float = field(0.0, doc="Per-GPU bus bandwidth inside a node, GB/s.", minimum=0)
+    intra_latency_us: float = field(5.0, doc="Latency of one intra-node collective step, microseconds.",
+                                    minimum=0)
+
+
+@dataclass
+class Network:
+    fabric: str = field("none", doc="Fabric between nodes.",
+                        choices=("infiniband", "roce", "efa", "ethernet", "none"))
+    bandwidth_gbs: float = field(0.0, doc="Per-node injection bandwidth between nodes, GB/s.", minimum=0)
+    latency_us: float = field(10.0, doc="Latency of one inter-node collective step, microseconds.",
+                              minimum=0)
+
+
+@dataclass
+class Storage:
+    run_root: str = field("~/hpcx-runs", doc="Where run folders are created; must be on a file system "
+                          "every node sees. `~` and `$VARS` are expanded.")
+    group_readable: bool = field(False, doc="Create run folders 0750/files 0640 instead of 0700/0600.")
+
+
+@dataclass
+class SiteProfile:
+    name: str
+    scheduler: Scheduler
+    node: Node
+    network: Network
+    storage: Storage
+    nccl: dict[str, str]
+    source: str = ""
+
+    @property
+    def is_slurm(self) -> bool:
+        return self.scheduler.kind == "slurm"
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.node.gpus > 0 else "gloo"
+
+    def default_tasks_per_node(self) -> int:
+        return self.node.gpus or self.node.tasks or 1
+
+    def run_root(self) -> Path:
+        return Path(os.path.expandvars(os.path.expanduser(self.storage.run_root)))
+
+
+SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage": Storage}
+
+
+def list_sites() -> list[str]:
+    return sorted(p.stem for p in SITE_DIR.glob("*.toml"))
+
+
+def site_path(name_or_path: str) -> Path:
+    """A shipped site name (``sandbox``) or a path to a profile file."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".toml" or os.sep in name_or_path:
+        return candidate
+    path = SITE_DIR / f"{name_or_path}.toml"
+    if not path.exists():
+        from hpc.config import suggest
+
+        raise ConfigError([f"--site {name_or_path!r}: no such site profile ({suggest(name_or_path, list_sites())})"])
+    return path
+
+
+def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
+    """Build a SiteProfile from a parsed document, raising ConfigError with every problem."""
+    errors: list[str] = []
+    doc = dict(doc)
+    nccl = doc.pop("nccl", {})
+    if not isinstance(nccl, dict) or not all(isinstance(v, str) for v in nccl.values()):
+        errors.append("`nccl` must be a table of string environment values, e.g. NCCL_IB_HCA = \"mlx5\"")
+        nccl = {}
+    sections = build_document(SECTIONS, doc, errors)
+    site = SiteProfile(name=name, nccl=nccl, source=source, **sections)
+    errors += cross_check_site(site)
+    if errors:
+        raise ConfigError([f"{source}: {e}" for e in errors])
+    return site
+
+
+def cross_check_site(site: SiteProfile) -> list[str]:
+    errors = []
+    if site.node.gpus and site.scheduler.gpu_directive == "none" and site.is_slurm:
+        errors.append(f"`scheduler.gpu_directive` = 'none' but `node.gpus` = {site.node.gpus}: "
+                      "expected 'gpus-per-node' or 'gres' on a GPU site")
+    if site.node.gpus and not site.node.gpu_memory_gb:
+        errors.append(f"`node.gpu_memory_gb` is unset but `node.gpus` = {site.node.gpus}: expected the memory per GPU")
+    if site.node.gpus > 1 and site.node.intra_link == "none":
+        errors.append(f"`node.intra_link` = 'none' with {site.node.gpus} GPUs per node: expected nvswitch, nvlink or pcie")
+    for key in site.nccl:
+        if not key.startswith(("NCCL_", "TORCH_NCCL_", "UCX_", "FI_")):
+            errors.append(f"`nccl.{key}`: expected an NCCL_*, TORCH_NCCL_*, UCX_* or FI_* variable")
+    return errors
+
+
+def load_site(name_or_path: str) -> SiteProfile:
+    path = site_path(name_or_path)
+    return parse_site(read_toml(path), path.stem, str(path))
+
+
+def choose_site(cli: str | None, spec_site: str | None) -> str:
+    """--site, then $HPCX_SITE, then the spec's job.site, then `local`."""
+    return cli or os.environ.get("HPCX_SITE") or spec_site or DEFAULT_SITE
+
+
+def site_as_dict(site: SiteProfile) -> dict[str, tp.Any]:
+    from dataclasses import asdict
+
+    return asdict(site)

@@ -1,0 +1,192 @@
+"""The job spec: one TOML file, one dataclass per section.
+
+Each component takes only its own section (``spec.train``, ``spec.parallel`` …).
+``load_spec`` reports every problem in the file at once; ``cross_check``
+validates the arithmetic against a site and prints the numbers it used.
+"""
+
+from __future__ import annotations
+
+import re
+import typing as tp
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from hpc.config import ConfigError, apply_overrides, build_document, field, read_toml
+
+STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
+SHARDINGS = ("full_shard", "shard_grad_op", "no_shard")
+SECRET_PATTERNS = (re.compile(r".*_TOKEN$"), re.compile(r".*_KEY$"), re.compile(r".*SECRET.*"),
+                   re.compile(r".*PASSWORD.*"))
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def looks_secret(name: str) -> bool:
+    """True for environment variable names that look like credentials."""
+    upper = name.upper()
+    return any(p.match(upper) for p in SECRET_PATTERNS)
+
+
+@dataclass
+class Job:
+    name: str = field("hpcx", doc="Job name shown by Slurm (`--job-name`).")
+    nodes: int = field(1, doc="Number of nodes.", minimum=1)
+    tasks_per_node: int = field(0, doc="Tasks (ranks) per node; one per GPU. 0: the site's GPUs per "
+                                "node, or its CPU task count.", minimum=0)
+    cpus_per_task: int = field(0, doc="CPU cores per task (0: the node's cores divided by the tasks).",
+                               minimum=0)
+    time_limit_min: int = field(60, doc="Wall-clock limit in minutes (`--time`).", minimum=1)
+    partition: str | None = field(None, doc="Overrides the site's partition.")
+    account: str | None = field(None, doc="Overrides the site's account.")
+    qos: str | None = field(None, doc="Overrides the site's QOS.")
+    max_requeues: int = field(3, doc="How many times a preempted or timed-out job is requeued.",
+                              minimum=0)
+    signal_lead_s: int = field(0, doc="Seconds of warning before the time limit (0: the site's value).",
+                               minimum=0)
+    site: str | None = field(None, doc="Site profile to use when neither --site nor $HPCX_SITE is given.")
+    run_root: str | None = field(None, doc="Where this job's run folder goes (default: the site's run root).")
+
+
+@dataclass
+class Model:
+    arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module.")
+    size: str = field("tiny", doc="Preset of the built-in GPT: tiny, small, 125m, 350m, 760m, 1.3b, "
+                      "2.7b, 6.7b, 13b, 30b, 70b.")
+    seq_len: int = field(0, doc="Context length (0: the preset's).", minimum=0)
+    vocab_size: int = field(0, doc="Vocabulary size (0: the preset's).", minimum=0)
+    dropout: float = field(0.0, doc="Dropout probability.", minimum=0)
+    blocks: str = field("", doc="For user models: attribute path of the nn.ModuleList whose children "
+                        "are the units to shard and checkpoint, e.g. `transformer.h` (default: `blocks`).")
+    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model.", factory=dict)
+    activation_gb: float = field(0.0, doc="Measured activation memory per micro-batch sample in GB, for "
+                                 "the planner on user models (0: unknown).", minimum=0)
+
+
+@dataclass
+class Data:
+    source: str = field("synthetic", doc="`synthetic` (seeded random tokens) or a path to a `.bin` token file.")
+    dtype: str = field("uint16", doc="Token dtype of a `.bin` file.", choices=("uint16", "uint32"))
+    shuffle: bool = field(True, doc="Reshuffle the samples each epoch (deterministic from train.seed).")
+    num_workers: int = field(0, doc="DataLoader worker processes per rank.", minimum=0)
+
+
+@dataclass
+class Train:
+    steps: int = field(100, doc="Optimizer steps to run.", minimum=1)
+    global_batch: int = field(8, doc="Samples per optimizer step across all ranks.", minimum=1)
+    micro_batch: int = field(1, doc="Samples per rank per forward/backward; the gradient-accumulation "
+                             "count is global_batch / (ranks × micro_batch).", minimum=1)
+    optimizer: str = field("adamw", doc="Optimizer.", choices=("adamw",))
+    lr: float = field(3e-4, doc="Peak learning rate.", minimum=0)
+    min_lr_ratio: float = field(0.1, doc="Final LR of the cosine schedule as a fraction of `lr`.", minimum=0)
+    warmup_steps: int = field(10, doc="Linear warm-up steps.", minimum=0)
+    schedule: str = field("cosine", doc="LR schedule after warm-up.", choices=("cosine", "constant"))
+    weight_decay: float = field(0.1, doc="AdamW weight decay.", minimum=0)
+    betas: list[float] = field(doc="AdamW betas.", factory=lambda: [0.9, 0.95])
+    grad_clip: float = field(1.0, doc="Clip the global gradient norm to this (0: off).", minimum=0)
+    seed: int = field(0, doc="Seed for model init, data order and dropout.", minimum=0)
+    log_every: int = field(1, doc="Write a metrics line every N steps.", minimum=1)
+    warmup_metrics_steps: int = field(2, doc="Leading steps left out of throughput summaries.", minimum=0)
+
+
+@dataclass
+class Parallel:
+    strategy: str = field("auto", doc="`auto` (the planner's choice), `none`, `dp`, `ddp`, `fsdp` or `hsdp`.",
+                          choices=STRATEGIES)
+    sharding: str = field("full_shard", doc="FSDP sharding: full_shard, shard_grad_op or no_shard.",
+                          choices=SHARDINGS)
+    shard_size: int = field(0, doc="HSDP shard group size (0: one node's ranks).", minimum=0)
+    mixed_precision: str = field("none", doc="Parameter dtype for compute; reductions stay fp32.",
+                                 choices=("none", "bf16", "fp16"))
+    cpu_offload: bool = field(False, doc="Keep sharded parameters, gradients and optimizer state in host memory.")
+    activation_checkpointing: bool = field(False, doc="Recompute each block's activations in backward.")
+    compile: bool = field(False, doc="torch.compile each block.")
+    timeout_s: int = field(600, doc="Collective and rendezvous timeout in seconds.", minimum=1)
+
+
+@dataclass
+class Checkpoint:
+    interval_steps: int = field(0, doc="Save every N steps (0: only by minutes, on preemption and at the end).",
+                                minimum=0)
+    interval_minutes: float = field(0.0, doc="Save every N minutes of training (0: off).", minimum=0)
+    keep: int = field(2, doc="Committed checkpoints to keep (at least 2: the newest may be in flight).",
+                      minimum=2)
+    async_save: bool = field(False, doc="Save in the background on a separate process group.")
+    resume: bool = field(True, doc="Resume from the newest committed checkpoint of the run folder.")
+
+
+@dataclass
+class Env:
+    set: dict[str, str] = field(doc="Environment variables set for every task (values are quoted; "
+                                "secret-looking names are refused here: use `pass`).", factory=dict)
+    passthrough: list[str] = field(doc="Names of variables taken from the submitting shell by name "
+                                   "only; their values never reach the script or the run folder.",
+                                   factory=list)
+
+
+@dataclass
+class JobSpec:
+    job: Job
+    model: Model
+    data: Data
+    train: Train
+    parallel: Parallel
+    checkpoint: Checkpoint
+    env: Env
+    source: str = ""
+
+    def to_dict(self) -> dict[str, tp.Any]:
+        out = asdict(self)
+        out.pop("source")
+        return out
+
+
+SECTIONS = {"job": Job, "model": Model, "data": Data, "train": Train, "parallel": Parallel,
+            "checkpoint": Checkpoint, "env": Env}
+
+
+def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
+    """Build and self-check a JobSpec; raises ConfigError listing every problem."""
+    errors: list[str] = []
+    sections = build_document(SECTIONS, doc, errors)
+    spec = JobSpec(source=source, **sections)
+    errors += _check_env(spec.env)
+    errors += _check_model(spec.model)
+    if errors:
+        raise ConfigError([f"{source}: {e}" for e in errors])
+    return spec
+
+
+def load_spec(path: str | Path, overrides: tp.Sequence[str] = ()) -> JobSpec:
+    path = Path(path)
+    doc = apply_overrides(read_toml(path), overrides)
+    return spec_from_dict(doc, str(path))
+
+
+def _check_env(env: Env) -> list[str]:
+    errors = []
+    for name in list(env.set) + list(env.passthrough):
+        if not ENV_NAME.match(name):
+            errors.append(f"`env` variable name {name!r}: expected letters, digits and underscores")
+    for name in env.set:
+        if looks_secret(name):
+            errors.append(f"`env.set.{name}` looks like a secret: put \"{name}\" in `env.passthrough` and "
+                          "export it in your shell, so its value is never written to disk")
+    return errors
+
+
+def _check_model(model: Model) -> list[str]:
+    if model.arch == "gpt":
+        from hpc.models import GPT_PRESETS
+
+        if model.size not in GPT_PRESETS:
+            shown = ", ".join(GPT_PRESETS)
+            return [f"`model.size` = {model.size!r}: expected one of {shown}"]
+        return []
+    if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", model.arch):
+        return [f"`model.arch` = {model.arch!r}: expected 'gpt' or 'package.module:function'"]
+    return []
+
+
+def ranks(spec: JobSpec, tasks_per_node: int) -> int:
+    return spec.job.nodes * tasks_per_node

@@ -1,0 +1,1 @@
+"""hpcx trainer: runs inside the job, one process per rank."""
