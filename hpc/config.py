@@ -43,12 +43,12 @@ def field(default: tp.Any = dataclasses.MISSING, *, doc: str, choices: tp.Sequen
     return dataclasses.field(default=default, metadata=meta)
 
 
-def suggest(key: str, valid: tp.Iterable[str]) -> str:
-    """' (did you mean `x`?)' for the closest valid key, or the list of valid keys."""
+def suggest(key: str, valid: tp.Iterable[str], prefix: str = "") -> str:
+    """'did you mean `train.micro_batch`?' for the closest valid key, else the list of valid keys."""
     valid = sorted(valid)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:
-        return f"did you mean `{close[0]}`?"
+        return f"did you mean `{prefix}{close[0]}`?"
     return "valid keys: " + ", ".join(valid)
 
 
@@ -127,7 +127,7 @@ def build_section(cls: type, table: tp.Any, prefix: str, errors: list[str]) -> t
     for key, value in table.items():
         path = f"{prefix}.{key}"
         if key not in fields:
-            errors.append(f"unknown key `{path}`: {suggest(key, fields)}")
+            errors.append(f"unknown key `{path}`: {suggest(key, fields, prefix + '.')}")
             continue
         message = check_value(path, value, fields[key], hints[key])
         if message:

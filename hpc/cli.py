@@ -1,0 +1,302 @@
+"""The `hpcx` command line. Login-node commands here never import torch.
+
+Shell completion (bash; zsh and fish likewise with zsh_source / fish_source)::
+
+    eval "$(_HPCX_COMPLETE=bash_source hpcx)"
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import typing as tp
+from pathlib import Path
+
+import click
+
+from hpc import __version__
+from hpc.config import ConfigError
+
+JSON_HELP = "Print machine-readable JSON instead of text."
+
+
+class HpcxGroup(click.Group):
+    """Turns ConfigError into one line per problem on stderr and exit code 2, never a traceback."""
+
+    def invoke(self, ctx: click.Context) -> tp.Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            for message in exc.messages:
+                click.echo(f"error: {message}", err=True)
+            ctx.exit(2)
+
+
+@click.group(cls=HpcxGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpcx")
+def cli() -> None:
+    """hpcx: train PyTorch models on many GPUs and nodes through Slurm.
+
+    A job spec (TOML) plus a site profile becomes a submitit submission; the
+    trainer inside the job runs DDP/FSDP/HSDP with sharded checkpoints and
+    survives preemption. Shell completion: eval "$(_HPCX_COMPLETE=bash_source hpcx)".
+    """
+
+
+def site_option(f: tp.Callable) -> tp.Callable:
+    return click.option("--site", "site_name", metavar="NAME|PATH",
+                        help="Site profile (default: $HPCX_SITE, then job.site, then 'local').")(f)
+
+
+def set_option(f: tp.Callable) -> tp.Callable:
+    return click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                        help="Override a spec value, e.g. --set train.steps=100 (repeatable).")(f)
+
+
+def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
+    """(spec, site, launch) with every problem reported as ConfigError."""
+    from hpc.resolve import resolve
+    from hpc.site import choose_site, load_site
+    from hpc.spec import load_spec
+
+    spec = load_spec(path, overrides)
+    site = load_site(choose_site(site_name, spec.job.site))
+    return spec, site, resolve(spec, site)
+
+
+def echo_json(obj: tp.Any) -> None:
+    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@site_option
+@set_option
+@click.option("--run-dir", default=None, help="Run folder shown in the script (default: a new one under the run root).")
+def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir: str | None) -> None:
+    """Print exactly what `submit` would send (the sbatch script, or the local parameters).
+
+    A summary of the launch goes to stderr, so `hpcx render job.toml > job.sh` keeps the script clean.
+    """
+    from hpc.render import render as render_text, render_summary
+
+    from hpc.runs import run_dir_name
+    from hpc.submit import run_root
+
+    spec, site, launch = load_job(job, site_name, overrides)
+    run_dir = run_dir or str(run_root(spec, site) / run_dir_name(spec.job.name, "YYYYmmdd-HHMMSS", "XXXXXX"))
+    click.echo(render_summary(spec, site, launch), err=True, nl=False)
+    click.echo(render_text(spec, site, launch, run_dir, sys.executable), nl=False)
+
+
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@site_option
+@set_option
+@click.option("--wait", is_flag=True, help="Block, show progress, and print the result when the job ends.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
+    """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
+    from hpc import submit as sub
+
+    spec, site, launch = load_job(job, site_name, overrides)
+    done = sub.submit(spec, site, launch, Path(job), overrides)
+    if as_json and not wait:
+        echo_json({"job_id": done.job_id, "run_dir": str(done.run_dir), "scheduler": done.scheduler})
+        return
+    if not as_json:
+        click.echo(f"submitted job {done.job_id} ({done.scheduler}, site {site.name}): "
+                   f"{launch.nodes}×{launch.tasks_per_node} ranks, {launch.strategy}")
+        click.echo(f"run folder: {done.run_dir}")
+        click.echo(f"follow:     hpcx logs {done.run_dir} -f")
+    if wait:
+        final = follow(done.run_dir, quiet=as_json)
+        if as_json:
+            echo_json(final)
+        sys.exit(0 if final["state"] in ("COMPLETED", "FINISHED") else 1)
+
+
+def follow(run_dir: Path, quiet: bool = False) -> dict:
+    """Wait for the job, printing state changes and steps; then print the result."""
+    from hpc import submit as sub
+
+    last: dict[str, tp.Any] = {}
+
+    def show(info: dict) -> None:
+        if quiet:
+            return
+        if info["state"] != last.get("state") or info["step"] != last.get("step"):
+            step = f" step {info['step']} loss {info['loss']:.4f}" if info["step"] is not None else ""
+            click.echo(f"[{time.strftime('%H:%M:%S')}] {info['state']}{step}", err=True)
+        last.update(info)
+
+    final = sub.wait(run_dir, show)
+    final["result"] = describe_result(sub.result(run_dir))
+    if not quiet:
+        click.echo(f"result: {final['result']}")
+    return final
+
+
+def describe_result(outcome: tuple | None) -> tp.Any:
+    if outcome is None:
+        return "no result (the job did not finish its work)"
+    kind, value = outcome
+    if kind == "success":
+        return value
+    lines = str(value).strip().splitlines()
+    return "failed: " + (lines[-1] if lines else "unknown error")
+
+
+def run_roots() -> list[Path]:
+    from hpc.site import list_sites, load_site
+
+    roots = []
+    for name in list_sites():
+        try:
+            roots.append(load_site(name).run_root())
+        except ConfigError:
+            continue
+    return list(dict.fromkeys(roots))
+
+
+@cli.command()
+@click.argument("ref", required=False, metavar="[RUN|JOB]")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def status(ref: str | None, as_json: bool) -> None:
+    """State, nodes, step and restarts of a run (by folder, name or job id), or the recent runs."""
+    from hpc import runs, submit as sub
+
+    targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:20]
+    infos = [sub.summary(r) for r in targets]
+    if as_json:
+        echo_json(infos[0] if ref else infos)
+        return
+    for info in infos:
+        click.echo(format_status(info))
+
+
+def format_status(info: dict) -> str:
+    step = info["step"] if info["step"] is not None else "-"
+    ledger = info["ledger"]
+    return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state']}  nodes {info['nodes'] or '-'}  "
+            f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
+            + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
+               f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else ""))
+
+
+@cli.command()
+@click.argument("ref", metavar="RUN")
+@click.option("-f", "--follow", "follow_", is_flag=True, help="Keep printing until the job ends.")
+@click.option("--rank", default=0, show_default=True, help="Which rank's log.")
+def logs(ref: str, follow_: bool, rank: int) -> None:
+    """Print a rank's log (the trainer's log, else submitit's stdout/stderr for that task)."""
+    from hpc import runs, submit as sub
+
+    run_dir = runs.find_run(ref, run_roots())
+    offsets: dict[Path, int] = {}
+    while True:
+        for path in log_files(run_dir, rank):
+            offsets[path] = print_new(path, offsets.get(path, 0))
+        if not follow_ or sub.job_state(run_dir).done:
+            break
+        time.sleep(1.0)
+
+
+def log_files(run_dir: Path, rank: int) -> list[Path]:
+    trainer_log = run_dir / "logs" / f"rank-{rank}.log"
+    if trainer_log.exists():
+        return [trainer_log]
+    return sorted((run_dir / "submitit").glob(f"*_{rank}_log.*"))
+
+
+def print_new(path: Path, offset: int) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    if data:
+        sys.stdout.write(data.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+    return offset + len(data)
+
+
+@cli.command()
+@click.argument("ref", metavar="RUN")
+def cancel(ref: str) -> None:
+    """Cancel a run's job (scancel; a cancel is never treated as a preemption)."""
+    from hpc import runs, submit as sub
+
+    run_dir = runs.find_run(ref, run_roots())
+    if not sub.cancel(run_dir):
+        raise ConfigError([f"{run_dir}: could not cancel (already finished, or the scheduler refused)"])
+    click.echo(f"cancelled {run_dir.name}")
+
+
+@cli.group()
+def site() -> None:
+    """Site profiles: list, show, detect."""
+
+
+@site.command("list")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def site_list(as_json: bool) -> None:
+    """The shipped site profiles."""
+    from hpc.site import list_sites, load_site
+
+    profiles = [load_site(name) for name in list_sites()]
+    if as_json:
+        echo_json([{"name": p.name, "scheduler": p.scheduler.kind, "gpus_per_node": p.node.gpus,
+                    "gpu_model": p.node.gpu_model, "intra_link": p.node.intra_link,
+                    "fabric": p.network.fabric} for p in profiles])
+        return
+    for p in profiles:
+        gpus = f"{p.node.gpus}× {p.node.gpu_model}" if p.node.gpus else f"CPU ×{p.default_tasks_per_node()}"
+        click.echo(f"{p.name:12} {p.scheduler.kind:6} {gpus:28} {p.node.intra_link:9} {p.network.fabric}")
+
+
+@site.command("show")
+@click.argument("name")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def site_show(name: str, as_json: bool) -> None:
+    """One profile with every field resolved (NAME or a path)."""
+    from hpc.site import load_site, site_as_dict
+
+    doc = site_as_dict(load_site(name))
+    if as_json:
+        echo_json(doc)
+        return
+    for section, values in doc.items():
+        if isinstance(values, dict):
+            click.echo(f"[{section}]")
+            for key, value in values.items():
+                click.echo(f"  {key} = {json.dumps(value)}")
+        else:
+            click.echo(f"{section} = {json.dumps(values)}")
+
+
+def _register_optional() -> None:
+    """Commands that live in their own modules (still torch-free at import)."""
+    import importlib
+
+    for module, attr, group, name in (("hpc.plan_cli", "plan_command", cli, "plan"),
+                                      ("hpc.plan_cli", "detect_command", site, "detect"),
+                                      ("hpc.ckpt_cli", "ckpt_group", cli, "ckpt")):
+        try:
+            command = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            continue
+        group.add_command(command, name)
+
+
+_register_optional()
+
+
+def main() -> None:
+    cli(prog_name="hpcx")
+
+
+if __name__ == "__main__":
+    main()

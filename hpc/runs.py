@@ -1,0 +1,133 @@
+"""The run folder: the single source of truth for one run.
+
+Layout::
+
+    RUN/spec.toml        copy of the submitted spec (overrides in resolved.json)
+    RUN/resolved.json    spec + site + launch, read by every rank
+    RUN/job.json         scheduler, job id, submission time
+    RUN/states.jsonl     scheduler states as hpcx observed them
+    RUN/submitit/        submitit's pickles and per-task stdout/stderr
+    RUN/logs/rank-N.log  the trainer's log per rank
+    RUN/metrics.jsonl    rank 0's per-step metrics
+    RUN/ledger.jsonl     one line per start and stop of the job (goodput)
+    RUN/checkpoints/step-NNNNNNN/
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+import typing as tp
+from contextlib import contextmanager
+from pathlib import Path
+
+from hpc.config import ConfigError
+
+
+def modes(group_readable: bool) -> tuple[int, int, int]:
+    """(umask, dir mode, file mode) for run folders."""
+    return (0o027, 0o750, 0o640) if group_readable else (0o077, 0o700, 0o600)
+
+
+@contextmanager
+def private_umask(group_readable: bool) -> tp.Iterator[None]:
+    """Create files 0600 (or 0640); the job inherits the umask from sbatch."""
+    old = os.umask(modes(group_readable)[0])
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def run_dir_name(job_name: str, stamp: str, token: str) -> str:
+    """``NAME-YYYYmmdd-HHMMSS-TOKEN`` with the job name reduced to file-name-safe characters."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_name)[:60].lstrip(".") or "run"
+    return f"{safe}-{stamp}-{token}"
+
+
+def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
+    """A fresh, never reused run folder under ``root``."""
+    run = root / run_dir_name(name, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
+    dir_mode = modes(group_readable)[1]
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        run.mkdir(mode=dir_mode)
+    except OSError as exc:
+        raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
+    os.chmod(run, dir_mode)
+    for sub in ("logs", "checkpoints", "submitit"):
+        (run / sub).mkdir(mode=dir_mode)
+    return run
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
+    """Write a whole file or nothing: temp file, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: tp.Any, mode: int = 0o600) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", mode)
+
+
+def append_jsonl(path: Path, obj: tp.Any) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(obj, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Every complete JSON line; a torn last line (a writer killed mid-line) is skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def is_run_dir(path: Path) -> bool:
+    return (path / "resolved.json").is_file()
+
+
+def find_run(ref: str, roots: tp.Sequence[Path]) -> Path:
+    """A run folder from a path, a folder name under a run root, or a job id."""
+    path = Path(ref).expanduser()
+    if is_run_dir(path):
+        return path.resolve()
+    for root in roots:
+        if is_run_dir(root / ref):
+            return (root / ref).resolve()
+    if ref.isdigit():
+        for run in list_runs(roots):
+            if str(read_json(run / "job.json").get("job_id")) == ref:
+                return run
+    where = ", ".join(str(r) for r in roots)
+    raise ConfigError([f"{ref}: not a run folder, run name or job id (looked in {where})"])
+
+
+def list_runs(roots: tp.Sequence[Path]) -> list[Path]:
+    """Run folders under the roots, newest first."""
+    runs = []
+    for root in roots:
+        if root.is_dir():
+            runs += [p for p in root.iterdir() if is_run_dir(p)]
+    return sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True)

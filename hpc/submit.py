@@ -1,0 +1,157 @@
+"""Submission and following: the I/O edge around the pure render.
+
+``submit`` creates the run folder, writes the spec, the resolved plan and the
+rendered script, and hands ``TrainTask(run_dir)`` to submitit: ``AutoExecutor``
+for Slurm sites, the local executor for ``local``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc import render as rnd
+from hpc import runs, scheduler
+from hpc.resolve import Launch, resolved_document
+from hpc.site import SiteProfile
+from hpc.spec import JobSpec
+
+
+@dataclass
+class Submitted:
+    run_dir: Path
+    job_id: str
+    scheduler: str
+
+
+def run_root(spec: JobSpec, site: SiteProfile) -> Path:
+    if spec.job.run_root:
+        import os
+
+        return Path(os.path.expandvars(os.path.expanduser(spec.job.run_root)))
+    return site.run_root()
+
+
+def make_executor(spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
+    import submitit
+
+    if site.is_slurm:
+        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
+                                         slurm_max_num_timeout=spec.job.max_requeues)
+        params = rnd.slurm_parameters(spec, site, launch)
+        executor.update_parameters(**{f"slurm_{k}": v for k, v in params.items()})
+        return executor
+    executor = submitit.AutoExecutor(folder=folder, cluster="local")
+    executor.update_parameters(**{f"local_{k}": v for k, v in rnd.local_parameters(spec, launch).items()})
+    return executor
+
+
+def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
+           overrides: tp.Sequence[str] = ()) -> Submitted:
+    """Create the run folder and submit; returns as soon as the scheduler has the job."""
+    from trainer.task import TrainTask  # no torch at import time
+
+    group = site.storage.group_readable
+    with runs.private_umask(group):
+        run_dir = runs.new_run_dir(run_root(spec, site), spec.job.name, group)
+        try:
+            shutil.copyfile(spec_path, run_dir / "spec.toml")
+        except OSError:
+            pass  # a spec given on stdin or deleted meanwhile: resolved.json has it all
+        doc = resolved_document(spec, site, launch, str(run_dir))
+        doc["overrides"] = list(overrides)
+        runs.write_json(run_dir / "resolved.json", doc)
+        folder = run_dir / rnd.SUBMITIT_DIR
+        runs.write_atomic(run_dir / "render.txt", rnd.render(spec, site, launch, str(run_dir), sys.executable))
+        job = make_executor(spec, site, launch, folder).submit(TrainTask(str(run_dir)))
+        info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
+                "submitted_at": time.time(), "python": sys.executable}
+        runs.write_json(run_dir / "job.json", info)
+        runs.append_jsonl(run_dir / "states.jsonl", {"state": "SUBMITTED", "time": time.time()})
+    return Submitted(run_dir, str(job.job_id), site.scheduler.kind)
+
+
+def job_state(run_dir: Path) -> scheduler.JobState:
+    """The scheduler's current state; records it in states.jsonl when it changed."""
+    info = runs.read_json(run_dir / "job.json")
+    if not info:
+        return scheduler.JobState("NOT SUBMITTED")
+    if info["scheduler"] == "slurm":
+        state = scheduler.slurm_state(info["job_id"])
+    else:
+        state = scheduler.local_state(info["job_id"], run_dir / rnd.SUBMITIT_DIR)
+    seen = runs.read_jsonl(run_dir / "states.jsonl")
+    if state.state != "UNKNOWN" and (not seen or seen[-1].get("state") != state.state):
+        runs.append_jsonl(run_dir / "states.jsonl", {"state": state.state, "time": time.time()})
+    return state
+
+
+def summary(run_dir: Path) -> dict[str, tp.Any]:
+    """Everything `hpcx status RUN` shows, as plain data."""
+    info = runs.read_json(run_dir / "job.json")
+    state = job_state(run_dir)
+    metrics = runs.read_jsonl(run_dir / "metrics.jsonl")
+    ledger = runs.read_jsonl(run_dir / "ledger.jsonl")
+    launch = runs.read_json(run_dir / "resolved.json").get("launch", {})
+    starts = [e for e in ledger if e.get("event") == "start"]
+    last = metrics[-1] if metrics else {}
+    return {
+        "run_dir": str(run_dir),
+        "job_id": info.get("job_id"),
+        "scheduler": info.get("scheduler"),
+        "state": state.state,
+        "nodes": state.nodes,
+        "states": [s["state"] for s in runs.read_jsonl(run_dir / "states.jsonl")],
+        "step": last.get("step"),
+        "loss": last.get("loss"),
+        "restarts": max(0, len(starts) - 1),
+        "strategy": launch.get("strategy"),
+        "world_size": launch.get("world_size"),
+        "ledger": ledger_summary(ledger),
+    }
+
+
+def ledger_summary(ledger: list[dict]) -> dict[str, tp.Any]:
+    """Goodput figures from the ledger's start/stop lines."""
+    stops = [e for e in ledger if e.get("event") == "stop"]
+    return {
+        "starts": sum(1 for e in ledger if e.get("event") == "start"),
+        "steps_recomputed": sum(e.get("steps_recomputed", 0) for e in ledger if e.get("event") == "start"),
+        "save_s": round(sum(e.get("save_s", 0.0) for e in stops), 3),
+        "restore_s": round(sum(e.get("restore_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
+        "queue_wait_s": round(sum(e.get("queue_wait_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
+    }
+
+
+def result(run_dir: Path) -> tuple[str, object] | None:
+    """Rank 0's return value (or its error) once the job has ended."""
+    info = runs.read_json(run_dir / "job.json")
+    path = run_dir / rnd.SUBMITIT_DIR / f"{info.get('job_id')}_0_result.pkl"
+    return scheduler.read_result(path) if path.exists() else None
+
+
+def wait(run_dir: Path, on_poll: tp.Callable[[dict], None], poll_s: float = 2.0,
+         timeout_s: float | None = None) -> dict[str, tp.Any]:
+    """Poll until the job reaches a terminal state; ``on_poll`` gets each summary."""
+    start = time.time()
+    while True:
+        info = summary(run_dir)
+        on_poll(info)
+        if info["state"] in scheduler.TERMINAL:
+            return info
+        if timeout_s is not None and time.time() - start > timeout_s:
+            return info
+        time.sleep(poll_s)
+
+
+def cancel(run_dir: Path) -> bool:
+    info = runs.read_json(run_dir / "job.json")
+    if not info:
+        return False
+    if info["scheduler"] == "slurm":
+        return scheduler.cancel_slurm(info["job_id"])
+    return scheduler.cancel_local(info["job_id"])

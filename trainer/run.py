@@ -1,0 +1,40 @@
+"""A run folder as the trainer sees it: ``resolved.json`` read back into typed objects."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.resolve import Launch
+from hpc.site import SiteProfile, parse_site
+from hpc.spec import JobSpec, spec_from_dict
+
+RESOLVED = "resolved.json"
+
+
+@dataclass
+class Run:
+    """Everything one rank needs: the spec, the site, the launch and the folder."""
+
+    run_dir: Path
+    spec: JobSpec
+    site: SiteProfile
+    launch: Launch
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Read ``RUN_DIR/resolved.json``; the folder given wins over the one recorded (it may have moved)."""
+    run_dir = Path(run_dir).resolve()
+    doc = json.loads((run_dir / RESOLVED).read_text())
+    if doc.get("version") != 1:
+        raise ValueError(f"{run_dir / RESOLVED}: version {doc.get('version')!r}, this trainer reads version 1")
+    spec = spec_from_dict(doc["spec"], str(run_dir / RESOLVED))
+    site_doc = dict(doc["site"])
+    name, source = site_doc.pop("name"), site_doc.pop("source", "")
+    site = parse_site(site_doc, name, source or str(run_dir / RESOLVED))
+    return Run(run_dir=run_dir, spec=spec, site=site, launch=Launch(**doc["launch"]))
