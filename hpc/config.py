@@ -62,58 +62,92 @@ def _type_name(tp_: tp.Any) -> str:
         return " or ".join(_type_name(a) for a in tp.get_args(tp_))
     if origin is tp.Literal:
         return "one of " + ", ".join(repr(a) for a in tp.get_args(tp_))
-    if origin in (list, dict):
-        return {list: "an array", dict: "a table"}[origin]
+    if origin is list:
+        return "an array of " + _plural(tp.get_args(tp_)[0])
+    if origin is dict:
+        return "a table of " + _plural(tp.get_args(tp_)[1])
     return {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
             type(None): "unset"}.get(tp_, getattr(tp_, "__name__", str(tp_)))
 
 
-def _check_type(value: tp.Any, tp_: tp.Any) -> bool:
+def _plural(tp_: tp.Any) -> str:
+    return {int: "integers", float: "numbers", str: "strings", bool: "booleans"}.get(tp_, "values")
+
+
+def _scalar_ok(value: tp.Any, tp_: tp.Any) -> bool:
     origin = tp.get_origin(tp_)
     if origin in (tp.Union, types.UnionType):
-        return any(_check_type(value, a) for a in tp.get_args(tp_))
+        return any(_scalar_ok(value, a) for a in tp.get_args(tp_))
+    if tp_ is tp.Any:
+        return True
     if tp_ is type(None):
         return value is None
     if tp_ is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if tp_ is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if origin is list:
-        (item,) = tp.get_args(tp_)
-        return isinstance(value, list) and all(_check_type(v, item) for v in value)
-    if origin is dict:
-        _, item = tp.get_args(tp_)
-        return isinstance(value, dict) and all(_check_type(v, item) for v in value.values())
+    if origin in (list, dict):
+        return isinstance(value, origin)
     return isinstance(value, tp_)
 
 
-def _control_chars(value: tp.Any) -> str | None:
-    strings = value if isinstance(value, list) else [value]
-    if isinstance(value, dict):
-        strings = list(value.keys()) + list(value.values())
-    for s in strings:
-        if isinstance(s, str):
-            for ch, name in _CONTROL.items():
-                if ch in s:
-                    return name
+def _control_char(text: str) -> str | None:
+    for ch, name in _CONTROL.items():
+        if ch in text:
+            return name
     return None
 
 
-def check_value(path: str, value: tp.Any, f: dataclasses.Field, hint: tp.Any) -> str | None:
-    """The error message for one field's value, or None when it is acceptable."""
-    if not _check_type(value, hint):
-        return f"`{path}` = {describe(value)}: expected {_type_name(hint)}"
+def _check_string(path: str, value: tp.Any) -> str | None:
+    bad = _control_char(value) if isinstance(value, str) else None
+    if bad:
+        article = "an" if bad[0] in "aeiou" else "a"
+        return f"`{path}` contains {article} {bad} character, which is not allowed in values that reach the job script"
+    return None
+
+
+def _check_items(path: str, value: tp.Any, hint: tp.Any) -> list[str]:
+    """Element-wise checks for arrays and tables, naming the element's own key path."""
+    origin = tp.get_origin(hint)
+    if origin is list:
+        item = tp.get_args(hint)[0]
+        pairs = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif origin is dict:
+        item = tp.get_args(hint)[1]
+        pairs = [(f"{path}.{k}", v) for k, v in value.items()]
+    else:
+        return []
+    errors = []
+    for sub_path, v in pairs:
+        if not _scalar_ok(v, item):
+            errors.append(f"`{sub_path}` = {describe(v)}: expected {_type_name(item)}")
+        elif message := _check_string(sub_path, v):
+            errors.append(message)
+    if origin is dict:
+        errors += [m for k in value if (m := _check_string(f"{path} key {k!r}", k))]
+    return errors
+
+
+def check_value(path: str, value: tp.Any, f: dataclasses.Field, hint: tp.Any) -> list[str]:
+    """Every problem with one field's value (empty when it is acceptable)."""
+    if not _scalar_ok(value, hint):
+        return [f"`{path}` = {describe(value)}: expected {_type_name(hint)}"]
     meta = f.metadata
     if meta.get("choices") and value not in meta["choices"]:
         shown = ", ".join(repr(c) for c in meta["choices"])
-        return f"`{path}` = {value!r}: expected one of {shown}"
+        return [f"`{path}` = {value!r}: expected one of {shown}"]
     minimum = meta.get("minimum")
     if minimum is not None and isinstance(value, (int, float)) and value < minimum:
-        return f"`{path}` = {value!r}: expected a value >= {minimum:g}"
-    bad = _control_chars(value)
-    if bad:
-        return f"`{path}` contains a {bad} character, which is not allowed in values that reach the job script"
-    return None
+        return [f"`{path}` = {value!r}: expected a value >= {minimum:g}"]
+    message = _check_string(path, value)
+    return [message] if message else _check_items(path, value, hint)
+
+
+def check_table(path: str, value: tp.Any, hint: tp.Any) -> list[str]:
+    """Type and content checks for a free-form table such as a site's [nccl]."""
+    if not isinstance(value, dict):
+        return [f"`{path}` = {describe(value)}: expected a table [{path}]"]
+    return _check_items(path, value, hint)
 
 
 def build_section(cls: type, table: tp.Any, prefix: str, errors: list[str]) -> tp.Any:
@@ -129,9 +163,9 @@ def build_section(cls: type, table: tp.Any, prefix: str, errors: list[str]) -> t
         if key not in fields:
             errors.append(f"unknown key `{path}`: {suggest(key, fields, prefix + '.')}")
             continue
-        message = check_value(path, value, fields[key], hints[key])
-        if message:
-            errors.append(message)
+        problems = check_value(path, value, fields[key], hints[key])
+        if problems:
+            errors += problems
             continue
         kwargs[key] = float(value) if hints[key] is float else value
     return cls(**kwargs)
@@ -141,7 +175,9 @@ def build_document(sections: dict[str, type], doc: dict, errors: list[str]) -> d
     """Instantiate every section class from a parsed document; unknown sections are errors."""
     for key in doc:
         if key not in sections:
-            errors.append(f"unknown section `[{key}]`: {suggest(key, sections)}")
+            close = difflib.get_close_matches(key, list(sections), n=1, cutoff=0.6)
+            hint = f"did you mean `[{close[0]}]`?" if close else "valid sections: " + ", ".join(sections)
+            errors.append(f"unknown section `[{key}]`: {hint}")
     return {name: build_section(cls, doc.get(name, {}), name, errors) for name, cls in sections.items()}
 
 

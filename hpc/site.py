@@ -11,7 +11,7 @@ import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.config import ConfigError, build_document, field, read_toml
+from hpc.config import ConfigError, build_document, check_table, field, read_toml
 
 SITE_DIR = Path(__file__).resolve().parent.parent / "site"
 DEFAULT_SITE = "local"
@@ -118,12 +118,11 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     errors: list[str] = []
     doc = dict(doc)
     nccl = doc.pop("nccl", {})
-    if not isinstance(nccl, dict) or not all(isinstance(v, str) for v in nccl.values()):
-        errors.append("`nccl` must be a table of string environment values, e.g. NCCL_IB_HCA = \"mlx5\"")
-        nccl = {}
+    errors += check_table("nccl", nccl, dict[str, str])
     sections = build_document(SECTIONS, doc, errors)
-    site = SiteProfile(name=name, nccl=nccl, source=source, **sections)
-    errors += cross_check_site(site)
+    site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
+    if not errors:  # cross-checks only make sense on well-typed fields
+        errors += cross_check_site(site)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return site

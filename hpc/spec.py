@@ -76,7 +76,7 @@ class Train:
     global_batch: int = field(8, doc="Samples per optimizer step across all ranks.", minimum=1)
     micro_batch: int = field(1, doc="Samples per rank per forward/backward; the gradient-accumulation "
                              "count is global_batch / (ranks × micro_batch).", minimum=1)
-    optimizer: str = field("adamw", doc="Optimizer.", choices=("adamw",))
+    optimizer: str = field("adamw", doc="Optimizer (AdamW with decoupled weight decay; the only one for now).", choices=("adamw",))
     lr: float = field(3e-4, doc="Peak learning rate.", minimum=0)
     min_lr_ratio: float = field(0.1, doc="Final LR of the cosine schedule as a fraction of `lr`.", minimum=0)
     warmup_steps: int = field(10, doc="Linear warm-up steps.", minimum=0)
@@ -151,10 +151,18 @@ def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
     sections = build_document(SECTIONS, doc, errors)
     spec = JobSpec(source=source, **sections)
     errors += _check_env(spec.env)
-    errors += _check_model(spec.model)
+    # checks across fields run only on sections whose fields are all well-typed
+    if _clean(errors, "model"):
+        errors += _check_model(spec.model)
+    if _clean(errors, "train") and _clean(errors, "model"):
+        errors += _check_train(spec.train, spec.model)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return spec
+
+
+def _clean(errors: list[str], section: str) -> bool:
+    return not any(f"`{section}." in e or f"`{section}`" in e for e in errors)
 
 
 def load_spec(path: str | Path, overrides: tp.Sequence[str] = ()) -> JobSpec:
@@ -165,9 +173,11 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = ()) -> JobSpec:
 
 def _check_env(env: Env) -> list[str]:
     errors = []
-    for name in list(env.set) + list(env.passthrough):
+    named = [(f"env.set.{n}", n) for n in env.set] + [(f"env.passthrough", n) for n in env.passthrough]
+    for path, name in named:
         if not ENV_NAME.match(name):
-            errors.append(f"`env` variable name {name!r}: expected letters, digits and underscores")
+            errors.append(f"`{path}`: variable name {name!r}: expected letters, digits and underscores, "
+                          "not starting with a digit")
     for name in env.set:
         if looks_secret(name):
             errors.append(f"`env.set.{name}` looks like a secret: put \"{name}\" in `env.passthrough` and "
@@ -188,5 +198,14 @@ def _check_model(model: Model) -> list[str]:
     return []
 
 
-def ranks(spec: JobSpec, tasks_per_node: int) -> int:
-    return spec.job.nodes * tasks_per_node
+def _check_train(train: Train, model: Model) -> list[str]:
+    errors = []
+    if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
+        errors.append(f"`train.betas` = {train.betas!r}: expected two numbers in [0, 1)")
+    if model.dropout >= 1:
+        errors.append(f"`model.dropout` = {model.dropout!r}: expected a probability below 1")
+    if train.min_lr_ratio > 1:
+        errors.append(f"`train.min_lr_ratio` = {train.min_lr_ratio!r}: expected a fraction of `train.lr` in [0, 1]")
+    if train.warmup_steps > train.steps:
+        errors.append(f"`train.warmup_steps` = {train.warmup_steps} exceeds `train.steps` = {train.steps}")
+    return errors

@@ -1,0 +1,139 @@
+"""``hpcx ckpt inspect | convert | verify``: look inside, convert and compare checkpoints.
+
+These commands need torch, so they import it (through ``trainer.convert``)
+inside each command, never at module import: ``hpcx --help`` on a login node
+stays torch-free. Problems with the input (incomplete checkpoint, missing or
+truncated file, a pickle naming anything outside the allow-list, a wrong path)
+print one ``error:`` line each and exit 2, with no traceback and no output left
+behind. ``verify`` exits 1 when the checkpoints differ.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import typing as tp
+
+import click
+
+from hpc.config import ConfigError
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+         "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+class CkptGroup(click.Group):
+    """ConfigError → one ``error:`` line per problem on stderr, exit 2 (also when used standalone)."""
+
+    def invoke(self, ctx: click.Context) -> tp.Any:
+        try:
+            return super().invoke(ctx)
+        except ConfigError as exc:
+            for message in exc.messages:
+                click.echo(f"error: {message}", err=True)
+            ctx.exit(2)
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``1048576``, ``500MB``, ``5GiB`` ...; ConfigError otherwise."""
+    m = SIZE.match(text)
+    unit = (m.group(2) or "").lower() if m else ""
+    if not m or unit not in UNITS or float(m.group(1)) <= 0:
+        raise ConfigError([f"--shard-size {text!r}: expected a positive size such as 1048576, 500MB or 5GiB"])
+    return int(float(m.group(1)) * UNITS[unit])
+
+
+def human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@click.group("ckpt", cls=CkptGroup)
+def ckpt_group() -> None:
+    """Inspect, convert and compare checkpoints (DCP folders, torch.save files, safetensors)."""
+
+
+@ckpt_group.command("inspect")
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of text.")
+def inspect_cmd(path: str, as_json: bool) -> None:
+    """Show a checkpoint: step, world size and strategy at save, tokens seen, tensors, total size.
+
+    An incomplete checkpoint (no .metadata, a missing or truncated shard file) is an error (exit 2).
+    """
+    from trainer.convert import inspect_checkpoint
+
+    info = inspect_checkpoint(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    for label, key in (("format", "format"), ("complete", "complete"), ("step", "step"),
+                       ("tokens seen", "tokens_seen"), ("world size", "world_size"), ("strategy", "strategy")):
+        click.echo(f"{label + ':':13} {info[key] if info[key] is not None else '-'}")
+    click.echo(f"{'tensors:':13} {len(info['tensors'])}, {human(info['total_bytes'])} ({info['total_bytes']} bytes)")
+    click.echo(f"{'objects:':13} {len(info['objects'])}")
+    width = max((len(t["key"]) for t in info["tensors"]), default=0)
+    for t in info["tensors"]:
+        click.echo(f"  {t['key']:{width}}  {t['dtype']:9} {str(t['shape']):20} {human(t['bytes'])}")
+
+
+def _progress(label: str, total: int) -> tp.Any:
+    return click.progressbar(length=max(total, 1), label=label, file=click.get_text_stream("stderr"),
+                             show_eta=True, show_percent=True)
+
+
+@ckpt_group.command("convert")
+@click.argument("src", type=click.Path())
+@click.argument("dst", type=click.Path())
+@click.option("--to", "to", required=True, type=click.Choice(["torch", "safetensors", "dcp"]),
+              help="Output format. dcp and safetensors are streamed (memory: about the largest tensor); "
+                   "torch (one torch.save file) is NOT streamed: it holds the whole state in memory.")
+@click.option("--model-only", is_flag=True, help="Only the model's weights (a plain model.state_dict()).")
+@click.option("--shard-size", default="5GiB", show_default=True, metavar="SIZE",
+              help="safetensors: largest shard; bigger outputs become a folder of shards plus "
+                   "model.safetensors.index.json.")
+def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) -> None:
+    """Convert SRC (DCP folder, torch.save file or safetensors) to DST in another format.
+
+    DST must not exist; it appears only when complete. For safetensors, a DST ending in
+    .safetensors is one file; any other DST is a folder (model.safetensors, or shards + index).
+    """
+    from trainer.convert import convert_checkpoint, total_bytes
+
+    shard_bytes = parse_size(shard_size)
+    with _progress(f"{to}", total_bytes(src, model_only)) as bar:
+        summary = convert_checkpoint(src, dst, to, model_only=model_only, shard_bytes=shard_bytes,
+                                     progress=bar.update)
+    note = "" if summary["streamed"] else " (not streamed: held in memory)"
+    click.echo(f"wrote {summary['dst']} ({summary['to']}, {summary['keys']} entries, "
+               f"{human(summary['bytes'])}){note}")
+
+
+@ckpt_group.command("verify")
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--atol", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="Absolute tolerance; 0 means bit-exact.")
+@click.option("--model-only", is_flag=True, help="Compare only the model's weights.")
+@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of text.")
+def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> None:
+    """Compare two checkpoints of any formats tensor by tensor; exit 1 when they differ."""
+    from trainer.convert import total_bytes, verify_checkpoints
+
+    with _progress("verify", total_bytes(a, model_only)) as bar:
+        result = verify_checkpoints(a, b, atol=atol, model_only=model_only, progress=bar.update)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    elif result["equal"]:
+        exact = "bit-exact" if atol == 0 else f"within atol={atol}"
+        click.echo(f"equal: {result['compared']} entries, {exact}")
+    else:
+        click.echo(f"differ ({'first ' if result['more'] else ''}{len(result['differences'])} shown):")
+        for line in result["differences"]:
+            click.echo(f"  {line}")
+    if not result["equal"]:
+        raise SystemExit(1)

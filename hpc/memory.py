@@ -1,0 +1,184 @@
+"""Per-rank memory of one training configuration, from shapes alone (no torch).
+
+What is modelled, and why (see docs/planner.md for the derivations):
+
+- Model states (ZeRO accounting, AdamW): parameters are *stored* in fp32 under every
+  strategy: DDP and ``none`` keep fp32 weights and get bf16/fp16 compute from autocast;
+  FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` keeps the sharded parameters in fp32
+  and casts each unit to bf16 when it all-gathers it. Those fp32 parameters are the master
+  copy, so there is no separate master term: 4 (params) + 4 (fp32 grads) + 8 (two fp32
+  Adam moments) = 16 bytes per parameter, divided by the shard degree. FSDP2 stores
+  parameters sharded for every sharding; ``shard_grad_op`` pays for it in ``buffers``,
+  where the whole unsharded compute copy is held from forward to backward.
+- Buffers: what exists only during a step (FSDP units gathered and prefetched, unsharded
+  unit gradients before the reduce-scatter, DDP's gradient buckets, autocast's low-precision
+  weight copies).
+- Activations of the built-in GPT (Korthikanti et al. 2022 accounting with fused SDPA
+  attention), with and without per-block activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hpc.models import GPTShape
+
+GB = 1e9
+PARAM_BYTES = 4  # stored parameters: fp32 under every strategy (see module docstring)
+GRAD_BYTES = 4  # gradients on the stored parameters: fp32
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+REDUCE_BYTES = 4  # reduce_dtype = fp32 for every reduction
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb = 25
+CONTEXT_GB = 2.0  # CUDA context (~0.5-1 GB) + NCCL communicator buffers (~1 GB), per GPU
+FRAGMENTATION = 0.10  # caching-allocator fragmentation, as a fraction of the estimate
+CPU_PROCESS_GB = 0.5  # a Python process with torch imported, per rank, on CPU sites
+HOST_USABLE = 0.8  # share of a node's RAM the planner lets offloaded states use
+LOGIT_BYTES = 12  # per logit element at the loss: fp32 log-probs + fp32 gradients (in and out)
+
+
+def compute_bytes(mixed_precision: str) -> int:
+    """Bytes per element of compute tensors: 2 under bf16/fp16, 4 in fp32."""
+    return 4 if mixed_precision == "none" else 2
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the planner knows about a model; None where it cannot know."""
+
+    label: str
+    n_params: int | None
+    unit_params: int | None  # the largest FSDP unit (a block)
+    root_params: int | None  # parameters outside the blocks (embeddings, final norm, head)
+    n_units: int
+    flops_per_token: float | None
+    gpt: GPTShape | None = None
+    activation_gb_per_sample: float = 0.0  # measured, for user models (0: unknown)
+
+
+def gpt_facts(label: str, shape: GPTShape) -> ModelFacts:
+    return ModelFacts(label=label, n_params=shape.n_params, unit_params=shape.block_params,
+                      root_params=shape.embedding_params + shape.head_params, n_units=shape.n_layers,
+                      flops_per_token=shape.flops_per_token(), gpt=shape)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One candidate's shape: how the states are split and what each step runs."""
+
+    strategy: str  # none, ddp, fsdp, hsdp
+    sharding: str  # full_shard, shard_grad_op, no_shard (fsdp/hsdp)
+    shard: int  # ranks a parameter is split over (1 = replicated)
+    offload: bool
+    mixed_precision: str
+    checkpointing: bool
+    micro_batch: int
+    dropout: float = 0.0
+
+
+@dataclass
+class Memory:
+    """Bytes per rank, in GB. ``activations`` is None when unknown."""
+
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float
+    activations: float | None
+    host_per_node: float = 0.0  # offloaded states on the host, all ranks of a node
+    notes: tuple[str, ...] = ()
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers + (self.activations or 0.0)
+
+
+def headroom_gb(total_gb: float, gpu: bool) -> float:
+    """CUDA context and NCCL buffers (a process's own footprint on CPU sites) plus fragmentation."""
+    return (CONTEXT_GB if gpu else CPU_PROCESS_GB) + FRAGMENTATION * total_gb
+
+
+def model_states(n_params: int, cfg: Config) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes resident per rank after an optimizer step."""
+    shard = max(1, cfg.shard)
+    per_rank = math.ceil(n_params / shard)  # FSDP2 pads dim 0 to the shard count; presets divide evenly
+    return per_rank * PARAM_BYTES, per_rank * GRAD_BYTES, per_rank * ADAM_BYTES
+
+
+def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
+    """Transient per-step memory on the device, with a note per term."""
+    n, unit, root = facts.n_params or 0, facts.unit_params or 0, facts.root_params or 0
+    c = compute_bytes(cfg.mixed_precision)
+    if cfg.strategy in ("none", "ddp", "dp"):
+        return _replica_buffers(n, c, cfg)
+    extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
+    grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
+    if cfg.sharding == "full_shard":
+        gathered = root * c + 2 * unit * c  # root stays gathered; current unit + the prefetched next
+        note = f"root + 2 blocks gathered in {_dtype(c)}"
+    else:  # shard_grad_op / no_shard: every unit stays unsharded from forward to backward
+        gathered = n * c
+        note = f"all parameters unsharded in {_dtype(c)} from forward to backward"
+    return gathered + grads, [note, "one block's unsharded gradients before the reduce-scatter"]
+
+
+def _replica_buffers(n: int, c: int, cfg: Config) -> tuple[float, list[str]]:
+    total, notes = 0.0, []
+    if c < PARAM_BYTES:
+        total += n * c
+        notes.append(f"autocast {_dtype(c)} weight copies held from forward to backward")
+    if cfg.strategy == "ddp":
+        total += n * GRAD_BYTES
+        notes.append("DDP gradient buckets (a second fp32 gradient copy; gradient_as_bucket_view would remove it)")
+    return total, notes
+
+
+def _dtype(c: int) -> str:
+    return "fp32" if c == 4 else "bf16/fp16"
+
+
+def gpt_activation_bytes(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
+                         dropout: float = 0.0) -> float:
+    """Activation memory of one micro-batch at its peak (start of backward).
+
+    Per block and token, Korthikanti et al. (2022) count 34·h bytes at 2 bytes per element
+    (16 elements of h, plus two 1-byte dropout masks) and 5·a·s bytes for the attention
+    matrix; fused SDPA stores no s×s matrix, only an fp32 log-sum-exp per head. With
+    checkpointing, each block keeps its input and one block is recomputed at a time.
+    """
+    c = compute_bytes(mixed_precision)
+    tokens = micro_batch * shape.seq_len
+    masks = 2 if dropout > 0 else 0
+    per_block = tokens * shape.d_model * (16 * c + masks) + tokens * shape.n_heads * 4
+    blocks = shape.n_layers * tokens * shape.d_model * c + per_block if checkpointing \
+        else shape.n_layers * per_block
+    head = tokens * shape.vocab_size * LOGIT_BYTES + 2 * tokens * shape.d_model * c
+    return blocks + head
+
+
+def activation_bytes(facts: ModelFacts, cfg: Config) -> float | None:
+    """The GPT's activations from its shape; a user model's measured figure; else None."""
+    if facts.gpt is not None:
+        return gpt_activation_bytes(facts.gpt, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision,
+                                    cfg.dropout)
+    if facts.activation_gb_per_sample:
+        return facts.activation_gb_per_sample * GB * cfg.micro_batch
+    return None
+
+
+def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | None:
+    """Per-rank memory of ``cfg``; None when the parameter count is unknown."""
+    if facts.n_params is None:
+        return None
+    params, grads, opt = model_states(facts.n_params, cfg)
+    buffers, notes = buffer_bytes(facts, cfg)
+    act = activation_bytes(facts, cfg)
+    host = 0.0
+    if cfg.offload:
+        host = (params + grads + opt) * tasks_per_node / GB
+        params = grads = opt = 0.0
+        notes.append("parameters, gradients and Adam state on the host; the optimizer steps on the CPU")
+    if act is None:
+        notes.append("activations unknown: set model.activation_gb (measured GB per sample)")
+    return Memory(params / GB, grads / GB, opt / GB, buffers / GB, None if act is None else act / GB,
+                  host_per_node=host, notes=tuple(notes))

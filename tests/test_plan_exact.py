@@ -1,0 +1,117 @@
+"""The planner's model-state bytes equal what the trainer really holds per rank after one step.
+
+For the tiny and the small built-in GPT, under ddp, fsdp (each sharding) and hsdp, on 2 and 4
+CPU ranks (gloo): the sum of each rank's local parameter, gradient and AdamW moment tensors
+after one optimizer step is within 1% of ``hpc.memory.model_states``. Uses the trainer's own
+``build_model``, ``parallelize`` and ``build_optimizer``. One process group per world size
+runs every case, to stay well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from hpc.memory import Config, model_states  # noqa: E402
+from hpc.models import gpt_shape  # noqa: E402
+from hpc.resolve import Launch  # noqa: E402
+from hpc.spec import spec_from_dict  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# (strategy, sharding, mixed precision)
+CASES = [("ddp", "full_shard", "none"), ("fsdp", "full_shard", "bf16"), ("fsdp", "shard_grad_op", "none"),
+         ("fsdp", "no_shard", "none"), ("hsdp", "full_shard", "bf16")]
+SIZES = ("tiny", "small")
+
+
+def _launch(strategy: str, sharding: str, world: int) -> Launch:
+    replicate, shard = {"hsdp": (2, world // 2), "fsdp": (1, world)}.get(strategy, (1, 1))
+    if strategy == "fsdp" and sharding == "no_shard":
+        replicate, shard = world, 1
+    return Launch(nodes=1, tasks_per_node=world, world_size=world, cpus_per_task=1, gpus_per_node=0, backend="gloo",
+                  strategy=strategy, sharding=sharding, replicate=replicate, shard=shard, grad_accum=1,
+                  signal_lead_s=30, partition=None, account=None, qos=None)
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _measure(size: str, strategy: str, sharding: str, precision: str, world: int) -> tuple[int, int, int]:
+    from trainer.model import build_model, model_blocks
+    from trainer.optim import build_optimizer
+    from trainer.parallelize import build_mesh, parallelize
+
+    spec = spec_from_dict({"model": {"size": size}, "parallel": {"strategy": strategy, "sharding": sharding,
+                                                                 "mixed_precision": precision}})
+    torch.manual_seed(0)
+    model = build_model(spec.model)
+    launch = _launch(strategy, sharding, world)
+    model = parallelize(model, model_blocks(model), spec.parallel, launch, build_mesh(launch, "cpu"),
+                        torch.device("cpu"))
+    optimizer = build_optimizer(model, spec.train)
+    shape = gpt_shape(size)
+    tokens = torch.randint(0, shape.vocab_size, (1, shape.seq_len))
+    logits = model(tokens)
+    torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens.flatten()).backward()
+    optimizer.step()
+    params = list(model.parameters())
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return _local_bytes(params), _local_bytes(p.grad for p in params if p.grad is not None), _local_bytes(moments)
+
+
+def _worker(rank: int, world: int, port: int, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for size in SIZES:
+            for strategy, sharding, precision in CASES:
+                measured = _measure(size, strategy, sharding, precision, world)
+                queue.put((rank, size, strategy, sharding, precision, measured))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shard(strategy: str, sharding: str, world: int) -> int:
+    launch = _launch(strategy, sharding, world)
+    return 1 if strategy == "ddp" else launch.shard
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_model_states_match_the_trainer(world):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=180) for _ in range(world * len(SIZES) * len(CASES))]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for rank, size, strategy, sharding, precision, measured in results:
+        shard = _shard(strategy, sharding, world)
+        cfg = Config(strategy, sharding, shard, False, precision, False, 1)
+        predicted = model_states(gpt_shape(size).n_params, cfg)
+        for what, want, got in zip(("params", "grads", "optimizer"), predicted, measured):
+            assert got == pytest.approx(want, rel=0.01), \
+                f"{size} {strategy} {sharding} {precision} rank {rank}/{world}: {what} predicted {want} B, measured {got} B"
+
