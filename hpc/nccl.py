@@ -151,7 +151,8 @@ def check(info: NcclInfo, site: SiteProfile, nodes: int, tasks_per_node: int | N
             found = [d for d in info.net_devices if d.startswith("NET/IB")]
             problems.append(f"{seen}, but site {site.name!r} promises {site.network.fabric}"
                             + (f" ({found[0]})" if found else "")
-                            + ": check NCCL_IB_DISABLE, NCCL_IB_HCA and that the IB/RoCE devices are visible in the job")
+                            + ": check NCCL_IB_DISABLE, NCCL_IB_HCA and that the IB/RoCE devices are visible "
+                            "in the job")
     return problems
 
 

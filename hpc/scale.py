@@ -312,8 +312,21 @@ def measure(run_dir: Path, warmup_steps: int) -> dict[str, tp.Any] | None:
     return out
 
 
-def point_spec(study_dir: Path, study: dict, point: dict) -> JobSpec:
-    return load_spec(study_dir / "spec.toml", [*study["overrides"], *point["overrides"]])
+@dataclass
+class Study:
+    """A study folder as the report reads it: its study.json, its site, and the compute anchor."""
+
+    dir: Path
+    doc: dict
+    site: SiteProfile
+    anchor: Anchor | None = None
+
+    def point(self, nodes: int) -> dict:
+        return next(p for p in self.doc["points"] if p["nodes"] == nodes)
+
+    def spec(self, nodes: int) -> JobSpec:
+        """The point's spec: the study's copy of the spec with the study's and the point's overrides."""
+        return load_spec(self.dir / "spec.toml", [*self.doc["overrides"], *self.point(nodes)["overrides"]])
 
 
 def study_site(study: dict) -> SiteProfile:
@@ -332,53 +345,53 @@ def study_site(study: dict) -> SiteProfile:
 # ---------------------------------------------------------------- the report
 
 def build_report(study_dir: Path, state_of: tp.Callable[[dict], str] | None = None) -> dict[str, tp.Any]:
-    """Every figure of the report as plain data (also what ``--json`` prints); ``state_of`` defaults to the scheduler."""
-    study_dir, state_of = Path(study_dir), state_of or point_state
-    study = read_study(study_dir)
-    site = study_site(study)
-    warmup = study.get("warmup_metrics_steps", 2)
-    rows = [measured_row(study_dir, study, p, state_of(p), warmup) for p in sorted(study["points"], key=lambda p: p["nodes"])]
+    """Every figure of the report as plain data (what ``--json`` prints); ``state_of`` asks the scheduler."""
+    doc = read_study(Path(study_dir))
+    study = Study(Path(study_dir), doc, study_site(doc))
+    warmup = doc.get("warmup_metrics_steps", 2)
+    state_of = state_of or point_state
+    points = sorted(doc["points"], key=lambda p: p["nodes"])
+    rows = [measured_row(study, p, state_of(p), warmup) for p in points]
     base = next((r for r in rows if r["tokens_per_s"]), None)
-    anchor = make_anchor(study_dir, study, base, site)
+    study.anchor = make_anchor(study, base)
     for row in rows:
-        add_prediction(row, study_dir, study, site, base, anchor)
+        add_prediction(row, study)
     for row in rows:
-        set_predicted_efficiency(row, base)
-        add_verdict(row, base, study_dir, study, site, anchor)
-    return {"study": str(study_dir), "name": study["name"], "mode": study["mode"], "site": site.name,
-            "group_readable": site.storage.group_readable,
+        add_efficiency(row, base)
+        add_verdict(row, base, study)
+    return {"study": str(study.dir), "name": doc["name"], "mode": doc["mode"], "site": study.site.name,
+            "group_readable": study.site.storage.group_readable,
             "baseline_nodes": base["nodes"] if base else None, "warmup_metrics_steps": warmup,
-            "prediction_basis": "anchored" if anchor else "model", "points": rows}
+            "prediction_basis": "anchored" if study.anchor else "model", "points": rows}
 
 
-def measured_row(study_dir: Path, study: dict, point: dict, state: str, warmup: int) -> dict[str, tp.Any]:
+def measured_row(study: Study, point: dict, state: str, warmup: int) -> dict[str, tp.Any]:
     row: dict[str, tp.Any] = {"nodes": point["nodes"], "ranks": point["ranks"], "state": state,
                               "global_batch": point["global_batch"], "strategy": point.get("strategy"),
-                              "run_dir": point.get("run_dir"),
-                              "error": point.get("error"), "tokens_per_s": None, "step_time_s": None,
-                              **{k: None for k in SPLIT_KEYS}, "steps_measured": 0}
+                              "run_dir": point.get("run_dir"), "error": point.get("error"),
+                              "tokens_per_s": None, "step_time_s": None, **{k: None for k in SPLIT_KEYS},
+                              "steps_measured": 0, "nccl": None, "nccl_problems": []}
     if point.get("run_dir"):
         row.update(measure(Path(point["run_dir"]), warmup) or {})
-        row["nccl"], row["nccl_problems"] = transport_check(Path(point["run_dir"]), study, point)
+        row["nccl"], row["nccl_problems"] = transport_check(Path(point["run_dir"]), study, point["nodes"])
     row["tokens_per_s_per_rank"] = row["tokens_per_s"] / row["ranks"] if row["tokens_per_s"] else None
     return row
 
 
-def transport_check(run_dir: Path, study: dict, point: dict) -> tuple[str | None, list[str]]:
+def transport_check(run_dir: Path, study: Study, nodes: int) -> tuple[str | None, list[str]]:
+    """The NCCL transports of a run's logs, and their mismatches with the site (None: no INFO lines)."""
     info = nccl.parse_files(nccl.run_log_files(run_dir))
     if not info.found:
         return None, []
-    site = study_site(study)
-    tpn = study.get("tasks_per_node")
-    return nccl.describe(info, tpn, point["nodes"]), nccl.check(info, site, point["nodes"], tpn)
+    tpn = study.doc.get("tasks_per_node")
+    return nccl.describe(info, tpn, nodes), nccl.check(info, study.site, nodes, tpn)
 
 
-def make_anchor(study_dir: Path, study: dict, base: dict | None, site: SiteProfile) -> Anchor | None:
+def make_anchor(study: Study, base: dict | None) -> Anchor | None:
     """Compute per sample from the smallest measured point, when its predicted communication is known."""
     if base is None:
         return None
-    spec = point_spec(study_dir, study, next(p for p in study["points"] if p["nodes"] == base["nodes"]))
-    comm_s = predicted_step(spec, site, base["nodes"]).get("comm_s")
+    comm_s = predicted_step(study.spec(base["nodes"]), study.site, base["nodes"]).get("comm_s")
     if comm_s is None or base["step_time_s"] <= comm_s:
         return None
     per_sample = (base["step_time_s"] - comm_s) * base["ranks"] / base["global_batch"]
@@ -386,17 +399,16 @@ def make_anchor(study_dir: Path, study: dict, base: dict | None, site: SiteProfi
     return Anchor(per_sample, tokens_per_sample)
 
 
-def add_prediction(row: dict, study_dir: Path, study: dict, site: SiteProfile, base: dict | None,
-                   anchor: Anchor | None) -> None:
-    point = next(p for p in study["points"] if p["nodes"] == row["nodes"])
-    pred = predict(point_spec(study_dir, study, point), site, row["nodes"], anchor)
+def add_prediction(row: dict, study: Study) -> None:
+    pred = predict(study.spec(row["nodes"]), study.site, row["nodes"], study.anchor)
     row.update(predicted_tokens_per_s=pred.tokens_per_s, predicted_compute_s=pred.compute_s,
                predicted_comm_s=pred.comm_s, limiting_link=pred.limiting_link)
+
+
+def add_efficiency(row: dict, base: dict | None) -> None:
+    """Measured and predicted tokens/s per rank, each against its own figure at the smallest measured point."""
     row["efficiency"] = (row["tokens_per_s_per_rank"] / base["tokens_per_s_per_rank"]
                          if base and row["tokens_per_s_per_rank"] else None)
-
-
-def set_predicted_efficiency(row: dict, base: dict | None) -> None:
     ok = base and base.get("predicted_tokens_per_s") and row.get("predicted_tokens_per_s")
     row["predicted_efficiency"] = ((row["predicted_tokens_per_s"] / row["ranks"])
                                    / (base["predicted_tokens_per_s"] / base["ranks"]) if ok else None)
@@ -404,37 +416,38 @@ def set_predicted_efficiency(row: dict, base: dict | None) -> None:
 
 # ---------------------------------------------------------------- verdicts
 
-def add_verdict(row: dict, base: dict | None, study_dir: Path, study: dict, site: SiteProfile,
-                anchor: Anchor | None) -> None:
-    """``verdict`` (one line) and ``advice`` (lines with numbers) for a point short of EFFICIENCY_GOAL."""
+def add_verdict(row: dict, base: dict | None, study: Study) -> None:
+    """``verdict`` (one line) and ``advice`` (lines with numbers) for a point short of EFFICIENCY_GOAL.
+
+    The step time lost against linear scaling is blamed on data loading or communication when that
+    one grew by at least EXPLAINED_SHARE of the loss: measured (``data_s``, ``comm_wait_s``) where
+    the trainer logs them, else the α-β model's communication.
+    """
     row["verdict"], row["advice"] = None, []
-    if not base or row["efficiency"] is None or row["efficiency"] >= EFFICIENCY_GOAL or row is base:
+    if not base or row is base or row["efficiency"] is None or row["efficiency"] >= EFFICIENCY_GOAL:
         return
-    ideal = base["step_time_s"] * (row["global_batch"] / row["ranks"]) / (base["global_batch"] / base["ranks"])
-    lost = row["step_time_s"] - ideal
-    split = {k: (row[k], base[k]) for k in SPLIT_KEYS if row[k] is not None and base[k] is not None}
+    per_rank = (row["global_batch"] / row["ranks"]) / (base["global_batch"] / base["ranks"])
+    lost = row["step_time_s"] - base["step_time_s"] * per_rank
     eff = f"efficiency {row['efficiency']:.0%}: {lost * 1e3:.1f} ms per step lost"
-    if "data_s" in split and split["data_s"][0] - split["data_s"][1] >= EXPLAINED_SHARE * lost:
-        row["verdict"] = f"data-bound ({eff}; data loading {split['data_s'][0] * 1e3:.1f} ms per step)"
-        row["advice"] = data_advice(point_spec(study_dir, study, _point(study, row)))
+    data_grew, comm_grew = (_growth(row, base, k) for k in ("data_s", "comm_wait_s"))
+    model_grew = _growth(row, base, "predicted_comm_s")
+    if data_grew is not None and data_grew >= EXPLAINED_SHARE * lost:
+        row["verdict"] = f"data-bound ({eff}; data loading {row['data_s'] * 1e3:.1f} ms per step)"
+        row["advice"] = data_advice(study.spec(row["nodes"]))
         return
-    comm_grew = (split["comm_wait_s"][0] - split["comm_wait_s"][1]) if "comm_wait_s" in split else None
-    predicted_grew = (row["predicted_comm_s"] - base["predicted_comm_s"]
-                      if row["predicted_comm_s"] is not None and base["predicted_comm_s"] is not None else None)
-    grew = comm_grew if comm_grew is not None else predicted_grew
+    grew, source = (comm_grew, "measured communication wait") if comm_grew is not None else (model_grew, "α-β model")
     if grew is not None and grew >= EXPLAINED_SHARE * lost:
-        source = "measured communication wait" if comm_grew is not None else "α-β model"
         row["verdict"] = (f"communication-bound on {row['limiting_link']} ({eff}; {source}: "
                           f"+{grew * 1e3:.1f} ms of communication)")
-        row["advice"] = comm_advice(point_spec(study_dir, study, _point(study, row)), site, row, anchor)
+        row["advice"] = comm_advice(study.spec(row["nodes"]), study, row)
         return
-    known = f"the model accounts for {predicted_grew * 1e3:.1f} ms" if predicted_grew is not None else "no model figure"
+    known = f"the model accounts for {model_grew * 1e3:.1f} ms" if model_grew is not None else "no model figure"
     row["verdict"] = (f"unexplained ({eff}; {known}): look for a straggler node, CPU binding, "
                       "or contention in the ranks' logs")
 
 
-def _point(study: dict, row: dict) -> dict:
-    return next(p for p in study["points"] if p["nodes"] == row["nodes"])
+def _growth(row: dict, base: dict, key: str) -> float | None:
+    return row[key] - base[key] if row.get(key) is not None and base.get(key) is not None else None
 
 
 def data_advice(spec: JobSpec) -> list[str]:
@@ -443,13 +456,13 @@ def data_advice(spec: JobSpec) -> list[str]:
             "keep the token file on node-local or fast storage"]
 
 
-def comm_advice(spec: JobSpec, site: SiteProfile, row: dict, anchor: Anchor | None) -> list[str]:
-    """What to try, each with the model's before and after."""
+def comm_advice(spec: JobSpec, study: Study, row: dict) -> list[str]:
+    """What to try, each with the model's communication before and after."""
+    site, anchor = study.site, study.anchor
     now = predict(spec, site, row["nodes"], anchor)
     tpn = tasks_per_node(spec, site)
-    advice = []
-    tries = []
-    if row["nodes"] > 1 and tpn > 1 and (row.get("strategy") != "hsdp"):
+    advice, tries = [], []
+    if row["nodes"] > 1 and tpn > 1 and row.get("strategy") != "hsdp":
         tries.append((f"`parallel.strategy` = 'hsdp' with `parallel.shard_size` = {tpn} (one node)",
                       replace(spec, parallel=replace(spec.parallel, strategy="hsdp", shard_size=tpn))))
     t = spec.train
@@ -530,7 +543,8 @@ def notes(report: dict) -> list[str]:
     base = report["baseline_nodes"]
     out.append(f"efficiency: tok/s per rank against the smallest measured point ({base} nodes)" if base
                else "efficiency: no point has measured steps yet")
-    out.append("prediction: α-β communication + compute measured at the smallest point" if report["prediction_basis"] == "anchored"
+    anchored = report["prediction_basis"] == "anchored"
+    out.append("prediction: α-β communication + compute measured at the smallest point" if anchored
                else f"prediction: planner model (α-β communication + compute at {ASSUMED_MFU:.0%} of peak)")
     for r in report["points"]:
         head = f"{r['nodes']} nodes: "
@@ -567,7 +581,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Scaling study {report['name']} ({report['mode']} scaling, site {report['site']})", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in TABLE) + " |" for r in report["points"]]
-    return "\n".join(lines + [""] + [f"- {n.strip()}" for n in notes(report)] + ["", "![throughput and efficiency](report.png)", ""])
+    lines += [""] + [f"- {n.strip()}" for n in notes(report)]
+    return "\n".join(lines + ["", "![throughput and efficiency](report.png)", ""])
 
 
 def plot(report: dict, path: Path | None = None, mode: int = 0o600) -> tp.Any:

@@ -150,7 +150,8 @@ def predict_lines(rows: list[dict]) -> list[str]:
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e3:.1f}"
 
-    out = [f"{'nodes':>6} {'ranks':>6} {'batch':>7} {'compute ms':>11} {'comm ms':>9} {'tok/s':>13} {'eff':>5}  limiting link"]
+    out = [f"{'nodes':>6} {'ranks':>6} {'batch':>7} {'compute ms':>11} {'comm ms':>9} {'tok/s':>13} {'eff':>5}"
+           "  limiting link"]
     for r in rows:
         if r.get("error"):
             out.append(f"{r['nodes']:>6}  {r['error']}")

@@ -206,6 +206,4 @@ def _check_train(train: Train, model: Model) -> list[str]:
         errors.append(f"`model.dropout` = {model.dropout!r}: expected a probability below 1")
     if train.min_lr_ratio > 1:
         errors.append(f"`train.min_lr_ratio` = {train.min_lr_ratio!r}: expected a fraction of `train.lr` in [0, 1]")
-    if train.warmup_steps > train.steps:
-        errors.append(f"`train.warmup_steps` = {train.warmup_steps} exceeds `train.steps` = {train.steps}")
     return errors

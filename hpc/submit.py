@@ -45,8 +45,9 @@ def make_executor(spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path
         params = rnd.slurm_parameters(spec, site, launch)
         executor.update_parameters(**{f"slurm_{k}": v for k, v in params.items()})
         return executor
-    executor = submitit.AutoExecutor(folder=folder, cluster="local")
-    executor.update_parameters(**{f"local_{k}": v for k, v in rnd.local_parameters(spec, launch).items()})
+    # LocalExecutor directly: AutoExecutor does not pass signal_delay_s through to it
+    executor = submitit.LocalExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
+    executor.update_parameters(**rnd.local_parameters(spec, launch))
     return executor
 
 

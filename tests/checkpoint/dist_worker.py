@@ -1,0 +1,53 @@
+"""One rank of a checkpoint test (launched by ckpt_helpers.launch).
+
+    dist_worker.py save RUN_DIR ASYNC_RUN_DIR OUT.json   # fsdp: 2 steps, sync + async save of step 2, 2 more steps
+    dist_worker.py load STRATEGY CHECKPOINT OUT.json     # any strategy: load, the same 2 steps
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ckpt_helpers import build, init_from_env, train_step  # noqa: E402
+
+from trainer.checkpoint import load_checkpoint, save_checkpoint, wait_pending  # noqa: E402
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save(run_dir: str, async_dir: str, out: str) -> None:
+    model, optimizer, scheduler = build("fsdp")
+    losses = [train_step(model, optimizer, scheduler, s) for s in range(2)]
+    train_state = {"step": 2, "tokens_seen": 2 * 64, "sampler": {"consumed_samples": 8, "epoch": 0}}
+    save_checkpoint(run_dir, 2, model, optimizer, scheduler, train_state)
+    save_checkpoint(async_dir, 2, model, optimizer, scheduler, train_state, async_save=True)
+    losses.append(train_step(model, optimizer, scheduler, 2))  # mutates parameters while the async save runs
+    wait_pending()
+    losses.append(train_step(model, optimizer, scheduler, 3))
+    if rank() == 0:
+        Path(out).write_text(json.dumps({"losses": losses}))
+
+
+def load(strategy: str, checkpoint: str, out: str) -> None:
+    model, optimizer, scheduler = build(strategy, seed=1)  # another init: everything must come from the file
+    state = load_checkpoint(checkpoint, model, optimizer, scheduler)
+    losses = [train_step(model, optimizer, scheduler, s) for s in (2, 3)]
+    if rank() == 0:
+        Path(out).write_text(json.dumps({"losses": losses, "step": state["step"], "sampler": state["sampler"],
+                                         "meta": state["meta"], "rng_restored": state["rng_restored"]}))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    init_from_env()
+    {"save": save, "load": load}[sys.argv[1]](*sys.argv[2:])
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""`hpcx submit` on the embedded `local` site: a real job through submitit's local executor."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import REPO, hpcx
+from tests.test_cli import PROBE
+
+JOB = str(REPO / "jobs/tiny-ddp.toml")
+
+
+def test_main_job_runs_and_prints_result(run_root: Path):
+    out = hpcx("submit", JOB, "--set", f"job.run_root={json.dumps(str(run_root))}", "--set", "train.steps=6",
+               "--wait", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("submitted job ") and "local" in lines[0]
+    result = next(l for l in lines if l.startswith("result: "))
+    assert "'final_loss'" in result or "final_loss" in result
+    run_dir = Path(next(l.split(": ", 1)[1] for l in lines if l.startswith("run folder:")))
+    assert run_dir.parent == run_root
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    world = json.loads((run_dir / "world.json").read_text())
+    assert world["world_size"] == 2 and world["all_reduce"] == 2
+    status = json.loads(hpcx("status", str(run_dir), "--json").stdout)
+    assert status["state"] == "COMPLETED" and status["step"] == 6
+    assert (run_dir / "logs" / "rank-1.log").exists()
+
+
+def test_submit_never_imports_torch_and_returns_at_once(run_root: Path):
+    start = time.time()
+    out = subprocess.run([sys.executable, "-c", PROBE, "submit", JOB, "--json",
+                          "--set", f"job.run_root={json.dumps(str(run_root))}", "--set", "train.steps=3"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert "HEAVY=\n" in out.stderr + "\n", out.stderr[-2000:]
+    assert time.time() - start < 30
+    info = json.loads(out.stdout)
+    run_dir = info["run_dir"]
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        state = json.loads(hpcx("status", run_dir, "--json").stdout)["state"]
+        if state in ("COMPLETED", "FAILED"):
+            break
+        time.sleep(1)
+    assert state == "COMPLETED"

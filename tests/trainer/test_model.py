@@ -1,0 +1,61 @@
+"""The built-in GPT has exactly the planner's parameter count; user models name their blocks."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from hpc.models import GPT_PRESETS, gpt_shape
+from hpc.spec import Model
+from trainer.model import GPT, build_model, model_blocks
+
+
+@pytest.mark.parametrize("size", list(GPT_PRESETS))
+def test_parameter_count_matches_planner(size):
+    shape = GPT_PRESETS[size]
+    with torch.device("meta"):  # counts without allocating 70B parameters
+        model = GPT(shape)
+    assert model.num_params() == shape.n_params
+
+
+def test_overrides_of_seq_len_and_vocab_are_built():
+    model = build_model(Model(size="tiny", seq_len=32, vocab_size=100))
+    assert model.pos_emb.num_embeddings == 32 and model.head.out_features == 100
+    assert model.num_params() == gpt_shape("tiny", 32, 100).n_params
+
+
+def test_forward_is_causal():
+    torch.manual_seed(0)
+    model = build_model(Model(size="tiny")).eval()
+    tokens = torch.randint(0, 256, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 256
+    a, b = model(tokens), model(changed)
+    assert torch.equal(a[0, :10], b[0, :10]) and not torch.equal(a[0, 10:], b[0, 10:])
+
+
+def _user_model(width: int = 8) -> nn.Module:
+    model = nn.Module()
+    model.transformer = nn.Module()
+    model.transformer.h = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+    return model
+
+
+def test_user_model_and_blocks_path(monkeypatch):
+    module = types.ModuleType("user_models_for_test")
+    module.make = _user_model
+    monkeypatch.setitem(sys.modules, "user_models_for_test", module)
+    model = build_model(Model(arch="user_models_for_test:make", kwargs={"width": 4}))
+    blocks = model_blocks(model, "transformer.h")
+    assert len(blocks) == 3 and blocks[0].in_features == 4
+
+
+def test_wrong_blocks_path_names_the_children():
+    with pytest.raises(AttributeError, match="has no attribute 'layers'.*children: transformer"):
+        model_blocks(_user_model(), "layers")
+    with pytest.raises(TypeError, match="expected nn.ModuleList"):
+        model_blocks(_user_model(), "transformer")
