@@ -277,21 +277,19 @@ def site_show(name: str, as_json: bool) -> None:
             click.echo(f"{section} = {json.dumps(values)}")
 
 
-def _register_optional() -> None:
-    """Commands that live in their own modules (still torch-free at import)."""
-    import importlib
+def _register_commands() -> None:
+    """Commands that live in their own modules (each torch-free at import)."""
+    from hpc.ckpt_cli import ckpt_group
+    from hpc.plan_cli import detect_command, plan_command
+    from hpc.scale_cli import scale_group
 
-    for module, attr, group, name in (("hpc.plan_cli", "plan_command", cli, "plan"),
-                                      ("hpc.plan_cli", "detect_command", site, "detect"),
-                                      ("hpc.ckpt_cli", "ckpt_group", cli, "ckpt")):
-        try:
-            command = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError):
-            continue
-        group.add_command(command, name)
+    cli.add_command(plan_command, "plan")
+    cli.add_command(ckpt_group, "ckpt")
+    cli.add_command(scale_group, "scale")
+    site.add_command(detect_command, "detect")
 
 
-_register_optional()
+_register_commands()
 
 
 def main() -> None:

@@ -26,8 +26,14 @@ def job_environment(spec: JobSpec, site: SiteProfile) -> dict[str, str]:
 
 
 def setup_lines(spec: JobSpec, site: SiteProfile) -> list[str]:
-    """Shell lines run by the batch script before srun; every value is shell-quoted."""
-    lines = [f"export {name}={shlex.quote(value)}" for name, value in job_environment(spec, site).items()]
+    """Shell lines run by the batch script before srun; every value is shell-quoted.
+
+    The site's NCCL values are defaults (a value the user exported, e.g. NCCL_DEBUG, wins);
+    the spec's ``env.set`` values are explicit for this job and always set.
+    """
+    lines = [f"[ -n \"${{{name}+x}}\" ] || export {name}={shlex.quote(value)}"
+             for name, value in sorted(site.nccl.items()) if name not in spec.env.set]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.set.items())]
     if spec.env.passthrough:
         names = " ".join(spec.env.passthrough)
         lines.insert(0, f"# passed by name from the submitting shell (values never written): {names}")

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from hpc import nccl, runs
 from hpc.config import ConfigError
+from hpc.plan import MFU_DEFAULT as ASSUMED_MFU  # compute estimate when nothing was measured
 from hpc.resolve import resolve, tasks_per_node
 from hpc.site import SiteProfile, load_site, parse_site
 from hpc.spec import JobSpec, load_spec
@@ -42,7 +43,6 @@ STUDY_VERSION = 1
 MODES = ("weak", "strong")
 EFFICIENCY_GOAL = 0.9  # below this a point gets a verdict
 EXPLAINED_SHARE = 0.5  # a cause must account for at least half of the lost step time
-ASSUMED_MFU = 0.4  # compute estimate when nothing was measured: this share of the GPU's bf16 peak
 SPLIT_KEYS = ("compute_s", "comm_wait_s", "data_s")  # optional per-step fields of metrics.jsonl
 BIGGER_BUCKET_MB = 100
 
@@ -215,16 +215,6 @@ class Prediction:
     note: str = ""
 
 
-def model_facts(spec: JobSpec) -> tp.Any:
-    """The planner's facts for the spec's model (None for a user model: its size is unknown here)."""
-    from hpc.memory import gpt_facts
-    from hpc.models import gpt_shape
-
-    if spec.model.arch != "gpt":
-        return None
-    return gpt_facts(spec.model.size, gpt_shape(spec.model.size, spec.model.seq_len, spec.model.vocab_size))
-
-
 def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp.Any]:
     """``dict(compute_s, comm_s, tokens_per_s, limiting_link)`` of one step at ``nodes`` nodes.
 
@@ -239,23 +229,21 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
 
 
 def alpha_beta_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp.Any]:
+    """The planner's pieces for one point: its strategy choice, ``step_comm`` and ``compute_seconds``."""
+    from hpc import plan
     from hpc.comm import step_comm
     from hpc.memory import Config
-    from hpc.plan import choose
 
-    facts, tpn, t = model_facts(spec), tasks_per_node(spec, site), spec.train
-    world = nodes * tpn
-    if facts is None or t.global_batch % (world * t.micro_batch):
+    facts, setup, t = plan.model_facts(spec), plan.setup_of(spec, site, nodes), spec.train
+    if facts.n_params is None or facts.gpt is None or t.global_batch % (setup.world * t.micro_batch):
         return {"compute_s": None, "comm_s": None, "tokens_per_s": None, "limiting_link": ""}
-    strategy, sharding, shard, _ = choose(spec, site, nodes)
-    shard = shard if strategy == "hsdp" else world if strategy == "fsdp" else 1
+    strategy, sharding, shard, _ = plan.choose(spec, site, nodes)
+    if strategy != "hsdp":
+        shard = setup.world if strategy == "fsdp" and sharding != "no_shard" else 1
     cfg = Config(strategy, sharding, shard, spec.parallel.cpu_offload, spec.parallel.mixed_precision,
                  spec.parallel.activation_checkpointing, t.micro_batch, spec.model.dropout)
-    comm = step_comm(facts, cfg, site, nodes, tpn, t.global_batch // (world * t.micro_batch))
-    tokens_per_rank = t.global_batch // world * facts.gpt.seq_len
-    recompute = 8 / 6 if spec.parallel.activation_checkpointing else 1.0  # forward runs twice
-    compute = (facts.flops_per_token * tokens_per_rank * recompute / (site.node.gpu_peak_tflops * 1e12 * ASSUMED_MFU)
-               if site.node.gpu_peak_tflops else None)
+    comm = step_comm(facts, cfg, site, nodes, setup.tasks_per_node, setup.grad_accum)
+    compute = plan.compute_seconds(facts, setup, site, ASSUMED_MFU)
     comm_s = comm.seconds if comm else None
     step = None if compute is None or comm_s is None else compute + comm_s
     return {"compute_s": compute, "comm_s": comm_s, "limiting_link": comm.slowest_link if comm else "",
@@ -492,9 +480,11 @@ def bucket_advice(spec: JobSpec, site: SiteProfile, nodes: int) -> list[str]:
     from hpc.comm import Group, group_link
     from hpc.memory import DDP_BUCKET_BYTES, REDUCE_BYTES
 
+    from hpc.plan import model_facts
+
     facts, tpn = model_facts(spec), tasks_per_node(spec, site)
     world = nodes * tpn
-    if facts is None or world < 2 or spec.parallel.strategy not in ("ddp", "auto"):
+    if facts.n_params is None or world < 2 or spec.parallel.strategy not in ("ddp", "auto"):
         return []
     link = group_link(Group(world, tpn), site, tpn)
     calls = math.ceil(facts.n_params * REDUCE_BYTES / DDP_BUCKET_BYTES)

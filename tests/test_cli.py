@@ -26,7 +26,9 @@ def test_version():
 
 
 @pytest.mark.parametrize("command", [[], ["render"], ["submit"], ["status"], ["logs"], ["cancel"],
-                                     ["site"], ["site", "list"], ["site", "show"], ["plan"], ["ckpt"]])
+                                     ["site"], ["site", "list"], ["site", "show"], ["site", "detect"], ["plan"],
+                                     ["ckpt"], ["ckpt", "inspect"], ["ckpt", "convert"], ["ckpt", "verify"],
+                                     ["scale"], ["scale", "report"], ["scale", "predict"]])
 def test_help_everywhere(command):
     result = invoke(*command, "--help")
     assert result.exit_code == 0, result.output
@@ -96,6 +98,8 @@ LOGIN_COMMANDS = [
     ["logs", "/nonexistent"],
     ["cancel", "/nonexistent"],
     ["plan", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100"],
+    ["scale", "predict", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100", "--nodes", "1,2,4,8"],
+    ["ckpt", "--help"],
 ]
 
 PROBE = """

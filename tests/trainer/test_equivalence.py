@@ -1,14 +1,19 @@
 """Every strategy trains the tiny GPT to the same losses as one process (gloo, real processes).
 
-Tolerances. fp32 runs must agree with the single-process run to 1e-5 per step:
-the only differences are the summation order of gradient reductions (fp32,
-~1e-7 relative) amplified over 10 AdamW steps; gradient clipping is active
-and its norm is computed in fp64 (trainer.optim.grad_norm), so it adds nothing
-measurable. bf16 runs are compared with the fp32 run at 3e-2 absolute: bf16
-keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per operation); on a
-loss of ~5 over a few layers and 10 steps that is a few 1e-2 at most, and
-measured differences are listed in the test's output. Runs of the same bf16
-configuration at different world sizes are compared at 1e-2.
+Data: a learnable token file, 64 samples, so 10 steps × 8 cross an epoch boundary
+(the reshuffle is exercised) and the loss moves by ~0.5.
+
+Tolerances. fp32 runs must agree with the single-process run to 1e-5 per step
+(measured ≤ 1e-6): the only differences are the order of fp32 sums in gradient
+reductions (~1e-7 relative), carried through 10 AdamW steps. Clipping is active
+(norms ~0.6 > 0.5); the norm is combined in fp64 from per-shard fp32 norms
+(trainer.optim.grad_norm), so it does not depend on the sharding.
+
+bf16 against fp32: 1e-2 (measured ~8e-4). bf16 rounds every matmul output to 8
+significant bits (relative 2^-9 ≈ 2e-3); the loss is computed in fp32 from bf16
+logits, so a per-step error of a few 1e-3 of a loss of ~5 is the expected order.
+The same bf16 configuration at world sizes 2 and 4: 1e-3 (reductions run in fp32,
+so only fp32-order differences, occasionally flipping a bf16 rounding, remain).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from trainer_testlib import make_run, torchrun
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
-BF16_VS_FP32 = 3e-2
+BF16_VS_FP32 = 1e-2
 
 TWO_RANKS = {  # name: (strategy, overrides)
     "ddp2": ("ddp", []),
@@ -88,6 +93,7 @@ def results(tmp_path_factory) -> dict:
     print("\nmax |loss - none| per run:")
     for name, entry in out.items():
         print(f"  {name:18s} {max_diff(entry['losses'], out['none']['losses']):.2e}")
+    print(f"  hsdp2x2_bf16 vs fsdp2_bf16: {max_diff(out['hsdp2x2_bf16']['losses'], out['fsdp2_bf16']['losses']):.2e}")
     return out
 
 
@@ -114,7 +120,7 @@ def test_bf16_close_to_fp32(results, name):
 
 
 def test_bf16_same_across_world_sizes(results):
-    assert max_diff(results["hsdp2x2_bf16"]["losses"], results["fsdp2_bf16"]["losses"]) < 1e-2
+    assert max_diff(results["hsdp2x2_bf16"]["losses"], results["fsdp2_bf16"]["losses"]) < 1e-3
 
 
 def test_hsdp_placements(results):
