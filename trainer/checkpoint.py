@@ -1,0 +1,315 @@
+"""Sharded checkpoints: ``RUN/checkpoints/step-NNNNNNN/`` written by torch.distributed.checkpoint.
+
+One checkpoint holds, under these top-level keys of one DCP state dict:
+
+- ``model``, ``optim``: from ``get_state_dict`` (FQN keys, any strategy), so a
+  checkpoint loads at another world size and strategy (DCP reshards);
+- ``scheduler``: the LR scheduler's ``state_dict()``;
+- ``train``: the trainer's own dict (step, tokens seen, sampler position ...);
+- ``rng.rank<R>``: each rank's RNG states under its own key — DCP keeps one
+  copy of equal keys across ranks, so a shared key would restore rank 0's
+  state everywhere;
+- ``meta``: step, tokens seen, world size and strategy at save (for
+  ``hpcx ckpt inspect``).
+
+Commit protocol: all ranks write into ``checkpoints/.step-NNNNNNN.partial``;
+after DCP has written ``.metadata`` (which it does only when every rank's
+shards are on disk and synced), rank 0 renames the folder to its final name.
+A folder is never saved into twice: DCP would rewrite shards under the old
+``.metadata`` and a torn rewrite would still look complete. ``latest_checkpoint``
+trusts a folder only if its ``.metadata`` unpickles safely and every file it
+references is there and long enough.
+
+Async saves (``async_save=True``) run ``dcp.async_save`` on a gloo group of
+their own: on the default group, next to training collectives, they deadlock.
+At most one save is in flight; the next save (and ``wait_pending``) waits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import re
+import shutil
+import threading
+import typing as tp
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch import nn
+
+from hpc.config import ConfigError
+from trainer.ckpt_formats import DcpReader, dcp_problems, fsync_dir, unflatten
+from trainer.safe_pickle import load_dcp_metadata
+
+CHECKPOINTS = "checkpoints"
+STEP_DIR = re.compile(r"^step-(\d{7})$")
+FORMAT = "hpcx-dcp/1"
+
+_pending: dict[str, tp.Any] = {}  # the one async save in flight: future, final path, done event, error
+_async_group: list[tp.Any] = []  # the gloo group async saves use, created once
+
+
+def step_dir(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:07d}"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---------------------------------------------------------------- finding
+
+
+def committed_steps(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every ``step-NNNNNNN`` folder holding a ``.metadata``, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return sorted((s, p) for s, p in found if (p / ".metadata").is_file())
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest committed checkpoint folder whose every referenced byte is on disk, or None."""
+    for _, path in reversed(committed_steps(run_dir)):
+        if not dcp_problems(path):
+            return path
+    return None
+
+
+# ---------------------------------------------------------------- saving
+
+
+def infer_strategy(model: nn.Module) -> str:
+    """``ddp``, ``fsdp`` (1-D mesh), ``hsdp`` (2-D mesh) or ``none``, from the module itself."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return "ddp"
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            return "hsdp" if p.device_mesh.ndim == 2 else "fsdp"
+    return "none"
+
+
+def rng_state() -> dict[str, tp.Any]:
+    """This process's RNG states: torch CPU, CUDA (if any), Python ``random``, NumPy (if installed)."""
+    state: dict[str, tp.Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+    return state
+
+
+def set_rng_state(state: dict[str, tp.Any]) -> None:
+    """Restore what ``rng_state`` captured."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(_as_tuple(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+
+
+def _as_tuple(value: tp.Any) -> tp.Any:
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
+def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: tp.Any,
+                step: int, train_state: dict, strategy: str | None) -> dict[str, tp.Any]:
+    """The DCP state dict of one save (see the module docstring for its keys)."""
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state: dict[str, tp.Any] = {"model": msd, "train": dict(train_state), "rng": {f"rank{_rank()}": rng_state()}}
+    if optimizer is not None:
+        state["optim"] = osd
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    state["meta"] = {"format": FORMAT, "step": int(step), "tokens_seen": int(train_state.get("tokens_seen", 0)),
+                     "world_size": _world(), "strategy": strategy or infer_strategy(model),
+                     "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    return state
+
+
+def _prepare(run_dir: Path, step: int) -> tuple[Path, Path]:
+    """(partial, final) paths; rank 0 clears stale partial folders. Every rank refuses an existing final."""
+    final = step_dir(run_dir, step)
+    partial = final.parent / f".{final.name}.partial"
+    if final.exists():
+        raise FileExistsError(f"{final} already exists; a checkpoint is never saved into an existing folder")
+    if _rank() == 0:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        for stale in final.parent.glob(".step-*"):  # earlier crashes; no save is in flight here
+            shutil.rmtree(stale, ignore_errors=True)
+    _barrier()  # nobody creates the partial folder before rank 0 has cleared it
+    return partial, final
+
+
+def _commit(partial: Path, final: Path, keep: int) -> Path:
+    """Rank 0: publish ``partial`` as ``final`` (atomic rename), then drop all but the newest ``keep``."""
+    os.rename(partial, final)
+    fsync_dir(final.parent)
+    for _, old in committed_steps(final.parent.parent)[:-keep]:
+        trash = old.parent / f".{old.name}.trash"
+        os.rename(old, trash)  # uncommit atomically first: a half-deleted folder never looks committed
+        shutil.rmtree(trash, ignore_errors=True)
+    return final
+
+
+def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    scheduler: tp.Any, train_state: dict, *, keep: int = 2, async_save: bool = False,
+                    process_group: tp.Any = None, strategy: str | None = None) -> Path:
+    """Save ``RUN/checkpoints/step-NNNNNNN`` collectively (every rank calls this); returns its path.
+
+    Waits for a save still in flight first. With ``async_save`` it returns once the state is staged
+    in host memory; the folder appears when the background write commits (``wait_pending`` waits
+    for that). ``process_group`` is the group async saves use (default: a gloo group of their own).
+    Raises FileExistsError if the step's folder already exists, ValueError if ``keep`` < 2.
+    """
+    if keep < 2:
+        raise ValueError(f"keep={keep}: at least 2 checkpoints are kept (the newest may be in flight)")
+    wait_pending()
+    partial, final = _prepare(Path(run_dir), step)
+    state = build_state(model, optimizer, scheduler, step, train_state, strategy)
+    writer = dcp.FileSystemWriter(partial, overwrite=False)
+    if not async_save:
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+        if _rank() == 0:
+            _commit(partial, final, keep)
+        _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
+        return final
+    future = dcp.async_save(state, storage_writer=writer, process_group=process_group or _gloo_group(),
+                            no_dist=not dist.is_initialized())
+    if not isinstance(future, Future):
+        future = future.upload_completion  # an AsyncSaveResponse
+    job = {"future": future, "final": final, "done": threading.Event(), "error": None}
+    future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, _rank()))
+    _pending.update(job)
+    return final
+
+
+def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int) -> None:
+    """Done-callback of an async save: rank 0 commits as soon as the write is complete."""
+    try:
+        if future.exception() is None and rank == 0:
+            _commit(partial, job["final"], keep)
+    except Exception as exc:  # surfaced by wait_pending
+        job["error"] = exc
+    finally:
+        job["done"].set()
+
+
+def _gloo_group() -> tp.Any:
+    """A gloo group over all ranks for async saves (created once, collectively, on first use)."""
+    if not dist.is_initialized():
+        return None
+    if not _async_group:
+        _async_group.append(dist.new_group(backend="gloo"))
+    return _async_group[0]
+
+
+def wait_pending() -> Path | None:
+    """Block until the async save in flight (if any) is written and committed; its path, or None.
+
+    Call it before the process exits: an unfinished async save is left uncommitted (never trusted).
+    """
+    if not _pending:
+        return None
+    job = dict(_pending)
+    _pending.clear()
+    job["future"].result()
+    job["done"].wait()
+    if job["error"] is not None:
+        raise job["error"]
+    return job["final"]
+
+
+# ---------------------------------------------------------------- loading
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """FileSystemReader whose ``.metadata`` goes through the allow-list unpickler."""
+
+    def read_metadata(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
+        metadata = load_dcp_metadata(self.path)
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DefaultLoadPlanner that loads non-tensor items with ``weights_only=True``."""
+
+    def load_bytes(self, read_item: tp.Any, value: tp.Any) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: tp.Any = None, *, restore_rng: bool = True) -> dict[str, tp.Any]:
+    """Load a checkpoint folder into ``model`` (+ optimizer, scheduler) at any world size/strategy.
+
+    Every rank calls it. Returns the saved train state, plus ``meta`` (what ``build_state`` recorded)
+    and ``rng_restored`` (True when this rank's RNG states were in the checkpoint and restored —
+    false after a change of world size, where the trainer reseeds).
+    Raises ConfigError if the folder is incomplete or holds anything but plain data.
+    """
+    path = Path(path)
+    reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
+    try:
+        _load_modules(path, model, optimizer)
+        extra = _read_prefix(reader, ("train.", "scheduler.", f"rng.rank{_rank()}."))
+    finally:
+        reader.close()
+    if scheduler is not None:
+        if "scheduler" not in extra:
+            raise ConfigError([f"{path}: holds no scheduler state, but a scheduler was given"])
+        scheduler.load_state_dict(extra["scheduler"])
+    rng = extra.get("rng", {}).get(f"rank{_rank()}")
+    if rng is not None and restore_rng:
+        set_rng_state(rng)
+    return {**extra.get("train", {}), "meta": reader.meta, "rng_restored": rng is not None and restore_rng}
+
+
+def _load_modules(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
+    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
+             no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=msd,
+                   optim_state_dict=osd if optimizer is not None else {})
+
+
+def _read_prefix(reader: DcpReader, prefixes: tuple[str, ...]) -> dict[str, tp.Any]:
+    """The entries under ``prefixes``, read directly (no collective) and nested again."""
+    flat = {k: reader.read(k) for k in reader.entries if k.startswith(prefixes)}
+    return unflatten(flat, reader.paths)

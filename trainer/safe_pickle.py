@@ -1,0 +1,86 @@
+"""Read DCP's ``.metadata`` pickle without ever running code from it.
+
+``torch.distributed.checkpoint`` stores its index as a plain pickle, and its
+own reader calls ``pickle.load`` on it: a planted file runs whatever its
+``__reduce__`` names. ``load_dcp_metadata`` unpickles with an allow-list: the
+DCP metadata dataclasses, ``torch.Size``, dtypes and layouts (by name), and
+the path class DCP records as the checkpoint id. Any other global is refused
+before it is looked up, so nothing outside the list is ever called.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import typing as tp
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint import metadata as dcp_md
+
+from hpc.config import ConfigError
+
+METADATA_FILE = ".metadata"
+
+_METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+
+ALLOWED: dict[tuple[str, str], tp.Any] = {
+    **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_md, n) for n in _METADATA_CLASSES},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo,
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # maps a name to a layout
+    ("pathlib", "PosixPath"): pathlib.PosixPath,
+    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
+    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # never instantiate a concrete foreign path
+    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("collections", "OrderedDict"): __import__("collections").OrderedDict,
+}
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """The pickle names a global outside the allow-list."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` that resolves only the allow-listed globals and torch dtypes."""
+
+    def find_class(self, module: str, name: str) -> tp.Any:
+        if (module, name) in ALLOWED:
+            return ALLOWED[(module, name)]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise RefusedGlobal(f"{module}.{name}")
+
+    def persistent_load(self, pid: tp.Any) -> tp.Any:
+        raise RefusedGlobal(f"persistent id {pid!r}")
+
+
+def loads_metadata(data: bytes, source: str = "<bytes>") -> dcp_md.Metadata:
+    """Unpickle DCP metadata from ``data``; ConfigError naming ``source`` on anything unexpected."""
+    try:
+        obj = MetadataUnpickler(io.BytesIO(data)).load()
+    except RefusedGlobal as exc:
+        raise ConfigError([f"{source}: refused to unpickle `{exc}`; a DCP .metadata holds only "
+                           "torch.distributed.checkpoint metadata classes"]) from None
+    except Exception as exc:  # truncated or garbled: pickle raises many types
+        raise ConfigError([f"{source}: not a readable DCP .metadata pickle ({type(exc).__name__}: {exc})"]) from None
+    if not isinstance(obj, dcp_md.Metadata) or not isinstance(obj.state_dict_metadata, dict):
+        raise ConfigError([f"{source}: holds a {type(obj).__name__}, expected DCP Metadata"])
+    if not isinstance(obj.storage_data, dict):
+        raise ConfigError([f"{source}: has no storage index (storage_data), expected one written by "
+                           "FileSystemWriter"])
+    return obj
+
+
+def load_dcp_metadata(checkpoint_dir: str | Path) -> dcp_md.Metadata:
+    """The safely unpickled ``.metadata`` of a DCP folder; ConfigError if absent or not DCP metadata."""
+    path = Path(checkpoint_dir) / METADATA_FILE
+    if not Path(checkpoint_dir).is_dir():
+        raise ConfigError([f"{checkpoint_dir}: no such checkpoint folder"])
+    if not path.is_file():
+        raise ConfigError([f"{path}: missing; a DCP checkpoint is committed only by its .metadata "
+                           "(the save did not finish)"])
+    return loads_metadata(path.read_bytes(), str(path))
