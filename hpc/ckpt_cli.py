@@ -16,23 +16,12 @@ import typing as tp
 
 import click
 
+from hpc.clickutil import ErrorsGroup
 from hpc.config import ConfigError
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-class CkptGroup(click.Group):
-    """ConfigError → one ``error:`` line per problem on stderr, exit 2 (also when used standalone)."""
-
-    def invoke(self, ctx: click.Context) -> tp.Any:
-        try:
-            return super().invoke(ctx)
-        except ConfigError as exc:
-            for message in exc.messages:
-                click.echo(f"error: {message}", err=True)
-            ctx.exit(2)
 
 
 def parse_size(text: str) -> int:
@@ -52,7 +41,7 @@ def human(n: int) -> str:
     return f"{n:.1f} TiB"
 
 
-@click.group("ckpt", cls=CkptGroup)
+@click.group("ckpt", cls=ErrorsGroup)
 def ckpt_group() -> None:
     """Inspect, convert and compare checkpoints (DCP folders, torch.save files, safetensors)."""
 

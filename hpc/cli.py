@@ -16,24 +16,10 @@ from pathlib import Path
 import click
 
 from hpc import __version__
+from hpc.clickutil import JSON_HELP, ErrorsGroup, echo_json
 from hpc.config import ConfigError
 
-JSON_HELP = "Print machine-readable JSON instead of text."
-
-
-class HpcxGroup(click.Group):
-    """Turns ConfigError into one line per problem on stderr and exit code 2, never a traceback."""
-
-    def invoke(self, ctx: click.Context) -> tp.Any:
-        try:
-            return super().invoke(ctx)
-        except ConfigError as exc:
-            for message in exc.messages:
-                click.echo(f"error: {message}", err=True)
-            ctx.exit(2)
-
-
-@click.group(cls=HpcxGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=ErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcx")
 def cli() -> None:
     """hpcx: train PyTorch models on many GPUs and nodes through Slurm.
@@ -63,10 +49,6 @@ def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> t
     spec = load_spec(path, overrides)
     site = load_site(choose_site(site_name, spec.job.site))
     return spec, site, resolve(spec, site)
-
-
-def echo_json(obj: tp.Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 @cli.command()

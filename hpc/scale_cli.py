@@ -10,36 +10,21 @@ not a subcommand, ``run`` is meant (a spec file literally named ``report`` needs
 
 from __future__ import annotations
 
-import json
-import typing as tp
 from pathlib import Path
 
 import click
 
-from hpc.config import ConfigError
-
-JSON_HELP = "Print machine-readable JSON instead of text."
+from hpc.clickutil import JSON_HELP, ErrorsGroup, echo_json
 
 
-class ScaleGroup(click.Group):
+
+class ScaleGroup(ErrorsGroup):
     """A group whose first word defaults to ``run``; ConfigError becomes ``error:`` lines and exit code 2."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("-h", "--help"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
-
-    def invoke(self, ctx: click.Context) -> tp.Any:
-        try:
-            return super().invoke(ctx)
-        except ConfigError as exc:
-            for message in exc.messages:
-                click.echo(f"error: {message}", err=True)
-            ctx.exit(2)
-
-
-def echo_json(obj: tp.Any) -> None:
-    click.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 @click.group("scale", cls=ScaleGroup)

@@ -173,7 +173,7 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = ()) -> JobSpec:
 
 def _check_env(env: Env) -> list[str]:
     errors = []
-    named = [(f"env.set.{n}", n) for n in env.set] + [(f"env.passthrough", n) for n in env.passthrough]
+    named = [(f"env.set.{n}", n) for n in env.set] + [("env.passthrough", n) for n in env.passthrough]
     for path, name in named:
         if not ENV_NAME.match(name):
             errors.append(f"`{path}`: variable name {name!r}: expected letters, digits and underscores, "

@@ -8,7 +8,6 @@ import os
 import time
 from pathlib import Path
 
-import pytest
 
 from tests.conftest import REPO, hpcx
 
