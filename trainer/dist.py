@@ -35,6 +35,7 @@ class RankEnv:
     master_addr: str
     master_port: int
     hostname: str = field(default_factory=socket.gethostname)
+    local_world_size: int = 1
     launcher: str = "single"  # "submitit", "torchrun" or "single"
     agent_store: bool = False  # torchrun's agent already hosts the TCPStore at master_port
 
@@ -64,14 +65,15 @@ def _submitit_env() -> RankEnv:
     job = submitit.JobEnvironment()
     return RankEnv(rank=job.global_rank, local_rank=job.local_rank, world_size=job.num_tasks,
                    master_addr=job.hostnames[0], master_port=rendezvous_port(str(job.job_id)),
-                   launcher="submitit")
+                   local_world_size=max(1, job.num_tasks // job.num_nodes), launcher="submitit")
 
 
 def _torchrun_env() -> RankEnv:
     env = os.environ
     return RankEnv(rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
                    world_size=int(env["WORLD_SIZE"]), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=int(env.get("MASTER_PORT", 29500)), launcher="torchrun",
+                   master_port=int(env.get("MASTER_PORT", 29500)),
+                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), launcher="torchrun",
                    agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
@@ -106,9 +108,9 @@ def init_distributed(env: RankEnv, backend: str, timeout_s: int) -> list[str]:
     return hosts
 
 
-def init_single() -> list[str]:
+def init_single(backend: str) -> list[str]:
     """A one-process group on an in-memory store (FSDP and DDP need one even at world size 1)."""
-    dist.init_process_group(backend="gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     return [socket.gethostname()]
 
 

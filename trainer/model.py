@@ -122,14 +122,16 @@ def build_model(spec: ModelSpec) -> nn.Module:
 
 def model_blocks(model: nn.Module, path: str = "") -> nn.ModuleList:
     """The ModuleList at attribute path ``path`` (default ``blocks``): the units to shard and checkpoint."""
+    path = path or DEFAULT_BLOCKS
     target: object = model
-    for part in (path or DEFAULT_BLOCKS).split("."):
+    for part in path.split("."):
         if not hasattr(target, part):
-            raise AttributeError(f"`model.blocks` = {path or DEFAULT_BLOCKS!r}: {type(target).__name__} has no "
-                                 f"attribute {part!r} (children: {', '.join(n for n, _ in target.named_children())})")
+            children = ", ".join(n for n, _ in target.named_children()) if isinstance(target, nn.Module) else ""
+            raise AttributeError(f"`model.blocks` = {path!r}: {type(target).__name__} has no attribute {part!r} "
+                                 f"(children: {children or 'none'})")
         target = getattr(target, part)
     if not isinstance(target, nn.ModuleList):
-        raise TypeError(f"`model.blocks` = {path or DEFAULT_BLOCKS!r} is a {type(target).__name__}, expected nn.ModuleList")
+        raise TypeError(f"`model.blocks` = {path!r} is a {type(target).__name__}, expected nn.ModuleList")
     return target
 
 

@@ -39,6 +39,7 @@ TWO_RANKS = {  # name: (strategy, overrides)
     "fsdp2_no_shard": ("fsdp", ["parallel.sharding='no_shard'"]),
     "fsdp2_ac_offload": ("fsdp", ["parallel.activation_checkpointing=true", "parallel.cpu_offload=true"]),
     "fsdp2_bf16": ("fsdp", ["parallel.mixed_precision='bf16'"]),
+    "fsdp2_fp16": ("fsdp", ["parallel.mixed_precision='fp16'"]),
 }
 FOUR_RANKS = {
     "ddp4": ("ddp", []),
@@ -87,6 +88,8 @@ def results(tmp_path_factory) -> dict:
            "none_mb8": {"losses": run_in_process(make_run(tmp, "none_mb8", "none", 1, data + ["train.micro_batch=8"]))},
            "none_bf16": {"losses": run_in_process(make_run(tmp, "none_bf16", "none", 1,
                                                            data + ["parallel.mixed_precision='bf16'"]))},
+           "none_fp16": {"losses": run_in_process(make_run(tmp, "none_fp16", "none", 1,
+                                                           data + ["parallel.mixed_precision='fp16'"]))},
            "dp": {"losses": run_in_process(make_run(tmp, "dp", "dp", 1, data + ["train.micro_batch=2"]))}}
     out.update(launch(tmp, 2, TWO_RANKS, data))
     out.update(launch(tmp, 4, FOUR_RANKS, data))
@@ -114,13 +117,22 @@ def test_fp32_matches_single_process(results, name):
     assert max_diff(results[name]["losses"], results["none"]["losses"]) < TOL
 
 
-@pytest.mark.parametrize("name", ["none_bf16", "fsdp2_bf16", "hsdp2x2_bf16"])
-def test_bf16_close_to_fp32(results, name):
+@pytest.mark.parametrize("name", ["none_bf16", "fsdp2_bf16", "hsdp2x2_bf16", "none_fp16", "fsdp2_fp16"])
+def test_half_precision_close_to_fp32(results, name):
+    """fp16 (11 significant bits, with loss scaling) is held to the bf16 bound."""
     assert max_diff(results[name]["losses"], results["none"]["losses"]) < BF16_VS_FP32
 
 
 def test_bf16_same_across_world_sizes(results):
     assert max_diff(results["hsdp2x2_bf16"]["losses"], results["fsdp2_bf16"]["losses"]) < 1e-3
+
+
+def test_compile_matches_single_process(tmp_path):
+    """``parallel.compile`` (inductor on CPU, ~25 s to compile) trains to the eager losses."""
+    data = [f"train.steps=4"]
+    eager = run_in_process(make_run(tmp_path, "eager", "none", 1, data))
+    compiled = run_in_process(make_run(tmp_path, "compiled", "none", 1, data + ["parallel.compile=true"]))
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL
 
 
 def test_hsdp_placements(results):

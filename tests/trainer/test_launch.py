@@ -99,3 +99,34 @@ def test_submitit_local_executor_runs_the_task(tmp_path):
     results = job.results()
     assert results[0]["world_size"] == 2 and results[0]["steps"] == 3 and results[1] is None
     assert json.loads((run_dir / "world.json").read_text())["all_reduce"] == 2
+
+
+def test_preemption_signal_only_sets_a_flag():
+    import os
+    import signal
+
+    from trainer.preemption import PreemptionFlag
+
+    previous = signal.getsignal(signal.SIGUSR2)
+    try:
+        flag = PreemptionFlag().install()
+        assert not flag.requested
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert flag.requested and flag.agreed(torch_cpu())
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def test_train_state_round_trip():
+    from trainer.loop import TrainState
+
+    state = TrainState(step=7, tokens_seen=7 * 512, sampler={"consumed_samples": 56, "epoch": 1})
+    other = TrainState()
+    other.load_state_dict({**state.state_dict(), "meta": {}, "rng_restored": True})
+    assert other == state

@@ -1,0 +1,96 @@
+"""AdamW, the warm-up + cosine schedule, and gradient clipping that is exact across shards."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from hpc.spec import Train
+
+
+def build_optimizer(model: nn.Module, train: Train) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (embeddings and linear weights), not on LayerNorms."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas))
+
+
+def lr_factor(step: int, train: Train) -> float:
+    """Multiplier of ``train.lr`` at optimizer step ``step`` (0-based): linear warm-up, then cosine
+    down to ``min_lr_ratio`` at the last step (or constant)."""
+    if step < train.warmup_steps:
+        return (step + 1) / train.warmup_steps
+    if train.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, train.steps - train.warmup_steps - 1)
+    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return train.min_lr_ratio + (1.0 - train.min_lr_ratio) * cosine
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: Train) -> torch.optim.lr_scheduler.LambdaLR:
+    """A LambdaLR over ``lr_factor``; its state_dict is just the step count, so it checkpoints trivially."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
+
+
+def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of all gradients (fp64 result), whatever the sharding.
+
+    Plain tensors (none/dp/ddp: every rank holds the whole reduced gradient) count once.
+    DTensor gradients (FSDP/HSDP) contribute the squared norms of their local shards, all-reduced
+    over the mesh dimensions where they are sharded only — replicated dimensions hold copies.
+    Each tensor's (or shard's) norm is taken in fp32 and the squares are summed in fp64, so the
+    total does not depend on how tensors are split or on the order of the sums across ranks.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    device = grads[0].device
+    total = _sum_of_squares([g.detach() for g in grads if not isinstance(g, DTensor)], device)
+    for (mesh, dims), group in _by_shard_dims(g for g in grads if isinstance(g, DTensor)).items():
+        squares = _sum_of_squares([g.to_local().detach() for g in group], _comm_device(mesh))
+        for dim in dims:
+            dist.all_reduce(squares, group=mesh.get_group(dim))
+        total = total + squares.to(total.device)
+    return total.sqrt()
+
+
+def _comm_device(mesh) -> torch.device:
+    """Where the mesh's collectives run: gradients offloaded to the CPU still reduce on the GPU under NCCL."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(tensors)  # what clip_grad_norm_ uses: one fused pass per device/dtype
+    return torch.stack([n.to(device) for n in norms]).double().square().sum()
+
+
+def _by_shard_dims(grads) -> dict:
+    groups: dict = defaultdict(list)
+    for g in grads:
+        dims = tuple(i for i, p in enumerate(g.placements) if isinstance(p, Shard))
+        groups[(g.device_mesh, dims)].append(g)
+    return groups
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm`` (0: off); returns the norm before
+    (a tensor: reading it is left to logging steps, so a GPU step does not wait for it)."""
+    norm = grad_norm(parameters)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in parameters:
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                local.mul_(coef.to(dtype=local.dtype, device=local.device))
+    return norm

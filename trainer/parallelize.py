@@ -1,0 +1,143 @@
+"""Parallelism as an ordered list of ``apply_*`` functions on a model and a device mesh.
+
+``parallelize`` applies, in this order: activation checkpointing per block,
+``torch.compile`` per block (optional), then one data-parallel wrapper:
+
+=============  ================================================================
+``none``       the model as is (one process)
+``dp``         ``nn.DataParallel`` (single process, several GPUs; kept for parity, use ddp)
+``ddp``        ``DistributedDataParallel``
+``fsdp``       FSDP2 ``fully_shard`` per block then the root, on a 1-D mesh ``("dp_shard",)``:
+               ``full_shard`` reshards parameters after forward, ``shard_grad_op`` keeps
+               them unsharded until backward is done.
+               ``no_shard`` (FSDP1's NO_SHARD is deprecated) is FSDP2 on a 2-D mesh
+               ``(world, 1)``: every rank holds whole parameters and gradients are
+               all-reduced, i.e. DDP semantics, while mixed precision, CPU offload, gradient
+               sync control and DTensor state dicts stay the FSDP code path.
+``hsdp``       the same ``fully_shard`` on a 2-D mesh ``("dp_replicate", "dp_shard")``:
+               sharded within a group of ``launch.shard`` ranks (one node by default),
+               replicated across the ``launch.replicate`` groups.
+=============  ================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from hpc.resolve import Launch
+from hpc.spec import Parallel
+
+log = logging.getLogger("hpcx.trainer")
+FSDP_STRATEGIES = ("fsdp", "hsdp")
+DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def build_mesh(launch: Launch, device_type: str) -> DeviceMesh | None:
+    """The data-parallel mesh of the launch (None for none/dp/ddp); checks replicate × shard = world."""
+    world = launch.world_size
+    if launch.strategy in ("none", "dp", "ddp"):
+        return None
+    if launch.strategy == "fsdp" and launch.sharding != "no_shard":
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
+    replicate, shard = (world, 1) if launch.strategy == "fsdp" else (launch.replicate, launch.shard)
+    if replicate * shard != world:
+        raise ValueError(f"mesh replicate={replicate} × shard={shard} = {replicate * shard}, but the world has "
+                         f"nodes={launch.nodes} × tasks_per_node={launch.tasks_per_node} = {world} ranks")
+    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+
+
+def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, launch: Launch,
+                mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
+    """Apply activation checkpointing, compile, then the launch's data parallelism; returns the model to train."""
+    if parallel.activation_checkpointing:
+        apply_ac(blocks)
+    if parallel.compile:
+        apply_compile(blocks)
+    if launch.strategy in FSDP_STRATEGIES:
+        return apply_fsdp(model, blocks, mesh, reshard_after_forward(launch), parallel.mixed_precision,
+                          parallel.cpu_offload, device)
+    model = model.to(device)
+    if launch.strategy == "ddp":
+        return apply_ddp(model, device)
+    if launch.strategy == "dp":
+        return apply_dp(model)
+    return model
+
+
+def reshard_after_forward(launch: Launch) -> bool:
+    """True for full_shard; False for shard_grad_op and for fsdp no_shard (a 1-wide shard has nothing to free)."""
+    if launch.sharding == "shard_grad_op":
+        return False
+    return not (launch.strategy == "fsdp" and launch.sharding == "no_shard")
+
+
+def apply_ac(blocks: nn.ModuleList) -> None:
+    """Recompute each block's activations in backward (non-reentrant; RNG preserved, so dropout agrees).
+
+    The wrapper inserts ``_checkpoint_wrapped_module`` into parameter names; the
+    ``torch.distributed.checkpoint.state_dict`` helpers strip it, so checkpoints do not depend on it.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block)
+
+
+def apply_compile(blocks: nn.ModuleList) -> None:
+    """``torch.compile`` each block in place (``Module.compile`` keeps parameter names unchanged)."""
+    for block in blocks:
+        block.compile()
+
+
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, reshard_after_forward: bool,
+               mixed_precision: str, cpu_offload: bool, device: torch.device) -> nn.Module:
+    """FSDP2 ``fully_shard`` on each block, then on the root; 1-D mesh = FSDP, 2-D mesh = HSDP."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    # pin_memory needs CUDA: CPUOffloadPolicy() fails on CPU-only hosts.
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
+    if not cpu_offload:
+        model.to(device)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    offload_policy=offload)
+    # Root: FSDP2's default (None) keeps its parameters (embeddings, head) unsharded after forward,
+    # since backward needs them at once; resharding them would cost a second all-gather per step.
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    return model
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """DistributedDataParallel over the default process group."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def apply_dp(model: nn.Module) -> nn.Module:
+    """``nn.DataParallel`` (one process driving every visible GPU), with a warning pointing to DDP."""
+    warnings.warn("parallel.strategy = 'dp' uses nn.DataParallel: one process, a Python thread per GPU and "
+                  "a model copy every step; it is slower than DDP even on one node. Use strategy = 'ddp'.",
+                  stacklevel=2)
+    log.warning("strategy 'dp' (nn.DataParallel) is kept for parity only: use 'ddp'")
+    return nn.DataParallel(model)
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """FSDP2: skip (or resume) reduce-scatter/all-reduce of gradients in this backward."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+
+
+def autocast_dtype(parallel: Parallel, strategy: str) -> torch.dtype | None:
+    """Non-FSDP strategies get mixed precision from autocast; FSDP2 casts through its policy."""
+    return None if strategy in FSDP_STRATEGIES else DTYPES[parallel.mixed_precision]

@@ -1,0 +1,149 @@
+"""One rank, start to finish: read the run folder, join the job, build, train, leave cleanly.
+
+``run_rank`` is what ``TrainTask`` (submitit) and ``python -m trainer`` (torchrun or a
+single process) call. ``build_trainer`` + ``loop.train`` are the same thing with the
+process group already up (tests run several configurations in one launch that way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import typing as tp
+
+import torch
+
+from hpc.resolve import Launch
+from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
+from trainer.dist import (RankEnv, apply_job_env, check_world, detect_rank_env, device_for, init_distributed,
+                          init_single, shutdown, write_world)
+from trainer.loop import Trainer, TrainState, train
+from trainer.metrics import MetricsWriter, flush_logging, setup_logging
+from trainer.model import build_model, model_blocks, model_shape, seq_len_of, vocab_size_of
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallelize import autocast_dtype, build_mesh, parallelize
+from trainer.preemption import PreemptionFlag
+from trainer.run import Run, load_run
+
+log = logging.getLogger("hpcx.trainer")
+
+
+def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str, tp.Any] | None:
+    """Train this rank of the run in ``run_dir``; the summary on rank 0, None elsewhere."""
+    run = load_run(run_dir)
+    env = detect_rank_env()
+    setup_logging(run.logs_dir, env.rank)
+    apply_job_env(run.site.nccl, run.spec.env.set)
+    launch = fit_launch(run, env.world_size, env.local_world_size)
+    set_cpu_threads(launch)
+    log.info("rank %d/%d on %s via %s: strategy %s/%s, mesh replicate=%d × shard=%d, grad_accum=%d",
+             env.rank, env.world_size, env.hostname, env.launcher, launch.strategy, launch.sharding,
+             launch.replicate, launch.shard, launch.grad_accum)
+    try:
+        device = join_job(run, env, launch)
+        trainer, state = build_trainer(dataclasses.replace(run, launch=launch), env.rank, device, preemption)
+        result = train(trainer, resume(trainer, state))
+    except BaseException:
+        log.exception("training failed on rank %d", env.rank)
+        flush_logging()
+        raise
+    shutdown(run.spec.parallel.timeout_s)
+    flush_logging()
+    return result if env.is_rank0 else None
+
+
+def resume(trainer: Trainer, state: TrainState) -> TrainState:
+    """Seam for issue 4: when ``checkpoint.resume`` and ``trainer.checkpoint.latest_checkpoint(run_dir)``
+    finds a committed step folder, ``state.load_state_dict(load_checkpoint(path, trainer.model,
+    trainer.optimizer, trainer.scheduler))``; ``loop.train`` then repositions the sampler from
+    ``state.sampler`` (in global samples, so any world size continues exactly)."""
+    return state
+
+
+def set_cpu_threads(launch: Launch) -> None:
+    """On CPU sites, one intra-op thread per CPU of the task (torch would take every core of the
+    node in every rank); an explicit OMP_NUM_THREADS wins."""
+    if launch.backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, launch.cpus_per_task))
+
+
+def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
+    """Pick the device, start the process group (when needed), all-reduce a 1; rank 0 writes world.json."""
+    backend = launch.backend
+    device = device_for(backend, env.local_rank)
+    if env.world_size > 1:
+        hosts = init_distributed(env, backend, run.spec.parallel.timeout_s)
+    elif launch.strategy in ("ddp", "fsdp", "hsdp"):
+        hosts = init_single(backend)
+    else:
+        hosts = [env.hostname]
+    total = check_world(env, hosts, device)
+    if env.is_rank0:
+        write_world(run.run_dir, hosts, total, backend if env.world_size > 1 or launch.strategy != "none" else "none")
+    return device
+
+
+def fit_launch(run: Run, world_size: int, local_world: int) -> Launch:
+    """The resolved launch, recomputed when started at another world size (e.g. ``torchrun
+    --nproc_per_node=4`` on a folder resolved for 2); states the numbers when they do not fit."""
+    launch, spec = run.launch, run.spec
+    if world_size == launch.world_size:
+        return launch
+    per_step = world_size * spec.train.micro_batch
+    if spec.train.global_batch % per_step:
+        raise ValueError(f"train.global_batch = {spec.train.global_batch} is not divisible by world_size × "
+                         f"micro_batch = {world_size} × {spec.train.micro_batch} = {per_step}")
+    strategy = launch.strategy
+    if strategy in ("none", "dp") and world_size > 1:
+        raise ValueError(f"strategy {strategy!r} runs one process, but {world_size} were started")
+    shard = {"fsdp": world_size, "hsdp": spec.parallel.shard_size or local_world}.get(strategy, 1)
+    if world_size % shard:
+        raise ValueError(f"hsdp shard group of {shard} ranks does not divide the world of {world_size} ranks")
+    log.warning("run folder resolved for %d ranks, started with %d: shard=%d, replicate=%d, grad_accum=%d",
+                launch.world_size, world_size, shard, world_size // shard if strategy == "hsdp" else 1,
+                spec.train.global_batch // per_step)
+    return dataclasses.replace(launch, world_size=world_size, nodes=max(1, world_size // local_world),
+                               tasks_per_node=local_world, shard=shard,
+                               replicate=world_size // shard if strategy == "hsdp" else 1,
+                               grad_accum=spec.train.global_batch // per_step)
+
+
+def build_trainer(run: Run, rank: int, device: torch.device,
+                  preemption: PreemptionFlag | None = None) -> tuple[Trainer, TrainState]:
+    """Model → parallelize → optimizer/schedule → data; the process group must already be up."""
+    spec, launch = run.spec, run.launch
+    torch.manual_seed(spec.train.seed)  # the same initial weights on every rank
+    model = build_model(spec.model)
+    blocks = model_blocks(model, spec.model.blocks)
+    mesh = build_mesh(launch, device.type)
+    model = parallelize(model, blocks, spec.parallel, launch, mesh, device)
+    torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
+    optimizer = build_optimizer(model, spec.train)
+    seq_len = seq_len_of(spec.model)
+    dataset = build_dataset(spec.data, seq_len, vocab_size_of(spec.model), spec.train.seed)
+    sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,
+                            launch.world_size, spec.train.seed, shuffle_enabled(spec.data))
+    shape = model_shape(spec.model)
+    trainer = Trainer(
+        run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train),
+        sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda"),
+        device=device, steps=spec.train.steps, grad_clip=spec.train.grad_clip, log_every=spec.train.log_every,
+        tokens_per_step=spec.train.global_batch * seq_len, world_size=launch.world_size, strategy=launch.strategy,
+        metrics=MetricsWriter(run.run_dir, enabled=rank == 0),
+        flops_per_token=shape.flops_per_token() if shape else None, peak_tflops=run.site.node.gpu_peak_tflops,
+        amp_dtype=autocast_dtype(spec.parallel, launch.strategy), scaler=_grad_scaler(spec.parallel.mixed_precision,
+                                                                                      launch.strategy, device),
+        preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps)
+    return trainer, TrainState()
+
+
+def _grad_scaler(mixed_precision: str, strategy: str, device: torch.device):
+    """fp16 needs loss scaling; sharded gradients need the sharded scaler."""
+    if mixed_precision != "fp16":
+        return None
+    if strategy in ("fsdp", "hsdp"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type)
