@@ -128,8 +128,8 @@ def _replica_buffers(n: int, c: int, cfg: Config) -> tuple[float, list[str]]:
         total += n * c
         notes.append(f"autocast {_dtype(c)} weight copies held from forward to backward")
     if cfg.strategy == "ddp":
-        total += n * GRAD_BYTES
-        notes.append("DDP gradient buckets (a second fp32 gradient copy; gradient_as_bucket_view would remove it)")
+        # the trainer sets gradient_as_bucket_view=True: the buckets are the gradients, no second copy
+        notes.append("DDP buckets are views of the gradients (gradient_as_bucket_view)")
     return total, notes
 
 

@@ -10,7 +10,7 @@ import pytest
 from hpc.detect import (draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml)
 from hpc.site import parse_site
 
-from conftest import hpcx
+from tests.conftest import hpcx
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if not (DATA / "SOURCES.md").exists():

@@ -14,7 +14,7 @@ from hpc.plan import choose, format_plan, plan_job
 from hpc.site import load_site, parse_site
 from hpc.spec import spec_from_dict
 
-from conftest import REPO, hpcx
+from tests.conftest import REPO, hpcx
 
 
 def site(gpus: int, mem: float, link: str, intra: float, fabric: str = "infiniband", net: float = 400.0,

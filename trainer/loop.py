@@ -79,7 +79,8 @@ class Trainer:
 
 
 def micro_step_context(model: nn.Module, sync: bool) -> tp.ContextManager:
-    """No gradient communication on inner micro-steps: DDP ``no_sync``; FSDP2 gradient sync off."""
+    """Inner micro-steps: DDP skips its all-reduce (``no_sync``); FSDP2 keeps reduce-scattering and
+    HSDP skips only the all-reduce across replicas (see ``set_gradient_sync``)."""
     set_gradient_sync(model, sync)
     if not sync and isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()

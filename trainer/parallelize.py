@@ -118,7 +118,8 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
+    # gradients live in the all-reduce buckets: no second full copy of the gradients
+    return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
 
 def apply_dp(model: nn.Module) -> nn.Module:
@@ -131,11 +132,18 @@ def apply_dp(model: nn.Module) -> nn.Module:
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """FSDP2: skip (or resume) reduce-scatter/all-reduce of gradients in this backward."""
+    """FSDP2 on inner micro-steps: skip HSDP's all-reduce across replicas, keep the reduce-scatter.
+
+    Turning FSDP2's whole gradient sync off (``set_requires_gradient_sync(False)``) would make
+    every rank accumulate *unsharded* gradients (4 bytes per parameter: 52 GB for a 13B model),
+    which defeats sharding; reduce-scattering each micro-batch keeps gradients sharded, and only
+    the cross-replica all-reduce (the inter-node traffic of HSDP) waits for the last micro-step.
+    This is what the planner's memory and communication figures assume.
+    """
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(enabled)
+        model.set_requires_all_reduce(enabled)
 
 
 def autocast_dtype(parallel: Parallel, strategy: str) -> torch.dtype | None:
