@@ -119,3 +119,15 @@ def test_login_commands_never_import_torch(args):
     out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=60)
     line = [l for l in out.stderr.splitlines() if l.startswith("HEAVY=")]
     assert line == ["HEAVY="], out.stderr[-2000:]
+
+
+def test_run_folder_modes(tmp_path: Path):
+    from hpc.runs import new_run_dir, private_umask
+
+    for group, dir_mode, file_mode in ((False, 0o700, 0o600), (True, 0o750, 0o640)):
+        with private_umask(group):
+            run = new_run_dir(tmp_path / str(group), "a b/c", group)
+            (run / "f").write_text("x")
+        assert run.stat().st_mode & 0o777 == dir_mode
+        assert (run / "f").stat().st_mode & 0o777 == file_mode
+        assert run.name.startswith("a_b_c-")

@@ -127,3 +127,28 @@ def test_rendered_script_is_what_was_submitted(sandbox):
     submitted = (run_dir / "submitit" / f"{info['job_id']}_submission.sh").read_text()
     assert submitted == (run_dir / "render.txt").read_text()
     wait_for(str(run_dir), {"COMPLETED", "FAILED"})
+
+
+def test_status_falls_back_without_sacct(sandbox, tmp_path):
+    """Where accounting is unavailable, state comes from squeue (queued/running) or scontrol."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "sacct").write_text("#!/bin/sh\necho 'sacct: error: accounting storage is disabled' >&2\nexit 1\n")
+    (shim / "sacct").chmod(0o755)
+    no_sacct = {"PATH": f"{shim}:{os.environ['PATH']}"}
+    info = submit(JOB, *TWO_NODES, "--set", "train.steps=100000", "--set", "job.name=spine-nosacct")
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        seen = json.loads(hpcx("status", info["run_dir"], "--json", env=no_sacct).stdout)
+        if seen["state"] == "RUNNING":
+            break
+        time.sleep(1)
+    assert seen["state"] == "RUNNING" and seen["nodes"] == "n[1-2]"
+    hpcx("cancel", info["run_dir"])
+    deadline = time.time() + 120
+    while time.time() < deadline:  # squeue says COMPLETING for a moment, then scontrol answers
+        gone = json.loads(hpcx("status", info["run_dir"], "--json", env=no_sacct).stdout)
+        if gone["state"] not in ("RUNNING", "COMPLETING"):
+            break
+        time.sleep(1)
+    assert gone["state"] == "CANCELLED"
