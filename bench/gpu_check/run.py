@@ -42,6 +42,19 @@ def site_doc(gpu_name: str, memory_gb: float) -> dict:
             "network": {"fabric": "none"}, "storage": {"run_root": "/tmp"}}
 
 
+def predicted_gb(run_dir: Path) -> float | None:
+    """The planner's per-rank estimate (without headroom) for the strategy this run uses."""
+    from hpc.plan import plan_job
+    from hpc.site import parse_site
+    from hpc.spec import spec_from_dict
+
+    doc = json.loads((run_dir / "resolved.json").read_text())
+    site_doc_ = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}
+    plan = plan_job(spec_from_dict(doc["spec"]), parse_site(site_doc_, "gpu-check", "<gpu_check>"))
+    row = next((r for r in plan.rows if r.cfg.strategy == doc["launch"]["strategy"] and r.memory), None)
+    return row.memory.total if row else None
+
+
 def make_run(root: Path, size: str, args: argparse.Namespace, gpu_name: str, memory_gb: float) -> Path:
     from hpc.resolve import resolve, resolved_document
     from hpc.site import parse_site
@@ -81,12 +94,17 @@ def main() -> int:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = make_run(Path(tmp), size, args, props.name, memory_gb)
+        predicted = predicted_gb(run_dir)
         result = run_rank(str(run_dir))
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][5:]
     mfus = [r["mfu"] for r in records if r["mfu"] is not None]
     print(f"tokens/s {statistics.median(r['tokens_per_s'] for r in records):,.0f} (median of {len(records)} steps)")
     print(f"MFU {100 * statistics.median(mfus):.1f}%" if mfus else "MFU unknown (GPU peak not in the table)")
-    print(f"peak memory {max(r['mem_gb'] for r in records):.1f} GB (torch.cuda.max_memory_allocated)")
+    measured = max(r["mem_gb"] for r in records)
+    print(f"peak memory {measured:.1f} GB (torch.cuda.max_memory_allocated)")
+    if predicted:
+        print(f"planner predicted {predicted:.1f} GB: measured/predicted = {measured / predicted:.2f} "
+              f"(goal within ±10%: {'ok' if abs(measured / predicted - 1) <= 0.10 else 'MISSED'})")
     print(f"final loss {result['final_loss']:.3f}; wall {time.perf_counter() - start:.0f} s")
     return 0
 
