@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import typing as tp
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpc.config import ConfigError, build_document, check_table, field, read_toml
+from hpc.config import ConfigError, build_document, check_table, field, read_toml, suggest
 
 SITE_DIR = Path(__file__).resolve().parent.parent / "site"
 DEFAULT_SITE = "local"
@@ -107,8 +107,6 @@ def site_path(name_or_path: str) -> Path:
         return candidate
     path = SITE_DIR / f"{name_or_path}.toml"
     if not path.exists():
-        from hpc.config import suggest
-
         raise ConfigError([f"--site {name_or_path!r}: no such site profile ({suggest(name_or_path, list_sites())})"])
     return path
 
@@ -154,6 +152,4 @@ def choose_site(cli: str | None, spec_site: str | None) -> str:
 
 
 def site_as_dict(site: SiteProfile) -> dict[str, tp.Any]:
-    from dataclasses import asdict
-
     return asdict(site)

@@ -7,6 +7,7 @@ for Slurm sites, the local executor for ``local``.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import time
@@ -29,9 +30,8 @@ class Submitted:
 
 
 def run_root(spec: JobSpec, site: SiteProfile) -> Path:
+    """The spec's `job.run_root` when set, else the site's."""
     if spec.job.run_root:
-        import os
-
         return Path(os.path.expandvars(os.path.expanduser(spec.job.run_root)))
     return site.run_root()
 
