@@ -28,6 +28,7 @@ At most one save is in flight; the next save (and ``wait_pending``) waits.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import random
 import re
@@ -45,8 +46,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch import nn
 
 from hpc.config import ConfigError
-from trainer.ckpt_formats import DcpReader, dcp_problems, fsync_dir, unflatten
+from trainer.ckpt_formats import DcpReader, FileSlice, dcp_problems, fsync_dir, unflatten
 from trainer.safe_pickle import load_dcp_metadata
+from trainer.torch_zip import TorchZip, Unsupported, no_crc32
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")
@@ -196,7 +198,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     wait_pending()
     partial, final = _prepare(Path(run_dir), step)
     state = build_state(model, optimizer, scheduler, step, train_state, strategy)
-    writer = dcp.FileSystemWriter(partial, overwrite=False)
+    writer = HpcxFileSystemWriter(partial, overwrite=False)
     if not async_save:
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
         if _rank() == 0:
@@ -211,6 +213,22 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, _rank()))
     _pending.update(job)
     return final
+
+
+class HpcxFileSystemWriter(dcp.FileSystemWriter):
+    """FileSystemWriter whose shard writes skip torch.save's per-record CRC32 (in the writing thread only).
+
+    The CRC32 was 45-60% of a save's time here, and nothing checks it: ``torch.load`` ignores it
+    (a flipped data byte loads silently either way), and so does hpcx's reader. Torn and short
+    files are caught by the commit protocol (``.metadata`` only after every shard is fsync'ed)
+    and by ``dcp_problems``' size checks; see docs/checkpoints.md. ``thread_count`` stays 1, so
+    every ``torch.save`` of the write runs in the thread that enters ``write_data`` (the caller
+    for a sync save, DCP's executor thread for an async one), where ``no_crc32`` applies.
+    """
+
+    def write_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
+        with no_crc32():
+            return super().write_data(plan, planner)
 
 
 def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int) -> None:
@@ -253,12 +271,75 @@ def wait_pending() -> Path | None:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose ``.metadata`` goes through the allow-list unpickler."""
+    """FileSystemReader whose ``.metadata`` goes through the allow-list unpickler, and whose
+    tensors are read straight from their zip records into the destination tensor.
+
+    DCP's own ``read_data`` ``torch.load``s every stored tensor into a fresh buffer and then
+    copies it into the model (two copies, a page-faulted allocation and the pure-Python
+    weights-only unpickler per item). Here each tensor blob is parsed with ``TorchZip`` (an
+    allow-list unpickler, no data read) and, when the request covers the whole stored chunk and
+    the destination is contiguous with the same dtype, its bytes are ``readinto`` the destination
+    directly; otherwise read into a fresh tensor, narrowed and copied as DCP does. Blobs in a
+    layout ``TorchZip`` does not handle go through ``torch.load(weights_only=True)``.
+    """
 
     def read_metadata(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         metadata = load_dcp_metadata(self.path)
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
+        from torch.distributed.checkpoint.planner import LoadItemType
+        from torch.futures import Future as TorchFuture
+
+        infos = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
+        if any(info.transform_descriptors for info in infos.values()):
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[tp.Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(infos[item.storage_index].relative_path, []).append(item)
+        for relative, items in per_file.items():
+            name = Path(self.path) / relative
+            with open(name, "rb", buffering=0) as f:
+                for req in sorted(items, key=lambda r: infos[r.storage_index].offset):
+                    info = infos[req.storage_index]
+                    if req.type == LoadItemType.BYTE_IO:
+                        f.seek(info.offset)
+                        data = f.read(info.length)
+                        if len(data) != info.length:
+                            raise ConfigError([f"{name}: item at byte {info.offset} is truncated"])
+                        planner.load_bytes(req, io.BytesIO(data))
+                        continue
+                    target = planner.resolve_tensor(req).detach()
+                    _read_tensor_item(f, name, info, req, target)
+                    planner.commit_tensor(req, target)
+        fut: tp.Any = TorchFuture()
+        fut.set_result(None)
+        return fut
+
+
+def _read_tensor_item(f: tp.BinaryIO, name: Path, info: tp.Any, req: tp.Any, target: torch.Tensor) -> None:
+    """Fill ``target`` with the part ``req`` asks for of the tensor blob ``info`` in ``f``."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+
+    source = f"{name} (item at byte {info.offset})"
+    ref = None
+    try:
+        z = TorchZip(f, source, info.offset, info.length)
+        ref = z.ref(z.obj) if isinstance(z.obj, torch.Tensor) else None
+    except Unsupported:
+        pass
+    if ref is not None:
+        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == ref.size
+        if whole and z.readinto(ref, target):
+            return
+        tensor = z.read(ref)
+    else:
+        tensor = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+    if target.size() != tensor.size():
+        raise ConfigError([f"{source}: holds {tuple(tensor.size())}, the model expects {tuple(target.size())}"])
+    target.copy_(tensor)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -16,9 +16,13 @@ object. ``paths`` maps each key to its object path in the nested state dict
   side holds more than one tensor. Non-tensor entries (optimizer hyper-
   parameters, scheduler state) ride in the header metadata as a base64
   ``torch.save`` blob, read back with ``weights_only=True``.
-- **torch file** (one ``torch.save`` zip of the nested dict): reading maps it
-  (``mmap=True``); writing needs the whole dict in memory at once — the one
-  direction that is not streamed.
+- **torch file** (one ``torch.save`` zip of the nested dict): read with
+  ``TorchZip`` (trainer/torch_zip.py): ``data.pkl`` through an allow-list
+  unpickler that records where each tensor's bytes are, then one tensor at a
+  time from its zip record. Layouts it does not handle (legacy non-zip files,
+  big-endian, quantized/sparse tensors) fall back to
+  ``torch.load(weights_only=True, mmap=True)``. Writing needs the whole dict in
+  memory at once — the one direction that is not streamed.
 
 A *model-only* file (a plain ``model.state_dict()``) appears under ``model.``
 keys, so any two checkpoints compare key by key.
@@ -35,7 +39,6 @@ import pickle
 import shutil
 import struct
 import typing as tp
-import zipfile
 from pathlib import Path
 
 import torch
@@ -45,6 +48,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from hpc.config import ConfigError
 from trainer.safe_pickle import METADATA_FILE, load_dcp_metadata
+from trainer.torch_zip import TorchZip, Unsupported, no_crc32
 
 Path_ = tuple  # object path: tuple of str keys and int list indices
 Progress = tp.Callable[[int], None]
@@ -232,10 +236,26 @@ class DcpReader:
         keys = [k for k in self.entries if k.startswith("meta.") and not self.entries[k].is_tensor]
         return {k[len("meta."):]: self.read(k) for k in keys}
 
-    def _blob(self, info: dcp_fs._StorageInfo) -> tp.Any:
+    def _file(self, info: dcp_fs._StorageInfo) -> tp.BinaryIO:
         f = self.files.get(info.relative_path)
         if f is None:
-            f = self.files[info.relative_path] = open(self.path / info.relative_path, "rb")
+            f = self.files[info.relative_path] = open(self.path / info.relative_path, "rb", buffering=0)
+        return f
+
+    def _tensor(self, info: dcp_fs._StorageInfo) -> torch.Tensor:
+        """A stored tensor, read from its zip record into a fresh tensor (torch.load for other layouts)."""
+        try:
+            z = TorchZip(self._file(info), f"{self.path / info.relative_path} (item at byte {info.offset})",
+                         info.offset, info.length)
+            ref = z.ref(z.obj) if isinstance(z.obj, torch.Tensor) else None
+            if ref is not None:
+                return z.read(ref)
+        except Unsupported:
+            pass
+        return self._blob(info)
+
+    def _blob(self, info: dcp_fs._StorageInfo) -> tp.Any:
+        f = self._file(info)
         try:
             return torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as exc:
@@ -251,10 +271,10 @@ class DcpReader:
         if not isinstance(md, dcp_md.TensorStorageMetadata):
             return self._blob(self.storage[(key, None)])
         if len(md.chunks) == 1 and tuple(md.chunks[0].sizes) == tuple(md.size):
-            return self._blob(self.storage[(key, tuple(md.chunks[0].offsets))])
+            return self._tensor(self.storage[(key, tuple(md.chunks[0].offsets))])
         out = torch.empty(md.size, dtype=md.properties.dtype)
         for chunk in md.chunks:
-            part = self._blob(self.storage[(key, tuple(chunk.offsets))])
+            part = self._tensor(self.storage[(key, tuple(chunk.offsets))])
             view = out
             for dim, (o, s) in enumerate(zip(chunk.offsets, chunk.sizes)):
                 view = view.narrow(dim, o, s)
@@ -324,7 +344,7 @@ def write_dcp(reader: Reader, dst: Path, keys: list[str], progress: Progress = l
     tmp = _fresh(dst)
     tmp.mkdir()
     state_md, storage = {}, {}
-    with open(tmp / SHARD_FILE, "wb") as f:
+    with open(tmp / SHARD_FILE, "wb") as f, no_crc32():  # as hpcx's DCP saves (see HpcxFileSystemWriter)
         for key in keys:
             state_md[key], index, storage[index] = _dcp_item(f, key, reader.read(key))
             progress(reader.entries[key].nbytes)
@@ -533,23 +553,39 @@ def jsonable(value: tp.Any) -> tp.Any:
 # ---------------------------------------------------------------- torch.save file
 
 
+LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"  # pickle protocol 2 + the 10-byte magic number of torch < 1.6 files
+
+
 class TorchReader:
-    """A ``torch.save`` file, mapped (``mmap=True``) and loaded with ``weights_only=True``."""
+    """A ``torch.save`` file, streamed: ``data.pkl`` parsed by ``TorchZip``, tensors read one at a time.
+
+    ``streamed`` is False when the file's layout needed the fallback, ``torch.load(weights_only=True)``
+    (mapped with ``mmap=True`` when it is a zip): legacy non-zip files, big-endian data,
+    quantized/sparse tensors, globals outside ``TorchZip``'s list that torch's own allow-list admits.
+    """
 
     format = "torch"
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        if not zipfile.is_zipfile(self.path):
-            raise ConfigError([f"{self.path}: not a torch.save zip file (nor a DCP folder or safetensors)"])
+        self.zip: TorchZip | None = None
+        self.streamed, self.fallback_reason = True, ""
+        with open(self.path, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"
+        self.file = open(self.path, "rb", buffering=0)
         try:
-            obj = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as exc:
-            raise ConfigError([f"{self.path}: refused by weights_only loading: {str(exc).splitlines()[0]}"]) from None
-        except Exception as exc:
-            raise ConfigError([f"{self.path}: unreadable torch file ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''})"]) from None
+            if not is_zip:
+                raise Unsupported("not a zip (legacy torch.save format)")
+            self.zip = TorchZip(self.file, str(self.path))
+            obj = self.zip.obj
+        except Unsupported as exc:
+            self.streamed, self.fallback_reason, self.zip = False, str(exc), None
+            obj = self._torch_load(is_zip)
+        except BaseException:
+            self.file.close()
+            raise
         if not isinstance(obj, dict):
+            self.close()
             raise ConfigError([f"{self.path}: holds a {type(obj).__name__}, expected a state dict"])
         if not isinstance(obj.get("model"), dict):
             obj = {"model": obj}  # a plain model.state_dict()
@@ -558,11 +594,23 @@ class TorchReader:
                         for k, v in self.flat.items()}
         self.meta = {k[len("meta."):]: v for k, v in self.flat.items() if k.startswith("meta.")}
 
+    def _torch_load(self, is_zip: bool) -> tp.Any:
+        try:
+            return torch.load(self.path, map_location="cpu", weights_only=True, mmap=is_zip)
+        except pickle.UnpicklingError as exc:
+            raise ConfigError([f"{self.path}: refused by weights_only loading: {str(exc).splitlines()[0]}"]) from None
+        except Exception as exc:
+            raise ConfigError([f"{self.path}: unreadable torch file ({type(exc).__name__}: "
+                               f"{str(exc).splitlines()[0] if str(exc) else ''})"]) from None
+
     def read(self, key: str) -> tp.Any:
-        return self.flat[key]
+        value = self.flat[key]
+        ref = self.zip.ref(value) if self.zip is not None and isinstance(value, torch.Tensor) else None
+        return self.zip.read(ref) if ref is not None else value
 
     def close(self) -> None:
         self.flat = {}
+        self.file.close()
 
 
 def write_torch(reader: Reader, dst: Path, keys: list[str], *, model_only: bool,
@@ -599,7 +647,7 @@ def detect_format(path: str | Path) -> str:
         raise ConfigError([f"{path}: no such file or folder"])
     with open(path, "rb") as f:
         head = f.read(4)
-    return "torch" if head == b"PK\x03\x04" else "safetensors"
+    return "torch" if head in (b"PK\x03\x04", LEGACY_TORCH_MAGIC) else "safetensors"
 
 
 def open_checkpoint(path: str | Path) -> Reader:

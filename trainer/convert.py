@@ -56,7 +56,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, *, model_only:
     """Convert ``src`` (any format) to ``dst`` in format ``to``; a summary dict.
 
     ``dcp`` and ``safetensors`` outputs are streamed (one tensor in memory at a time); ``torch``
-    is not: a single ``torch.save`` file needs the whole dict in memory.
+    is not: a single ``torch.save`` file needs the whole dict in memory. A torch source in a layout
+    ``TorchZip`` does not handle (e.g. a legacy non-zip file) is loaded whole (``streamed`` False).
     """
     if to not in TARGETS:
         raise ConfigError([f"--to {to!r}: expected one of {', '.join(TARGETS)}"])
@@ -72,7 +73,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, *, model_only:
             write_torch(reader, dst, keys, model_only=model_only, progress=progress)
         total = sum(reader.entries[k].nbytes for k in keys)
         return {"src": str(src), "dst": str(dst), "from": reader.format, "to": to, "keys": len(keys),
-                "bytes": total, "streamed": to != "torch"}
+                "bytes": total, "streamed": to != "torch" and getattr(reader, "streamed", True)}
     finally:
         reader.close()
 

@@ -1,27 +1,43 @@
 """Checkpoint save/load throughput against `dd` on the same disk, and the async-save pause.
 
-    python bench/checkpoint/run.py [--size-mb 256] [--dir DIR] [--repeat 3]
+    python bench/checkpoint/run.py [--size-mb 256] [--dir DIR] [--repeat 3] [--no-stock]
 
 Single process (strategy none): a module of ``--size-mb`` MB of fp32 parameters is saved with
-``save_checkpoint`` (DCP, fsync'ed) and loaded with ``load_checkpoint``; ``dd`` writes the same
-number of bytes with ``conv=fdatasync`` and reads them back, in the same folder, in the same run.
-Loads and the dd read both come from the page cache right after the write (nothing here drops
-caches), so the read ratio compares like with like. Goals: save and load >= 0.5x dd; async pause
-<= 0.25x the sync save. Best of ``--repeat`` runs each.
+``save_checkpoint`` (DCP, fsync'ed, retention included) and loaded with ``load_checkpoint``, in
+the same folder and the same run as ``dd``:
+
+- dd write: ``dd if=SRC of=OUT bs=1M conv=fdatasync`` where SRC is a file of the same number of
+  random bytes already in the page cache (a checkpoint is random data; ``if=/dev/zero`` is printed
+  too: a virtual disk may write zeros faster). The ratio uses the random source.
+- dd read, two ways, the same on both sides: *warm* (right after the write, from the page cache)
+  and *cold* (each side's files first dropped from the page cache with
+  ``posix_fadvise(DONTNEED)`` after ``fdatasync``; no root needed).
+- ``stock``: the same calls with DCP's own ``FileSystemWriter`` (CRC32 on) and ``FileSystemReader``
+  read path (``torch.load`` per item, then a copy), i.e. hpcx before its fast paths, for a
+  before/after ratio within one run (``--no-stock`` skips it).
+
+Goals: save and load >= 0.5x dd; async pause <= 0.25x the sync save. Best of ``--repeat`` runs each
+(the median is printed too).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from trainer import checkpoint as ckpt
 from trainer.checkpoint import load_checkpoint, save_checkpoint, wait_pending
 
 MB = 2**20
@@ -39,13 +55,42 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def dd(size_mb: int, path: Path) -> tuple[float, float]:
-    """(write seconds with fdatasync, read seconds) for ``size_mb`` MB at ``path``."""
-    w = timed(lambda: subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={size_mb}",
-                                      "conv=fdatasync"], check=True, capture_output=True))
-    r = timed(lambda: subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=1M"], check=True, capture_output=True))
+def drop_cache(path: Path) -> None:
+    """Evict ``path`` (a file, or every file of a folder) from the page cache."""
+    for f in [path] if path.is_file() else [p for p in path.iterdir() if p.is_file()]:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def dd(size_mb: int, src: Path, path: Path) -> dict[str, float]:
+    """Seconds: write from /dev/zero and from ``src`` (fdatasync), read warm, read cold."""
+    def run(*args: str) -> None:
+        subprocess.run(["dd", *args, "bs=1M"], check=True, capture_output=True)
+
+    out = {"write_zero": timed(lambda: run("if=/dev/zero", f"of={path}", f"count={size_mb}", "conv=fdatasync"))}
     path.unlink()
-    return w, r
+    out["write"] = timed(lambda: run(f"if={src}", f"of={path}", f"count={size_mb}", "conv=fdatasync"))
+    out["read_warm"] = timed(lambda: run(f"if={path}", "of=/dev/null"))
+    drop_cache(path)
+    out["read_cold"] = timed(lambda: run(f"if={path}", "of=/dev/null"))
+    path.unlink()
+    return out
+
+
+@contextmanager
+def stock_dcp():
+    """hpcx as it was before its fast paths: DCP's writer (CRC32 on) and DCP's read_data."""
+    writer, read_data = ckpt.HpcxFileSystemWriter, ckpt.SafeFileSystemReader.read_data
+    ckpt.HpcxFileSystemWriter = dcp.FileSystemWriter
+    ckpt.SafeFileSystemReader.read_data = dcp.FileSystemReader.read_data
+    try:
+        yield
+    finally:
+        ckpt.HpcxFileSystemWriter, ckpt.SafeFileSystemReader.read_data = writer, read_data
 
 
 def main() -> None:
@@ -53,7 +98,9 @@ def main() -> None:
     ap.add_argument("--size-mb", type=int, default=256, help="state size in MB (default 256)")
     ap.add_argument("--dir", type=Path, default=None, help="folder on the disk to measure (default: a temp folder)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--no-stock", action="store_true", help="skip the stock-DCP (before) variant")
     args = ap.parse_args()
+    warnings.filterwarnings("ignore")
     root = Path(tempfile.mkdtemp(prefix="hpcx-bench-ckpt-", dir=args.dir))
     try:
         run(args, root)
@@ -66,33 +113,55 @@ def run(args: argparse.Namespace, root: Path) -> None:
     model = big_module(args.size_mb)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     size_mb = nbytes / MB
-    saves, loads, pauses, async_totals, dd_w, dd_r = [], [], [], [], [], []
+    src = root / "random.src"
+    src.write_bytes(os.urandom(round(size_mb) * MB))
+    variants = ["hpcx"] if args.no_stock else ["stock", "hpcx"]
+    res: dict[str, list[float]] = {}
+    add = lambda k, v: res.setdefault(k, []).append(v)  # noqa: E731
     step = 0
     for _ in range(args.repeat):
-        w, r = dd(round(size_mb), root / "dd.bin")
-        dd_w.append(w), dd_r.append(r)
-        step += 1
-        saves.append(timed(lambda: save_checkpoint(root, step, model, None, None, {"step": step}, keep=2)))
-        path = root / "checkpoints" / f"step-{step:07d}"
-        loads.append(timed(lambda: load_checkpoint(path, model)))
+        for k, v in dd(round(size_mb), src, root / "dd.bin").items():
+            add(f"dd_{k}", v)
+        for variant in variants:
+            with stock_dcp() if variant == "stock" else nullcontext():
+                step += 1
+                add(f"{variant}_save", timed(lambda: save_checkpoint(root, step, model, None, None, {"step": step})))
+                path = ckpt.step_dir(root, step)
+                add(f"{variant}_load_warm", timed(lambda: load_checkpoint(path, model)))
+                drop_cache(path)
+                add(f"{variant}_load_cold", timed(lambda: load_checkpoint(path, model)))
         step += 1
         t = time.perf_counter()
-        save_checkpoint(root, step, model, None, None, {"step": step}, keep=2, async_save=True)
-        pauses.append(time.perf_counter() - t)
+        save_checkpoint(root, step, model, None, None, {"step": step}, async_save=True)
+        add("pause", time.perf_counter() - t)
         wait_pending()
-        async_totals.append(time.perf_counter() - t)
-    report(size_mb, min(saves), min(loads), min(pauses), min(async_totals), min(dd_w), min(dd_r), root)
+        add("async_total", time.perf_counter() - t)
+    report(size_mb, res, variants, root)
 
 
-def report(size_mb: float, save: float, load: float, pause: float, async_total: float, dd_w: float, dd_r: float,
-           root: Path) -> None:
+def nullcontext():
+    from contextlib import nullcontext as nc
+
+    return nc()
+
+
+def report(size_mb: float, res: dict[str, list[float]], variants: list[str], root: Path) -> None:
+    best = {k: min(v) for k, v in res.items()}
+    med = {k: statistics.median(v) for k, v in res.items()}
     rate = lambda s: size_mb / s  # noqa: E731
-    print(f"state {size_mb:.0f} MB in {root} (best of runs)")
-    print(f"dd write (fdatasync) {rate(dd_w):8.0f} MB/s   dd read {rate(dd_r):8.0f} MB/s")
-    print(f"DCP save             {rate(save):8.0f} MB/s   ratio to dd write {dd_w / save:5.2f}  (goal >= 0.5)")
-    print(f"DCP load             {rate(load):8.0f} MB/s   ratio to dd read  {dd_r / load:5.2f}  (goal >= 0.5)")
-    print(f"async pause {pause:.3f} s vs sync save {save:.3f} s: ratio {pause / save:5.2f}  (goal <= 0.25); "
-          f"async total {async_total:.3f} s")
+    print(f"state {size_mb:.0f} MB in {root}; best (median) of {len(res['pause'])} runs, ratio = dd time / our time")
+    print(f"dd write fdatasync, random src {rate(best['dd_write']):6.0f} MB/s ({rate(med['dd_write']):.0f}); "
+          f"from /dev/zero {rate(best['dd_write_zero']):.0f} ({rate(med['dd_write_zero']):.0f})")
+    print(f"dd read warm {rate(best['dd_read_warm']):6.0f} MB/s ({rate(med['dd_read_warm']):.0f}); "
+          f"cold {rate(best['dd_read_cold']):.0f} ({rate(med['dd_read_cold']):.0f})")
+    for v in variants:
+        for what, ddk in (("save", "dd_write"), ("load_warm", "dd_read_warm"), ("load_cold", "dd_read_cold")):
+            k = f"{v}_{what}"
+            print(f"{v:5} {what:10} {rate(best[k]):6.0f} MB/s ({rate(med[k]):5.0f})  ratio to dd "
+                  f"{best[ddk] / best[k]:5.2f} (median {med[ddk] / med[k]:4.2f})  (goal >= 0.5)")
+    save = best["hpcx_save"]
+    print(f"async pause {best['pause']:.3f} s vs sync save {save:.3f} s: ratio {best['pause'] / save:5.2f} "
+          f"(goal <= 0.25); async total {best['async_total']:.3f} s")
 
 
 if __name__ == "__main__":

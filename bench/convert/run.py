@@ -4,9 +4,11 @@
 
 Builds a DCP checkpoint of ``--size-mb`` MB (model-only, fp32, largest tensor ``--largest-mb``),
 then runs each direction in a fresh process and reads that process's peak RSS (VmHWM):
-dcp->safetensors, safetensors->dcp, dcp->torch (not streamed, by necessity), torch->dcp, and
-torch's own ``dcp_to_torch_save`` (loads everything first) for comparison. ``dd`` writes the same
-bytes with ``conv=fdatasync`` in the same folder for the throughput ratio. The baseline RSS of a
+dcp->safetensors, safetensors->dcp, dcp->torch (not streamed, by necessity), torch->dcp (streamed
+by ``TorchZip``), the same with the old reader (``torch.load(mmap=True)``, the fallback) for a
+before/after in one run, and torch's own ``dcp_to_torch_save`` (loads everything first) for
+comparison. ``dd`` writes the same number of random bytes (from a file in the page cache) with
+``conv=fdatasync`` in the same folder for the throughput ratio. The baseline RSS of a
 process that has only imported torch is printed too, and each peak minus that baseline. Goals: >= 0.3x dd; for the streamed
 directions peak RSS <= largest tensor + 256 MB.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,7 +39,11 @@ BODIES = {
     "dcp -> safetensors": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'safetensors')",
     "safetensors -> dcp": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
     "dcp -> torch (not streamed)": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'torch')",
-    "torch -> dcp": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
+    "torch -> dcp (streamed)": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
+    "torch -> dcp (old: mmap)": "import trainer.ckpt_formats as f, trainer.torch_zip as z\n"
+                                "def no(*a, **k): raise z.Unsupported('bench: old path')\n"
+                                "f.TorchZip = no\n"
+                                "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
     "dcp_to_torch_save (torch's)": "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as c; "
                                    "c(sys.argv[1], sys.argv[2])",
 }
@@ -65,11 +72,15 @@ def child(name: str, *args: str) -> dict:
 
 
 def dd_write(path: Path, size_mb: int) -> float:
+    """Seconds to write ``size_mb`` MB of random bytes (source in the page cache) with fdatasync."""
+    src = path.with_suffix(".src")
+    src.write_bytes(os.urandom(size_mb * MB))
     t = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={size_mb}", "conv=fdatasync"],
+    subprocess.run(["dd", f"if={src}", f"of={path}", "bs=1M", f"count={size_mb}", "conv=fdatasync"],
                    check=True, capture_output=True)
     elapsed = time.perf_counter() - t
     path.unlink()
+    src.unlink()
     return elapsed
 
 
@@ -95,7 +106,8 @@ def run(args: argparse.Namespace, root: Path) -> None:
     base = child("baseline (import torch)")["peak_rss"]
     print(f"baseline RSS after importing torch: {base / MB:.0f} MB")
     steps = [("dcp -> safetensors", ckpt, root / "out.safetensors"), ("safetensors -> dcp", root / "out.safetensors", root / "back1"),
-             ("dcp -> torch (not streamed)", ckpt, root / "out.pt"), ("torch -> dcp", root / "out.pt", root / "back2"),
+             ("dcp -> torch (not streamed)", ckpt, root / "out.pt"), ("torch -> dcp (streamed)", root / "out.pt", root / "back2"),
+             ("torch -> dcp (old: mmap)", root / "out.pt", root / "back3"),
              ("dcp_to_torch_save (torch's)", ckpt, root / "ref.pt")]
     print(f"{'direction':30} {'MB/s':>7} {'x dd':>6} {'peak RSS MB':>12} {'/ckpt':>6} {'/largest':>9} {'-largest MB':>12} {'-baseline MB':>13}")
     for name, src, dst in steps:

@@ -1,0 +1,378 @@
+"""Read ``torch.save`` zip archives one tensor at a time, without running code from them.
+
+A ``torch.save`` file (and every tensor blob inside a DCP shard) is a zip of
+stored (uncompressed) records: ``<root>/data.pkl`` (the pickled object, where
+each storage is a persistent id) and one ``<root>/data/<key>`` record per
+storage, its bytes aligned to 64. ``TorchZip`` parses the central directory
+with ``zipfile``, unpickles ``data.pkl`` through ``TensorUnpickler`` — an
+allow-list of what a state dict of tensors needs (``_rebuild_tensor_v2/v3``,
+``_rebuild_parameter``, storage classes, dtypes, ``torch.Size``,
+``OrderedDict``); any other global raises ``Unsupported`` before it is looked
+up — and records for every tensor its storage key, dtype, element offset, size
+and stride (``TensorRef``) without reading data. Each tensor is then read on
+request straight from its record into a fresh buffer (``read``) or into an
+existing tensor (``readinto``), so memory holds one tensor at a time.
+
+Record bytes are read by offset, never through ``zipfile``'s readers: like
+``torch.load``, this does not check the records' CRC32 (hpcx writes DCP shards
+with CRC32 off; see docs/checkpoints.md). Every record a tensor needs is
+checked to lie inside the archive before any data is read.
+
+``Unsupported`` means "a layout this reader does not handle" (legacy non-zip
+files, big-endian data, quantized/sparse tensors, a global outside the list):
+callers fall back to ``torch.load(weights_only=True)``, which either loads it
+safely or refuses it. ``ConfigError`` means the archive is damaged.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import io
+import pickle
+import struct
+import sys
+import threading
+import typing as tp
+import warnings
+import zipfile
+from contextlib import contextmanager
+
+import torch
+
+from hpc.config import ConfigError
+
+MAX_PICKLE = 256 * 2**20  # a state dict's data.pkl is small; refuse absurd ones rather than read them
+
+
+class Unsupported(Exception):
+    """A valid-looking archive in a layout this reader does not handle; fall back to torch.load."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: torch.dtype
+    numel: int  # in elements of ``dtype``
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """Where one tensor's bytes are: storage record ``key``, and the view on it."""
+
+    storage: StorageRef
+    dtype: torch.dtype
+    offset: int  # in elements of ``dtype``
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n
+
+    def span(self) -> tuple[int, int]:
+        """[first, last+1) element index of the storage this view touches."""
+        if self.numel == 0:
+            return self.offset, self.offset
+        last = self.offset + sum((s - 1) * st for s, st in zip(self.size, self.stride))
+        return self.offset, last + 1
+
+    def is_contiguous(self) -> bool:
+        expected, contiguous = 1, True
+        for s, st in reversed(list(zip(self.size, self.stride))):
+            if s != 1 and st != expected:
+                contiguous = False
+            expected *= s
+        return contiguous
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+
+class _Refs:
+    """Collects the TensorRefs created while unpickling; stands in each tensor by a meta tensor."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, TensorRef] = {}
+
+    def tensor(self, storage: tp.Any, offset: tp.Any, size: tp.Any, stride: tp.Any, dtype: torch.dtype,
+               backward_hooks: tp.Any, metadata: tp.Any) -> torch.Tensor:
+        if not isinstance(storage, StorageRef):
+            raise Unsupported(f"tensor over a {type(storage).__name__}, expected a stored storage")
+        if backward_hooks or metadata:
+            raise Unsupported("tensor with backward hooks or conj/neg metadata")
+        try:
+            size_t, stride_t, off = tuple(int(s) for s in size), tuple(int(s) for s in stride), int(offset)
+        except (TypeError, ValueError):
+            raise Unsupported("tensor with non-integer size, stride or offset") from None
+        if len(size_t) != len(stride_t) or off < 0 or any(s < 0 for s in size_t + stride_t):
+            raise Unsupported(f"tensor view size={size_t} stride={stride_t} offset={off}")
+        ref = TensorRef(storage, dtype, off, size_t, stride_t)
+        if dtype.itemsize != storage.dtype.itemsize and storage.dtype != torch.uint8:
+            raise Unsupported(f"tensor of {dtype} over a {storage.dtype} storage")
+        placeholder = torch.empty_strided(size_t, stride_t, dtype=dtype, device="meta")
+        self.by_id[id(placeholder)] = ref
+        return placeholder
+
+    def v2(self, storage, offset, size, stride, requires_grad, backward_hooks, metadata=None):  # noqa: ANN
+        dtype = storage.dtype if isinstance(storage, StorageRef) else None
+        return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
+
+    def v3(self, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):  # noqa: ANN
+        if not isinstance(dtype, torch.dtype):
+            raise Unsupported(f"tensor dtype {dtype!r}")
+        return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
+
+    def parameter(self, data, requires_grad, backward_hooks):  # noqa: ANN
+        if not isinstance(data, torch.Tensor) or id(data) not in self.by_id or backward_hooks:
+            raise Unsupported("parameter that is not a plain stored tensor")
+        return data
+
+
+@functools.cache
+def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
+    """``FloatStorage`` -> torch.float32 & co.: the storage classes torch.save names in its pickles."""
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # touching TypedStorage classes warns that they are deprecated
+        for name in dir(torch):
+            if name.endswith("Storage") and not name.startswith(("Typed", "Untyped", "Q")):
+                dtype = getattr(getattr(torch, name), "dtype", None)
+                if isinstance(dtype, torch.dtype):
+                    out[name] = dtype
+    return out
+
+
+class TensorUnpickler(pickle.Unpickler):
+    """Unpickles a ``data.pkl`` admitting only what a state dict of tensors needs; no data is read."""
+
+    def __init__(self, data: bytes, refs: _Refs):
+        super().__init__(io.BytesIO(data))
+        self.refs = refs
+        self.allowed: dict[tuple[str, str], tp.Any] = {
+            ("torch._utils", "_rebuild_tensor_v2"): refs.v2,
+            ("torch._utils", "_rebuild_tensor_v3"): refs.v3,
+            ("torch._utils", "_rebuild_parameter"): refs.parameter,
+            ("collections", "OrderedDict"): collections.OrderedDict,
+            ("torch", "Size"): torch.Size,
+            ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
+            ("torch", "UntypedStorage"): _StorageType(torch.uint8),
+        }
+
+    def find_class(self, module: str, name: str) -> tp.Any:
+        if (module, name) in self.allowed:
+            return self.allowed[(module, name)]
+        if module == "torch" and isinstance(name, str) and name.isidentifier():
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return value
+            if name in _legacy_storage_dtypes():
+                return _StorageType(_legacy_storage_dtypes()[name])  # torch.FloatStorage & co.
+        raise Unsupported(f"pickle global {module}.{name}")
+
+    def persistent_load(self, pid: tp.Any) -> tp.Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")
+                and isinstance(pid[1], _StorageType) and isinstance(pid[4], int)):
+            raise Unsupported(f"persistent id {pid!r:.80}")
+        key = pid[2].decode() if isinstance(pid[2], bytes) else pid[2]
+        if not isinstance(key, str):
+            raise Unsupported(f"storage key {key!r}")
+        return StorageRef(key, pid[1].dtype, pid[4])
+
+
+class TorchZip:
+    """One ``torch.save`` archive at ``[base, base+length)`` of the open file ``f``, read lazily.
+
+    ``obj`` is the unpickled object with every tensor replaced by a meta-device placeholder
+    of the right dtype, shape and stride; ``ref(t)`` gives a placeholder's ``TensorRef``.
+    Raises ``Unsupported`` (fall back to torch.load) or ``ConfigError`` (damaged).
+    """
+
+    def __init__(self, f: tp.BinaryIO, source: str, base: int = 0, length: int | None = None):
+        self.f, self.source, self.base = f, source, base
+        whole = base == 0 and length is None
+        if length is None:
+            f.seek(0, 2)
+            length = f.tell() - base
+        self.length = length
+        self.offsets: dict[str, int] = {}
+        try:
+            infos = zipfile.ZipFile(f if whole else _Window(f, base, length)).infolist()  # type: ignore[arg-type]
+        except zipfile.BadZipFile as exc:
+            raise ConfigError([f"{source}: not a complete torch.save zip, truncated or damaged ({exc})"]) from None
+        pkl = [i for i in infos if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise Unsupported("no single <root>/data.pkl record (TorchScript or another zip)")
+        self.root = pkl[0].filename[: -len("data.pkl")]
+        self.records = {i.filename[len(self.root):]: i for i in infos if i.filename.startswith(self.root)}
+        order = self._record_bytes("byteorder", 16) if "byteorder" in self.records else sys.byteorder.encode()
+        if order.decode(errors="replace") != sys.byteorder:
+            raise Unsupported(f"byte order {order!r}")
+        refs = _Refs()
+        try:
+            self.obj = TensorUnpickler(self._record_bytes("data.pkl", MAX_PICKLE), refs).load()
+        except Unsupported:
+            raise
+        except ConfigError:
+            raise
+        except Exception as exc:  # garbled pickle: many exception types
+            raise ConfigError([f"{source}: unreadable data.pkl ({type(exc).__name__}: {exc})"]) from None
+        self.refs = refs.by_id
+        for ref in self.refs.values():  # every record is checked before any tensor is read
+            self._check(ref)
+
+    def ref(self, placeholder: torch.Tensor) -> TensorRef | None:
+        return self.refs.get(id(placeholder))
+
+    def _data_offset(self, name: str) -> tuple[int, int]:
+        """(absolute file offset of the record's bytes, record size)."""
+        info = self.records.get(name)
+        if info is None:
+            raise ConfigError([f"{self.source}: record {self.root}{name} is missing"])
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise Unsupported(f"compressed record {name}")
+        if name not in self.offsets:
+            self.f.seek(self.base + info.header_offset)
+            head = self.f.read(30)
+            if len(head) != 30 or head[:4] != b"PK\x03\x04":
+                raise ConfigError([f"{self.source}: record {self.root}{name} has no local header "
+                                   f"at byte {info.header_offset} (damaged)"])
+            n, m = struct.unpack("<HH", head[26:30])
+            self.offsets[name] = info.header_offset + 30 + n + m
+        start = self.offsets[name]
+        if start + info.file_size > self.length:
+            raise ConfigError([f"{self.source}: record {self.root}{name} ends at byte {start + info.file_size}, "
+                               f"past the end ({self.length}); truncated"])
+        return self.base + start, info.file_size
+
+    def _record_bytes(self, name: str, limit: int) -> bytes:
+        pos, size = self._data_offset(name)
+        if size > limit:
+            raise ConfigError([f"{self.source}: record {self.root}{name} is implausibly large ({size} bytes)"])
+        self.f.seek(pos)
+        data = self.f.read(size)
+        if len(data) != size:
+            raise ConfigError([f"{self.source}: record {self.root}{name} is truncated"])
+        return data
+
+    def _check(self, ref: TensorRef) -> tuple[int, int]:
+        """(absolute offset of the view's first byte, byte count of its span); ConfigError if out of range."""
+        pos, size = self._data_offset(f"data/{ref.storage.key}")
+        isz = ref.dtype.itemsize
+        expected = ref.storage.numel * ref.storage.dtype.itemsize
+        first, end = ref.span()
+        if size != expected or end * isz > size:
+            raise ConfigError([f"{self.source}: record {self.root}data/{ref.storage.key} holds {size} bytes; "
+                               f"the pickle expects {expected} (view up to byte {end * isz})"])
+        return pos + first * isz, (end - first) * isz
+
+    def read(self, ref: TensorRef) -> torch.Tensor:
+        """A fresh tensor equal to what ``torch.load`` gives (same dtype, shape, stride and bytes)."""
+        if ref.numel == 0:
+            return torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype)
+        pos, nbytes = self._check(ref)
+        buf = torch.empty(nbytes // ref.dtype.itemsize, dtype=ref.dtype)
+        read_exact(self.f, pos, buf, self.source)
+        return buf if ref.is_contiguous() and buf.shape == ref.size else buf.as_strided(ref.size, ref.stride)
+
+    def readinto(self, ref: TensorRef, out: torch.Tensor) -> bool:
+        """Read straight into ``out`` when it is contiguous and matches; False (nothing read) otherwise."""
+        if not (ref.is_contiguous() and out.is_contiguous() and out.dtype == ref.dtype
+                and tuple(out.shape) == ref.size and out.device.type == "cpu"):
+            return False
+        if ref.numel:
+            pos, _ = self._check(ref)
+            read_exact(self.f, pos, out, self.source)
+        return True
+
+
+class _Window(io.RawIOBase):
+    """``[base, base+length)`` of ``f`` as a seekable file, for ``zipfile``."""
+
+    def __init__(self, f: tp.BinaryIO, base: int, length: int):
+        super().__init__()
+        self.f, self.base, self.length, self.pos = f, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, min(self.length, {0: 0, 1: self.pos, 2: self.length}[whence] + pos))
+        return self.pos
+
+    def readinto(self, buf: tp.Any) -> int:
+        view = memoryview(buf).cast("B")
+        n = min(len(view), self.length - self.pos)
+        if n <= 0:
+            return 0
+        self.f.seek(self.base + self.pos)
+        got = self.f.readinto(view[:n]) or 0
+        self.pos += got
+        return got
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def read_exact(f: tp.BinaryIO, pos: int, out: torch.Tensor, source: str) -> None:
+    """Fill the contiguous tensor ``out`` with the bytes at ``pos`` of ``f``; ConfigError if the file ends."""
+    view = byte_view(out)
+    f.seek(pos)
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise ConfigError([f"{source}: ends at byte {pos + done}, {len(view) - done} bytes short; truncated"])
+        done += got
+
+
+# ---------------------------------------------------------------- CRC32 off, this thread only
+
+_crc = threading.local()
+
+
+def _install_crc_switch() -> None:
+    """Make ``torch.serialization.get_crc32_options`` answer False in threads inside ``no_crc32``.
+
+    torch reads the option once per ``torch.save``, through that module-level function; every
+    other thread (and every thread outside the context) gets torch's own setting unchanged.
+    """
+    current = torch.serialization.get_crc32_options
+    if getattr(current, "_hpcx_thread_local", False):
+        return
+
+    def get_crc32_options() -> bool:
+        return False if getattr(_crc, "off", 0) else current()
+
+    get_crc32_options._hpcx_thread_local = True  # type: ignore[attr-defined]
+    get_crc32_options.__doc__ = current.__doc__
+    torch.serialization.get_crc32_options = get_crc32_options
+
+
+@contextmanager
+def no_crc32() -> tp.Iterator[None]:
+    """``torch.save`` calls made by *this thread* inside the block write no CRC32 (0 in the zip).
+
+    Safe next to other threads: the switch is thread-local, so a ``torch.save`` running
+    elsewhere at the same time (the training loop, an async save) keeps its own setting.
+    """
+    _install_crc_switch()
+    _crc.off = getattr(_crc, "off", 0) + 1
+    try:
+        yield
+    finally:
+        _crc.off -= 1
