@@ -217,6 +217,29 @@ def cancel(ref: str) -> None:
     click.echo(f"cancelled {run_dir.name}")
 
 
+@cli.command()
+@click.argument("ref", metavar="RUN")
+@click.option("--at-step", "at_step", default=None, metavar="N", help="First wait until metrics.jsonl shows step ≥ N.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def drill(ref: str, at_step: str | None, as_json: bool) -> None:
+    """Rehearse a preemption: send the job's tasks USR2 (Slurm: scancel --signal=USR2).
+
+    Waits until the job is training (and, with --at-step, has reached step N). The trainer then
+    saves at the next step boundary, requeues itself once and resumes from that checkpoint.
+    """
+    from hpc import runs
+    from hpc.drill import drill as send_drill, parse_step
+
+    step = parse_step(at_step)
+    run_dir = runs.find_run(ref, run_roots())
+    done = send_drill(run_dir, step, on_wait=lambda message: None if as_json else click.echo(message, err=True))
+    if as_json:
+        echo_json(done)
+        return
+    at = f" at step {done['step']}" if done["step"] is not None else ""
+    click.echo(f"drilled job {done['job_id']}{at}: sent {done['signal']} to {', '.join(done['targets'])}")
+
+
 @cli.group()
 def site() -> None:
     """Site profiles: list, show, detect."""

@@ -72,6 +72,7 @@ class Trainer:
     scaler: tp.Any = None  # a GradScaler for fp16
     preemption: PreemptionFlag | None = None
     warmup_metrics_steps: int = 2
+    resilience: tp.Any = None  # a trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -138,11 +139,11 @@ def step_record(t: Trainer, state: TrainState, loss: float, norm: torch.Tensor, 
 def step_boundary(t: Trainer, state: TrainState) -> bool:
     """Called once after every optimizer step, on every rank; True stops the loop.
 
-    The one place for issue 4: every ``checkpoint.interval_steps`` / ``interval_minutes``, and
-    when the preemption flag is agreed, all ranks call ``trainer.checkpoint.save_checkpoint(
-    run_dir, state.step, t.model, t.optimizer, t.scheduler, state.state_dict(), ...)``; after a
-    preemption save the loop stops and one rank requeues.
+    With a ``Resilience`` (``run_rank`` attaches one): interval, final and preemption saves, and the
+    stop after a preemption save (``trainer.resilience``). Without one, only the agreed preemption flag.
     """
+    if t.resilience is not None:
+        return t.resilience.boundary(t, state)
     return t.preemption is not None and t.preemption.agreed(t.device)
 
 

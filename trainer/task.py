@@ -19,19 +19,25 @@ class TrainTask:
         self.run_dir = str(run_dir)
 
     def __call__(self) -> dict[str, tp.Any] | None:
-        from trainer.preemption import PreemptionFlag
-        from trainer.train import run_rank
+        from trainer.preemption import PreemptionFlag  # no torch: installed before torch is imported
 
         # submitit has installed its USR2 handler by now; the flag handler replaces it (see preemption.py).
         preemption = PreemptionFlag().install()
+        from trainer.train import run_rank
+
         result = run_rank(self.run_dir, preemption=preemption)
         atexit.register(exit_without_native_teardown)
         return result
 
-    def checkpoint(self, *args: tp.Any, **kwargs: tp.Any) -> None:
-        """submitit's requeue hook. Unused: preemption is flag-driven (every rank saves at a step
-        boundary, one rank requeues), and USR2 no longer reaches submitit's handler. Returns None."""
-        return None
+    def checkpoint(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
+        """submitit's requeue hook, reached only if the preemption signal arrives in the short window
+        after submitit installed its handler and before ``__call__`` replaced it with the flag
+        handler, i.e. before training started. Nothing is lost then: submitit may requeue this same
+        task (it resumes from the newest committed checkpoint). Once the flag handler is installed,
+        submitit's handler never runs, so the trainer's requeue is the only one."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(TrainTask(self.run_dir))
 
     def __repr__(self) -> str:
         return f"TrainTask({self.run_dir!r})"

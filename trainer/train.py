@@ -24,6 +24,7 @@ from trainer.model import build_model, model_blocks, model_shape, seq_len_of, vo
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import autocast_dtype, build_mesh, parallelize
 from trainer.preemption import PreemptionFlag
+from trainer.resilience import resilience_for
 from trainer.run import Run, load_run
 
 log = logging.getLogger("hpcx.trainer")
@@ -40,25 +41,29 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
     log.info("rank %d/%d on %s via %s: strategy %s/%s, mesh replicate=%d × shard=%d, grad_accum=%d",
              env.rank, env.world_size, env.hostname, env.launcher, launch.strategy, launch.sharding,
              launch.replicate, launch.shard, launch.grad_accum)
+    guard = resilience_for(run, env.rank, preemption)
     try:
         device = join_job(run, env, launch)
         trainer, state = build_trainer(dataclasses.replace(run, launch=launch), env.rank, device, preemption)
+        trainer.resilience = guard
         result = train(trainer, resume(trainer, state))
-    except BaseException:
+    except BaseException as exc:
         log.exception("training failed on rank %d", env.rank)
+        guard.failed(exc)  # rank 0: ledger line; one requeue unless cancelled or no progress
         flush_logging()
         raise
     shutdown(run.spec.parallel.timeout_s)
+    guard.stopped()  # rank 0: ledger line; after a preemption, the one requeue
     flush_logging()
     return result if env.is_rank0 else None
 
 
 def resume(trainer: Trainer, state: TrainState) -> TrainState:
-    """Seam for issue 4: when ``checkpoint.resume`` and ``trainer.checkpoint.latest_checkpoint(run_dir)``
-    finds a committed step folder, ``state.load_state_dict(load_checkpoint(path, trainer.model,
-    trainer.optimizer, trainer.scheduler))``; ``loop.train`` then repositions the sampler from
-    ``state.sampler`` (in global samples, so any world size continues exactly)."""
-    return state
+    """When ``checkpoint.resume``: load the newest committed checkpoint of the run folder (all ranks)
+    into the model, optimizer, scheduler, ``state`` and this rank's RNG (``trainer.resilience``);
+    ``loop.train`` then repositions the sampler from ``state.sampler`` (global samples, so any world
+    size continues exactly). Without a ``Resilience`` attached, ``state`` as it is."""
+    return trainer.resilience.resume(trainer, state) if trainer.resilience is not None else state
 
 
 def set_cpu_threads(launch: Launch) -> None:

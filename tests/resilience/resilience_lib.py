@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 from hpc import runs
-from tests.conftest import hpcx
+from tests.conftest import REPO, hpcx
 
 TINY_SEQ, TINY_VOCAB = 64, 256
 
@@ -63,12 +67,18 @@ def same_checkpoint_tensors(a: Path, b: Path, prefixes: tuple[str, ...] = ("mode
         rb.close()
 
 
-def submit(job: str, *sets: str, env: dict | None = None, timeout: float = 300) -> Path:
-    """``hpcx submit JOB --set ... --json``; the run folder."""
-    args = [a for s in sets for a in ("--set", s)]
-    out = hpcx("submit", job, *args, "--json", env=env, timeout=timeout)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return Path(json.loads(out.stdout)["run_dir"])
+def submit(job: str, *sets: str, site: str | None = None, env: dict | None = None, timeout: float = 300) -> Path:
+    """``hpcx submit JOB --set ... --json``; the run folder. Output goes through a file, not a pipe:
+    a local job's controller inherits the descriptors and would hold a pipe open until it ends."""
+    args = [a for s in sets for a in ("--set", s)] + (["--site", site] if site else [])
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        code = subprocess.run([sys.executable, "-m", "hpc.cli", "submit", job, *args, "--json"], stdout=out,
+                              stderr=err, timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO).returncode
+        out.seek(0)
+        err.seek(0)
+        text = out.read()
+        assert code == 0, text + err.read()
+    return Path(json.loads(text)["run_dir"])
 
 
 def wait_state(run_dir: Path, states: tuple[str, ...], timeout: float = 300, env: dict | None = None) -> dict:

@@ -148,3 +148,14 @@ def test_local_task_pids_are_the_controllers_children():
             os.kill(pid, signal.SIGKILL)
         parent.kill()
         parent.wait()
+
+
+def test_drill_imports_no_torch(tmp_path: Path):
+    from tests.test_cli import PROBE
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "resolved.json").write_text("{}")
+    out = subprocess.run([sys.executable, "-c", PROBE, "drill", str(run), "--at-step", "2"], capture_output=True,
+                         text=True, timeout=60)
+    assert "never submitted" in out.stderr and "HEAVY=\n" in out.stderr + "\n", out.stderr[-2000:]

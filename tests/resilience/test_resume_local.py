@@ -29,7 +29,8 @@ STEPS = 100
 
 
 def sets(root: Path, tokens: Path, *extra: str) -> list[str]:
-    return [f"job.run_root={json.dumps(str(root))}", 'parallel.strategy="fsdp"', f"data.source={json.dumps(str(tokens))}",
+    return [f"job.run_root={json.dumps(str(root))}", 'parallel.strategy="fsdp"',
+            f"data.source={json.dumps(str(tokens))}",
             "data.shuffle=true", "model.dropout=0.1", f"train.steps={STEPS}", "train.log_every=1",
             "train.global_batch=16", "checkpoint.interval_steps=25", "checkpoint.keep=2", *extra]
 
@@ -86,7 +87,8 @@ def test_drilled_local_run_requeues_resumes_and_matches(reference, workdir):
 
 
 def torchrun(run: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "-m", "trainer", str(run)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+           "-m", "trainer", str(run)]
     return subprocess.Popen(cmd, env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
 
@@ -125,6 +127,8 @@ def test_torchrun_preempted_then_killed_then_resumed_matches(reference, tmp_path
 
     second = torchrun(run)  # killed without a word past the next interval checkpoint
     killed_after = wait_for_step(run, max(stop0["step"], 25) + 3, second)
+    for pid in workers(second.pid):  # the workers, then the agent (they are not in its process group)
+        os.kill(pid, signal.SIGKILL)
     os.killpg(second.pid, signal.SIGKILL)
     second.communicate(timeout=60)
 
@@ -157,3 +161,18 @@ def test_a_deterministic_failure_is_requeued_once_then_not_again(workdir):
     assert lines[3]["reason"] == "failed" and not lines[3]["requeued"]
     assert lines[3]["not_requeued"] == "failed twice at step 4 without progress"
     assert lines[2]["steps_recomputed"] == 1
+
+
+def test_a_preemption_past_max_requeues_saves_and_fails_loudly(workdir):
+    root, tokens = workdir
+    run = submit(JOB, *sets(root, tokens, "job.name=no-requeue", "job.max_requeues=0", "job.tasks_per_node=1",
+                            'parallel.strategy="none"'))
+    out = hpcx("drill", str(run), "--at-step", "2", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert wait_state(run, ("COMPLETED", "FAILED"))["state"] == "FAILED"
+    start, stop = ledger(run)
+    assert stop["reason"] == "preempted" and not stop["requeued"]
+    assert stop["not_requeued"].startswith("job.max_requeues = 0 reached")
+    assert checkpoint_steps(run)[-1] == stop["step"]  # saved before giving up
+    result = hpcx("status", str(run), "--json")
+    assert json.loads(result.stdout)["restarts"] == 0
