@@ -46,9 +46,9 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch import nn
 
 from hpc.config import ConfigError
-from trainer.ckpt_formats import DcpReader, FileSlice, dcp_problems, fsync_dir, unflatten
+from trainer.ckpt_formats import DcpReader, dcp_problems, fsync_dir, unflatten
 from trainer.safe_pickle import load_dcp_metadata
-from trainer.torch_zip import TorchZip, Unsupported, no_crc32
+from trainer.torch_zip import FileSlice, TorchZip, Unsupported, no_crc32
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")

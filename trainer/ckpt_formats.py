@@ -48,7 +48,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from hpc.config import ConfigError
 from trainer.safe_pickle import METADATA_FILE, load_dcp_metadata
-from trainer.torch_zip import TorchZip, Unsupported, no_crc32
+from trainer.torch_zip import FileSlice, TorchZip, Unsupported, no_crc32
 
 Path_ = tuple  # object path: tuple of str keys and int list indices
 Progress = tp.Callable[[int], None]
@@ -125,38 +125,6 @@ def unflatten(flat: dict[str, tp.Any], paths: dict[str, Path_]) -> dict[str, tp.
 
 
 # ---------------------------------------------------------------- DCP
-
-
-class FileSlice(io.RawIOBase):
-    """A read-only window ``[offset, offset+length)`` of an open file, for ``torch.load``."""
-
-    def __init__(self, f: tp.BinaryIO, offset: int, length: int):
-        super().__init__()
-        self.f, self.start, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self.pos, 2: self.length}[whence]
-        self.pos = max(0, min(self.length, base + pos))
-        return self.pos
-
-    def readinto(self, buf: tp.Any) -> int:
-        view = memoryview(buf).cast("B")
-        n = min(len(view), self.length - self.pos)
-        if n <= 0:
-            return 0
-        self.f.seek(self.start + self.pos)
-        got = self.f.readinto(view[:n])
-        self.pos += got
-        return got
 
 
 def dcp_problems(path: str | Path, metadata: dcp_md.Metadata | None = None) -> list[str]:

@@ -203,7 +203,7 @@ class TorchZip:
         self.length = length
         self.offsets: dict[str, int] = {}
         try:
-            infos = zipfile.ZipFile(f if whole else _Window(f, base, length)).infolist()  # type: ignore[arg-type]
+            infos = zipfile.ZipFile(f if whole else FileSlice(f, base, length)).infolist()  # type: ignore[arg-type]
         except zipfile.BadZipFile as exc:
             raise ConfigError([f"{source}: not a complete torch.save zip, truncated or damaged ({exc})"]) from None
         pkl = [i for i in infos if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
@@ -292,12 +292,13 @@ class TorchZip:
         return True
 
 
-class _Window(io.RawIOBase):
-    """``[base, base+length)`` of ``f`` as a seekable file, for ``zipfile``."""
+class FileSlice(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset+length)`` of an open file (for ``zipfile``
+    and ``torch.load``)."""
 
-    def __init__(self, f: tp.BinaryIO, base: int, length: int):
+    def __init__(self, f: tp.BinaryIO, offset: int, length: int):
         super().__init__()
-        self.f, self.base, self.length, self.pos = f, base, length, 0
+        self.f, self.start, self.length, self.pos = f, offset, length, 0
 
     def readable(self) -> bool:
         return True
@@ -317,7 +318,7 @@ class _Window(io.RawIOBase):
         n = min(len(view), self.length - self.pos)
         if n <= 0:
             return 0
-        self.f.seek(self.base + self.pos)
+        self.f.seek(self.start + self.pos)
         got = self.f.readinto(view[:n]) or 0
         self.pos += got
         return got
