@@ -166,6 +166,13 @@ def write_world(run_dir: Path, hosts: list[str], total: int, backend: str) -> No
     tmp.replace(run_dir / "world.json")
 
 
+def write_mesh(run_dir: Path, groups: dict[str, list[list[int]]]) -> None:
+    """Rank 0's ``mesh.json``: the rank groups of each mesh dimension (hosts are in world.json)."""
+    tmp = run_dir / "mesh.json.tmp"
+    tmp.write_text(json.dumps(groups, indent=1) + "\n")
+    tmp.replace(run_dir / "mesh.json")
+
+
 def monitored_barrier(timeout_s: int) -> None:
     """A barrier that names absent ranks instead of hanging (gloo; on NCCL a gloo side group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

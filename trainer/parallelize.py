@@ -51,6 +51,16 @@ def build_mesh(launch: Launch, device_type: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
 
 
+def mesh_groups(mesh: DeviceMesh) -> dict[str, list[list[int]]]:
+    """For each mesh dimension, the rank groups that communicate along it (e.g. HSDP's shard groups)."""
+    ranks = mesh.mesh
+    groups = {}
+    for dim, name in enumerate(mesh.mesh_dim_names or [str(d) for d in range(ranks.ndim)]):
+        moved = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim])
+        groups[name] = moved.tolist()
+    return groups
+
+
 def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, launch: Launch,
                 mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
     """Apply activation checkpointing, compile, then the launch's data parallelism; returns the model to train."""

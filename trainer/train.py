@@ -17,12 +17,12 @@ import torch
 from hpc.resolve import Launch
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, check_world, detect_rank_env, device_for, init_distributed,
-                          init_single, shutdown, write_world)
+                          init_single, shutdown, write_mesh, write_world)
 from trainer.loop import Trainer, TrainState, train
 from trainer.metrics import MetricsWriter, flush_logging, setup_logging
 from trainer.model import build_model, model_blocks, model_shape, seq_len_of, vocab_size_of
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallelize import autocast_dtype, build_mesh, parallelize
+from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize
 from trainer.preemption import PreemptionFlag
 from trainer.resilience import resilience_for
 from trainer.run import Run, load_run
@@ -122,6 +122,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     model = build_model(spec.model)
     blocks = model_blocks(model, spec.model.blocks)
     mesh = build_mesh(launch, device.type)
+    if mesh is not None and rank == 0:
+        write_mesh(run.run_dir, mesh_groups(mesh))
     model = parallelize(model, blocks, spec.parallel, launch, mesh, device)
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     optimizer = build_optimizer(model, spec.train)

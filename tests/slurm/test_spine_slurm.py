@@ -152,3 +152,16 @@ def test_status_falls_back_without_sacct(sandbox, tmp_path):
             break
         time.sleep(1)
     assert gone["state"] == "CANCELLED"
+
+
+def test_hsdp_replicates_across_nodes_and_shards_within_one(sandbox):
+    out = hpcx("submit", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", "sandbox", "--set", "train.steps=4",
+               "--set", "checkpoint.interval_steps=0", "--wait", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run folder:")))
+    hosts = json.loads((run_dir / "world.json").read_text())["hosts"]
+    mesh = json.loads((run_dir / "mesh.json").read_text())
+    assert [[hosts[r] for r in g] for g in mesh["dp_shard"]] == [["n1", "n1"], ["n2", "n2"]]
+    assert all(sorted(hosts[r] for r in g) == ["n1", "n2"] for g in mesh["dp_replicate"])
+    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["loss"] > 0 for m in metrics)
