@@ -116,11 +116,12 @@ def follow(run_dir: Path, quiet: bool = False) -> dict:
     final = sub.wait(run_dir, show)
     final["result"] = describe_result(sub.result(run_dir))
     if not quiet:
-        click.echo(f"result: {final['result']}")
+        click.echo(f"result: {format_result(final['result'])}")
     return final
 
 
 def describe_result(outcome: tuple | None) -> tp.Any:
+    """Rank 0's summary dict, or a line saying why there is none."""
     if outcome is None:
         return "no result (the job did not finish its work)"
     kind, value = outcome
@@ -128,6 +129,17 @@ def describe_result(outcome: tuple | None) -> tp.Any:
         return value
     lines = str(value).strip().splitlines()
     return "failed: " + (lines[-1] if lines else "unknown error")
+
+
+def format_result(result: tp.Any) -> str:
+    """One line for people: steps, loss from first to last, throughput, ranks and strategy."""
+    if not isinstance(result, dict) or result.get("final_loss") is None:
+        return str(result)
+    losses = result.get("losses") or [result["final_loss"]]
+    rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
+    stop = " (stopped for a preemption)" if result.get("preempted") else ""
+    return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate} "
+            f"(median after warm-up), {result['world_size']} ranks, {result['strategy']}")
 
 
 def run_roots() -> list[Path]:

@@ -21,7 +21,7 @@ def test_main_job_runs_and_prints_result(run_root: Path):
     lines = out.stdout.splitlines()
     assert lines[0].startswith("submitted job ") and "local" in lines[0]
     result = next(l for l in lines if l.startswith("result: "))
-    assert "'final_loss'" in result or "final_loss" in result
+    assert result.startswith("result: 6 steps, loss ") and result.endswith("2 ranks, ddp")
     run_dir = Path(next(l.split(": ", 1)[1] for l in lines if l.startswith("run folder:")))
     assert run_dir.parent == run_root
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]

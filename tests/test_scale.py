@@ -22,7 +22,7 @@ from hpc.site import load_site
 from hpc.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "jobs" / "tiny-ddp.toml"
+TINY = REPO / "tests" / "data" / "tiny-scale.toml"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -142,7 +142,7 @@ def test_resolve_numbers():
     assert (launch.world_size, launch.replicate, launch.shard, launch.grad_accum) == (4, 2, 2, 1)
     spec = load_spec(REPO / "jobs/tiny-ddp.toml")
     launch = resolve(spec, load_site("local"))
-    assert (launch.world_size, launch.grad_accum, launch.backend) == (2, 2, "gloo")
+    assert (launch.world_size, launch.grad_accum, launch.backend) == (2, 4, "gloo")
 
 
 @pytest.mark.parametrize("kind", ["spec", "site"])

@@ -23,7 +23,7 @@ def per_rank_tokens(run_dir: Path, ranks: int, warmup: int) -> float:
 
 def test_weak_scaling_study_1_and_2_nodes(sandbox, tmp_path):
     site = load_site("sandbox")
-    study_dir = scale.start_study(REPO / "jobs" / "tiny-ddp.toml", site, ["job.tasks_per_node=2"], [1, 2],
+    study_dir = scale.start_study(REPO / "tests" / "data" / "tiny-scale.toml", site, ["job.tasks_per_node=2"], [1, 2],
                                   mode="weak", steps=STEPS)
     seen: list[tuple[int, str]] = []
     final = scale.follow_study(study_dir, lambda p, s: seen.append((p["nodes"], s)), poll_s=2, timeout_s=540)
