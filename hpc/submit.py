@@ -76,18 +76,25 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
     return Submitted(run_dir, str(job.job_id), site.scheduler.kind)
 
 
+# States nothing comes back from (a requeue passes through REQUEUED/PREEMPTED/FAILED, never these):
+# once recorded, the scheduler is not asked again, so `hpcx status` over many old runs stays fast.
+FINAL = ("COMPLETED", "CANCELLED")
+
+
 def job_state(run_dir: Path) -> scheduler.JobState:
     """The scheduler's current state; records it in states.jsonl when it changed."""
     info = runs.read_json(run_dir / "job.json")
     if not info:
         return scheduler.JobState("NOT SUBMITTED")
+    seen = runs.read_jsonl(run_dir / "states.jsonl")
+    if seen and seen[-1].get("state", "").startswith(FINAL):
+        return scheduler.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
     if info["scheduler"] == "slurm":
         state = scheduler.slurm_state(info["job_id"])
     else:
         state = scheduler.local_state(info["job_id"], run_dir / rnd.SUBMITIT_DIR)
-    seen = runs.read_jsonl(run_dir / "states.jsonl")
     if state.state != "UNKNOWN" and (not seen or seen[-1].get("state") != state.state):
-        runs.append_jsonl(run_dir / "states.jsonl", {"state": state.state, "time": time.time()})
+        runs.append_jsonl(run_dir / "states.jsonl", {"state": state.state, "nodes": state.nodes, "time": time.time()})
     return state
 
 
