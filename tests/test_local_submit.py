@@ -26,6 +26,7 @@ def test_main_job_runs_and_prints_result(run_root: Path):
     assert run_dir.parent == run_root
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert all(0 <= m["data_s"] < m["step_time_s"] for m in metrics)
     world = json.loads((run_dir / "world.json").read_text())
     assert world["world_size"] == 2 and world["all_reduce"] == 2
     status = json.loads(hpcx("status", str(run_dir), "--json").stdout)

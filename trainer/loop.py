@@ -129,10 +129,13 @@ def global_mean(value: torch.Tensor, world_size: int) -> float:
     return float(value)
 
 
-def step_record(t: Trainer, state: TrainState, loss: float, norm: torch.Tensor, lr: float, seconds: float) -> dict:
+def step_record(t: Trainer, state: TrainState, loss: float, norm: torch.Tensor, lr: float, seconds: float,
+                data_seconds: float) -> dict:
+    """One metrics.jsonl line; ``data_s`` is rank 0's wait for its micro-batches (the scaling report's
+    data share of the step)."""
     tokens_per_s = t.tokens_per_step / seconds
     return {"step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_time_s": seconds,
-            "mfu": mfu(t.flops_per_token, tokens_per_s, t.world_size, t.peak_tflops),
+            "data_s": data_seconds, "mfu": mfu(t.flops_per_token, tokens_per_s, t.world_size, t.peak_tflops),
             "mem_gb": memory_gb(t.device), "grad_norm": float(norm)}
 
 
@@ -154,21 +157,24 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
     accum = t.sampler.grad_accum
     history: list[dict] = []
     stopped = False
-    tic, last_logged = time.perf_counter(), state.step
+    tic, last_logged, data_s = time.perf_counter(), state.step, 0.0
     while state.step < t.steps and not stopped:
         lr = t.optimizer.param_groups[0]["lr"]
-        loss, norm = train_step(t, [next(batches) for _ in range(accum)])
+        fetch = time.perf_counter()
+        micro_batches = [next(batches) for _ in range(accum)]
+        data_s += time.perf_counter() - fetch
+        loss, norm = train_step(t, micro_batches)
         t.sampler.advance()
         state.step += 1
         state.tokens_seen += t.tokens_per_step
         state.sampler = t.sampler.state_dict()
         if state.step % t.log_every == 0 or state.step == t.steps:
             mean_loss = global_mean(loss, t.world_size)  # also waits for the step's work
-            toc = time.perf_counter()
-            history.append(step_record(t, state, mean_loss, norm, lr, (toc - tic) / (state.step - last_logged)))
+            toc, steps = time.perf_counter(), state.step - last_logged
+            history.append(step_record(t, state, mean_loss, norm, lr, (toc - tic) / steps, data_s / steps))
             t.metrics.write(history[-1])
             log.info(progress_line(history[-1], t.steps))
-            tic, last_logged = time.perf_counter(), state.step
+            tic, last_logged, data_s = time.perf_counter(), state.step, 0.0
         stopped = step_boundary(t, state)
     t.metrics.close()
     return summary(t, state, history, stopped)

@@ -58,7 +58,7 @@ def test_torchrun_two_ranks(tmp_path):
     assert world == {"world_size": 2, "all_reduce": 2, "hosts": [socket.gethostname()] * 2, "backend": "gloo"}
     assert len(read_losses(run_dir)) == 6
     record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert set(record) == {"step", "loss", "lr", "tokens_per_s", "step_time_s", "mfu", "mem_gb", "grad_norm"}
+    assert set(record) == {"step", "loss", "lr", "tokens_per_s", "step_time_s", "data_s", "mfu", "mem_gb", "grad_norm"}
     for rank in (0, 1):
         assert "all_reduce(1) = 2" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
 
