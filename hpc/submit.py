@@ -7,6 +7,8 @@ for Slurm sites, the local executor for ``local``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import sys
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc import render as rnd
+from hpc.config import ConfigError
 from hpc import runs, scheduler
 from hpc.resolve import Launch, resolved_document
 from hpc.site import SiteProfile
@@ -68,7 +71,7 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
         runs.write_json(run_dir / "resolved.json", doc)
         folder = run_dir / rnd.SUBMITIT_DIR
         runs.write_atomic(run_dir / "render.txt", rnd.render(spec, site, launch, str(run_dir), sys.executable))
-        job = make_executor(spec, site, launch, folder).submit(TrainTask(str(run_dir)))
+        job = submit_or_clean_up(make_executor(spec, site, launch, folder), TrainTask(str(run_dir)), run_dir)
         info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
                 "submitted_at": time.time(), "python": sys.executable}
         runs.write_json(run_dir / "job.json", info)
@@ -79,6 +82,20 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
 # States nothing comes back from (a requeue passes through REQUEUED/PREEMPTED/FAILED, never these):
 # once recorded, the scheduler is not asked again, so `hpcx status` over many old runs stays fast.
 FINAL = ("COMPLETED", "CANCELLED")
+
+
+def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
+    """Submit; if the scheduler refuses (bad partition, account, QOS …), remove the run folder
+    and say why in one line: no half-made run is left behind."""
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
+            return executor.submit(task)
+    except (FailedJobError, FailedSubmissionError, OSError) as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None
 
 
 def job_state(run_dir: Path) -> scheduler.JobState:

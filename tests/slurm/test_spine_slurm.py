@@ -165,3 +165,12 @@ def test_hsdp_replicates_across_nodes_and_shards_within_one(sandbox):
     assert all(sorted(hosts[r] for r in g) == ["n1", "n2"] for g in mesh["dp_replicate"])
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["loss"] > 0 for m in metrics)
+
+
+def test_a_refused_submission_is_one_line_and_leaves_no_run_folder(sandbox):
+    out = hpcx("submit", JOB, "--site", "sandbox", "--set", "job.partition=nosuch", "--set", "job.name=refused")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: the scheduler refused the job: ")
+    assert "partition" in lines[0].lower() and "Traceback" not in out.stderr
+    assert not [p for p in sandbox.iterdir() if p.name.startswith("refused-")]
