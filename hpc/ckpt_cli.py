@@ -10,13 +10,12 @@ behind. ``verify`` exits 1 when the checkpoints differ.
 
 from __future__ import annotations
 
-import json
 import re
 import typing as tp
 
 import click
 
-from hpc.clickutil import ErrorsGroup
+from hpc.clickutil import ErrorsGroup, echo_json, json_option
 from hpc.config import ConfigError
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -48,7 +47,7 @@ def ckpt_group() -> None:
 
 @ckpt_group.command("inspect")
 @click.argument("path", type=click.Path())
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of text.")
+@json_option
 def inspect_cmd(path: str, as_json: bool) -> None:
     """Show a checkpoint: step, world size and strategy at save, tokens seen, tensors, total size.
 
@@ -58,7 +57,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 
     info = inspect_checkpoint(path)
     if as_json:
-        click.echo(json.dumps(info, indent=2))
+        echo_json(info)
         return
     for label, key in (("format", "format"), ("complete", "complete"), ("step", "step"),
                        ("tokens seen", "tokens_seen"), ("world size", "world_size"), ("strategy", "strategy")):
@@ -108,7 +107,7 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) 
 @click.option("--atol", default=0.0, show_default=True, type=click.FloatRange(min=0),
               help="Absolute tolerance; 0 means bit-exact.")
 @click.option("--model-only", is_flag=True, help="Compare only the model's weights.")
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of text.")
+@json_option
 def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> None:
     """Compare two checkpoints of any formats tensor by tensor; exit 1 when they differ."""
     from trainer.convert import total_bytes, verify_checkpoints
@@ -116,7 +115,7 @@ def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> 
     with _progress("verify", total_bytes(a, model_only)) as bar:
         result = verify_checkpoints(a, b, atol=atol, model_only=model_only, progress=bar.update)
     if as_json:
-        click.echo(json.dumps(result, indent=2))
+        echo_json(result)
     elif result["equal"]:
         exact = "bit-exact" if atol == 0 else f"within atol={atol}"
         click.echo(f"equal: {result['compared']} entries, {exact}")

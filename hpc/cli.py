@@ -16,7 +16,7 @@ from pathlib import Path
 import click
 
 from hpc import __version__
-from hpc.clickutil import JSON_HELP, ErrorsGroup, echo_json
+from hpc.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 from hpc.config import ConfigError
 
 @click.group(cls=ErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -28,16 +28,6 @@ def cli() -> None:
     trainer inside the job runs DDP/FSDP/HSDP with sharded checkpoints and
     survives preemption. Shell completion: eval "$(_HPCX_COMPLETE=bash_source hpcx)".
     """
-
-
-def site_option(f: tp.Callable) -> tp.Callable:
-    return click.option("--site", "site_name", metavar="NAME|PATH",
-                        help="Site profile (default: $HPCX_SITE, then job.site, then 'local').")(f)
-
-
-def set_option(f: tp.Callable) -> tp.Callable:
-    return click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                        help="Override a spec value, e.g. --set train.steps=100 (repeatable).")(f)
 
 
 def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
@@ -77,7 +67,7 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 @site_option
 @set_option
 @click.option("--wait", is_flag=True, help="Block, show progress, and print the result when the job ends.")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option
 def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
     from hpc import submit as sub
@@ -156,7 +146,7 @@ def run_roots() -> list[Path]:
 
 @cli.command()
 @click.argument("ref", required=False, metavar="[RUN|JOB]")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option
 def status(ref: str | None, as_json: bool) -> None:
     """State, nodes, step and restarts of a run (by folder, name or job id), or the recent runs."""
     from hpc import runs, submit as sub
@@ -232,7 +222,7 @@ def cancel(ref: str) -> None:
 @cli.command()
 @click.argument("ref", metavar="RUN")
 @click.option("--at-step", "at_step", default=None, metavar="N", help="First wait until metrics.jsonl shows step ≥ N.")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option
 def drill(ref: str, at_step: str | None, as_json: bool) -> None:
     """Rehearse a preemption: send the job's tasks USR2 (Slurm: scancel --signal=USR2).
 
@@ -258,7 +248,7 @@ def site() -> None:
 
 
 @site.command("list")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option
 def site_list(as_json: bool) -> None:
     """The shipped site profiles."""
     from hpc.site import list_sites, load_site
@@ -276,7 +266,7 @@ def site_list(as_json: bool) -> None:
 
 @site.command("show")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option
 def site_show(name: str, as_json: bool) -> None:
     """One profile with every field resolved (NAME or a path)."""
     from hpc.site import load_site, site_as_dict

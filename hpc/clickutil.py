@@ -11,6 +11,13 @@ from hpc.config import ConfigError
 
 JSON_HELP = "Print machine-readable JSON instead of text."
 
+# The options every command that reads a spec shares.
+site_option = click.option("--site", "site_name", metavar="NAME|PATH",
+                           help="Site profile (default: $HPCX_SITE, then job.site, then 'local').")
+set_option = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                          help="Override a spec value, e.g. --set train.steps=100 (repeatable).")
+json_option = click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+
 
 class ErrorsGroup(click.Group):
     """Turns ConfigError into one ``error:`` line per problem on stderr and exit code 2, never a

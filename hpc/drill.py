@@ -23,6 +23,7 @@ from pathlib import Path
 
 from hpc import runs, scheduler
 from hpc.config import ConfigError
+from hpc.submit import job_state
 
 SIGNAL = "USR2"  # what the rendered script asks Slurm to send (--signal=USR2@LEAD)
 
@@ -49,14 +50,9 @@ def training(run_dir: Path, info: dict) -> tuple[bool, str]:
     """(the current incarnation has started training, the scheduler's state)."""
     starts = [e for e in runs.read_jsonl(run_dir / "ledger.jsonl") if e.get("event") in ("start", "stop")]
     started = bool(starts) and starts[-1]["event"] == "start"
-    if info["scheduler"] == "slurm":
-        state = scheduler.slurm_state(info["job_id"]).state
-        if state == "RUNNING" and started:
-            restarts = scheduler._scontrol(info["job_id"])
-            current = int(restarts.detail.get("restarts", "0")) if restarts else 0
-            started = starts[-1].get("slurm_restart_count", 0) == current
-        return started and state == "RUNNING", state
-    state = scheduler.local_state(info["job_id"], run_dir / "submitit").state
+    state = job_state(run_dir).state
+    if info["scheduler"] == "slurm" and state == "RUNNING" and started:
+        started = starts[-1].get("slurm_restart_count", 0) == scheduler.slurm_restarts(info["job_id"])
     return started and state == "RUNNING", state
 
 

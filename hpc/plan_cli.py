@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -11,17 +10,16 @@ from pathlib import Path
 
 import click
 
+from hpc.clickutil import echo_json, json_option, set_option, site_option
 from hpc.config import ConfigError
 
 
 @click.command("plan")
 @click.argument("job", type=click.Path(dir_okay=False))
-@click.option("--site", "site_name", metavar="NAME|PATH",
-              help="Site profile (default: $HPCX_SITE, then job.site, then 'local').")
+@site_option
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="Plan for this many nodes (job.nodes).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a spec value, e.g. --set train.micro_batch=2 (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON instead of text.")
+@set_option
+@json_option
 def plan_command(job: str, site_name: str | None, nodes: int | None, overrides: tuple[str, ...], as_json: bool) -> None:
     """Per-GPU memory and communication per step of every strategy for JOB on a site, and the choice.
 
@@ -40,7 +38,7 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, overrides: 
         raise ConfigError([f"{spec.source}: {e}" for e in errors])
     plan = plan_job(spec, site)
     if as_json:
-        click.echo(json.dumps(plan.to_dict(), indent=2, sort_keys=True))
+        echo_json(plan.to_dict())
     else:
         click.echo(format_plan(plan))
 

@@ -62,8 +62,9 @@ def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
     return run
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
-    """Write a whole file or nothing: temp file, fsync, rename."""
+def write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
+    """Write a whole file or nothing: temp file, fsync, rename. The umask (``private_umask``,
+    inherited by the job) turns the default mode into 0600, or 0640 on group-readable sites."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -73,7 +74,7 @@ def write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
-def write_json(path: Path, obj: tp.Any, mode: int = 0o600) -> None:
+def write_json(path: Path, obj: tp.Any, mode: int = 0o666) -> None:
     write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n", mode)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from hpc.clickutil import JSON_HELP, ErrorsGroup, echo_json
+from hpc.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 
 
 
@@ -42,8 +42,6 @@ nodes_option = click.option("--nodes", "nodes_text", required=True, metavar="N,N
                             help="Node counts, comma-separated, e.g. 1,2,4,8.")
 mode_option = click.option("--mode", type=click.Choice(["weak", "strong"]), default="weak", show_default=True,
                            help="weak: keep the per-rank batch; strong: keep train.global_batch.")
-site_option = click.option("--site", "site_name", metavar="NAME|PATH",
-                           help="Site profile (default: $HPCX_SITE, then job.site, then 'local').")
 
 
 @scale_group.command("run")
@@ -52,10 +50,9 @@ site_option = click.option("--site", "site_name", metavar="NAME|PATH",
 @mode_option
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Override train.steps for every point.")
 @site_option
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a spec value for every point (repeatable).")
+@set_option
 @click.option("--wait", is_flag=True, help="Follow the jobs until all have ended, then print the report.")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option
 def run_command(job: str, nodes_text: str, mode: str, steps: int | None, site_name: str | None,
                 overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Submit one job per node count under one study folder; returns at once unless --wait."""
@@ -85,7 +82,7 @@ def run_command(job: str, nodes_text: str, mode: str, steps: int | None, site_na
 
 @scale_group.command("report")
 @click.argument("study", type=click.Path(file_okay=False))
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option
 def report_command(study: str, as_json: bool) -> None:
     """Table, report.csv, report.md and report.png of a study (partial studies too)."""
     print_report(Path(study), as_json)
@@ -110,8 +107,8 @@ def print_report(study_dir: Path, as_json: bool) -> None:
 @nodes_option
 @mode_option
 @site_option
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a spec value (repeatable).")
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@set_option
+@json_option
 def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None, overrides: tuple[str, ...],
                     as_json: bool) -> None:
     """The planner's model alone at each size: no jobs, no cluster needed."""

@@ -66,6 +66,12 @@ def _scontrol(job_id: str) -> JobState | None:
                     {"restarts": pairs.get("Restarts", "0")})
 
 
+def slurm_restarts(job_id: str) -> int:
+    """How many times Slurm has restarted (requeued) the job, from ``scontrol show job``."""
+    state = _scontrol(job_id)
+    return int(state.detail.get("restarts", "0")) if state else 0
+
+
 def slurm_state(job_id: str) -> JobState:
     """sacct where accounting works, else squeue (queued/running), else scontrol (recently ended)."""
     for query in (_sacct, _squeue, _scontrol):

@@ -7,7 +7,6 @@ then an all-reduce of 1 that every rank logs) → … → ``shutdown``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from hpc import runs
 
 log = logging.getLogger("hpcx.trainer")
 PORT_BASE = 20000
@@ -160,17 +161,13 @@ def check_world(env: RankEnv, hosts: list[str], device: torch.device) -> int:
 
 def write_world(run_dir: Path, hosts: list[str], total: int, backend: str) -> None:
     """Rank 0's ``world.json``: who took part, and what the all-reduce gave."""
-    doc = {"world_size": len(hosts), "all_reduce": total, "hosts": hosts, "backend": backend}
-    tmp = run_dir / "world.json.tmp"
-    tmp.write_text(json.dumps(doc, indent=1) + "\n")
-    tmp.replace(run_dir / "world.json")
+    runs.write_json(run_dir / "world.json",
+                    {"world_size": len(hosts), "all_reduce": total, "hosts": hosts, "backend": backend})
 
 
 def write_mesh(run_dir: Path, groups: dict[str, list[list[int]]]) -> None:
     """Rank 0's ``mesh.json``: the rank groups of each mesh dimension (hosts are in world.json)."""
-    tmp = run_dir / "mesh.json.tmp"
-    tmp.write_text(json.dumps(groups, indent=1) + "\n")
-    tmp.replace(run_dir / "mesh.json")
+    runs.write_json(run_dir / "mesh.json", groups)
 
 
 def monitored_barrier(timeout_s: int) -> None:
