@@ -7,7 +7,7 @@ import typing as tp
 
 import click
 
-from hpc.config import ConfigError
+from hpc.errors import UserError
 
 JSON_HELP = "Print machine-readable JSON instead of text."
 
@@ -20,13 +20,13 @@ json_option = click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 
 
 class ErrorsGroup(click.Group):
-    """Turns ConfigError into one ``error:`` line per problem on stderr and exit code 2, never a
+    """Turns UserError into one ``error:`` line per problem on stderr and exit code 2, never a
     traceback; also when a sub-group is used on its own."""
 
     def invoke(self, ctx: click.Context) -> tp.Any:
         try:
             return super().invoke(ctx)
-        except ConfigError as exc:
+        except UserError as exc:
             for message in exc.messages:
                 click.echo(f"error: {message}", err=True)
             ctx.exit(2)

@@ -16,18 +16,12 @@ import types
 import typing as tp
 from pathlib import Path
 
+from hpc.errors import ConfigError  # noqa: F401  (re-exported: the loader's error type)
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
-
-
-class ConfigError(Exception):
-    """One or more problems in a user-supplied file, each a one-line message."""
-
-    def __init__(self, messages: tp.Sequence[str]):
-        self.messages = list(messages)
-        super().__init__("\n".join(self.messages))
 
 
 # Characters that would break or smuggle commands into the sbatch script.
