@@ -133,14 +133,19 @@ def format_result(result: tp.Any) -> str:
 
 
 def run_roots() -> list[Path]:
-    from hpc.site import list_sites, load_site
+    """Every site profile's run root. A profile that fails to load is named on stderr and its
+    ``storage.run_root`` is still searched when it can be read, so its runs never vanish silently."""
+    from hpc.site import find_sites, load_site, raw_run_root
 
     roots = []
-    for name in list_sites():
+    for name, (path, _) in find_sites().items():
         try:
             roots.append(load_site(name).run_root())
-        except ConfigError:
-            continue
+        except ConfigError as exc:
+            root = raw_run_root(path)
+            also = f"; still looking for its runs in {root}" if root else ""
+            click.echo(f"warning: site profile {path} does not load ({exc.messages[0]}){also}", err=True)
+            roots += [root] if root else []
     return list(dict.fromkeys(roots))
 
 
@@ -250,18 +255,38 @@ def site() -> None:
 @site.command("list")
 @json_option
 def site_list(as_json: bool) -> None:
-    """The shipped site profiles."""
-    from hpc.site import list_sites, load_site
+    """The site profiles on the search path, and where each came from.
 
-    profiles = [load_site(name) for name in list_sites()]
+    Search path: $HPCX_SITE_PATH (folders separated by ':'), ~/.config/hpcx/sites, /etc/hpcx/sites,
+    then the profiles bundled with hpcx; the first profile of a name wins.
+    """
+    from hpc.site import find_sites
+
+    rows = [_site_row(name, path, origin) for name, (path, origin) in find_sites().items()]
     if as_json:
-        echo_json([{"name": p.name, "scheduler": p.scheduler.kind, "gpus_per_node": p.node.gpus,
-                    "gpu_model": p.node.gpu_model, "intra_link": p.node.intra_link,
-                    "fabric": p.network.fabric} for p in profiles])
+        echo_json(rows)
         return
-    for p in profiles:
-        gpus = f"{p.node.gpus}× {p.node.gpu_model}" if p.node.gpus else f"CPU ×{p.default_tasks_per_node()}"
-        click.echo(f"{p.name:12} {p.scheduler.kind:6} {gpus:28} {p.node.intra_link:9} {p.network.fabric}")
+    for r in rows:
+        where = f"[{r['origin']}: {r['path']}]"
+        if r["error"]:
+            click.echo(f"{r['name']:12} (does not load: {r['error']})  {where}")
+            continue
+        gpus = f"{r['gpus_per_node']}× {r['gpu_model']}" if r["gpus_per_node"] else f"CPU ×{r['tasks_per_node']}"
+        click.echo(f"{r['name']:12} {r['scheduler']:6} {gpus:28} {r['intra_link']:9} {r['fabric']:11} {where}")
+
+
+def _site_row(name: str, path: Path, origin: str) -> dict[str, tp.Any]:
+    """One line of `site list`: the profile's headline fields, or why it does not load."""
+    from hpc.site import load_site
+
+    row: dict[str, tp.Any] = {"name": name, "path": str(path), "origin": origin, "error": None}
+    try:
+        p = load_site(name)
+    except ConfigError as exc:
+        return {**row, "error": exc.messages[0]}
+    return {**row, "scheduler": p.scheduler.kind, "gpus_per_node": p.node.gpus, "gpu_model": p.node.gpu_model,
+            "tasks_per_node": p.default_tasks_per_node(), "intra_link": p.node.intra_link,
+            "fabric": p.network.fabric}
 
 
 @site.command("show")

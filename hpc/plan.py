@@ -23,7 +23,6 @@ from hpc.spec import JobSpec
 MFU_DEFAULT = 0.4  # assumed model FLOPs utilisation (no site or spec field yet)
 TIE = 0.05  # communication within 5% of the best counts as a tie; the simpler strategy wins
 SIMPLICITY = {"none": 0, "ddp": 1, "fsdp no_shard": 2, "fsdp shard_grad_op": 3, "fsdp full_shard": 4, "hsdp": 5}
-SEEDS = "../shared/seeds"
 
 
 @dataclass

@@ -1,7 +1,11 @@
 """Site profiles: what one cluster looks like to hpcx.
 
-A profile is ``site/<name>.toml`` (shipped) or any path. Selection order:
+A profile is found by name on the search path, or given as a path. Selection order:
 ``--site``, then ``$HPCX_SITE``, then ``job.site`` in the spec, then ``local``.
+
+Search path for names, first match wins (``hpcx site list`` shows where each came from):
+``$HPCX_SITE_PATH`` (folders separated by ``:``), ``~/.config/hpcx/sites``, ``/etc/hpcx/sites``,
+then the bundled profiles (the repository's ``site/`` folder, shipped in wheels as ``hpc/_sites``).
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ from pathlib import Path
 
 from hpc.config import ConfigError, build_document, check_table, field, read_toml, suggest
 
-SITE_DIR = Path(__file__).resolve().parent.parent / "site"
 DEFAULT_SITE = "local"
+USER_SITES = "~/.config/hpcx/sites"
+SYSTEM_SITES = "/etc/hpcx/sites"
 
 
 @dataclass
@@ -96,19 +101,45 @@ class SiteProfile:
 SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage": Storage}
 
 
+def bundled_dir() -> Path:
+    """The profiles shipped with hpcx: ``hpc/_sites`` in an installed wheel, else ``site/`` of the checkout."""
+    here = Path(__file__).resolve().parent
+    installed = here / "_sites"
+    return installed if installed.is_dir() else here.parent / "site"
+
+
+def search_path() -> list[tuple[Path, str]]:
+    """(folder, origin) in lookup order; the first profile of a name wins."""
+    folders = [(Path(p).expanduser(), "$HPCX_SITE_PATH")
+               for p in os.environ.get("HPCX_SITE_PATH", "").split(os.pathsep) if p]
+    folders += [(Path(USER_SITES).expanduser(), "user"), (Path(SYSTEM_SITES), "system"), (bundled_dir(), "bundled")]
+    return folders
+
+
+def find_sites() -> dict[str, tuple[Path, str]]:
+    """Every profile name on the search path -> (file, origin), sorted by name; earlier folders shadow later ones."""
+    found: dict[str, tuple[Path, str]] = {}
+    for folder, origin in search_path():
+        for path in sorted(folder.glob("*.toml")) if folder.is_dir() else []:
+            found.setdefault(path.stem, (path, origin))
+    return dict(sorted(found.items()))
+
+
 def list_sites() -> list[str]:
-    return sorted(p.stem for p in SITE_DIR.glob("*.toml"))
+    return list(find_sites())
 
 
 def site_path(name_or_path: str) -> Path:
-    """A shipped site name (``sandbox``) or a path to a profile file."""
+    """A site name on the search path (``sandbox``) or a path to a profile file."""
     candidate = Path(name_or_path)
     if candidate.suffix == ".toml" or os.sep in name_or_path:
         return candidate
-    path = SITE_DIR / f"{name_or_path}.toml"
-    if not path.exists():
-        raise ConfigError([f"--site {name_or_path!r}: no such site profile ({suggest(name_or_path, list_sites())})"])
-    return path
+    sites = find_sites()
+    if name_or_path not in sites:
+        where = ", ".join(str(folder) for folder, _ in search_path())
+        raise ConfigError([f"--site {name_or_path!r}: no such site profile ({suggest(name_or_path, sites)}); "
+                           f"searched {where}"])
+    return sites[name_or_path][0]
 
 
 def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
@@ -144,6 +175,17 @@ def cross_check_site(site: SiteProfile) -> list[str]:
 def load_site(name_or_path: str) -> SiteProfile:
     path = site_path(name_or_path)
     return parse_site(read_toml(path), path.stem, str(path))
+
+
+def raw_run_root(path: Path) -> Path | None:
+    """``storage.run_root`` of a profile that does not load as a whole, if that one value can be read."""
+    try:
+        value = read_toml(path).get("storage", {}).get("run_root")
+    except (ConfigError, AttributeError):
+        return None
+    if not isinstance(value, str) or not value:
+        return None
+    return Path(os.path.expandvars(os.path.expanduser(value)))
 
 
 def choose_site(cli: str | None, spec_site: str | None) -> str:

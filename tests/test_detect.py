@@ -1,4 +1,4 @@
-"""Site detection, parsed from the verbatim recorded tool outputs in ../shared/data (see SOURCES.md)."""
+"""Site detection, parsed from the verbatim recorded tool outputs in tests/data/recorded (see SOURCES.md there)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,9 @@ import pytest
 from hpc.detect import (draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml)
 from hpc.site import parse_site
 
-from tests.conftest import hpcx
+from tests.conftest import RECORDED, hpcx
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if not (DATA / "SOURCES.md").exists():
-    pytest.fail(f"recorded tool outputs missing: expected {DATA} (the shared/ folder beside the checkout)",
-                pytrace=False)
+DATA = RECORDED
 
 H100 = "nvidia-smi-topo-m_8x-h100-80gb-hbm3_nv18_12x-mlx5_nic-legend_numa-off.txt"
 H200 = "nvidia-smi-topo-m_8x-h200-sxm_nv18_10x-mlx5_nic-legend_raw-file.txt"

@@ -1,4 +1,4 @@
-"""The NCCL transport parser, on NCCL INFO logs recorded verbatim from real runs (shared/data, see SOURCES.md)."""
+"""The NCCL transport parser, on NCCL INFO logs recorded verbatim from real runs (tests/data/recorded, see SOURCES.md there)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ import pytest
 from hpc import nccl
 from hpc.site import load_site
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+from tests.conftest import RECORDED
+
+DATA = RECORDED
 
 H100_2275 = "nccl-debug-info_2node-h100_nccl-2.27.5_net-ib-roce-gdrdma_p2p-ipc.txt"
 H100_2293 = "nccl-debug-info_2node-h100_nccl-2.29.3_net-ib-roce-gdrdma_p2p-ipc.txt"
@@ -26,8 +28,7 @@ SOCKET_EXCERPT = "nccl-debug-info_4node-1gpu-eks_net-socket_excerpt.txt"
 def recorded(name: str) -> Path:
     path = DATA / name
     if not path.is_file():
-        pytest.fail(f"recorded NCCL log {path} is missing: the tests need the shared/ folder beside the repository "
-                    "(it holds verbatim NCCL_DEBUG=INFO output, see shared/data/SOURCES.md)")
+        pytest.fail(f"recorded NCCL log {path} is missing (see tests/data/recorded/SOURCES.md)")
     return path
 
 

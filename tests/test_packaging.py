@@ -1,0 +1,108 @@
+"""What a user's install has: bundled site profiles in a wheel, the site search path, and a clone
+that needs nothing beside it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, hpcx
+
+BUNDLED = {"local", "sandbox", "dgx-h100", "pcie-4gpu"}
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory) -> Path:
+    """A fresh venv with hpcx installed from a wheel (not editable); its dependencies are borrowed
+    from the test venv through a .pth line, so nothing is downloaded."""
+    root = tmp_path_factory.mktemp("wheel")
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                            "-w", str(root / "dist"), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    wheel = next((root / "dist").glob("hpcx-*.whl"))
+    install = subprocess.run([str(venv / "bin/python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                              str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    site_packages = Path(subprocess.check_output([str(venv / "bin/python"), "-c",
+                                                  "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                                 text=True).strip())
+    (site_packages / "borrowed-deps.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    return venv
+
+
+def test_wheel_lists_its_bundled_sites_from_the_root_directory(wheel_venv: Path, tmp_path: Path):
+    out = subprocess.run([str(wheel_venv / "bin/hpcx"), "site", "list", "--json"], capture_output=True, text=True,
+                         cwd="/", timeout=60, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert BUNDLED <= set(rows)
+    for name in BUNDLED:
+        assert rows[name]["origin"] == "bundled" and rows[name]["error"] is None
+        assert rows[name]["path"].startswith(str(wheel_venv)), rows[name]["path"]  # not this checkout's site/
+
+
+def test_wheel_renders_a_job_against_a_bundled_site(wheel_venv: Path, tmp_path: Path):
+    out = subprocess.run([str(wheel_venv / "bin/hpcx"), "render", str(REPO / "jobs/tiny-hsdp-2node.toml"),
+                          "--site", "dgx-h100"], capture_output=True, text=True, cwd="/", timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --gpus-per-node=2" in out.stdout and "#SBATCH --partition=gpu" in out.stdout  # dgx-h100's
+
+
+def _profile(folder: Path, name: str, partition: str) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.toml").write_text(f'[scheduler]\nkind = "slurm"\npartition = "{partition}"\n')
+
+
+def test_search_path_order_and_origin(tmp_path: Path):
+    env_dir, home = tmp_path / "env", tmp_path / "home"
+    _profile(env_dir, "mine", "from-env")
+    _profile(home / ".config/hpcx/sites", "mine", "from-user")  # shadowed by $HPCX_SITE_PATH
+    _profile(home / ".config/hpcx/sites", "sandbox", "user-sandbox")  # shadows the bundled one
+    env = {"HPCX_SITE_PATH": f"{env_dir}:{tmp_path / 'missing'}", "HOME": str(home)}
+    rows = {r["name"]: r for r in json.loads(hpcx("site", "list", "--json", env=env).stdout)}
+    assert rows["mine"]["origin"] == "$HPCX_SITE_PATH" and rows["mine"]["path"] == str(env_dir / "mine.toml")
+    assert rows["sandbox"]["origin"] == "user"
+    assert rows["dgx-h100"]["origin"] == "bundled"
+    shown = json.loads(hpcx("site", "show", "mine", "--json", env=env).stdout)
+    assert shown["scheduler"]["partition"] == "from-env"
+    text = hpcx("site", "list", env=env).stdout
+    assert f"[user: {home / '.config/hpcx/sites/sandbox.toml'}]" in text
+
+
+def test_unknown_site_names_the_search_path(tmp_path: Path):
+    out = hpcx("site", "show", "nowhere", env={"HPCX_SITE_PATH": str(tmp_path), "HOME": str(tmp_path)})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and str(tmp_path) in out.stderr and "bundled" not in out.stderr
+
+
+def test_a_broken_profile_is_listed_and_its_runs_stay_visible(tmp_path: Path):
+    sites, root = tmp_path / "sites", tmp_path / "runs"
+    sites.mkdir()
+    (sites / "broken.toml").write_text(f'[storage]\nrun_root = "{root}"\n[node]\ngpus = "eight"\n')
+    run = root / "old-20260101-000000-abcdef"
+    run.mkdir(parents=True)
+    (run / "resolved.json").write_text(json.dumps({"version": 1, "launch": {}}))
+    (run / "job.json").write_text(json.dumps({"job_id": "999999", "scheduler": "slurm"}))
+    (run / "states.jsonl").write_text(json.dumps({"state": "COMPLETED"}) + "\n")
+    env = {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp_path)}
+    listed = hpcx("site", "list", env=env)
+    assert listed.returncode == 0 and "broken" in listed.stdout and "does not load" in listed.stdout
+    status = hpcx("status", env=env)
+    assert status.returncode == 0
+    assert run.name in status.stdout
+    assert "site profile" in status.stderr and "broken.toml" in status.stderr and str(root) in status.stderr
+
+
+def test_repository_reads_nothing_beside_itself():
+    """A user's clone has only the repository: nothing may read the workspace folder beside it."""
+    out = subprocess.run(["git", "grep", "-nE", r"\.\./shared|parents\[2\] / .shared", "--", "hpc", "trainer", "tests",
+                          "bench", "scripts", ".ci"], cwd=REPO, capture_output=True, text=True)
+    assert out.stdout == "", out.stdout
