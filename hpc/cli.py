@@ -58,6 +58,7 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 
     spec, site, launch = load_job(job, site_name, overrides)
     run_dir = run_dir or str(run_root(spec, site) / run_dir_name(spec.job.name, "YYYYmmdd-HHMMSS", "XXXXXX"))
+    warn_passthrough(spec)
     click.echo(render_summary(spec, site, launch), err=True, nl=False)
     click.echo(render_text(spec, site, launch, run_dir, sys.executable), nl=False)
 
@@ -72,8 +73,14 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
     """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
     from hpc import submit as sub
 
+    from hpc.render import user_code_notice
+
     spec, site, launch = load_job(job, site_name, overrides)
+    warn_passthrough(spec)
+    if user_code_notice(spec):
+        click.echo(f"note: {user_code_notice(spec)}", err=True)
     done = sub.submit(spec, site, launch, Path(job), overrides)
+    remember_root(done.run_dir.parent)
     if as_json and not wait:
         echo_json({"job_id": done.job_id, "run_dir": str(done.run_dir), "scheduler": done.scheduler})
         return
@@ -87,6 +94,26 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
         if as_json:
             echo_json(final)
         sys.exit(0 if final["state"] in ("COMPLETED", "FINISHED") else 1)
+
+
+def warn_passthrough(spec: tp.Any) -> None:
+    """A passthrough name the submitting shell does not set reaches the job unset: say so now."""
+    from hpc.validate import unset_passthrough
+
+    for name in unset_passthrough(spec.env.passthrough):
+        click.echo(f"warning: `env.passthrough` names {name}, but it is not set in this shell: "
+                   "the job will not see it", err=True)
+
+
+def remember_root(root: Path) -> None:
+    """Record the run root in the index that `status`/`logs` search; a failure costs only that."""
+    from hpc import roots
+
+    try:
+        roots.remember(root)
+    except OSError as exc:
+        click.echo(f"warning: could not record {root} in {roots.index_path()} ({exc.strerror}): "
+                   "give `hpcx status` the run folder's path", err=True)
 
 
 def follow(run_dir: Path, quiet: bool = False) -> dict:
@@ -146,7 +173,9 @@ def run_roots() -> list[Path]:
             also = f"; still looking for its runs in {root}" if root else ""
             click.echo(f"warning: site profile {path} does not load ({exc.messages[0]}){also}", err=True)
             roots += [root] if root else []
-    return list(dict.fromkeys(roots))
+    from hpc.roots import remembered  # runs made under a spec's job.run_root, or a site given as a path
+
+    return list(dict.fromkeys(roots + remembered()))
 
 
 @cli.command()

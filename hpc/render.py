@@ -14,6 +14,7 @@ import typing as tp
 from hpc.resolve import Launch
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
+from hpc.validate import directive_value
 
 SUBMITIT_DIR = "submitit"
 
@@ -48,21 +49,29 @@ def gpu_parameters(site: SiteProfile, launch: Launch) -> dict[str, tp.Any]:
     return {"gpus_per_node": launch.gpus_per_node}
 
 
+def sbatch_extras(table: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """A site's [scheduler.sbatch] as submitit's additional_parameters: `true` is a bare flag, `false`
+    leaves the option out, strings are prepared for sbatch's directive parser."""
+    return {key: directive_value(value) if isinstance(value, str) else value
+            for key, value in table.items() if value is not False}
+
+
 def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch) -> dict[str, tp.Any]:
-    """Keyword arguments of submitit's SlurmExecutor for this launch."""
+    """Keyword arguments of submitit's SlurmExecutor for this launch; every string that lands on an
+    ``#SBATCH`` line goes through ``directive_value`` so that sbatch reads back exactly the value."""
     params: dict[str, tp.Any] = {
-        "job_name": spec.job.name,
+        "job_name": directive_value(spec.job.name),
         "nodes": launch.nodes,
         "ntasks_per_node": launch.tasks_per_node,
         "cpus_per_task": launch.cpus_per_task,
         "time": spec.job.time_limit_min,
         "signal_delay_s": launch.signal_lead_s,
         "stderr_to_stdout": False,
-        "additional_parameters": {"requeue": True, **site.scheduler.sbatch},
+        "additional_parameters": {"requeue": True, **sbatch_extras(site.scheduler.sbatch)},
     }
     for key in ("partition", "account", "qos"):
         if getattr(launch, key):
-            params[key] = getattr(launch, key)
+            params[key] = directive_value(getattr(launch, key))
     params.update(gpu_parameters(site, launch))
     setup = setup_lines(spec, site)
     if setup:
@@ -103,7 +112,20 @@ def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
         f"{spec.job.max_requeues} times",
     ]
     header += [f"# plan: {reason}" for reason in launch.plan_reasons]
+    notice = user_code_notice(spec)
+    if notice:
+        header.append(f"# {notice}")
     return "\n".join(header) + "\n"
+
+
+def user_code_notice(spec: JobSpec) -> str | None:
+    """What a `module:function` model means: that code is imported and called in every task."""
+    if spec.model.arch == "gpt":
+        return None
+    module, function = spec.model.arch.split(":", 1)
+    kwargs = ", ".join(spec.model.kwargs) or "no kwargs"
+    return (f"user code: every task will import the Python module {module!r} and call {function}({kwargs}) "
+            "(model.arch); it runs with your permissions, so check it is the code you mean")
 
 
 def render(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from hpc.config import ConfigError
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
+from hpc.validate import check_world
 
 RESOLVED_VERSION = 1
 
@@ -47,6 +48,7 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     errors = []
     tpn = tasks_per_node(spec, site)
     world = spec.job.nodes * tpn
+    errors += check_world(spec.job.nodes, tpn)
     if site.node.gpus and tpn > site.node.gpus:
         errors.append(f"`job.tasks_per_node` = {tpn} but site {site.name!r} has {site.node.gpus} GPUs per node "
                       "(one task per GPU)")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shutil
 import sys
 import time
@@ -23,6 +22,7 @@ from hpc import runs, scheduler
 from hpc.resolve import Launch, resolved_document
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
+from hpc.validate import expand_run_root
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Submitted:
 def run_root(spec: JobSpec, site: SiteProfile) -> Path:
     """The spec's `job.run_root` when set, else the site's."""
     if spec.job.run_root:
-        return Path(os.path.expandvars(os.path.expanduser(spec.job.run_root)))
+        return expand_run_root(spec.job.run_root, f"{spec.source}: `job.run_root` = {spec.job.run_root!r}")
     return site.run_root()
 
 
