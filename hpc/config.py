@@ -128,7 +128,7 @@ def check_number(path: str, value: float, meta: tp.Mapping[str, tp.Any] = {}) ->
 
 def number_text(x: float) -> str:
     """``35791393`` for integers, ``1e+09`` for floats: a bound as a reader writes it."""
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+    return str(x) if isinstance(x, int) else f"{x:g}"
 
 
 def check_scalar(path: str, value: tp.Any, meta: tp.Mapping[str, tp.Any] = {}) -> list[str]:
@@ -153,7 +153,7 @@ def _check_items(path: str, value: tp.Any, hint: tp.Any, meta: tp.Mapping[str, t
         return []
     errors = []
     if origin is dict:
-        errors += [m for k in value for m in v.check_text(f"{path} key {shown_key(k)!r}", k, v.TEXT_MAX)]
+        errors += [m for k in value for m in v.check_text(f"{path} key {show(k)}", k, v.TEXT_MAX)]
     for sub_path, x in pairs:
         if not _scalar_ok(x, item):
             errors.append(f"`{sub_path}` = {describe(x, sub_path)}: expected {_type_name(item)}")
@@ -171,7 +171,7 @@ def check_free(path: str, value: tp.Any) -> list[str]:
         if isinstance(x, dict):
             for k, item in reversed(list(x.items())):
                 sub = f"{where}.{shown_key(k)}"
-                errors += v.check_text(f"{where} key {shown_key(k)!r}", k, v.TEXT_MAX)
+                errors += v.check_text(f"{where} key {show(k)}", k, v.TEXT_MAX)
                 if v.looks_secret(k):
                     errors.append(f"`{sub}` looks like a secret: kwargs are written to resolved.json; put the "
                                   "variable's name in `env.passthrough` and read it with os.environ in your model")
@@ -182,7 +182,7 @@ def check_free(path: str, value: tp.Any) -> list[str]:
         elif isinstance(x, int) and not isinstance(x, bool):
             errors += check_number(where, x, {"minimum": -v.INT64_MAX - 1, "maximum": v.INT64_MAX})
         elif isinstance(x, str) and (kind := v.secret_value_kind(x)):
-            errors.append(f"`{where}` holds what looks like a {kind}: kwargs are written to resolved.json")
+            errors.append(f"`{where}` holds what looks like {kind}: kwargs are written to resolved.json")
         elif isinstance(x, (str, float, bool)):
             errors += check_scalar(where, x, _FREE_LIMITS)
         else:  # TOML dates and times: no JSON form in resolved.json
@@ -260,12 +260,15 @@ def read_toml(path: Path) -> dict:
 def read_config_text(path: Path, limit: int = v.CONFIG_MAX_BYTES) -> str:
     """The text of a small regular file; devices, FIFOs, folders and big files are refused at once."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the open
+        mode = os.stat(path).st_mode  # before open: opening a socket fails, a FIFO blocks
+        if not stat.S_ISREG(mode):
+            raise ConfigError([f"{path}: {v.file_kind(mode)}: expected a regular TOML file"])
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ConfigError([f"{path}: no such file"]) from None
     except OSError as exc:
         raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
-    mode = os.fstat(fd).st_mode
+    mode = os.fstat(fd).st_mode  # the file may have been replaced since the stat
     if not stat.S_ISREG(mode):
         os.close(fd)
         raise ConfigError([f"{path}: {v.file_kind(mode)}: expected a regular TOML file"])
@@ -275,7 +278,7 @@ def read_config_text(path: Path, limit: int = v.CONFIG_MAX_BYTES) -> str:
         except OSError as exc:
             raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
     if len(data) > limit:
-        raise ConfigError([f"{path}: larger than {limit // 1024} KiB: expected a TOML file of a few KB"])
+        raise ConfigError([f"{path}: larger than {limit / 2**20:g} MiB: expected a TOML file of a few KB"])
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -426,8 +429,10 @@ def parse_override(item: str) -> tuple[list[str], tp.Any]:
 def _shown_item(item: str) -> str:
     """A --set argument for a message: its value withheld when the key looks like a secret's."""
     key, eq, _ = item.partition("=")
-    if v.hides_value(key) or v.looks_secret(key):
-        return repr(v.shown(key) + eq + "<hidden>")
+    if eq and v.hides_value(key):
+        return repr(v.shown(key) + "=<hidden>")
+    if not eq and v.hides_value(re.sub(r"[^\w.]", ".", item)):  # no `=`: the value may be in there
+        return "<argument withheld: it names a secret>"
     return repr(v.shown(item))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 import typing as tp
 from contextlib import contextmanager
@@ -56,9 +57,13 @@ def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
         run.mkdir(mode=dir_mode)
     except OSError as exc:
         raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
-    os.chmod(run, dir_mode)
-    for sub in ("logs", "checkpoints", "submitit"):
-        (run / sub).mkdir(mode=dir_mode)
+    try:
+        os.chmod(run, dir_mode)
+        for sub in ("logs", "checkpoints", "submitit"):
+            (run / sub).mkdir(mode=dir_mode)
+    except OSError as exc:  # out of inodes or quota: leave no half-made run
+        shutil.rmtree(run, ignore_errors=True)
+        raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
     return run
 
 
@@ -67,11 +72,15 @@ def write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
     inherited by the job) turns the default mode into 0600, or 0640 on group-readable sites."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no temp file is left behind
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json(path: Path, obj: tp.Any, mode: int = 0o666) -> None:

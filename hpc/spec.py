@@ -229,7 +229,7 @@ def _check_env(env: Env) -> list[str]:
             errors.append(f"`env.set.{v.shown(name)}` looks like a secret: put \"{v.shown(name)}\" in "
                           "`env.passthrough` and export it in your shell, so its value is never written to disk")
         elif kind := v.secret_value_kind(value):
-            errors.append(f"`env.set.{v.shown(name)}` holds what looks like a {kind}: pass it by name with "
+            errors.append(f"`env.set.{v.shown(name)}` holds what looks like {kind}: pass it by name with "
                           "`env.passthrough`, so its value is never written to disk")
     return errors
 

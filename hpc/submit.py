@@ -56,27 +56,53 @@ def make_executor(spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path
 
 def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
            overrides: tp.Sequence[str] = ()) -> Submitted:
-    """Create the run folder and submit; returns as soon as the scheduler has the job."""
+    """Create the run folder and submit; returns as soon as the scheduler has the job.
+
+    A file that cannot be written (a full disk, a quota) leaves nothing behind: the run folder is
+    removed, a job already handed to the scheduler is cancelled, and the ConfigError says which.
+    """
     from trainer.task import TrainTask  # no torch at import time
 
     group = site.storage.group_readable
     with runs.private_umask(group):
         run_dir = runs.new_run_dir(run_root(spec, site), spec.job.name, group)
         try:
-            shutil.copyfile(spec_path, run_dir / "spec.toml")
-        except OSError:
-            pass  # a spec given on stdin or deleted meanwhile: resolved.json has it all
-        doc = resolved_document(spec, site, launch, str(run_dir))
-        doc["overrides"] = list(overrides)
-        runs.write_json(run_dir / "resolved.json", doc)
-        folder = run_dir / rnd.SUBMITIT_DIR
-        runs.write_atomic(run_dir / "render.txt", rnd.render(spec, site, launch, str(run_dir), sys.executable))
-        job = submit_or_clean_up(make_executor(spec, site, launch, folder), TrainTask(str(run_dir)), run_dir)
-        info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
-                "submitted_at": time.time(), "python": sys.executable}
-        runs.write_json(run_dir / "job.json", info)
-        runs.append_jsonl(run_dir / "states.jsonl", {"state": "SUBMITTED", "time": time.time()})
+            write_run_files(spec, site, launch, run_dir, spec_path, overrides)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
+                               "submitted and the folder was removed"]) from None
+        job = submit_or_clean_up(make_executor(spec, site, launch, run_dir / rnd.SUBMITIT_DIR),
+                                 TrainTask(str(run_dir)), run_dir)
+        try:
+            record_job(run_dir, job, site)
+        except OSError as exc:
+            job.cancel(check=False)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
+                               "cancelled and the run folder removed"]) from None
     return Submitted(run_dir, str(job.job_id), site.scheduler.kind)
+
+
+def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: Path, spec_path: Path,
+                    overrides: tp.Sequence[str]) -> None:
+    """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
+    try:
+        shutil.copyfile(spec_path, run_dir / "spec.toml")
+    except FileNotFoundError:
+        pass  # the spec was deleted since it was read: resolved.json has it all
+    doc = resolved_document(spec, site, launch, str(run_dir))
+    doc["overrides"] = list(overrides)
+    runs.write_json(run_dir / "resolved.json", doc)
+    runs.write_atomic(run_dir / "render.txt", rnd.render(spec, site, launch, str(run_dir), sys.executable))
+
+
+def record_job(run_dir: Path, job: tp.Any, site: SiteProfile) -> None:
+    """job.json and the first state line: what status, logs and cancel find the job by."""
+    info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
+            "submitted_at": time.time(), "python": sys.executable}
+    runs.write_json(run_dir / "job.json", info)
+    runs.append_jsonl(run_dir / "states.jsonl", {"state": "SUBMITTED", "time": time.time()})
 
 
 # States nothing comes back from (a requeue passes through REQUEUED/PREEMPTED/FAILED, never these):
@@ -92,7 +118,12 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
             return executor.submit(task)
-    except (FailedJobError, FailedSubmissionError, OSError) as exc:
+    except OSError as exc:  # submitit writes its pickles and script into the run folder, then runs sbatch
+        shutil.rmtree(run_dir, ignore_errors=True)
+        what = "write the job's files" if str(exc.filename or run_dir).startswith(str(run_dir)) else f"run {exc.filename}"
+        raise ConfigError([f"{run_dir}: cannot {what} ({exc.strerror or exc}): nothing was submitted and the "
+                           "folder was removed"]) from None
+    except (FailedJobError, FailedSubmissionError) as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None

@@ -128,7 +128,7 @@ def check_nccl(table: dict[str, tp.Any]) -> list[str]:
             errors.append(f"`{path}` looks like a secret: a site profile's [nccl] values are written into "
                           "every job script; export it in the submitting shell instead")
         elif isinstance(value, str) and (kind := secret_value_kind(value)):
-            errors.append(f"`{path}` holds what looks like a {kind}: a site profile's [nccl] values are "
+            errors.append(f"`{path}` holds what looks like {kind}: a site profile's [nccl] values are "
                           "written into every job script")
     return errors
 
@@ -190,8 +190,9 @@ _SECRET_VALUES = [
 
 
 def secret_value_kind(value: str) -> str | None:
-    """'GitHub token', 'URL with a password' … when a value has the shape of a credential."""
-    return next((kind for kind, pattern in _SECRET_VALUES if pattern.search(value)), None)
+    """'a GitHub token', 'an AWS access key' … when a value has the shape of a credential."""
+    kind = next((kind for kind, pattern in _SECRET_VALUES if pattern.search(value)), None)
+    return kind and f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}"
 
 
 def hides_value(path: str) -> bool:
@@ -248,8 +249,8 @@ def check_sbatch_key(path: str, key: str) -> list[str]:
         return [f"`{path}`: --{option} cannot be given here: {SBATCH_REFUSED[option]}"]
     shadowed = sorted(o for o in (*SBATCH_OWNED, *SBATCH_REFUSED) if o.startswith(option))
     if shadowed:  # getopt_long takes an unambiguous prefix as the whole option
-        return [f"`{path}`: --{option} is an abbreviation sbatch may read as --{shadowed[0]}: "
-                "expected a full option name"]
+        return [f"`{path}`: --{option} is an abbreviation sbatch may read as "
+                + " or ".join(f"--{o}" for o in shadowed) + ": expected a full option name"]
     return []
 
 
@@ -264,7 +265,7 @@ def check_sbatch_value(path: str, value: tp.Any) -> list[str]:
     if value == "":
         return [f"`{path}` = '': expected a value (write `true` for an option that takes none)"]
     if kind := secret_value_kind(value):
-        return [f"`{path}` holds what looks like a {kind}: #SBATCH lines are written into the run folder"]
+        return [f"`{path}` holds what looks like {kind}: #SBATCH lines are written into the run folder"]
     return []
 
 
@@ -304,17 +305,18 @@ def check_run_root(path: str, value: str) -> list[str]:
     if not value.startswith(("/", "~", "$")):
         return [f"`{path}` = {shown(value)!r}: expected an absolute path (or one starting with ~ or $VAR), "
                 "so that every command and every node finds the same folder"]
-    return _slurm_path(path, value)
+    problem = slurm_path_problem(value)
+    return [f"`{path}` = {shown(value)!r}: {problem}"] if problem else []
 
 
-def _slurm_path(path: str, value: str) -> list[str]:
+def slurm_path_problem(value: str) -> str | None:
+    """Why Slurm would not write its log files where hpcx looks for them, or None."""
     if "%" in value:
-        return [f"`{path}` = {shown(value)!r}: expected a path without `%`: Slurm reads %u, %j … in "
-                "--output/--error as file-name patterns (use $USER and friends, which hpcx expands)"]
+        return ("expected a path without `%`: Slurm reads %u, %j … in --output/--error as file-name "
+                "patterns (use $USER and friends, which hpcx expands)")
     if "\\" in value:
-        return [f"`{path}` = {shown(value)!r}: expected a path without `\\`: Slurm then stops expanding "
-                "the log file names"]
-    return []
+        return "expected a path without `\\`: Slurm then stops expanding the log file names"
+    return None
 
 
 def expand_path(value: str, where: str) -> Path:
@@ -330,18 +332,20 @@ def expand_path(value: str, where: str) -> Path:
     text = os.path.expanduser(_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value))
     if not os.path.isabs(text):
         raise ConfigError([f"{where}: expands to {shown(text)!r}: expected an absolute path"])
-    errors = check_text("the expanded path", text, PATH_MAX)
-    if errors:
-        raise ConfigError([f"{where}: {e}" for e in errors])
+    bad = first_unprintable(text)
+    if bad is not None or len(text) > PATH_MAX:
+        what = f"{char_label(bad)}" if bad is not None else f"{len(text)} characters"
+        raise ConfigError([f"{where}: expands to a path with {what}: expected at most {PATH_MAX} "
+                           "printable characters"])
     return Path(os.path.normpath(text))
 
 
 def expand_run_root(value: str, where: str) -> Path:
     """A run root expanded (``expand_path``) and still free of Slurm's file-name patterns."""
     path = expand_path(value, where)
-    errors = _slurm_path("the expanded path", str(path))
-    if errors:
-        raise ConfigError([f"{where}: {e}" for e in errors])
+    problem = slurm_path_problem(str(path))
+    if problem:
+        raise ConfigError([f"{where}: expands to {shown(str(path))!r}: {problem}"])
     return path
 
 
@@ -374,12 +378,15 @@ def check_data_source(source: str, dtype: str, seq_len: int, vocab: int) -> tupl
 
 def _check_token_file(label: str, path: Path, dtype: str, seq_len: int, vocab: int) -> list[str]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block us
+        mode = os.stat(path).st_mode  # before open: opening a socket fails, a FIFO blocks
+        if not stat.S_ISREG(mode):
+            return [f"{label}: {file_kind(mode)}: expected a regular file of {dtype} tokens"]
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return [f"{label}: no such file"]
     except OSError as exc:
         return [f"{label}: cannot open: {exc.strerror}"]
-    info = os.fstat(fd)
+    info = os.fstat(fd)  # the file may have been replaced since the stat
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
         return [f"{label}: {file_kind(info.st_mode)}: expected a regular file of {dtype} tokens"]
@@ -407,23 +414,20 @@ def _check_tokens(label: str, f: tp.BinaryIO, size: int, dtype: str, seq_len: in
 
 
 def largest_token(f: tp.BinaryIO, size: int, width: int) -> tuple[int, int]:
-    """(largest token id, its byte offset) over evenly spread blocks of the file: all of it up to 4 MiB."""
-    code = "H" if width == 2 else "I"
+    """(largest token id, its byte offset) over 64 blocks of 64 KiB spread evenly from the first
+    byte to the last: the whole file up to 4 MiB."""
     block = SAMPLE_BLOCK_BYTES
     if size <= SAMPLE_BLOCKS * block:
-        starts = range(0, size, block)
+        starts = list(range(0, size, block))
     else:
-        stride = (size - block) // (SAMPLE_BLOCKS - 1)
-        starts = range(0, size - block + 1, stride - stride % width or width)
+        span = size - block
+        starts = sorted({(k * span // (SAMPLE_BLOCKS - 1)) // width * width for k in range(SAMPLE_BLOCKS)})
     best, where = -1, 0
-    for start in list(starts)[:SAMPLE_BLOCKS]:
+    for start in starts:
         f.seek(start)
         data = f.read(block)
-        data = data[:len(data) - len(data) % width]
-        if not data:
-            continue
-        tokens = memoryview(data).cast(code)
-        top = max(tokens)
+        tokens = memoryview(data[:len(data) - len(data) % width]).cast("H" if width == 2 else "I")
+        top = max(tokens, default=-1)
         if top > best:
             best, where = top, start + width * tokens.tolist().index(top)
     return best, where
