@@ -37,6 +37,7 @@ from hpc.plan import MFU_DEFAULT as ASSUMED_MFU  # compute estimate when nothing
 from hpc.resolve import resolve, tasks_per_node
 from hpc.site import SiteProfile, load_site, parse_site
 from hpc.spec import JobSpec, load_spec
+from hpc.validate import INT32_MAX
 
 STUDY_FILE = "study.json"
 STUDY_VERSION = 1
@@ -55,8 +56,8 @@ def parse_nodes(text: str) -> list[int]:
         nodes = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise ConfigError([f"--nodes {text!r}: expected node counts separated by commas, e.g. 1,2,4,8"]) from None
-    if not nodes or nodes[0] < 1:
-        raise ConfigError([f"--nodes {text!r}: expected node counts of at least 1, e.g. 1,2,4,8"])
+    if not nodes or nodes[0] < 1 or nodes[-1] > INT32_MAX:
+        raise ConfigError([f"--nodes {text!r}: expected node counts from 1 to {INT32_MAX}, e.g. 1,2,4,8"])
     return nodes
 
 
