@@ -18,6 +18,7 @@ import click
 from hpc import __version__
 from hpc.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 from hpc.config import ConfigError
+from hpc.validate import shown
 
 @click.group(cls=ErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcx")
@@ -56,7 +57,10 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
     from hpc.runs import run_dir_name
     from hpc.submit import run_root
 
+    from hpc.validate import check_run_dir_option
+
     spec, site, launch = load_job(job, site_name, overrides)
+    check_run_dir_option(run_dir)
     run_dir = run_dir or str(run_root(spec, site) / run_dir_name(spec.job.name, "YYYYmmdd-HHMMSS", "XXXXXX"))
     warn_passthrough(spec)
     click.echo(render_summary(spec, site, launch), err=True, nl=False)
@@ -297,8 +301,8 @@ def site_list(as_json: bool) -> None:
         return
     for r in rows:
         where = f"[{r['origin']}: {r['path']}]"
-        if r["error"]:
-            click.echo(f"{r['name']:12} (does not load: {r['error']})  {where}")
+        if r["error"]:  # a file name on the search path may hold anything
+            click.echo(shown(f"{r['name']:12} (does not load: {r['error']})  {where}", 4000))
             continue
         gpus = f"{r['gpus_per_node']}× {r['gpu_model']}" if r["gpus_per_node"] else f"CPU ×{r['tasks_per_node']}"
         click.echo(f"{r['name']:12} {r['scheduler']:6} {gpus:28} {r['intra_link']:9} {r['fabric']:11} {where}")

@@ -64,7 +64,9 @@ def value_text(value: tp.Any, path: str = "") -> str:
 
 def show(value: tp.Any) -> str:
     """repr of a value for a one-line message: printable, and cut when long."""
-    text = repr(value) if not isinstance(value, int) or abs(value) < 10**60 else f"an integer of {len(str(abs(value)))} digits"
+    if isinstance(value, int) and abs(value) >= 10**60:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
     return text if len(text) <= 80 else text[:77] + "…"
 
 
@@ -372,7 +374,8 @@ def deepest_path(doc: tp.Any, limit: int = v.MAX_DEPTH) -> str | None:
         if depth > limit:
             return path[:80]
         if isinstance(value, dict):
-            stack += [(x, depth + 1, f"{path}.{shown_key(str(k))}" if path else shown_key(str(k))) for k, x in value.items()]
+            keys = [shown_key(str(k)) for k in value]
+            stack += [(x, depth + 1, f"{path}.{k}" if path else k) for k, x in zip(keys, value.values())]
         elif isinstance(value, list):
             stack += [(x, depth + 1, f"{path}[{n}]") for n, x in enumerate(value)]
     return None

@@ -24,7 +24,7 @@ import typing as tp
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpc.config import ConfigError
+from hpc.config import ConfigError, load_json_bounded
 
 
 def modes(group_readable: bool) -> tuple[int, int, int]:
@@ -93,8 +93,9 @@ def append_jsonl(path: Path, obj: tp.Any) -> None:
 
 
 def read_json(path: Path) -> dict:
+    """A run-folder JSON file ({} when absent); a torn or hostile one is a one-line ConfigError."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return load_json_bounded(path.read_text(encoding="utf-8", errors="replace"), str(path))
     except FileNotFoundError:
         return {}
 
@@ -109,7 +110,7 @@ def read_jsonl(path: Path) -> list[dict]:
     for line in lines:
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a torn line, or one nested past the parser
             continue
     return out
 

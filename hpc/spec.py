@@ -175,13 +175,14 @@ def _clean(errors: list[str], section: str) -> bool:
     return not any(f"`{section}." in e or f"`{section}`" in e for e in errors)
 
 
-def load_spec(path: str | Path, overrides: tp.Sequence[str] = ()) -> JobSpec:
+def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = True) -> JobSpec:
     """Read, override and check a spec on the login node: besides ``spec_from_dict``'s checks, the run
-    root is expanded to an absolute path and the data file is checked (both recorded absolute)."""
+    root is expanded to an absolute path and the data file is checked (both recorded absolute).
+    ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
     spec = spec_from_dict(doc, str(path))
-    errors = resolve_paths(spec)
+    errors = resolve_paths(spec) if paths else []
     if errors:
         raise ConfigError([f"{path}: {e}" for e in errors])
     return spec

@@ -120,7 +120,8 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
             return executor.submit(task)
     except OSError as exc:  # submitit writes its pickles and script into the run folder, then runs sbatch
         shutil.rmtree(run_dir, ignore_errors=True)
-        what = "write the job's files" if str(exc.filename or run_dir).startswith(str(run_dir)) else f"run {exc.filename}"
+        ours = str(exc.filename or run_dir).startswith(str(run_dir))
+        what = "write the job's files" if ours else f"run {exc.filename}"
         raise ConfigError([f"{run_dir}: cannot {what} ({exc.strerror or exc}): nothing was submitted and the "
                            "folder was removed"]) from None
     except (FailedJobError, FailedSubmissionError) as exc:

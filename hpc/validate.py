@@ -221,14 +221,14 @@ SBATCH_OWNED = {
     "gpus": "`node.gpus` with `scheduler.gpu_directive`", "gpus-per-node": "`node.gpus` with `scheduler.gpu_directive`",
     "gres": "`node.gpus` with `scheduler.gpu_directive` = 'gres'",
 }
+_LOGS, _ENV, _USER, _ONE = ("hpcx writes each rank's log into the run folder",
+                            "the job must see the submitting shell (env.passthrough)",
+                            "the job runs as the submitting user", "an hpcx job is one job")
 SBATCH_REFUSED = {
-    "output": "hpcx writes each rank's log into the run folder", "error": "hpcx writes each rank's log into the run folder",
-    "input": "a batch job reads no terminal", "open-mode": "hpcx appends to the logs across requeues",
-    "export": "the job must see the submitting shell (env.passthrough)", "export-file": "the job must see the submitting shell (env.passthrough)",
-    "uid": "the job runs as the submitting user", "gid": "the job runs as the submitting user",
-    "array": "an hpcx job is one job", "wrap": "hpcx provides the script", "hetjob": "an hpcx job is one job",
-    "packjob": "an hpcx job is one job", "parsable": "not an option of the job", "test-only": "not an option of the job",
-    "wait": "not an option of the job",
+    "output": _LOGS, "error": _LOGS, "open-mode": "hpcx appends to the logs across requeues",
+    "input": "a batch job reads no terminal", "export": _ENV, "export-file": _ENV, "uid": _USER, "gid": _USER,
+    "array": _ONE, "hetjob": _ONE, "packjob": _ONE, "wrap": "hpcx provides the script",
+    "parsable": "not an option of the job", "test-only": "not an option of the job", "wait": "not an option of the job",
 }
 
 
@@ -317,6 +317,16 @@ def slurm_path_problem(value: str) -> str | None:
     if "\\" in value:
         return "expected a path without `\\`: Slurm then stops expanding the log file names"
     return None
+
+
+def check_run_dir_option(run_dir: str | None) -> None:
+    """``hpcx render --run-dir``: it lands in ``--output``/``--error`` like a run root."""
+    if run_dir is None:
+        return
+    errors = check_text("--run-dir", run_dir, PATH_MAX)
+    problem = None if errors else slurm_path_problem(run_dir)
+    if errors or problem:
+        raise ConfigError(errors or [f"--run-dir {shown(run_dir)!r}: {problem}"])
 
 
 def expand_path(value: str, where: str) -> Path:

@@ -186,10 +186,13 @@ def test_secret_values_are_never_printed(tmp_path: Path, monkeypatch):
         assert not [m for m in messages for p in planted if p in m.split(": ", 1)[1]], case
 
 
-@pytest.mark.parametrize("name", ["GITHUB_PAT", "DB_PASS", "DB_PASSWD", "MYSQL_PWD", "MY_CREDENTIALS", "PRIVATE_KEY_PEM",
-                                  "GPG_PASSPHRASE", "CI_JOB_JWT", "DATABASE_URL", "APIKEY", "AWS_ACCESS_KEY_ID",
-                                  "HF_TOKEN2", "hf_token", "WandbApiKey", "SLACK_WEBHOOK_SECRET", "TWINE_PASSWORD",
-                                  "CELERY_BROKER_URL", "PG_DSN", "OAUTH_REFRESH_TOKEN", "ID_TOKEN_FILE", "X_AUTH"])
+SECRET_NAMES = ["GITHUB_PAT", "DB_PASS", "DB_PASSWD", "MYSQL_PWD", "MY_CREDENTIALS", "PRIVATE_KEY_PEM",
+                "GPG_PASSPHRASE", "CI_JOB_JWT", "DATABASE_URL", "APIKEY", "AWS_ACCESS_KEY_ID", "HF_TOKEN2", "hf_token",
+                "WandbApiKey", "SLACK_WEBHOOK_SECRET", "TWINE_PASSWORD", "CELERY_BROKER_URL", "PG_DSN",
+                "OAUTH_REFRESH_TOKEN", "ID_TOKEN_FILE", "X_AUTH"]
+
+
+@pytest.mark.parametrize("name", SECRET_NAMES)
 def test_secret_names(name: str):
     assert validate.looks_secret(name)
 
@@ -359,7 +362,8 @@ def test_bounded_json_loader():
         ("[" * 33 + "]" * 33, "hdr: JSON nested deeper than 32 levels (line 1, column 33)"),
         ("[" * 100000, "hdr: JSON nested deeper than 32 levels (line 1, column 33)"),
         ('{"a": ' * 50 + "1" + "}" * 50, "hdr: JSON nested deeper than 32 levels (line 1, column 193)"),
-        ("{'a': 1}", "hdr: not valid JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"),
+        ("{'a': 1}", "hdr: not valid JSON: Expecting property name enclosed in double quotes: "
+                     "line 1 column 2 (char 1)"),
         (b"\xff\xfe", "hdr: not UTF-8 JSON (byte 0)"),
     ):
         with pytest.raises(ConfigError) as info:
@@ -441,3 +445,34 @@ def test_scale_node_counts_are_bounded():
     with pytest.raises(ConfigError) as info:
         scale.parse_nodes("1,2147483648")
     assert info.value.messages == ["--nodes '1,2147483648': expected node counts from 1 to 2147483647, e.g. 1,2,4,8"]
+
+
+@pytest.mark.parametrize("run_dir, message", [
+    ("/runs/%u/x", "error: --run-dir '/runs/%u/x': expected a path without `%`: Slurm reads %u, %j … in "
+                   "--output/--error as file-name patterns (use $USER and friends, which hpcx expands)"),
+    ("/runs/\b", "error: `--run-dir` contains a backspace character (U+0008), which is not allowed in values that "
+                 "reach the job script"),
+])
+def test_render_run_dir_option_is_checked_like_a_run_root(run_dir: str, message: str):
+    out = hpcx("render", str(JOB), "--run-dir", run_dir)
+    assert out.returncode == 2 and out.stderr.splitlines() == [message]
+
+
+def test_site_list_escapes_profile_names(tmp_path: Path):
+    (tmp_path / "evil\x1b[2J\b.toml").write_text("[node]\ngpus = 'x'\n")
+    out = hpcx("site", "list", env={"HPCX_SITE_PATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert all(ch.isprintable() for line in out.stdout.splitlines() for ch in line), repr(out.stdout)
+    assert "evil\\x1b[2J\\x08" in out.stdout
+
+
+def test_hostile_run_folder_json_is_one_line(tmp_path: Path):
+    """A run folder from elsewhere with deep or torn JSON: `status` says so in one line, or skips the line."""
+    run = fake_run(tmp_path, "odd-20260101-000000-abcdef", "1")
+    (run / "states.jsonl").write_text("[" * 100000 + "\n" + json.dumps({"state": "COMPLETED", "time": 0}) + "\n")
+    out = hpcx("status", str(run), "--json")
+    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "COMPLETED", out.stderr
+    (run / "job.json").write_text('{"job_id": ' * 5000)
+    out = hpcx("status", str(run))
+    assert out.returncode == 2
+    assert out.stderr == f"error: {run / 'job.json'}: JSON nested deeper than 32 levels (line 1, column 353)\n"

@@ -8,9 +8,10 @@ Each file under tests/corpus/ starts with `# expect:` lines: the exact messages
 defect (tests/corpus/README.md lists them); its files may carry more headers, read by
 `run_case`: `# kind:` spec (default), site, cross (with `# site:`) or site-root (load the site,
 then expand its run root); `# fixture:` files made in a temporary folder first; `# env:` /
-`# unset:` environment for the load (`# env-escaped:` reads \\t, \\x1b …); `# set:` a --set override; `# path:` load this path
-instead of the file; `# cwd:` the current folder. TMP in the file or its headers is that
-temporary folder; the file itself is copied there (byte for byte otherwise) and loaded as FILE.
+`# unset:` environment for the load (`# env-escaped:` reads \\t, \\x1b …); `# set:` a --set override;
+`# path:` load this path instead of the file; `# cwd:` the current folder. TMP in the file or its
+headers is that temporary folder; the file itself is copied there (byte for byte otherwise) and
+loaded as FILE.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def headers(path: Path, key: str) -> list[str]:
 
 
 def make_fixture(spec: str, tmp: Path) -> None:
-    """`tokens NAME DTYPE COUNT MAX` (ids cycling 0..MAX, MAX last), `zeros-then NAME DTYPE COUNT MAX`, `bytes NAME N`, `text NAME N`, `fifo NAME`,
-    `dir NAME`, `symlink NAME TARGET`, `socket NAME`, `toml NAME DEPTH` (arrays nested DEPTH deep)."""
+    """`tokens NAME DTYPE COUNT MAX` (ids cycling 0..MAX, MAX last), `zeros-then NAME DTYPE COUNT MAX`,
+    `bytes NAME N`, `text NAME N`, `fifo NAME`, `dir NAME`, `symlink NAME TARGET`, `socket NAME`."""
     import array
     import os
     import socket

@@ -43,7 +43,8 @@ def test_names_and_comments_arrive_byte_exact(sandbox, tmp_path: Path):
         name = value if not value.startswith("-") else "x" + value
         env = {"XDG_STATE_HOME": str(tmp_path / "state")}
         out = hpcx("submit", JOB, "--site", str(held_site(tmp_path, value)), "--json", "--set", "job.nodes=1",
-                   "--set", f"job.name={json.dumps(name)}", "--set", f"job.run_root={json.dumps(str(tmp_path / 'runs'))}",
+                   "--set", f"job.name={json.dumps(name)}",
+                   "--set", f"job.run_root={json.dumps(str(tmp_path / 'runs'))}",
                    env=env)
         assert out.returncode == 0, out.stderr
         job_id = json.loads(out.stdout)["job_id"]
@@ -109,7 +110,8 @@ def test_full_disk_at_submit_leaves_nothing(sandbox, tmp_path: Path, tiny_tmpfs)
             job_id = out.stdout.split()[2]
             [run] = list(root.iterdir())
             try:
-                assert all((run / f).stat().st_size > 0 for f in ("spec.toml", "resolved.json", "render.txt", "job.json"))
+                files = ("spec.toml", "resolved.json", "render.txt", "job.json")
+                assert all((run / f).stat().st_size > 0 for f in files)
                 assert json.loads((run / "job.json").read_text())["job_id"] == job_id
             finally:
                 cancel(job_id)
@@ -125,7 +127,8 @@ def test_full_disk_at_submit_leaves_nothing(sandbox, tmp_path: Path, tiny_tmpfs)
         elif "cannot write the job's files" in line:
             seen.add("submitit's files")
         else:
-            assert "cannot write the run folder (No space left on device)" in line or "cannot create a run folder" in line, line
+            assert ("cannot write the run folder (No space left on device)" in line
+                    or "cannot create a run folder" in line), line
             seen.add("run folder")
     # every stage met a full disk at least once, and a roomy enough one succeeded
     assert seen == {"run folder", "submitit's files", "cancelled after submission", "submitted"}, seen
