@@ -84,7 +84,8 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
     if user_code_notice(spec):
         click.echo(f"note: {user_code_notice(spec)}", err=True)
     done = sub.submit(spec, site, launch, Path(job), overrides)
-    remember_root(done.run_dir.parent)
+    if done.warning:
+        click.echo(done.warning, err=True)
     if as_json and not wait:
         echo_json({"job_id": done.job_id, "run_dir": str(done.run_dir), "scheduler": done.scheduler})
         return
@@ -107,17 +108,6 @@ def warn_passthrough(spec: tp.Any) -> None:
     for name in unset_passthrough(spec.env.passthrough):
         click.echo(f"warning: `env.passthrough` names {name}, but it is not set in this shell: "
                    "the job will not see it", err=True)
-
-
-def remember_root(root: Path) -> None:
-    """Record the run root in the index that `status`/`logs` search; a failure costs only that."""
-    from hpc import roots
-
-    try:
-        roots.remember(root)
-    except OSError as exc:
-        click.echo(f"warning: could not record {root} in {roots.index_path()} ({exc.strerror}): "
-                   "give `hpcx status` the run folder's path", err=True)
 
 
 def follow(run_dir: Path, quiet: bool = False) -> dict:

@@ -110,21 +110,18 @@ def _scalar_ok(value: tp.Any, tp_: tp.Any) -> bool:
     return isinstance(value, tp_)
 
 
-def _limits(meta: tp.Mapping[str, tp.Any], value: tp.Any) -> tuple[float | None, float]:
-    default = v.INT32_MAX if isinstance(value, int) else v.FLOAT_MAX
-    maximum = meta.get("maximum")
-    return meta.get("minimum"), default if maximum is None else maximum
-
-
-def check_number(path: str, value: float, meta: tp.Mapping[str, tp.Any] = {}) -> list[str]:
-    """Finite and within the field's bounds (NaN compares false with everything, so it is named)."""
+def check_number(path: str, value: float, meta: tp.Mapping[str, tp.Any] = {}, floating: bool = False) -> list[str]:
+    """Finite and within the field's bounds (NaN compares false with everything, so it is named).
+    Without a ``maximum``, integer fields stop at 2**31 - 1 and float fields (``floating``) at 1e9."""
     if isinstance(value, float) and not math.isfinite(value):
-        return [f"`{path}` = {value!r}: expected a finite number"]
-    minimum, maximum = _limits(meta, value)
+        return [f"`{path}` = {value_text(value, path)}: expected a finite number"]
+    minimum, maximum = meta.get("minimum"), meta.get("maximum")
+    if maximum is None:
+        maximum = v.FLOAT_MAX if floating or isinstance(value, float) else v.INT32_MAX
     if minimum is not None and value < minimum:
-        return [f"`{path}` = {show(value)}: expected a value >= {number_text(minimum)}"]
+        return [f"`{path}` = {value_text(value, path)}: expected a value >= {number_text(minimum)}"]
     if value > maximum:
-        return [f"`{path}` = {show(value)}: expected a value <= {number_text(maximum)}"]
+        return [f"`{path}` = {value_text(value, path)}: expected a value <= {number_text(maximum)}"]
     return []
 
 
@@ -133,10 +130,10 @@ def number_text(x: float) -> str:
     return str(x) if isinstance(x, int) else f"{x:g}"
 
 
-def check_scalar(path: str, value: tp.Any, meta: tp.Mapping[str, tp.Any] = {}) -> list[str]:
+def check_scalar(path: str, value: tp.Any, meta: tp.Mapping[str, tp.Any] = {}, hint: tp.Any = None) -> list[str]:
     """Bounds of a number, printability and length of a string; nothing for other values."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return check_number(path, value, meta)
+        return check_number(path, value, meta, floating=hint is float)
     if isinstance(value, str):
         return v.check_text(path, value, meta.get("max_len") or v.TEXT_MAX)
     return []
@@ -160,7 +157,7 @@ def _check_items(path: str, value: tp.Any, hint: tp.Any, meta: tp.Mapping[str, t
         if not _scalar_ok(x, item):
             errors.append(f"`{sub_path}` = {describe(x, sub_path)}: expected {_type_name(item)}")
         else:
-            errors += check_scalar(sub_path, x, meta)
+            errors += check_scalar(sub_path, x, meta, item)
     return errors
 
 
@@ -205,7 +202,7 @@ def check_value(path: str, value: tp.Any, f: dataclasses.Field, hint: tp.Any) ->
         return [f"`{path}` = {value_text(value, path)}: expected one of {shown_choices}"]
     if hint is tp.Any or tp.get_origin(hint) is dict and tp.get_args(hint)[1] is tp.Any:
         return check_free(path, value)
-    return check_scalar(path, value, meta) or _check_items(path, value, hint, meta)
+    return check_scalar(path, value, meta, hint) or _check_items(path, value, hint, meta)
 
 
 def check_table(path: str, value: tp.Any, hint: tp.Any) -> list[str]:

@@ -33,9 +33,20 @@ def remembered() -> list[Path]:
     return [Path(p) for p in dict.fromkeys(_read(index_path())) if os.path.isdir(p)]
 
 
+def remember_or_warn(root: Path) -> str | None:
+    """``remember(root)``; a warning line instead of an exception when the index cannot be written
+    (the run itself is fine, only finding it by name needs its path then)."""
+    try:
+        remember(root)
+    except OSError as exc:
+        return (f"warning: could not record {root} in {index_path()} ({exc.strerror}): "
+                "give `hpcx status` the run folder's path")
+    return None
+
+
 def remember(root: Path) -> None:
     """Record ``root`` (absolute) unless it is there already; raises OSError when the index cannot be
-    written (the caller warns: the run itself is fine)."""
+    written."""
     path = index_path()
     lines = _read(path)
     if str(root) in lines:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from hpc import render as rnd
 from hpc.config import ConfigError
-from hpc import runs, scheduler
+from hpc import roots, runs, scheduler
 from hpc.resolve import Launch, resolved_document
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
@@ -30,6 +30,7 @@ class Submitted:
     run_dir: Path
     job_id: str
     scheduler: str
+    warning: str | None = None  # the run root could not be recorded in the index (hpc/roots.py)
 
 
 def run_root(spec: JobSpec, site: SiteProfile) -> Path:
@@ -81,7 +82,7 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
             shutil.rmtree(run_dir, ignore_errors=True)
             raise ConfigError([f"{run_dir}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
                                "cancelled and the run folder removed"]) from None
-    return Submitted(run_dir, str(job.job_id), site.scheduler.kind)
+    return Submitted(run_dir, str(job.job_id), site.scheduler.kind, roots.remember_or_warn(run_dir.parent))
 
 
 def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: Path, spec_path: Path,

@@ -153,3 +153,16 @@ def test_runs_under_a_spec_run_root_are_found_again(sandbox, tmp_path: Path):
         assert cancelled.returncode == 0 and cancelled.stdout.strip() == f"cancelled {name}", cancelled.stderr
     finally:
         cancel(info["job_id"])
+
+
+@pytest.mark.slurm
+def test_an_unwritable_index_costs_only_a_warning(sandbox, tmp_path: Path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    out = hpcx("submit", JOB, "--site", str(held_site(tmp_path)), "--json", "--set", "job.nodes=1",
+               "--set", f"job.run_root={json.dumps(str(tmp_path / 'runs'))}", env={"XDG_STATE_HOME": str(blocker)})
+    assert out.returncode == 0, out.stderr
+    job_id = json.loads(out.stdout)["job_id"]
+    cancel(job_id)
+    assert out.stderr == (f"warning: could not record {tmp_path / 'runs'} in {blocker}/hpcx/run-roots "
+                          "(Not a directory): give `hpcx status` the run folder's path\n")
