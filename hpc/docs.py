@@ -28,7 +28,7 @@ TITLES = {
 }
 
 LIMITS = (f"Every file is a regular UTF-8 file (a byte-order mark is allowed) of at most "
-          f"{v.CONFIG_MAX_BYTES // 1024} KiB, with tables and arrays nested at most {v.MAX_DEPTH} deep. "
+          f"{v.CONFIG_MAX_BYTES // 2**20} MiB, with tables and arrays nested at most {v.MAX_DEPTH} deep. "
           "Strings are printable — no control, format or separator characters (tab, newline, escape, "
           f"backspace, DEL, C1 controls, U+2028/U+2029, bidi overrides …) — and at most {v.TEXT_MAX} "
           "characters unless a key says otherwise. Numbers are finite (no `nan` or `inf`); integers are at "
