@@ -16,7 +16,10 @@ from hpc.config import field_docs
 TITLES = {
     "spec": ("Job spec reference", "A job spec is one TOML file. Every section and key is optional; "
              "the defaults are shown. Unknown keys are errors."),
-    "site": ("Site profile reference", "A site profile is `site/<name>.toml` or any path given to `--site`. "
+    "site": ("Site profile reference", "A site profile is found by name on the search path — "
+             "`$HPCX_SITE_PATH` (folders separated by `:`), `~/.config/hpcx/sites`, `/etc/hpcx/sites`, then the "
+             "profiles bundled with hpcx (the repository's `site/`); the first of a name wins, and "
+             "`hpcx site list` shows where each came from — or given as a path to `--site`. "
              "Besides the sections below, a `[nccl]` table holds NCCL_* (and TORCH_NCCL_*, UCX_*, FI_*) "
              "environment values exported in every task."),
 }

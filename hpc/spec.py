@@ -186,16 +186,9 @@ def _check_env(env: Env) -> list[str]:
 
 
 def _check_model(model: Model) -> list[str]:
-    if model.arch == "gpt":
-        from hpc.models import GPT_PRESETS
+    from hpc.models import model_problems
 
-        if model.size not in GPT_PRESETS:
-            shown = ", ".join(GPT_PRESETS)
-            return [f"`model.size` = {model.size!r}: expected one of {shown}"]
-        return []
-    if not re.match(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", model.arch):
-        return [f"`model.arch` = {model.arch!r}: expected 'gpt' or 'package.module:function'"]
-    return []
+    return model_problems(model)
 
 
 def _check_train(train: Train, model: Model) -> list[str]:
