@@ -47,14 +47,24 @@ class JobState:
 
 def run_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> str | None:
     """stdout of ``cmd`` (an argument list, never a shell) when it exits 0 within ``timeout``, else None."""
+    ok, out = try_command(cmd, timeout)
+    return out if ok else None
+
+
+def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool, str]:
+    """(exited 0 within ``timeout``, its stdout — or, when it failed, why: stderr, exit status, timeout)."""
     if shutil.which(cmd[0]) is None:
-        return None
+        return False, f"{cmd[0]}: command not found"
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
                              stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout if out.returncode == 0 else None
+    except subprocess.TimeoutExpired:
+        return False, f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return False, str(exc)
+    if out.returncode != 0:
+        return False, out.stderr.strip() or f"exit status {out.returncode}"
+    return True, out.stdout
 
 
 def read_result(path: Path) -> tuple[str, object]:

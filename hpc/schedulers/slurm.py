@@ -11,11 +11,12 @@ import datetime
 import logging
 import os
 import shlex
+import time
 import typing as tp
 from pathlib import Path
 
 from hpc.errors import UserError
-from hpc.schedulers.base import JobSide, JobState, Scheduler, run_command, submitit_command
+from hpc.schedulers.base import JobSide, JobState, Scheduler, run_command, submitit_command, try_command
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.resolve import Launch
@@ -23,6 +24,8 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.spec import JobSpec
 
 log = logging.getLogger("hpcx.trainer")
+REQUEUE_ATTEMPTS = 3
+REQUEUED_STATES = ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING", "CONFIGURING")
 
 
 # ---------------------------------------------------------------- parameters and script (pure)
@@ -173,8 +176,9 @@ class SlurmScheduler(Scheduler):
         the batch step, which is right: the srun tasks (the trainer ranks) must get it, and the batch
         shell must not (bash dies of USR2, which would end the job)."""
         cmd = ["scancel", f"--signal={signal_name}", job_id]
-        if run_command(cmd) is None:
-            raise UserError([f"{' '.join(cmd)} failed (is the job still running?)"])
+        ok, why = try_command(cmd)
+        if not ok:
+            raise UserError([f"{' '.join(cmd)} failed: {why}"])
         return [f"the steps of job {job_id} (scancel --signal={signal_name})"]
 
     def restarts(self, job_id: str) -> int:
@@ -206,10 +210,18 @@ class SlurmJobSide(JobSide):
         ours = str(self.restart_count())
         if fields.get("Restarts", "0") != ours:
             return f"job {job} was already restarted (Restarts={fields.get('Restarts')}, this run is {ours})"
-        if run_command(["scontrol", "requeue", job], timeout=60) is None:
-            return f"scontrol requeue {job} failed"
-        log.warning("requeued job %s (scontrol requeue)", job)
-        return None
+        why = ""
+        for attempt in range(REQUEUE_ATTEMPTS):
+            ok, why = try_command(["scontrol", "requeue", job], timeout=60)
+            now = show_job(job)
+            # a busy controller may answer with an error although the requeue went through
+            if ok or now.get("JobState") in REQUEUED_STATES or now.get("Restarts", ours) != ours:
+                log.warning("requeued job %s (scontrol requeue)", job)
+                return None
+            if now.get("JobState") != "RUNNING":
+                break
+            time.sleep(2.0 * (attempt + 1))
+        return f"scontrol requeue {job} failed: {why}"
 
     def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
         """``StartTime - SubmitTime`` of ``scontrol show job`` (Slurm resets SubmitTime on a requeue)."""
