@@ -91,7 +91,7 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
         return
     if not as_json:
         click.echo(f"submitted job {done.job_id} ({done.scheduler}, site {site.name}): "
-                   f"{launch.nodes}×{launch.tasks_per_node} ranks, {launch.strategy}")
+                   f"{launch.nodes}×{launch.tasks_per_node} ranks, {launch.dims.describe()}")
         click.echo(f"run folder: {done.run_dir}")
         click.echo(f"follow:     hpcx logs {done.run_dir} -f")
     if wait:
@@ -180,7 +180,8 @@ def status(ref: str | None, as_json: bool) -> None:
     from hpc import runs, submit as sub
 
     targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:20]
-    infos = [sub.summary(r) for r in targets]
+    states = sub.job_states(targets)  # one query per scheduler for all of them
+    infos = [sub.summary(r, states[r]) for r in targets]
     if as_json:
         echo_json(infos[0] if ref else infos)
         return
@@ -216,10 +217,12 @@ def logs(ref: str, follow_: bool, rank: int) -> None:
 
 
 def log_files(run_dir: Path, rank: int) -> list[Path]:
-    trainer_log = run_dir / "logs" / f"rank-{rank}.log"
-    if trainer_log.exists():
-        return [trainer_log]
-    return sorted((run_dir / "submitit").glob(f"*_{rank}_log.*"))
+    from hpc.runs import RunDir
+
+    rd = RunDir(run_dir)
+    if rd.rank_log(rank).exists():
+        return [rd.rank_log(rank)]
+    return sorted(rd.submitit.glob(f"*_{rank}_log.*"))
 
 
 def print_new(path: Path, offset: int) -> int:

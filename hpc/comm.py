@@ -30,7 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hpc.memory import DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, ModelFacts, compute_bytes
+from hpc.memory import DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, compute_bytes
+from hpc.models import ModelFacts
 from hpc.site import SiteProfile
 
 HOST_LINK_GBS = 25.0  # PCIe Gen4 x16 host<->GPU copies, achieved (assumed; not in the site profile)
@@ -128,12 +129,12 @@ def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tas
         return None
     n, world = facts.n_params, nodes * tasks_per_node
     comm = Comm()
-    if cfg.strategy == "ddp" or (cfg.strategy == "fsdp" and cfg.sharding == "no_shard"):
+    if cfg.dims.replicated:  # ddp, fsdp no_shard
         everyone = Group(world, tasks_per_node)
-        calls = math.ceil(n * REDUCE_BYTES / DDP_BUCKET_BYTES) if cfg.strategy == "ddp" else facts.n_units + 1
+        calls = math.ceil(n * REDUCE_BYTES / DDP_BUCKET_BYTES) if cfg.dims.ddp_enabled else facts.n_units + 1
         _add(comm, "all-reduce gradients", "all_reduce", n * REDUCE_BYTES, everyone,
              group_link(everyone, site, tasks_per_node), 1, calls)
-    elif cfg.strategy in ("fsdp", "hsdp"):
+    elif cfg.dims.fsdp_enabled:
         _sharded_comm(comm, facts, cfg, site, nodes, tasks_per_node, grad_accum)
     return comm
 
@@ -141,19 +142,19 @@ def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tas
 def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int,
                   tasks_per_node: int, grad_accum: int) -> None:
     n, root, units = facts.n_params or 0, facts.root_params or 0, facts.n_units + 1
-    world, c = nodes * tasks_per_node, compute_bytes(cfg.mixed_precision)
-    shard = Group(cfg.shard, min(cfg.shard, tasks_per_node))
+    c, degree = compute_bytes(cfg.mixed_precision), cfg.dims.dp_shard
+    shard = Group(degree, min(degree, tasks_per_node))
     link = group_link(shard, site, tasks_per_node)
     _add(comm, "all-gather forward", "all_gather", n * c, shard, link, grad_accum, units)
-    if cfg.sharding == "full_shard":
+    if cfg.dims.reshard_after_forward:
         _add(comm, "all-gather backward", "all_gather", (n - root) * c, shard, link, grad_accum, units - 1)
     _add(comm, "reduce-scatter gradients", "reduce_scatter", n * REDUCE_BYTES, shard, link, grad_accum, units)
-    replicas = world // cfg.shard
+    replicas = cfg.dims.dp_replicate
     if replicas > 1:
-        across = Group(replicas, max(1, tasks_per_node // cfg.shard))
-        _add(comm, "all-reduce across replicas", "all_reduce", n * REDUCE_BYTES / cfg.shard, across,
+        across = Group(replicas, max(1, tasks_per_node // degree))
+        _add(comm, "all-reduce across replicas", "all_reduce", n * REDUCE_BYTES / degree, across,
              group_link(across, site, tasks_per_node), 1, units)
     if cfg.offload:
-        shard_bytes = n / cfg.shard * (2 * PARAM_BYTES + REDUCE_BYTES) * grad_accum
+        shard_bytes = n / degree * (2 * PARAM_BYTES + REDUCE_BYTES) * grad_accum
         comm.parts.append(Part("host<->GPU copies (offload)", shard_bytes / GB,
                                shard_bytes / (HOST_LINK_GBS * GB), "pcie-host"))

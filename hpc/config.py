@@ -450,10 +450,6 @@ def apply_overrides(doc: dict, overrides: tp.Sequence[str]) -> dict:
     return out
 
 
-def as_dict(obj: tp.Any) -> dict:
-    return dataclasses.asdict(obj)
-
-
 def field_docs(cls: type) -> list[tuple[str, str, tp.Any]]:
     """(name, doc, default) for each field of a section: the source of the reference docs."""
     out = []

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NV = re.compile(r"^NV(\d+)$")
-PCIE_PATHS = ("PIX", "PXB", "PHB", "NODE", "SYS")
 NVLINK_GBS_PER_LINK = 25.0  # NVLink 2/3/4 on datacenter GPUs: 25 GB/s per link per direction
 BRIDGE_GBS_PER_LINK = 14.0  # GeForce/RTX workstation bridges (e.g. RTX A6000: 14.06 GB/s per link)
 PCIE_GBS = 25.0  # PCIe Gen4 x16 achieved; Gen5 is about twice that

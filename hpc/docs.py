@@ -19,7 +19,10 @@ from hpc.config import field_docs, number_text
 TITLES = {
     "spec": ("Job spec reference", "A job spec is one TOML file. Every section and key is optional; "
              "the defaults are shown. Unknown keys are errors."),
-    "site": ("Site profile reference", "A site profile is `site/<name>.toml` or any path given to `--site`. "
+    "site": ("Site profile reference", "A site profile is found by name on the search path — "
+             "`$HPCX_SITE_PATH` (folders separated by `:`), `~/.config/hpcx/sites`, `/etc/hpcx/sites`, then the "
+             "profiles bundled with hpcx (the repository's `site/`); the first of a name wins, and "
+             "`hpcx site list` shows where each came from — or given as a path to `--site`. "
              "Besides the sections below, a `[nccl]` table holds environment values exported in every "
              "task: names are shell variable names (`[A-Za-z_][A-Za-z0-9_]*`) starting with "
              + ", ".join(f"`{p}`" for p in v.NCCL_PREFIXES) + " (e.g. `NCCL_IB_HCA`, "

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hpc.models import GPTShape
+from hpc.dims import ParallelDims
+from hpc.models import GPTShape, ModelFacts
 
 GB = 1e9
 PARAM_BYTES = 4  # stored parameters: fp32 under every strategy (see module docstring)
@@ -43,32 +44,10 @@ def compute_bytes(mixed_precision: str) -> int:
 
 
 @dataclass(frozen=True)
-class ModelFacts:
-    """What the planner knows about a model; None where it cannot know."""
-
-    label: str
-    n_params: int | None
-    unit_params: int | None  # the largest FSDP unit (a block)
-    root_params: int | None  # parameters outside the blocks (embeddings, final norm, head)
-    n_units: int
-    flops_per_token: float | None
-    gpt: GPTShape | None = None
-    activation_gb_per_sample: float = 0.0  # measured, for user models (0: unknown)
-
-
-def gpt_facts(label: str, shape: GPTShape) -> ModelFacts:
-    return ModelFacts(label=label, n_params=shape.n_params, unit_params=shape.block_params,
-                      root_params=shape.embedding_params + shape.head_params, n_units=shape.n_layers,
-                      flops_per_token=shape.flops_per_token(), gpt=shape)
-
-
-@dataclass(frozen=True)
 class Config:
     """One candidate's shape: how the states are split and what each step runs."""
 
-    strategy: str  # none, ddp, fsdp, hsdp
-    sharding: str  # full_shard, shard_grad_op, no_shard (fsdp/hsdp)
-    shard: int  # ranks a parameter is split over (1 = replicated)
+    dims: ParallelDims  # how the ranks split the model
     offload: bool
     mixed_precision: str
     checkpointing: bool
@@ -100,7 +79,7 @@ def headroom_gb(total_gb: float, gpu: bool) -> float:
 
 def model_states(n_params: int, cfg: Config) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes resident per rank after an optimizer step."""
-    shard = max(1, cfg.shard)
+    shard = cfg.dims.dp_shard
     per_rank = math.ceil(n_params / shard)  # FSDP2 pads dim 0 to the shard count; presets divide evenly
     return per_rank * PARAM_BYTES, per_rank * GRAD_BYTES, per_rank * ADAM_BYTES
 
@@ -109,11 +88,11 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     """Transient per-step memory on the device, with a note per term."""
     n, unit, root = facts.n_params or 0, facts.unit_params or 0, facts.root_params or 0
     c = compute_bytes(cfg.mixed_precision)
-    if cfg.strategy in ("none", "ddp", "dp"):
+    if not cfg.dims.fsdp_enabled:
         return _replica_buffers(n, c, cfg)
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
     grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
-    if cfg.sharding == "full_shard":
+    if cfg.dims.reshard_after_forward:
         gathered = root * c + 2 * unit * c  # root stays gathered; current unit + the prefetched next
         note = f"root + 2 blocks gathered in {_dtype(c)}"
     else:  # shard_grad_op / no_shard: every unit stays unsharded from forward to backward
@@ -127,7 +106,7 @@ def _replica_buffers(n: int, c: int, cfg: Config) -> tuple[float, list[str]]:
     if c < PARAM_BYTES:
         total += n * c
         notes.append(f"autocast {_dtype(c)} weight copies held from forward to backward")
-    if cfg.strategy == "ddp":
+    if cfg.dims.ddp_enabled:
         # the trainer sets gradient_as_bucket_view=True: the buckets are the gradients, no second copy
         notes.append("DDP buckets are views of the gradients (gradient_as_bucket_view)")
     return total, notes

@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.runs import RunDir
 from hpc.site import SiteProfile
 
 CHANNEL = re.compile(
@@ -116,7 +117,7 @@ def parse_files(paths: tp.Iterable[Path]) -> NcclInfo:
 
 def run_log_files(run_dir: Path) -> list[Path]:
     """The trainer's per-rank logs and submitit's per-task stdout/stderr of a run folder."""
-    files = sorted((run_dir / "logs").glob("*.log"))
+    files = sorted(RunDir(run_dir).logs.glob("*.log"))
     for pattern in ("*_log.out", "*_log.err"):
         files += sorted((run_dir / "submitit").glob(pattern))
     return files

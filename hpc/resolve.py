@@ -6,15 +6,17 @@ the trainer reads it back, so login node and job agree on one set of numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import typing as tp
 from dataclasses import asdict, dataclass, field
 
 from hpc.config import ConfigError
+from hpc.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
 from hpc.validate import check_world
 
-RESOLVED_VERSION = 1
+RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
 
 
 @dataclass
@@ -23,20 +25,45 @@ class Launch:
 
     nodes: int
     tasks_per_node: int
-    world_size: int
     cpus_per_task: int
     gpus_per_node: int
     backend: str
-    strategy: str
-    sharding: str
-    replicate: int  # HSDP replicate degree (1 otherwise)
-    shard: int  # ranks a parameter is sharded over (1 for ddp/none/dp)
+    dims: ParallelDims
     grad_accum: int
     signal_lead_s: int
     partition: str | None
     account: str | None
     qos: str | None
     plan_reasons: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.dims.world_size != self.world_size:
+            raise ValueError(f"{self.dims.describe()} covers {self.dims.world_size} ranks, but the launch has "
+                             f"nodes={self.nodes} × tasks_per_node={self.tasks_per_node} = {self.world_size}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @property
+    def strategy(self) -> str:
+        return self.dims.strategy
+
+    def to_dict(self) -> dict[str, tp.Any]:
+        """What resolved.json holds; ``world_size`` and ``strategy`` are repeated there for readers."""
+        return {**asdict(self), "world_size": self.world_size, "strategy": self.strategy}
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, tp.Any]) -> "Launch":
+        """Read a resolved.json launch (version 2, or version 1's flat strategy/sharding/shard fields)."""
+        doc = dict(doc)
+        if "dims" in doc:
+            dims = ParallelDims.from_dict(doc.pop("dims"))
+        else:  # version 1
+            dims = parallel_dims(doc["strategy"], doc["sharding"], doc["world_size"], doc["tasks_per_node"],
+                                 doc["shard"] if doc["strategy"] == "hsdp" else 0)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(dims=dims, **{k: v for k, v in doc.items() if k in names and k != "dims"})
 
 
 def tasks_per_node(spec: JobSpec, site: SiteProfile) -> int:
@@ -52,7 +79,7 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     if site.node.gpus and tpn > site.node.gpus:
         errors.append(f"`job.tasks_per_node` = {tpn} but site {site.name!r} has {site.node.gpus} GPUs per node "
                       "(one task per GPU)")
-    if not site.is_slurm and spec.job.nodes > 1:
+    if not site.multi_node and spec.job.nodes > 1:
         errors.append(f"`job.nodes` = {spec.job.nodes} but site {site.name!r} runs on this machine only: "
                       "expected 1 (or a Slurm site)")
     if site.scheduler.max_nodes and spec.job.nodes > site.scheduler.max_nodes:
@@ -82,10 +109,13 @@ def _check_strategy(spec: JobSpec, site: SiteProfile, world: int, tpn: int) -> l
         return [f"`parallel.strategy` = 'dp' (nn.DataParallel) is single-process and cannot span "
                 f"{spec.job.nodes} nodes: use ddp"]
     if p.strategy == "hsdp":
-        shard = p.shard_size or tpn
+        shard = hsdp_shard_size(tpn, p.shard_size)
         if world % shard:
             return [f"`parallel.shard_size` = {shard} does not divide the {world} ranks "
                     f"({spec.job.nodes} nodes × {tpn} tasks)"]
+        if p.sharding == "no_shard":
+            return ["`parallel.sharding` = 'no_shard' with strategy 'hsdp' would shard nothing: expected "
+                    "full_shard or shard_grad_op (or strategy fsdp/ddp to replicate)"]
         if p.mixed_precision != "none" and site.backend == "gloo" and p.mixed_precision == "fp16":
             return ["`parallel.mixed_precision` = 'fp16' is not supported by gloo on CPU sites: use 'bf16' or 'none'"]
     if p.shard_size and p.strategy not in ("hsdp", "auto"):
@@ -104,22 +134,14 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
 
     tpn = tasks_per_node(spec, site)
     world = spec.job.nodes * tpn
-    strategy, sharding, shard, reasons = choose(spec, site, spec.job.nodes)
-    if strategy == "hsdp":
-        replicate = world // shard
-    else:
-        replicate, shard = 1, (world if strategy == "fsdp" else 1)
+    dims, reasons = choose(spec, site, spec.job.nodes)
     return Launch(
         nodes=spec.job.nodes,
         tasks_per_node=tpn,
-        world_size=world,
         cpus_per_task=spec.job.cpus_per_task or max(1, site.node.cpus // tpn),
         gpus_per_node=tpn if site.node.gpus else 0,
         backend=site.backend,
-        strategy=strategy,
-        sharding=sharding,
-        replicate=replicate,
-        shard=shard,
+        dims=dims,
         grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
         partition=spec.job.partition or site.scheduler.partition,
@@ -136,5 +158,5 @@ def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir:
         "run_dir": run_dir,
         "spec": spec.to_dict(),
         "site": asdict(site),
-        "launch": asdict(launch),
+        "launch": launch.to_dict(),
     }

@@ -1,16 +1,21 @@
-"""The run folder: the single source of truth for one run.
+"""The run folder: the single source of truth for one run. ``RunDir`` owns its file names.
 
 Layout::
 
     RUN/spec.toml        copy of the submitted spec (overrides in resolved.json)
     RUN/resolved.json    spec + site + launch, read by every rank
+    RUN/render.txt       what was submitted (the sbatch script, or the local parameters)
     RUN/job.json         scheduler, job id, submission time
     RUN/states.jsonl     scheduler states as hpcx observed them
     RUN/submitit/        submitit's pickles and per-task stdout/stderr
     RUN/logs/rank-N.log  the trainer's log per rank
+    RUN/world.json       rank 0: who took part (hosts by rank) and the all-reduce check
+    RUN/mesh.json        rank 0: the rank groups of each device-mesh dimension
     RUN/metrics.jsonl    rank 0's per-step metrics
     RUN/ledger.jsonl     one line per start and stop of the job (goodput)
     RUN/checkpoints/step-NNNNNNN/
+
+Every whole-file write goes through ``write_atomic`` (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ import shutil
 import time
 import typing as tp
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config import ConfigError, load_json_bounded
+from hpc.schedulers.base import SUBMITIT_DIR
 
 
 def modes(group_readable: bool) -> tuple[int, int, int]:
@@ -59,7 +66,7 @@ def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
         raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
     try:
         os.chmod(run, dir_mode)
-        for sub in ("logs", "checkpoints", "submitit"):
+        for sub in RunDir.FOLDERS:
             (run / sub).mkdir(mode=dir_mode)
     except OSError as exc:  # out of inodes or quota: leave no half-made run
         shutil.rmtree(run, ignore_errors=True)
@@ -67,18 +74,20 @@ def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
     return run
 
 
-def write_atomic(path: Path, text: str, mode: int = 0o666) -> None:
-    """Write a whole file or nothing: temp file, fsync, rename. The umask (``private_umask``,
-    inherited by the job) turns the default mode into 0600, or 0640 on group-readable sites."""
+def write_atomic(path: Path, data: str | bytes, mode: int = 0o666) -> None:
+    """Write a whole file or nothing: temp file, fsync, rename; the temp file is removed on failure.
+    The umask (``private_umask``, inherited by the job) turns the default mode into 0600, or 0640
+    on group-readable sites."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:  # a full disk: no temp file is left behind
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
@@ -115,8 +124,76 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+@dataclass(frozen=True)
+class RunDir:
+    """One run folder and the names of its files; the one place those names are spelled."""
+
+    path: Path
+
+    SPEC: tp.ClassVar[str] = "spec.toml"
+    RESOLVED: tp.ClassVar[str] = "resolved.json"
+    RENDER: tp.ClassVar[str] = "render.txt"
+    JOB: tp.ClassVar[str] = "job.json"
+    STATES: tp.ClassVar[str] = "states.jsonl"
+    METRICS: tp.ClassVar[str] = "metrics.jsonl"
+    LEDGER: tp.ClassVar[str] = "ledger.jsonl"
+    WORLD: tp.ClassVar[str] = "world.json"
+    MESH: tp.ClassVar[str] = "mesh.json"
+    LOGS: tp.ClassVar[str] = "logs"
+    CHECKPOINTS: tp.ClassVar[str] = "checkpoints"
+    SUBMITIT: tp.ClassVar[str] = SUBMITIT_DIR
+    FOLDERS: tp.ClassVar[tuple[str, ...]] = (LOGS, CHECKPOINTS, SUBMITIT)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    spec = property(lambda self: self.path / self.SPEC)
+    resolved = property(lambda self: self.path / self.RESOLVED)
+    render = property(lambda self: self.path / self.RENDER)
+    job = property(lambda self: self.path / self.JOB)
+    states = property(lambda self: self.path / self.STATES)
+    metrics = property(lambda self: self.path / self.METRICS)
+    ledger = property(lambda self: self.path / self.LEDGER)
+    world = property(lambda self: self.path / self.WORLD)
+    mesh = property(lambda self: self.path / self.MESH)
+    logs = property(lambda self: self.path / self.LOGS)
+    checkpoints = property(lambda self: self.path / self.CHECKPOINTS)
+    submitit = property(lambda self: self.path / self.SUBMITIT)
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank}.log"
+
+    def read_job(self) -> dict:
+        return read_json(self.job)
+
+    def read_resolved(self) -> dict:
+        return read_json(self.resolved)
+
+    def read_states(self) -> list[dict]:
+        return read_jsonl(self.states)
+
+    def read_metrics(self) -> list[dict]:
+        return read_jsonl(self.metrics)
+
+    def read_ledger(self) -> list[dict]:
+        return read_jsonl(self.ledger)
+
+    def exists(self) -> bool:
+        return self.resolved.is_file()
+
+
 def is_run_dir(path: Path) -> bool:
-    return (path / "resolved.json").is_file()
+    return RunDir(path).exists()
 
 
 def find_run(ref: str, roots: tp.Sequence[Path]) -> Path:
@@ -129,7 +206,7 @@ def find_run(ref: str, roots: tp.Sequence[Path]) -> Path:
             return (root / ref).resolve()
     if ref.isdigit():
         for run in list_runs(roots):
-            if str(read_json(run / "job.json").get("job_id")) == ref:
+            if str(RunDir(run).read_job().get("job_id")) == ref:
                 return run
     where = ", ".join(str(r) for r in roots)
     raise ConfigError([f"{ref}: not a run folder, run name or job id (looked in {where})"])

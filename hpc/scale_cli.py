@@ -92,7 +92,9 @@ def print_report(study_dir: Path, as_json: bool) -> None:
     from hpc import scale
 
     report = scale.build_report(study_dir)
-    report["files"] = scale.write_report(report, study_dir, report["group_readable"])
+    report["files"], report["warnings"] = scale.write_report(report, study_dir, report["group_readable"])
+    for warning in report["warnings"]:
+        click.echo(f"warning: {warning}", err=True)
     if as_json:
         echo_json(report)
         return

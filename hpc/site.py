@@ -15,6 +15,7 @@ import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc import schedulers
 from hpc import validate as v
 from hpc.config import ConfigError, build_document, check_table, field, read_toml, suggest
 
@@ -26,7 +27,7 @@ SYSTEM_SITES = "/etc/hpcx/sites"
 @dataclass
 class Scheduler:
     kind: str = field("local", doc="`slurm` submits through sbatch; `local` runs on this machine "
-                      "with submitit's local executor (no Slurm).", choices=("slurm", "local"))
+                      "with submitit's local executor (no Slurm).", choices=tuple(schedulers.KINDS))
     partition: str | None = field(None, doc="Default Slurm partition (`--partition`); a spec may override.")
     account: str | None = field(None, doc="Default Slurm account (`--account`).")
     qos: str | None = field(None, doc="Default Slurm QOS (`--qos`).")
@@ -95,8 +96,9 @@ class SiteProfile:
     source: str = ""
 
     @property
-    def is_slurm(self) -> bool:
-        return self.scheduler.kind == "slurm"
+    def multi_node(self) -> bool:
+        """Whether this site's scheduler can run one job across several nodes."""
+        return schedulers.get(self.scheduler.kind).multi_node
 
     @property
     def backend(self) -> str:
@@ -175,7 +177,7 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
 
 def cross_check_site(site: SiteProfile) -> list[str]:
     errors = []
-    if site.node.gpus and site.scheduler.gpu_directive == "none" and site.is_slurm:
+    if site.node.gpus and site.scheduler.gpu_directive == "none" and site.multi_node:
         errors.append(f"`scheduler.gpu_directive` = 'none' but `node.gpus` = {site.node.gpus}: "
                       "expected 'gpus-per-node' or 'gres' on a GPU site")
     if site.node.gpus and not site.node.gpu_memory_gb:

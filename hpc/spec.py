@@ -7,7 +7,6 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
-import re
 import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -197,19 +196,12 @@ def resolve_paths(spec: JobSpec) -> list[str]:
             spec.job.run_root = str(v.expand_run_root(spec.job.run_root, f"`job.run_root` = {spec.job.run_root!r}"))
         except ConfigError as exc:
             errors += exc.messages
-    seq_len, vocab = _model_sizes(spec.model)
-    problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, seq_len, vocab)
+    from hpc.models import model_facts
+
+    facts = model_facts(spec.model)
+    problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
+                                                     facts.vocab_size)
     return errors + problems
-
-
-def _model_sizes(model: Model) -> tuple[int, int]:
-    """(seq_len, vocab_size) as the trainer will use them; 0 where a user model leaves one unset."""
-    if model.arch == "gpt":
-        from hpc.models import gpt_shape
-
-        shape = gpt_shape(model.size, model.seq_len, model.vocab_size)
-        return shape.seq_len, shape.vocab_size
-    return model.seq_len, model.vocab_size
 
 
 def _check_job(job: Job) -> list[str]:
@@ -236,16 +228,9 @@ def _check_env(env: Env) -> list[str]:
 
 
 def _check_model(model: Model) -> list[str]:
-    if model.arch == "gpt":
-        from hpc.models import GPT_PRESETS
+    from hpc.models import model_problems
 
-        if model.size not in GPT_PRESETS:
-            shown = ", ".join(GPT_PRESETS)
-            return [f"`model.size` = {model.size!r}: expected one of {shown}"]
-        return []
-    if not re.match(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z", model.arch):
-        return [f"`model.arch` = {model.arch!r}: expected 'gpt' or 'package.module:function'"]
-    return []
+    return model_problems(model)
 
 
 def _check_train(train: Train, model: Model) -> list[str]:

@@ -16,9 +16,9 @@ import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc import render as rnd
+from hpc import roots, runs, schedulers
 from hpc.config import ConfigError
-from hpc import roots, runs, scheduler
+from hpc.schedulers.base import read_result, result_path
 from hpc.resolve import Launch, resolved_document
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
@@ -40,21 +40,6 @@ def run_root(spec: JobSpec, site: SiteProfile) -> Path:
     return site.run_root()
 
 
-def make_executor(spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
-    import submitit
-
-    if site.is_slurm:
-        executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
-                                         slurm_max_num_timeout=spec.job.max_requeues)
-        params = rnd.slurm_parameters(spec, site, launch)
-        executor.update_parameters(**{f"slurm_{k}": v for k, v in params.items()})
-        return executor
-    # LocalExecutor directly: AutoExecutor does not pass signal_delay_s through to it
-    executor = submitit.LocalExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
-    executor.update_parameters(**rnd.local_parameters(spec, launch))
-    return executor
-
-
 def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
            overrides: tp.Sequence[str] = ()) -> Submitted:
     """Create the run folder and submit; returns as soon as the scheduler has the job.
@@ -65,18 +50,19 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
     from trainer.task import TrainTask  # no torch at import time
 
     group = site.storage.group_readable
+    sched = schedulers.get(site.scheduler.kind)
     with runs.private_umask(group):
         run_dir = runs.new_run_dir(run_root(spec, site), spec.job.name, group)
+        rd = runs.RunDir(run_dir)
         try:
-            write_run_files(spec, site, launch, run_dir, spec_path, overrides)
+            write_run_files(spec, site, launch, rd, spec_path, overrides)
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
                                "submitted and the folder was removed"]) from None
-        job = submit_or_clean_up(make_executor(spec, site, launch, run_dir / rnd.SUBMITIT_DIR),
-                                 TrainTask(str(run_dir)), run_dir)
+        job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), TrainTask(str(run_dir)), run_dir)
         try:
-            record_job(run_dir, job, site)
+            record_job(rd, job, site)
         except OSError as exc:
             job.cancel(check=False)
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -85,25 +71,26 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
     return Submitted(run_dir, str(job.job_id), site.scheduler.kind, roots.remember_or_warn(run_dir.parent))
 
 
-def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: Path, spec_path: Path,
+def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.RunDir, spec_path: Path,
                     overrides: tp.Sequence[str]) -> None:
     """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
     try:
-        shutil.copyfile(spec_path, run_dir / "spec.toml")
+        shutil.copyfile(spec_path, rd.spec)
     except FileNotFoundError:
         pass  # the spec was deleted since it was read: resolved.json has it all
-    doc = resolved_document(spec, site, launch, str(run_dir))
+    doc = resolved_document(spec, site, launch, str(rd.path))
     doc["overrides"] = list(overrides)
-    runs.write_json(run_dir / "resolved.json", doc)
-    runs.write_atomic(run_dir / "render.txt", rnd.render(spec, site, launch, str(run_dir), sys.executable))
+    runs.write_json(rd.resolved, doc)
+    text = schedulers.get(site.scheduler.kind).render(spec, site, launch, str(rd.path), sys.executable)
+    runs.write_atomic(rd.render, text)
 
 
-def record_job(run_dir: Path, job: tp.Any, site: SiteProfile) -> None:
+def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile) -> None:
     """job.json and the first state line: what status, logs and cancel find the job by."""
     info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
             "submitted_at": time.time(), "python": sys.executable}
-    runs.write_json(run_dir / "job.json", info)
-    runs.append_jsonl(run_dir / "states.jsonl", {"state": "SUBMITTED", "time": time.time()})
+    runs.write_json(rd.job, info)
+    runs.append_jsonl(rd.states, {"state": "SUBMITTED", "time": time.time()})
 
 
 # States nothing comes back from (a requeue passes through REQUEUED/PREEMPTED/FAILED, never these):
@@ -131,30 +118,45 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
         raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None
 
 
-def job_state(run_dir: Path) -> scheduler.JobState:
+def job_state(run_dir: Path) -> schedulers.JobState:
     """The scheduler's current state; records it in states.jsonl when it changed."""
-    info = runs.read_json(run_dir / "job.json")
-    if not info:
-        return scheduler.JobState("NOT SUBMITTED")
-    seen = runs.read_jsonl(run_dir / "states.jsonl")
-    if seen and seen[-1].get("state", "").startswith(FINAL):
-        return scheduler.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
-    if info["scheduler"] == "slurm":
-        state = scheduler.slurm_state(info["job_id"])
-    else:
-        state = scheduler.local_state(info["job_id"], run_dir / rnd.SUBMITIT_DIR)
+    return job_states([run_dir])[run_dir]
+
+
+def job_states(run_dirs: tp.Sequence[Path]) -> dict[Path, schedulers.JobState]:
+    """The current state of each run, asking each scheduler once for all of its runs; a state that
+    changed is recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
+    out: dict[Path, schedulers.JobState] = {}
+    asked: dict[str, dict[str, Path]] = {}
+    for run_dir in run_dirs:
+        info, seen = runs.RunDir(run_dir).read_job(), runs.RunDir(run_dir).read_states()
+        if not info:
+            out[run_dir] = schedulers.JobState("NOT SUBMITTED")
+        elif seen and seen[-1].get("state", "").startswith(FINAL):
+            out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
+        else:
+            asked.setdefault(info["scheduler"], {})[str(info["job_id"])] = run_dir
+    for kind, jobs in asked.items():
+        for job_id, state in schedulers.get(kind).states(jobs).items():
+            out[jobs[job_id]] = state
+            _record(jobs[job_id], state)
+    return out
+
+
+def _record(run_dir: Path, state: schedulers.JobState) -> None:
+    rd = runs.RunDir(run_dir)
+    seen = rd.read_states()
     if state.state != "UNKNOWN" and (not seen or seen[-1].get("state") != state.state):
-        runs.append_jsonl(run_dir / "states.jsonl", {"state": state.state, "nodes": state.nodes, "time": time.time()})
-    return state
+        runs.append_jsonl(rd.states, {"state": state.state, "nodes": state.nodes, "time": time.time()})
 
 
-def summary(run_dir: Path) -> dict[str, tp.Any]:
-    """Everything `hpcx status RUN` shows, as plain data."""
-    info = runs.read_json(run_dir / "job.json")
-    state = job_state(run_dir)
-    metrics = runs.read_jsonl(run_dir / "metrics.jsonl")
-    ledger = runs.read_jsonl(run_dir / "ledger.jsonl")
-    launch = runs.read_json(run_dir / "resolved.json").get("launch", {})
+def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str, tp.Any]:
+    """Everything `hpcx status RUN` shows, as plain data (``state``: already asked, else asked now)."""
+    rd = runs.RunDir(run_dir)
+    info = rd.read_job()
+    state = state or job_state(run_dir)
+    metrics, ledger = rd.read_metrics(), rd.read_ledger()
+    launch = rd.read_resolved().get("launch", {})
     starts = [e for e in ledger if e.get("event") == "start"]
     last = metrics[-1] if metrics else {}
     return {
@@ -163,7 +165,7 @@ def summary(run_dir: Path) -> dict[str, tp.Any]:
         "scheduler": info.get("scheduler"),
         "state": state.state,
         "nodes": state.nodes,
-        "states": [s["state"] for s in runs.read_jsonl(run_dir / "states.jsonl")],
+        "states": [s["state"] for s in rd.read_states()],
         "step": last.get("step"),
         "loss": last.get("loss"),
         "restarts": max(0, len(starts) - 1),
@@ -187,9 +189,9 @@ def ledger_summary(ledger: list[dict]) -> dict[str, tp.Any]:
 
 def result(run_dir: Path) -> tuple[str, object] | None:
     """Rank 0's return value (or its error) once the job has ended."""
-    info = runs.read_json(run_dir / "job.json")
-    path = run_dir / rnd.SUBMITIT_DIR / f"{info.get('job_id')}_0_result.pkl"
-    return scheduler.read_result(path) if path.exists() else None
+    rd = runs.RunDir(run_dir)
+    path = result_path(rd.submitit, str(rd.read_job().get("job_id")))
+    return read_result(path) if path.exists() else None
 
 
 def wait(run_dir: Path, on_poll: tp.Callable[[dict], None], poll_s: float = 2.0,
@@ -199,7 +201,7 @@ def wait(run_dir: Path, on_poll: tp.Callable[[dict], None], poll_s: float = 2.0,
     while True:
         info = summary(run_dir)
         on_poll(info)
-        if info["state"] in scheduler.TERMINAL:
+        if info["state"] in schedulers.TERMINAL:
             return info
         if timeout_s is not None and time.time() - start > timeout_s:
             return info
@@ -207,9 +209,7 @@ def wait(run_dir: Path, on_poll: tp.Callable[[dict], None], poll_s: float = 2.0,
 
 
 def cancel(run_dir: Path) -> bool:
-    info = runs.read_json(run_dir / "job.json")
+    info = runs.RunDir(run_dir).read_job()
     if not info:
         return False
-    if info["scheduler"] == "slurm":
-        return scheduler.cancel_slurm(info["job_id"])
-    return scheduler.cancel_local(info["job_id"])
+    return schedulers.get(info["scheduler"]).cancel(str(info["job_id"]), run_dir)

@@ -21,7 +21,8 @@ import pytest
 
 from hpc import roots, validate
 from hpc.config import ConfigError, load_json_bounded
-from hpc.render import render, setup_lines, slurm_parameters
+from hpc.render import render
+from hpc.schedulers.slurm import setup_lines, slurm_parameters
 from hpc.resolve import resolve
 from hpc.site import load_site, parse_site
 from hpc.spec import load_spec

@@ -4,6 +4,7 @@ that needs nothing beside it."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -21,8 +22,11 @@ def wheel_venv(tmp_path_factory) -> Path:
     """A fresh venv with hpcx installed from a wheel (not editable); its dependencies are borrowed
     from the test venv through a .pth line, so nothing is downloaded."""
     root = tmp_path_factory.mktemp("wheel")
+    source = root / "src"  # a copy: building in the checkout would leave build/ there, and reuse a stale one
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info",
+                                                               "__pycache__", ".pytest_cache"))
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                            "-w", str(root / "dist"), str(REPO)], capture_output=True, text=True, timeout=300)
+                            "-w", str(root / "dist"), str(source)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
@@ -106,3 +110,12 @@ def test_repository_reads_nothing_beside_itself():
     out = subprocess.run(["git", "grep", "-nE", r"\.\./shared|parents\[2\] / .shared", "--", "hpc", "trainer", "tests",
                           "bench", "scripts", ".ci"], cwd=REPO, capture_output=True, text=True)
     assert out.stdout == "", out.stdout
+
+
+def test_every_package_is_listed_in_pyproject():
+    from hpc.config import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for top in ("hpc", "trainer")
+             for p in (REPO / top).rglob("__init__.py")}
+    assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"

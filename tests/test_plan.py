@@ -8,8 +8,10 @@ import pytest
 
 from hpc.comm import Group, Link, group_link, ring_bytes, ring_seconds, step_comm
 from hpc.config import ConfigError
-from hpc.memory import GB, Config, gpt_facts, model_states
+from hpc.memory import GB, Config, model_states
+from hpc.models import gpt_facts
 from hpc.models import gpt_shape
+from hpc.dims import ParallelDims, parallel_dims
 from hpc.plan import choose, format_plan, plan_job
 from hpc.site import load_site, parse_site
 from hpc.spec import spec_from_dict
@@ -42,9 +44,9 @@ ONE_24GB = dict(gpus=1, mem=24, link="none", intra=0, fabric="none", net=0, peak
 # (name, site, spec kwargs, expected label prefix, words the recommendation must contain)
 SCENARIOS = [
     ("350M on 8x80GB NVSwitch -> DDP", NVSWITCH_8X80, dict(size="350m", global_batch=64, micro=8, ac=False),
-     "ddp", ["least communication", "under 1B parameters → DDP' (000): agrees"]),
+     "ddp", ["least communication", "under 1B parameters → DDP': agrees"]),
     ("7B on 4x80GB PCIe -> FSDP", PCIE_4X80, dict(size="6.7b", global_batch=16),
-     "fsdp", ["110 GB total", "full replica (ddp) does not fit", "1–10B parameters → FSDP' (000): agrees"]),
+     "fsdp", ["110 GB total", "full replica (ddp) does not fit", "1–10B parameters → FSDP': agrees"]),
     ("13B on 4 nodes x 8x80GB -> HSDP shard 8", NVSWITCH_8X80, dict(size="13b", nodes=4, global_batch=512),
      "hsdp 8", ["26.2 GB", "inside one node", "offload is not needed"]),
     ("70B on 16 nodes x 8x80GB -> shard group over several nodes", NVSWITCH_8X80,
@@ -59,7 +61,7 @@ SCENARIOS = [
     ("350M on 4x24GB PCIe: DDP still fits", dict(PCIE_4X80, mem=24), dict(size="350m", global_batch=16),
      "ddp", ["agrees"]),
     # Seeds' decision tree: under 1B and fits one GPU -> no parallelism.
-    ("125M on one GPU -> none", ONE_24GB, dict(size="125m", global_batch=4), "none", ["(001)"]),
+    ("125M on one GPU -> none", ONE_24GB, dict(size="125m", global_batch=4), "none", ["fits one GPU → no parallelism': none agrees"]),
     # Seeds: PCIe-only -> weigh the communication: small micro-batches on PCIe are communication-bound.
     # With no accumulation, shard_grad_op's bf16 all-gather + fp32 reduce-scatter (6 B/param) beats
     # DDP's fp32 all-reduce (8 B/param), and on PCIe that is most of the step.
@@ -96,7 +98,8 @@ def test_7b_on_one_24gb_gpu_needs_offload_and_host_memory():
     assert "host 110 GB per node" in advice
     offload = plan_job(spec("6.7b", global_batch=1, offload=True), site(**ONE_24GB))
     assert offload.choice is not None and offload.choice.label == "fsdp full_shard + offload"
-    assert choose(spec("6.7b", global_batch=1, offload=True), site(**ONE_24GB), 1)[:2] == ("fsdp", "full_shard")
+    dims = choose(spec("6.7b", global_batch=1, offload=True), site(**ONE_24GB), 1)[0]
+    assert (dims.strategy, dims.sharding) == ("fsdp", "full_shard")
     too_little_host = plan_job(spec("6.7b", global_batch=1, offload=True), site(**dict(ONE_24GB, host=64)))
     assert too_little_host.choice is None
     assert "no (host)" in format_plan(too_little_host)
@@ -115,14 +118,14 @@ def test_70b_node_sized_shard_does_not_fit():
     assert node and all(r.fits is False for r in node)
     states = node[0].memory.params + node[0].memory.grads + node[0].memory.optimizer
     assert states == pytest.approx(16 * 65.268105216 / 8, rel=1e-6)  # 130 GB per GPU > 80 GB
-    assert plan.choice.cfg.shard > 8
+    assert plan.choice.dims.dp_shard > 8
 
 
 def test_explicit_strategy_is_respected():
     assert choose(spec("70b", strategy="ddp", global_batch=8), site(**NVSWITCH_8X80), 1) == \
-        ("ddp", "full_shard", 0, ["strategy 'ddp' set in the spec"])
+        (ParallelDims("ddp", "full_shard", 8, 1), ["strategy 'ddp' set in the spec"])
     s = spec("tiny", nodes=2, strategy="hsdp", global_batch=16)
-    assert choose(s, site(**NVSWITCH_8X80), 2)[:3] == ("hsdp", "full_shard", 8)
+    assert choose(s, site(**NVSWITCH_8X80), 2)[0] == ParallelDims("hsdp", "full_shard", 2, 8)
 
 
 def test_shipped_job_resolves_to_the_plan():
@@ -132,8 +135,8 @@ def test_shipped_job_resolves_to_the_plan():
     s = load_spec(REPO / "jobs" / "gpt-13b-auto.toml")
     launch = resolve(s, load_site("dgx-h100"))
     plan = plan_job(s, load_site("dgx-h100"))
-    assert (launch.strategy, launch.sharding, launch.shard) == (plan.choice.cfg.strategy, plan.choice.cfg.sharding, 8)
-    assert launch.replicate == 4 and launch.plan_reasons == plan.recommendation
+    assert launch.dims == plan.choice.dims and launch.dims.dp_shard == 8 and launch.dims.dp_replicate == 4
+    assert launch.plan_reasons == plan.recommendation
 
 
 def test_cpu_site_plans_host_memory():
@@ -141,22 +144,23 @@ def test_cpu_site_plans_host_memory():
     plan = plan_job(s, load_site("local"))
     assert plan.choice.label == "ddp"
     assert any("CPU site" in n for n in plan.notes)
-    assert choose(s, load_site("local"), 1)[0] == "ddp"
+    assert choose(s, load_site("local"), 1)[0].strategy == "ddp"
 
 
 def test_user_model_activations_unknown():
-    s = spec_from_dict({"model": {"arch": "pkg.mod:build"}, "train": {"global_batch": 8}})
+    s = spec_from_dict({"model": {"arch": "pkg.mod:build", "seq_len": 128, "vocab_size": 1000}, "train": {"global_batch": 8}})
     plan = plan_job(s, site(**NVSWITCH_8X80))
     assert plan.n_params is None and plan.choice is None
-    assert choose(s, site(**NVSWITCH_8X80), 1)[:2] == ("fsdp", "full_shard")
+    assert choose(s, site(**NVSWITCH_8X80), 1)[0] == ParallelDims("fsdp", "full_shard", 1, 8)
     assert "parameters unknown" in format_plan(plan)
 
 
 def test_gpt_activations_unknown_only_for_user_models():
-    from hpc.memory import ModelFacts, estimate
+    from hpc.memory import estimate
+    from hpc.models import ModelFacts
 
-    facts = ModelFacts("user", 1000, 100, 100, 4, None)
-    mem = estimate(facts, Config("ddp", "full_shard", 1, False, "none", False, 1), 1)
+    facts = ModelFacts("user", 1000, 100, 100, 4, None, seq_len=8, vocab_size=16)
+    mem = estimate(facts, Config(parallel_dims("ddp", "full_shard", 1), False, "none", False, 1), 1)
     assert mem.activations is None and any("activations unknown" in n for n in mem.notes)
 
 
@@ -184,7 +188,7 @@ def test_ddp_step_comm_by_hand():
     # tiny GPT (135808 params), 2 ranks on one node at 10 GB/s, 5 µs: one fp32 all-reduce per step
     s = site(gpus=2, mem=80, link="pcie", intra=10)
     facts = gpt_facts("tiny", gpt_shape("tiny"))
-    comm = step_comm(facts, Config("ddp", "full_shard", 1, False, "none", False, 1), s, 1, 2, grad_accum=4)
+    comm = step_comm(facts, Config(parallel_dims("ddp", "full_shard", 2), False, "none", False, 1), s, 1, 2, grad_accum=4)
     message = 135808 * 4
     assert comm.gb == pytest.approx(message / GB)  # 2·(1/2)·M
     assert comm.seconds == pytest.approx(message / (10 * GB) + 2 * 1 * 5e-6)  # one 25 MB bucket
@@ -194,14 +198,14 @@ def test_fsdp_step_comm_by_hand():
     s = site(gpus=2, mem=80, link="pcie", intra=10)
     shape = gpt_shape("tiny")
     facts = gpt_facts("tiny", shape)
-    comm = step_comm(facts, Config("fsdp", "full_shard", 2, False, "bf16", False, 1), s, 1, 2, grad_accum=3)
+    comm = step_comm(facts, Config(parallel_dims("fsdp", "full_shard", 2), False, "bf16", False, 1), s, 1, 2, grad_accum=3)
     n, root = shape.n_params, shape.embedding_params + shape.head_params
     sent = 3 * 0.5 * (2 * n + 2 * (n - root) + 4 * n)  # AG fwd + AG bwd (bf16) + RS (fp32), per micro-batch
     assert comm.gb == pytest.approx(sent / GB)
 
 
 def test_model_states_are_16_bytes_per_parameter_divided_by_the_shard():
-    cfg = Config("fsdp", "full_shard", 4, False, "bf16", False, 1)
+    cfg = Config(parallel_dims("fsdp", "full_shard", 4), False, "bf16", False, 1)
     assert sum(model_states(1000, cfg)) == 16 * 250
 
 

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from hpc.memory import Config, model_states  # noqa: E402
 from hpc.models import gpt_shape  # noqa: E402
-from hpc.resolve import Launch  # noqa: E402
+from hpc.dims import ParallelDims, parallel_dims  # noqa: E402
 from hpc.spec import spec_from_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -31,13 +31,8 @@ CASES = [("ddp", "full_shard", "none"), ("fsdp", "full_shard", "bf16"), ("fsdp",
 SIZES = ("tiny", "small")
 
 
-def _launch(strategy: str, sharding: str, world: int) -> Launch:
-    replicate, shard = {"hsdp": (2, world // 2), "fsdp": (1, world)}.get(strategy, (1, 1))
-    if strategy == "fsdp" and sharding == "no_shard":
-        replicate, shard = world, 1
-    return Launch(nodes=1, tasks_per_node=world, world_size=world, cpus_per_task=1, gpus_per_node=0, backend="gloo",
-                  strategy=strategy, sharding=sharding, replicate=replicate, shard=shard, grad_accum=1,
-                  signal_lead_s=30, partition=None, account=None, qos=None)
+def _dims(strategy: str, sharding: str, world: int) -> ParallelDims:
+    return parallel_dims(strategy, sharding, world, tasks_per_node=world // 2 if strategy == "hsdp" else world)
 
 
 def _local_bytes(tensors) -> int:
@@ -57,9 +52,8 @@ def _measure(size: str, strategy: str, sharding: str, precision: str, world: int
                                                                  "mixed_precision": precision}})
     torch.manual_seed(0)
     model = build_model(spec.model)
-    launch = _launch(strategy, sharding, world)
-    model = parallelize(model, model_blocks(model), spec.parallel, launch, build_mesh(launch, "cpu"),
-                        torch.device("cpu"))
+    dims = _dims(strategy, sharding, world)
+    model = parallelize(model, model_blocks(model), spec.parallel, dims, build_mesh(dims, "cpu"), torch.device("cpu"))
     optimizer = build_optimizer(model, spec.train)
     shape = gpt_shape(size)
     tokens = torch.randint(0, shape.vocab_size, (1, shape.seq_len))
@@ -90,11 +84,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shard(strategy: str, sharding: str, world: int) -> int:
-    launch = _launch(strategy, sharding, world)
-    return 1 if strategy == "ddp" else launch.shard
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_model_states_match_the_trainer(world):
     ctx = mp.get_context("spawn")
@@ -108,8 +97,7 @@ def test_model_states_match_the_trainer(world):
         p.join(timeout=60)
         assert p.exitcode == 0
     for rank, size, strategy, sharding, precision, measured in results:
-        shard = _shard(strategy, sharding, world)
-        cfg = Config(strategy, sharding, shard, False, precision, False, 1)
+        cfg = Config(_dims(strategy, sharding, world), False, precision, False, 1)
         predicted = model_states(gpt_shape(size).n_params, cfg)
         for what, want, got in zip(("params", "grads", "optimizer"), predicted, measured):
             assert got == pytest.approx(want, rel=0.01), \

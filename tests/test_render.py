@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from hpc.config import ConfigError
-from hpc.render import render, render_summary, slurm_parameters
+from hpc.render import render, render_summary
+from hpc.schedulers.slurm import slurm_parameters
 from hpc.resolve import resolve
 from hpc.site import list_sites, load_site
 from hpc.spec import load_spec

@@ -95,7 +95,8 @@ def test_partial_study_reports_failed_queued_and_unsubmitted_points(tmp_path):
     text = "\n".join(scale.table_lines(report) + scale.notes(report))
     assert "1 nodes: FAILED, nothing measured after warm-up" in text
     assert "8 nodes: submission failed: sbatch: error: invalid partition" in text
-    files = scale.write_report(report, study)
+    files, warnings = scale.write_report(report, study)
+    assert warnings == []
     assert Path(files["png"]).read_bytes().startswith(PNG_SIGNATURE)
     with open(files["csv"]) as f:
         table = list(csv.DictReader(f))
@@ -268,7 +269,7 @@ def test_scale_job_means_scale_run(tmp_path):
 
 def test_report_cli_on_a_study(tmp_path, monkeypatch):
     study = make_study(tmp_path, "sandbox", 2, {1: {"steps": WARM + [0.1] * 4}, 2: {"steps": WARM + [0.2] * 4}})
-    monkeypatch.setattr(scale, "point_state", lambda point: "COMPLETED")
+    monkeypatch.setattr(scale.study, "point_state", lambda point: "COMPLETED")
     result = CliRunner().invoke(scale_group, ["report", str(study), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
@@ -278,6 +279,23 @@ def test_report_cli_on_a_study(tmp_path, monkeypatch):
     assert "2 nodes: unexplained (efficiency 50%" in text
     bad = CliRunner().invoke(scale_group, ["report", str(tmp_path)])
     assert bad.exit_code == 2 and "not a scaling study" in bad.output
+
+
+def test_report_without_matplotlib_writes_the_rest_and_names_the_extra(tmp_path):
+    import subprocess
+    import sys
+
+    study = make_study(tmp_path, "sandbox", 2, {1: {"steps": WARM + [0.1] * 4}, 2: {"steps": WARM + [0.2] * 4}})
+    code = ("import sys; sys.modules['matplotlib'] = None; "  # what a missing matplotlib looks like to import
+            "from hpc.cli import main; sys.argv = ['hpcx', 'scale', 'report', sys.argv[1]]; main()")
+    out = subprocess.run([sys.executable, "-c", code, str(study)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and "ModuleNotFoundError" not in out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("warning:")] == [
+        "warning: the scaling plot (report.png) needs matplotlib: pip install 'hpcx[plot]' "
+        "(report.csv and report.md need nothing more)"]
+    assert (study / "report.csv").exists() and (study / "report.md").exists() and not (study / "report.png").exists()
+    assert "written: " in out.stdout and "report.png" not in out.stdout
 
 
 def test_no_torch_or_matplotlib_at_import():

@@ -24,7 +24,7 @@ import pytest
 from hpc.config import ConfigError, apply_overrides, parse_override
 from hpc.resolve import resolve
 from hpc.site import choose_site, list_sites, load_site
-from hpc.spec import load_spec, looks_secret
+from hpc.spec import load_spec, looks_secret, spec_from_dict
 
 CORPUS = Path(__file__).parent / "corpus"
 REPO = Path(__file__).resolve().parents[1]
@@ -242,7 +242,7 @@ def test_unknown_site_suggests():
 def test_resolve_numbers():
     spec = load_spec(REPO / "jobs/tiny-hsdp-2node.toml")
     launch = resolve(spec, load_site("sandbox"))
-    assert (launch.world_size, launch.replicate, launch.shard, launch.grad_accum) == (4, 2, 2, 1)
+    assert (launch.world_size, launch.dims.dp_replicate, launch.dims.dp_shard, launch.grad_accum) == (4, 2, 2, 1)
     spec = load_spec(REPO / "jobs/tiny-ddp.toml")
     launch = resolve(spec, load_site("local"))
     assert (launch.world_size, launch.grad_accum, launch.backend) == (2, 4, "gloo")
@@ -254,3 +254,11 @@ def test_reference_docs_are_current(kind: str):
 
     committed = (REPO / "docs" / f"{kind}.md").read_text()
     assert committed == reference(kind), f"regenerate: python -m hpc.docs {kind} > docs/{kind}.md"
+
+
+@pytest.mark.parametrize("missing", [{"seq_len": 128}, {"vocab_size": 1000}, {}])
+def test_a_user_model_states_its_context_and_vocabulary_at_login(missing):
+    needed = {"seq_len", "vocab_size"} - set(missing)
+    found = messages(lambda: spec_from_dict({"model": {"arch": "pkg.mod:build", **missing}}, "u.toml"))
+    assert found == [f"u.toml: `model.{key}` must be set for the user model 'pkg.mod:build' (0 means the preset's, "
+                     "and a user model has none)" for key in ("seq_len", "vocab_size") if key in needed]

@@ -48,6 +48,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch import nn
 
 from hpc.config import ConfigError
+from hpc.dims import ParallelDims, dims_from_mesh
 from trainer.ckpt_formats import DcpReader, dcp_problems, fsync_dir, unflatten
 from trainer.safe_pickle import load_dcp_metadata
 from trainer.torch_zip import FileSlice, TorchZip, Unsupported, no_crc32
@@ -101,16 +102,17 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 # ---------------------------------------------------------------- saving
 
 
-def infer_strategy(model: nn.Module) -> str:
-    """``ddp``, ``fsdp`` (1-D mesh), ``hsdp`` (2-D mesh) or ``none``, from the module itself."""
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return "ddp"
+def infer_dims(model: nn.Module) -> ParallelDims:
+    """The layout the module shows: a DDP wrapper, or its parameters' device mesh (``hpc.dims``
+    names the dimensions; a (world, 1) mesh is fsdp no_shard), or neither."""
     from torch.distributed.tensor import DTensor
 
+    ddp = isinstance(model, nn.parallel.DistributedDataParallel)
     for p in model.parameters():
         if isinstance(p, DTensor):
-            return "hsdp" if p.device_mesh.ndim == 2 else "fsdp"
-    return "none"
+            mesh = p.device_mesh
+            return dims_from_mesh(mesh.mesh_dim_names, tuple(mesh.mesh.shape), ddp=False)
+    return dims_from_mesh(None, (_world(),) if ddp else (), ddp=ddp)
 
 
 def rng_state() -> dict[str, tp.Any]:
@@ -147,7 +149,7 @@ def _as_tuple(value: tp.Any) -> tp.Any:
 
 
 def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: tp.Any,
-                step: int, train_state: dict, strategy: str | None) -> dict[str, tp.Any]:
+                step: int, train_state: dict, dims: ParallelDims | None) -> dict[str, tp.Any]:
     """The DCP state dict of one save (see the module docstring for its keys)."""
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     state: dict[str, tp.Any] = {"model": msd, "train": dict(train_state), "rng": {f"rank{_rank()}": rng_state()}}
@@ -155,8 +157,10 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sched
         state["optim"] = osd
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
+    dims = dims or infer_dims(model)
     state["meta"] = {"format": FORMAT, "step": int(step), "tokens_seen": int(train_state.get("tokens_seen", 0)),
-                     "world_size": _world(), "strategy": strategy or infer_strategy(model),
+                     "world_size": _world(), "strategy": dims.strategy, "sharding": dims.sharding,
+                     "mesh": [dims.dp_replicate, dims.dp_shard],
                      "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return state
 
@@ -188,7 +192,7 @@ def _commit(partial: Path, final: Path, keep: int) -> Path:
 
 def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     scheduler: tp.Any, train_state: dict, *, keep: int = 2, async_save: bool = False,
-                    process_group: tp.Any = None, strategy: str | None = None) -> Path:
+                    process_group: tp.Any = None, dims: ParallelDims | None = None) -> Path:
     """Save ``RUN/checkpoints/step-NNNNNNN`` collectively (every rank calls this); returns its path.
 
     Waits for a save still in flight first. With ``async_save`` it returns once the state is staged
@@ -200,7 +204,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         raise ValueError(f"keep={keep}: at least 2 checkpoints are kept (the newest may be in flight)")
     wait_pending()
     partial, final = _prepare(Path(run_dir), step)
-    state = build_state(model, optimizer, scheduler, step, train_state, strategy)
+    state = build_state(model, optimizer, scheduler, step, train_state, dims)
     writer = HpcxFileSystemWriter(partial, overwrite=False)
     if not async_save:
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())

@@ -161,13 +161,13 @@ def check_world(env: RankEnv, hosts: list[str], device: torch.device) -> int:
 
 def write_world(run_dir: Path, hosts: list[str], total: int, backend: str) -> None:
     """Rank 0's ``world.json``: who took part, and what the all-reduce gave."""
-    runs.write_json(run_dir / "world.json",
+    runs.write_json(runs.RunDir(run_dir).world,
                     {"world_size": len(hosts), "all_reduce": total, "hosts": hosts, "backend": backend})
 
 
 def write_mesh(run_dir: Path, groups: dict[str, list[list[int]]]) -> None:
     """Rank 0's ``mesh.json``: the rank groups of each mesh dimension (hosts are in world.json)."""
-    runs.write_json(run_dir / "mesh.json", groups)
+    runs.write_json(runs.RunDir(run_dir).mesh, groups)
 
 
 def monitored_barrier(timeout_s: int) -> None:

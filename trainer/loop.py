@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hpc.dims import ParallelDims
 from trainer.data import GlobalSampler
 from trainer.metrics import MetricsWriter, memory_gb, mfu, progress_line
 from trainer.optim import clip_grad_norm
@@ -64,7 +65,7 @@ class Trainer:
     log_every: int
     tokens_per_step: int
     world_size: int
-    strategy: str
+    dims: ParallelDims
     metrics: MetricsWriter
     flops_per_token: float | None = None
     peak_tflops: float = 0.0
@@ -186,5 +187,5 @@ def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -
     return {"final_loss": history[-1]["loss"] if history else None, "steps": state.step,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
-            "world_size": t.world_size, "strategy": t.strategy, "preempted": stopped,
+            "world_size": t.world_size, "strategy": t.dims.strategy, "preempted": stopped,
             "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir)}

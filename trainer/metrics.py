@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from hpc.runs import RunDir
+
 log = logging.getLogger("hpcx.trainer")
 
 
@@ -62,7 +64,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.enabled = enabled
-        self.file = open(run_dir / "metrics.jsonl", "a") if enabled else None
+        self.file = open(RunDir(run_dir).metrics, "a") if enabled else None
         self.tb = _tensorboard(run_dir) if enabled else None
 
     def write(self, record: dict) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc.models import GPTShape, gpt_shape
+from hpc.models import GPTShape, model_facts
 from hpc.spec import Model as ModelSpec
 
 DEFAULT_BLOCKS = "blocks"
@@ -111,8 +111,9 @@ class GPT(nn.Module):
 
 def build_model(spec: ModelSpec) -> nn.Module:
     """The model of ``spec`` on the CPU in fp32, initialized from the current torch RNG."""
-    if spec.arch == "gpt":
-        return GPT(gpt_shape(spec.size, spec.seq_len, spec.vocab_size), spec.dropout)
+    shape = model_facts(spec).gpt
+    if shape is not None:
+        return GPT(shape, spec.dropout)
     module_name, function_name = spec.arch.split(":")
     model = getattr(importlib.import_module(module_name), function_name)(**spec.kwargs)
     if not isinstance(model, nn.Module):
@@ -133,26 +134,3 @@ def model_blocks(model: nn.Module, path: str = "") -> nn.ModuleList:
     if not isinstance(target, nn.ModuleList):
         raise TypeError(f"`model.blocks` = {path!r} is a {type(target).__name__}, expected nn.ModuleList")
     return target
-
-
-def model_shape(spec: ModelSpec) -> GPTShape | None:
-    """The GPT shape for FLOP counting, or None for user models."""
-    return gpt_shape(spec.size, spec.seq_len, spec.vocab_size) if spec.arch == "gpt" else None
-
-
-def seq_len_of(spec: ModelSpec) -> int:
-    """Context length: the spec's, else the preset's (user models must set ``model.seq_len``)."""
-    if spec.arch == "gpt":
-        return gpt_shape(spec.size, spec.seq_len).seq_len
-    if not spec.seq_len:
-        raise ValueError(f"`model.seq_len` must be set for the user model {spec.arch!r}")
-    return spec.seq_len
-
-
-def vocab_size_of(spec: ModelSpec) -> int:
-    """Vocabulary size used for synthetic tokens."""
-    if spec.arch == "gpt":
-        return gpt_shape(spec.size, 0, spec.vocab_size).vocab_size
-    if not spec.vocab_size:
-        raise ValueError(f"`model.vocab_size` must be set for the user model {spec.arch!r}")
-    return spec.vocab_size

@@ -15,8 +15,8 @@
                all-reduced, i.e. DDP semantics, while mixed precision, CPU offload, gradient
                sync control and DTensor state dicts stay the FSDP code path.
 ``hsdp``       the same ``fully_shard`` on a 2-D mesh ``("dp_replicate", "dp_shard")``:
-               sharded within a group of ``launch.shard`` ranks (one node by default),
-               replicated across the ``launch.replicate`` groups.
+               sharded within a group of ``dims.dp_shard`` ranks (one node by default),
+               replicated across the ``dims.dp_replicate`` groups.
 =============  ================================================================
 """
 
@@ -29,26 +29,19 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpc.resolve import Launch
+from hpc.dims import ParallelDims
 from hpc.spec import Parallel
 
 log = logging.getLogger("hpcx.trainer")
-FSDP_STRATEGIES = ("fsdp", "hsdp")
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def build_mesh(launch: Launch, device_type: str) -> DeviceMesh | None:
-    """The data-parallel mesh of the launch (None for none/dp/ddp); checks replicate × shard = world."""
-    world = launch.world_size
-    if launch.strategy in ("none", "dp", "ddp"):
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
+    """The data-parallel mesh of the layout (None for none/dp/ddp): ``dims.mesh_shape`` named
+    ``dims.mesh_dim_names``; the world must be what the layout covers."""
+    if dims.mesh_shape is None:
         return None
-    if launch.strategy == "fsdp" and launch.sharding != "no_shard":
-        return init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
-    replicate, shard = (world, 1) if launch.strategy == "fsdp" else (launch.replicate, launch.shard)
-    if replicate * shard != world:
-        raise ValueError(f"mesh replicate={replicate} × shard={shard} = {replicate * shard}, but the world has "
-                         f"nodes={launch.nodes} × tasks_per_node={launch.tasks_per_node} = {world} ranks")
-    return init_device_mesh(device_type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dim_names)
 
 
 def mesh_groups(mesh: DeviceMesh) -> dict[str, list[list[int]]]:
@@ -61,29 +54,22 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, list[list[int]]]:
     return groups
 
 
-def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, launch: Launch,
+def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dims: ParallelDims,
                 mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """Apply activation checkpointing, compile, then the launch's data parallelism; returns the model to train."""
+    """Apply activation checkpointing, compile, then the layout's data parallelism; returns the model to train."""
     if parallel.activation_checkpointing:
         apply_ac(blocks)
     if parallel.compile:
         apply_compile(blocks)
-    if launch.strategy in FSDP_STRATEGIES:
-        return apply_fsdp(model, blocks, mesh, reshard_after_forward(launch), parallel.mixed_precision,
+    if dims.fsdp_enabled:
+        return apply_fsdp(model, blocks, mesh, dims.reshard_after_forward, parallel.mixed_precision,
                           parallel.cpu_offload, device)
     model = model.to(device)
-    if launch.strategy == "ddp":
+    if dims.ddp_enabled:
         return apply_ddp(model, device)
-    if launch.strategy == "dp":
+    if dims.dp_enabled:
         return apply_dp(model)
     return model
-
-
-def reshard_after_forward(launch: Launch) -> bool:
-    """True for full_shard; False for shard_grad_op and for fsdp no_shard (a 1-wide shard has nothing to free)."""
-    if launch.sharding == "shard_grad_op":
-        return False
-    return not (launch.strategy == "fsdp" and launch.sharding == "no_shard")
 
 
 def apply_ac(blocks: nn.ModuleList) -> None:
@@ -156,6 +142,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_all_reduce(enabled)
 
 
-def autocast_dtype(parallel: Parallel, strategy: str) -> torch.dtype | None:
+def autocast_dtype(parallel: Parallel, dims: ParallelDims) -> torch.dtype | None:
     """Non-FSDP strategies get mixed precision from autocast; FSDP2 casts through its policy."""
-    return None if strategy in FSDP_STRATEGIES else DTYPES[parallel.mixed_precision]
+    return None if dims.fsdp_enabled else DTYPES[parallel.mixed_precision]

@@ -10,9 +10,9 @@ step); both delegate here when ``run_rank`` attached a ``Resilience`` to the tra
   ``interval_steps`` / ``interval_minutes``, at the last step (unless this step is already saved),
   and when preemption was agreed, after which the loop stops.
 - Stop (after the process group is down): rank 0 writes the ledger's stop line and, after a
-  preemption, requeues exactly once: ``scontrol requeue $SLURM_JOB_ID`` on Slurm, exit status 144
-  (``LOCAL_REQUEUE_EXIT``) under submitit's local controller, nothing under torchrun or one process
-  (run the same command again to resume).
+  preemption, requeues exactly once through the scheduler that started the job
+  (``hpc.schedulers``: ``scontrol requeue`` on Slurm, exit status 144 under submitit's local
+  controller), nothing under torchrun or one process (run the same command again to resume).
 - Failure: rank 0 records it and requeues once more unless the previous stop was a failure at the
   same step (no progress), the requeue budget is spent, or the job is being cancelled (SIGTERM was
   seen: the stop is then recorded as ``terminated``; or Slurm no longer says RUNNING).
@@ -22,11 +22,8 @@ step); both delegate here when ``run_rank`` attached a ``Resilience`` to the tra
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
-import subprocess
-import sys
 import time
 import typing as tp
 from dataclasses import dataclass, field
@@ -35,7 +32,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc import runs
+from hpc import runs, schedulers
+from hpc.schedulers.base import JobSide
+from hpc.schedulers.local import process_start_time, wait_since_last_stop
 from hpc.spec import Checkpoint
 from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir,
                                 wait_pending)
@@ -43,16 +42,6 @@ from trainer.preemption import PreemptionFlag
 
 log = logging.getLogger("hpcx.trainer")
 
-LEDGER = "ledger.jsonl"
-LOCAL_REQUEUE_EXIT = 144  # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE: its controller restarts the tasks
-
-
-def scheduler_kind() -> str:
-    """Who can requeue this process: ``slurm``, ``local`` (submitit's controller) or ``""`` (nobody)."""
-    executor = os.environ.get("SUBMITIT_EXECUTOR", "")
-    if executor == "slurm" and os.environ.get("SLURM_JOB_ID"):
-        return "slurm"
-    return "local" if executor == "local" else ""
 
 
 @dataclass
@@ -65,7 +54,7 @@ class Resilience:
     seed: int
     rank: int
     preemption: PreemptionFlag | None = None
-    scheduler: str = ""
+    side: JobSide | None = None  # the scheduler that started this job (None: nobody can requeue it)
     step: int = 0  # the last completed step (what a failure is reported at)
     last_saved_step: int | None = None
     last_save_clock: float = field(default_factory=time.monotonic)  # rank 0's clock decides
@@ -92,8 +81,8 @@ class Resilience:
             log.warning("checkpoint.resume = false: starting over although %s holds checkpoints", self.run_dir)
         self.step = state.step
         if self.rank == 0:
-            runs.append_jsonl(self.run_dir / LEDGER, start_line(self.run_dir, state.step, path,
-                                                                time.perf_counter() - tic, self.scheduler))
+            runs.append_jsonl(runs.RunDir(self.run_dir).ledger, start_line(self.run_dir, state.step, path,
+                                                                time.perf_counter() - tic, self.side))
         self.last_save_clock = time.monotonic()
         return state
 
@@ -142,7 +131,7 @@ class Resilience:
     def _save(self, t: tp.Any, state: tp.Any) -> None:
         self._timed(lambda: save_checkpoint(self.run_dir, state.step, t.model, t.optimizer, t.scheduler,
                                             state.state_dict(), keep=self.policy.keep,
-                                            async_save=self.policy.async_save, strategy=t.strategy))
+                                            async_save=self.policy.async_save, dims=t.dims))
         self.saves += 1
         self.last_saved_step = state.step
         self.last_save_clock = time.monotonic()
@@ -166,8 +155,8 @@ class Resilience:
         if reason != "preempted":
             return
         if why_not is None:
-            self._leave_for_local_requeue()
-        elif self.scheduler:  # a scheduler's job that stops unfinished must not look completed
+            self._leave_for_requeue()
+        elif self.side is not None:  # a scheduler's job that stops unfinished must not look completed
             raise RuntimeError(f"preempted at step {self.step} (checkpoint saved) and not requeued: {why_not}")
 
     def failed(self, exc: BaseException) -> None:
@@ -183,10 +172,10 @@ class Resilience:
             terminated = self.preemption is not None and self.preemption.terminated
             self._record_stop("terminated" if terminated else "failed", why_not, error=f"{type(exc).__name__}: {exc}")
         except Exception:  # never mask the original failure
-            log.exception("could not record the failure in %s", LEDGER)
+            log.exception("could not record the failure in %s", runs.RunDir.LEDGER)
             return
         if why_not is None:
-            self._leave_for_local_requeue()
+            self._leave_for_requeue()
 
     def _requeue(self, reason: str = "preempted") -> str | None:
         """Ask for one requeue; None when granted, else why not."""
@@ -194,42 +183,34 @@ class Resilience:
             return "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
         if not self.policy.resume:
             return "checkpoint.resume = false: a restart would start over"
-        why_not = requeue_verdict(runs.read_jsonl(self.run_dir / LEDGER), reason, self.step, self.max_requeues)
+        why_not = requeue_verdict(runs.RunDir(self.run_dir).read_ledger(), reason, self.step, self.max_requeues)
         if why_not is not None:
             return why_not
-        if self.scheduler == "slurm":
-            return requeue_slurm(os.environ["SLURM_JOB_ID"])
-        if self.scheduler == "local":
-            return None  # granted: the process leaves with LOCAL_REQUEUE_EXIT after the stop line
-        return "no scheduler to requeue (torchrun or one process): run the same command again to resume"
+        if self.side is None:
+            return "no scheduler to requeue (torchrun or one process): run the same command again to resume"
+        return self.side.requeue()
 
     def _record_stop(self, reason: str, why_not: str | None, error: str | None = None) -> None:
         line = {"event": "stop", "time": time.time(), "step": self.step, "reason": reason,
                 "save_s": round(self.save_s, 3), "saves": self.saves,
-                "requeued": why_not is None and reason != "completed", "job_id": job_id()}
+                "requeued": why_not is None and reason != "completed",
+                "job_id": self.side.job_id() if self.side else None}
         if why_not is not None and reason != "completed":
             line["not_requeued"] = why_not
             log.warning("not requeued: %s", why_not)
         if error is not None:
             line["error"] = error.splitlines()[0][:300] if error else ""
-        runs.append_jsonl(self.run_dir / LEDGER, line)
+        runs.append_jsonl(runs.RunDir(self.run_dir).ledger, line)
 
-    def _leave_for_local_requeue(self) -> None:
-        if self.scheduler != "local":
-            return
-        log.warning("requeue: leaving with exit status %d; submitit's local controller restarts the tasks",
-                    LOCAL_REQUEUE_EXIT)
-        for handler in log.handlers:
-            handler.flush()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(LOCAL_REQUEUE_EXIT)
+    def _leave_for_requeue(self) -> None:
+        if self.side is not None:
+            self.side.leave_for_requeue()
 
 
 def resilience_for(run: tp.Any, rank: int, preemption: PreemptionFlag | None) -> Resilience:
     """The ``Resilience`` of one rank of ``run`` (a ``trainer.run.Run``)."""
     return Resilience(run_dir=run.run_dir, policy=run.spec.checkpoint, max_requeues=run.spec.job.max_requeues,
-                      seed=run.spec.train.seed, rank=rank, preemption=preemption, scheduler=scheduler_kind())
+                      seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side())
 
 
 # ---------------------------------------------------------------- pure decisions
@@ -264,103 +245,18 @@ def steps_recomputed(ledger: list[dict], metrics_last_step: int | None, resumed_
     return max(0, int(reached) - resumed_step)
 
 
-def parse_scontrol(text: str) -> dict[str, str]:
-    """``scontrol -o show job`` output as a dict (values without spaces are enough here)."""
-    return dict(tok.split("=", 1) for tok in text.split() if "=" in tok)
-
-
-def scontrol_seconds(stamp: str) -> float | None:
-    """``2026-11-29T18:37:30`` (the controller's local time) as epoch seconds; None for Unknown/None."""
-    try:
-        return datetime.datetime.fromisoformat(stamp).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-# ---------------------------------------------------------------- scheduler edge
-
-
-def job_id() -> str | None:
-    return os.environ.get("SLURM_JOB_ID") or os.environ.get("SUBMITIT_LOCAL_JOB_ID")
-
-
-def show_job(job: str) -> dict[str, str]:
-    """``scontrol -o show job JOB`` as a dict; empty when it fails."""
-    try:
-        out = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True,
-                             timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return parse_scontrol(out.stdout) if out.returncode == 0 else {}
-
-
-def requeue_slurm(job: str) -> str | None:
-    """``scontrol requeue JOB`` if this incarnation of the job is still the running one; None when done.
-
-    A job that is not RUNNING is being cancelled, timed out or already requeued (by Slurm on a node
-    failure, say); a restart count different from ours means another incarnation: never requeue then.
-    """
-    fields = show_job(job)
-    state = fields.get("JobState", "UNKNOWN")
-    if state != "RUNNING":
-        return f"job {job} is {state}, not RUNNING (cancelled, ending or already requeued)"
-    ours = os.environ.get("SLURM_RESTART_COUNT", "0")
-    if fields.get("Restarts", "0") != ours:
-        return f"job {job} was already restarted (Restarts={fields.get('Restarts')}, this run is {ours})"
-    try:
-        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"scontrol requeue {job} failed: {exc}"
-    if out.returncode != 0:
-        return f"scontrol requeue {job} failed: {out.stderr.strip() or out.returncode}"
-    log.warning("requeued job %s (scontrol requeue)", job)
-    return None
-
-
-def queue_wait(run_dir: Path, ledger: list[dict], scheduler: str) -> tuple[float | None, str]:
-    """(seconds this incarnation waited in the queue, where that came from).
-
-    Slurm: ``StartTime - SubmitTime`` of ``scontrol show job`` (Slurm resets SubmitTime on a requeue).
-    Elsewhere: this process's start minus the previous stop (after a requeue) or ``job.json``'s
-    ``submitted_at`` (first start).
-    """
-    if scheduler == "slurm":
-        fields = show_job(os.environ["SLURM_JOB_ID"])
-        start, submit = scontrol_seconds(fields.get("StartTime", "")), scontrol_seconds(fields.get("SubmitTime", ""))
-        if start is not None and submit is not None:
-            return max(0.0, start - submit), "scontrol"
-    if ledger and ledger[-1].get("event") == "stop":
-        reference, source = ledger[-1].get("time"), "ledger"
-    else:
-        reference, source = runs.read_json(run_dir / "job.json").get("submitted_at"), "job.json"
-    if reference is None or ledger and ledger[-1].get("event") == "start":  # the last run died silently
-        return None, "unknown"
-    return max(0.0, process_start_time() - float(reference)), source
-
-
-def process_start_time() -> float:
-    """When this process started (epoch seconds, from /proc), else now."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime", encoding="ascii") as f:
-            boot = time.time() - float(f.read().split()[0])  # btime is whole seconds; uptime has 10 ms
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
-
-def start_line(run_dir: Path, step: int, checkpoint: Path | None, restore_s: float, scheduler: str) -> dict:
+def start_line(run_dir: Path, step: int, checkpoint: Path | None, restore_s: float, side: JobSide | None) -> dict:
     """The ledger's line for this start (rank 0)."""
-    ledger = runs.read_jsonl(run_dir / LEDGER)
-    metrics = runs.read_jsonl(run_dir / "metrics.jsonl")
-    wait, source = queue_wait(run_dir, ledger, scheduler)
+    ledger = runs.RunDir(run_dir).read_ledger()
+    metrics = runs.RunDir(run_dir).read_metrics()
+    wait, source = side.queue_wait(run_dir, ledger) if side is not None else wait_since_last_stop(run_dir, ledger)
     return {"event": "start", "time": time.time(), "restart": sum(1 for e in ledger if e.get("event") == "start"),
             "step": step, "checkpoint": checkpoint.name if checkpoint else None,
             "steps_recomputed": steps_recomputed(ledger, metrics[-1].get("step") if metrics else None, step),
             "restore_s": round(restore_s, 3), "queue_wait_s": None if wait is None else round(wait, 3),
             "queue_wait_source": source, "startup_s": round(time.time() - process_start_time(), 3),
-            "job_id": job_id(), "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0"))}
+            "job_id": side.job_id() if side else None,
+            "slurm_restart_count": side.restart_count() if side else 0}
 
 
 def set_aside_untrusted(run_dir: Path, chosen: Path | None) -> None:

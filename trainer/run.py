@@ -6,11 +6,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.resolve import Launch
+from hpc.resolve import RESOLVED_VERSION, Launch
+from hpc.runs import RunDir
 from hpc.site import SiteProfile, parse_site
 from hpc.spec import JobSpec, spec_from_dict
 
-RESOLVED = "resolved.json"
 
 
 @dataclass
@@ -24,17 +24,19 @@ class Run:
 
     @property
     def logs_dir(self) -> Path:
-        return self.run_dir / "logs"
+        return RunDir(self.run_dir).logs
 
 
 def load_run(run_dir: str | Path) -> Run:
     """Read ``RUN_DIR/resolved.json``; the folder given wins over the one recorded (it may have moved)."""
     run_dir = Path(run_dir).resolve()
-    doc = json.loads((run_dir / RESOLVED).read_text())
-    if doc.get("version") != 1:
-        raise ValueError(f"{run_dir / RESOLVED}: version {doc.get('version')!r}, this trainer reads version 1")
-    spec = spec_from_dict(doc["spec"], str(run_dir / RESOLVED))
+    resolved = RunDir(run_dir).resolved
+    doc = json.loads(resolved.read_text())
+    if doc.get("version") not in (1, RESOLVED_VERSION):
+        raise ValueError(f"{resolved}: version {doc.get('version')!r}, this trainer reads versions "
+                         f"1 to {RESOLVED_VERSION}")
+    spec = spec_from_dict(doc["spec"], str(resolved))
     site_doc = dict(doc["site"])
     name, source = site_doc.pop("name"), site_doc.pop("source", "")
-    site = parse_site(site_doc, name, source or str(run_dir / RESOLVED))
-    return Run(run_dir=run_dir, spec=spec, site=site, launch=Launch(**doc["launch"]))
+    site = parse_site(site_doc, name, source or str(resolved))
+    return Run(run_dir=run_dir, spec=spec, site=site, launch=Launch.from_dict(doc["launch"]))

@@ -14,13 +14,15 @@ import typing as tp
 
 import torch
 
+from hpc.dims import ParallelDims, parallel_dims
+from hpc.models import model_facts
 from hpc.resolve import Launch
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, check_world, detect_rank_env, device_for, init_distributed,
                           init_single, shutdown, write_mesh, write_world)
 from trainer.loop import Trainer, TrainState, train
 from trainer.metrics import MetricsWriter, flush_logging, setup_logging
-from trainer.model import build_model, model_blocks, model_shape, seq_len_of, vocab_size_of
+from trainer.model import build_model, model_blocks
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize
 from trainer.preemption import PreemptionFlag
@@ -38,9 +40,8 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
     apply_job_env(run.site.nccl, run.spec.env.set)
     launch = fit_launch(run, env.world_size, env.local_world_size)
     set_cpu_threads(launch)
-    log.info("rank %d/%d on %s via %s: strategy %s/%s, mesh replicate=%d × shard=%d, grad_accum=%d",
-             env.rank, env.world_size, env.hostname, env.launcher, launch.strategy, launch.sharding,
-             launch.replicate, launch.shard, launch.grad_accum)
+    log.info("rank %d/%d on %s via %s: %s, grad_accum=%d", env.rank, env.world_size, env.hostname,
+             env.launcher, launch.dims.describe(), launch.grad_accum)
     guard = resilience_for(run, env.rank, preemption)
     try:
         device = join_job(run, env, launch)
@@ -79,14 +80,19 @@ def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
     device = device_for(backend, env.local_rank)
     if env.world_size > 1:
         hosts = init_distributed(env, backend, run.spec.parallel.timeout_s)
-    elif launch.strategy in ("ddp", "fsdp", "hsdp"):
+    elif launch.dims.needs_process_group:
         hosts = init_single(backend)
     else:
         hosts = [env.hostname]
     total = check_world(env, hosts, device)
     if env.is_rank0:
-        write_world(run.run_dir, hosts, total, backend if env.world_size > 1 or launch.strategy != "none" else "none")
+        write_world(run.run_dir, hosts, total, backend if dist_initialized(env, launch) else "none")
     return device
+
+
+def dist_initialized(env: RankEnv, launch: Launch) -> bool:
+    """Whether this rank joined a process group (several ranks, or DDP/FSDP at one rank)."""
+    return env.world_size > 1 or launch.dims.needs_process_group
 
 
 def fit_launch(run: Run, world_size: int, local_world: int) -> Launch:
@@ -99,18 +105,12 @@ def fit_launch(run: Run, world_size: int, local_world: int) -> Launch:
     if spec.train.global_batch % per_step:
         raise ValueError(f"train.global_batch = {spec.train.global_batch} is not divisible by world_size × "
                          f"micro_batch = {world_size} × {spec.train.micro_batch} = {per_step}")
-    strategy = launch.strategy
-    if strategy in ("none", "dp") and world_size > 1:
-        raise ValueError(f"strategy {strategy!r} runs one process, but {world_size} were started")
-    shard = {"fsdp": world_size, "hsdp": spec.parallel.shard_size or local_world}.get(strategy, 1)
-    if world_size % shard:
-        raise ValueError(f"hsdp shard group of {shard} ranks does not divide the world of {world_size} ranks")
-    log.warning("run folder resolved for %d ranks, started with %d: shard=%d, replicate=%d, grad_accum=%d",
-                launch.world_size, world_size, shard, world_size // shard if strategy == "hsdp" else 1,
-                spec.train.global_batch // per_step)
-    return dataclasses.replace(launch, world_size=world_size, nodes=max(1, world_size // local_world),
-                               tasks_per_node=local_world, shard=shard,
-                               replicate=world_size // shard if strategy == "hsdp" else 1,
+    if world_size % local_world:
+        raise ValueError(f"{world_size} ranks do not divide into nodes of {local_world}")
+    dims = parallel_dims(launch.dims.strategy, launch.dims.sharding, world_size, local_world, spec.parallel.shard_size)
+    log.warning("run folder resolved for %d ranks, started with %d: %s, grad_accum=%d",
+                launch.world_size, world_size, dims.describe(), spec.train.global_batch // per_step)
+    return dataclasses.replace(launch, nodes=world_size // local_world, tasks_per_node=local_world, dims=dims,
                                grad_accum=spec.train.global_batch // per_step)
 
 
@@ -121,35 +121,35 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     torch.manual_seed(spec.train.seed)  # the same initial weights on every rank
     model = build_model(spec.model)
     blocks = model_blocks(model, spec.model.blocks)
-    mesh = build_mesh(launch, device.type)
+    mesh = build_mesh(launch.dims, device.type)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
-    model = parallelize(model, blocks, spec.parallel, launch, mesh, device)
+    model = parallelize(model, blocks, spec.parallel, launch.dims, mesh, device)
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     optimizer = build_optimizer(model, spec.train)
-    seq_len = seq_len_of(spec.model)
-    dataset = build_dataset(spec.data, seq_len, vocab_size_of(spec.model), spec.train.seed)
+    facts = model_facts(spec.model)
+    seq_len = facts.seq_len
+    dataset = build_dataset(spec.data, seq_len, facts.vocab_size, spec.train.seed)
     sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,
                             launch.world_size, spec.train.seed, shuffle_enabled(spec.data))
-    shape = model_shape(spec.model)
     trainer = Trainer(
         run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train),
         sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda"),
         device=device, steps=spec.train.steps, grad_clip=spec.train.grad_clip, log_every=spec.train.log_every,
-        tokens_per_step=spec.train.global_batch * seq_len, world_size=launch.world_size, strategy=launch.strategy,
+        tokens_per_step=spec.train.global_batch * seq_len, world_size=launch.world_size, dims=launch.dims,
         metrics=MetricsWriter(run.run_dir, enabled=rank == 0),
-        flops_per_token=shape.flops_per_token() if shape else None, peak_tflops=run.site.node.gpu_peak_tflops,
-        amp_dtype=autocast_dtype(spec.parallel, launch.strategy), scaler=_grad_scaler(spec.parallel.mixed_precision,
-                                                                                      launch.strategy, device),
+        flops_per_token=facts.flops_per_token, peak_tflops=run.site.node.gpu_peak_tflops,
+        amp_dtype=autocast_dtype(spec.parallel, launch.dims),
+        scaler=_grad_scaler(spec.parallel.mixed_precision, launch.dims, device),
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps)
     return trainer, TrainState()
 
 
-def _grad_scaler(mixed_precision: str, strategy: str, device: torch.device):
+def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device):
     """fp16 needs loss scaling; sharded gradients need the sharded scaler."""
     if mixed_precision != "fp16":
         return None
-    if strategy in ("fsdp", "hsdp"):
+    if dims.fsdp_enabled:
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
         return ShardedGradScaler(device.type)

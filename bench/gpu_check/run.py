@@ -51,7 +51,7 @@ def predicted_gb(run_dir: Path) -> float | None:
     doc = json.loads((run_dir / "resolved.json").read_text())
     site_doc_ = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}
     plan = plan_job(spec_from_dict(doc["spec"]), parse_site(site_doc_, "gpu-check", "<gpu_check>"))
-    row = next((r for r in plan.rows if r.cfg.strategy == doc["launch"]["strategy"] and r.memory), None)
+    row = next((r for r in plan.rows if r.dims.strategy == doc["launch"]["strategy"] and r.memory), None)
     return row.memory.total if row else None
 
 

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from hpc.drill import local_task_pids, parse_step
+from hpc.drill import parse_step
+from hpc.schedulers.local import task_pids as local_task_pids
 from hpc.config import ConfigError
 from hpc.spec import Checkpoint
 from tests.conftest import hpcx
 from trainer.preemption import PreemptionFlag
-from trainer.resilience import (Resilience, parse_scontrol, queue_wait, requeue_verdict, scontrol_seconds,
-                                set_aside_untrusted, steps_recomputed)
+from hpc.schedulers.local import LocalJobSide
+from hpc.schedulers.slurm import parse_scontrol, scontrol_seconds
+from trainer.resilience import Resilience, requeue_verdict, set_aside_untrusted, steps_recomputed
 
 START = {"event": "start", "step": 0}
 
@@ -61,11 +63,11 @@ def test_scontrol_fields_and_times():
 
 def test_queue_wait_outside_slurm(tmp_path: Path):
     (tmp_path / "job.json").write_text(json.dumps({"submitted_at": time.time() - 3600}))
-    wait, source = queue_wait(tmp_path, [], "local")
+    wait, source = LocalJobSide().queue_wait(tmp_path, [])
     assert source == "job.json" and wait > 3000
-    wait, source = queue_wait(tmp_path, [START, {**stop(3, "preempted"), "time": time.time() + 10}], "local")
+    wait, source = LocalJobSide().queue_wait(tmp_path, [START, {**stop(3, "preempted"), "time": time.time() + 10}])
     assert source == "ledger" and wait == 0.0
-    assert queue_wait(tmp_path, [START], "local") == (None, "unknown")  # the last run left no stop line
+    assert LocalJobSide().queue_wait(tmp_path, [START]) == (None, "unknown")  # the last run left no stop line
 
 
 def test_minutes_interval_is_rank0s_clock():

@@ -38,7 +38,7 @@ def test_weak_scaling_study_1_and_2_nodes(sandbox, tmp_path):
     assert two["efficiency"] == pytest.approx(per_rank_tokens(Path(two["run_dir"]), 4, warmup) / base)
     assert 0 < two["efficiency"] < 2
 
-    files = scale.write_report(report, study_dir)
+    files, _ = scale.write_report(report, study_dir)
     assert Path(files["png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(Path(files["csv"]).read_text().splitlines()) == 3
     assert all(Path(p["run_dir"]).parent == study_dir for p in report["points"])

@@ -52,7 +52,7 @@ def main(out: str, run_dirs: list[str]) -> None:
         trainer, state = build_trainer(run, env.rank, torch.device("cpu"))
         summary = train(trainer, state)
         entry = {"losses": summary["losses"]}
-        if run.launch.strategy == "hsdp" or run.launch.sharding == "no_shard":
+        if run.launch.dims.mesh_shape is not None and len(run.launch.dims.mesh_shape) == 2:
             entry["placements"] = placements_report(trainer.model)
         results[run_dir] = entry
     if env.rank == 0:

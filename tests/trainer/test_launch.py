@@ -69,7 +69,8 @@ def test_torchrun_at_another_world_size_refits_the_launch(tmp_path):
     proc = torchrun(4, ["-m", "trainer", str(run_dir)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["world_size"] == 4
-    assert "resolved for 2 ranks, started with 4: shard=4" in (run_dir / "logs" / "rank-0.log").read_text()
+    assert "resolved for 2 ranks, started with 4: fsdp full_shard (sharded over 4 ranks)" in \
+        (run_dir / "logs" / "rank-0.log").read_text()
 
 
 @pytest.mark.parametrize("rank,missing", [(0, "[1, 2, 3]"), (1, "[0]")])

@@ -1,0 +1,66 @@
+"""``hpcx plan``'s terminal table."""
+
+from __future__ import annotations
+
+from hpc.plan.rows import Plan, Row
+
+
+COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "+headroom", "fits", "comm GB", "comm s")
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "?"
+    if x < 1:
+        return f"{x:.3f}"
+    return f"{x:.1f}" if x < 1000 else f"{x:.0f}"
+
+
+def _count(n: int | None) -> str:
+    if not n:
+        return "parameters unknown"
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit} params"
+    return f"{n} params"
+
+
+def _cells(row: Row) -> list[str]:
+    m, c = row.memory, row.comm
+    fits = {True: "yes", False: "no", None: "?"}[row.fits]
+    if row.cfg.offload and row.host_fits is False:
+        fits = "no (host)"
+    if m is None:
+        return ["?"] * 7 + [fits] + ["?"] * 2
+    secs = None if c is None else c.seconds
+    return [_num(m.params), _num(m.grads), _num(m.optimizer), _num(m.buffers),
+            "unknown" if m.activations is None else _num(m.activations), _num(m.total), _num(row.need_gb), fits,
+            _num(None if c is None else c.gb), "?" if secs is None else f"{secs:.3f}"]
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a terminal table followed by the recommendation."""
+    lines = [_header(plan), ""]
+    table = [["strategy", *COLUMNS]] + [[("* " if r is plan.choice else "  ") + r.label, *_cells(r)] for r in plan.rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    lines.append("")
+    if plan.compute_s is not None:
+        lines.append(f"compute per step: {plan.compute_s:.2f} s at MFU {plan.mfu:.2f}"
+                     f"{' (+1/3 recompute)' if plan.checkpointing else ''}")
+    lines += [f"note: {n}" for n in plan.notes]
+    if plan.choice is not None or plan.recommendation:
+        lines.append("")
+        lines += ["recommendation: " + plan.recommendation[0]] + ["  " + s for s in plan.recommendation[1:]]
+    if plan.advice:
+        lines.append("")
+        lines += [plan.advice[0]] + ["  " + s for s in plan.advice[1:]]
+    return "\n".join(lines)
+
+
+def _header(plan: Plan) -> str:
+    return (f"plan {plan.job}: {plan.model} ({_count(plan.n_params)}) on {plan.site}: {plan.nodes} node(s) × "
+            f"{plan.tasks_per_node} ranks = {plan.world}; micro_batch {plan.micro_batch} × grad_accum "
+            f"{plan.grad_accum}; mixed_precision {plan.mixed_precision}; activation checkpointing "
+            f"{'on' if plan.checkpointing else 'off'}")

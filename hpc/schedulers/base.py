@@ -1,0 +1,150 @@
+"""The scheduler interface: what hpcx asks of Slurm, or of this machine, on either side of a submission.
+
+Login side (``Scheduler``): the submitit executor and the exact text ``hpcx render`` shows; the
+state of many jobs in one query; cancel; sending the preemption signal (``hpcx drill``); how often
+the scheduler restarted a job.
+
+Job side (``JobSide``, inside a running task): this job's id and restart count; asking for the one
+requeue after a preemption save (and leaving the way that scheduler restarts a job); how long this
+incarnation waited in the queue.
+
+Adding a scheduler (PBS, Kubernetes …) is adding one module beside ``slurm.py`` and ``local.py`` and
+one line in ``hpc.schedulers.KINDS``. Everything here is torch-free; submitit is imported lazily.
+"""
+
+from __future__ import annotations
+
+import abc
+import pickle
+import shutil
+import subprocess
+import typing as tp
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.resolve import Launch
+    from hpc.site import SiteProfile
+    from hpc.spec import JobSpec
+
+SUBMITIT_DIR = "submitit"  # under the run folder: submitit's pickles and per-task stdout/stderr
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
+            "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED"}
+QUERY_TIMEOUT_S = 30.0
+
+
+@dataclass
+class JobState:
+    state: str
+    nodes: str = ""
+    source: str = ""  # which command answered
+    detail: dict = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.state in TERMINAL
+
+
+def run_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> str | None:
+    """stdout of ``cmd`` (an argument list, never a shell) when it exits 0 within ``timeout``, else None."""
+    ok, out = try_command(cmd, timeout)
+    return out if ok else None
+
+
+def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool, str]:
+    """(exited 0 within ``timeout``, its stdout — or, when it failed, why: stderr, exit status, timeout)."""
+    if shutil.which(cmd[0]) is None:
+        return False, f"{cmd[0]}: command not found"
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False, f"no answer within {timeout:g} s"
+    except OSError as exc:
+        return False, str(exc)
+    if out.returncode != 0:
+        return False, out.stderr.strip() or f"exit status {out.returncode}"
+    return True, out.stdout
+
+
+def read_result(path: Path) -> tuple[str, object]:
+    """submitit's result pickle: ("success", value) or ("error", traceback text).
+
+    It is a file the job (this user's own code) wrote into a 0700 folder.
+    """
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception as exc:  # noqa: BLE001 - report any unreadable result as such
+        return ("error", f"unreadable result {path}: {exc}")
+
+
+def submitit_command(python: str, folder: str) -> str:
+    """The command submitit puts in the script (mirrors SlurmExecutor._submitit_command_str)."""
+    import shlex
+
+    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
+
+
+def result_path(submitit_dir: Path, job_id: str) -> Path:
+    """Where submitit leaves rank 0's result (or error) of a job."""
+    return submitit_dir / f"{job_id}_0_result.pkl"
+
+
+class Scheduler(abc.ABC):
+    """The login side of one scheduler kind."""
+
+    kind: str = ""
+    multi_node: bool = False  # one job can span several nodes
+
+    @abc.abstractmethod
+    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
+        """A submitit executor configured for this launch; ``folder`` is the run's submitit folder."""
+
+    @abc.abstractmethod
+    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
+        """Exactly what ``executor`` submits (the sbatch script, or the local parameters)."""
+
+    @abc.abstractmethod
+    def states(self, jobs: tp.Mapping[str, Path]) -> dict[str, JobState]:
+        """The state of every job id in ``jobs`` (id -> its run folder), in as few queries as the
+        scheduler allows; a job the scheduler cannot tell about gets state UNKNOWN."""
+
+    @abc.abstractmethod
+    def cancel(self, job_id: str, run_dir: Path) -> bool:
+        """Cancel the job; False when the scheduler refused or the job was not there."""
+
+    @abc.abstractmethod
+    def signal(self, job_id: str, signal_name: str, run_dir: Path) -> list[str]:
+        """Send ``signal_name`` (e.g. USR2) to the job's training tasks; what was signalled, for the report.
+        Raises UserError when it cannot."""
+
+    def restarts(self, job_id: str) -> int:
+        """How many times the scheduler restarted (requeued) the job."""
+        return 0
+
+
+class JobSide(abc.ABC):
+    """The side of one scheduler kind that runs inside a job's task."""
+
+    kind: str = ""
+
+    @abc.abstractmethod
+    def job_id(self) -> str | None:
+        """This job's id."""
+
+    def restart_count(self) -> int:
+        """How many times this job was restarted before this incarnation."""
+        return 0
+
+    @abc.abstractmethod
+    def requeue(self) -> str | None:
+        """Ask for one requeue of this job; None when granted, else why not."""
+
+    def leave_for_requeue(self) -> None:
+        """After a granted requeue and the stop line: leave the way this scheduler restarts a job
+        (returning is right where the scheduler itself restarts the tasks)."""
+
+    @abc.abstractmethod
+    def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
+        """(seconds this incarnation waited in the queue, where that figure came from)."""
