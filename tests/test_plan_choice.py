@@ -30,7 +30,7 @@ def kind(row) -> str:
 
 # --- no flip with global_batch alone ------------------------------------------------------------
 
-@pytest.mark.parametrize("size", ["125m", "350m", "760m", "1.3b"])
+@pytest.mark.parametrize("size", ["125m", "350m", "760m", "1.3b", "2.7b"])
 def test_ddp_on_one_nvswitch_node_whatever_the_global_batch(size):
     """Under 1B (and 1.3B on 80 GB): DDP fits and hides its all-reduce, so it stays DDP."""
     for batch in (8, 16, 32, 64, 256, 1024):
@@ -221,3 +221,17 @@ def test_autocast_activations_exceed_fsdp_bf16_activations():
     tokens, d, layers = 2048, 2048, 24
     assert (ddp.memory.activations - no_shard.memory.activations) * GB == pytest.approx(
         layers * (tokens * d * 2 * 2 + tokens * 4 * 2) + tokens * d * 2 + 2 * tokens * 2)
+
+
+# --- the docs say what the code does ----------------------------------------------------------------
+
+def test_planner_docs_match_the_trainer_and_the_tie_rule():
+    from tests.conftest import REPO
+
+    docs = (REPO / "docs" / "planner.md").read_text()
+    trainer = (REPO / "trainer" / "parallelize.py").read_text()
+    assert "gradient_as_bucket_view=True" in trainer and "sets `gradient_as_bucket_view=True`" in docs
+    assert "does not set `gradient_as_bucket_view`" not in docs
+    assert "within 5 % of it ties" in docs and f"{TIE:.0%}" == "5%"
+    assert "none < ddp < fsdp/hsdp" in docs and "none < ddp < fsdp/hsdp" in SIMPLICITY_TEXT
+    assert "seeds" not in docs and "shared/" not in docs  # rules are stated, not cited by file
