@@ -22,7 +22,11 @@ Which collectives run (per micro-batch unless said otherwise):
   gradients across the replicas once per optimizer step (FSDP2 ``set_requires_all_reduce(False)``
   on the accumulation micro-batches).
 - fsdp no_shard (FSDP2 on a (world, 1) mesh): the all-reduce across replicas, once per step.
-- CPU offload adds host↔device copies of the shards at HOST_LINK_GBS.
+- CPU offload adds, every micro-batch, host→GPU copies of the fp32 parameter shard before each
+  all-gather and GPU→host copies of the fp32 gradient shard, at HOST_LINK_GBS per GPU.
+
+Each part says which compute it can hide under (``phase``: a micro-batch's forward or backward)
+and how often it runs per step (``repeat``); ``hpc.plan.timing`` turns that into a step time.
 """
 
 from __future__ import annotations
@@ -89,8 +93,11 @@ def ring_seconds(kind: str, message: float, p: int, link: Link, calls: int = 1) 
 class Part:
     what: str
     gb: float  # sent per rank per optimizer step
-    seconds: float | None
+    seconds: float | None  # per optimizer step (all ``repeat`` runs)
     link: str
+    phase: str = "backward"  # the compute it can hide under: "forward" or "backward" of a micro-batch
+    repeat: int = 1  # runs per optimizer step: every micro-batch (grad_accum), or once (the last one's backward)
+    unhidden_s: float = 0.0  # per run: the call nothing can overlap (the first gather, the last reduction)
 
 
 @dataclass
@@ -114,12 +121,26 @@ class Comm:
         return max(timed, key=lambda p: p.seconds).link if timed else ""
 
 
-def _add(comm: Comm, what: str, kind: str, message: float, group: Group, link: Link, repeat: int,
-         calls: int) -> None:
-    sent = ring_bytes(kind, message, group.size) * repeat
-    t = ring_seconds(kind, message, group.size, link, calls)
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step: ``calls`` rings (one per FSDP unit or DDP bucket) over ``message``
+    bytes in all; ``edge`` bytes go in the call that cannot overlap compute."""
+
+    what: str
+    kind: str
+    message: float
+    calls: int
+    edge: float
+    phase: str = "backward"
+
+
+def _add(comm: Comm, c: Collective, group: Group, link: Link, repeat: int) -> None:
+    sent = ring_bytes(c.kind, c.message, group.size) * repeat
+    t = ring_seconds(c.kind, c.message, group.size, link, c.calls)
     if sent:
-        comm.parts.append(Part(what, sent / GB, None if t is None else t * repeat, link.name))
+        edge = ring_seconds(c.kind, c.edge, group.size, link) or 0.0
+        comm.parts.append(Part(c.what, sent / GB, None if t is None else t * repeat, link.name, c.phase, repeat,
+                               edge))
 
 
 def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tasks_per_node: int,
@@ -127,34 +148,58 @@ def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tas
     """Per-rank communication of one optimizer step; None when the parameter count is unknown."""
     if facts.n_params is None:
         return None
-    n, world = facts.n_params, nodes * tasks_per_node
+    n, world, root = facts.n_params, nodes * tasks_per_node, facts.root_params or 0
     comm = Comm()
     if cfg.dims.replicated:  # ddp, fsdp no_shard
         everyone = Group(world, tasks_per_node)
-        calls = math.ceil(n * REDUCE_BYTES / DDP_BUCKET_BYTES) if cfg.dims.ddp_enabled else facts.n_units + 1
-        _add(comm, "all-reduce gradients", "all_reduce", n * REDUCE_BYTES, everyone,
-             group_link(everyone, site, tasks_per_node), 1, calls)
+        grads = n * REDUCE_BYTES
+        if cfg.dims.ddp_enabled:  # 25 MB buckets, the last one after backward
+            buckets = math.ceil(grads / DDP_BUCKET_BYTES)
+            reduce = Collective("all-reduce gradients", "all_reduce", grads, buckets, min(grads, DDP_BUCKET_BYTES))
+        else:  # one all-reduce per FSDP unit; the root's (embeddings) comes last
+            reduce = Collective("all-reduce gradients", "all_reduce", grads, facts.n_units + 1, root * REDUCE_BYTES)
+        _add(comm, reduce, everyone, group_link(everyone, site, tasks_per_node), 1)
     elif cfg.dims.fsdp_enabled:
-        _sharded_comm(comm, facts, cfg, site, nodes, tasks_per_node, grad_accum)
+        _sharded_comm(comm, facts, cfg, site, tasks_per_node, grad_accum)
+    if cfg.offload:
+        _offload_copies(comm, facts, cfg, grad_accum)
     return comm
 
 
-def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int,
-                  tasks_per_node: int, grad_accum: int) -> None:
-    n, root, units = facts.n_params or 0, facts.root_params or 0, facts.n_units + 1
+def _offload_copies(comm: Comm, facts: ModelFacts, cfg: Config, grad_accum: int) -> None:
+    """FSDP2 CPUOffloadPolicy: each micro-batch copies the fp32 parameter shard to the GPU before each
+    all-gather (forward, and backward again under full_shard) and the reduced fp32 gradient shard
+    back to the host, over each GPU's own PCIe link."""
+    shard, root = (facts.n_params or 0) / cfg.dims.dp_shard, (facts.root_params or 0) / cfg.dims.dp_shard
+    gathers = [("forward", "host→GPU parameter shard (offload)")]
+    if cfg.dims.reshard_after_forward:
+        gathers.append(("backward", "host→GPU parameter shard again (offload)"))
+    copies = [(phase, what, PARAM_BYTES) for phase, what in gathers]
+    copies.append(("backward", "GPU→host gradient shard (offload)", REDUCE_BYTES))
+    bandwidth = HOST_LINK_GBS * GB
+    for phase, what, width in copies:
+        total = shard * width * grad_accum
+        comm.parts.append(Part(what, total / GB, total / bandwidth, "pcie-host", phase, grad_accum,
+                               root * width / bandwidth))
+
+
+def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile, tasks_per_node: int,
+                  grad_accum: int) -> None:
+    """FSDP/HSDP: gathers and reduce-scatters inside the shard group, HSDP's all-reduce across it."""
+    n, root, unit, units = facts.n_params or 0, facts.root_params or 0, facts.unit_params or 0, facts.n_units + 1
     c, degree = compute_bytes(cfg.mixed_precision), cfg.dims.dp_shard
     shard = Group(degree, min(degree, tasks_per_node))
     link = group_link(shard, site, tasks_per_node)
-    _add(comm, "all-gather forward", "all_gather", n * c, shard, link, grad_accum, units)
+    # forward gathers the root first; backward gathers the blocks again (the root stays gathered)
+    _add(comm, Collective("all-gather forward", "all_gather", n * c, units, root * c, "forward"), shard, link,
+         grad_accum)
     if cfg.dims.reshard_after_forward:
-        _add(comm, "all-gather backward", "all_gather", (n - root) * c, shard, link, grad_accum, units - 1)
-    _add(comm, "reduce-scatter gradients", "reduce_scatter", n * REDUCE_BYTES, shard, link, grad_accum, units)
+        _add(comm, Collective("all-gather backward", "all_gather", (n - root) * c, units - 1, unit * c), shard,
+             link, grad_accum)
+    _add(comm, Collective("reduce-scatter gradients", "reduce_scatter", n * REDUCE_BYTES, units,
+                          root * REDUCE_BYTES), shard, link, grad_accum)
     replicas = cfg.dims.dp_replicate
     if replicas > 1:
         across = Group(replicas, max(1, tasks_per_node // degree))
-        _add(comm, "all-reduce across replicas", "all_reduce", n * REDUCE_BYTES / degree, across,
-             group_link(across, site, tasks_per_node), 1, units)
-    if cfg.offload:
-        shard_bytes = n / degree * (2 * PARAM_BYTES + REDUCE_BYTES) * grad_accum
-        comm.parts.append(Part("host<->GPU copies (offload)", shard_bytes / GB,
-                               shard_bytes / (HOST_LINK_GBS * GB), "pcie-host"))
+        _add(comm, Collective("all-reduce across replicas", "all_reduce", n * REDUCE_BYTES / degree, units,
+                              root * REDUCE_BYTES / degree), across, group_link(across, site, tasks_per_node), 1)

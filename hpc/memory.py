@@ -35,7 +35,7 @@ CONTEXT_GB = 2.0  # CUDA context (~0.5-1 GB) + NCCL communicator buffers (~1 GB)
 FRAGMENTATION = 0.10  # caching-allocator fragmentation, as a fraction of the estimate
 CPU_PROCESS_GB = 0.5  # a Python process with torch imported, per rank, on CPU sites
 HOST_USABLE = 0.8  # share of a node's RAM the planner lets offloaded states use
-LOGIT_BYTES = 12  # per logit element at the loss: fp32 log-probs + fp32 gradients (in and out)
+LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gradient in and out
 
 
 def compute_bytes(mixed_precision: str) -> int:
@@ -89,7 +89,7 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     n, unit, root = facts.n_params or 0, facts.unit_params or 0, facts.root_params or 0
     c = compute_bytes(cfg.mixed_precision)
     if not cfg.dims.fsdp_enabled:
-        return _replica_buffers(n, c, cfg)
+        return _replica_buffers(n if facts.matmul_params is None else facts.matmul_params, c, cfg)
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
     grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
     if cfg.dims.reshard_after_forward:
@@ -101,10 +101,11 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     return gathered + grads, [note, "one block's unsharded gradients before the reduce-scatter"]
 
 
-def _replica_buffers(n: int, c: int, cfg: Config) -> tuple[float, list[str]]:
+def _replica_buffers(matmul: int, c: int, cfg: Config) -> tuple[float, list[str]]:
+    """Autocast's bf16/fp16 copies of the matmul weights (cached from forward to backward)."""
     total, notes = 0.0, []
     if c < PARAM_BYTES:
-        total += n * c
+        total += matmul * c
         notes.append(f"autocast {_dtype(c)} weight copies held from forward to backward")
     if cfg.dims.ddp_enabled:
         # the trainer sets gradient_as_bucket_view=True: the buckets are the gradients, no second copy
@@ -116,30 +117,66 @@ def _dtype(c: int) -> str:
     return "fp32" if c == 4 else "bf16/fp16"
 
 
-def gpt_activation_bytes(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                         dropout: float = 0.0) -> float:
-    """Activation memory of one micro-batch at its peak (start of backward).
+def residual_bytes(mixed_precision: str, autocast: bool) -> int:
+    """Bytes per element of the residual stream and the LayerNorm inputs. Under autocast (ddp, none)
+    the embeddings and the residual adds stay fp32 and LayerNorm runs in fp32; only the matmuls
+    and attention run in bf16/fp16. FSDP2's ``param_dtype`` makes every weight, so every tensor,
+    bf16/fp16."""
+    return 4 if autocast else compute_bytes(mixed_precision)
 
-    Per block and token, Korthikanti et al. (2022) count 34·h bytes at 2 bytes per element
-    (16 elements of h, plus two 1-byte dropout masks) and 5·a·s bytes for the attention
-    matrix; fused SDPA stores no s×s matrix, only an fp32 log-sum-exp per head. With
-    checkpointing, each block keeps its input and one block is recomputed at a time.
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one micro-batch."""
+
+    held: float  # at the end of forward: what autograd saved, plus the logits the training loop holds
+    peak: float  # the most alive at once, during backward
+
+
+def gpt_activations(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
+                    dropout: float = 0.0, autocast: bool = False) -> Activations:
+    """The built-in GPT's activation bytes of one micro-batch.
+
+    Per block and token, Korthikanti et al. (2022) count 16 elements of h (two LayerNorm inputs,
+    the attention's and MLP's matmul inputs and outputs), two 1-byte dropout masks and 5·a·s bytes
+    for the attention matrix; fused SDPA stores no s×s matrix, only an fp32 log-sum-exp per head.
+    The two LayerNorm inputs are the residual stream (fp32 under autocast, ``residual_bytes``);
+    LayerNorm also keeps a mean and a reciprocal std per token. The peak is at the loss's backward
+    (all blocks' activations, the logits the loop holds, fp32 log-softmax and its gradient in and
+    out) or, when that is smaller, inside the last block's backward. With checkpointing, each block
+    keeps its input and one block is recomputed at a time. ``held`` is checked against autograd's
+    saved tensors (tests/test_plan_activations.py), ``peak`` against the CPU allocator
+    (bench/activation_memory).
     """
-    c = compute_bytes(mixed_precision)
-    tokens = micro_batch * shape.seq_len
+    c, r = compute_bytes(mixed_precision), residual_bytes(mixed_precision, autocast)
+    tokens, d = micro_batch * shape.seq_len, shape.d_model
     masks = 2 if dropout > 0 else 0
-    per_block = tokens * shape.d_model * (16 * c + masks) + tokens * shape.n_heads * 4
-    blocks = shape.n_layers * tokens * shape.d_model * c + per_block if checkpointing \
-        else shape.n_layers * per_block
-    head = tokens * shape.vocab_size * LOGIT_BYTES + 2 * tokens * shape.d_model * c
-    return blocks + head
+    block = tokens * d * (14 * c + 2 * r + masks) + tokens * 4 * r + tokens * shape.n_heads * 4
+    head = tokens * d * (r + c) + 2 * tokens * r  # ln_f input (residual) and output (the head's input)
+    logits = tokens * shape.vocab_size * c
+    log_probs = tokens * shape.vocab_size * 4  # cross_entropy's fp32 log-softmax, saved for backward
+    loss = tokens * shape.vocab_size * LOGIT_BYTES  # … plus its fp32 gradient in and out
+    grads = tokens * d * (r + 4 * c)  # the MLP's backward: residual gradient + 4h-wide input gradient
+    small = tokens * 16 + (tokens * d if dropout > 0 else 0)  # token ids and targets; embedding dropout mask
+    if checkpointing:
+        kept = shape.n_layers * tokens * d * r
+        return Activations(kept + head + logits + log_probs + small,
+                           kept + logits + max(head + loss, block + grads) + small)
+    kept = shape.n_layers * block
+    return Activations(kept + head + logits + log_probs + small, kept + logits + max(head + loss, grads) + small)
+
+
+def gpt_activation_bytes(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
+                         dropout: float = 0.0, autocast: bool = False) -> float:
+    """Activation memory of one micro-batch at its peak (``gpt_activations(...).peak``)."""
+    return gpt_activations(shape, micro_batch, checkpointing, mixed_precision, dropout, autocast).peak
 
 
 def activation_bytes(facts: ModelFacts, cfg: Config) -> float | None:
     """The GPT's activations from its shape; a user model's measured figure; else None."""
     if facts.gpt is not None:
         return gpt_activation_bytes(facts.gpt, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision,
-                                    cfg.dropout)
+                                    cfg.dropout, autocast=not cfg.dims.fsdp_enabled)
     if facts.activation_gb_per_sample:
         return facts.activation_gb_per_sample * GB * cfg.micro_batch
     return None

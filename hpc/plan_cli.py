@@ -1,4 +1,4 @@
-"""`hpcx plan` and `hpcx site detect` (registered by hpc.cli). No torch import."""
+"""`hpcx plan` and `hpcx site detect` (registered by hpc.cli). No torch import, except `plan --count-params`."""
 
 from __future__ import annotations
 
@@ -18,13 +18,18 @@ from hpc.config import ConfigError
 @click.argument("job", type=click.Path(dir_okay=False))
 @site_option
 @click.option("--nodes", type=click.IntRange(min=1), default=None, help="Plan for this many nodes (job.nodes).")
+@click.option("--count-params", is_flag=True,
+              help="Build a user model on the meta device to count its parameters (imports torch).")
 @set_option
 @json_option
-def plan_command(job: str, site_name: str | None, nodes: int | None, overrides: tuple[str, ...], as_json: bool) -> None:
-    """Per-GPU memory and communication per step of every strategy for JOB on a site, and the choice.
+def plan_command(job: str, site_name: str | None, nodes: int | None, count_params: bool, overrides: tuple[str, ...],
+                 as_json: bool) -> None:
+    """Per-GPU memory and time per step of every strategy for JOB on a site, and the choice.
 
-    `parallel.strategy = "auto"` in the spec submits exactly the strategy recommended here.
+    `parallel.strategy = "auto"` in the spec submits exactly the strategy recommended here (with
+    --count-params, only once the counted numbers are stated in the spec).
     """
+    from hpc.models import model_facts
     from hpc.plan import format_plan, plan_job
     from hpc.resolve import cross_check
     from hpc.site import choose_site, load_site
@@ -36,11 +41,28 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, overrides: 
     errors = cross_check(spec, site)
     if errors:
         raise ConfigError([f"{spec.source}: {e}" for e in errors])
-    plan = plan_job(spec, site)
+    facts = _counted_facts(spec.model) if count_params else model_facts(spec.model)
+    plan = plan_job(spec, site, facts=facts)
     if as_json:
         echo_json(plan.to_dict())
     else:
         click.echo(format_plan(plan))
+
+
+def _counted_facts(model: tp.Any) -> tp.Any:
+    """A user model's facts from a meta-device build (torch, on request only), with a note saying
+    what to state in the spec so `auto` and `submit` plan with the same numbers."""
+    from hpc.models import model_facts
+
+    if model.arch == "gpt":
+        return model_facts(model)  # the built-in GPT's count follows from its shape: nothing to build
+    from trainer.count import count_model
+
+    counted = count_model(model)
+    click.echo(f"counted on the meta device: {counted.n_params} parameters in {counted.n_units} blocks "
+               f"(largest {counted.unit_params}); state model.n_params = {counted.n_params}, model.n_layers = "
+               f"{counted.n_units} and model.dim in the spec so `auto` uses them", err=True)
+    return model_facts(model, counted)
 
 
 @click.command("detect")
@@ -52,19 +74,25 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, overrides: 
 def detect_command(name: str, topo: str | None, query: str | None, scontrol: str | None) -> None:
     """Draft a site profile (TOML on stdout) from this GPU node's tools, or from saved outputs.
 
-    Runs nvidia-smi and scontrol for the files not given; says in comments what it could not tell.
+    Runs nvidia-smi and scontrol for the files not given; says in comments what it found, what it
+    assumed and what it could not tell. A matrix cut short, asymmetric or with unknown cells is
+    refused (exit 2). Without Slurm the draft is a `local` site for this machine.
     """
-    from hpc.detect import draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml
+    from hpc.detect import Host, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml
 
     problems: list[str] = []
     topo_text = _text(topo, ["nvidia-smi", "topo", "-m"], problems)
     query_text = _text(query, ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv"], problems)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     slurm_text = _text(scontrol, ["scontrol", "show", "node", node], problems)
-    parsed_topo = _parse(parse_topo, topo_text, topo, problems)
-    parsed_query = _parse(parse_query_gpu, query_text, query, problems)
-    parsed_slurm = _parse(parse_scontrol_nodes, slurm_text, scontrol, problems)
-    draft = draft_site(name, parsed_topo, parsed_query, parsed_slurm or None)
+    parsed_topo = _parse(parse_topo, topo_text, topo or "`nvidia-smi topo -m`")
+    parsed_query = _parse(parse_query_gpu, query_text, query or "`nvidia-smi --query-gpu`")
+    parsed_slurm = _parse(parse_scontrol_nodes, slurm_text, scontrol or "`scontrol show node`")
+    host = None if topo or query else Host.here()  # this machine's CPUs and memory, when it is the GPU node
+    try:
+        draft = draft_site(name, parsed_topo, parsed_query, parsed_slurm or None, host)
+    except ValueError as exc:
+        raise ConfigError([f"{topo or 'nvidia-smi'}: {exc}"]) from None
     draft.unknown[:0] = problems
     click.echo(render_toml(draft), nl=False)
 
@@ -86,13 +114,12 @@ def _text(path: str | None, command: list[str], problems: list[str]) -> str | No
     return done.stdout
 
 
-def _parse(parser: tp.Callable[[str], tp.Any], text: str | None, path: str | None, problems: list[str]) -> tp.Any:
+def _parse(parser: tp.Callable[[str], tp.Any], text: str | None, source: str) -> tp.Any:
+    """Parsed output, or None when there was none; output that does not parse is refused (a draft built
+    on half of it would be confidently wrong)."""
     if text is None:
         return None
     try:
         return parser(text)
     except ValueError as exc:
-        if path:  # a file the user pointed at is input: say so and stop
-            raise ConfigError([f"{path}: {exc}"]) from None
-        problems.append(str(exc))
-        return None
+        raise ConfigError([f"{source}: {exc}"]) from None

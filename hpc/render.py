@@ -15,7 +15,7 @@ def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
     header = [
         f"# hpcx: {spec.job.name} on site {site.name!r} ({site.scheduler.kind})",
         f"# ranks: {launch.nodes} nodes × {launch.tasks_per_node} tasks = {launch.world_size} ({launch.backend})",
-        f"# strategy: {launch.dims.describe()}",
+        f"# strategy: {launch.dims.describe()}" + ("; CPU offload" if launch.cpu_offload else ""),
         f"# batch: global {spec.train.global_batch} = {launch.world_size} ranks × micro "
         f"{spec.train.micro_batch} × accumulation {launch.grad_accum}",
         f"# preemption: USR2 {launch.signal_lead_s} s before the time limit; requeued at most "

@@ -35,6 +35,9 @@ class Launch:
     account: str | None
     qos: str | None
     plan_reasons: list[str] = field(default_factory=list)
+    # FSDP keeps its shards on the host: the spec's cpu_offload for an explicit strategy, the plan's
+    # choice under auto (where cpu_offload = true allows it); None in resolved.json files from before
+    cpu_offload: bool | None = None
 
     def __post_init__(self) -> None:
         if self.dims.world_size != self.world_size:
@@ -134,20 +137,21 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
 
     tpn = tasks_per_node(spec, site)
     world = spec.job.nodes * tpn
-    dims, reasons = choose(spec, site, spec.job.nodes)
+    choice = choose(spec, site, spec.job.nodes)
     return Launch(
         nodes=spec.job.nodes,
         tasks_per_node=tpn,
         cpus_per_task=spec.job.cpus_per_task or max(1, site.node.cpus // tpn),
         gpus_per_node=tpn if site.node.gpus else 0,
         backend=site.backend,
-        dims=dims,
+        dims=choice.dims,
         grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
         partition=spec.job.partition or site.scheduler.partition,
         account=spec.job.account or site.scheduler.account,
         qos=spec.job.qos or site.scheduler.qos,
-        plan_reasons=reasons,
+        plan_reasons=choice.reasons,
+        cpu_offload=choice.cpu_offload,
     )
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from hpc import validate as v
 from hpc.config import ConfigError, apply_overrides, build_document, field, read_toml
+from hpc.models import preset_counts
 from hpc.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
@@ -48,10 +49,21 @@ class Job:
 @dataclass
 class Model:
     arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module.")
-    size: str = field("tiny", doc="Preset of the built-in GPT: tiny, small, 125m, 350m, 760m, 1.3b, "
-                      "2.7b, 6.7b, 13b, 30b, 70b.")
+    size: str = field("tiny", doc="Preset of the built-in GPT, with its real parameter count: "
+                      f"{preset_counts()}.")
+    dim: int = field(0, doc="Width (d_model) of the built-in GPT (0: the preset's); for a user model with "
+                     "`n_params`, its width.", minimum=0)
+    n_layers: int = field(0, doc="Transformer blocks of the built-in GPT (0: the preset's); for a user model "
+                          "with `n_params`, its number of blocks.", minimum=0)
+    n_heads: int = field(0, doc="Attention heads of the built-in GPT (0: the preset's); must divide `dim`.",
+                         minimum=0)
     seq_len: int = field(0, doc="Context length (0: the preset's).", minimum=0)
     vocab_size: int = field(0, doc="Vocabulary size (0: the preset's).", minimum=0)
+    tie_embeddings: bool = field(False, doc="The output head reuses the token embedding's matrix "
+                                 "(the presets have their own head).")
+    n_params: int = field(0, doc="A user model's parameter count, for the planner (0: unknown; then "
+                          "`hpcx plan --count-params` can count it where torch is installed). Needs "
+                          "`n_layers` and `dim`.", minimum=0, maximum=10**15)
     dropout: float = field(0.0, doc="Dropout probability, below 1.", minimum=0, maximum=1)
     blocks: str = field("", doc="For user models: attribute path of the nn.ModuleList whose children "
                         "are the units to shard and checkpoint, e.g. `transformer.h` (default: `blocks`).")

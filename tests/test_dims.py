@@ -59,7 +59,7 @@ def test_resolve_render_and_plan_use_the_same_layout(strategy, sharding, nodes, 
     launch = resolve(spec, site)
     assert launch.dims == dims
     assert f"# strategy: {dims.describe()}\n" in render_summary(spec, site, launch)
-    assert choose(spec, site, nodes)[0] == dims
+    assert choose(spec, site, nodes).dims == dims
     row = evaluate(model_facts(spec.model), (dims, False), setup_of(spec, site, nodes), site)
     n = model_facts(spec.model).n_params
     assert row.dims == dims and row.memory.params == pytest.approx(4 * math.ceil(n / dims.dp_shard) / GB)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -12,7 +13,7 @@ from hpc.memory import GB, Config, model_states
 from hpc.models import gpt_facts
 from hpc.models import gpt_shape
 from hpc.dims import ParallelDims, parallel_dims
-from hpc.plan import choose, format_plan, plan_job
+from hpc.plan import Choice, choose, format_plan, plan_job
 from hpc.site import load_site, parse_site
 from hpc.spec import spec_from_dict
 
@@ -20,18 +21,18 @@ from tests.conftest import REPO, hpcx
 
 
 def site(gpus: int, mem: float, link: str, intra: float, fabric: str = "infiniband", net: float = 400.0,
-         host: float = 2048.0, peak: float = 989.0):
+         host: float = 2048.0, peak: float = 989.0, cpus: int = 64):
     doc = {"scheduler": {"kind": "slurm", "gpu_directive": "gpus-per-node"},
-           "node": {"gpus": gpus, "gpu_memory_gb": mem, "gpu_peak_tflops": peak, "memory_gb": host, "cpus": 64,
+           "node": {"gpus": gpus, "gpu_memory_gb": mem, "gpu_peak_tflops": peak, "memory_gb": host, "cpus": cpus,
                     "intra_link": link if gpus > 1 else "none", "intra_bandwidth_gbs": intra},
            "network": {"fabric": fabric, "bandwidth_gbs": net}}
     return parse_site(doc, "test", "<test>")
 
 
-def spec(size: str, nodes: int = 1, global_batch: int = 0, micro: int = 1, ac: bool = True, offload: bool = False,
-         tpn: int = 0, strategy: str = "auto"):
+def spec(size: str = "tiny", nodes: int = 1, global_batch: int = 0, micro: int = 1, ac: bool = True,
+         offload: bool = False, tpn: int = 0, strategy: str = "auto", model: dict | None = None):
     return spec_from_dict({"job": {"nodes": nodes, "tasks_per_node": tpn},
-                           "model": {"size": size},
+                           "model": model or {"size": size},
                            "train": {"global_batch": global_batch or 8, "micro_batch": micro},
                            "parallel": {"strategy": strategy, "mixed_precision": "bf16",
                                         "activation_checkpointing": ac, "cpu_offload": offload}})
@@ -39,34 +40,78 @@ def spec(size: str, nodes: int = 1, global_batch: int = 0, micro: int = 1, ac: b
 
 NVSWITCH_8X80 = dict(gpus=8, mem=80, link="nvswitch", intra=450)
 PCIE_4X80 = dict(gpus=4, mem=80, link="pcie", intra=25, fabric="ethernet", net=3)
+PCIE_4X24 = dict(PCIE_4X80, mem=24)
 ONE_24GB = dict(gpus=1, mem=24, link="none", intra=0, fabric="none", net=0, peak=165)
+USER_7B = {"arch": "pkg.mod:build", "seq_len": 2048, "vocab_size": 32000, "n_params": 6_738_415_616,
+           "n_layers": 32, "dim": 4096}
 
-# (name, site, spec kwargs, expected label prefix, words the recommendation must contain)
+# The planner's scenario table, built from the seeds' decision tree and rules of thumb
+# (under 1B → DDP; 1–10B → FSDP; over 10B → FSDP + CPU offload; GPU under 40 GB → FSDP; PCIe only →
+# weigh the communication; many nodes → HYBRID_SHARD; fits one GPU → no parallelism) and from the
+# issue's numbers. (name, site, spec kwargs, expected label prefix, words the recommendation must contain)
 SCENARIOS = [
+    # under 1B on one 8-GPU NVSwitch node: communication hides under compute, so DDP, the simpler
+    ("125M on 8x80GB NVSwitch, grad_accum 1 -> DDP", NVSWITCH_8X80, dict(size="125m", global_batch=8),
+     "ddp", ["under 1B parameters → DDP' (164M here): agrees", "164M params", "nothing else is within 5%"]),
     ("350M on 8x80GB NVSwitch -> DDP", NVSWITCH_8X80, dict(size="350m", global_batch=64, micro=8, ac=False),
-     "ddp", ["least communication", "under 1B parameters → DDP': agrees"]),
+     "ddp", ["under 1B parameters → DDP' (407M here): agrees"]),
+    ("760M on 8x80GB NVSwitch, grad_accum 1 -> DDP", NVSWITCH_8X80, dict(size="760m", global_batch=8),
+     "ddp", ["agrees — ddp fits"]),
+    # 1–10B → FSDP, but DDP fits on 80 GB and its all-reduce hides under compute: departs, with numbers
+    ("1.3B on 8x80GB, grad_accum 1: departs from '1-10B -> FSDP'", NVSWITCH_8X80, dict(size="1.3b", global_batch=8),
+     "ddp", ["1–10B parameters → FSDP' (1.42B here): departs, because DDP fits (31.9 GB of 80.0 GB",
+             "is not hidden under"]),
+    ("1.3B on 8x80GB, grad_accum 16: still DDP", NVSWITCH_8X80, dict(size="1.3b", global_batch=64, micro=4),
+     "ddp", ["departs, because DDP fits"]),
+    ("2.7B on 8x80GB: DDP fits at 59 GB and ties", NVSWITCH_8X80, dict(size="2.7b", global_batch=64),
+     "ddp", ["departs, because DDP fits (59.1 GB of 80.0 GB"]),
+    ("6.7B on 8x80GB: DDP does not fit -> FSDP", NVSWITCH_8X80, dict(size="6.7b", global_batch=64),
+     "fsdp", ["1–10B parameters → FSDP' (6.86B here): agrees — DDP does not fit (140 GB of 80.0 GB"]),
     ("7B on 4x80GB PCIe -> FSDP", PCIE_4X80, dict(size="6.7b", global_batch=16),
-     "fsdp", ["110 GB total", "full replica (ddp) does not fit", "1–10B parameters → FSDP': agrees"]),
+     "fsdp", ["110 GB total", "full replica (ddp) does not fit", "1–10B parameters → FSDP' (6.86B here): agrees",
+              "PCIe only → weigh the communication': weighed"]),
+    # over 10B → FSDP + offload: the shards fit on the GPUs, so offload only costs
+    ("13B on one 8x80GB node: no offload needed", NVSWITCH_8X80, dict(size="13b", global_batch=64),
+     "fsdp", ["departs, because fsdp", "fits on the GPU", "of host memory per node", "CPU AdamW"]),
     ("13B on 4 nodes x 8x80GB -> HSDP shard 8", NVSWITCH_8X80, dict(size="13b", nodes=4, global_batch=512),
-     "hsdp 8", ["26.2 GB", "inside one node", "offload is not needed"]),
+     "hsdp 8", ["26.2 GB", "inside one node", "departs, because hsdp 8", "within 5% of it and tie",
+                "the one that communicates less"]),
+    ("30B on 2 nodes: one node cannot hold a shard -> fsdp over 16", NVSWITCH_8X80,
+     dict(size="30b", nodes=2, global_batch=128), "fsdp full_shard",
+     ["HYBRID_SHARD': departs, because sharded over one node (8 GPUs) it needs 86.0 GB of 80.0 GB"]),
     ("70B on 16 nodes x 8x80GB -> shard group over several nodes", NVSWITCH_8X80,
      dict(size="70b", nodes=16, global_batch=1024), "hsdp 32", ["spans 4 nodes", "sharded over one node it needs"]),
-    # Seeds' table: 1-10B -> FSDP; the numbers say DDP fits on 80 GB and all-reduces less.
-    ("1.3B on 8x80GB departs from '1-10B -> FSDP'", NVSWITCH_8X80, dict(size="1.3b", global_batch=64, micro=4),
-     "ddp", ["departs — DDP fits", "since FSDP all-gathers every micro-batch"]),
-    # Seeds' table: >10B -> FSDP + CPU offload; on one 8x80GB node sharding alone fits.
-    ("13B on one 8x80GB node: no offload needed", NVSWITCH_8X80, dict(size="13b", global_batch=64),
-     "fsdp", ["offload is not needed"]),
-    # Seeds' table: GPU < 40 GB -> FSDP; a 350M model still fits DDP on 4x24 GB.
-    ("350M on 4x24GB PCIe: DDP still fits", dict(PCIE_4X80, mem=24), dict(size="350m", global_batch=16),
-     "ddp", ["agrees"]),
-    # Seeds' decision tree: under 1B and fits one GPU -> no parallelism.
-    ("125M on one GPU -> none", ONE_24GB, dict(size="125m", global_batch=4), "none", ["fits one GPU → no parallelism': none agrees"]),
-    # Seeds: PCIe-only -> weigh the communication: small micro-batches on PCIe are communication-bound.
-    # With no accumulation, shard_grad_op's bf16 all-gather + fp32 reduce-scatter (6 B/param) beats
-    # DDP's fp32 all-reduce (8 B/param), and on PCIe that is most of the step.
+    ("70B on one node with cpu_offload allowed -> offload is what fits", NVSWITCH_8X80,
+     dict(size="70b", global_batch=64, offload=True), "fsdp full_shard + offload",
+     ["over 10B parameters → FSDP + CPU offload' (65.3B here): agrees — nothing fits on the GPU alone",
+      "auto uses it", "1044 GB per node of 1638 GB usable", "CPU optimizer step"]),
+    ("6.7B with cpu_offload allowed but not needed", NVSWITCH_8X80, dict(size="6.7b", global_batch=64, offload=True),
+     "fsdp shard_grad_op", ["allows offload; auto does not use it", "needs 110 GB of host memory per node"]),
+    # GPUs under 40 GB → FSDP; a 350M model still fits DDP on 24 GB GPUs
+    ("350M on 4x24GB PCIe: DDP still fits", PCIE_4X24, dict(size="350m", global_batch=16),
+     "ddp", ["GPUs under 40 GB → FSDP' (24.0 GB here): departs, because ddp fits"]),
+    ("1.3B on 4x24GB PCIe: DDP does not fit", PCIE_4X24, dict(size="1.3b", global_batch=16),
+     "fsdp", ["GPUs under 40 GB → FSDP' (24.0 GB here): agrees", "DDP does not fit (31.9 GB of 24.0 GB"]),
+    # the decision tree: under 1B and it fits one GPU → no parallelism
+    ("125M on one GPU -> none", ONE_24GB, dict(size="125m", global_batch=4), "none",
+     ["fits one GPU → no parallelism': none agrees"]),
+    ("6.7B on one 24GB GPU with offload allowed", ONE_24GB, dict(size="6.7b", global_batch=1, offload=True),
+     "fsdp full_shard + offload", ["auto uses it", "110 GB per node"]),
+    # PCIe only → weigh the communication: with no accumulation, shard_grad_op's bf16 gather + fp32
+    # reduce-scatter (6 B/param) exposes less than DDP's fp32 all-reduce (8 B/param)
     ("1.3B on 4x80GB PCIe, micro 1 -> communication-bound", PCIE_4X80, dict(size="1.3b", global_batch=4),
-     "fsdp shard_grad_op", ["communication-bound on pcie", "least communication"]),
+     "fsdp shard_grad_op", ["communication-bound on pcie", "Runner-up of another kind: ddp, 0.36 s per step, 42% more",
+                            "1–10B parameters → FSDP' (1.42B here): agrees — DDP fits (31.9 GB of 80.0 GB"]),
+    # … and with 64 micro-batches per step DDP's one all-reduce wins: the numbers say why
+    ("1.3B on 4x80GB PCIe, grad_accum 64 -> DDP", PCIE_4X80, dict(size="1.3b", global_batch=256),
+     "ddp", ["Runner-up of another kind: fsdp shard_grad_op", "of its 16.4 s of communication is not hidden",
+             "departs, because DDP fits"]),
+    # any model size: a user model that states its size, and the GPT given by its architecture
+    ("user model stating 6.7B on 8x80GB", NVSWITCH_8X80, dict(model=USER_7B, global_batch=64), "fsdp",
+     ["6.74B params, stated", "agrees — DDP does not fit"]),
+    ("GPT by architecture, tied head", NVSWITCH_8X80,
+     dict(model={"size": "125m", "dim": 2048, "n_layers": 24, "n_heads": 16, "tie_embeddings": True},
+          global_batch=8), "ddp", ["gpt 24 layers × dim 2048, 16 heads, tied (1.32B params)"]),
 ]
 
 
@@ -75,9 +120,21 @@ def test_seed_scenarios(name, site_kw, spec_kw, expected, words):
     plan = plan_job(spec(**spec_kw), site(**site_kw))
     assert plan.choice is not None, format_plan(plan)
     assert plan.choice.label.startswith(expected), format_plan(plan)
-    text = " ".join(plan.recommendation)
+    text = format_plan(plan)
     for word in words:
         assert word in text, f"{word!r} not in: {text}"
+
+
+@pytest.mark.parametrize("name,site_kw,spec_kw,expected,words", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_every_reason_cites_its_numbers(name, site_kw, spec_kw, expected, words):
+    """Every recommendation line carries a number; every departure says 'because' and the numbers after it."""
+    plan = plan_job(spec(**spec_kw), site(**site_kw))
+    for line in plan.recommendation:
+        assert re.search(r"\d", line), line
+        if "departs" in line:
+            assert "departs, because" in line, line
+            assert re.search(r"\d", line.split("because", 1)[1]), line
+    assert "0.00 s" not in " ".join(plan.recommendation)
 
 
 def test_7b_model_states_do_not_fit_one_gpu_but_sharded_do():
@@ -98,8 +155,8 @@ def test_7b_on_one_24gb_gpu_needs_offload_and_host_memory():
     assert "host 110 GB per node" in advice
     offload = plan_job(spec("6.7b", global_batch=1, offload=True), site(**ONE_24GB))
     assert offload.choice is not None and offload.choice.label == "fsdp full_shard + offload"
-    dims = choose(spec("6.7b", global_batch=1, offload=True), site(**ONE_24GB), 1)[0]
-    assert (dims.strategy, dims.sharding) == ("fsdp", "full_shard")
+    chosen = choose(spec("6.7b", global_batch=1, offload=True), site(**ONE_24GB), 1)
+    assert (chosen.dims.strategy, chosen.dims.sharding, chosen.cpu_offload) == ("fsdp", "full_shard", True)
     too_little_host = plan_job(spec("6.7b", global_batch=1, offload=True), site(**dict(ONE_24GB, host=64)))
     assert too_little_host.choice is None
     assert "no (host)" in format_plan(too_little_host)
@@ -123,9 +180,12 @@ def test_70b_node_sized_shard_does_not_fit():
 
 def test_explicit_strategy_is_respected():
     assert choose(spec("70b", strategy="ddp", global_batch=8), site(**NVSWITCH_8X80), 1) == \
-        (ParallelDims("ddp", "full_shard", 8, 1), ["strategy 'ddp' set in the spec"])
+        Choice(ParallelDims("ddp", "full_shard", 8, 1), False, ["strategy 'ddp' set in the spec"])
     s = spec("tiny", nodes=2, strategy="hsdp", global_batch=16)
-    assert choose(s, site(**NVSWITCH_8X80), 2)[0] == ParallelDims("hsdp", "full_shard", 2, 8)
+    assert choose(s, site(**NVSWITCH_8X80), 2).dims == ParallelDims("hsdp", "full_shard", 2, 8)
+    # an explicit fsdp with cpu_offload offloads, whatever auto would choose
+    forced = choose(spec("6.7b", strategy="fsdp", offload=True, global_batch=8), site(**NVSWITCH_8X80), 1)
+    assert forced.cpu_offload is True and forced.dims.fsdp_enabled
 
 
 def test_shipped_job_resolves_to_the_plan():
@@ -136,7 +196,7 @@ def test_shipped_job_resolves_to_the_plan():
     launch = resolve(s, load_site("dgx-h100"))
     plan = plan_job(s, load_site("dgx-h100"))
     assert launch.dims == plan.choice.dims and launch.dims.dp_shard == 8 and launch.dims.dp_replicate == 4
-    assert launch.plan_reasons == plan.recommendation
+    assert launch.plan_reasons == plan.recommendation and launch.cpu_offload is False
 
 
 def test_cpu_site_plans_host_memory():
@@ -144,14 +204,14 @@ def test_cpu_site_plans_host_memory():
     plan = plan_job(s, load_site("local"))
     assert plan.choice.label == "ddp"
     assert any("CPU site" in n for n in plan.notes)
-    assert choose(s, load_site("local"), 1)[0].strategy == "ddp"
+    assert choose(s, load_site("local"), 1).dims.strategy == "ddp"
 
 
 def test_user_model_activations_unknown():
     s = spec_from_dict({"model": {"arch": "pkg.mod:build", "seq_len": 128, "vocab_size": 1000}, "train": {"global_batch": 8}})
     plan = plan_job(s, site(**NVSWITCH_8X80))
     assert plan.n_params is None and plan.choice is None
-    assert choose(s, site(**NVSWITCH_8X80), 1)[0] == ParallelDims("fsdp", "full_shard", 1, 8)
+    assert choose(s, site(**NVSWITCH_8X80), 1).dims == ParallelDims("fsdp", "full_shard", 1, 8)
     assert "parameters unknown" in format_plan(plan)
 
 

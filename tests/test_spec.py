@@ -262,3 +262,9 @@ def test_a_user_model_states_its_context_and_vocabulary_at_login(missing):
     found = messages(lambda: spec_from_dict({"model": {"arch": "pkg.mod:build", **missing}}, "u.toml"))
     assert found == [f"u.toml: `model.{key}` must be set for the user model 'pkg.mod:build' (0 means the preset's, "
                      "and a user model has none)" for key in ("seq_len", "vocab_size") if key in needed]
+
+
+def test_a_user_model_may_state_a_70b_parameter_count():
+    spec = spec_from_dict({"model": {"arch": "pkg.mod:build", "seq_len": 4096, "vocab_size": 128256,
+                                     "n_params": 70_553_706_496, "n_layers": 80, "dim": 8192}})
+    assert spec.model.n_params == 70_553_706_496

@@ -3,8 +3,8 @@
 Built-in GPT, from ``hpc.models.gpt_shape`` so the planner's counts hold by
 construction: token + learned position embeddings, ``n_layers`` pre-LN blocks
 (LayerNorm → causal SDPA attention → LayerNorm → 4× GELU MLP), a final
-LayerNorm and an untied output head. Linear layers have no bias; LayerNorms
-have weight and bias.
+LayerNorm and an output head (tied to the token embedding when the shape says
+so). Linear layers have no bias; LayerNorms have weight and bias.
 
 User models
 -----------
@@ -87,6 +87,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(shape.d_model, shape.n_heads, dropout) for _ in range(shape.n_layers))
         self.ln_f = nn.LayerNorm(shape.d_model)
         self.head = nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        if shape.tied:  # one matrix for both; parameters() lists it once, under tok_emb
+            self.head.weight = self.tok_emb.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -124,7 +124,9 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     mesh = build_mesh(launch.dims, device.type)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
-    model = parallelize(model, blocks, spec.parallel, launch.dims, mesh, device)
+    offload = spec.parallel.cpu_offload if launch.cpu_offload is None else launch.cpu_offload  # auto decides
+    model = parallelize(model, blocks, dataclasses.replace(spec.parallel, cpu_offload=offload), launch.dims, mesh,
+                        device)
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     optimizer = build_optimizer(model, spec.train)
     facts = model_facts(spec.model)

@@ -1,17 +1,19 @@
-"""The planner: per-rank memory and per-step communication of every strategy, and a choice.
+"""The planner: per-rank memory and per-step time of every strategy, and a choice.
 
 ``plan_job(spec, site, nodes)`` evaluates each candidate (ddp, fsdp with each sharding,
-hsdp with node-sized and multi-node shard groups, CPU offload where asked) and recommends
-the cheapest-communication one that fits with headroom. ``choose`` is what ``resolve``
-calls: an explicit strategy in the spec is respected, ``auto`` takes the plan's choice.
-Pure Python: runs on login nodes without torch.
+hsdp with node-sized and multi-node shard groups, each FSDP layout with CPU offload where the
+spec allows it) and recommends the simplest of those that fit and whose estimated step is within
+``TIE`` of the fastest. ``choose`` is what ``resolve`` calls: an explicit strategy in the spec is
+respected, ``auto`` takes the plan's choice. Pure Python: runs on login nodes without torch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from hpc.config import ConfigError
 from hpc.dims import ParallelDims, parallel_dims
-from hpc.models import model_facts
+from hpc.models import ModelFacts, model_facts
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
 
@@ -20,44 +22,55 @@ from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candid
                            pick, setup_of)
 from hpc.plan.table import format_plan
 
-__all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Plan", "Row", "Setup", "candidates", "choose", "compute_seconds",
-           "evaluate", "format_plan", "pick", "plan_job", "setup_of"]
+__all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", "candidates", "choose",
+           "compute_seconds", "evaluate", "format_plan", "pick", "plan_job", "setup_of"]
 
 
-def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None) -> Plan:
-    """Evaluate every strategy for ``spec`` on ``site`` (``nodes`` overrides job.nodes)."""
-    facts = model_facts(spec.model)
+def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: ModelFacts | None = None) -> Plan:
+    """Evaluate every strategy for ``spec`` on ``site`` (``nodes`` overrides job.nodes; ``facts``
+    overrides what the spec says about the model, e.g. counted by ``hpcx plan --count-params``)."""
+    facts = facts or model_facts(spec.model)
     setup = setup_of(spec, site, nodes)
     gpu = site.node.gpus > 0
-    rows = [evaluate(facts, c, setup, site) for c in candidates(setup, spec.parallel.cpu_offload, gpu)]
-    compute_s = compute_seconds(facts, setup, site, MFU_DEFAULT)
-    choice = pick(rows, compute_s) if facts.n_params is not None else None
+    allowed = spec.parallel.cpu_offload  # allowed, not required: candidates with and without offload
+    rows = [evaluate(facts, c, setup, site) for c in candidates(setup, allowed, gpu)]
+    choice = pick(rows) if facts.n_params is not None else None
     plan = Plan(job=spec.job.name, site=site.name, model=facts.label, n_params=facts.n_params,
                 nodes=setup.nodes, tasks_per_node=setup.tasks_per_node, micro_batch=setup.micro_batch,
                 grad_accum=setup.grad_accum, mixed_precision=setup.mixed_precision,
-                checkpointing=setup.checkpointing, compute_s=compute_s,
-                mfu=MFU_DEFAULT, rows=rows, choice=choice)
-    plan.notes = plan_notes(site, setup, facts)
+                checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, MFU_DEFAULT),
+                mfu=MFU_DEFAULT, rows=rows, choice=choice, offload_allowed=allowed)
+    plan.notes = plan_notes(site, setup, facts, spec.parallel.strategy)
     if facts.n_params is None:
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:
         plan.advice = advise(facts, setup, site, rows)
     else:
-        plan.recommendation = recommend(plan, site)
+        plan.recommendation = recommend(plan, site, facts, setup)
     return plan
 
 
-def choose(spec: JobSpec, site: SiteProfile, nodes: int) -> tuple[ParallelDims, list[str]]:
-    """(layout, reasons): the spec's explicit strategy, or the plan's choice for ``auto``."""
+@dataclass(frozen=True)
+class Choice:
+    """What a run uses: the layout, whether FSDP offloads to the host, and why."""
+
+    dims: ParallelDims
+    cpu_offload: bool
+    reasons: list[str]
+
+
+def choose(spec: JobSpec, site: SiteProfile, nodes: int) -> Choice:
+    """The spec's explicit strategy (with its cpu_offload), or the plan's choice for ``auto``."""
     p = spec.parallel
     tpn = spec.job.tasks_per_node or site.default_tasks_per_node()
     if p.strategy != "auto":
         dims = parallel_dims(p.strategy, p.sharding, nodes * tpn, tpn, p.shard_size)
-        return dims, [f"strategy {p.strategy!r} set in the spec"]
+        return Choice(dims, p.cpu_offload and dims.fsdp_enabled, [f"strategy {p.strategy!r} set in the spec"])
     plan = plan_job(spec, site, nodes)
     if plan.n_params is None:
-        return parallel_dims("none" if plan.world == 1 else "fsdp", "full_shard", plan.world), plan.recommendation
+        dims = parallel_dims("none" if plan.world == 1 else "fsdp", "full_shard", plan.world)
+        return Choice(dims, p.cpu_offload and dims.fsdp_enabled, plan.recommendation)
     if plan.choice is None:
         raise ConfigError([f"{spec.source}: `parallel.strategy` = 'auto' but no strategy fits {plan.model} on "
                            f"site {site.name!r} ({plan.nodes} nodes × {plan.tasks_per_node} ranks)"] + plan.advice)
-    return plan.choice.dims, plan.recommendation
+    return Choice(plan.choice.dims, plan.choice.cfg.offload, plan.recommendation)

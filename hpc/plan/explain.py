@@ -1,19 +1,23 @@
-"""The planner's words: a recommendation that cites its numbers, the rule of thumb it agrees with or
-departs from (and why), the bound, and what would fit when nothing does."""
+"""The planner's words: a recommendation that cites its numbers, the choice rule and the tie, the
+rules of thumb it agrees with or departs from (and why, with the deciding numbers), the bound, and
+what would fit when nothing does."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from hpc.comm import HOST_LINK_GBS
 from hpc.dims import parallel_dims
 from hpc.memory import FRAGMENTATION, GB
-from hpc.models import ModelFacts
+from hpc.models import ModelFacts, count_text
 from hpc.site import SiteProfile
 
-from hpc.plan.rows import TIE, Candidate, Plan, Row, Setup, comm_cost, evaluate
+from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Candidate, Plan, Row, Setup, comm_cost, cost, evaluate, fitting,
+                           measure, pick, simplicity, tied)
+from hpc.plan.timing import CPU_ADAM_PARAMS_PER_CORE_S, phases
 
 
-def plan_notes(site: SiteProfile, setup: Setup, facts: ModelFacts) -> list[str]:
+def plan_notes(site: SiteProfile, setup: Setup, facts: ModelFacts, strategy: str = "auto") -> list[str]:
     gpu = site.node.gpus > 0
     notes = [f"memory in GB (1e9 bytes) per rank; headroom = {2.0 if gpu else 0.5:g} GB "
              f"{'CUDA context + NCCL buffers' if gpu else 'per process'} + {FRAGMENTATION:.0%} fragmentation"]
@@ -22,9 +26,17 @@ def plan_notes(site: SiteProfile, setup: Setup, facts: ModelFacts) -> list[str]:
                      f"{setup.tasks_per_node} tasks" if site.node.memory_gb else
                      "CPU site with unknown node.memory_gb: memory not planned")
     if site.node.gpus and not site.node.gpu_peak_tflops:
-        notes.append("node.gpu_peak_tflops unknown: compute time not estimated")
+        notes.append("node.gpu_peak_tflops unknown: compute time not estimated, the choice compares communication")
+    elif gpu:
+        notes.append("step s = compute + the communication its own micro-batch's forward or backward cannot hide "
+                     "(+ the CPU optimizer step under offload)")
     if facts.n_params is None:
-        notes.append(f"user model {facts.label}: parameter count unknown to the planner (no torch on login nodes)")
+        notes.append(f"user model {facts.label}: set model.n_params, n_layers and dim, or run "
+                     "`hpcx plan --count-params` where torch is installed")
+    elif facts.source and not facts.builtin:
+        notes.append(f"parameter count {facts.source}")
+    if strategy != "auto":
+        notes.append(f"the spec sets parallel.strategy = {strategy!r}: submit runs that, not the recommendation")
     return notes
 
 
@@ -32,42 +44,32 @@ def unknown_model(plan: Plan, setup: Setup) -> list[str]:
     if setup.world == 1:
         return ["one rank and a user model of unknown size: none"]
     return [f"{plan.model}: the planner cannot count its parameters without torch, so it picks fsdp full_shard, "
-            "the strategy with the lowest per-GPU memory"]
+            "the strategy with the lowest per-GPU memory (state model.n_params, n_layers and dim to plan it)"]
 
+
+# --- formatting -------------------------------------------------------------------------------
 
 def _gb(x: float) -> str:
     return f"{x:.1f} GB" if x < 100 else f"{x:.0f} GB"
 
 
-def _row(rows: list[Row], family: str) -> Row | None:
-    found = [r for r in rows if r.family == family and not r.cfg.offload]
-    return found[0] if found else None
+def secs(x: float) -> str:
+    """Seconds with enough digits that two different times never print alike as 0.00 s."""
+    if x >= 10:
+        return f"{x:.1f} s"
+    if x >= 0.1:
+        return f"{x:.2f} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} µs"
 
 
-def recommend(plan: Plan, site: SiteProfile) -> list[str]:
-    """One or two sentences that cite the numbers, then the rule of thumb and the bound."""
-    choice, rows = plan.choice, plan.rows
-    assert choice is not None and choice.memory is not None
-    fitting = [r for r in rows if r.fits is not False]
-    states = choice.memory.params + choice.memory.grads + choice.memory.optimizer
-    where = "host" if choice.cfg.offload else ("GPU" if choice.gpu else "rank")
-    first = (f"{choice.label}: {_gb(choice.need_gb)} of {_gb(choice.capacity_gb or 0)} per {where if where != 'host' else 'GPU'} "
-             f"with headroom (model states {_gb(states)}")
-    first += f" of {_gb(16 * plan.n_params / GB)} total)" if choice.dims.dp_shard > 1 or choice.cfg.offload else ")"
-    if choice.comm is not None and len(fitting) > 1:
-        first += (f", and the least communication of the {len(fitting)} strategies that fit: "
-                  f"{_comm_text(choice)}")
-    out = [first + "."]
-    replica = _row(rows, "ddp") or _row(rows, "none")
-    if choice.dims.dp_shard > 1 and replica is not None and replica.fits is False and replica.memory is not None:
-        m = replica.memory
-        out[0] += (f" A full replica ({replica.label}) does not fit: {_gb(m.params + m.grads + m.optimizer)} of "
-                   f"model states alone on one GPU, {_gb(replica.need_gb or 0)} in all.")
-    out += rule_of_thumb(plan, site)
-    bound = _bound(plan, site)
-    if bound:
-        out.append(bound)
-    return out
+def _pct(a: float, b: float) -> str:
+    """How much larger a is than b, in words."""
+    if b <= 0:
+        return "more"
+    x = a / b - 1
+    return f"{x:.0%} more" if x >= 0.01 else f"{x:.1%} more"
 
 
 def _comm_text(row: Row) -> str:
@@ -75,103 +77,353 @@ def _comm_text(row: Row) -> str:
     if c is None:
         return "unknown"
     if c.seconds is None:
-        return f"{c.gb:.1f} GB per step"
-    return f"{c.gb:.1f} GB, {c.seconds:.2f} s per step"
+        return f"{_gb(c.gb)} per step"
+    return f"{_gb(c.gb)}, {secs(c.seconds)} per step"
 
 
-def _bound(plan: Plan, site: SiteProfile) -> str:
-    c = plan.choice
-    if c is None or c.comm is None or c.comm.seconds is None or plan.compute_s is None or not c.comm.parts:
-        return ""
-    link = c.comm.slowest_link
-    if link == site.node.intra_link:
-        link = f"{link} ({site.node.intra_bandwidth_gbs:g} GB/s per GPU)"
-    elif link == site.network.fabric:
-        link = f"{link} ({site.network.bandwidth_gbs:g} GB/s per node)"
-    kind = "communication-bound" if c.comm.seconds > plan.compute_s else "compute-bound"
-    return (f"{kind} on {link}: communication {c.comm.seconds:.2f} s vs compute {plan.compute_s:.2f} s per step "
-            f"(MFU {plan.mfu:.2f} assumed; overlap hides the smaller of the two)")
+def _cost_text(row: Row, by: str) -> str:
+    if by == "step":
+        return f"{secs(row.step_s or 0.0)} per step"
+    return _comm_text(row)
 
 
-def rule_of_thumb(plan: Plan, site: SiteProfile) -> list[str]:
-    """The rule of thumb for this size, and where the numbers depart from it."""
-    n, choice, rows = plan.n_params or 0, plan.choice, plan.rows
+def _fit_text(row: Row) -> str:
+    where = "GPU" if row.gpu else "rank"
+    return f"{_gb(row.need_gb or 0)} of {_gb(row.capacity_gb or 0)} per {where}"
+
+
+def _row(rows: list[Row], family: str) -> Row | None:
+    found = [r for r in rows if r.family == family and not r.cfg.offload]
+    return found[0] if found else None
+
+
+# --- the recommendation -----------------------------------------------------------------------
+
+def recommend(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) -> list[str]:
+    """The choice with its numbers, the rule that made it, the rules of thumb, offload and the bound."""
+    choice = plan.choice
+    assert choice is not None and choice.memory is not None
+    out = [_choice_line(plan, choice), _rule_line(plan, choice)]
+    replica = _row(plan.rows, "ddp") or _row(plan.rows, "none")
+    if choice.dims.dp_shard > 1 and replica is not None and replica.fits is False and replica.memory is not None:
+        m = replica.memory
+        out.append(f"A full replica ({replica.label}) does not fit: {_gb(m.params + m.grads + m.optimizer)} of "
+                   f"model states alone on one GPU, {_gb(replica.need_gb or 0)} in all.")
+    out += rules_of_thumb(plan, site, facts, setup)
+    if plan.offload_allowed:
+        out.append(_offload_line(plan, facts, setup, site))
+    bound = _bound(plan, site)
+    if bound:
+        out.append(bound)
+    return out
+
+
+def _choice_line(plan: Plan, choice: Row) -> str:
+    m = choice.memory
+    assert m is not None
+    text = f"{choice.label}: {_fit_text(choice)} with headroom ("
+    if choice.cfg.offload:
+        text += (f"model states on the host: {_gb(m.host_per_node)} per node of {_gb(choice.host_capacity_gb or 0)} "
+                 "usable)")
+    else:
+        text += f"model states {_gb(m.params + m.grads + m.optimizer)}"
+        text += f" of {_gb(16 * (plan.n_params or 0) / GB)} total)" if choice.dims.dp_shard > 1 else ")"
+    t = choice.time
+    if t is None:
+        return text + f"; communication {_comm_text(choice)}."
+    text += (f"; estimated step {secs(t.step_s)} = compute {secs(t.compute_s)} + {secs(t.exposed_s)} of its "
+             f"{secs(t.comm_s)} of communication not hidden")
+    if t.host_s:
+        text += f" + CPU optimizer step {secs(t.host_s)}"
+    return text + f" ({_gb(choice.comm.gb if choice.comm else 0)} sent per GPU per step)."
+
+
+def _rule_line(plan: Plan, choice: Row) -> str:
+    """The choice rule, said with this plan's numbers: the fastest, the tie and who was in it."""
+    fit = fitting(plan.rows)
+    by = measure(fit)
+    what = {"step": "estimated step", "comm s": "communication time", "comm GB": "communication volume"}[by]
+    if len(fit) == 1:
+        return f"Choice: the only one of the {len(plan.rows)} evaluated that fits ({_cost_text(fit[0], by)})."
+    fastest = min(fit, key=lambda r: cost(r, by))
+    near = tied(plan.rows)
+    text = f"Choice rule: the least {what} of the {len(fit)} that fit is {fastest.label}'s, {_cost_text(fastest, by)}"
+    if len(near) > 1:
+        text += (f"; {', '.join(f'{r.label} ({_short(r, by)})' for r in near)} are within {TIE:.0%} of it and tie, "
+                 f"and the simplest tied one wins ({SIMPLICITY_TEXT})")
+    else:
+        text += f"; nothing else is within {TIE:.0%} of it"
+    nxt = _runner_up(fit, choice, by)
+    return text + "." + (" " + _versus(choice, nxt, by) if nxt is not None else "")
+
+
+def _short(row: Row, by: str) -> str:
+    if by == "step":
+        return secs(row.step_s or 0.0)
+    return secs(comm_cost(row)) if by == "comm s" else f"{row.comm.gb if row.comm else 0:.1f} GB"
+
+
+def _kind(row: Row) -> tuple[bool, bool, bool]:
+    """Whole replicas (ddp, fsdp no_shard) or shards, hybrid or not, offloaded or not."""
+    return row.dims.dp_shard > 1, row.dims.hsdp_enabled, row.cfg.offload
+
+
+def _runner_up(fit: list[Row], choice: Row, by: str) -> Row | None:
+    """What the choice would flip to: each other kind's own pick (its fastest, ties to the simplest),
+    and of those the fastest."""
+    kinds = {_kind(r) for r in fit} - {_kind(choice)}
+    picks = [pick([r for r in fit if _kind(r) == k]) for k in kinds]
+    return min((r for r in picks if r is not None), key=lambda r: cost(r, by), default=None)
+
+
+def _versus(choice: Row, other: Row, by: str) -> str:
+    """How the choice compares with ``other``, in the numbers the choice used; never calls more less."""
+    a, b = cost(choice, by), cost(other, by)
+    head = f"Runner-up of another kind: {other.label}, {_cost_text(other, by)}"
+    if b > a * (1 + TIE):
+        return f"{head}, {_pct(b, a)} than {choice.label}{_driver(choice, other, by)}."
+    simpler = simplicity(choice)[:2] < simplicity(other)[:2]
+    why = "the simpler one" if simpler else f"the one that communicates less ({_comm_text(choice)} vs {_comm_text(other)})"
+    if b >= a:
+        return f"{head}, {_pct(b, a)} than {choice.label}, within the {TIE:.0%} tie; {choice.label} is {why}."
+    return (f"{head}, {_pct(a, b).replace('more', 'less')} than {choice.label} but within the {TIE:.0%} tie; "
+            f"{choice.label} is {why}.")
+
+
+def _driver(choice: Row, other: Row, by: str) -> str:
+    """What makes ``other`` slower: exposed communication, the CPU step, or plain communication."""
+    if by != "step" or other.time is None or choice.time is None:
+        return f"; {other.label} communicates {_comm_text(other)} vs {_comm_text(choice)}"
+    o = other.time
+    if o.host_s > choice.time.host_s:
+        return f": its CPU optimizer step takes {secs(o.host_s)} and {secs(o.exposed_s)} of its communication is not hidden"
+    return f": {secs(o.exposed_s)} of its {secs(o.comm_s)} of communication is not hidden under compute"
+
+
+# --- rules of thumb ---------------------------------------------------------------------------
+
+def rules_of_thumb(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) -> list[str]:
+    """The rules of thumb that apply here, and where the numbers depart from them and why."""
+    choice = plan.choice
     assert choice is not None
     if plan.world == 1:
-        return [f"Rule of thumb 'fits one GPU → no parallelism': {choice.label} agrees."] \
-            if not choice.cfg.offload else \
-            ["Rule of thumb 'over 10B or short of memory → FSDP + CPU offload': on one GPU offload is what fits."]
+        if not choice.cfg.offload:
+            return [f"Rule of thumb 'fits one GPU → no parallelism': {choice.label} agrees ({_fit_text(choice)})."]
+        return ["Rule of thumb 'over 10B or short of memory → FSDP + CPU offload': agrees; on one GPU "
+                f"{_leanest_text(plan.rows)}, so the states go to the host."]
+    lines = [_size_rule(plan, site, facts, setup)]
+    if site.node.gpus and site.node.gpu_memory_gb < 40:
+        lines.append(_small_gpu_rule(plan, choice))
+    if site.node.intra_link == "pcie":
+        lines.append(_pcie_rule(plan, choice, site))
+    if plan.nodes > 1:
+        lines.append(_hsdp_rule(plan, choice, plan.rows))
+    return lines
+
+
+def _size_rule(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) -> str:
+    n, choice = plan.n_params or 0, plan.choice
+    assert choice is not None
     if n < 1e9:
         rule, want = "under 1B parameters → DDP", "ddp"
     elif n <= 10e9:
         rule, want = "1–10B parameters → FSDP", "fsdp"
     else:
         rule, want = "over 10B parameters → FSDP + CPU offload", "offload"
-    head = f"Rule of thumb '{rule}'"
-    got = "ddp" if choice.family == "ddp" else ("offload" if choice.cfg.offload else "fsdp")
-    lines = [f"{head}: agrees." if got == want else f"{head}: departs — {_why(want, choice, rows)}."]
-    if plan.nodes > 1:
-        lines.append(_hsdp_rule(plan, choice, rows))
-    return lines
+    head = f"Rule of thumb '{rule}' ({count_text(n)} here)"
+    got = "ddp" if choice.dims.ddp_enabled else ("offload" if choice.cfg.offload else "fsdp")
+    if got == want:
+        return f"{head}: agrees{_agrees(want, plan)}."
+    return f"{head}: departs, because {_departs(want, plan, site, facts, setup)}."
 
 
-def _why(want: str, choice: Row, rows: list[Row]) -> str:
+def _agrees(want: str, plan: Plan) -> str:
+    choice, rows = plan.choice, plan.rows
+    assert choice is not None
+    if want == "offload":
+        return f" — {_leanest_text(rows)}"
+    if want == "ddp":
+        return f" — {choice.label} fits ({_fit_text(choice)})"
+    ddp = _row(rows, "ddp")
+    if ddp is None:
+        return ""
+    if ddp.fits is False:
+        return f" — DDP does not fit ({_fit_text(ddp)})"
+    by = measure(fitting(rows))
+    return f" — DDP fits ({_fit_text(ddp)}) but takes {_cost_text(ddp, by)} vs {_cost_text(choice, by)}"
+
+
+def _departs(want: str, plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) -> str:
+    choice, rows = plan.choice, plan.rows
+    assert choice is not None
+    by = measure(fitting(rows))
+    if choice.cfg.offload:
+        return _leanest_text(rows) + ", so the states go to the host"
     if want == "ddp":
         ddp = _row(rows, "ddp")
-        if ddp is not None and ddp.fits is False and ddp.need_gb is not None:
-            return (f"DDP does not lower per-GPU memory: it needs {_gb(ddp.need_gb)} > {_gb(ddp.capacity_gb or 0)}, "
-                    f"{choice.label} needs {_gb(choice.need_gb or 0)}")
-        return _versus(choice, ddp)
-    if want == "fsdp" and choice.family == "ddp":
-        full = _row(rows, "fsdp full_shard")
-        return (f"DDP fits ({_gb(choice.need_gb or 0)} of {_gb(choice.capacity_gb or 0)}) and moves less: "
-                f"{_comm_text(choice)} vs FSDP full_shard {_comm_text(full)}, since FSDP all-gathers every micro-batch")
-    if want == "offload":
-        return (f"offload is not needed: {choice.label} fits on the GPU ({_gb(choice.need_gb or 0)} of "
-                f"{_gb(choice.capacity_gb or 0)}), and offload would add host copies and a CPU optimizer step")
-    leanest = min((r for r in rows if not r.cfg.offload and r.need_gb is not None),
-                  key=lambda r: r.need_gb or 0.0, default=None)
-    if leanest is not None:
-        return (f"nothing fits on the GPU alone (the leanest, {leanest.label}, needs {_gb(leanest.need_gb or 0)} "
-                f"of {_gb(leanest.capacity_gb or 0)}), so the states go to the host")
-    return "offload is what fits"
+        if ddp is None or ddp.fits is False:
+            return f"DDP does not fit: it needs {_fit_text(ddp)}" if ddp else "DDP is not a candidate here"
+        return (f"DDP fits ({_fit_text(ddp)}) but is slower beyond the {TIE:.0%} tie: {_cost_text(ddp, by)} vs "
+                f"{_cost_text(choice, by)} for {choice.label}{_ddp_exposure(ddp, plan)}")
+    if want == "fsdp":
+        return _ddp_kept(plan, by)
+    return _offload_not_needed(choice, facts, setup, site)
+
+
+def _ddp_exposure(ddp: Row, plan: Plan) -> str:
+    if ddp.time is None:
+        return ""
+    _, bwd = phases(ddp.time.compute_s, plan.grad_accum, plan.checkpointing)
+    return (f"; DDP's all-reduce takes {secs(ddp.time.comm_s)} and can overlap only the last micro-batch's backward "
+            f"({secs(bwd)}), so {secs(ddp.time.exposed_s)} of it is not hidden")
+
+
+def _ddp_kept(plan: Plan, by: str) -> str:
+    """1–10B, and DDP chosen: it fits and its step ties with (or beats) the best FSDP layout."""
+    choice = plan.choice
+    assert choice is not None
+    sharded = [r for r in fitting(plan.rows) if r.dims.dp_shard > 1]
+    best = min(sharded, key=lambda r: cost(r, by)) if sharded else None
+    text = f"DDP fits ({_fit_text(choice)})"
+    if best is None:
+        return text + " and no sharded layout does"
+    a, b = cost(choice, by), cost(best, by)
+    relation = "is faster than any sharded layout" if a <= b else f"is within the {TIE:.0%} tie of the fastest sharded layout"
+    text += f" and {relation}: {_cost_text(choice, by)} vs {_cost_text(best, by)} for {best.label}"
+    if choice.time is not None and best.time is not None:
+        text += (f" (communication {secs(choice.time.comm_s)} vs {secs(best.time.comm_s)}, of which "
+                 f"{secs(choice.time.exposed_s)} vs {secs(best.time.exposed_s)} is not hidden under "
+                 f"{secs(choice.time.compute_s)} of compute)")
+    return text + "; DDP is the simpler one (whole replicas, plain checkpoints)"
+
+
+def _offload_not_needed(choice: Row, facts: ModelFacts, setup: Setup, site: SiteProfile) -> str:
+    off = _offload_variant(choice, facts, setup, site)
+    text = f"{choice.label} fits on the GPU ({_fit_text(choice)})"
+    if off is None or off.memory is None:
+        return text
+    text += f"; offloading ({off.label}) would need {_gb(off.memory.host_per_node)} of host memory per node"
+    if off.time is not None and choice.time is not None:
+        text += (f" and take {secs(off.time.step_s)} per step instead of {secs(choice.time.step_s)} "
+                 f"(host copies {secs(_host_copy_s(off))} at an assumed {HOST_LINK_GBS:g} GB/s, CPU AdamW "
+                 f"{secs(off.time.host_s)} at an assumed {CPU_ADAM_PARAMS_PER_CORE_S:.0e} parameters/s per core)"
+                 .replace("e+0", "e"))
+    return text
+
+
+def _offload_variant(choice: Row, facts: ModelFacts, setup: Setup, site: SiteProfile) -> Row | None:
+    if not site.node.gpus:
+        return None
+    dims = choice.dims if choice.dims.fsdp_enabled else parallel_dims("fsdp", "full_shard", setup.world)
+    return evaluate(facts, (dims, True), setup, site)
+
+
+def _host_copy_s(row: Row) -> float:
+    return sum(p.seconds or 0.0 for p in row.comm.parts if p.link == "pcie-host") if row.comm else 0.0
+
+
+def _leanest_text(rows: list[Row]) -> str:
+    plain = [r for r in rows if not r.cfg.offload and r.need_gb is not None]
+    if not plain:
+        return "nothing fits on the GPU alone"
+    leanest = min(plain, key=lambda r: r.need_gb or 0.0)
+    return f"nothing fits on the GPU alone (the leanest, {leanest.label}, needs {_fit_text(leanest)})"
+
+
+def _small_gpu_rule(plan: Plan, choice: Row) -> str:
+    head = f"Rule of thumb 'GPUs under 40 GB → FSDP' ({_gb(choice.capacity_gb or 0)} here)"
+    if choice.dims.fsdp_enabled:
+        return f"{head}: agrees."
+    return f"{head}: departs, because {choice.label} fits ({_fit_text(choice)})."
+
+
+def _pcie_rule(plan: Plan, choice: Row, site: SiteProfile) -> str:
+    head = "Rule of thumb 'PCIe only → weigh the communication'"
+    t = choice.time
+    if t is None:
+        return f"{head}: weighed by bytes ({_comm_text(choice)}; no compute estimate)."
+    return (f"{head}: weighed — inside a node the GPUs share pcie ({site.node.intra_bandwidth_gbs:g} GB/s per GPU); "
+            f"{choice.label} communicates {secs(t.comm_s)} per step, {secs(t.exposed_s)} of it not hidden under "
+            f"{secs(t.compute_s)} of compute.")
 
 
 def _hsdp_rule(plan: Plan, choice: Row, rows: list[Row]) -> str:
     head = "Rule of thumb 'many nodes → HYBRID_SHARD'"
-    nodal = [r for r in rows if r.dims.hsdp_enabled and r.dims.dp_shard == plan.tasks_per_node]
+    by = measure(fitting(rows))
+    nodal = [r for r in rows if r.dims.hsdp_enabled and r.dims.dp_shard == plan.tasks_per_node and not r.cfg.offload]
     fit = [r for r in nodal if r.fits is not False]
-    node = min(fit, key=comm_cost) if fit else min(nodal, key=lambda r: r.need_gb or 0.0, default=None)
+    node = min(fit, key=lambda r: cost(r, by)) if fit else min(nodal, key=lambda r: r.need_gb or 0.0, default=None)
     if choice.dims.hsdp_enabled:
         if choice.dims.dp_shard <= plan.tasks_per_node:
             return f"{head}: agrees; the shard group of {choice.dims.dp_shard} keeps all-gathers inside one node."
-        why = f" (sharded over one node it needs {_gb(node.need_gb or 0)} > {_gb(node.capacity_gb or 0)})" \
-            if node is not None and node.fits is False else ""
+        why = f" (sharded over one node it needs {_fit_text(node)})" if node is not None and node.fits is False else ""
         return (f"{head}: agrees, but the shard group of {choice.dims.dp_shard} spans "
                 f"{choice.dims.dp_shard // plan.tasks_per_node} nodes{why}.")
     if node is None:
         return f"{head}: no node-sized shard group here."
     if node.fits is False:
-        return (f"{head}: departs — sharded over one node ({node.dims.dp_shard} GPUs) it needs {_gb(node.need_gb or 0)} "
-                f"> {_gb(node.capacity_gb or 0)}.")
-    return f"{head}: departs — {_versus(choice, node)}."
+        return f"{head}: departs, because sharded over one node ({node.dims.dp_shard} GPUs) it needs {_fit_text(node)}."
+    a, b = cost(choice, by), cost(node, by)
+    if b > a * (1 + TIE):
+        return (f"{head}: departs, because {node.label} is slower: {_cost_text(node, by)} vs {_cost_text(choice, by)} "
+                f"for {choice.label}.")
+    return (f"{head}: departs, because {node.label} ({_cost_text(node, by)}) ties with {choice.label} "
+            f"({_cost_text(choice, by)}) within {TIE:.0%}, and {choice.label} is simpler or communicates less.")
 
 
-def _versus(choice: Row, other: Row | None) -> str:
-    """Why ``choice`` beat ``other`` on communication (or on simplicity, within the tie margin)."""
-    if other is None:
-        return f"{choice.label} communicates least"
-    if comm_cost(choice) <= comm_cost(other):
-        return f"{choice.label} moves less ({_comm_text(choice)} vs {_comm_text(other)} for {other.label})"
-    return (f"{other.label} would move slightly less ({_comm_text(other)} vs {_comm_text(choice)}), a "
-            f"near-tie (under {TIE:.0%} of the step), so the simpler {choice.label} is kept")
+# --- offload and the bound --------------------------------------------------------------------
 
+def _offload_line(plan: Plan, facts: ModelFacts, setup: Setup, site: SiteProfile) -> str:
+    """`cpu_offload = true` under auto allows offload; say whether it was used and why, with numbers."""
+    choice = plan.choice
+    assert choice is not None
+    head = "`parallel.cpu_offload = true` allows offload"
+    if choice.cfg.offload:
+        m = choice.memory
+        host = f"; the host holds {_gb(m.host_per_node)} per node of {_gb(choice.host_capacity_gb or 0)} usable" \
+            if m is not None else ""
+        return f"{head}, and auto uses it: {_leanest_text(plan.rows)}{host}."
+    offloaded = [r for r in plan.rows if r.cfg.offload]
+    fit = [r for r in offloaded if r.fits]
+    if not offloaded:
+        return f"{head}; auto does not use it."
+    by = measure(fitting(plan.rows))
+    best = min(fit, key=lambda r: cost(r, by)) if fit else min(offloaded, key=lambda r: r.need_gb or 0.0)
+    text = f"{head}; auto does not use it: {choice.label} fits on the GPU ({_fit_text(choice)})"
+    if best.memory is not None:
+        host = "fits" if best.host_fits else "does not fit"
+        text += (f", and the best offload row, {best.label}, takes {_cost_text(best, by)} vs "
+                 f"{_cost_text(choice, by)} and needs {_gb(best.memory.host_per_node)} of host memory per node "
+                 f"({host} in {_gb(best.host_capacity_gb or 0)} usable)")
+    return text + "."
+
+
+def _bound(plan: Plan, site: SiteProfile) -> str:
+    c = plan.choice
+    if c is None or c.comm is None or c.time is None or not c.comm.parts:
+        return ""
+    link = c.comm.slowest_link
+    if link == site.node.intra_link:
+        link = f"{link} ({site.node.intra_bandwidth_gbs:g} GB/s per GPU)"
+    elif link == site.network.fabric:
+        link = f"{link} ({site.network.bandwidth_gbs:g} GB/s per node)"
+    elif link == "pcie-host":
+        link = f"the host link ({HOST_LINK_GBS:g} GB/s per GPU, assumed)"
+    t = c.time
+    kind = "communication-bound" if t.comm_s > t.compute_s else "compute-bound"
+    return (f"{kind} on {link}: communication {secs(t.comm_s)} vs compute {secs(t.compute_s)} per step, "
+            f"{secs(t.exposed_s)} not hidden (MFU {plan.mfu:.2f} assumed; each collective overlaps only its own "
+            "micro-batch's forward or backward)")
+
+
+# --- nothing fits -----------------------------------------------------------------------------
 
 def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row]) -> list[str]:
     """Nothing fits: what would, with numbers."""
     leanest = min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb or 0.0)
-    out = [f"Nothing fits: the leanest, {leanest.label}, needs {_gb(leanest.need_gb or 0)} of "
-           f"{_gb(leanest.capacity_gb or 0)} per {'GPU' if leanest.gpu else 'rank'}."]
+    out = [f"Nothing fits: the leanest, {leanest.label}, needs {_fit_text(leanest)}"
+           + (f" and {_gb(leanest.memory.host_per_node)} of host memory per node of "
+              f"{_gb(leanest.host_capacity_gb or 0)} usable" if leanest.cfg.offload and leanest.memory else "") + "."]
     cand = (leanest.dims, leanest.cfg.offload)
     if not setup.checkpointing:
         out.append(_try("with parallel.activation_checkpointing = true", facts, cand, replace(setup, checkpointing=True), site))
@@ -190,7 +442,7 @@ def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row]) 
 def _try(what: str, facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> str:
     row = evaluate(facts, cand, setup, site)
     verdict = "fits" if row.fits else "still does not fit"
-    text = f"{what}: {row.label} {verdict} ({_gb(row.need_gb or 0)} of {_gb(row.capacity_gb or 0)} per GPU"
+    text = f"{what}: {row.label} {verdict} ({_fit_text(row)}"
     if row.cfg.offload and row.memory is not None:
         text += f"; host {_gb(row.memory.host_per_node)} per node of {_gb(row.host_capacity_gb or 0)} usable"
     return text + ")."
@@ -206,6 +458,6 @@ def _more_nodes(facts: ModelFacts, setup: Setup, site: SiteProfile) -> str:
         row = evaluate(facts, (parallel_dims("fsdp", "full_shard", bigger.world), False), bigger, site)
         if row.fits:
             return (f"with job.nodes = {nodes}: fsdp full_shard over {bigger.world} GPUs fits "
-                    f"({_gb(row.need_gb or 0)} of {_gb(row.capacity_gb or 0)} per GPU).")
+                    f"({_fit_text(row)}).")
         nodes *= 2
     return f"more nodes alone do not help up to {limit} nodes."

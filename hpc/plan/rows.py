@@ -13,9 +13,14 @@ from hpc.models import ModelFacts
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
 
+from hpc.plan.timing import StepTime, host_step_seconds, step_time
+
 MFU_DEFAULT = 0.4  # assumed model FLOPs utilisation (no site or spec field yet)
-TIE = 0.05  # communication within 5% of the best counts as a tie; the simpler strategy wins
-SIMPLICITY = {"none": 0, "ddp": 1, "fsdp no_shard": 2, "fsdp shard_grad_op": 3, "fsdp full_shard": 4, "hsdp": 5}
+TIE = 0.05  # within 5% of the fastest estimated step counts as a tie; the simplest tied row wins
+# Simplicity, the first tie-break: one process < whole replicas < sharded (any FSDP/HSDP layout);
+# then no offload before offload, then the least communication.
+SIMPLICITY = {"none": 0, "ddp": 1, "fsdp": 2, "hsdp": 2}
+SIMPLICITY_TEXT = "none < ddp < fsdp/hsdp, without offload before with, then the least communication"
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Row:
     capacity_gb: float | None  # device memory per rank (host share on CPU sites); None = unknown
     host_capacity_gb: float | None  # usable host memory per node, for offload
     gpu: bool
+    time: StepTime | None = None  # None where compute or a bandwidth is unknown
 
     @property
     def dims(self) -> ParallelDims:
@@ -42,6 +48,10 @@ class Row:
     def family(self) -> str:
         d = self.dims
         return d.strategy if not d.fsdp_enabled or d.hsdp_enabled else f"fsdp {d.sharding}"
+
+    @property
+    def step_s(self) -> float | None:
+        return None if self.time is None else self.time.step_s
 
     @property
     def need_gb(self) -> float | None:
@@ -62,8 +72,9 @@ class Row:
     def fits(self) -> bool | None:
         if self.need_gb is None or self.capacity_gb is None:
             return None
-        host = self.host_fits
-        return self.need_gb <= self.capacity_gb and host is not False
+        if self.need_gb > self.capacity_gb or self.host_fits is False:
+            return False
+        return self.host_fits  # True, or None: offloaded states and unknown host memory
 
     def to_dict(self) -> dict[str, tp.Any]:
         m, c = self.memory, self.comm
@@ -74,10 +85,14 @@ class Row:
                 "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "buffers": m.buffers,
                 "activations": m.activations, "total": m.total, "headroom": self.need_gb - m.total,
                 "host_per_node": m.host_per_node, "notes": list(m.notes)},
-            "capacity_gb": self.capacity_gb, "fits": self.fits,
+            "capacity_gb": self.capacity_gb, "host_capacity_gb": self.host_capacity_gb, "fits": self.fits,
             "comm": None if c is None else {
                 "gb_per_step": c.gb, "seconds_per_step": c.seconds,
-                "parts": [{"what": p.what, "gb": p.gb, "seconds": p.seconds, "link": p.link} for p in c.parts]},
+                "parts": [{"what": p.what, "gb": p.gb, "seconds": p.seconds, "link": p.link, "phase": p.phase,
+                           "runs_per_step": p.repeat} for p in c.parts]},
+            "step": None if self.time is None else {
+                "seconds": self.time.step_s, "compute_s": self.time.compute_s, "comm_s": self.time.comm_s,
+                "exposed_comm_s": self.time.exposed_s, "cpu_optimizer_s": self.time.host_s},
         }
 
 
@@ -99,6 +114,7 @@ class Plan:
     mfu: float
     rows: list[Row]
     choice: Row | None
+    offload_allowed: bool = False  # the spec's cpu_offload under auto: offload variants are candidates
     recommendation: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -114,7 +130,7 @@ class Plan:
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "mixed_precision": self.mixed_precision, "activation_checkpointing": self.checkpointing,
             "compute_seconds_per_step": self.compute_s, "mfu": self.mfu,
-            "rows": [r.to_dict() for r in self.rows],
+            "rows": [r.to_dict() for r in self.rows], "compared_by": measure(fitting(self.rows)), "tie": TIE,
             "choice": None if self.choice is None else self.choice.to_dict(),
             "recommendation": self.recommendation, "advice": self.advice, "notes": self.notes,
         }
@@ -154,17 +170,21 @@ Candidate = tuple[ParallelDims, bool]  # (layout, cpu offload)
 
 
 def candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
-    """(layout, offload) to evaluate; offload applies to fsdp/hsdp only."""
+    """(layout, offload) to evaluate. ``offload`` (the spec's cpu_offload) allows offload: every
+    FSDP/HSDP layout is then evaluated with and without it, since offload is a cost, not a goal."""
     world, tpn = setup.world, setup.tasks_per_node
-    off = offload and gpu
     if world == 1:
-        return [(parallel_dims("none", "full_shard", 1), False)] + \
-            ([(parallel_dims("fsdp", "full_shard", 1), True)] if off else [])
-    out = [(parallel_dims("ddp", "full_shard", world), False)] if not off else []
-    out += [(parallel_dims("fsdp", s, world), off) for s in ("no_shard", "shard_grad_op", "full_shard")]
+        layouts = [parallel_dims("none", "full_shard", 1)]
+        sharded = [parallel_dims("fsdp", "full_shard", 1)] if offload and gpu else []
+        return [(d, False) for d in layouts] + [(d, True) for d in sharded]
+    layouts = [parallel_dims("ddp", "full_shard", world)]
+    layouts += [parallel_dims("fsdp", s, world) for s in ("no_shard", "shard_grad_op", "full_shard")]
     if setup.nodes > 1:
-        out += [(parallel_dims("hsdp", s, world, tpn, tpn * k), off) for k in range(1, setup.nodes)
-                if setup.nodes % k == 0 for s in ("shard_grad_op", "full_shard")]
+        layouts += [parallel_dims("hsdp", s, world, tpn, tpn * k) for k in range(1, setup.nodes)
+                    if setup.nodes % k == 0 for s in ("shard_grad_op", "full_shard")]
+    out = [(d, False) for d in layouts]
+    if offload and gpu:
+        out += [(d, True) for d in layouts if d.fsdp_enabled]
     return out
 
 
@@ -180,7 +200,10 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
         capacity = site.node.gpu_memory_gb or None
     else:
         capacity = site.node.memory_gb / tpn if site.node.memory_gb else None
-    return Row(cfg, memory, comm, capacity, host, gpu)
+    host_s = host_step_seconds((facts.n_params or 0) / dims.dp_shard, site.node.cpus // tpn) if offload else 0.0
+    time = step_time(comm, compute_seconds(facts, setup, site, MFU_DEFAULT), setup.grad_accum,
+                     setup.checkpointing, host_s)
+    return Row(cfg, memory, comm, capacity, host, gpu, time)
 
 
 def compute_seconds(facts: ModelFacts, setup: Setup, site: SiteProfile, mfu: float) -> float | None:
@@ -194,23 +217,50 @@ def compute_seconds(facts: ModelFacts, setup: Setup, site: SiteProfile, mfu: flo
 
 # --- the choice ------------------------------------------------------------------------------
 
+def measure(rows: list[Row]) -> str:
+    """What the choice compares: "step" (estimated step seconds) where every row has one, else
+    "comm s" (communication seconds), else "comm GB" (no bandwidths in the site)."""
+    if rows and all(r.time is not None for r in rows):
+        return "step"
+    if rows and all(r.comm is not None and r.comm.seconds is not None for r in rows):
+        return "comm s"
+    return "comm GB"
+
+
 def comm_cost(row: Row) -> float:
+    """Communication per step: seconds where the site gives bandwidths, else GB."""
     if row.comm is None:
         return 0.0
     return row.comm.seconds if row.comm.seconds is not None else row.comm.gb
 
 
-def pick(rows: list[Row], compute_s: float | None = None) -> Row | None:
-    """The cheapest-communication row that fits; among near-ties, the simplest.
+def cost(row: Row, by: str) -> float:
+    if by == "step":
+        return row.step_s or 0.0
+    return comm_cost(row) if by == "comm s" else (row.comm.gb if row.comm is not None else 0.0)
 
-    A near-tie is within TIE of the best, or a difference that would change the step time by
-    less than TIE of the compute time even if none of it overlapped with compute.
-    """
-    fitting = [r for r in rows if r.fits is not False]
-    if not fitting:
-        return None
-    best = min(comm_cost(r) for r in fitting)
-    timed = all(r.comm is not None and r.comm.seconds is not None for r in fitting)
-    slack = max(best * TIE, TIE * compute_s if compute_s and timed else 0.0, 1e-4)
-    near = [r for r in fitting if comm_cost(r) <= best + slack]
-    return min(near, key=lambda r: (SIMPLICITY[r.family], comm_cost(r)))
+
+def fitting(rows: list[Row]) -> list[Row]:
+    """Rows that fit; rows of unknown fit only when none is known to fit."""
+    known = [r for r in rows if r.fits]
+    return known or [r for r in rows if r.fits is None]
+
+
+def tied(rows: list[Row]) -> list[Row]:
+    """The rows that fit whose cost is within TIE of the cheapest."""
+    fit = fitting(rows)
+    if not fit:
+        return []
+    by = measure(fit)
+    best = min(cost(r, by) for r in fit)
+    return [r for r in fit if cost(r, by) <= best * (1 + TIE) + 1e-9]
+
+
+def simplicity(row: Row) -> tuple[int, bool, float]:
+    return SIMPLICITY[row.dims.strategy], row.cfg.offload, comm_cost(row)
+
+
+def pick(rows: list[Row]) -> Row | None:
+    """The simplest of the rows that fit and are within TIE of the fastest (see SIMPLICITY)."""
+    near = tied(rows)
+    return min(near, key=simplicity) if near else None

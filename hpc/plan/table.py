@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hpc.plan.rows import Plan, Row
 
-
-COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "+headroom", "fits", "comm GB", "comm s")
+COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "+headroom", "fits", "comm GB", "comm s",
+           "step s")
 
 
 def _num(x: float | None) -> str:
@@ -16,38 +16,40 @@ def _num(x: float | None) -> str:
     return f"{x:.1f}" if x < 1000 else f"{x:.0f}"
 
 
-def _count(n: int | None) -> str:
-    if not n:
-        return "parameters unknown"
-    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit} params"
-    return f"{n} params"
+def _secs(x: float | None) -> str:
+    """Three significant digits, so that two different times never both print as 0.000."""
+    return "?" if x is None else f"{x:.3g}"
 
 
-def _cells(row: Row) -> list[str]:
+def _cells(row: Row, host: bool) -> list[str]:
     m, c = row.memory, row.comm
     fits = {True: "yes", False: "no", None: "?"}[row.fits]
     if row.cfg.offload and row.host_fits is False:
         fits = "no (host)"
+    host_cells = [_num(m.host_per_node) if m is not None and row.cfg.offload else "-"] if host else []
     if m is None:
-        return ["?"] * 7 + [fits] + ["?"] * 2
-    secs = None if c is None else c.seconds
+        return ["?"] * 7 + host_cells + [fits] + ["?"] * 3
     return [_num(m.params), _num(m.grads), _num(m.optimizer), _num(m.buffers),
-            "unknown" if m.activations is None else _num(m.activations), _num(m.total), _num(row.need_gb), fits,
-            _num(None if c is None else c.gb), "?" if secs is None else f"{secs:.3f}"]
+            "unknown" if m.activations is None else _num(m.activations), _num(m.total), _num(row.need_gb),
+            *host_cells, fits, _num(None if c is None else c.gb), _secs(None if c is None else c.seconds),
+            _secs(row.step_s)]
 
 
 def format_plan(plan: Plan) -> str:
     """The plan as a terminal table followed by the recommendation."""
+    host = any(r.cfg.offload for r in plan.rows)
+    columns = list(COLUMNS)
+    if host:
+        columns.insert(columns.index("fits"), "host/node")
     lines = [_header(plan), ""]
-    table = [["strategy", *COLUMNS]] + [[("* " if r is plan.choice else "  ") + r.label, *_cells(r)] for r in plan.rows]
+    table = [["strategy", *columns]] + [[("* " if r is plan.choice else "  ") + r.label, *_cells(r, host)]
+                                       for r in plan.rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     lines.append("")
     if plan.compute_s is not None:
-        lines.append(f"compute per step: {plan.compute_s:.2f} s at MFU {plan.mfu:.2f}"
+        lines.append(f"compute per step: {_secs(plan.compute_s)} s at MFU {plan.mfu:.2f}"
                      f"{' (+1/3 recompute)' if plan.checkpointing else ''}")
     lines += [f"note: {n}" for n in plan.notes]
     if plan.choice is not None or plan.recommendation:
@@ -60,7 +62,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def _header(plan: Plan) -> str:
-    return (f"plan {plan.job}: {plan.model} ({_count(plan.n_params)}) on {plan.site}: {plan.nodes} node(s) × "
+    return (f"plan {plan.job}: {plan.model} on {plan.site}: {plan.nodes} node(s) × "
             f"{plan.tasks_per_node} ranks = {plan.world}; micro_batch {plan.micro_batch} × grad_accum "
             f"{plan.grad_accum}; mixed_precision {plan.mixed_precision}; activation checkpointing "
             f"{'on' if plan.checkpointing else 'off'}")
