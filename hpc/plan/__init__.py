@@ -10,7 +10,7 @@ Pure Python: runs on login nodes without torch.
 from __future__ import annotations
 
 from hpc.config import ConfigError
-from hpc.dims import ParallelDims, parallel_dims
+from hpc.dims import ParallelDims, parallel_dims, tasks_per_node
 from hpc.models import model_facts
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
@@ -50,7 +50,7 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None) -> Plan
 def choose(spec: JobSpec, site: SiteProfile, nodes: int) -> tuple[ParallelDims, list[str]]:
     """(layout, reasons): the spec's explicit strategy, or the plan's choice for ``auto``."""
     p = spec.parallel
-    tpn = spec.job.tasks_per_node or site.default_tasks_per_node()
+    tpn = tasks_per_node(p.strategy, spec.job.tasks_per_node, site.default_tasks_per_node())
     if p.strategy != "auto":
         dims = parallel_dims(p.strategy, p.sharding, nodes * tpn, tpn, p.shard_size)
         return dims, [f"strategy {p.strategy!r} set in the spec"]
