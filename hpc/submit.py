@@ -1,8 +1,9 @@
 """Submission and following: the I/O edge around the pure render.
 
 ``submit`` creates the run folder, writes the spec, the resolved plan and the
-rendered script, and hands ``TrainTask(run_dir)`` to submitit: ``AutoExecutor``
-for Slurm sites, the local executor for ``local``.
+rendered script, and hands ``TrainTask(run_dir)`` to the site's scheduler
+(``hpc.schedulers``: submitit's Slurm or local executor). ``status``/``cancel``
+need none of the spec machinery, so it is imported only to submit.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from hpc import runs, schedulers
 from hpc.config import ConfigError
 from hpc.errors import UserError
 from hpc.schedulers.base import QUERY_TIMEOUT_S, read_result, result_path
-from hpc.resolve import Launch, resolved_document
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.resolve import Launch
+    from hpc.site import SiteProfile
+    from hpc.spec import JobSpec
 
 
 @dataclass
@@ -43,6 +46,7 @@ def run_root(spec: JobSpec, site: SiteProfile) -> Path:
 def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
            overrides: tp.Sequence[str] = ()) -> Submitted:
     """Create the run folder and submit; returns as soon as the scheduler has the job."""
+    from hpc.resolve import resolved_document
     from trainer.task import TrainTask  # no torch at import time
 
     group = site.storage.group_readable
