@@ -4,7 +4,6 @@ and a real local job cancelled mid-run."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys

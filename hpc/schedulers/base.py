@@ -19,7 +19,6 @@ one line in ``hpc.schedulers.KINDS``. Everything here is torch-free; submitit is
 from __future__ import annotations
 
 import abc
-import os
 import pickle
 import shlex
 import shutil

@@ -7,7 +7,6 @@ cancel) is tested for real elsewhere; these check the parts only a GPU shows.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import REPO, hpcx
-from tests.resilience.resilience_lib import checkpoint_steps, ledger, losses_by_step, submit, wait_state
+from tests.resilience.resilience_lib import ledger, losses_by_step, submit, wait_state
 
 HSDP = str(REPO / "jobs" / "tiny-hsdp-2node.toml")
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from hpc.resolve import resolve, resolved_document
 from hpc.runs import new_run_dir
