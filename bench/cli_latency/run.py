@@ -7,7 +7,9 @@ the interpreter's own start-up. Goal: each hpcx command ≤ python -c pass + 0.3
 `hpcx status` (the list) is timed over a run root of 100 run folders (Slurm jobs, 5000-line
 metrics files, the newest 20 not yet recorded as ended), twice: with the cluster up (the sandbox's
 Slurm when it answers) and down (a slurm.conf whose slurmctld and slurmdbd listen nowhere, through
-SLURM_CONF: the shared sandbox keeps running).
+SLURM_CONF: the shared sandbox keeps running), each on its own copy of the run root, whose live runs'
+states.jsonl are reset before every call (a call records the states it learns, and runs recorded as
+ended are not asked again).
 
     python bench/cli_latency/run.py [--runs 15] [--run-folders 100]
 """
@@ -52,17 +54,27 @@ def make_run_root(root: Path, count: int, live: int) -> None:
         job = real[i - (count - live)] if newest and i - (count - live) < len(real) else str(900000 + i)
         (run / "resolved.json").write_text(json.dumps({"launch": {"world_size": 16, "strategy": "fsdp"}}))
         (run / "job.json").write_text(json.dumps({"job_id": job, "scheduler": "slurm", "submitted_at": 1.0}))
-        states = ["SUBMITTED", "RUNNING"] + ([] if newest else ["COMPLETED"])
-        (run / "states.jsonl").write_text("".join(json.dumps({"state": s, "time": 1.0}) + "\n" for s in states))
+        reset_states(run, ended=not newest)
         (run / "metrics.jsonl").write_text(metrics)
         (run / "ledger.jsonl").write_text(json.dumps({"event": "start", "step": 0, "restore_s": 0.0}) + "\n")
         stamp = time.time() - (count - i)
         os.utime(run, (stamp, stamp))
 
 
-def status_env(tmp: Path, root: Path) -> dict[str, str]:
+def reset_states(run: Path, ended: bool) -> None:
+    states = ["SUBMITTED", "RUNNING"] + (["COMPLETED"] if ended else [])
+    (run / "states.jsonl").write_text("".join(json.dumps({"state": s, "time": 1.0}) + "\n" for s in states))
+
+
+def reset_live(root: Path, live: int = 20) -> None:
+    """Forget what earlier calls recorded about the newest ``live`` runs."""
+    for run in sorted(root.iterdir())[-live:]:
+        reset_states(run, ended=False)
+
+
+def status_env(tmp: Path, root: Path, name: str) -> dict[str, str]:
     """Every bundled site name shadowed by a copy whose run root is ``root``."""
-    sites = tmp / "sites"
+    sites = tmp / f"sites-{name}"
     sites.mkdir()
     for name in SITES:
         text = (REPO / "site" / f"{name}.toml").read_text().replace("\nrun_root", "\n# run_root")
@@ -78,20 +90,26 @@ def cluster_down(tmp: Path) -> dict[str, str]:
     return {"SLURM_CONF": str(conf)}
 
 
-def commands(tmp: Path, root: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+Command = tuple[list[str], dict[str, str], Path | None]  # argv, environment, run root to reset first
+
+
+def commands(tmp: Path, root: Path) -> dict[str, Command]:
     hpcx = shutil.which("hpcx") or str(Path(sys.executable).with_name("hpcx"))
-    listing = status_env(tmp, root)
+    down = tmp / "runs-down"
+    shutil.copytree(root, down)
     return {
-        "python -c pass": ([sys.executable, "-c", "pass"], {}),
-        "hpcx --help": ([hpcx, "--help"], {}),
-        "hpcx render": ([hpcx, "render", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", "sandbox"], {}),
-        "hpcx plan": ([hpcx, "plan", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100"], {}),
-        "status, up": ([hpcx, "status"], listing),
-        "status, down": ([hpcx, "status"], {**listing, **cluster_down(tmp)}),
+        "python -c pass": ([sys.executable, "-c", "pass"], {}, None),
+        "hpcx --help": ([hpcx, "--help"], {}, None),
+        "hpcx render": ([hpcx, "render", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", "sandbox"], {}, None),
+        "hpcx plan": ([hpcx, "plan", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100"], {}, None),
+        "status, up": ([hpcx, "status"], status_env(tmp, root, "up"), root),
+        "status, down": ([hpcx, "status"], {**status_env(tmp, down, "down"), **cluster_down(tmp)}, down),
     }
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> float:
+def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None) -> float:
+    if reset is not None:
+        reset_live(reset)
     start = time.perf_counter()
     subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env={**os.environ, **env})
     return time.perf_counter() - start
@@ -108,17 +126,20 @@ def main() -> None:
         make_run_root(root, args.run_folders, live=20)
         cmds = commands(tmp, root)
         samples: dict[str, list[float]] = {name: [] for name in cmds}
-        for name, (cmd, env) in list(cmds.items()):  # warm the page cache once; drop commands that fail here
+        for name, (cmd, env, reset) in list(cmds.items()):  # warm the page cache; drop commands that fail here
             try:
-                timed(cmd, env)
+                timed(cmd, env, reset)
             except subprocess.CalledProcessError:
                 print(f"skipping {name!r}: it fails on this checkout", file=sys.stderr)
                 del cmds[name], samples[name]
         for _ in range(args.runs):
-            for name, (cmd, env) in cmds.items():  # interleaved so drift hits every command alike
-                samples[name].append(timed(cmd, env))
-        shown = subprocess.run(cmds["status, down"][0], capture_output=True, text=True,
-                               env={**os.environ, **cmds["status, down"][1]}).stdout.splitlines()
+            for name, (cmd, env, reset) in cmds.items():  # interleaved so drift hits every command alike
+                samples[name].append(timed(cmd, env, reset))
+        shown = {}
+        for name in ("status, up", "status, down"):
+            cmd, env, reset = cmds[name]
+            reset_live(reset)
+            shown[name] = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}).stdout
     base = statistics.median(samples["python -c pass"])
     print(f"load average {os.getloadavg()[0]:.2f}; status lists 20 of {args.run_folders} run folders")
     print(f"{'command':16} {'median s':>9} {'- base s':>9} {'ratio':>6}  goal: ≤ base + 0.300 s")
@@ -126,7 +147,9 @@ def main() -> None:
         med = statistics.median(values)
         verdict = "" if name == "python -c pass" else ("ok" if med - base <= 0.3 else "OVER")
         print(f"{name:16} {med:9.3f} {med - base:9.3f} {med / base:6.2f}  {verdict}")
-    print(f"status, down shows: {shown[0] if shown else '(nothing)'}")
+    for name, text in shown.items():
+        lines = text.splitlines()
+        print(f"{name} shows: {lines[0] if lines else '(nothing)'}")
 
 
 if __name__ == "__main__":
