@@ -172,15 +172,23 @@ def run_roots() -> list[Path]:
     return list(dict.fromkeys(roots + remembered()))
 
 
+LIST_RUNS = 20
+LIST_TIMEOUT_S = 3.0  # the list waits this long for the scheduler, then says "unknown (scheduler unreachable)"
+
+
 @cli.command()
 @click.argument("ref", required=False, metavar="[RUN|JOB]")
 @json_option
 def status(ref: str | None, as_json: bool) -> None:
-    """State, nodes, step and restarts of a run (by folder, name or job id), or the recent runs."""
+    """State, nodes, step and restarts of a run (by folder, name or job id), or the recent runs.
+
+    The list asks each scheduler once for all its runs and waits at most a few seconds: a run whose
+    scheduler does not answer shows "unknown (scheduler unreachable)".
+    """
     from hpc import runs, submit as sub
 
-    targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:20]
-    states = sub.job_states(targets)  # one query per scheduler for all of them
+    targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:LIST_RUNS]
+    states = sub.job_states(targets, sub.QUERY_TIMEOUT_S if ref else LIST_TIMEOUT_S)
     infos = [sub.summary(r, states[r]) for r in targets]
     if as_json:
         echo_json(infos[0] if ref else infos)
@@ -192,7 +200,7 @@ def status(ref: str | None, as_json: bool) -> None:
 def format_status(info: dict) -> str:
     step = info["step"] if info["step"] is not None else "-"
     ledger = info["ledger"]
-    return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state']}  nodes {info['nodes'] or '-'}  "
+    return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
             f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
                f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else ""))
@@ -207,6 +215,7 @@ def logs(ref: str, follow_: bool, rank: int) -> None:
     from hpc import runs, submit as sub
 
     run_dir = runs.find_run(ref, run_roots())
+    check_rank(run_dir, rank)
     offsets: dict[Path, int] = {}
     while True:
         for path in log_files(run_dir, rank):
@@ -214,6 +223,24 @@ def logs(ref: str, follow_: bool, rank: int) -> None:
         if not follow_ or sub.job_state(run_dir).done:
             break
         time.sleep(1.0)
+    if not offsets and not follow_:
+        click.echo(f"rank {rank} of {run_dir.name} has written no log yet ({sub.job_state(run_dir).words})", err=True)
+
+
+def check_rank(run_dir: Path, rank: int) -> None:
+    """ConfigError naming the run's ranks when ``rank`` is not one of them (the resolved world size,
+    and any rank that left a log, e.g. a torchrun start at another size)."""
+    from hpc.runs import RunDir
+
+    rd = RunDir(run_dir)
+    world = rd.read_resolved().get("launch", {}).get("world_size")
+    logged = {int(p.stem.split("-", 1)[1]) for p in rd.logs.glob("rank-*.log") if p.stem.split("-", 1)[1].isdigit()}
+    ranks = set(range(world)) | logged if isinstance(world, int) else logged
+    if rank in ranks or not ranks:
+        return
+    span = f"0-{max(ranks)}" if ranks == set(range(max(ranks) + 1)) else ", ".join(map(str, sorted(ranks)))
+    size = f"{world} ranks" if isinstance(world, int) else f"{len(ranks)} ranks with logs"
+    raise ConfigError([f"--rank {rank}: {run_dir.name} has {size} ({span})"])
 
 
 def log_files(run_dir: Path, rank: int) -> list[Path]:
@@ -241,13 +268,11 @@ def print_new(path: Path, offset: int) -> int:
 @cli.command()
 @click.argument("ref", metavar="RUN")
 def cancel(ref: str) -> None:
-    """Cancel a run's job (scancel; a cancel is never treated as a preemption)."""
+    """Cancel a run's job: its ranks stop at their next step boundary, write the ledger's stop line
+    and save nothing new (Slurm: scancel; a cancel is never treated as a preemption, never requeued)."""
     from hpc import runs, submit as sub
 
-    run_dir = runs.find_run(ref, run_roots())
-    if not sub.cancel(run_dir):
-        raise ConfigError([f"{run_dir}: could not cancel (already finished, or the scheduler refused)"])
-    click.echo(f"cancelled {run_dir.name}")
+    click.echo(sub.cancel(runs.find_run(ref, run_roots())))
 
 
 @cli.command()

@@ -183,6 +183,14 @@ def parallel_dims(strategy: str, sharding: str, world_size: int, tasks_per_node:
     raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
 
 
+def tasks_per_node(strategy: str, requested: int, site_default: int) -> int:
+    """Tasks per node: the spec's (``requested``), else one for the one-process strategies (none, and dp,
+    whose process drives every GPU of its node), else the site's default (one per GPU)."""
+    if requested:
+        return requested
+    return 1 if strategy in ("none", "dp") else site_default
+
+
 def hsdp_shard_size(tasks_per_node: int, shard_size: int = 0) -> int:
     """HSDP's shard group: ``parallel.shard_size`` when set, else one node's ranks."""
     return shard_size or tasks_per_node

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from hpc.config import ConfigError
 from hpc.dims import ParallelDims, hsdp_shard_size, parallel_dims
+from hpc.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
 from hpc.validate import check_world
@@ -70,7 +71,15 @@ class Launch:
 
 
 def tasks_per_node(spec: JobSpec, site: SiteProfile) -> int:
-    return spec.job.tasks_per_node or site.default_tasks_per_node()
+    """The spec's tasks per node, else one for none/dp, else the site's default (``hpc.dims``)."""
+    return strategy_tasks_per_node(spec.parallel.strategy, spec.job.tasks_per_node, site.default_tasks_per_node())
+
+
+def gpus_per_node(spec: JobSpec, site: SiteProfile) -> int:
+    """GPUs the job takes on each node: one per task, except dp, whose one process drives them all."""
+    if not site.node.gpus:
+        return 0
+    return site.node.gpus if spec.parallel.strategy == "dp" else tasks_per_node(spec, site)
 
 
 def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
@@ -108,9 +117,8 @@ def _check_strategy(spec: JobSpec, site: SiteProfile, world: int, tpn: int) -> l
     if p.strategy == "none" and world > 1:
         return [f"`parallel.strategy` = 'none' runs one process, but nodes × tasks_per_node = "
                 f"{spec.job.nodes} × {tpn} = {world}: set job.tasks_per_node = 1 and job.nodes = 1, or use ddp/fsdp"]
-    if p.strategy == "dp" and spec.job.nodes > 1:
-        return [f"`parallel.strategy` = 'dp' (nn.DataParallel) is single-process and cannot span "
-                f"{spec.job.nodes} nodes: use ddp"]
+    if p.strategy == "dp":
+        return _check_dp(spec, site, tpn)
     if p.strategy == "hsdp":
         shard = hsdp_shard_size(tpn, p.shard_size)
         if world % shard:
@@ -128,6 +136,22 @@ def _check_strategy(spec: JobSpec, site: SiteProfile, world: int, tpn: int) -> l
     return []
 
 
+def _check_dp(spec: JobSpec, site: SiteProfile, tpn: int) -> list[str]:
+    """dp is one process per node driving all of that node's GPUs (nn.DataParallel splits each micro
+    batch over them); several tasks per node would each wrap DataParallel over every GPU and collide."""
+    if spec.job.nodes > 1:
+        return [f"`parallel.strategy` = 'dp' (nn.DataParallel) is single-process and cannot span "
+                f"{spec.job.nodes} nodes: use ddp"]
+    if tpn > 1:
+        gpus = f"all {site.node.gpus} GPUs" if site.node.gpus else "the node"
+        return [f"`parallel.strategy` = 'dp' (nn.DataParallel) runs one process driving {gpus}, but "
+                f"`job.tasks_per_node` = {tpn}: set it to 1 (or leave it 0), or use ddp (one process per GPU)"]
+    if site.node.gpus > 1 and spec.train.micro_batch % site.node.gpus:
+        return [f"`parallel.strategy` = 'dp' splits each micro batch over the node's {site.node.gpus} GPUs, but "
+                f"`train.micro_batch` = {spec.train.micro_batch} is not divisible by {site.node.gpus}"]
+    return []
+
+
 def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
     """Check spec against site and compute the launch; raises ConfigError with every problem."""
     errors = cross_check(spec, site)
@@ -142,7 +166,7 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
         nodes=spec.job.nodes,
         tasks_per_node=tpn,
         cpus_per_task=spec.job.cpus_per_task or max(1, site.node.cpus // tpn),
-        gpus_per_node=tpn if site.node.gpus else 0,
+        gpus_per_node=gpus_per_node(spec, site),
         backend=site.backend,
         dims=choice.dims,
         grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),

@@ -13,6 +13,8 @@ Layout::
     RUN/mesh.json        rank 0: the rank groups of each device-mesh dimension
     RUN/metrics.jsonl    rank 0's per-step metrics
     RUN/ledger.jsonl     one line per start and stop of the job (goodput)
+    RUN/requeue/         per incarnation: the one requeue's claim, and the ranks' failure reports
+    RUN/nccl-trace/      NCCL flight-recorder dumps of a collective that timed out (GPU sites)
     RUN/checkpoints/step-NNNNNNN/
 
 Every whole-file write goes through ``write_atomic`` (temp file, fsync, rename).
@@ -109,6 +111,27 @@ def read_json(path: Path) -> dict:
         return {}
 
 
+def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
+    """The last complete JSON line of a file, read from its end (metrics files grow to many MB)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - chunk))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    for line in reversed(lines[1:] if size > chunk else lines):  # the first may be cut in half
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            continue
+    if size <= chunk:
+        return None
+    whole = read_jsonl(path)  # no complete line in the last chunk: one huge line, read it all
+    return whole[-1] if whole else None
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Every complete JSON line; a torn last line (a writer killed mid-line) is skipped."""
     try:
@@ -140,6 +163,8 @@ class RunDir:
     WORLD: tp.ClassVar[str] = "world.json"
     MESH: tp.ClassVar[str] = "mesh.json"
     LOGS: tp.ClassVar[str] = "logs"
+    REQUEUE: tp.ClassVar[str] = "requeue"
+    NCCL_TRACE: tp.ClassVar[str] = "nccl-trace"
     CHECKPOINTS: tp.ClassVar[str] = "checkpoints"
     SUBMITIT: tp.ClassVar[str] = SUBMITIT_DIR
     FOLDERS: tp.ClassVar[tuple[str, ...]] = (LOGS, CHECKPOINTS, SUBMITIT)
@@ -167,6 +192,8 @@ class RunDir:
     world = property(lambda self: self.path / self.WORLD)
     mesh = property(lambda self: self.path / self.MESH)
     logs = property(lambda self: self.path / self.LOGS)
+    requeue = property(lambda self: self.path / self.REQUEUE)
+    nccl_trace = property(lambda self: self.path / self.NCCL_TRACE)
     checkpoints = property(lambda self: self.path / self.CHECKPOINTS)
     submitit = property(lambda self: self.path / self.SUBMITIT)
 
@@ -187,6 +214,10 @@ class RunDir:
 
     def read_ledger(self) -> list[dict]:
         return read_jsonl(self.ledger)
+
+    def last_metrics(self) -> dict | None:
+        """The newest metrics line, without reading the whole file."""
+        return read_last_jsonl(self.metrics)
 
     def exists(self) -> bool:
         return self.resolved.is_file()

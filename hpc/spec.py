@@ -118,7 +118,10 @@ class Parallel:
     cpu_offload: bool = field(False, doc="Keep sharded parameters, gradients and optimizer state in host memory.")
     activation_checkpointing: bool = field(False, doc="Recompute each block's activations in backward.")
     compile: bool = field(False, doc="torch.compile each block.")
-    timeout_s: int = field(600, doc="Collective and rendezvous timeout in seconds.", minimum=1)
+    timeout_s: int = field(600, doc="Collective and rendezvous timeout in seconds while starting, resuming "
+                           "and saving.", minimum=1)
+    step_timeout_s: int = field(120, doc="Collective timeout once every rank finished its first step (at most "
+                                "`timeout_s`): a rank that hangs mid-run is noticed this fast.", minimum=1)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Submission and following: the I/O edge around the pure render.
 
 ``submit`` creates the run folder, writes the spec, the resolved plan and the
-rendered script, and hands ``TrainTask(run_dir)`` to submitit: ``AutoExecutor``
-for Slurm sites, the local executor for ``local``.
+rendered script, and hands ``TrainTask(run_dir)`` to the site's scheduler
+(``hpc.schedulers``: submitit's Slurm or local executor). ``status``/``cancel``
+need none of the spec machinery, so it is imported only to submit.
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ from pathlib import Path
 
 from hpc import roots, runs, schedulers
 from hpc.config import ConfigError
-from hpc.schedulers.base import read_result, result_path
-from hpc.resolve import Launch, resolved_document
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.errors import UserError
+from hpc.schedulers.base import QUERY_TIMEOUT_S, read_result, result_path
 from hpc.validate import expand_run_root
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.resolve import Launch
+    from hpc.site import SiteProfile
+    from hpc.spec import JobSpec
 
 
 @dataclass
@@ -62,7 +66,7 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
                                "submitted and the folder was removed"]) from None
         job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), TrainTask(str(run_dir)), run_dir)
         try:
-            record_job(rd, job, site)
+            record_job(rd, job, site, sched)
         except OSError as exc:
             job.cancel(check=False)
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -78,6 +82,8 @@ def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.R
         shutil.copyfile(spec_path, rd.spec)
     except FileNotFoundError:
         pass  # the spec was deleted since it was read: resolved.json has it all
+    from hpc.resolve import resolved_document
+
     doc = resolved_document(spec, site, launch, str(rd.path))
     doc["overrides"] = list(overrides)
     runs.write_json(rd.resolved, doc)
@@ -85,10 +91,11 @@ def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.R
     runs.write_atomic(rd.render, text)
 
 
-def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile) -> None:
-    """job.json and the first state line: what status, logs and cancel find the job by."""
+def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile, sched: schedulers.Scheduler) -> None:
+    """job.json and the first state line: what status, logs and cancel find the job by (with what the
+    scheduler records to recognise its job later, e.g. the local controller's identity)."""
     info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
-            "submitted_at": time.time(), "python": sys.executable}
+            "submitted_at": time.time(), "python": sys.executable, **sched.job_record(str(job.job_id))}
     runs.write_json(rd.job, info)
     runs.append_jsonl(rd.states, {"state": "SUBMITTED", "time": time.time()})
 
@@ -118,14 +125,15 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
         raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None
 
 
-def job_state(run_dir: Path) -> schedulers.JobState:
+def job_state(run_dir: Path, timeout: float = QUERY_TIMEOUT_S) -> schedulers.JobState:
     """The scheduler's current state; records it in states.jsonl when it changed."""
-    return job_states([run_dir])[run_dir]
+    return job_states([run_dir], timeout)[run_dir]
 
 
-def job_states(run_dirs: tp.Sequence[Path]) -> dict[Path, schedulers.JobState]:
-    """The current state of each run, asking each scheduler once for all of its runs; a state that
-    changed is recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
+def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> dict[Path, schedulers.JobState]:
+    """The current state of each run, asking each scheduler once for all of its runs (within
+    ``timeout`` seconds; UNKNOWN with the reason when it does not answer); a state that changed is
+    recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
     out: dict[Path, schedulers.JobState] = {}
     asked: dict[str, dict[str, Path]] = {}
     for run_dir in run_dirs:
@@ -137,7 +145,7 @@ def job_states(run_dirs: tp.Sequence[Path]) -> dict[Path, schedulers.JobState]:
         else:
             asked.setdefault(info["scheduler"], {})[str(info["job_id"])] = run_dir
     for kind, jobs in asked.items():
-        for job_id, state in schedulers.get(kind).states(jobs).items():
+        for job_id, state in schedulers.get(kind).states(jobs, timeout).items():
             out[jobs[job_id]] = state
             _record(jobs[job_id], state)
     return out
@@ -155,15 +163,16 @@ def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str
     rd = runs.RunDir(run_dir)
     info = rd.read_job()
     state = state or job_state(run_dir)
-    metrics, ledger = rd.read_metrics(), rd.read_ledger()
+    ledger = rd.read_ledger()
     launch = rd.read_resolved().get("launch", {})
     starts = [e for e in ledger if e.get("event") == "start"]
-    last = metrics[-1] if metrics else {}
+    last = rd.last_metrics() or {}
     return {
         "run_dir": str(run_dir),
         "job_id": info.get("job_id"),
         "scheduler": info.get("scheduler"),
         "state": state.state,
+        "state_words": state.words,
         "nodes": state.nodes,
         "states": [s["state"] for s in rd.read_states()],
         "step": last.get("step"),
@@ -208,8 +217,22 @@ def wait(run_dir: Path, on_poll: tp.Callable[[dict], None], poll_s: float = 2.0,
         time.sleep(poll_s)
 
 
-def cancel(run_dir: Path) -> bool:
-    info = runs.RunDir(run_dir).read_job()
+def cancel(run_dir: Path) -> str:
+    """Cancel the run's job: its ranks get SIGTERM and stop at the next step boundary, writing the
+    ledger's stop line and no new checkpoint. What was done, for people; UserError when there is
+    nothing to cancel (never submitted, already ended) or the scheduler refused."""
+    rd = runs.RunDir(run_dir)
+    info = rd.read_job()
     if not info:
-        return False
-    return schedulers.get(info["scheduler"]).cancel(str(info["job_id"]), run_dir)
+        raise UserError([f"{run_dir}: no job.json: this run was never submitted"])
+    state = job_state(run_dir)
+    job = f"job {info['job_id']}"
+    if state.done:
+        step = (rd.last_metrics() or {}).get("step")
+        at = f" at step {step}" if step is not None else ""
+        raise UserError([f"{rd.name}: {job} already ended ({state.state}{at}): nothing to cancel"])
+    if not schedulers.get(info["scheduler"]).cancel(str(info["job_id"]), run_dir):
+        after = job_state(run_dir).state
+        raise UserError([f"{rd.name}: {job} could not be cancelled (the scheduler refused; it is {after} now)"])
+    return (f"cancelled {rd.name} ({job}, was {state.state}): its ranks stop at their next step boundary "
+            "without saving")

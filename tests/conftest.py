@@ -33,3 +33,17 @@ def run_root(tmp_path: Path) -> Path:
     root = tmp_path / "runs"
     root.mkdir()
     return root
+
+
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests skip cleanly where CUDA is absent (torch is imported only if such tests were collected)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)

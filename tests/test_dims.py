@@ -37,9 +37,10 @@ IDS = [f"{c[0]}-{c[1]}-{c[2]}x{c[3]}" + (f"-shard{c[4]}" if c[4] else "") for c 
 
 
 def _spec(strategy: str, sharding: str, nodes: int, tpn: int, shard_size: int):
+    micro = 8 if strategy == "dp" else 1  # dp splits each micro batch over the node's 8 GPUs
     return spec_from_dict({"job": {"nodes": nodes, "tasks_per_node": tpn},
                            "parallel": {"strategy": strategy, "sharding": sharding, "shard_size": shard_size},
-                           "train": {"global_batch": nodes * tpn * 2}}, "dims.toml")
+                           "train": {"global_batch": nodes * tpn * 2 * micro, "micro_batch": micro}}, "dims.toml")
 
 
 @pytest.mark.parametrize("strategy,sharding,nodes,tpn,shard_size,expected", CASES, ids=IDS)
@@ -156,3 +157,24 @@ def test_checkpoint_inference_of_meshes():
     assert dims_from_mesh(("dp_shard",), (4,), ddp=False) == ParallelDims("fsdp", "full_shard", 1, 4)
     assert dims_from_mesh(None, (4,), ddp=True) == ParallelDims("ddp", "full_shard", 4, 1)
     assert dims_from_mesh(None, (), ddp=False) == ParallelDims("none", "full_shard", 1, 1)
+
+
+@pytest.mark.parametrize("site_name,strategy,tasks,gpus,directive", [
+    ("dgx-h100", "dp", 1, 8, "#SBATCH --gpus-per-node=8"),  # one process drives the node's 8 GPUs
+    ("pcie-4gpu", "dp", 1, 4, "#SBATCH --gres=gpu:4"),
+    ("dgx-h100", "none", 1, 1, "#SBATCH --gpus-per-node=1"),  # one process, one GPU
+    ("dgx-h100", "ddp", 8, 8, "#SBATCH --gpus-per-node=8"),  # one process per GPU
+    ("local", "dp", 1, 0, None),
+    ("sandbox", "none", 1, 0, None),
+])
+def test_one_process_strategies_take_one_task_per_node(site_name, strategy, tasks, gpus, directive):
+    from hpc.render import render
+
+    site = load_site(site_name)
+    spec = spec_from_dict({"parallel": {"strategy": strategy}, "train": {"global_batch": 64, "micro_batch": 8}})
+    launch = resolve(spec, site)
+    assert (launch.tasks_per_node, launch.gpus_per_node, launch.world_size) == (tasks, gpus, tasks)
+    assert choose(spec, site, 1)[0] == launch.dims
+    script = render(spec, site, launch, "/runs/RUN", "/venv/bin/python")
+    if directive:
+        assert directive in script and f"#SBATCH --ntasks-per-node={tasks}" in script

@@ -402,7 +402,7 @@ def test_slurm_parameters_pass_bounds_through(tmp_path: Path):
     site = load_site(str(site_with(tmp_path, "")))
     spec = load_spec(JOB, ["job.nodes=1", f"job.time_limit_min={validate.SLURM_TIME_MAX_MIN}",
                            f"job.signal_lead_s={validate.SLURM_SIGNAL_MAX}"])
-    params = slurm_parameters(spec, site, resolve(spec, site))
+    params = slurm_parameters(spec, site, resolve(spec, site), str(tmp_path / "run"), "/venv/bin/python")
     assert (params["time"], params["signal_delay_s"]) == (35_791_393, 65_535)
 
 

@@ -119,3 +119,49 @@ def test_every_package_is_listed_in_pyproject():
     found = {".".join(p.parent.relative_to(REPO).parts) for top in ("hpc", "trainer")
              for p in (REPO / top).rglob("__init__.py")}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def module_level_imports(path: Path) -> set[str]:
+    """Top-level package names imported at module level (not inside functions: those are lazy)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_every_module_level_import_is_a_declared_dependency():
+    """A clean `pip install .` can start the trainer and the CLI: what hpc/ and trainer/ import at module
+    level is the standard library, hpcx itself, or in [project] dependencies (numpy was only in `test`)."""
+    import importlib.metadata
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    declared = {re.split(r"[<>=!~;\[ ]", d, 1)[0].lower()
+                for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]}
+    providers = importlib.metadata.packages_distributions()
+    missing = {}
+    for path in [*REPO.glob("hpc/**/*.py"), *REPO.glob("trainer/*.py")]:
+        for name in module_level_imports(path) - set(sys.stdlib_module_names) - {"hpc", "trainer", "__future__"}:
+            dists = {d.lower() for d in providers.get(name, [name])}
+            if not dists & declared:
+                missing.setdefault(name, []).append(str(path.relative_to(REPO)))
+    assert not missing, f"imported at module level but not in [project] dependencies: {missing}"
+    assert "numpy" in declared and "submitit" in declared
+
+
+def test_bundled_gpu_sites_never_pin_one_interface_name():
+    """NCCL_SOCKET_IFNAME=eth0 fails bootstrap on hosts whose Ethernet is ens*/enp*: bundled profiles
+    exclude (^lo,docker) instead of naming an interface."""
+    from hpc.site import load_site
+
+    for name in BUNDLED:
+        value = load_site(name).nccl.get("NCCL_SOCKET_IFNAME")
+        assert value is None or value.startswith("^"), f"{name}: NCCL_SOCKET_IFNAME={value!r}"

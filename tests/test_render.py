@@ -9,6 +9,7 @@ then read the diff (`git diff tests/goldens`) before committing it.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpc.config import ConfigError
+from hpc.errors import UserError
 from hpc.render import render, render_summary
 from hpc.schedulers.slurm import slurm_parameters
 from hpc.resolve import resolve
@@ -86,5 +88,109 @@ def test_gpu_directives():
     spec = load_spec(REPO / "jobs/gpt-1.3b-fsdp.toml")
     for site_name, key, value in (("dgx-h100", "gpus_per_node", 8), ("pcie-4gpu", "gres", "gpu:4")):
         site = load_site(site_name)
-        params = slurm_parameters(spec, site, resolve(spec, site))
+        params = slurm_parameters(spec, site, resolve(spec, site), RUN_DIR, PYTHON)
         assert params[key] == value
+
+
+# ---------------------------------------------------------------- failing like a cluster does
+
+
+def sandbox_script(*sets: str, run_dir: str = RUN_DIR, python: str = PYTHON) -> str:
+    spec = load_spec(REPO / "jobs/tiny-hsdp-2node.toml", list(sets))
+    site = load_site("sandbox")
+    return render(spec, site, resolve(spec, site), run_dir, python)
+
+
+def command_lines(script: str) -> list[str]:
+    """Lines bash runs (comments and #SBATCH lines out)."""
+    return [line for line in script.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_srun_kills_every_task_when_one_fails():
+    srun = next(line for line in sandbox_script().splitlines() if line.startswith("srun "))
+    words = shlex.split(srun)
+    assert "--kill-on-bad-exit=1" in words
+    assert words.index("--kill-on-bad-exit=1") < words.index("/bin/sh")  # an srun option, not the task's
+
+
+def test_usr2_is_trapped_before_srun_and_in_each_task():
+    lines = command_lines(sandbox_script())
+    trap = next(i for i, line in enumerate(lines) if shlex.split(line, comments=True) == ["trap", "", "USR2"])
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert trap < srun
+    task = shlex.split(lines[srun])[shlex.split(lines[srun]).index("/bin/sh"):]
+    assert task[:2] == ["/bin/sh", "-c"] and task[3] == "hpcx-task"
+    assert task[2].startswith('trap "" USR2; ') and "exec env --block-signal=USR2 --block-signal=TERM" in task[2]
+    assert task[4:] == [PYTHON, "-u", "-m", "trainer.entry", f"{RUN_DIR}/submitit"]
+
+
+def test_the_check_after_srun_gets_srun_status_and_the_run_folder():
+    odd = "/runs/it's a run"
+    lines = command_lines(sandbox_script(run_dir=odd))
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert lines[srun + 1].startswith("hpcx_srun_status=$?")  # nothing in between changes $?
+    check = shlex.split(lines[srun + 2], comments=True)
+    assert check[:2] == ["[", "$hpcx_srun_status"] and check[-5:] == [PYTHON, "-m", "hpc.requeue", odd,
+                                                                       "$hpcx_srun_status"]
+    assert lines[-1] == 'exit "$hpcx_srun_status"'
+    assert "export HPCX_REQUEUE_CHECK=after-srun" in "\n".join(lines)
+
+
+def test_the_script_runs_the_check_only_when_srun_failed(tmp_path: Path):
+    """The rendered teardown, run by bash with srun and python replaced by stand-ins."""
+    import subprocess
+
+    fake_python = tmp_path / "python"
+    fake_python.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path}/check-ran\n")
+    fake_python.chmod(0o755)
+    script = sandbox_script(python=str(fake_python))
+    body = script.split("# command\n", 1)[1]
+    for status in (0, 137):
+        (tmp_path / "check-ran").unlink(missing_ok=True)
+        srun = next(line for line in body.splitlines() if line.startswith("srun "))
+        runnable = body.replace(srun, f"(exit {status})")
+        out = subprocess.run(["bash", "-c", runnable], capture_output=True, text=True, timeout=30)
+        assert out.returncode == status
+        ran = (tmp_path / "check-ran").read_text().split() if (tmp_path / "check-ran").exists() else None
+        assert ran == (None if status == 0 else ["-m", "hpc.requeue", RUN_DIR, "137"])
+
+
+@pytest.mark.parametrize("job,site_name", [("tiny-hsdp-2node", "sandbox"), ("tiny-ddp", "local")])
+def test_executors_submit_exactly_what_render_shows(tmp_path: Path, job: str, site_name: str):
+    """The executors' task command (submitit's private ``_submitit_command_str``) and script text."""
+    import sys
+
+    from hpc import schedulers
+
+    spec, site = load_spec(REPO / f"jobs/{job}.toml"), load_site(site_name)
+    launch = resolve(spec, site)
+    sched = schedulers.get(site.scheduler.kind)
+    executor = sched.executor(spec, site, launch, tmp_path / "submitit")
+    shown = sched.render(spec, site, launch, str(tmp_path), sys.executable)
+    assert executor._submitit_command_str.endswith(f"-m trainer.entry {tmp_path}/submitit")
+    if site_name == "sandbox":
+        assert executor._make_submission_file_text(executor._submitit_command_str, "uid") == shown
+    else:
+        assert json.loads(shown)["command"] == executor._submitit_command_str
+
+
+def test_local_gpu_site_hands_its_gpus_to_the_tasks(monkeypatch):
+    from hpc.schedulers.local import local_parameters
+    from hpc.site import parse_site
+
+    site = parse_site({"scheduler": {"kind": "local", "gpu_directive": "none"},
+                       "node": {"gpus": 2, "gpu_memory_gb": 24, "cpus": 8, "intra_link": "pcie"}}, "ws", "<ws>")
+    spec = load_spec(REPO / "jobs/tiny-ddp.toml")
+    launch = resolve(spec, site)
+    assert launch.gpus_per_node == 2 and launch.tasks_per_node == 2 and launch.backend == "nccl"
+    assert local_parameters(spec, launch) == {"tasks_per_node": 2, "timeout_min": 20, "signal_delay_s": 120,
+                                              "gpus_per_node": 2}
+    assert local_parameters(spec, launch, "3,5,6")["visible_gpus"] == [3, 5, 6]
+    for bad, words in (("GPU-1a2b,GPU-3c4d", "by index"), ("", "leaves 0 GPU"), ("7", "leaves 1 GPU")):
+        with pytest.raises(UserError, match=words):
+            local_parameters(spec, launch, bad)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    shown = json.loads(render(spec, site, launch, RUN_DIR, PYTHON))
+    assert shown["gpus_per_node"] == 2  # submitit would export CUDA_VISIBLE_DEVICES="" without it
+    cpu = load_site("local")
+    assert "gpus_per_node" not in local_parameters(spec, resolve(spec, cpu))

@@ -1,17 +1,24 @@
-"""Distributed setup and teardown, from submitit/Slurm, torchrun, or nothing.
+"""Distributed setup and teardown, from submitit/Slurm, torchrun, a plain srun, or nothing.
 
-Order inside a rank: ``detect_rank_env`` → ``apply_job_env`` → ``init_distributed``
-(our own store rendezvous that names missing ranks, then the process group,
-then an all-reduce of 1 that every rank logs) → … → ``shutdown``.
+Order inside a rank: ``detect_rank_env`` → ``apply_job_env`` → ``device_for`` (and, on NCCL,
+``apply_nccl_trace``) → ``init_distributed`` (our own store rendezvous that names missing ranks, then
+the process group, then an all-reduce of 1 that every rank logs) → … → ``shutdown``.
+
+After the first step ``CollectiveTimeouts`` shortens the collective timeout from ``parallel.timeout_s``
+(start-up: compiling, loading, a slow rank arriving) to ``parallel.step_timeout_s``, and lengthens it
+again around checkpoint saves; a collective that times out on NCCL leaves the flight recorder's dump
+in ``RUN/nccl-trace/``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import socket
 import time
+import typing as tp
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +44,7 @@ class RankEnv:
     master_port: int
     hostname: str = field(default_factory=socket.gethostname)
     local_world_size: int = 1
-    launcher: str = "single"  # "submitit", "torchrun" or "single"
+    launcher: str = "single"  # "submitit", "torchrun", "srun" or "single"
     agent_store: bool = False  # torchrun's agent already hosts the TCPStore at master_port
 
     @property
@@ -52,12 +59,44 @@ def rendezvous_port(job_id: str) -> int:
 
 
 def detect_rank_env() -> RankEnv:
-    """submitit (``SUBMITIT_EXECUTOR`` set), else torchrun's variables, else one process."""
+    """submitit (``SUBMITIT_EXECUTOR`` set), else torchrun's variables, else a task of a plain srun
+    (Slurm's step variables), else one process. The batch step of a Slurm job (no ``SLURM_STEP_ID``)
+    is one process: it has ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS`` but no other tasks."""
     if os.environ.get("SUBMITIT_EXECUTOR"):
         return _submitit_env()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _torchrun_env()
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        return srun_env(os.environ)
     return RankEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=0)
+
+
+SRUN_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST",
+                  "SLURM_STEP_TASKS_PER_NODE", "SLURM_JOB_ID")
+
+
+def srun_env(env: tp.Mapping[str, str]) -> RankEnv:
+    """A task of ``srun python -m trainer RUN``: rank, local rank and world from the step's variables,
+    rank 0's host from the step's node list (``MASTER_ADDR``/``MASTER_PORT`` win when set). Raises
+    RuntimeError naming what is missing or malformed rather than guessing rank 0 of 1."""
+    from hpc.schedulers.slurm import expand_hostlist, tasks_on_node
+
+    missing = [name for name in SRUN_VARIABLES if not env.get(name)]
+    if missing:
+        raise RuntimeError(f"started by srun (SLURM_STEP_ID is set) without {', '.join(missing)}: cannot tell this "
+                           "task's rank; run it through `hpcx submit`, torchrun, or a Slurm that sets them")
+    try:
+        hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
+        local_world = tasks_on_node(env["SLURM_STEP_TASKS_PER_NODE"], int(env["SLURM_NODEID"]))
+        rank, local_rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_STEP_NUM_TASKS"])
+    except ValueError as exc:
+        raise RuntimeError(f"srun task: Slurm's step variables do not parse: {exc}") from None
+    if not (0 <= rank < world and 0 <= local_rank < local_world and hosts):
+        raise RuntimeError(f"srun task: SLURM_PROCID={rank}, SLURM_LOCALID={local_rank} do not fit "
+                           f"SLURM_STEP_NUM_TASKS={world} and {local_world} tasks on this node")
+    port = rendezvous_port(env["SLURM_JOB_ID"] + env.get("SLURM_STEP_ID", ""))
+    return RankEnv(rank=rank, local_rank=local_rank, world_size=world, master_addr=env.get("MASTER_ADDR", hosts[0]),
+                   master_port=int(env.get("MASTER_PORT", port)), local_world_size=local_world, launcher="srun")
 
 
 def _submitit_env() -> RankEnv:
@@ -86,14 +125,49 @@ def apply_job_env(nccl: dict[str, str], env_set: dict[str, str]) -> None:
     os.environ.update(env_set)
 
 
-def device_for(backend: str, local_rank: int) -> torch.device:
-    """cuda:LOCAL_RANK under NCCL, the CPU under gloo."""
+def gpu_index(local_rank: int, local_world: int, visible: int) -> int:
+    """Which visible GPU a rank drives: the only one when one is visible (Slurm bound one to each task:
+    ``--gpus-per-task``, ``--gpu-bind``, or a one-GPU machine), else the one at its local rank when every
+    local rank has its own; ValueError with the numbers otherwise."""
+    if visible == 1:
+        return 0
+    if visible >= local_world and 0 <= local_rank < visible:
+        return local_rank
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
+    raise ValueError(f"local rank {local_rank} of {local_world} tasks on {socket.gethostname()} sees {visible} "
+                     f"GPU(s){where}: expected 1 (a GPU bound to each task) or at least {local_world} (one each)")
+
+
+def device_for(backend: str, local_rank: int, local_world: int = 1) -> torch.device:
+    """The GPU of ``gpu_index`` under NCCL (made current), the CPU under gloo."""
     if backend != "nccl":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise RuntimeError("the site has GPUs (backend nccl) but CUDA is not available in this process")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hidden = f" (CUDA_VISIBLE_DEVICES={shown!r} hides them)" if shown is not None and not shown.strip() else ""
+        raise RuntimeError(f"the site has GPUs (backend nccl) but CUDA sees none in this process{hidden}")
+    index = gpu_index(local_rank, local_world, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+# The NCCL flight recorder: the last collectives of each rank, dumped when one times out.
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def nccl_trace_env(run_dir: str | Path) -> dict[str, str]:
+    """Variables that make a timed-out NCCL collective leave ``RUN/nccl-trace/rank-R`` (the flight
+    recorder's dump; torch reads the file prefix under both its old and its new name)."""
+    prefix = str(runs.RunDir(run_dir).nccl_trace / "rank-")
+    return {**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
+
+
+def apply_nccl_trace(run_dir: str | Path) -> None:
+    """Set ``nccl_trace_env`` before the NCCL process group exists (a value the user exported wins)."""
+    runs.RunDir(run_dir).nccl_trace.mkdir(exist_ok=True)
+    for name, value in nccl_trace_env(run_dir).items():
+        os.environ.setdefault(name, value)
 
 
 def init_distributed(env: RankEnv, backend: str, timeout_s: int) -> list[str]:
@@ -174,18 +248,72 @@ def monitored_barrier(timeout_s: int) -> None:
     """A barrier that names absent ranks instead of hanging (gloo; on NCCL a gloo side group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    group = None if dist.get_backend() == "gloo" else _gloo_group()
+    group = None if dist.get_backend() == "gloo" else side_group()
     dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
 _GLOO_GROUP = None
 
 
-def _gloo_group():
+def side_group() -> dist.ProcessGroup:
+    """A gloo group over all ranks, beside the training group: CPU collectives that never wait for the
+    GPU (the step-boundary vote, the teardown barrier). Created collectively on first use."""
     global _GLOO_GROUP
     if _GLOO_GROUP is None:
         _GLOO_GROUP = dist.new_group(backend="gloo")
     return _GLOO_GROUP
+
+
+def process_groups(model: torch.nn.Module) -> list[dist.ProcessGroup]:
+    """The groups training collectives run on: the default group, the side group, and the device-mesh
+    groups of the model's sharded (DTensor) parameters."""
+    from torch.distributed.tensor import DTensor
+
+    groups = [dist.group.WORLD, side_group()]
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if param is not None:
+        groups += param.device_mesh.get_all_groups()
+    return list({id(g): g for g in groups}.values())
+
+
+def set_timeout(groups: tp.Iterable[dist.ProcessGroup], seconds: float) -> None:
+    """The timeout of collectives issued from now on in ``groups``. torch has no public switch for an
+    existing group: this is its ``_set_pg_timeout`` (tests/trainer/test_launch.py fails if it changes)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in groups:
+        _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+class CollectiveTimeouts:
+    """``long_s`` (``parallel.timeout_s``) for start-up, resume and saves; ``short_s``
+    (``parallel.step_timeout_s``) once every rank finished its first step, so that a rank that hangs
+    mid-run is noticed in minutes. Collective: call ``shorten`` on every rank at the same boundary."""
+
+    def __init__(self, long_s: float, short_s: float) -> None:
+        self.long_s, self.short_s = long_s, min(short_s, long_s)
+        self.groups: list[dist.ProcessGroup] = []
+
+    def shorten(self, model: torch.nn.Module) -> None:
+        """After the first step: wait for every rank (under the long timeout), then shorten."""
+        if self.groups or not dist.is_initialized() or dist.get_world_size() == 1 or self.short_s >= self.long_s:
+            return
+        dist.monitored_barrier(side_group(), timeout=timedelta(seconds=self.long_s), wait_all_ranks=True)
+        self.groups = process_groups(model)
+        set_timeout(self.groups, self.short_s)
+        log.info("collective timeout %g s from now on (%g s around saves)", self.short_s, self.long_s)
+
+    @contextlib.contextmanager
+    def lengthened(self) -> tp.Iterator[None]:
+        """The long timeout for a block of work (a checkpoint save: ranks wait on the slowest writer)."""
+        if not self.groups:
+            yield
+            return
+        set_timeout(self.groups, self.long_s)
+        try:
+            yield
+        finally:
+            set_timeout(self.groups, self.short_s)
 
 
 def shutdown(timeout_s: int) -> None:

@@ -1,27 +1,33 @@
-"""Checkpoints at step boundaries, preemption, requeue and the goodput ledger.
+"""Checkpoints at step boundaries, preemption, cancel, requeue and the goodput ledger.
 
 The loop calls two seams (``train.resume`` once, ``loop.step_boundary`` after every optimizer
 step); both delegate here when ``run_rank`` attached a ``Resilience`` to the trainer.
 
 - Resume: rank 0 picks the newest committed checkpoint and broadcasts its step; every rank loads it
-  (model, optimizer, scheduler, train state, its own RNG states).
-- Step boundary: one all-reduce (MAX) of ``[preemption flag, rank 0's "minutes elapsed" vote]``, so
-  every rank takes the same decision from rank 0's clock. Then, on every rank alike: save every
-  ``interval_steps`` / ``interval_minutes``, at the last step (unless this step is already saved),
-  and when preemption was agreed, after which the loop stops.
+  (model, optimizer, scheduler, train state, its own RNG states). Rank 0 writes the ledger's start
+  line and records RUNNING (and a requeue the scheduler made on its own) in ``states.jsonl``.
+- Step boundary: the ranks agree on ``[preemption flag, SIGTERM seen, rank 0's "minutes elapsed"]``
+  through a ``BoundaryVote`` (a MAX all-reduce on a gloo side group, sent at one boundary and read at
+  the next: no GPU sync; a signal is acted on at most one step later). Then, on every rank alike: after
+  SIGTERM (a cancel), stop without saving; else save every ``interval_steps`` / ``interval_minutes``,
+  at the last step (unless this step is already saved), and when preemption was agreed, after which
+  the loop stops. After the first step the collective timeout is shortened (``CollectiveTimeouts``;
+  saves keep the long one).
 - Stop (after the process group is down): rank 0 writes the ledger's stop line and, after a
-  preemption, requeues exactly once through the scheduler that started the job
-  (``hpc.schedulers``: ``scontrol requeue`` on Slurm, exit status 144 under submitit's local
-  controller), nothing under torchrun or one process (run the same command again to resume).
-- Failure: rank 0 records it and requeues once more unless the previous stop was a failure at the
-  same step (no progress), the requeue budget is spent, or the job is being cancelled (SIGTERM was
-  seen: the stop is then recorded as ``terminated``; or Slurm no longer says RUNNING).
+  preemption, takes the incarnation's one requeue (``hpc.requeue``): ``scontrol requeue`` on Slurm,
+  exit status 144 under submitit's local controller, nothing under torchrun or one process (run the
+  same command again to resume).
+- Failure: every rank that failed on its own (not as the echo of another's SIGTERM) reports it in
+  ``RUN/requeue/``. Where the batch script's check after srun decides (Slurm), that is all: it writes
+  the stop line and requeues. Elsewhere rank 0 records the failure and requeues unless the previous
+  stop was a failure at the same step (no progress), the budget is spent, or SIGTERM was seen.
 
-``RUN/ledger.jsonl`` (rank 0): one ``start`` and one ``stop`` line per incarnation of the job.
+``RUN/ledger.jsonl``: one ``start`` and one ``stop`` line per incarnation of the job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -32,16 +38,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hpc import requeue as policy_
 from hpc import runs, schedulers
+from hpc.requeue import requeue_verdict
 from hpc.schedulers.base import JobSide
 from hpc.schedulers.local import process_start_time, wait_since_last_stop
 from hpc.spec import Checkpoint
 from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir,
                                 wait_pending)
-from trainer.preemption import PreemptionFlag
+from trainer.dist import CollectiveTimeouts
+from trainer.preemption import BoundaryVote, PreemptionFlag
 
 log = logging.getLogger("hpcx.trainer")
-
+SIGTERM_NOT_REQUEUED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
 
 
 @dataclass
@@ -55,19 +64,23 @@ class Resilience:
     rank: int
     preemption: PreemptionFlag | None = None
     side: JobSide | None = None  # the scheduler that started this job (None: nobody can requeue it)
+    timeouts: CollectiveTimeouts | None = None
     step: int = 0  # the last completed step (what a failure is reported at)
+    restart: int = 0  # earlier starts in the ledger (this incarnation's number)
     last_saved_step: int | None = None
     last_save_clock: float = field(default_factory=time.monotonic)  # rank 0's clock decides
     save_s: float = 0.0
     saves: int = 0
-    reason: str | None = None  # completed | preempted, once the loop has stopped
+    reason: str | None = None  # completed | preempted | terminated, once the loop has stopped
+    vote: BoundaryVote = field(default_factory=BoundaryVote)
+    boundaries: int = 0  # step boundaries seen by this incarnation
 
     # ------------------------------------------------------------ resume
 
     def resume(self, t: tp.Any, state: tp.Any) -> tp.Any:
         """Load the newest committed checkpoint into ``t`` and ``state`` (collective); write the start line."""
         tic = time.perf_counter()
-        path = self._agreed_checkpoint(t.device) if self.policy.resume else None
+        path = self._agreed_start(t.device)
         if path is not None:
             loaded = load_checkpoint(path, t.model, t.optimizer, t.scheduler)
             state.load_state_dict(loaded)
@@ -81,34 +94,48 @@ class Resilience:
             log.warning("checkpoint.resume = false: starting over although %s holds checkpoints", self.run_dir)
         self.step = state.step
         if self.rank == 0:
-            runs.append_jsonl(runs.RunDir(self.run_dir).ledger, start_line(self.run_dir, state.step, path,
-                                                                time.perf_counter() - tic, self.side))
+            line = start_line(self.run_dir, state.step, path, time.perf_counter() - tic, self.side)
+            runs.append_jsonl(runs.RunDir(self.run_dir).ledger, line)
+            record_start(self.run_dir, self.side)
         self.last_save_clock = time.monotonic()
         return state
 
-    def _agreed_checkpoint(self, device: torch.device) -> Path | None:
-        """Rank 0's choice of the newest committed checkpoint, broadcast as a step number."""
-        path = latest_checkpoint(self.run_dir) if self.rank == 0 else None
+    def _agreed_start(self, device: torch.device) -> Path | None:
+        """Rank 0's choice of the newest committed checkpoint (when ``checkpoint.resume``) and this
+        incarnation's number (the ledger's earlier starts), broadcast together."""
+        path, restart = None, 0
         if self.rank == 0:
-            set_aside_untrusted(self.run_dir, path)
-        chosen = torch.tensor([-1 if path is None else int(path.name.split("-")[1])], device=device)
+            path = latest_checkpoint(self.run_dir) if self.policy.resume else None
+            if self.policy.resume:
+                set_aside_untrusted(self.run_dir, path)
+            restart = sum(1 for e in runs.RunDir(self.run_dir).read_ledger() if e.get("event") == "start")
+        chosen = torch.tensor([-1 if path is None else int(path.name.split("-")[1]), restart], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(chosen, src=0)
-        step = int(chosen.item())
+        step, self.restart = (int(v) for v in chosen.tolist())
         return None if step < 0 else step_dir(self.run_dir, step)
 
     # ------------------------------------------------------------ step boundary
 
     def boundary(self, t: tp.Any, state: tp.Any) -> bool:
-        """Save when due; True when the loop must stop (preemption agreed). Collective."""
+        """Save when due; True when the loop must stop (preemption or SIGTERM agreed). Collective."""
         self.step = state.step
-        preempted, minutes_due = self._votes(t.device)
+        self.boundaries += 1
+        if self.boundaries == 1 and self.timeouts is not None:
+            self.timeouts.shorten(t.model)
         final = state.step >= t.steps
+        preempted, terminated, minutes_due = self._votes(last=final)
+        if terminated:
+            self.vote.close()
+            self.reason = "terminated"
+            log.warning("SIGTERM agreed at step %d: stopping without saving (a cancel)", state.step)
+            return True
         every = self.policy.interval_steps
         due = final or preempted or minutes_due or bool(every and state.step % every == 0)
         if due and self.last_saved_step != state.step:
             self._save(t, state)
         if final or preempted:
+            self.vote.close()
             self._timed(wait_pending)  # the stop save must be committed before anyone leaves
             self.reason = "completed" if final else "preempted"
         if preempted and not final:
@@ -116,17 +143,14 @@ class Resilience:
             return True
         return False
 
-    def _votes(self, device: torch.device) -> tuple[bool, bool]:
-        """(preemption requested on any rank, rank 0's clock says a minutes-interval save is due)."""
+    def _votes(self, last: bool = False) -> tuple[bool, bool, bool]:
+        """(preemption requested on any rank, SIGTERM seen on any rank, rank 0's clock says a
+        minutes-interval save is due), as agreed at this boundary (``BoundaryVote``)."""
         minutes = self.policy.interval_minutes
-        if self.preemption is None and not minutes:
-            return False, False
-        mine = [bool(self.preemption and self.preemption.requested),
-                self.rank == 0 and bool(minutes) and time.monotonic() - self.last_save_clock >= 60 * minutes]
-        votes = torch.tensor([int(v) for v in mine], device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        return bool(votes[0].item()), bool(votes[1].item())
+        flags = self.preemption.mine() if self.preemption is not None else [0, 0]
+        due = self.rank == 0 and bool(minutes) and time.monotonic() - self.last_save_clock >= 60 * minutes
+        preempted, terminated, minutes_due = self.vote.exchange([*flags, int(due)], last=last)
+        return bool(preempted), bool(terminated), bool(minutes_due)
 
     def _save(self, t: tp.Any, state: tp.Any) -> None:
         self._timed(lambda: save_checkpoint(self.run_dir, state.step, t.model, t.optimizer, t.scheduler,
@@ -138,7 +162,8 @@ class Resilience:
 
     def _timed(self, work: tp.Callable[[], tp.Any]) -> None:
         tic = time.perf_counter()
-        work()
+        with self.timeouts.lengthened() if self.timeouts is not None else contextlib.nullcontext():
+            work()
         self.save_s += time.perf_counter() - tic
 
     # ------------------------------------------------------------ stop and failure
@@ -150,7 +175,7 @@ class Resilience:
         if self.rank != 0:
             return
         reason = self.reason or "completed"
-        why_not = self._requeue() if reason == "preempted" else None
+        why_not = {"preempted": self._requeue, "terminated": lambda: SIGTERM_NOT_REQUEUED}.get(reason, lambda: None)()
         self._record_stop(reason, why_not)
         if reason != "preempted":
             return
@@ -160,46 +185,59 @@ class Resilience:
             raise RuntimeError(f"preempted at step {self.step} (checkpoint saved) and not requeued: {why_not}")
 
     def failed(self, exc: BaseException) -> None:
-        """On rank 0, from the exception handler of ``run_rank``: record the failure; requeue unless
-        this is a cancel, the budget is spent, or the previous stop failed at the same step."""
-        if self.rank != 0:
+        """From the exception handler of ``run_rank``, on every rank: report the failure (unless it is
+        the echo of a SIGTERM that ended the step); then, where no check after srun decides, rank 0
+        records it and requeues unless this is a cancel, the budget is spent, or there was no progress."""
+        terminated = self.preemption is not None and self.preemption.terminated
+        error = f"{type(exc).__name__}: {exc}"
+        if self.rank == 0 or not terminated:
+            self._report(error, terminated)
+        if self.rank != 0 or (self.side is not None and self.side.decides_failures):
             return
         try:
-            if not isinstance(exc, Exception):  # KeyboardInterrupt (a local cancel), SystemExit
+            if not isinstance(exc, Exception):  # KeyboardInterrupt (Ctrl-C), SystemExit
                 why_not = f"{type(exc).__name__} is a cancel or an exit, not a failure"
             else:
                 why_not = self._requeue(reason="failed")
-            terminated = self.preemption is not None and self.preemption.terminated
-            self._record_stop("terminated" if terminated else "failed", why_not, error=f"{type(exc).__name__}: {exc}")
+            self._record_stop("terminated" if terminated else "failed", why_not, error=error)
         except Exception:  # never mask the original failure
             log.exception("could not record the failure in %s", runs.RunDir.LEDGER)
             return
         if why_not is None:
             self._leave_for_requeue()
 
+    def _report(self, error: str, terminated: bool) -> None:
+        """This rank's failure report for whoever writes the stop line (``hpc.requeue``)."""
+        if self.side is None:
+            return
+        try:
+            policy_.report_failure(self.run_dir, self.side.incarnation(self.restart), self.rank, step=self.step,
+                                   error=error.splitlines()[0][:300] if error else "", terminated=terminated,
+                                   host=os.uname().nodename, save_s=round(self.save_s, 3), saves=self.saves)
+        except OSError as exc:
+            log.warning("could not write the failure report: %s", exc)
+
     def _requeue(self, reason: str = "preempted") -> str | None:
-        """Ask for one requeue; None when granted, else why not."""
+        """Ask for this incarnation's one requeue; None when granted, else why not."""
         if self.preemption is not None and self.preemption.terminated:
-            return "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
+            return SIGTERM_NOT_REQUEUED
         if not self.policy.resume:
             return "checkpoint.resume = false: a restart would start over"
-        why_not = requeue_verdict(runs.RunDir(self.run_dir).read_ledger(), reason, self.step, self.max_requeues)
+        restarts = self.side.restart_count() if self.side is not None else 0
+        why_not = requeue_verdict(runs.RunDir(self.run_dir).read_ledger(), reason, self.step, self.max_requeues,
+                                  restarts)
         if why_not is not None:
             return why_not
         if self.side is None:
             return "no scheduler to requeue (torchrun or one process): run the same command again to resume"
-        return self.side.requeue()
+        return policy_.request(self.side, self.run_dir, self.side.incarnation(self.restart), "rank 0", reason)
 
     def _record_stop(self, reason: str, why_not: str | None, error: str | None = None) -> None:
-        line = {"event": "stop", "time": time.time(), "step": self.step, "reason": reason,
-                "save_s": round(self.save_s, 3), "saves": self.saves,
-                "requeued": why_not is None and reason != "completed",
-                "job_id": self.side.job_id() if self.side else None}
-        if why_not is not None and reason != "completed":
-            line["not_requeued"] = why_not
+        extra = {"error": error.splitlines()[0][:300] if error else ""} if error is not None else {}
+        line = policy_.stop_line(self.step, reason, why_not, self.side, "rank 0", save_s=round(self.save_s, 3),
+                                 saves=self.saves, **extra)
+        if line.get("not_requeued") and reason not in ("completed", "terminated"):
             log.warning("not requeued: %s", why_not)
-        if error is not None:
-            line["error"] = error.splitlines()[0][:300] if error else ""
         runs.append_jsonl(runs.RunDir(self.run_dir).ledger, line)
 
     def _leave_for_requeue(self) -> None:
@@ -209,26 +247,13 @@ class Resilience:
 
 def resilience_for(run: tp.Any, rank: int, preemption: PreemptionFlag | None) -> Resilience:
     """The ``Resilience`` of one rank of ``run`` (a ``trainer.run.Run``)."""
+    parallel = run.spec.parallel
     return Resilience(run_dir=run.run_dir, policy=run.spec.checkpoint, max_requeues=run.spec.job.max_requeues,
-                      seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side())
+                      seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side(),
+                      timeouts=CollectiveTimeouts(parallel.timeout_s, parallel.step_timeout_s))
 
 
-# ---------------------------------------------------------------- pure decisions
-
-
-def requeue_verdict(ledger: list[dict], reason: str, step: int, max_requeues: int) -> str | None:
-    """None when one more requeue is allowed, else why not (``ledger`` as read before this stop's line).
-
-    Restarts are counted from the ledger's start lines (the first start is not a restart). A failure at
-    the same step as the previous stop's failure made no progress and is not requeued again.
-    """
-    restarts = max(0, sum(1 for e in ledger if e.get("event") == "start") - 1)
-    if restarts >= max_requeues:
-        return f"job.max_requeues = {max_requeues} reached ({restarts} restarts so far)"
-    stops = [e for e in ledger if e.get("event") == "stop"]
-    if reason == "failed" and stops and stops[-1].get("reason") == "failed" and stops[-1].get("step") == step:
-        return f"failed twice at step {step} without progress"
-    return None
+# ---------------------------------------------------------------- pure decisions and records
 
 
 def steps_recomputed(ledger: list[dict], metrics_last_step: int | None, resumed_step: int) -> int:
@@ -248,15 +273,25 @@ def steps_recomputed(ledger: list[dict], metrics_last_step: int | None, resumed_
 def start_line(run_dir: Path, step: int, checkpoint: Path | None, restore_s: float, side: JobSide | None) -> dict:
     """The ledger's line for this start (rank 0)."""
     ledger = runs.RunDir(run_dir).read_ledger()
-    metrics = runs.RunDir(run_dir).read_metrics()
+    last = runs.RunDir(run_dir).last_metrics() or {}
     wait, source = side.queue_wait(run_dir, ledger) if side is not None else wait_since_last_stop(run_dir, ledger)
     return {"event": "start", "time": time.time(), "restart": sum(1 for e in ledger if e.get("event") == "start"),
             "step": step, "checkpoint": checkpoint.name if checkpoint else None,
-            "steps_recomputed": steps_recomputed(ledger, metrics[-1].get("step") if metrics else None, step),
+            "steps_recomputed": steps_recomputed(ledger, last.get("step"), step),
             "restore_s": round(restore_s, 3), "queue_wait_s": None if wait is None else round(wait, 3),
             "queue_wait_source": source, "startup_s": round(time.time() - process_start_time(), 3),
             "job_id": side.job_id() if side else None,
             "slurm_restart_count": side.restart_count() if side else 0}
+
+
+def record_start(run_dir: Path, side: JobSide | None) -> None:
+    """RUNNING in ``states.jsonl`` at each start, so the history holds every incarnation whoever polled;
+    a requeue the scheduler made on its own (node failure, an admin) shows as REQUEUED before it."""
+    states = [s.get("state") for s in runs.RunDir(run_dir).read_states()]
+    restarts = side.restart_count() if side is not None else 0
+    if restarts > states.count("REQUEUED"):
+        policy_.record_state(run_dir, "REQUEUED", by="scheduler", restart=restarts)
+    policy_.record_state(run_dir, "RUNNING", restart=restarts, job_id=side.job_id() if side else None)
 
 
 def set_aside_untrusted(run_dir: Path, chosen: Path | None) -> None:

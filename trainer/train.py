@@ -18,8 +18,8 @@ from hpc.dims import ParallelDims, parallel_dims
 from hpc.models import model_facts
 from hpc.resolve import Launch
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
-from trainer.dist import (RankEnv, apply_job_env, check_world, detect_rank_env, device_for, init_distributed,
-                          init_single, shutdown, write_mesh, write_world)
+from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
+                          init_distributed, init_single, shutdown, write_mesh, write_world)
 from trainer.loop import Trainer, TrainState, train
 from trainer.metrics import MetricsWriter, flush_logging, setup_logging
 from trainer.model import build_model, model_blocks
@@ -77,7 +77,9 @@ def set_cpu_threads(launch: Launch) -> None:
 def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
     """Pick the device, start the process group (when needed), all-reduce a 1; rank 0 writes world.json."""
     backend = launch.backend
-    device = device_for(backend, env.local_rank)
+    device = device_for(backend, env.local_rank, env.local_world_size)
+    if backend == "nccl":
+        apply_nccl_trace(run.run_dir)
     if env.world_size > 1:
         hosts = init_distributed(env, backend, run.spec.parallel.timeout_s)
     elif launch.dims.needs_process_group:

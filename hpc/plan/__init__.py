@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpc.config import ConfigError
-from hpc.dims import ParallelDims, parallel_dims
+from hpc.dims import ParallelDims, parallel_dims, tasks_per_node
 from hpc.models import ModelFacts, model_facts
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
@@ -62,7 +62,7 @@ class Choice:
 def choose(spec: JobSpec, site: SiteProfile, nodes: int) -> Choice:
     """The spec's explicit strategy (with its cpu_offload), or the plan's choice for ``auto``."""
     p = spec.parallel
-    tpn = spec.job.tasks_per_node or site.default_tasks_per_node()
+    tpn = tasks_per_node(p.strategy, spec.job.tasks_per_node, site.default_tasks_per_node())
     if p.strategy != "auto":
         dims = parallel_dims(p.strategy, p.sharding, nodes * tpn, tpn, p.shard_size)
         return Choice(dims, p.cpu_offload and dims.fsdp_enabled, [f"strategy {p.strategy!r} set in the spec"])

@@ -2,7 +2,8 @@
 
 ``get(kind)`` gives the login side of a site's scheduler (``site.scheduler.kind``); ``job_side()``
 gives the side of whichever scheduler started this process, or None when none did (torchrun, or a
-plain process: nobody can requeue it). Adding a scheduler is adding a module and a line in ``KINDS``.
+plain process: nobody can requeue it). ``hpc.schedulers.executors`` holds submitit's executors with
+hpcx's task command (imported only to submit). Adding a scheduler is adding a module and a line in ``KINDS``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ def get(kind: str) -> Scheduler:
 
 
 def job_side() -> JobSide | None:
-    """The scheduler that started this task (submitit tells: ``SUBMITIT_EXECUTOR``), or None."""
-    executor = os.environ.get("SUBMITIT_EXECUTOR", "")
-    if executor == "slurm" and not os.environ.get("SLURM_JOB_ID"):
+    """The scheduler that started this task: submitit tells (``SUBMITIT_EXECUTOR``); a task of a plain
+    ``srun`` (a Slurm step, no torchrun) is Slurm's too; else None."""
+    env = os.environ
+    executor = env.get("SUBMITIT_EXECUTOR", "")
+    if not executor and env.get("SLURM_STEP_ID") and "RANK" not in env:
+        executor = "slurm"
+    if executor == "slurm" and not env.get("SLURM_JOB_ID"):
         return None
     return _load(executor, 1)() if executor in KINDS else None

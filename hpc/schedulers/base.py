@@ -1,12 +1,16 @@
 """The scheduler interface: what hpcx asks of Slurm, or of this machine, on either side of a submission.
 
 Login side (``Scheduler``): the submitit executor and the exact text ``hpcx render`` shows; the
-state of many jobs in one query; cancel; sending the preemption signal (``hpcx drill``); how often
-the scheduler restarted a job.
+state of many jobs in one bounded query; cancel; sending the preemption signal (``hpcx drill``); how
+often the scheduler restarted a job.
 
 Job side (``JobSide``, inside a running task): this job's id and restart count; asking for the one
-requeue after a preemption save (and leaving the way that scheduler restarts a job); how long this
-incarnation waited in the queue.
+requeue (``hpc.requeue`` makes sure it is one) and leaving the way that scheduler restarts a job; how
+long this incarnation waited in the queue.
+
+Every task runs ``task_command``: the preemption signal and SIGTERM are held from the task's start
+(``env --block-signal``, else the first line of ``trainer.entry``) until the trainer's flag handler
+takes them.
 
 Adding a scheduler (PBS, Kubernetes …) is adding one module beside ``slurm.py`` and ``local.py`` and
 one line in ``hpc.schedulers.KINDS``. Everything here is torch-free; submitit is imported lazily.
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import pickle
+import shlex
 import shutil
 import subprocess
 import typing as tp
@@ -31,6 +36,7 @@ SUBMITIT_DIR = "submitit"  # under the run folder: submitit's pickles and per-ta
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED"}
 QUERY_TIMEOUT_S = 30.0
+UNREACHABLE = "scheduler unreachable"
 
 
 @dataclass
@@ -43,6 +49,18 @@ class JobState:
     @property
     def done(self) -> bool:
         return self.state in TERMINAL
+
+    @property
+    def words(self) -> str:
+        """The state for people: ``unknown (scheduler unreachable)`` when nobody could say."""
+        if self.state == "UNKNOWN" and self.detail.get("reason"):
+            return f"unknown ({self.detail['reason']})"
+        return self.state
+
+
+def unknown(jobs: tp.Iterable[str], reason: str = "") -> dict[str, JobState]:
+    """State UNKNOWN for each job, with why (e.g. ``UNREACHABLE``) when known."""
+    return {j: JobState("UNKNOWN", source="none", detail={"reason": reason} if reason else {}) for j in jobs}
 
 
 def run_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> str | None:
@@ -79,11 +97,31 @@ def read_result(path: Path) -> tuple[str, object]:
         return ("error", f"unreadable result {path}: {exc}")
 
 
-def submitit_command(python: str, folder: str) -> str:
-    """The command submitit puts in the script (mirrors SlurmExecutor._submitit_command_str)."""
-    import shlex
+# How a task starts: USR2 ignored by the shell at once, then, where coreutils' env can (8.31+), USR2 and
+# SIGTERM blocked across the exec of python, so they stay pending (a blocked signal is kept even while
+# ignored) until the trainer's handler unblocks them; elsewhere trainer.entry blocks them at its first line.
+TASK_SHELL = ('trap "" USR2; env --block-signal=USR2 true 2>/dev/null && '
+              'exec env --block-signal=USR2 --block-signal=TERM "$@"; exec "$@"')
+TASK_WRAPPER = ["/bin/sh", "-c", TASK_SHELL, "hpcx-task"]
 
-    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
+
+def task_command(python: str, folder: str) -> str:
+    """The command every task runs (in the sbatch script's srun line, or by the local controller):
+    ``python -u -m trainer.entry FOLDER`` (submitit's ``_submit`` with the signals held), started so
+    that a preemption signal or a SIGTERM that comes before the trainer's handler waits for it instead
+    of killing the task or being dropped (``TASK_SHELL``)."""
+    return shlex.join([*TASK_WRAPPER, python, "-u", "-m", "trainer.entry", str(folder)])
+
+
+class TaskCommand:
+    """Mixed into submitit's executors: their tasks run ``task_command``. ``_submitit_command_str``
+    is submitit's private hook for the command (tests/test_render.py checks the submitted text)."""
+
+    @property
+    def _submitit_command_str(self) -> str:
+        import sys
+
+        return task_command(sys.executable, str(self.folder))  # type: ignore[attr-defined]
 
 
 def result_path(submitit_dir: Path, job_id: str) -> Path:
@@ -106,13 +144,19 @@ class Scheduler(abc.ABC):
         """Exactly what ``executor`` submits (the sbatch script, or the local parameters)."""
 
     @abc.abstractmethod
-    def states(self, jobs: tp.Mapping[str, Path]) -> dict[str, JobState]:
+    def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
         """The state of every job id in ``jobs`` (id -> its run folder), in as few queries as the
-        scheduler allows; a job the scheduler cannot tell about gets state UNKNOWN."""
+        scheduler allows and within ``timeout`` seconds; a job the scheduler cannot tell about gets
+        state UNKNOWN (with ``detail["reason"]`` = ``UNREACHABLE`` when the scheduler did not answer)."""
+
+    def job_record(self, job_id: str) -> dict[str, tp.Any]:
+        """What ``job.json`` keeps about a just-submitted job besides its id (e.g. how to recognise it)."""
+        return {}
 
     @abc.abstractmethod
     def cancel(self, job_id: str, run_dir: Path) -> bool:
-        """Cancel the job; False when the scheduler refused or the job was not there."""
+        """Ask the job to stop (its ranks get SIGTERM and stop at their next step boundary); False
+        when the scheduler refused or the job was not there."""
 
     @abc.abstractmethod
     def signal(self, job_id: str, signal_name: str, run_dir: Path) -> list[str]:
@@ -137,9 +181,21 @@ class JobSide(abc.ABC):
         """How many times this job was restarted before this incarnation."""
         return 0
 
+    def incarnation(self, restart: int) -> str:
+        """A name for this start of the job (``JOBID.RESTART``); ``restart`` is the ledger's count of
+        earlier starts, for schedulers that do not count restarts themselves."""
+        return f"{self.job_id()}.{restart}"
+
+    @property
+    def decides_failures(self) -> bool:
+        """Whether something outside the ranks decides the requeue after a failure (the batch
+        script's check after srun); then a failing rank only reports (``hpc.requeue``)."""
+        return False
+
     @abc.abstractmethod
     def requeue(self) -> str | None:
-        """Ask for one requeue of this job; None when granted, else why not."""
+        """Ask the scheduler for a requeue of this job; None when granted, else why not. Call it
+        through ``hpc.requeue.request``, which makes it the only one of this incarnation."""
 
     def leave_for_requeue(self) -> None:
         """After a granted requeue and the stop line: leave the way this scheduler restarts a job

@@ -36,6 +36,14 @@ def test_requeues_are_bounded_by_max_requeues():
     assert "max_requeues = 0" in requeue_verdict([START], "preempted", 5, 0)
 
 
+def test_restarts_that_never_wrote_a_start_line_still_count():
+    """Incarnations that died before their start line (import error, rendezvous) are counted by the
+    scheduler's restart count, so a crash loop at start-up cannot requeue forever."""
+    assert requeue_verdict([START], "failed", 0, 3, restarts=2) is None
+    assert "3 restarts so far" in requeue_verdict([START], "failed", 0, 3, restarts=3)
+    assert "3 restarts so far" in requeue_verdict([START, START, START, START], "failed", 9, 3, restarts=1)
+
+
 def test_a_failure_at_the_same_step_as_the_last_failure_is_not_requeued():
     first = [START]
     assert requeue_verdict(first, "failed", 4, 3) is None
@@ -72,14 +80,22 @@ def test_queue_wait_outside_slurm(tmp_path: Path):
 
 def test_minutes_interval_is_rank0s_clock():
     policy = Checkpoint(interval_minutes=0.0005)  # 30 ms
-    import torch
-
     rank0 = Resilience(Path("."), policy, 3, 0, rank=0)
     rank1 = Resilience(Path("."), policy, 3, 0, rank=1)
     time.sleep(0.05)
-    assert rank0._votes(torch.device("cpu")) == (False, True)
-    assert rank1._votes(torch.device("cpu")) == (False, False)  # its clock is never asked
-    assert Resilience(Path("."), Checkpoint(), 3, 0, rank=0)._votes(torch.device("cpu")) == (False, False)
+    assert rank0._votes() == (False, False, True)  # one process: the vote is its own, at once
+    assert rank1._votes() == (False, False, False)  # its clock is never asked
+    assert Resilience(Path("."), Checkpoint(), 3, 0, rank=0)._votes() == (False, False, False)
+
+
+def test_the_signal_flags_are_the_vote():
+    flag = PreemptionFlag()
+    guard = Resilience(Path("."), Checkpoint(), 3, 0, rank=0, preemption=flag)
+    assert guard._votes() == (False, False, False)
+    flag.terminated = True
+    assert guard._votes() == (False, True, False)
+    flag.requested = True
+    assert guard._votes() == (True, True, False)
 
 
 def test_flag_handler_sets_flags_and_notes_sigterm_without_acting():

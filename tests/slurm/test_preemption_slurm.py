@@ -105,13 +105,20 @@ def test_time_limit_signal_from_slurm_saves_requeues_and_resumes(tokens):
 def test_cancel_is_not_a_preemption(tokens):
     folder = run(*sets(tokens, "pre-cancel", "train.steps=100000"))
     deadline = time.time() + 180
-    while not any(e["event"] == "start" for e in ledger(folder)):
-        assert time.time() < deadline, "never started training"
+    while not checkpoint_steps(folder):  # trained, and saved once (step 10)
+        assert time.time() < deadline, "never saved"
         time.sleep(0.5)
-    assert hpcx("cancel", str(folder)).returncode == 0
+    saved_before = checkpoint_steps(folder)
+    out = hpcx("cancel", str(folder))
+    assert out.returncode == 0 and "stop at their next step boundary" in out.stdout, out.stderr
     assert wait_state(folder, TERMINAL, timeout=120)["state"].startswith("CANCELLED")
     time.sleep(20)  # longer than a requeue takes to show
     status = json.loads(hpcx("status", str(folder), "--json").stdout)
     assert status["state"].startswith("CANCELLED") and status["restarts"] == 0
-    assert not any(e.get("requeued") for e in ledger(folder))
-    assert all(e["reason"] == "terminated" for e in ledger(folder) if e["event"] == "stop")
+    start, stop = ledger(folder)  # the ranks stopped at a step boundary and said so
+    assert stop["reason"] == "terminated" and stop["by"] == "rank 0" and not stop["requeued"]
+    assert stop["saves"] >= 1 and stop["save_s"] > 0 and status["ledger"]["save_s"] == stop["save_s"]
+    new = [s for s in checkpoint_steps(folder) if s not in saved_before]
+    assert new in ([], [stop["step"] - 1]), f"saved after the cancel: {new}, stopped at {stop['step']}"
+    again = hpcx("cancel", str(folder))
+    assert again.returncode == 2 and "already ended (CANCELLED" in again.stderr

@@ -54,6 +54,8 @@ def test_two_node_job_runs_on_both_nodes(sandbox):
     assert by_id["run_dir"] == str(run_dir)
     logs = hpcx("logs", str(run_dir), "--rank", "3")
     assert logs.returncode == 0 and "rank 3/4" in logs.stdout
+    missing = hpcx("logs", str(run_dir), "--rank", "7")
+    assert missing.returncode == 2 and "--rank 7" in missing.stderr and "4 ranks (0-3)" in missing.stderr
 
 
 def test_run_folder_is_private(sandbox):

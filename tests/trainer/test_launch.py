@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -131,3 +132,197 @@ def test_train_state_round_trip():
     other = TrainState()
     other.load_state_dict({**state.state_dict(), "meta": {}, "rng_restored": True})
     assert other == state
+
+
+# ---------------------------------------------------------------- which rank am I, on which GPU
+
+RECORDED = REPO / "tests" / "data" / "recorded"
+
+
+def recorded_env(name: str) -> dict[str, str]:
+    """A task's SLURM_* variables as the sandbox's Slurm set them (tests/data/recorded/SOURCES.md)."""
+    text = (RECORDED / f"slurm-22.05-env_{name}_2node-2task.txt").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def test_a_plain_srun_task_reads_slurms_step_variables():
+    from trainer.dist import srun_env
+
+    first, last = srun_env(recorded_env("srun-task0")), srun_env(recorded_env("srun-task3"))
+    assert (first.rank, first.local_rank, first.world_size, first.local_world_size) == (0, 0, 4, 2)
+    assert (last.rank, last.local_rank, last.world_size, last.local_world_size) == (3, 1, 4, 2)
+    assert first.master_addr == last.master_addr == "n1" and first.master_port == last.master_port
+    assert first.launcher == "srun" and first.master_port == rendezvous_port("2350")
+
+
+def test_srun_variables_that_are_missing_or_do_not_fit_are_refused():
+    from trainer.dist import srun_env
+
+    env = recorded_env("srun-task3")
+    for missing in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE"):
+        with pytest.raises(RuntimeError, match=f"without {missing}"):
+            srun_env({k: v for k, v in env.items() if k != missing})
+    with pytest.raises(RuntimeError, match="do not fit"):
+        srun_env({**env, "SLURM_PROCID": "4"})
+    with pytest.raises(RuntimeError, match="do not parse"):
+        srun_env({**env, "SLURM_STEP_TASKS_PER_NODE": "lots"})
+    assert srun_env({**env, "MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29999"}).master_port == 29999
+
+
+@pytest.mark.parametrize("name,extra,launcher,world", [
+    ("srun-task3", {}, "srun", 4),
+    ("batch-step", {}, "single", 1),  # the batch script: SLURM_PROCID=0 and SLURM_NTASKS=4, but one process
+    ("srun-task3", {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}, "torchrun", 2),  # torchrun inside srun
+])
+def test_launchers_are_told_apart(monkeypatch, name, extra, launcher, world):
+    from trainer.dist import detect_rank_env
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "SUBMITIT_")) or k in ("RANK", "WORLD_SIZE")]:
+        monkeypatch.delenv(key)
+    for key, value in {**recorded_env(name), **extra}.items():
+        monkeypatch.setenv(key, value)
+    env = detect_rank_env()
+    assert (env.launcher, env.world_size) == (launcher, world)
+
+
+def test_a_plain_srun_task_is_slurms_to_requeue(monkeypatch):
+    from hpc import schedulers
+
+    for key in [k for k in os.environ if k.startswith(("SLURM_", "SUBMITIT_", "HPCX_"))]:
+        monkeypatch.delenv(key)
+    for key, value in recorded_env("srun-task0").items():
+        monkeypatch.setenv(key, value)
+    side = schedulers.job_side()
+    assert side.kind == "slurm" and side.job_id() == "235" and not side.decides_failures
+    monkeypatch.setenv("RANK", "0")
+    assert schedulers.job_side() is None  # torchrun started it
+    for key in recorded_env("srun-task0"):
+        monkeypatch.delenv(key)
+    monkeypatch.delenv("RANK")
+    assert schedulers.job_side() is None
+
+
+@pytest.mark.parametrize("local_rank,local_world,visible,index", [
+    (0, 1, 1, 0), (5, 8, 1, 0),  # Slurm bound one GPU to each task (--gpus-per-task=1, --gpu-bind)
+    (5, 8, 8, 5), (3, 4, 8, 3),  # every task sees the node's GPUs
+    (0, 1, 8, 0),  # dp: one process, every GPU (DataParallel spreads from cuda:0)
+])
+def test_gpu_index(local_rank, local_world, visible, index):
+    from trainer.dist import gpu_index
+
+    assert gpu_index(local_rank, local_world, visible) == index
+
+
+@pytest.mark.parametrize("local_rank,local_world,visible", [(0, 2, 0), (5, 8, 4), (2, 4, 2), (7, 8, 3)])
+def test_gpu_index_refuses_to_share_or_guess(monkeypatch, local_rank, local_world, visible):
+    from trainer.dist import gpu_index
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(visible))))
+    with pytest.raises(ValueError, match=f"sees {visible} GPU.*expected 1 .* or at least {local_world}"):
+        gpu_index(local_rank, local_world, visible)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message where CUDA sees no GPU")
+def test_a_gpu_site_without_visible_gpus_names_cuda_visible_devices(monkeypatch):
+    from trainer.dist import device_for
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(RuntimeError, match="CUDA_VISIBLE_DEVICES='' hides them"):
+        device_for("nccl", 0, 2)
+    assert device_for("gloo", 1, 2).type == "cpu"
+
+
+def test_nccl_flight_recorder_dumps_into_the_run_folder(tmp_path, monkeypatch):
+    from trainer.dist import apply_nccl_trace, nccl_trace_env
+
+    env = nccl_trace_env(tmp_path)
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == env["TORCH_FR_DUMP_TEMP_FILE"] == f"{tmp_path}/nccl-trace/rank-"
+    for name in env:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's own value wins
+    apply_nccl_trace(tmp_path)
+    assert (tmp_path / "nccl-trace").is_dir() and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/nccl-trace/rank-"
+
+
+# ---------------------------------------------------------------- signals before the handler, votes, timeouts
+
+
+HOLD_PROBE = """
+import os, signal, sys, time
+from trainer.entry import hold_signals
+hold_signals()
+os.kill(os.getpid(), signal.SIGUSR2)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.2)  # both wait, pending, instead of killing the process or being dropped
+from trainer.preemption import PreemptionFlag
+flag = PreemptionFlag().install()
+print(flag.requested, flag.terminated, flush=True)
+"""
+
+
+def test_signals_that_come_before_the_handler_wait_for_it():
+    out = subprocess.run([sys.executable, "-c", HOLD_PROBE], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"]
+
+
+TASK_PROBE = """
+import time
+time.sleep(1.0)  # a slow interpreter start: no handler of ours yet
+from trainer.preemption import PreemptionFlag
+flag = PreemptionFlag().install()
+time.sleep(0.1)
+print(flag.requested, flag.terminated, flush=True)
+"""
+
+
+@pytest.mark.parametrize("env_blocks", [True, False])
+def test_the_task_command_keeps_signals_that_come_before_any_python(tmp_path, env_blocks):
+    """The rendered task command: USR2 and SIGTERM sent before any Python line ran wait for the handler
+    (coreutils' env blocks them), or, where env cannot, USR2 at least does not kill the task."""
+    import signal
+
+    from hpc.schedulers.base import TASK_WRAPPER
+
+    path = os.environ["PATH"]
+    if not env_blocks:  # an env without --block-signal (coreutils < 8.31, busybox)
+        (tmp_path / "env").write_text('#!/bin/sh\ncase "$1" in --block-signal*) exit 125;; esac\nexec /usr/bin/env "$@"\n')
+        (tmp_path / "env").chmod(0o755)
+        path = f"{tmp_path}:{path}"
+    proc = subprocess.Popen([*TASK_WRAPPER, sys.executable, "-c", TASK_PROBE], stdout=subprocess.PIPE, text=True,
+                            cwd=REPO, env={**child_env(), "PATH": path})
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGUSR2)
+    if env_blocks:
+        proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert out.split() == (["True", "True"] if env_blocks else ["False", "False"])
+
+
+def test_without_the_task_command_an_early_usr2_kills():
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-c", TASK_PROBE], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env=child_env())
+    time.sleep(0.4)
+    proc.send_signal(signal.SIGUSR2)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGUSR2
+
+
+@pytest.mark.slow
+def test_votes_agree_one_boundary_late_and_timeouts_shorten_after_the_first_step(tmp_path):
+    proc = torchrun(2, [str(REPO / "tests" / "trainer" / "collective_worker.py"), str(tmp_path)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    for report in reports:
+        # rank 1 raised flag 0 at boundary 3: every rank acts on it at boundary 4, and each one after
+        assert report["votes"]["flag0"] == [4, 5, 6, 7, 8]
+        assert report["votes"]["flag1"] == [6]  # rank 0's flag of boundary 5 alone, read at boundary 6
+        assert report["groups"] == 2  # the default group and the side group (no mesh on this model)
+    late, cut = reports[0]["late_in_a_save"], reports[0]["late_mid_run"]
+    assert late["ok"] and late["value"] == 2.0 and late["waited_s"] > 3
+    assert not cut["ok"] and cut["waited_s"] < 7, cut  # the short timeout (2 s) fired, not the long one (60 s)

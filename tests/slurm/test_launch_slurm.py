@@ -1,0 +1,44 @@
+"""`srun python -m trainer RUN` without hpcx submit: each task finds its rank from Slurm's step variables."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+from hpc.resolve import resolve, resolved_document
+from hpc.runs import new_run_dir
+from hpc.site import load_site
+from hpc.spec import load_spec
+from tests.conftest import REPO
+
+
+def test_plain_srun_tasks_know_their_ranks(sandbox):
+    spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", ["job.nodes=2", "job.tasks_per_node=2", "train.steps=4",
+                                                       "train.log_every=1", "job.name=plain-srun"])
+    site = load_site("sandbox")
+    run = new_run_dir(sandbox, "plain-srun", False)
+    (run / "resolved.json").write_text(json.dumps(resolved_document(spec, site, resolve(spec, site), str(run))))
+    script = run / "job.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=2 --time=10 --job-name=plain-srun\n"
+                      f"#SBATCH --output={run}/slurm-%j.out\n"
+                      f"srun {sys.executable} -m trainer {run}\n")
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        state = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"], capture_output=True,
+                               text=True).stdout.strip()
+        if state and state.split()[0] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            break
+        time.sleep(2)
+    output = next(run.glob("slurm-*.out")).read_text()
+    assert state.startswith("COMPLETED"), output[-3000:]
+    world = json.loads((run / "world.json").read_text())
+    assert world["world_size"] == 4 and world["all_reduce"] == 4 and sorted(world["hosts"]) == ["n1", "n1", "n2", "n2"]
+    for rank in range(4):
+        assert f"rank {rank}/4 on n{1 + rank // 2} via srun" in (run / "logs" / f"rank-{rank}.log").read_text()
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    start = json.loads((run / "ledger.jsonl").read_text().splitlines()[0])
+    assert start["job_id"] == job  # Slurm's job: a preemption could requeue it
+    assert output.count('"world_size": 4') == 1  # one summary line: rank 0's only
