@@ -235,3 +235,13 @@ def test_planner_docs_match_the_trainer_and_the_tie_rule():
     assert "within 5 % of it ties" in docs and f"{TIE:.0%}" == "5%"
     assert "none < ddp < fsdp/hsdp" in docs and "none < ddp < fsdp/hsdp" in SIMPLICITY_TEXT
     assert "seeds" not in docs and "shared/" not in docs  # rules are stated, not cited by file
+
+
+@pytest.mark.parametrize("name,site_kw,spec_kw,expected,words", SCENARIOS, ids=[s[0] for s in SCENARIOS])
+def test_the_tie_list_never_names_the_fastest_row_itself(name, site_kw, spec_kw, expected, words):
+    plan = plan_job(spec(**spec_kw), site(**site_kw))
+    line = next((r for r in plan.recommendation if r.startswith("Choice rule:")), "")
+    m = re.match(r"Choice rule: .*? is (.+?)'s, [^;]+; (.*) (?:is|are) within", line)
+    if m:
+        fastest, others = m.group(1), m.group(2)
+        assert not re.search(rf"(^|, ){re.escape(fastest)} \(", others), line

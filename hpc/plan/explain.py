@@ -148,9 +148,11 @@ def _rule_line(plan: Plan, choice: Row) -> str:
     fastest = min(fit, key=lambda r: cost(r, by))
     near = tied(plan.rows)
     text = f"Choice rule: the least {what} of the {len(fit)} that fit is {fastest.label}'s, {_cost_text(fastest, by)}"
-    if len(near) > 1:
-        text += (f"; {', '.join(f'{r.label} ({_short(r, by)})' for r in near)} are within {TIE:.0%} of it and tie, "
-                 f"and the simplest tied one wins ({SIMPLICITY_TEXT})")
+    others = [r for r in near if r is not fastest]
+    if others:
+        verb = "is" if len(others) == 1 else "are"
+        text += (f"; {', '.join(f'{r.label} ({_short(r, by)})' for r in others)} {verb} within {TIE:.0%} of it and "
+                 f"tie, and the simplest tied one wins ({SIMPLICITY_TEXT})")
     else:
         text += f"; nothing else is within {TIE:.0%} of it"
     nxt = _runner_up(fit, choice, by)
