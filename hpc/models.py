@@ -47,6 +47,19 @@ class GPTShape:
     def n_params(self) -> int:
         return self.embedding_params + self.n_layers * self.block_params + self.head_params
 
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Every parameter's shape, in the built model's order (FSDP2 shards each one on dim 0)."""
+        d, v, s = self.d_model, self.vocab_size, self.seq_len
+        block = ((d,), (d,), (3 * d, d), (d, d), (d,), (d,), (4 * d, d), (d, 4 * d))  # ln1, attn, ln2, mlp
+        return ((v, d), (s, d)) + block * self.n_layers + ((d,), (d,), (v, d))
+
+    @property
+    def largest_module_params(self) -> int:
+        """The most parameters one module owns itself (the embedding or head, else the MLP's fc):
+        the full tensors the trainer initialises at once."""
+        d = self.d_model
+        return max(self.vocab_size * d, self.seq_len * d, 4 * d * d)
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N for the matmuls plus 12·L·d·S for attention scores."""
         non_embedding = self.n_params - self.embedding_params
@@ -92,6 +105,8 @@ class ModelFacts:
     vocab_size: int
     gpt: GPTShape | None = None  # the built-in GPT's shape; None for user models
     activation_gb_per_sample: float = 0.0  # measured, for user models (0: unknown)
+    param_shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape; empty when unknown
+    largest_module_params: int | None = None  # the most parameters one module owns (init granularity)
 
     @property
     def builtin(self) -> bool:
@@ -102,7 +117,7 @@ def gpt_facts(label: str, shape: GPTShape) -> ModelFacts:
     return ModelFacts(label=label, n_params=shape.n_params, unit_params=shape.block_params,
                       root_params=shape.embedding_params + shape.head_params, n_units=shape.n_layers,
                       flops_per_token=shape.flops_per_token(), seq_len=shape.seq_len, vocab_size=shape.vocab_size,
-                      gpt=shape)
+                      gpt=shape, param_shapes=shape.param_shapes(), largest_module_params=shape.largest_module_params)
 
 
 def model_facts(model: Model) -> ModelFacts:
