@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from hpc.config import ConfigError
 from hpc.dims import ParallelDims, parallel_dims
+from hpc.memory import peaks_note
 from hpc.models import model_facts
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
@@ -19,6 +20,9 @@ from hpc.plan.explain import advise, plan_notes, recommend, unknown_model
 from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candidates, compute_seconds, evaluate,
                            pick, setup_of)
 from hpc.plan.table import format_plan
+
+DRYRUN_NOTE = ("check: `hpcx dryrun JOB --site SITE` builds the real sharded model, mesh and optimizer at this "
+               "world size on one CPU (it imports torch) and compares its bytes per rank with these")
 
 __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Plan", "Row", "Setup", "candidates", "choose", "compute_seconds",
            "evaluate", "format_plan", "pick", "plan_job", "setup_of"]
@@ -38,6 +42,9 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None) -> Plan
                 checkpointing=setup.checkpointing, compute_s=compute_s,
                 mfu=MFU_DEFAULT, rows=rows, choice=choice)
     plan.notes = plan_notes(site, setup, facts)
+    if facts.n_params is not None:
+        plan.notes.append(peaks_note(facts, setup.async_save, gpu))
+    plan.notes.append(DRYRUN_NOTE)
     if facts.n_params is None:
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hpc.plan.rows import Plan, Row
 
 
-COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "+headroom", "fits", "comm GB", "comm s")
+COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "init", "+headroom", "host/node", "fits", "comm GB",
+           "comm s")
 
 
 def _num(x: float | None) -> str:
@@ -28,14 +29,15 @@ def _count(n: int | None) -> str:
 def _cells(row: Row) -> list[str]:
     m, c = row.memory, row.comm
     fits = {True: "yes", False: "no", None: "?"}[row.fits]
-    if row.cfg.offload and row.host_fits is False:
+    if row.host_fits is False:  # offloaded states or checkpoint staging do not fit the node's RAM
         fits = "no (host)"
     if m is None:
-        return ["?"] * 7 + [fits] + ["?"] * 2
+        return ["?"] * 9 + [fits] + ["?"] * 2
     secs = None if c is None else c.seconds
+    host = _num(row.host_need_gb) if row.gpu else "-"
     return [_num(m.params), _num(m.grads), _num(m.optimizer), _num(m.buffers),
-            "unknown" if m.activations is None else _num(m.activations), _num(m.total), _num(row.need_gb), fits,
-            _num(None if c is None else c.gb), "?" if secs is None else f"{secs:.3f}"]
+            "unknown" if m.activations is None else _num(m.activations), _num(m.total), _num(m.init),
+            _num(row.need_gb), host, fits, _num(None if c is None else c.gb), "?" if secs is None else f"{secs:.3f}"]
 
 
 def format_plan(plan: Plan) -> str:
