@@ -296,7 +296,8 @@ def _mesh_lines(r: DryRun) -> list[str]:
     for name, d in m["dims"].items():
         spread = "each inside one node" if d["max_nodes_per_group"] == 1 else \
             f"each across up to {d['max_nodes_per_group']} nodes"
-        lines.append(f"  {name}: {d['groups']} group{'s' if d['groups'] > 1 else ''} of {d['size']} ranks, {spread}; this rank's: "
+        groups = f"{d['groups']} group{'s' if d['groups'] > 1 else ''}"
+        lines.append(f"  {name}: {groups} of {d['size']} ranks, {spread}; this rank's: "
                      f"{_ranks(d['mine'])} on node(s) {_ranks(d['nodes_of_mine'])}")
     return lines
 

@@ -189,10 +189,12 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
 def init_bytes(facts: ModelFacts, cfg: Config) -> float:
     """Device bytes per rank while the trainer materializes a model built on the meta device
     (``trainer.model.WeightInit``): the rank's fp32 parameters (its shard under FSDP, on the host
-    under offload) plus the largest module's full fp32 tensors, which are computed whole on the
-    device and sliced. Gradients and optimizer state do not exist yet."""
+    under offload) plus, under FSDP, the largest module's full fp32 tensors, which are computed
+    whole and sliced (whole replicas are initialised in place). Gradients and optimizer state do
+    not exist yet."""
     params = 0 if cfg.offload else sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
-    return (params + (facts.largest_module_params or 0)) * PARAM_BYTES
+    module = (facts.largest_module_params or 0) if cfg.dims.fsdp_enabled else 0
+    return (params + module) * PARAM_BYTES
 
 
 def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
@@ -212,6 +214,6 @@ def peaks_note(facts: ModelFacts, async_save: bool, gpu: bool) -> str:
     staging = ("async checkpoint saves keep a host copy of each rank's params + optimizer state"
                if async_save else "synchronous saves copy one tensor at a time to the host")
     where = "host/node (with offloaded states)" if gpu else "+headroom (host memory is the rank's memory)"
-    return (f"init = the rank's fp32 parameters + the largest module's full fp32 tensors ({module} params) while "
-            f"the weights are materialized; +headroom covers the larger of total and init; {staging}, "
-            f"counted in {where}")
+    return (f"init = the rank's fp32 parameters (+ under fsdp/hsdp the largest module's full fp32 tensors, "
+            f"{module} params) while the weights are materialized; +headroom covers the larger of total and init; "
+            f"{staging}, counted in {where}")

@@ -97,7 +97,8 @@ def test_a_real_difference_is_a_problem():
     result = dryrun(spec, site, launch)
     result.problems, result.measured["grads"] = [], int(result.planned["grads"] * 1.02)
     add_plan(result, spec, launch)
-    assert len(result.problems) == 1 and result.problems[0].startswith("grads: dryrun") and "+2.0%" in result.problems[0]
+    assert len(result.problems) == 1
+    assert result.problems[0].startswith("grads: dryrun") and "+2.0%" in result.problems[0]
 
 
 # ---------------------------------------------------------------- the layout it reports
@@ -120,7 +121,8 @@ def test_hsdp_shard_group_over_two_nodes():
     assert result.mesh["shape"] == [8, 16] and shard["nodes_of_mine"] == [14, 15] and shard["max_nodes_per_group"] == 2
 
 
-@pytest.mark.parametrize("sharding,flags", [("full_shard", (True, True, False)), ("shard_grad_op", (False, False, False))])
+@pytest.mark.parametrize("sharding,flags", [("full_shard", (True, True, False)),
+                                            ("shard_grad_op", (False, False, False))])
 def test_fsdp_units_embeddings_and_head_are_units_of_their_own(sharding, flags):
     result = _run(BIG, ["parallel.strategy='fsdp'", f"parallel.sharding={sharding!r}"])
     units = {tuple(u.modules): u for u in result.units}
@@ -243,7 +245,8 @@ print("GPU=" + ",".join(gpu) + " cuda_initialized=" + str(torch.cuda.is_initiali
 
 def test_dryrun_imports_no_gpu_library_beyond_torch():
     out = subprocess.run([sys.executable, "-c", PROBE, "dryrun", str(JOBS / "tiny-hsdp-2node.toml"), "--site",
-                          "dgx-h100", "--set", "parallel.compile=true", "--set", "parallel.activation_checkpointing=true"],
+                          "dgx-h100", "--set", "parallel.compile=true",
+                          "--set", "parallel.activation_checkpointing=true"],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert "GPU= cuda_initialized=False" in out.stderr, out.stderr[-3000:]
     assert "layout: hsdp" in out.stdout

@@ -36,12 +36,18 @@ def cfg(strategy: str, world: int, sharding: str = "full_shard", offload: bool =
 # ---------------------------------------------------------------- the init peak (device, per rank)
 
 
-@pytest.mark.parametrize("strategy,world,params", [
-    ("fsdp", 32, F13.n_params / 32), ("hsdp", 32, F13.n_params / 8), ("ddp", 8, F13.n_params),
-    ("fsdp", 4, F13.n_params / 4)])
-def test_init_is_the_ranks_fp32_params_plus_the_largest_module(strategy, world, params):
+@pytest.mark.parametrize("strategy,sharding,world,params", [
+    ("fsdp", "full_shard", 32, F13.n_params / 32), ("hsdp", "full_shard", 32, F13.n_params / 8),
+    ("fsdp", "shard_grad_op", 4, F13.n_params / 4), ("fsdp", "no_shard", 8, F13.n_params)])
+def test_init_is_the_ranks_fp32_params_plus_the_largest_module(strategy, sharding, world, params):
     assert F13.largest_module_params == EMBED_13B
-    assert init_bytes(F13, cfg(strategy, world)) == pytest.approx(4 * (params + EMBED_13B))
+    assert init_bytes(F13, cfg(strategy, world, sharding)) == pytest.approx(4 * (params + EMBED_13B))
+
+
+def test_whole_replicas_are_initialised_in_place():
+    """ddp and none: no DTensor to slice, so no module is computed beside the parameters."""
+    assert init_bytes(F13, cfg("ddp", 8)) == 4 * F13.n_params
+    assert init_bytes(F13, Config(parallel_dims("none", "full_shard", 1), False, "bf16", True, 1)) == 4 * F13.n_params
 
 
 def test_init_under_offload_puts_only_one_module_on_the_device():

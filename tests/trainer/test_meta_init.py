@@ -43,7 +43,8 @@ def _none_state(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _launch(tmp: Path, ranks: int, configs: dict, model: list[str], tag: str) -> dict[str, dict]:
-    dirs = {name: make_run(tmp, f"{tag}-{name}", strategy, ranks, model + sets) for name, (strategy, sets) in configs.items()}
+    dirs = {name: make_run(tmp, f"{tag}-{name}", strategy, ranks, model + sets)
+            for name, (strategy, sets) in configs.items()}
     out = tmp / f"out-{tag}-{ranks}"
     out.mkdir()
     proc = torchrun(ranks, ["tests/trainer/init_worker.py", str(out), *map(str, dirs.values())], timeout=300)
