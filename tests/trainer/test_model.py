@@ -23,6 +23,24 @@ def test_parameter_count_matches_planner(size):
     assert model.num_params() == shape.n_params
 
 
+@pytest.mark.parametrize("size", list(GPT_PRESETS))
+def test_parameter_shapes_and_largest_module_match_the_planner(size):
+    """The planner pads each tensor's shard (param_shapes) and sizes init by the largest module."""
+    shape = GPT_PRESETS[size]
+    with torch.device("meta"):
+        model = GPT(shape)
+    assert tuple(tuple(p.shape) for p in model.parameters()) == shape.param_shapes()
+    own = [sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()]
+    assert max(own) == shape.largest_module_params
+
+
+def test_gpt_units_outside_the_blocks_cover_every_other_parameter():
+    model = build_model(Model(size="tiny"), "meta")
+    outer = {id(p) for group in model.fsdp_units() for m in group for p in m.parameters()}
+    inner = {id(p) for p in model.blocks.parameters()}
+    assert outer.isdisjoint(inner) and outer | inner == {id(p) for p in model.parameters()}
+
+
 def test_overrides_of_seq_len_and_vocab_are_built():
     model = build_model(Model(size="tiny", seq_len=32, vocab_size=100), "cpu")
     assert model.pos_emb.num_embeddings == 32 and model.head.out_features == 100
