@@ -18,6 +18,7 @@ import click
 from hpc import __version__
 from hpc.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 from hpc.config import ConfigError
+from hpc.validate import shown
 
 @click.group(cls=ErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcx")
@@ -56,8 +57,12 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
     from hpc.runs import run_dir_name
     from hpc.submit import run_root
 
+    from hpc.validate import check_run_dir_option
+
     spec, site, launch = load_job(job, site_name, overrides)
+    check_run_dir_option(run_dir)
     run_dir = run_dir or str(run_root(spec, site) / run_dir_name(spec.job.name, "YYYYmmdd-HHMMSS", "XXXXXX"))
+    warn_passthrough(spec)
     click.echo(render_summary(spec, site, launch), err=True, nl=False)
     click.echo(render_text(spec, site, launch, run_dir, sys.executable), nl=False)
 
@@ -72,8 +77,15 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
     """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
     from hpc import submit as sub
 
+    from hpc.render import user_code_notice
+
     spec, site, launch = load_job(job, site_name, overrides)
+    warn_passthrough(spec)
+    if user_code_notice(spec):
+        click.echo(f"note: {user_code_notice(spec)}", err=True)
     done = sub.submit(spec, site, launch, Path(job), overrides)
+    if done.warning:
+        click.echo(done.warning, err=True)
     if as_json and not wait:
         echo_json({"job_id": done.job_id, "run_dir": str(done.run_dir), "scheduler": done.scheduler})
         return
@@ -87,6 +99,15 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
         if as_json:
             echo_json(final)
         sys.exit(0 if final["state"] in ("COMPLETED", "FINISHED") else 1)
+
+
+def warn_passthrough(spec: tp.Any) -> None:
+    """A passthrough name the submitting shell does not set reaches the job unset: say so now."""
+    from hpc.validate import unset_passthrough
+
+    for name in unset_passthrough(spec.env.passthrough):
+        click.echo(f"warning: `env.passthrough` names {name}, but it is not set in this shell: "
+                   "the job will not see it", err=True)
 
 
 def follow(run_dir: Path, quiet: bool = False) -> dict:
@@ -146,7 +167,9 @@ def run_roots() -> list[Path]:
             also = f"; still looking for its runs in {root}" if root else ""
             click.echo(f"warning: site profile {path} does not load ({exc.messages[0]}){also}", err=True)
             roots += [root] if root else []
-    return list(dict.fromkeys(roots))
+    from hpc.roots import remembered  # runs made under a spec's job.run_root, or a site given as a path
+
+    return list(dict.fromkeys(roots + remembered()))
 
 
 @cli.command()
@@ -271,8 +294,8 @@ def site_list(as_json: bool) -> None:
         return
     for r in rows:
         where = f"[{r['origin']}: {r['path']}]"
-        if r["error"]:
-            click.echo(f"{r['name']:12} (does not load: {r['error']})  {where}")
+        if r["error"]:  # a file name on the search path may hold anything
+            click.echo(shown(f"{r['name']:12} (does not load: {r['error']})  {where}", 4000))
             continue
         gpus = f"{r['gpus_per_node']}× {r['gpu_model']}" if r["gpus_per_node"] else f"CPU ×{r['tasks_per_node']}"
         click.echo(f"{r['name']:12} {r['scheduler']:6} {gpus:28} {r['intra_link']:9} {r['fabric']:11} {where}")

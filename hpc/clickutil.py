@@ -8,6 +8,7 @@ import typing as tp
 import click
 
 from hpc.errors import UserError
+from hpc.validate import shown
 
 JSON_HELP = "Print machine-readable JSON instead of text."
 
@@ -27,8 +28,8 @@ class ErrorsGroup(click.Group):
         try:
             return super().invoke(ctx)
         except UserError as exc:
-            for message in exc.messages:
-                click.echo(f"error: {message}", err=True)
+            for message in exc.messages:  # a file name or key from the user may hold control characters
+                click.echo(f"error: {shown(message, 4000)}", err=True)
             ctx.exit(2)
 
 

@@ -22,7 +22,20 @@ def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
         f"{spec.job.max_requeues} times",
     ]
     header += [f"# plan: {reason}" for reason in launch.plan_reasons]
+    notice = user_code_notice(spec)
+    if notice:
+        header.append(f"# {notice}")
     return "\n".join(header) + "\n"
+
+
+def user_code_notice(spec: JobSpec) -> str | None:
+    """What a `module:function` model means: that code is imported and called in every task."""
+    if spec.model.arch == "gpt":
+        return None
+    module, function = spec.model.arch.split(":", 1)
+    kwargs = ", ".join(spec.model.kwargs) or "no kwargs"
+    return (f"user code: every task will import the Python module {module!r} and call {function}({kwargs}) "
+            "(model.arch); it runs with your permissions, so check it is the code you mean")
 
 
 def render(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:

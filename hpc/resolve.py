@@ -14,6 +14,7 @@ from hpc.config import ConfigError
 from hpc.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
+from hpc.validate import check_world
 
 RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
 
@@ -74,6 +75,7 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     errors = []
     tpn = tasks_per_node(spec, site)
     world = spec.job.nodes * tpn
+    errors += check_world(spec.job.nodes, tpn)
     if site.node.gpus and tpn > site.node.gpus:
         errors.append(f"`job.tasks_per_node` = {tpn} but site {site.name!r} has {site.node.gpus} GPUs per node "
                       "(one task per GPU)")

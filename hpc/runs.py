@@ -23,13 +23,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import time
 import typing as tp
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.config import ConfigError
+from hpc.config import ConfigError, load_json_bounded
 from hpc.schedulers.base import SUBMITIT_DIR
 
 
@@ -63,9 +64,13 @@ def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
         run.mkdir(mode=dir_mode)
     except OSError as exc:
         raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
-    os.chmod(run, dir_mode)
-    for sub in RunDir.FOLDERS:
-        (run / sub).mkdir(mode=dir_mode)
+    try:
+        os.chmod(run, dir_mode)
+        for sub in RunDir.FOLDERS:
+            (run / sub).mkdir(mode=dir_mode)
+    except OSError as exc:  # out of inodes or quota: leave no half-made run
+        shutil.rmtree(run, ignore_errors=True)
+        raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
     return run
 
 
@@ -97,8 +102,9 @@ def append_jsonl(path: Path, obj: tp.Any) -> None:
 
 
 def read_json(path: Path) -> dict:
+    """A run-folder JSON file ({} when absent); a torn or hostile one is a one-line ConfigError."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return load_json_bounded(path.read_text(encoding="utf-8", errors="replace"), str(path))
     except FileNotFoundError:
         return {}
 
@@ -113,7 +119,7 @@ def read_jsonl(path: Path) -> list[dict]:
     for line in lines:
         try:
             out.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # a torn line, or one nested past the parser
             continue
     return out
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc import schedulers
+from hpc import validate as v
 from hpc.config import ConfigError, build_document, check_table, field, read_toml, suggest
 
 DEFAULT_SITE = "local"
@@ -35,22 +36,30 @@ class Scheduler:
                                choices=("gpus-per-node", "gres", "none"))
     signal_lead_s: int = field(120, doc="Seconds before the time limit at which Slurm sends USR2 "
                                "(`--signal=USR2@LEAD`); must exceed the expected checkpoint save time.",
-                               minimum=1)
+                               minimum=1, maximum=v.SLURM_SIGNAL_MAX)
     max_nodes: int = field(0, doc="Largest job this site can run, in nodes (0: unknown).", minimum=0)
-    sbatch: dict[str, str] = field(doc="Extra sbatch options for every job, e.g. {constraint = \"h100\"}.",
-                                   factory=dict)
+    sbatch: dict[str, str | int | bool] = field(
+        doc="Extra sbatch options for every job, e.g. {constraint = \"h100\", exclusive = true}: long option "
+        "names without the dashes; a string or integer value, `true` for an option without a value, `false` "
+        "to leave it out. Options hpcx sets itself (job-name, nodes, ntasks-per-node, cpus-per-task, time, "
+        "signal, requeue, partition, account, qos, gpus-per-node, gres …), options that would move its "
+        "logs, environment or user (output, error, open-mode, export, uid …) and abbreviations of them are "
+        "refused. Values reach the `#SBATCH` line exactly (sbatch's reading of quotes and backslashes is "
+        "accounted for).", factory=dict)
 
 
 @dataclass
 class Node:
-    gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend).", minimum=0)
+    gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend).", minimum=0,
+                      maximum=v.SLURM_U16_MAX)
     gpu_model: str = field("", doc="GPU model name, e.g. `NVIDIA H100 80GB HBM3`.")
     gpu_memory_gb: float = field(0.0, doc="Memory per GPU in GB (1e9 bytes).", minimum=0)
     gpu_peak_tflops: float = field(0.0, doc="Dense bf16 peak per GPU in TFLOP/s, for MFU (0: unknown).",
                                    minimum=0)
-    cpus: int = field(1, doc="CPU cores per node.", minimum=1)
+    cpus: int = field(1, doc="CPU cores per node.", minimum=1, maximum=v.SLURM_U16_MAX)
     memory_gb: float = field(0.0, doc="Host memory per node in GB (0: unknown).", minimum=0)
-    tasks: int = field(0, doc="Tasks per node on CPU sites (0: one per GPU, or 1 without GPUs).", minimum=0)
+    tasks: int = field(0, doc="Tasks per node on CPU sites (0: one per GPU, or 1 without GPUs).", minimum=0,
+                       maximum=v.SLURM_U16_MAX)
     intra_link: str = field("none", doc="Link between the GPUs of a node.",
                             choices=("nvswitch", "nvlink", "pcie", "none"))
     intra_bandwidth_gbs: float = field(0.0, doc="Per-GPU bus bandwidth inside a node, GB/s.", minimum=0)
@@ -70,7 +79,9 @@ class Network:
 @dataclass
 class Storage:
     run_root: str = field("~/hpcx-runs", doc="Where run folders are created; must be on a file system "
-                          "every node sees. `~` and `$VARS` are expanded.")
+                          "every node sees. Absolute, or starting with `~` or `$VAR` (expanded when used; an "
+                          "unset variable is an error); no `%` or `\\`, which Slurm would read in log file "
+                          "names.", max_len=v.PATH_MAX)
     group_readable: bool = field(False, doc="Create run folders 0750/files 0640 instead of 0700/0600.")
 
 
@@ -97,7 +108,9 @@ class SiteProfile:
         return self.node.gpus or self.node.tasks or 1
 
     def run_root(self) -> Path:
-        return Path(os.path.expandvars(os.path.expanduser(self.storage.run_root)))
+        """``storage.run_root`` expanded; ConfigError when a variable in it is unset."""
+        where = f"{self.source}: `storage.run_root` = {self.storage.run_root!r}"
+        return v.expand_run_root(self.storage.run_root, where)
 
 
 SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage": Storage}
@@ -149,8 +162,11 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     errors: list[str] = []
     doc = dict(doc)
     nccl = doc.pop("nccl", {})
-    errors += check_table("nccl", nccl, dict[str, str])
+    errors += check_table("nccl", nccl, dict[str, str]) or v.check_nccl(nccl)
     sections = build_document(SECTIONS, doc, errors)
+    # fields that failed their type checks were left at their defaults: these see only good values
+    errors += v.check_sbatch(sections["scheduler"].sbatch)
+    errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
     if not errors:  # cross-checks only make sense on well-typed fields
         errors += cross_check_site(site)
@@ -168,14 +184,13 @@ def cross_check_site(site: SiteProfile) -> list[str]:
         errors.append(f"`node.gpu_memory_gb` is unset but `node.gpus` = {site.node.gpus}: expected the memory per GPU")
     if site.node.gpus > 1 and site.node.intra_link == "none":
         errors.append(f"`node.intra_link` = 'none' with {site.node.gpus} GPUs per node: expected nvswitch, nvlink or pcie")
-    for key in site.nccl:
-        if not key.startswith(("NCCL_", "TORCH_NCCL_", "UCX_", "FI_")):
-            errors.append(f"`nccl.{key}`: expected an NCCL_*, TORCH_NCCL_*, UCX_* or FI_* variable")
     return errors
 
 
 def load_site(name_or_path: str) -> SiteProfile:
     path = site_path(name_or_path)
+    if v.first_unprintable(path.stem) is not None:  # the name is shown by render, status and site list
+        raise ConfigError([f"{v.shown(str(path))}: expected a profile name of printable characters"])
     return parse_site(read_toml(path), path.stem, str(path))
 
 
@@ -185,9 +200,12 @@ def raw_run_root(path: Path) -> Path | None:
         value = read_toml(path).get("storage", {}).get("run_root")
     except (ConfigError, AttributeError):
         return None
-    if not isinstance(value, str) or not value:
+    if not isinstance(value, str) or v.check_run_root("storage.run_root", value):
         return None
-    return Path(os.path.expandvars(os.path.expanduser(value)))
+    try:
+        return v.expand_run_root(value, str(path))
+    except ConfigError:
+        return None
 
 
 def choose_site(cli: str | None, spec_site: str | None) -> str:

@@ -7,44 +7,42 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
-import re
 import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc import validate as v
 from hpc.config import ConfigError, apply_overrides, build_document, field, read_toml
+from hpc.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
 SHARDINGS = ("full_shard", "shard_grad_op", "no_shard")
-SECRET_PATTERNS = (re.compile(r".*_TOKEN$"), re.compile(r".*_KEY$"), re.compile(r".*SECRET.*"),
-                   re.compile(r".*PASSWORD.*"))
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-
-
-def looks_secret(name: str) -> bool:
-    """True for environment variable names that look like credentials."""
-    upper = name.upper()
-    return any(p.match(upper) for p in SECRET_PATTERNS)
 
 
 @dataclass
 class Job:
-    name: str = field("hpcx", doc="Job name shown by Slurm (`--job-name`).")
+    name: str = field("hpcx", doc="Job name shown by Slurm (`--job-name`) and the start of the run folder's "
+                      "name: printable, not empty, not starting with `-`.", max_len=v.NAME_MAX)
     nodes: int = field(1, doc="Number of nodes.", minimum=1)
     tasks_per_node: int = field(0, doc="Tasks (ranks) per node; one per GPU. 0: the site's GPUs per "
-                                "node, or its CPU task count.", minimum=0)
+                                "node, or its CPU task count.", minimum=0, maximum=v.SLURM_U16_MAX)
     cpus_per_task: int = field(0, doc="CPU cores per task (0: the node's cores divided by the tasks).",
-                               minimum=0)
-    time_limit_min: int = field(60, doc="Wall-clock limit in minutes (`--time`).", minimum=1)
+                               minimum=0, maximum=v.SLURM_U16_MAX)
+    time_limit_min: int = field(60, doc="Wall-clock limit in minutes (`--time`).", minimum=1,
+                                maximum=v.SLURM_TIME_MAX_MIN)
     partition: str | None = field(None, doc="Overrides the site's partition.")
     account: str | None = field(None, doc="Overrides the site's account.")
     qos: str | None = field(None, doc="Overrides the site's QOS.")
     max_requeues: int = field(3, doc="How many times a preempted or timed-out job is requeued.",
-                              minimum=0)
+                              minimum=0, maximum=v.SLURM_U16_MAX)
     signal_lead_s: int = field(0, doc="Seconds of warning before the time limit (0: the site's value).",
-                               minimum=0)
+                               minimum=0, maximum=v.SLURM_SIGNAL_MAX)
     site: str | None = field(None, doc="Site profile to use when neither --site nor $HPCX_SITE is given.")
-    run_root: str | None = field(None, doc="Where this job's run folder goes (default: the site's run root).")
+    run_root: str | None = field(None, doc="Where this job's run folder goes (default: the site's run root). "
+                                 "Absolute, or starting with `~` or `$VAR` (expanded when the spec is "
+                                 "loaded; an unset variable is an error); no `%` or `\\`, which Slurm "
+                                 "would read in log file names. Runs made here are found again by "
+                                 "`status`/`logs`/`cancel` through an index of run roots.", max_len=v.PATH_MAX)
 
 
 @dataclass
@@ -54,20 +52,26 @@ class Model:
                       "2.7b, 6.7b, 13b, 30b, 70b.")
     seq_len: int = field(0, doc="Context length (0: the preset's).", minimum=0)
     vocab_size: int = field(0, doc="Vocabulary size (0: the preset's).", minimum=0)
-    dropout: float = field(0.0, doc="Dropout probability.", minimum=0)
+    dropout: float = field(0.0, doc="Dropout probability, below 1.", minimum=0, maximum=1)
     blocks: str = field("", doc="For user models: attribute path of the nn.ModuleList whose children "
                         "are the units to shard and checkpoint, e.g. `transformer.h` (default: `blocks`).")
-    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model.", factory=dict)
+    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model: strings, finite "
+                                      "numbers, booleans, arrays, tables; no credential-looking keys or values "
+                                      "(they are written to resolved.json).", factory=dict)
     activation_gb: float = field(0.0, doc="Measured activation memory per micro-batch sample in GB, for "
                                  "the planner on user models (0: unknown).", minimum=0)
 
 
 @dataclass
 class Data:
-    source: str = field("synthetic", doc="`synthetic` (seeded random tokens) or a path to a `.bin` token file.")
+    source: str = field("synthetic", doc="`synthetic` (seeded random tokens) or a path to a `.bin` token file "
+                        "(relative to the current folder; `~` and `$VAR` expanded). Checked when the spec is "
+                        "loaded: a readable regular file, a whole number of `dtype` tokens, at least one "
+                        "sample, and — on up to 4 MiB read from across the file — no token id at or above "
+                        "the model's vocabulary.", max_len=v.PATH_MAX)
     dtype: str = field("uint16", doc="Token dtype of a `.bin` file.", choices=("uint16", "uint32"))
     shuffle: bool = field(True, doc="Reshuffle the samples each epoch (deterministic from train.seed).")
-    num_workers: int = field(0, doc="DataLoader worker processes per rank.", minimum=0)
+    num_workers: int = field(0, doc="DataLoader worker processes per rank.", minimum=0, maximum=1024)
 
 
 @dataclass
@@ -78,13 +82,14 @@ class Train:
                              "count is global_batch / (ranks × micro_batch).", minimum=1)
     optimizer: str = field("adamw", doc="Optimizer (AdamW with decoupled weight decay; the only one for now).", choices=("adamw",))
     lr: float = field(3e-4, doc="Peak learning rate.", minimum=0)
-    min_lr_ratio: float = field(0.1, doc="Final LR of the cosine schedule as a fraction of `lr`.", minimum=0)
+    min_lr_ratio: float = field(0.1, doc="Final LR of the cosine schedule as a fraction of `lr`.", minimum=0,
+                                maximum=1)
     warmup_steps: int = field(10, doc="Linear warm-up steps.", minimum=0)
     schedule: str = field("cosine", doc="LR schedule after warm-up.", choices=("cosine", "constant"))
     weight_decay: float = field(0.1, doc="AdamW weight decay.", minimum=0)
     betas: list[float] = field(doc="AdamW betas.", factory=lambda: [0.9, 0.95])
     grad_clip: float = field(1.0, doc="Clip the global gradient norm to this (0: off).", minimum=0)
-    seed: int = field(0, doc="Seed for model init, data order and dropout.", minimum=0)
+    seed: int = field(0, doc="Seed for model init, data order and dropout.", minimum=0, maximum=v.SEED_MAX)
     log_every: int = field(1, doc="Write a metrics line every N steps.", minimum=1)
     warmup_metrics_steps: int = field(2, doc="Leading steps left out of throughput summaries.", minimum=0)
 
@@ -118,9 +123,11 @@ class Checkpoint:
 @dataclass
 class Env:
     set: dict[str, str] = field(doc="Environment variables set for every task (values are quoted; "
-                                "secret-looking names are refused here: use `pass`).", factory=dict)
+                                "credential-looking names and values are refused here: use `passthrough`).",
+                                factory=dict, max_len=v.PATH_MAX)
     passthrough: list[str] = field(doc="Names of variables taken from the submitting shell by name "
-                                   "only; their values never reach the script or the run folder.",
+                                   "only; their values never reach the script or the run folder. "
+                                   "`render` and `submit` warn about names the shell does not set.",
                                    factory=list)
 
 
@@ -151,6 +158,8 @@ def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
     sections = build_document(SECTIONS, doc, errors)
     spec = JobSpec(source=source, **sections)
     errors += _check_env(spec.env)
+    if _clean(errors, "job"):
+        errors += _check_job(spec.job)
     # checks across fields run only on sections whose fields are all well-typed
     if _clean(errors, "model"):
         errors += _check_model(spec.model)
@@ -165,23 +174,56 @@ def _clean(errors: list[str], section: str) -> bool:
     return not any(f"`{section}." in e or f"`{section}`" in e for e in errors)
 
 
-def load_spec(path: str | Path, overrides: tp.Sequence[str] = ()) -> JobSpec:
+def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = True) -> JobSpec:
+    """Read, override and check a spec on the login node: besides ``spec_from_dict``'s checks, the run
+    root is expanded to an absolute path and the data file is checked (both recorded absolute).
+    ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
-    return spec_from_dict(doc, str(path))
+    spec = spec_from_dict(doc, str(path))
+    errors = resolve_paths(spec) if paths else []
+    if errors:
+        raise ConfigError([f"{path}: {e}" for e in errors])
+    return spec
+
+
+def resolve_paths(spec: JobSpec) -> list[str]:
+    """Expand ``job.run_root`` and check ``data.source`` where the user is (not inside the job, whose
+    environment and file system may differ); both are rewritten as absolute paths."""
+    errors = []
+    if spec.job.run_root:
+        try:
+            spec.job.run_root = str(v.expand_run_root(spec.job.run_root, f"`job.run_root` = {spec.job.run_root!r}"))
+        except ConfigError as exc:
+            errors += exc.messages
+    from hpc.models import model_facts
+
+    facts = model_facts(spec.model)
+    problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
+                                                     facts.vocab_size)
+    return errors + problems
+
+
+def _check_job(job: Job) -> list[str]:
+    errors = v.check_job_name(job.name)
+    if job.run_root is not None:
+        errors += v.check_run_root("job.run_root", job.run_root)
+    return errors
 
 
 def _check_env(env: Env) -> list[str]:
     errors = []
-    named = [(f"env.set.{n}", n) for n in env.set] + [("env.passthrough", n) for n in env.passthrough]
-    for path, name in named:
-        if not ENV_NAME.match(name):
-            errors.append(f"`{path}`: variable name {name!r}: expected letters, digits and underscores, "
-                          "not starting with a digit")
     for name in env.set:
+        errors += v.check_env_name(f"env.set.{v.shown(name)}", name)
+    for name in env.passthrough:
+        errors += v.check_env_name("env.passthrough", name)
+    for name, value in env.set.items():
         if looks_secret(name):
-            errors.append(f"`env.set.{name}` looks like a secret: put \"{name}\" in `env.passthrough` and "
-                          "export it in your shell, so its value is never written to disk")
+            errors.append(f"`env.set.{v.shown(name)}` looks like a secret: put \"{v.shown(name)}\" in "
+                          "`env.passthrough` and export it in your shell, so its value is never written to disk")
+        elif kind := v.secret_value_kind(value):
+            errors.append(f"`env.set.{v.shown(name)}` holds what looks like {kind}: pass it by name with "
+                          "`env.passthrough`, so its value is never written to disk")
     return errors
 
 
@@ -197,6 +239,4 @@ def _check_train(train: Train, model: Model) -> list[str]:
         errors.append(f"`train.betas` = {train.betas!r}: expected two numbers in [0, 1)")
     if model.dropout >= 1:
         errors.append(f"`model.dropout` = {model.dropout!r}: expected a probability below 1")
-    if train.min_lr_ratio > 1:
-        errors.append(f"`train.min_lr_ratio` = {train.min_lr_ratio!r}: expected a fraction of `train.lr` in [0, 1]")
     return errors

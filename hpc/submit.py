@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shutil
 import sys
 import time
@@ -17,12 +16,13 @@ import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc import runs, schedulers
+from hpc import roots, runs, schedulers
 from hpc.config import ConfigError
 from hpc.schedulers.base import read_result, result_path
 from hpc.resolve import Launch, resolved_document
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
+from hpc.validate import expand_run_root
 
 
 @dataclass
@@ -30,40 +30,67 @@ class Submitted:
     run_dir: Path
     job_id: str
     scheduler: str
+    warning: str | None = None  # the run root could not be recorded in the index (hpc/roots.py)
 
 
 def run_root(spec: JobSpec, site: SiteProfile) -> Path:
     """The spec's `job.run_root` when set, else the site's."""
     if spec.job.run_root:
-        return Path(os.path.expandvars(os.path.expanduser(spec.job.run_root)))
+        return expand_run_root(spec.job.run_root, f"{spec.source}: `job.run_root` = {spec.job.run_root!r}")
     return site.run_root()
 
 
 def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
            overrides: tp.Sequence[str] = ()) -> Submitted:
-    """Create the run folder and submit; returns as soon as the scheduler has the job."""
+    """Create the run folder and submit; returns as soon as the scheduler has the job.
+
+    A file that cannot be written (a full disk, a quota) leaves nothing behind: the run folder is
+    removed, a job already handed to the scheduler is cancelled, and the ConfigError says which.
+    """
     from trainer.task import TrainTask  # no torch at import time
 
     group = site.storage.group_readable
+    sched = schedulers.get(site.scheduler.kind)
     with runs.private_umask(group):
         run_dir = runs.new_run_dir(run_root(spec, site), spec.job.name, group)
         rd = runs.RunDir(run_dir)
         try:
-            shutil.copyfile(spec_path, rd.spec)
-        except OSError:
-            pass  # a spec given on stdin or deleted meanwhile: resolved.json has it all
-        doc = resolved_document(spec, site, launch, str(run_dir))
-        doc["overrides"] = list(overrides)
-        runs.write_json(rd.resolved, doc)
-        sched = schedulers.get(site.scheduler.kind)
-        runs.write_atomic(rd.render, sched.render(spec, site, launch, str(run_dir), sys.executable))
-        executor = sched.executor(spec, site, launch, rd.submitit)
-        job = submit_or_clean_up(executor, TrainTask(str(run_dir)), run_dir)
-        info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
-                "submitted_at": time.time(), "python": sys.executable}
-        runs.write_json(rd.job, info)
-        runs.append_jsonl(rd.states, {"state": "SUBMITTED", "time": time.time()})
-    return Submitted(run_dir, str(job.job_id), site.scheduler.kind)
+            write_run_files(spec, site, launch, rd, spec_path, overrides)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
+                               "submitted and the folder was removed"]) from None
+        job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), TrainTask(str(run_dir)), run_dir)
+        try:
+            record_job(rd, job, site)
+        except OSError as exc:
+            job.cancel(check=False)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
+                               "cancelled and the run folder removed"]) from None
+    return Submitted(run_dir, str(job.job_id), site.scheduler.kind, roots.remember_or_warn(run_dir.parent))
+
+
+def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.RunDir, spec_path: Path,
+                    overrides: tp.Sequence[str]) -> None:
+    """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
+    try:
+        shutil.copyfile(spec_path, rd.spec)
+    except FileNotFoundError:
+        pass  # the spec was deleted since it was read: resolved.json has it all
+    doc = resolved_document(spec, site, launch, str(rd.path))
+    doc["overrides"] = list(overrides)
+    runs.write_json(rd.resolved, doc)
+    text = schedulers.get(site.scheduler.kind).render(spec, site, launch, str(rd.path), sys.executable)
+    runs.write_atomic(rd.render, text)
+
+
+def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile) -> None:
+    """job.json and the first state line: what status, logs and cancel find the job by."""
+    info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
+            "submitted_at": time.time(), "python": sys.executable}
+    runs.write_json(rd.job, info)
+    runs.append_jsonl(rd.states, {"state": "SUBMITTED", "time": time.time()})
 
 
 # States nothing comes back from (a requeue passes through REQUEUED/PREEMPTED/FAILED, never these):
@@ -79,7 +106,13 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
             return executor.submit(task)
-    except (FailedJobError, FailedSubmissionError, OSError) as exc:
+    except OSError as exc:  # submitit writes its pickles and script into the run folder, then runs sbatch
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ours = str(exc.filename or run_dir).startswith(str(run_dir))
+        what = "write the job's files" if ours else f"run {exc.filename}"
+        raise ConfigError([f"{run_dir}: cannot {what} ({exc.strerror or exc}): nothing was submitted and the "
+                           "folder was removed"]) from None
+    except (FailedJobError, FailedSubmissionError) as exc:
         shutil.rmtree(run_dir, ignore_errors=True)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None

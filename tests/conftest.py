@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# `hpcx submit` records run roots in $XDG_STATE_HOME/hpcx/run-roots: the tests' go to a folder of
+# their own, never into the user's state (a test that checks the index sets its own).
+os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="hpcx-test-state-")
+atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], True)
 RECORDED = REPO / "tests" / "data" / "recorded"  # verbatim tool outputs, sources in SOURCES.md
 
 

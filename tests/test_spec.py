@@ -1,11 +1,22 @@
 """Strict loading of job specs and site profiles, driven by the corpus of broken files.
 
 Each file under tests/corpus/ starts with `# expect:` lines: the exact messages
-(with the file's path written as FILE) that loading it must produce, in order.
+(with the file's path written as FILE) that loading it must produce, in order;
+`# expect: nothing` means it must load cleanly.
+
+`specs/`, `sites/` and `cross/` are the first corpus. Every other folder is one class of input
+defect (tests/corpus/README.md lists them); its files may carry more headers, read by
+`run_case`: `# kind:` spec (default), site, cross (with `# site:`) or site-root (load the site,
+then expand its run root); `# fixture:` files made in a temporary folder first; `# env:` /
+`# unset:` environment for the load (`# env-escaped:` reads \\t, \\x1b …); `# set:` a --set override;
+`# path:` load this path instead of the file; `# cwd:` the current folder. TMP in the file or its
+headers is that temporary folder; the file itself is copied there (byte for byte otherwise) and
+loaded as FILE.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,8 +46,98 @@ def messages(fn) -> list[str]:
     return info.value.messages
 
 
+FIRST = ("specs", "sites", "cross")
+CLASSES = sorted(p.name for p in CORPUS.iterdir() if p.is_dir() and p.name not in FIRST)
+
+
 def test_corpus_is_large_enough():
     assert len(list(CORPUS.glob("*/*.toml"))) >= 30
+    for name in CLASSES:
+        assert len(list((CORPUS / name).glob("*.toml"))) >= 8, f"corpus class {name} has fewer than 8 cases"
+
+
+def headers(path: Path, key: str) -> list[str]:
+    prefix = f"# {key}: ".encode()
+    lines = path.read_bytes().removeprefix(b"\xef\xbb\xbf").splitlines()
+    return [line[len(prefix):].decode() for line in lines if line.startswith(prefix)]
+
+
+def make_fixture(spec: str, tmp: Path) -> None:
+    """`tokens NAME DTYPE COUNT MAX` (ids cycling 0..MAX, MAX last), `zeros-then NAME DTYPE COUNT MAX`,
+    `bytes NAME N`, `text NAME N`, `fifo NAME`, `dir NAME`, `symlink NAME TARGET`, `socket NAME`."""
+    import array
+    import os
+    import socket
+
+    kind, name, *args = spec.split()
+    target = tmp / name
+    if kind == "tokens":
+        dtype, count, top = args[0], int(args[1]), int(args[2])
+        ids = [i % (top + 1) for i in range(count - 1)] + [top]  # cycling, and the largest id last
+        with target.open("wb") as f:
+            array.array("H" if dtype == "uint16" else "I", ids).tofile(f)
+    elif kind == "zeros-then":  # COUNT tokens of 0, the last one MAX: only a read of the end finds it
+        dtype, count, top = args[0], int(args[1]), int(args[2])
+        width = 2 if dtype == "uint16" else 4
+        target.write_bytes(b"\0" * (width * (count - 1)) + top.to_bytes(width, sys.byteorder))
+    elif kind == "bytes":
+        target.write_bytes(b"\0" * int(args[0]))
+    elif kind == "text":
+        target.write_text("# " + "x" * (int(args[0]) - 3) + "\n")
+    elif kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "dir":
+        target.mkdir()
+    elif kind == "symlink":
+        target.symlink_to(args[0].replace("TMP", str(tmp)))
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(target))
+        sock.close()
+    else:
+        raise AssertionError(f"unknown fixture {spec!r}")
+
+
+def run_case(path: Path, tmp: Path, monkeypatch) -> list[str] | None:
+    """Load one class-corpus file as its headers say; the messages, or None when it loads cleanly."""
+    path = path.resolve()
+    for spec in headers(path, "fixture"):
+        make_fixture(spec.replace("TMP", str(tmp)), tmp)
+    for item in headers(path, "env") + [h.encode().decode("unicode_escape") for h in headers(path, "env-escaped")]:
+        name, value = item.split("=", 1)
+        monkeypatch.setenv(name, value.replace("TMP", str(tmp)))
+    for name in headers(path, "unset"):
+        monkeypatch.delenv(name, raising=False)
+    for folder in headers(path, "cwd"):
+        monkeypatch.chdir(folder.replace("TMP", str(tmp)))
+    copy = tmp / path.name
+    copy.write_bytes(path.read_bytes().replace(b"TMP", str(tmp).encode()))
+    target = Path(headers(path, "path")[0].replace("TMP", str(tmp))) if headers(path, "path") else copy
+    overrides = [o.replace("TMP", str(tmp)) for o in headers(path, "set")]
+    kind = (headers(path, "kind") or ["spec"])[0]
+    load = {
+        "spec": lambda: load_spec(target, overrides),
+        "site": lambda: load_site(str(target)),
+        "site-root": lambda: load_site(str(target)).run_root(),
+        "cross": lambda: resolve(load_spec(target, overrides), load_site(headers(path, "site")[0])),
+    }[kind]
+    try:
+        load()
+    except ConfigError as exc:
+        return [m.replace(str(tmp), "TMP") for m in exc.messages]
+    return None
+
+
+def class_cases() -> list[Path]:
+    return sorted(p for name in CLASSES for p in (CORPUS / name).glob("*.toml"))
+
+
+@pytest.mark.parametrize("path", class_cases(), ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_class_corpus(path: Path, tmp_path: Path, monkeypatch):
+    want = [line.replace("FILE", str(tmp_path / path.name), 1).replace(str(tmp_path), "TMP")
+            for line in headers(path, "expect")]
+    got = run_case(path, tmp_path, monkeypatch)
+    assert got == (None if want == ["nothing"] else want)
 
 
 @pytest.mark.parametrize("path", sorted((CORPUS / "specs").glob("*.toml")), ids=lambda p: p.stem)
@@ -57,7 +158,8 @@ def test_broken_site(path: Path):
 
 def test_every_message_is_one_line():
     for path in CORPUS.glob("*/*.toml"):
-        assert all("\n" not in m for m in expected(path)), path
+        assert all("\n" not in m for m in headers(path, "expect")), path
+        assert headers(path, "expect"), f"{path} states no expectation"
 
 
 @pytest.mark.parametrize("name", list_sites())

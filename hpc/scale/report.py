@@ -61,7 +61,8 @@ class Study:
 
     def spec(self, nodes: int) -> JobSpec:
         """The point's spec: the study's copy of the spec with the study's and the point's overrides."""
-        return load_spec(self.dir / STUDY_SPEC, [*self.doc["overrides"], *self.point(nodes)["overrides"]])
+        return load_spec(self.dir / STUDY_SPEC, [*self.doc["overrides"], *self.point(nodes)["overrides"]],
+                         paths=False)
 
 
 def study_site(study: dict) -> SiteProfile:

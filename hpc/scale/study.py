@@ -23,6 +23,7 @@ from hpc.config import ConfigError
 from hpc.resolve import resolve, tasks_per_node
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec, load_spec
+from hpc.validate import INT32_MAX
 
 STUDY_FILE = "study.json"  # the points, each with its run folder
 STUDY_SPEC = "spec.toml"  # the study's copy of the spec
@@ -38,8 +39,8 @@ def parse_nodes(text: str) -> list[int]:
         nodes = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise ConfigError([f"--nodes {text!r}: expected node counts separated by commas, e.g. 1,2,4,8"]) from None
-    if not nodes or nodes[0] < 1:
-        raise ConfigError([f"--nodes {text!r}: expected node counts of at least 1, e.g. 1,2,4,8"])
+    if not nodes or nodes[0] < 1 or nodes[-1] > INT32_MAX:
+        raise ConfigError([f"--nodes {text!r}: expected node counts from 1 to {INT32_MAX}, e.g. 1,2,4,8"])
     return nodes
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hpc.errors import UserError
 from hpc.schedulers.base import JobSide, JobState, Scheduler, run_command, submitit_command, try_command
+from hpc.validate import directive_value
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.resolve import Launch
@@ -54,21 +55,29 @@ def gpu_parameters(site: SiteProfile, launch: Launch) -> dict[str, tp.Any]:
     return {"gpus_per_node": launch.gpus_per_node}
 
 
+def sbatch_extras(table: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """A site's [scheduler.sbatch] as submitit's additional_parameters: `true` is a bare flag, `false`
+    leaves the option out, strings are prepared for sbatch's directive parser."""
+    return {key: directive_value(value) if isinstance(value, str) else value
+            for key, value in table.items() if value is not False}
+
+
 def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch) -> dict[str, tp.Any]:
-    """Keyword arguments of submitit's SlurmExecutor for this launch."""
+    """Keyword arguments of submitit's SlurmExecutor for this launch; every string that lands on an
+    ``#SBATCH`` line goes through ``directive_value`` so that sbatch reads back exactly the value."""
     params: dict[str, tp.Any] = {
-        "job_name": spec.job.name,
+        "job_name": directive_value(spec.job.name),
         "nodes": launch.nodes,
         "ntasks_per_node": launch.tasks_per_node,
         "cpus_per_task": launch.cpus_per_task,
         "time": spec.job.time_limit_min,
         "signal_delay_s": launch.signal_lead_s,
         "stderr_to_stdout": False,
-        "additional_parameters": {"requeue": True, **site.scheduler.sbatch},
+        "additional_parameters": {"requeue": True, **sbatch_extras(site.scheduler.sbatch)},
     }
     for key in ("partition", "account", "qos"):
         if getattr(launch, key):
-            params[key] = getattr(launch, key)
+            params[key] = directive_value(getattr(launch, key))
     params.update(gpu_parameters(site, launch))
     setup = setup_lines(spec, site)
     if setup:
