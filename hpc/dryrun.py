@@ -287,12 +287,14 @@ def format_dryrun(r: DryRun) -> str:
 
 
 def _mesh_lines(r: DryRun) -> list[str]:
-    m = r.mesh
+    m, tpn = r.mesh, r.tasks_per_node
+    nodes = [f"nodes: {r.world_size // tpn} × {tpn} ranks (node k holds ranks {tpn}k..{tpn}k+{tpn - 1}); this "
+             f"rank's node {m['node']} holds {_ranks(list(range(m['node'] * tpn, (m['node'] + 1) * tpn)))}"]
     if m["shape"] is None:
         group = "the default group of all ranks" if r.world_size > 1 else "no process group in the job"
-        return [f"mesh: none ({r.dims['strategy']} uses {group})"]
+        return nodes + [f"mesh: none ({r.dims['strategy']} uses {group})"]
     dims = " × ".join(f"{n}={s}" for n, s in zip(m["names"], m["shape"]))
-    lines = [f"mesh: ({dims}); this rank's coordinate {tuple(m['coordinate'])}; {r.tasks_per_node} ranks per node"]
+    lines = nodes + [f"mesh: ({dims}); this rank's coordinate {tuple(m['coordinate'])}"]
     for name, d in m["dims"].items():
         spread = "each inside one node" if d["max_nodes_per_group"] == 1 else \
             f"each across up to {d['max_nodes_per_group']} nodes"

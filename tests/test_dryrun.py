@@ -258,3 +258,25 @@ def _user_job(tmp_path):
         'arch = "gpt"\nsize = "tiny"',
         'arch = "init_models:make"\nblocks = "trunk.layers"\nseq_len = 16\nvocab_size = 250'))
     return job
+
+
+def test_a_fused_adamw_gets_its_state_on_meta():
+    """Fused AdamW has no meta kernel: the dry step runs it unfused (same state) and restores the flag."""
+    from hpc.dims import parallel_dims
+    from hpc.dryrun import rank_bytes, step_on_meta
+    from hpc.fake_pg import fake_process_group
+    from hpc.spec import Model, Parallel
+    from trainer.model import build_model, model_blocks
+    from trainer.parallelize import build_mesh, parallelize
+
+    dims = parallel_dims("fsdp", "full_shard", 8)
+    with fake_process_group(8, 3):
+        model = build_model(Model(size="tiny"), "meta")
+        model = parallelize(model, model_blocks(model), Parallel(strategy="fsdp"), dims, build_mesh(dims, "cpu"),
+                            torch.device("meta"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        step_on_meta(model, optimizer)
+        measured, _ = rank_bytes(model, optimizer)
+    assert optimizer.param_groups[0]["fused"] is True and len(optimizer.state) == len(list(model.parameters()))
+    assert all(p.grad is None for p in model.parameters())
+    assert 2 * measured["params"] <= measured["optimizer"] <= 2 * measured["params"] + 4 * len(optimizer.state)
