@@ -326,6 +326,36 @@ def site_list(as_json: bool) -> None:
         click.echo(f"{r['name']:12} {r['scheduler']:6} {gpus:28} {r['intra_link']:9} {r['fabric']:11} {where}")
 
 
+@cli.command()
+@click.argument("job", type=click.Path(dir_okay=False))
+@site_option
+@set_option
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The rank to build (its mesh coordinate, shards and checkpoint plan).")
+@json_option
+def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: int, as_json: bool) -> None:
+    """Build JOB's real sharded model, mesh and optimizer as one rank of the full job, on this CPU.
+
+    The trainer's own construction runs on torch's fake process group: no GPU, no weights (every
+    tensor is on the meta device). Prints the mesh, the FSDP units and the bytes per rank beside
+    `hpcx plan`'s, and this rank's checkpoint plan. Imports torch (unlike render and plan).
+    Exit status 1 when dryrun and plan differ by more than 1%.
+    """
+    spec, site, launch = load_job(job, site_name, overrides)
+    if rank >= launch.world_size:
+        raise ConfigError([f"--rank {rank}: {spec.source} runs {launch.nodes} node(s) × {launch.tasks_per_node} "
+                           f"ranks = {launch.world_size} ranks, expected 0..{launch.world_size - 1}"])
+    from hpc.dryrun import dryrun as dry, format_dryrun
+
+    result = dry(spec, site, launch, rank)
+    if as_json:
+        echo_json(result.to_dict())
+    else:
+        click.echo(format_dryrun(result))
+    if result.problems:
+        sys.exit(1)
+
+
 def _site_row(name: str, path: Path, origin: str) -> dict[str, tp.Any]:
     """One line of `site list`: the profile's headline fields, or why it does not load."""
     from hpc.site import load_site

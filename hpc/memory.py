@@ -15,11 +15,15 @@ What is modelled, and why (see docs/planner.md for the derivations):
   weight copies).
 - Activations of the built-in GPT (Korthikanti et al. 2022 accounting with fused SDPA
   attention), with and without per-block activation checkpointing.
+- Start-up and checkpoint peaks (separate terms, beside the training total): ``init_bytes``
+  while the trainer materializes the model (``trainer.model.WeightInit``), ``staging_bytes``
+  for the host copy checkpoint saves keep.
 """
 
 from __future__ import annotations
 
 import math
+import typing as tp
 from dataclasses import dataclass
 
 from hpc.dims import ParallelDims
@@ -53,6 +57,7 @@ class Config:
     checkpointing: bool
     micro_batch: int
     dropout: float = 0.0
+    async_save: bool = False  # checkpoint.async_save: saves keep a host copy of the states
 
 
 @dataclass
@@ -66,6 +71,9 @@ class Memory:
     activations: float | None
     host_per_node: float = 0.0  # offloaded states on the host, all ranks of a node
     notes: tuple[str, ...] = ()
+    init: float = 0.0  # start-up peak on the device while the weights are materialized (init_bytes)
+    staging: float = 0.0  # host memory per rank that checkpoint saves keep (staging_bytes)
+    staging_per_node: float = 0.0  # the same for all ranks of a node
 
     @property
     def total(self) -> float:
@@ -77,10 +85,20 @@ def headroom_gb(total_gb: float, gpu: bool) -> float:
     return (CONTEXT_GB if gpu else CPU_PROCESS_GB) + FRAGMENTATION * total_gb
 
 
-def model_states(n_params: int, cfg: Config) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes resident per rank after an optimizer step."""
-    shard = cfg.dims.dp_shard
-    per_rank = math.ceil(n_params / shard)  # FSDP2 pads dim 0 to the shard count; presets divide evenly
+def sharded_numel(n_params: int, shard: int, shapes: tp.Sequence[tuple[int, ...]] = ()) -> int:
+    """Parameter elements one rank stores when each tensor is split on dim 0 into ``shard`` chunks
+    (FSDP2): every rank's storage is padded to the first chunk, ceil(dim0 / shard) rows, so a tensor
+    whose dim 0 does not divide (a small model on many ranks) costs more than its share. Without
+    ``shapes``, ceil(n_params / shard)."""
+    if not shapes:
+        return math.ceil(n_params / shard)
+    return sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for s in shapes if s)
+
+
+def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]] = ()) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes resident per rank after an optimizer step (on the fullest
+    rank: with uneven dim-0 splits, later ranks hold shorter shards)."""
+    per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
     return per_rank * PARAM_BYTES, per_rank * GRAD_BYTES, per_rank * ADAM_BYTES
 
 
@@ -186,7 +204,8 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     """Per-rank memory of ``cfg``; None when the parameter count is unknown."""
     if facts.n_params is None:
         return None
-    params, grads, opt = model_states(facts.n_params, cfg)
+    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes)
+    init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
     buffers, notes = buffer_bytes(facts, cfg)
     act = activation_bytes(facts, cfg)
     host = 0.0
@@ -197,4 +216,41 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     if act is None:
         notes.append("activations unknown: set model.activation_gb (measured GB per sample)")
     return Memory(params / GB, grads / GB, opt / GB, buffers / GB, None if act is None else act / GB,
-                  host_per_node=host, notes=tuple(notes))
+                  host_per_node=host, notes=tuple(notes), init=init / GB, staging=staging / GB,
+                  staging_per_node=staging * tasks_per_node / GB)
+
+
+# ---- start-up and checkpoint peaks (kept apart from the training terms above; docs/planner.md)
+
+
+def init_bytes(facts: ModelFacts, cfg: Config) -> float:
+    """Device bytes per rank while the trainer materializes a model built on the meta device
+    (``trainer.model.WeightInit``): the rank's fp32 parameters (its shard under FSDP, on the host
+    under offload) plus, under FSDP, the largest module's full fp32 tensors, which are computed
+    whole and sliced (whole replicas are initialised in place). Gradients and optimizer state do
+    not exist yet."""
+    params = 0 if cfg.offload else sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
+    module = (facts.largest_module_params or 0) if cfg.dims.fsdp_enabled else 0
+    return (params + module) * PARAM_BYTES
+
+
+def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
+    """Host bytes per rank that checkpoint saves hold. Async saves copy the rank's parameters and
+    optimizer state into host buffers kept from one save to the next (``ReusedStager``, pinned on
+    CUDA); a synchronous save copies one tensor at a time to the host (about the largest module's
+    share)."""
+    per_rank = sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
+    if cfg.async_save:
+        return per_rank * (PARAM_BYTES + ADAM_BYTES)
+    return math.ceil((facts.largest_module_params or 0) / cfg.dims.dp_shard) * PARAM_BYTES
+
+
+def peaks_note(facts: ModelFacts, async_save: bool, gpu: bool) -> str:
+    """One line for ``hpcx plan`` saying what the init and staging figures count."""
+    module = f"{facts.largest_module_params:,}" if facts.largest_module_params else "?"
+    staging = ("async checkpoint saves keep a host copy of each rank's params + optimizer state"
+               if async_save else "synchronous saves copy one tensor at a time to the host")
+    where = "host/node (with offloaded states)" if gpu else "+headroom (host memory is the rank's memory)"
+    return (f"init = the rank's fp32 parameters (+ under fsdp/hsdp the largest module's full fp32 tensors, "
+            f"{module} params) while the weights are materialized; +headroom covers the larger of total and init; "
+            f"{staging}, counted in {where}")

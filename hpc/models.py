@@ -59,6 +59,19 @@ class GPTShape:
         These are what autocast copies to bf16/fp16; embeddings and LayerNorms stay fp32."""
         return self.n_layers * 12 * self.d_model ** 2 + self.vocab_size * self.d_model
 
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Every parameter's shape, in the built model's order (FSDP2 shards each one on dim 0)."""
+        d, v, s = self.d_model, self.vocab_size, self.seq_len
+        block = ((d,), (d,), (3 * d, d), (d, d), (d,), (d,), (4 * d, d), (d, 4 * d))  # ln1, attn, ln2, mlp
+        return ((v, d), (s, d)) + block * self.n_layers + ((d,), (d,)) + (() if self.tied else ((v, d),))
+
+    @property
+    def largest_module_params(self) -> int:
+        """The most parameters one module owns itself (the embedding or head, else the MLP's fc):
+        the full tensors the trainer initialises at once."""
+        d = self.d_model
+        return max(self.vocab_size * d, self.seq_len * d, 4 * d * d)
+
     def flops_per_token(self) -> float:
         """Training FLOPs per token: 6N over the non-embedding parameters (blocks, final norm and the head,
         whose matmul runs tied or not) plus 12·L·d·S for attention scores."""
@@ -129,6 +142,8 @@ class ModelFacts:
     activation_gb_per_sample: float = 0.0  # measured, for user models (0: unknown)
     matmul_params: int | None = None  # weights autocast copies to bf16/fp16 (None: assume all)
     source: str = ""  # where the parameter count comes from
+    param_shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape; empty when unknown
+    largest_module_params: int | None = None  # the most parameters one module owns (init granularity)
 
     @property
     def builtin(self) -> bool:
@@ -150,7 +165,8 @@ def gpt_facts(label: str, shape: GPTShape) -> ModelFacts:
                       unit_params=shape.block_params, root_params=shape.embedding_params + shape.head_params,
                       n_units=shape.n_layers, flops_per_token=shape.flops_per_token(), seq_len=shape.seq_len,
                       vocab_size=shape.vocab_size, gpt=shape, matmul_params=shape.matmul_params,
-                      source="counted from the shape")
+                      source="counted from the shape", param_shapes=shape.param_shapes(),
+                      largest_module_params=shape.largest_module_params)
 
 
 def gpt_label(model: Model) -> str:

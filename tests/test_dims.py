@@ -3,11 +3,11 @@ the planner, the trainer's launch refit, its device mesh, and checkpoint inferen
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from hpc.dims import ParallelDims, dims_from_mesh, parallel_dims
 from hpc.memory import GB
@@ -111,21 +111,17 @@ def test_hsdp_no_shard_is_refused_at_load():
 @pytest.fixture
 def fake_world():
     """A fake process group (torch's test backend: collectives are no-ops) at a given world size."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from hpc.fake_pg import fake_process_group
 
-    def start(world: int, rank: int = 0) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-    yield start
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    with contextlib.ExitStack() as stack:
+        yield lambda world, rank=0: stack.enter_context(fake_process_group(world, rank))
 
 
 @pytest.mark.parametrize("strategy,sharding,nodes,tpn,shard_size,expected", CASES, ids=IDS)
 def test_trainer_mesh_refit_and_checkpoint_inference_agree(strategy, sharding, nodes, tpn, shard_size, expected,
                                                            fake_world, tmp_path):
     from trainer.checkpoint import infer_dims
-    from trainer.model import build_model, model_blocks
+    from trainer.model import WeightInit, build_model, model_blocks
     from trainer.parallelize import build_mesh, parallelize
     from trainer.run import Run
     from trainer.train import fit_launch
@@ -145,8 +141,9 @@ def test_trainer_mesh_refit_and_checkpoint_inference_agree(strategy, sharding, n
         assert tuple(mesh.mesh.shape) == dims.mesh_shape and mesh.mesh_dim_names == dims.mesh_dim_names
     if dims.dp_enabled:
         return  # nn.DataParallel needs GPUs
-    model = build_model(spec.model)
-    model = parallelize(model, model_blocks(model), spec.parallel, dims, mesh, torch.device("cpu"))
+    model = build_model(spec.model, "meta")
+    model = parallelize(model, model_blocks(model), spec.parallel, dims, mesh, torch.device("cpu"),
+                        WeightInit.of(model, 0))
     seen = infer_dims(model)
     assert (seen.strategy, seen.dp_replicate, seen.dp_shard) == (dims.strategy, dims.dp_replicate, dims.dp_shard)
 
@@ -174,7 +171,7 @@ def test_one_process_strategies_take_one_task_per_node(site_name, strategy, task
     spec = spec_from_dict({"parallel": {"strategy": strategy}, "train": {"global_batch": 64, "micro_batch": 8}})
     launch = resolve(spec, site)
     assert (launch.tasks_per_node, launch.gpus_per_node, launch.world_size) == (tasks, gpus, tasks)
-    assert choose(spec, site, 1)[0] == launch.dims
+    assert choose(spec, site, 1).dims == launch.dims
     script = render(spec, site, launch, "/runs/RUN", "/venv/bin/python")
     if directive:
         assert directive in script and f"#SBATCH --ntasks-per-node={tasks}" in script

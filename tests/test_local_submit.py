@@ -31,7 +31,9 @@ def test_main_job_runs_and_prints_result(run_root: Path):
     assert world["world_size"] == 2 and world["all_reduce"] == 2
     status = json.loads(hpcx("status", str(run_dir), "--json").stdout)
     assert status["state"] == "COMPLETED" and status["step"] == 6
-    assert (run_dir / "logs" / "rank-1.log").exists()
+    for rank in range(2):  # built on the meta device, materialized whole on each rank (ddp)
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert "model built on meta, materialized on cpu: 135808 of 135808 parameters on this rank (100.0%)" in log
 
 
 def test_submit_never_imports_torch_and_returns_at_once(run_root: Path):

@@ -44,16 +44,16 @@ def _local_bytes(tensors) -> int:
 
 
 def _measure(size: str, strategy: str, sharding: str, precision: str, world: int) -> tuple[int, int, int]:
-    from trainer.model import build_model, model_blocks
+    from trainer.model import WeightInit, build_model, model_blocks
     from trainer.optim import build_optimizer
     from trainer.parallelize import build_mesh, parallelize
 
     spec = spec_from_dict({"model": {"size": size}, "parallel": {"strategy": strategy, "sharding": sharding,
                                                                  "mixed_precision": precision}})
-    torch.manual_seed(0)
-    model = build_model(spec.model)
+    model = build_model(spec.model, "meta")
     dims = _dims(strategy, sharding, world)
-    model = parallelize(model, model_blocks(model), spec.parallel, dims, build_mesh(dims, "cpu"), torch.device("cpu"))
+    model = parallelize(model, model_blocks(model), spec.parallel, dims, build_mesh(dims, "cpu"), torch.device("cpu"),
+                        WeightInit.of(model, 0))
     optimizer = build_optimizer(model, spec.train)
     shape = gpt_shape(size)
     tokens = torch.randint(0, shape.vocab_size, (1, shape.seq_len))

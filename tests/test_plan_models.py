@@ -181,8 +181,7 @@ def test_trainer_builds_the_spec_architecture():
     from trainer.model import build_model
 
     for fields, shape in ARCHS:
-        with torch.device("meta"):
-            built = build_model(model(**fields))
+        built = build_model(model(**fields), "meta")
         assert built.num_params() == shape.n_params, fields
         assert (built.head.weight is built.tok_emb.weight) == shape.tied
         assert len(built.blocks) == shape.n_layers and built.blocks[0].attn.n_heads == shape.n_heads
@@ -193,7 +192,7 @@ def test_tied_gpt_trains_through_the_shared_matrix():
     from trainer.model import build_model
 
     torch.manual_seed(0)
-    net = build_model(model(size="tiny", tie_embeddings=True))
+    net = build_model(model(size="tiny", tie_embeddings=True), "cpu")
     tokens = torch.randint(0, 256, (2, 17))
     loss = torch.nn.functional.cross_entropy(net(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from hpc.errors import UserError
@@ -19,8 +18,7 @@ from trainer.model import build_model, model_blocks
 def count_model(spec: ModelSpec) -> Counted:
     """Parameters of ``spec``'s model, counted on the meta device."""
     try:
-        with torch.device("meta"):
-            model = build_model(spec)
+        model = build_model(spec, "meta")
         blocks = model_blocks(model, spec.blocks)
     except Exception as exc:  # the user's code: whatever it raises is their error to read
         raise UserError([f"`model.arch` = {spec.arch!r}: could not build it on the meta device to count its "

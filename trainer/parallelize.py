@@ -1,15 +1,18 @@
 """Parallelism as an ordered list of ``apply_*`` functions on a model and a device mesh.
 
 ``parallelize`` applies, in this order: activation checkpointing per block,
-``torch.compile`` per block (optional), then one data-parallel wrapper:
+``torch.compile`` per block (optional), FSDP2 (fsdp/hsdp), the weights
+(``WeightInit.materialize``: a model built on the meta device gets its memory and values
+here), then DDP or DataParallel:
 
 =============  ================================================================
 ``none``       the model as is (one process)
 ``dp``         ``nn.DataParallel`` (single process, several GPUs; kept for parity, use ddp)
 ``ddp``        ``DistributedDataParallel``
-``fsdp``       FSDP2 ``fully_shard`` per block then the root, on a 1-D mesh ``("dp_shard",)``:
-               ``full_shard`` reshards parameters after forward, ``shard_grad_op`` keeps
-               them unsharded until backward is done.
+``fsdp``       FSDP2 ``fully_shard`` per block, on the model's ``fsdp_units()`` (the GPT's
+               embeddings, and its final norm + head), then the root, on a 1-D mesh
+               ``("dp_shard",)``: ``full_shard`` reshards parameters after forward,
+               ``shard_grad_op`` keeps them unsharded until backward is done.
                ``no_shard`` (FSDP1's NO_SHARD is deprecated) is FSDP2 on a 2-D mesh
                ``(world, 1)``: every rank holds whole parameters and gradients are
                all-reduced, i.e. DDP semantics, while mixed precision, CPU offload, gradient
@@ -18,6 +21,12 @@
                sharded within a group of ``dims.dp_shard`` ranks (one node by default),
                replicated across the ``dims.dp_replicate`` groups.
 =============  ================================================================
+
+Why materialization sits between FSDP and DDP: ``fully_shard`` on a meta model records each
+rank's shard without allocating anything, so ``to_empty`` then allocates only the shard;
+DDP and DataParallel broadcast and bucket real tensors, and each rank holds the whole replica
+under them anyway, so they wrap the model after it has its weights. Without a ``WeightInit``,
+a meta model stays on meta and ddp/dp are not wrapped (``hpcx dryrun``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpc.dims import ParallelDims
 from hpc.spec import Parallel
+from trainer.model import WeightInit, outer_units
 
 log = logging.getLogger("hpcx.trainer")
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,21 +65,32 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, list[list[int]]]:
 
 
 def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dims: ParallelDims,
-                mesh: DeviceMesh | None, device: torch.device) -> nn.Module:
-    """Apply activation checkpointing, compile, then the layout's data parallelism; returns the model to train."""
+                mesh: DeviceMesh | None, device: torch.device, init: WeightInit | None = None) -> nn.Module:
+    """Activation checkpointing, compile, FSDP, the weights (``init``), then DDP/DataParallel; the
+    model to train. The model may be on the meta device (give ``init``) or already on ``device``."""
     if parallel.activation_checkpointing:
         apply_ac(blocks)
     if parallel.compile:
         apply_compile(blocks)
     if dims.fsdp_enabled:
-        return apply_fsdp(model, blocks, mesh, dims.reshard_after_forward, parallel.mixed_precision,
-                          parallel.cpu_offload, device)
+        apply_fsdp(model, blocks, mesh, dims.reshard_after_forward, parallel.mixed_precision,
+                   parallel.cpu_offload, device)
+    if init is not None:
+        offloaded = dims.fsdp_enabled and parallel.cpu_offload
+        init.materialize(model, device, torch.device("cpu") if offloaded else None)
+    if on_meta(model) or dims.fsdp_enabled:
+        return model
     model = model.to(device)
     if dims.ddp_enabled:
         return apply_ddp(model, device)
     if dims.dp_enabled:
         return apply_dp(model)
     return model
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether the model's parameters are still on the meta device (not materialized)."""
+    return any(p.is_meta for p in model.parameters())
 
 
 def apply_ac(blocks: nn.ModuleList) -> None:
@@ -92,21 +113,41 @@ def apply_compile(blocks: nn.ModuleList) -> None:
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, reshard_after_forward: bool,
                mixed_precision: str, cpu_offload: bool, device: torch.device) -> nn.Module:
-    """FSDP2 ``fully_shard`` on each block, then on the root; 1-D mesh = FSDP, 2-D mesh = HSDP."""
+    """FSDP2 ``fully_shard`` on each unit of ``fsdp_units``, then on the root; 1-D mesh = FSDP, 2-D = HSDP.
+
+    The model is on the meta device (nothing is allocated: each parameter becomes a DTensor of this
+    rank's shard) or already on ``device``; it is never moved whole to the device first.
+    """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
     # pin_memory needs CUDA: CPUOffloadPolicy() fails on CPU-only hosts.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
-    if not cpu_offload:
-        model.to(device)
-    for block in blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+    units = fsdp_units(model, blocks)
+    for unit, reshard in zip(units[:-1], unit_reshard(len(blocks), len(units) - 1, reshard_after_forward)):
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
                     offload_policy=offload)
-    # Root: FSDP2's default (None) keeps its parameters (embeddings, head) unsharded after forward,
-    # since backward needs them at once; resharding them would cost a second all-gather per step.
+    # Root: FSDP2's default (None) keeps whatever is left in it unsharded after forward, since
+    # backward needs it at once; resharding it would cost a second all-gather per step.
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
+
+
+def fsdp_units(model: nn.Module, blocks: nn.ModuleList) -> list[list[nn.Module]]:
+    """The FSDP units in the order ``apply_fsdp`` wraps them: each block, the model's ``fsdp_units()``
+    groups (torchtitan wraps embeddings and norm + output the same way), and last the root, which
+    takes every parameter not in another unit."""
+    return [[block] for block in blocks] + outer_units(model) + [[model]]
+
+
+def unit_reshard(n_blocks: int, n_units: int, reshard_after_forward: bool) -> list[bool]:
+    """reshard_after_forward of each non-root unit: the layout's for blocks and outer units, except
+    the last outer unit (the output side), which backward needs first: FSDP would gather it again
+    at once (torchtitan's default for norm + output)."""
+    flags = [reshard_after_forward] * n_units
+    if n_units > n_blocks:
+        flags[-1] = False
+    return flags
 
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:

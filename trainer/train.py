@@ -13,16 +13,19 @@ import os
 import typing as tp
 
 import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from hpc.dims import ParallelDims, parallel_dims
 from hpc.models import model_facts
 from hpc.resolve import Launch
+from hpc.spec import JobSpec
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, shutdown, write_mesh, write_world)
 from trainer.loop import Trainer, TrainState, train
 from trainer.metrics import MetricsWriter, flush_logging, setup_logging
-from trainer.model import build_model, model_blocks
+from trainer.model import WeightInit, build_model, local_numel, model_blocks
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize
 from trainer.preemption import PreemptionFlag
@@ -118,17 +121,11 @@ def fit_launch(run: Run, world_size: int, local_world: int) -> Launch:
 
 def build_trainer(run: Run, rank: int, device: torch.device,
                   preemption: PreemptionFlag | None = None) -> tuple[Trainer, TrainState]:
-    """Model → parallelize → optimizer/schedule → data; the process group must already be up."""
+    """Model → parallelize (with the weights) → optimizer/schedule → data; the process group must be up."""
     spec, launch = run.spec, run.launch
-    torch.manual_seed(spec.train.seed)  # the same initial weights on every rank
-    model = build_model(spec.model)
-    blocks = model_blocks(model, spec.model.blocks)
-    mesh = build_mesh(launch.dims, device.type)
+    model, mesh = build_parallel_model(spec, launch, device)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
-    offload = spec.parallel.cpu_offload if launch.cpu_offload is None else launch.cpu_offload  # auto decides
-    model = parallelize(model, blocks, dataclasses.replace(spec.parallel, cpu_offload=offload), launch.dims, mesh,
-                        device)
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     optimizer = build_optimizer(model, spec.train)
     facts = model_facts(spec.model)
@@ -147,6 +144,25 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         scaler=_grad_scaler(spec.parallel.mixed_precision, launch.dims, device),
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps)
     return trainer, TrainState()
+
+
+def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device,
+                         materialize: bool = True) -> tuple[nn.Module, DeviceMesh | None]:
+    """(model, mesh): the model built on the meta device and parallelized there; with ``materialize``
+    each rank then allocates and initialises its part (``WeightInit``: the same full state under every
+    layout), else it stays on meta (``hpcx dryrun``). The process group must be up (a fake one will do)."""
+    model = build_model(spec.model, "meta")
+    blocks = model_blocks(model, spec.model.blocks)
+    init = WeightInit.of(model, spec.train.seed) if materialize else None
+    mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
+    offload = spec.parallel.cpu_offload if launch.cpu_offload is None else launch.cpu_offload  # auto decides
+    parallel = dataclasses.replace(spec.parallel, cpu_offload=offload)
+    model = parallelize(model, blocks, parallel, launch.dims, mesh, device, init)
+    if materialize:
+        local, total = local_numel(model)
+        log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",
+                 device, local, total, 100.0 * local / max(1, total))
+    return model, mesh
 
 
 def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from hpc.config import ConfigError
 from hpc.dims import ParallelDims, parallel_dims, tasks_per_node
+from hpc.memory import peaks_note
 from hpc.models import ModelFacts, model_facts
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
@@ -21,6 +22,9 @@ from hpc.plan.explain import advise, plan_notes, recommend, unknown_model
 from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candidates, compute_seconds, evaluate,
                            pick, setup_of)
 from hpc.plan.table import format_plan
+
+DRYRUN_NOTE = ("check: `hpcx dryrun JOB --site SITE` builds the real sharded model, mesh and optimizer at this "
+               "world size on one CPU (it imports torch) and compares its bytes per rank with these")
 
 __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", "candidates", "choose",
            "compute_seconds", "evaluate", "format_plan", "pick", "plan_job", "setup_of"]
@@ -41,6 +45,9 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
                 checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, MFU_DEFAULT),
                 mfu=MFU_DEFAULT, rows=rows, choice=choice, offload_allowed=allowed)
     plan.notes = plan_notes(site, setup, facts, spec.parallel.strategy)
+    if facts.n_params is not None:
+        plan.notes.append(peaks_note(facts, setup.async_save, gpu))
+    plan.notes.append(DRYRUN_NOTE)
     if facts.n_params is None:
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:

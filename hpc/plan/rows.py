@@ -54,19 +54,34 @@ class Row:
         return None if self.time is None else self.time.step_s
 
     @property
-    def need_gb(self) -> float | None:
-        """Estimate plus headroom, per rank."""
-        if self.memory is None:
+    def peak_gb(self) -> float | None:
+        """The larger of the training total and the start-up (init) peak, per rank; on CPU sites,
+        where the host is the rank's memory, plus what checkpoint staging keeps there."""
+        m = self.memory
+        if m is None:
             return None
-        return self.memory.total + headroom_gb(self.memory.total, self.gpu)
+        return max(m.total, m.init) + (0.0 if self.gpu else m.staging)
+
+    @property
+    def need_gb(self) -> float | None:
+        """Peak plus headroom, per rank."""
+        peak = self.peak_gb
+        return None if peak is None else peak + headroom_gb(peak, self.gpu)
+
+    @property
+    def host_need_gb(self) -> float:
+        """Host memory per node on GPU sites: offloaded states plus checkpoint staging buffers."""
+        if self.memory is None or not self.gpu:
+            return 0.0
+        return self.memory.host_per_node + self.memory.staging_per_node
 
     @property
     def host_fits(self) -> bool | None:
-        if not self.cfg.offload or self.memory is None:
+        if self.memory is None or not self.host_need_gb:
             return True
         if not self.host_capacity_gb:
-            return None
-        return self.memory.host_per_node <= self.host_capacity_gb
+            return None if self.cfg.offload else True  # staging alone on a site of unknown RAM: not checked
+        return self.host_need_gb <= self.host_capacity_gb
 
     @property
     def fits(self) -> bool | None:
@@ -83,8 +98,10 @@ class Row:
             "dims": self.dims.to_dict(), "cpu_offload": self.cfg.offload, "label": self.label,
             "memory_gb": None if m is None else {
                 "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "buffers": m.buffers,
-                "activations": m.activations, "total": m.total, "headroom": self.need_gb - m.total,
-                "host_per_node": m.host_per_node, "notes": list(m.notes)},
+                "activations": m.activations, "total": m.total, "headroom": self.need_gb - self.peak_gb,
+                "host_per_node": m.host_per_node, "notes": list(m.notes),
+                "init": m.init, "peak": self.peak_gb, "staging_per_rank": m.staging,
+                "staging_per_node": m.staging_per_node, "host_need_per_node": self.host_need_gb},
             "capacity_gb": self.capacity_gb, "host_capacity_gb": self.host_capacity_gb, "fits": self.fits,
             "comm": None if c is None else {
                 "gb_per_step": c.gb, "seconds_per_step": c.seconds,
@@ -149,6 +166,7 @@ class Setup:
     global_batch: int
     mixed_precision: str
     dropout: float
+    async_save: bool = False
 
     @property
     def world(self) -> int:
@@ -163,7 +181,7 @@ def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
     return Setup(nodes=nodes or spec.job.nodes, tasks_per_node=spec.job.tasks_per_node or site.default_tasks_per_node(),
                  micro_batch=spec.train.micro_batch, checkpointing=spec.parallel.activation_checkpointing,
                  global_batch=spec.train.global_batch, mixed_precision=spec.parallel.mixed_precision,
-                 dropout=spec.model.dropout)
+                 dropout=spec.model.dropout, async_save=spec.checkpoint.async_save)
 
 
 Candidate = tuple[ParallelDims, bool]  # (layout, cpu offload)
@@ -190,7 +208,8 @@ def candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
 
 def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> Row:
     dims, offload = cand
-    cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout)
+    cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
+                 setup.async_save)
     gpu = site.node.gpus > 0
     tpn = setup.tasks_per_node
     memory = estimate(facts, cfg, tpn)

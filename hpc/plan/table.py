@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hpc.plan.rows import Plan, Row
 
-COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "+headroom", "fits", "comm GB", "comm s",
-           "step s")
+COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "init", "+headroom", "host/node", "fits",
+           "comm GB", "comm s", "step s")
 
 
 def _num(x: float | None) -> str:
@@ -21,28 +21,25 @@ def _secs(x: float | None) -> str:
     return "?" if x is None else f"{x:.3g}"
 
 
-def _cells(row: Row, host: bool) -> list[str]:
+def _cells(row: Row) -> list[str]:
     m, c = row.memory, row.comm
     fits = {True: "yes", False: "no", None: "?"}[row.fits]
-    if row.cfg.offload and row.host_fits is False:
+    if row.host_fits is False:  # offloaded states or checkpoint staging do not fit the node's RAM
         fits = "no (host)"
-    host_cells = [_num(m.host_per_node) if m is not None and row.cfg.offload else "-"] if host else []
     if m is None:
-        return ["?"] * 7 + host_cells + [fits] + ["?"] * 3
+        return ["?"] * 9 + [fits] + ["?"] * 3
+    host = _num(row.host_need_gb) if row.gpu else "-"
     return [_num(m.params), _num(m.grads), _num(m.optimizer), _num(m.buffers),
-            "unknown" if m.activations is None else _num(m.activations), _num(m.total), _num(row.need_gb),
-            *host_cells, fits, _num(None if c is None else c.gb), _secs(None if c is None else c.seconds),
+            "unknown" if m.activations is None else _num(m.activations), _num(m.total), _num(m.init),
+            _num(row.need_gb), host, fits, _num(None if c is None else c.gb), _secs(None if c is None else c.seconds),
             _secs(row.step_s)]
 
 
 def format_plan(plan: Plan) -> str:
     """The plan as a terminal table followed by the recommendation."""
-    host = any(r.cfg.offload for r in plan.rows)
     columns = list(COLUMNS)
-    if host:
-        columns.insert(columns.index("fits"), "host/node")
     lines = [_header(plan), ""]
-    table = [["strategy", *columns]] + [[("* " if r is plan.choice else "  ") + r.label, *_cells(r, host)]
+    table = [["strategy", *columns]] + [[("* " if r is plan.choice else "  ") + r.label, *_cells(r)]
                                        for r in plan.rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:

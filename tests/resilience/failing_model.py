@@ -19,6 +19,10 @@ class FailingLM(nn.Module):
         self.head = nn.Linear(d_model, vocab_size)
         self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
 
+    def reset_parameters(self) -> None:
+        """The model's own tensor (a model built on the meta device is initialised module by module)."""
+        self.calls.zero_()
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if int(self.calls) > self.fail_after:

@@ -167,6 +167,9 @@ def test_hsdp_replicates_across_nodes_and_shards_within_one(sandbox):
     assert all(sorted(hosts[r] for r in g) == ["n1", "n2"] for g in mesh["dp_replicate"])
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["loss"] > 0 for m in metrics)
+    for rank in range(4):  # built on the meta device; each rank allocated and initialised half the model
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert "model built on meta, materialized on cpu: 67904 of 135808 parameters on this rank (50.0%)" in log
 
 
 def test_a_refused_submission_is_one_line_and_leaves_no_run_folder(sandbox):
