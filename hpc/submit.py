@@ -151,10 +151,18 @@ def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) ->
     return out
 
 
+# The job writes these itself (rank 0 at each start, whoever requeues: hpc.requeue.record_state), in
+# order; a poll can lag behind them (sacct still says RUNNING of the incarnation just requeued), so
+# polls never add them and the history shows each start and requeue exactly once.
+JOB_RECORDED = ("RUNNING", "REQUEUED")
+
+
 def _record(run_dir: Path, state: schedulers.JobState) -> None:
     rd = runs.RunDir(run_dir)
     seen = rd.read_states()
-    if state.state != "UNKNOWN" and (not seen or seen[-1].get("state") != state.state):
+    if state.state in ("UNKNOWN", *JOB_RECORDED):
+        return
+    if not seen or seen[-1].get("state") != state.state:
         runs.append_jsonl(rd.states, {"state": state.state, "nodes": state.nodes, "time": time.time()})
 
 

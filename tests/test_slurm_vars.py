@@ -90,7 +90,8 @@ def site_path_with(tmp_path: Path, root: Path) -> dict[str, str]:
         text = (REPO / "site" / f"{name}.toml").read_text().replace("\nrun_root", "\n# run_root")
         (sites / f"{name}.toml").write_text(text.rstrip() + f"\nrun_root = {json.dumps(str(root))}\n"
                                             if "[storage]" in text else text)
-    return {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp_path)}
+    # and an empty index of remembered run roots (hpc/roots.py): earlier tests' submissions are not listed
+    return {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
 
 
 def test_states_of_an_unreachable_cluster_are_unknown_with_the_reason(tmp_path, monkeypatch):
@@ -149,3 +150,18 @@ def test_recorded_final_states_are_not_asked_again(tmp_path):
                          timeout=120, cwd=REPO)
     lines = out.stdout.splitlines()
     assert len(lines) == 2 and all("  COMPLETED  " in line for line in lines) and "unknown" not in out.stdout
+
+
+def test_a_lagging_poll_does_not_repeat_what_the_job_recorded(tmp_path):
+    """The job records each start (RUNNING) and each requeue (REQUEUED) itself; a poll that still sees
+    the requeued incarnation RUNNING, then REQUEUED, must not add them again."""
+    from hpc import submit
+    from hpc.schedulers import JobState
+
+    run = fake_runs(tmp_path / "runs", 1)[0]
+    (run / "states.jsonl").write_text("".join(json.dumps(line) + "\n" for line in (
+        {"state": "SUBMITTED"}, {"state": "RUNNING", "restart": 0}, {"state": "REQUEUED", "by": "rank 0"})))
+    for polled in ("RUNNING", "REQUEUED", "PENDING", "PENDING", "UNKNOWN", "COMPLETED"):
+        submit._record(run, JobState(polled))
+    history = [json.loads(line)["state"] for line in (run / "states.jsonl").read_text().splitlines()]
+    assert history == ["SUBMITTED", "RUNNING", "REQUEUED", "PENDING", "COMPLETED"]
