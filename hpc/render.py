@@ -1,7 +1,7 @@
 """Launch -> submitit parameters -> sbatch script text. Pure functions.
 
 ``render_sbatch`` returns byte for byte the script submitit writes for the
-same parameters (it calls submitit's own ``_make_sbatch_string``), so
+same parameters (it calls submitit's own ``_make_sbatch_string``, through hpc.compat), so
 ``hpcx render`` shows exactly what ``hpcx submit`` sends.
 """
 
@@ -11,6 +11,7 @@ import json
 import shlex
 import typing as tp
 
+from hpc import compat
 from hpc.resolve import Launch
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
@@ -81,14 +82,12 @@ def local_parameters(spec: JobSpec, launch: Launch) -> dict[str, tp.Any]:
 
 def submitit_command(python: str, folder: str) -> str:
     """The command submitit puts in the script (mirrors SlurmExecutor._submitit_command_str)."""
-    return " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
+    return " ".join([python, "-u -m", compat.SUBMITIT_SUBMIT_MODULE, shlex.quote(folder)])
 
 
 def render_sbatch(params: dict[str, tp.Any], python: str, folder: str) -> str:
     """The sbatch script submitit will write for these parameters."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    return _make_sbatch_string(command=submitit_command(python, folder), folder=folder, **params)
+    return compat.make_sbatch_string(command=submitit_command(python, folder), folder=folder, **params)
 
 
 def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:

@@ -41,16 +41,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch import nn
 
-from hpc.config import ConfigError
-from trainer.ckpt_formats import DcpReader, dcp_problems, fsync_dir, unflatten
-from trainer.safe_pickle import load_dcp_metadata
-from trainer.torch_zip import FileSlice, TorchZip, Unsupported, no_crc32
+from hpc import compat
+from hpc.ckpt.dcp import DcpReader, dcp_problems
+from hpc.ckpt.entries import unflatten
+from hpc.ckpt.outputs import fsync_dir
+from hpc.ckpt.safe_pickle import load_dcp_metadata
+from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported
+from hpc.errors import CheckpointError
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")
@@ -58,7 +59,7 @@ FORMAT = "hpcx-dcp/1"
 
 _pending: dict[str, tp.Any] = {}  # the one async save in flight: future, final path, done event, error
 _async_group: list[tp.Any] = []  # the gloo group async saves use, created once
-_stager: list[tp.Any] = []  # the ReusedStager async saves share, created once
+_stager: list[tp.Any] = []  # the stager async saves share, created once
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -219,18 +220,18 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
 
 
 class HpcxFileSystemWriter(dcp.FileSystemWriter):
-    """FileSystemWriter whose shard writes skip torch.save's per-record CRC32 (in the writing thread only).
+    """FileSystemWriter whose shard writes skip torch.save's per-record CRC32.
 
     The CRC32 was 45-60% of a save's time here, and nothing checks it: ``torch.load`` ignores it
     (a flipped data byte loads silently either way), and so does hpcx's reader. Torn and short
     files are caught by the commit protocol (``.metadata`` only after every shard is fsync'ed)
     and by ``dcp_problems``' size checks; see docs/checkpoints.md. ``thread_count`` stays 1, so
-    every ``torch.save`` of the write runs in the thread that enters ``write_data`` (the caller
-    for a sync save, DCP's executor thread for an async one), where ``no_crc32`` applies.
+    every ``torch.save`` of the write runs inside ``write_data`` (in the caller for a sync save,
+    in DCP's executor thread for an async one), inside torch's public CRC32 switch.
     """
 
     def write_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
-        with no_crc32():
+        with compat.crc32_off():
             return super().write_data(plan, planner)
 
 
@@ -245,51 +246,21 @@ def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int
         job["done"].set()
 
 
-class ReusedStager(AsyncStager):
-    """Stages an async save into host buffers kept from one save to the next.
+def _reused_stager() -> tp.Any:
+    """The stager every async save shares: DCP's ``DefaultStager``, blocking, kept for the process.
 
-    DCP's default stager allocates a fresh host copy of the whole state every save; on a CPU
-    run that allocation (page faults) costs as much as the copy. The buffers are reused while
-    the state's layout (keys, shapes, dtypes) stays the same and rebuilt when it changes. Safe
-    because at most one save is in flight: ``save_checkpoint`` waits for the previous write
-    before staging the next one into the same buffers.
+    It stages into host buffers cached per source storage, so from the second save on the
+    pause is a copy into memory that is already there (a fresh allocation every save was most
+    of the pause on a CPU run: page faults); a state whose layout changes gets new buffers for
+    the new storages. Safe because at most one save is in flight: ``save_checkpoint`` waits for
+    the previous write before staging the next one into the same buffers.
     """
-
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self.cache: dict | None = None
-        self.layout: tuple | None = None
-
-    def stage(self, state_dict: dict) -> dict:
-        layout = state_layout(state_dict)
-        if layout != self.layout:
-            self.cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self.layout = layout
-        return _copy_state_dict(state_dict, self.cache, type_check=False)
-
-    def synchronize_staging(self) -> None:
-        """Staging is blocking: nothing to wait for."""
-
-    def close(self) -> None:
-        """Buffers live as long as the process; nothing to release early."""
-
-
-def state_layout(obj: tp.Any, path: str = "") -> tuple:
-    """(path, kind, shape, dtype) of every leaf: equal layouts can share staging buffers."""
-    if isinstance(obj, dict):
-        return tuple(item for k in sorted(obj, key=str) for item in state_layout(obj[k], f"{path}/{k}"))
-    if isinstance(obj, (list, tuple)):
-        return tuple(item for i, v in enumerate(obj) for item in state_layout(v, f"{path}/{i}"))
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return ((path, type(obj).__name__, tuple(local.shape), str(local.dtype)),)
-    return ((path, type(obj).__name__, None, None),)
-
-
-def _reused_stager() -> ReusedStager:
     if not _stager:
-        _stager.append(ReusedStager())
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        pinned = torch.cuda.is_available()
+        _stager.append(DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False)))
     return _stager[0]
 
 
@@ -358,7 +329,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                         f.seek(info.offset)
                         data = f.read(info.length)
                         if len(data) != info.length:
-                            raise ConfigError([f"{name}: item at byte {info.offset} is truncated"])
+                            raise CheckpointError([f"{name}: item at byte {info.offset} is truncated"])
                         planner.load_bytes(req, io.BytesIO(data))
                         continue
                     target = planner.resolve_tensor(req).detach()
@@ -371,8 +342,6 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 def _read_tensor_item(f: tp.BinaryIO, name: Path, info: tp.Any, req: tp.Any, target: torch.Tensor) -> None:
     """Fill ``target`` with the part ``req`` asks for of the tensor blob ``info`` in ``f``."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-
     source = f"{name} (item at byte {info.offset})"
     ref = None
     try:
@@ -387,9 +356,9 @@ def _read_tensor_item(f: tp.BinaryIO, name: Path, info: tp.Any, req: tp.Any, tar
         tensor = z.read(ref)
     else:
         tensor = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+    tensor = compat.narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
     if target.size() != tensor.size():
-        raise ConfigError([f"{source}: holds {tuple(tensor.size())}, the model expects {tuple(target.size())}"])
+        raise CheckpointError([f"{source}: holds {tuple(tensor.size())}, the model expects {tuple(target.size())}"])
     target.copy_(tensor)
 
 
@@ -399,9 +368,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: tp.Any, value: tp.Any) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
@@ -413,7 +380,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     Every rank calls it. Returns the saved train state, plus ``meta`` (what ``build_state`` recorded)
     and ``rng_restored`` (True when this rank's RNG states were in the checkpoint and restored —
     false after a change of world size, where the trainer reseeds).
-    Raises ConfigError if the folder is incomplete or holds anything but plain data.
+    Raises CheckpointError if the folder is incomplete or holds anything but plain data.
     """
     path = Path(path)
     reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
@@ -424,7 +391,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
         reader.close()
     if scheduler is not None:
         if "scheduler" not in extra:
-            raise ConfigError([f"{path}: holds no scheduler state, but a scheduler was given"])
+            raise CheckpointError([f"{path}: holds no scheduler state, but a scheduler was given"])
         scheduler.load_state_dict(extra["scheduler"])
     rng = extra.get("rng", {}).get(f"rank{_rank()}")
     if rng is not None and restore_rng:

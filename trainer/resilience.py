@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc import runs
+from hpc import compat, runs
 from hpc.spec import Checkpoint
 from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir,
                                 wait_pending)
@@ -44,7 +44,7 @@ from trainer.preemption import PreemptionFlag
 log = logging.getLogger("hpcx.trainer")
 
 LEDGER = "ledger.jsonl"
-LOCAL_REQUEUE_EXIT = 144  # submitit.local.local.LOCAL_REQUEUE_RETURN_CODE: its controller restarts the tasks
+LOCAL_REQUEUE_EXIT = compat.local_requeue_exit_code()  # submitit's local controller restarts the tasks
 
 
 def scheduler_kind() -> str:

@@ -35,15 +35,15 @@ hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.star
 print(json.dumps({{"seconds": elapsed, "peak_rss": hwm}}))
 """
 BODIES = {
-    "baseline (import torch)": "import torch, trainer.convert",
-    "dcp -> safetensors": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'safetensors')",
-    "safetensors -> dcp": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
-    "dcp -> torch (not streamed)": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'torch')",
-    "torch -> dcp (streamed)": "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
-    "torch -> dcp (old: mmap)": "import trainer.ckpt_formats as f, trainer.torch_zip as z\n"
+    "baseline (import torch)": "import torch, hpc.ckpt.convert",
+    "dcp -> safetensors": "from hpc.ckpt.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'safetensors')",
+    "safetensors -> dcp": "from hpc.ckpt.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
+    "dcp -> torch (not streamed)": "from hpc.ckpt.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'torch')",
+    "torch -> dcp (streamed)": "from hpc.ckpt.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
+    "torch -> dcp (old: mmap)": "import hpc.ckpt.torchsave as f, hpc.ckpt.torch_zip as z\n"
                                 "def no(*a, **k): raise z.Unsupported('bench: old path')\n"
                                 "f.TorchZip = no\n"
-                                "from trainer.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
+                                "from hpc.ckpt.convert import convert_checkpoint as c; c(sys.argv[1], sys.argv[2], 'dcp')",
     "dcp_to_torch_save (torch's)": "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as c; "
                                    "c(sys.argv[1], sys.argv[2])",
 }

@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import HERE, build, launch, read_json, train_step  # noqa: E402
 
-from hpc.config import ConfigError  # noqa: E402
+from hpc.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir  # noqa: E402
-from trainer.convert import verify_checkpoints  # noqa: E402
+from hpc.ckpt.convert import verify_checkpoints  # noqa: E402
 
 
 def trained(steps: int = 1):
@@ -60,7 +60,7 @@ def test_latest_skips_torn_checkpoints(tmp_path: Path, damage: str) -> None:
         newest.rename(newest.parent / ".step-0000002.partial")
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 1)
     if damage != "partial-folder":
-        with pytest.raises(ConfigError, match=r"step-0000002"):
+        with pytest.raises(CheckpointError, match=r"step-0000002"):
             load_checkpoint(newest, *build("none"))
 
 

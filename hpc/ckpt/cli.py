@@ -1,6 +1,6 @@
 """``hpcx ckpt inspect | convert | verify``: look inside, convert and compare checkpoints.
 
-These commands need torch, so they import it (through ``trainer.convert``)
+These commands need torch, so they import it (through ``hpc.ckpt.convert``)
 inside each command, never at module import: ``hpcx --help`` on a login node
 stays torch-free. Problems with the input (incomplete checkpoint, missing or
 truncated file, a pickle naming anything outside the allow-list, a wrong path)
@@ -16,7 +16,7 @@ import typing as tp
 import click
 
 from hpc.clickutil import ErrorsGroup, echo_json, json_option
-from hpc.config import ConfigError
+from hpc.errors import ConfigError
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -53,7 +53,7 @@ def inspect_cmd(path: str, as_json: bool) -> None:
 
     An incomplete checkpoint (no .metadata, a missing or truncated shard file) is an error (exit 2).
     """
-    from trainer.convert import inspect_checkpoint
+    from hpc.ckpt.convert import inspect_checkpoint
 
     info = inspect_checkpoint(path)
     if as_json:
@@ -90,7 +90,7 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) 
     DST must not exist; it appears only when complete. For safetensors, a DST ending in
     .safetensors is one file; any other DST is a folder (model.safetensors, or shards + index).
     """
-    from trainer.convert import convert_checkpoint, total_bytes
+    from hpc.ckpt.convert import convert_checkpoint, total_bytes
 
     shard_bytes = parse_size(shard_size)
     with _progress(f"{to}", total_bytes(src, model_only)) as bar:
@@ -110,7 +110,7 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) 
 @json_option
 def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> None:
     """Compare two checkpoints of any formats tensor by tensor; exit 1 when they differ."""
-    from trainer.convert import total_bytes, verify_checkpoints
+    from hpc.ckpt.convert import total_bytes, verify_checkpoints
 
     with _progress("verify", total_bytes(a, model_only)) as bar:
         result = verify_checkpoints(a, b, atol=atol, model_only=model_only, progress=bar.update)

@@ -2,7 +2,7 @@
 
 Every function opens its inputs through ``open_checkpoint``, which validates a
 checkpoint completely (metadata allow-list, every referenced file present and
-long enough) before reading a byte of tensor data, and raises ``ConfigError``
+long enough) before reading a byte of tensor data, and raises ``CheckpointError``
 with one line per problem. Outputs are written to a temporary name beside the
 destination and renamed only when complete.
 """
@@ -15,17 +15,42 @@ from pathlib import Path
 
 import torch
 
-from hpc.config import ConfigError
-from trainer.ckpt_formats import (Entry, Progress, Reader, jsonable, open_checkpoint, write_dcp,
-                                  write_safetensors, write_torch)
+from hpc.ckpt.dcp import DcpReader, write_dcp
+from hpc.ckpt.entries import Entry, Progress, Reader, jsonable
+from hpc.ckpt.safe_pickle import METADATA_FILE
+from hpc.ckpt.safetensors import INDEX_FILE, SafetensorsReader, write_safetensors
+from hpc.ckpt.torchsave import LEGACY_TORCH_MAGIC, TorchReader, write_torch
+from hpc.errors import CheckpointError, ConfigError
 
 TARGETS = ("torch", "safetensors", "dcp")
 DEFAULT_SHARD_BYTES = 5 * 2**30  # 5 GiB, the usual safetensors shard size
 
 
+def detect_format(path: str | Path) -> str:
+    """``dcp``, ``safetensors`` or ``torch`` from what is at ``path``; CheckpointError when nothing fits."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / METADATA_FILE).exists() or any(path.glob("*.distcp")):
+            return "dcp"
+        if (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")):
+            return "safetensors"
+        raise CheckpointError([f"{path}: a folder with neither a DCP .metadata nor .safetensors files"])
+    if not path.exists():
+        raise CheckpointError([f"{path}: no such file or folder"])
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return "torch" if head in (b"PK\x03\x04", LEGACY_TORCH_MAGIC) else "safetensors"
+
+
+def open_checkpoint(path: str | Path) -> Reader:
+    """A reader for the checkpoint at ``path``, any format; validated before anything is read."""
+    fmt = detect_format(path)
+    return {"dcp": DcpReader, "safetensors": SafetensorsReader, "torch": TorchReader}[fmt](path)
+
+
 def inspect_checkpoint(path: str | Path) -> dict[str, tp.Any]:
     """What ``hpcx ckpt inspect`` shows: format, meta, train state, tensors, total size, completeness."""
-    reader = open_checkpoint(path)  # raises ConfigError when incomplete
+    reader = open_checkpoint(path)  # raises CheckpointError when incomplete
     try:
         train = {k[len("train."):]: reader.read(k) for k in reader.entries
                  if k.startswith("train.") and not reader.entries[k].is_tensor}
@@ -46,7 +71,7 @@ def selected_keys(reader: Reader, model_only: bool) -> list[str]:
     """The keys a conversion copies: everything, or the model's tensors only."""
     keys = [k for k in reader.entries if not model_only or k.startswith("model.")]
     if not keys:
-        raise ConfigError([f"{getattr(reader, 'path', '?')}: no {'model ' if model_only else ''}entries to convert"])
+        raise CheckpointError([f"{getattr(reader, 'path', '?')}: no {'model ' if model_only else ''}entries to convert"])
     return keys
 
 
