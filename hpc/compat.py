@@ -84,6 +84,21 @@ REBUILD_TENSOR_V2 = ("torch._utils", "_rebuild_tensor_v2")
 REBUILD_TENSOR_V3 = ("torch._utils", "_rebuild_tensor_v3")
 REBUILD_PARAMETER = ("torch._utils", "_rebuild_parameter")
 
+def rebuild_function(name: tuple[str, str]) -> tp.Callable[..., tp.Any]:
+    """The function ``REBUILD_TENSOR_V2``/``_V3`` names, for pickling a tensor as torch.save does."""
+    import importlib
+
+    return getattr(importlib.import_module(name[0]), name[1])
+
+
+def torch_file_writer(f: tp.Any, crc32: bool, alignment: int) -> tp.Any:
+    """torch.save's zip writer (``torch._C.PyTorchFileWriter``) on a path or an open binary file:
+    ``write_record(name, data_or_pointer, size)`` and ``write_end_of_file()``."""
+    import torch
+
+    return torch._C.PyTorchFileWriter(f, crc32, alignment)
+
+
 #: The global a pickled tensor layout names (DCP's ``.metadata`` holds ``torch.strided``).
 GET_LAYOUT = ("torch.serialization", "_get_layout")
 #: The enum of memory formats DCP's ``TensorProperties`` pickles (``metadata._MEM_FORMAT_ENCODING``).

@@ -145,6 +145,41 @@ def test_rebuild_globals_torch_save_writes() -> None:
             assert callable(getattr(sys.modules[module], name))
 
 
+def test_torch_file_writer(tmp_path: Path) -> None:
+    import torch
+
+    with private_api("torch._C.PyTorchFileWriter", "hpc/ckpt/torch_write.py (streamed torch.save output)",
+                     "adapt hpc.compat.torch_file_writer to torch's zip writer, or fall back to torch.save"):
+        buf = io.BytesIO()
+        w = compat.torch_file_writer(buf, True, 64)
+        t = torch.arange(4.0)
+        w.write_record("data/0", t.untyped_storage(), t.nbytes)
+        w.write_end_of_file()
+        with zipfile.ZipFile(buf) as z:
+            assert z.read("archive/data/0") == t.numpy().tobytes() and z.testzip() is None
+
+
+def test_streamed_pickle_is_torch_saves() -> None:
+    """hpcx writes data.pkl itself (REBUILD_* and the storage classes, as torch.save names them)."""
+    import torch
+
+    from hpc.ckpt.entries import Scratch
+    from hpc.ckpt.torch_write import Stored, TorchWriter
+
+    state = {"f": torch.ones(2, 3), "h": torch.ones(4).half(), "b": torch.ones(1).bfloat16(), "u": torch.ones(2).to(
+        torch.uint16), "f8": torch.zeros(3).to(torch.float8_e4m3fn), "s": torch.tensor(1), "e": torch.zeros(0, 2),
+        "x": {"lr": 0.1, "betas": (0.9, 0.95)}}
+    layout = {k: Stored(k, v.dtype, tuple(v.shape)) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    with private_api("torch.save's data.pkl layout (_rebuild_tensor_v2/_v3, storage classes, persistent ids)",
+                     "hpc/ckpt/torch_write.py (--to torch, --to dcp)",
+                     "make TorchWriter's pickler produce what torch.save now does (compare the two pickles)"):
+        buf = io.BytesIO()
+        writer = TorchWriter(buf, layout)
+        writer.write_storages(lambda stored, out: out.copy_(state[stored.key]), Scratch())
+        writer.finish()
+        assert torch_save_pickle(state) == zipfile.ZipFile(buf).read("archive/data.pkl")
+
+
 def test_flatten_state_dict() -> None:
     import torch
 

@@ -28,7 +28,7 @@ At most one save is in flight; the next save (and ``wait_pending``) waits.
 from __future__ import annotations
 
 import datetime
-import io
+import logging
 import os
 import random
 import re
@@ -41,17 +41,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch import nn
 
 from hpc import compat
-from hpc.ckpt.dcp import DcpReader, dcp_problems
+from hpc.ckpt.dcp import DcpReader, dcp_problems, index_offsets
+from hpc.ckpt.digests import write_digest
 from hpc.ckpt.entries import unflatten
 from hpc.ckpt.outputs import fsync_dir
-from hpc.ckpt.safe_pickle import load_dcp_metadata
-from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported
-from hpc.errors import CheckpointError
+from hpc.errors import CheckpointError, UserError
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")
@@ -60,6 +60,8 @@ FORMAT = "hpcx-dcp/1"
 _pending: dict[str, tp.Any] = {}  # the one async save in flight: future, final path, done event, error
 _async_group: list[tp.Any] = []  # the gloo group async saves use, created once
 _stager: list[tp.Any] = []  # the stager async saves share, created once
+_digest_threads: list[threading.Thread] = []  # digests of the last sync save, being written
+log = logging.getLogger("hpcx.trainer")
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
@@ -202,12 +204,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     wait_pending()
     partial, final = _prepare(Path(run_dir), step)
     state = build_state(model, optimizer, scheduler, step, train_state, strategy)
-    writer = HpcxFileSystemWriter(partial, overwrite=False)
+    writer = HpcxFileSystemWriter(partial, overwrite=False, digests_inline=async_save)
     if not async_save:
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
         if _rank() == 0:
             _commit(partial, final, keep)
         _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
+        _start_digests(final, writer.written)
         return final
     future = dcp.async_save(state, storage_writer=writer, process_group=process_group or _gloo_group(),
                             async_stager=_reused_stager(), no_dist=not dist.is_initialized())
@@ -230,9 +233,37 @@ class HpcxFileSystemWriter(dcp.FileSystemWriter):
     in DCP's executor thread for an async one), inside torch's public CRC32 switch.
     """
 
+    def __init__(self, *args: tp.Any, digests_inline: bool = True, **kwargs: tp.Any):
+        super().__init__(*args, **kwargs)
+        self.digests_inline = digests_inline
+        self.written: list[str] = []
+
     def write_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
+        """Write this rank's shard files; with ``digests_inline`` (async saves, which run here in
+        the background) also their SHA-256 digests, before ``.metadata`` commits them."""
         with compat.crc32_off():
-            return super().write_data(plan, planner)
+            future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.value()})
+        if self.digests_inline:
+            for name in self.written:
+                write_digest(Path(self.path) / name)
+        return future
+
+
+def _start_digests(folder: Path, names: list[str]) -> None:
+    """After a sync save: this rank's shard digests, written into the committed folder by a
+    background thread (off the critical path; joined by the next save and by ``wait_pending``).
+    A checkpoint is complete without them; ``hpcx ckpt verify`` reports a missing one as such."""
+    def run() -> None:
+        try:
+            for name in names:
+                write_digest(folder / name)
+        except OSError as exc:  # e.g. the folder was pruned meanwhile: the checkpoint is unaffected
+            log.warning("checkpoint digests of %s not written: %s", folder, exc)
+
+    thread = threading.Thread(target=run, name="hpcx-ckpt-digests", daemon=True)
+    thread.start()
+    _digest_threads.append(thread)
 
 
 def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int) -> None:
@@ -277,7 +308,10 @@ def wait_pending() -> Path | None:
     """Block until the async save in flight (if any) is written and committed; its path, or None.
 
     Call it before the process exits: an unfinished async save is left uncommitted (never trusted).
+    Also waits for the digests a sync save is still writing.
     """
+    while _digest_threads:
+        _digest_threads.pop().join()
     if not _pending:
         return None
     job = dict(_pending)
@@ -293,20 +327,25 @@ def wait_pending() -> Path | None:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose ``.metadata`` goes through the allow-list unpickler, and whose
-    tensors are read straight from their zip records into the destination tensor.
+    """FileSystemReader that reads through hpcx's ``DcpReader``: ``.metadata`` through the allow-list
+    unpickler, checked, and each tensor straight from its zip record into the destination tensor.
 
     DCP's own ``read_data`` ``torch.load``s every stored tensor into a fresh buffer and then
     copies it into the model (two copies, a page-faulted allocation and the pure-Python
-    weights-only unpickler per item). Here each tensor blob is parsed with ``TorchZip`` (an
-    allow-list unpickler, no data read) and, when the request covers the whole stored chunk and
-    the destination is contiguous with the same dtype, its bytes are ``readinto`` the destination
+    weights-only unpickler per item), and trusts the blob's shape. Here each tensor blob is
+    parsed with ``TorchZip`` (an allow-list unpickler, no data read), refused unless its dtype
+    and shape are its chunk's, and, when the request covers the whole stored chunk and the
+    destination is contiguous with the same dtype, its bytes are ``readinto`` the destination
     directly; otherwise read into a fresh tensor, narrowed and copied as DCP does. Blobs in a
     layout ``TorchZip`` does not handle go through ``torch.load(weights_only=True)``.
     """
 
+    def __init__(self, reader: DcpReader):
+        super().__init__(reader.path)
+        self.reader = reader
+
     def read_metadata(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
-        metadata = load_dcp_metadata(self.path)
+        metadata = self.reader.metadata
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -314,63 +353,32 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         from torch.distributed.checkpoint.planner import LoadItemType
         from torch.futures import Future as TorchFuture
 
-        infos = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
-        if any(info.transform_descriptors for info in infos.values()):
-            return super().read_data(plan, planner)
-        per_file: dict[str, list[tp.Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(infos[item.storage_index].relative_path, []).append(item)
-        for relative, items in per_file.items():
-            name = Path(self.path) / relative
-            with open(name, "rb", buffering=0) as f:
-                for req in sorted(items, key=lambda r: infos[r.storage_index].offset):
-                    info = infos[req.storage_index]
-                    if req.type == LoadItemType.BYTE_IO:
-                        f.seek(info.offset)
-                        data = f.read(info.length)
-                        if len(data) != info.length:
-                            raise CheckpointError([f"{name}: item at byte {info.offset} is truncated"])
-                        planner.load_bytes(req, io.BytesIO(data))
-                        continue
-                    target = planner.resolve_tensor(req).detach()
-                    _read_tensor_item(f, name, info, req, target)
-                    planner.commit_tensor(req, target)
+        def place(req: tp.Any) -> tuple[str, int]:  # read each file front to back
+            info = self.reader.storage[(req.storage_index.fqn, index_offsets(req.storage_index))]
+            return info.relative_path, info.offset
+
+        for req in sorted(plan.items, key=place):
+            key, chunk = req.storage_index.fqn, index_offsets(req.storage_index)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, self.reader.read(key))
+                continue
+            target = planner.resolve_tensor(req).detach()
+            self.reader.read_request(key, chunk, req.storage_offsets, req.lengths, target)
+            planner.commit_tensor(req, target)
         fut: tp.Any = TorchFuture()
         fut.set_result(None)
         return fut
 
 
-def _read_tensor_item(f: tp.BinaryIO, name: Path, info: tp.Any, req: tp.Any, target: torch.Tensor) -> None:
-    """Fill ``target`` with the part ``req`` asks for of the tensor blob ``info`` in ``f``."""
-    source = f"{name} (item at byte {info.offset})"
-    ref = None
-    try:
-        z = TorchZip(f, source, info.offset, info.length)
-        ref = z.ref(z.obj) if isinstance(z.obj, torch.Tensor) else None
-    except Unsupported:
-        pass
-    if ref is not None:
-        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == ref.size
-        if whole and z.readinto(ref, target):
-            return
-        tensor = z.read(ref)
-    else:
-        tensor = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-    tensor = compat.narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-    if target.size() != tensor.size():
-        raise CheckpointError([f"{source}: holds {tuple(tensor.size())}, the model expects {tuple(target.size())}"])
-    target.copy_(tensor)
-
-
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads non-tensor items with ``weights_only=True``."""
+    """DefaultLoadPlanner whose non-tensor items come already loaded (``weights_only=True``) by
+    ``SafeFileSystemReader``."""
 
     def load_bytes(self, read_item: tp.Any, value: tp.Any) -> None:
-        obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
         else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+            self.state_dict[read_item.dest_index.fqn] = value
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -385,7 +393,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
     try:
-        _load_modules(path, model, optimizer)
+        _load_modules(reader, model, optimizer)
         extra = _read_prefix(reader, ("train.", "scheduler.", f"rng.rank{_rank()}."))
     finally:
         reader.close()
@@ -399,11 +407,17 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return {**extra.get("train", {}), "meta": reader.meta, "rng_restored": rng is not None and restore_rng}
 
 
-def _load_modules(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     state = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-             no_dist=not dist.is_initialized())
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(reader), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
+    except CheckpointException as exc:  # DCP wraps what every rank raised; a user error stays one
+        errors = [e for e, _ in exc.failures.values() if isinstance(e, UserError)]
+        if not errors:
+            raise
+        raise type(errors[0])(list(dict.fromkeys(m for e in errors for m in e.messages))) from None
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=msd,
                    optim_state_dict=osd if optimizer is not None else {})
 
@@ -411,4 +425,4 @@ def _load_modules(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 def _read_prefix(reader: DcpReader, prefixes: tuple[str, ...]) -> dict[str, tp.Any]:
     """The entries under ``prefixes``, read directly (no collective) and nested again."""
     flat = {k: reader.read(k) for k in reader.entries if k.startswith(prefixes)}
-    return unflatten(flat, reader.paths)
+    return unflatten(flat, reader.paths, str(reader.path))

@@ -11,7 +11,10 @@ behind. ``verify`` exits 1 when the checkpoints differ.
 from __future__ import annotations
 
 import re
+import signal
+import sys
 import typing as tp
+from contextlib import contextmanager
 
 import click
 
@@ -47,21 +50,38 @@ def ckpt_group() -> None:
 
 @ckpt_group.command("inspect")
 @click.argument("path", type=click.Path())
+@click.option("--deep", is_flag=True,
+              help="Also read every byte: check the SHA-256 digests recorded beside a DCP folder's shards, "
+                   "read every tensor whole and count its NaN/Inf elements.")
 @json_option
-def inspect_cmd(path: str, as_json: bool) -> None:
+def inspect_cmd(path: str, deep: bool, as_json: bool) -> None:
     """Show a checkpoint: step, world size and strategy at save, tokens seen, tensors, total size.
 
-    An incomplete checkpoint (no .metadata, a missing or truncated shard file) is an error (exit 2).
+    Checks the whole structure first and reports what it checked: a DCP folder's .metadata
+    (entries, chunks tiling every tensor, storage records, file sizes) and every item's zip
+    directory and pickle against its chunk; a torch file's zip directory, data.pkl and record
+    bounds; a safetensors header against its file. Without --deep it reads no tensor data, so a
+    flipped byte inside a tensor goes unseen: --deep checks the recorded digests and reads it all.
+    Anything incomplete, damaged or inconsistent is an error (exit 2).
     """
     from hpc.ckpt.convert import inspect_checkpoint
 
-    info = inspect_checkpoint(path)
+    with Progress("inspect") as bar:
+        info = inspect_checkpoint(path, deep=deep, start=bar.start)
     if as_json:
         echo_json(info)
         return
     for label, key in (("format", "format"), ("complete", "complete"), ("step", "step"),
                        ("tokens seen", "tokens_seen"), ("world size", "world_size"), ("strategy", "strategy")):
         click.echo(f"{label + ':':13} {info[key] if info[key] is not None else '-'}")
+    click.echo(f"{'checked:':13} {info['checked']}")
+    if info["digests"] is not None:
+        d = info["digests"]
+        verified = f", {d['verified']} verified" if d["verified"] is not None else " (not checked; --deep checks them)"
+        click.echo(f"{'digests:':13} {d['recorded']} of {d['files']} shard files recorded{verified}")
+    if deep:
+        bad = ", ".join(f"{k} ({n})" for k, n in info["nonfinite"].items()) or "none"
+        click.echo(f"{'NaN/Inf:':13} {bad}")
     click.echo(f"{'tensors:':13} {len(info['tensors'])}, {human(info['total_bytes'])} ({info['total_bytes']} bytes)")
     click.echo(f"{'objects:':13} {len(info['objects'])}")
     width = max((len(t["key"]) for t in info["tensors"]), default=0)
@@ -69,17 +89,56 @@ def inspect_cmd(path: str, as_json: bool) -> None:
         click.echo(f"  {t['key']:{width}}  {t['dtype']:9} {str(t['shape']):20} {human(t['bytes'])}")
 
 
-def _progress(label: str, total: int) -> tp.Any:
-    return click.progressbar(length=max(total, 1), label=label, file=click.get_text_stream("stderr"),
-                             show_eta=True, show_percent=True)
+class Progress:
+    """A progress bar on stderr when it is a terminal (nothing otherwise), started only once the
+    inputs are checked, and wiped on an error so the ``error:`` line stands alone."""
+
+    def __init__(self, label: str):
+        self.label, self.bar = label, None
+
+    def start(self, total: int) -> tp.Callable[[int], None]:
+        if not sys.stderr.isatty():
+            return lambda n: None
+        self.bar = click.progressbar(length=max(total, 1), label=self.label, file=sys.stderr,
+                                     show_eta=True, show_percent=True)
+        return self.bar.__enter__().update
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, exc_type: tp.Any, *rest: tp.Any) -> None:
+        if self.bar is None:
+            return
+        if exc_type is None:
+            self.bar.__exit__(None, None, None)
+        else:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+@contextmanager
+def cleanup_on_sigterm() -> tp.Iterator[None]:
+    """SIGTERM raises SystemExit while the block runs, so partial outputs are removed as on Ctrl-C."""
+    def stop(signum: int, frame: tp.Any) -> None:
+        raise SystemExit(128 + signum)
+
+    try:
+        before = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @ckpt_group.command("convert")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
 @click.option("--to", "to", required=True, type=click.Choice(["torch", "safetensors", "dcp"]),
-              help="Output format. dcp and safetensors are streamed (memory: about the largest tensor); "
-                   "torch (one torch.save file) is NOT streamed: it holds the whole state in memory.")
+              help="Output format. Every direction is streamed: memory holds about the largest tensor "
+                   "(a legacy non-zip torch source is the exception: it is loaded whole).")
 @click.option("--model-only", is_flag=True, help="Only the model's weights (a plain model.state_dict()).")
 @click.option("--shard-size", default="5GiB", show_default=True, metavar="SIZE",
               help="safetensors: largest shard; bigger outputs become a folder of shards plus "
@@ -90,13 +149,12 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) 
     DST must not exist; it appears only when complete. For safetensors, a DST ending in
     .safetensors is one file; any other DST is a folder (model.safetensors, or shards + index).
     """
-    from hpc.ckpt.convert import convert_checkpoint, total_bytes
+    from hpc.ckpt.convert import convert_checkpoint
 
     shard_bytes = parse_size(shard_size)
-    with _progress(f"{to}", total_bytes(src, model_only)) as bar:
-        summary = convert_checkpoint(src, dst, to, model_only=model_only, shard_bytes=shard_bytes,
-                                     progress=bar.update)
-    note = "" if summary["streamed"] else " (not streamed: held in memory)"
+    with cleanup_on_sigterm(), Progress(to) as bar:
+        summary = convert_checkpoint(src, dst, to, model_only=model_only, shard_bytes=shard_bytes, start=bar.start)
+    note = "" if summary["streamed"] else " (source not streamed: held in memory)"
     click.echo(f"wrote {summary['dst']} ({summary['to']}, {summary['keys']} entries, "
                f"{human(summary['bytes'])}){note}")
 
@@ -109,11 +167,16 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) 
 @click.option("--model-only", is_flag=True, help="Compare only the model's weights.")
 @json_option
 def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> None:
-    """Compare two checkpoints of any formats tensor by tensor; exit 1 when they differ."""
-    from hpc.ckpt.convert import total_bytes, verify_checkpoints
+    """Compare two checkpoints of any formats tensor by tensor; exit 1 when they differ.
 
-    with _progress("verify", total_bytes(a, model_only)) as bar:
-        result = verify_checkpoints(a, b, atol=atol, model_only=model_only, progress=bar.update)
+    Bit-exact by default. With --atol, NaN must be at the same places in both, infinities equal,
+    and every other pair within the tolerance. SHA-256 digests recorded beside a DCP folder's
+    shards are checked first: a shard that no longer matches is an error (exit 2).
+    """
+    from hpc.ckpt.convert import verify_checkpoints
+
+    with Progress("verify") as bar:
+        result = verify_checkpoints(a, b, atol=atol, model_only=model_only, start=bar.start)
     if as_json:
         echo_json(result)
     elif result["equal"]:

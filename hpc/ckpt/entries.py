@@ -11,6 +11,7 @@ keys, so any two checkpoints compare key by key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing as tp
 
 import torch
@@ -65,29 +66,92 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class Scratch:
+    """One reusable buffer, grown to the largest tensor a conversion copies.
+
+    Every tensor is read into (and written from) a view of it, so a conversion allocates its
+    memory once instead of once per tensor: no page faults of fresh buffers, and peak memory
+    stays at the largest tensor.
+    """
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def view(self, dtype: torch.dtype, shape: tp.Sequence[int]) -> torch.Tensor:
+        """A contiguous tensor of ``dtype`` and ``shape`` at the start of the buffer (contents undefined)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self.buf.numel() < nbytes:
+            self.buf = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
+            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self.buf[:nbytes].view(dtype).view(tuple(shape))
+
+
+def dims(values: tp.Any) -> tuple[int, ...] | None:
+    """``values`` as a tuple of non-negative integers (a shape, offsets), or None if it is not one."""
+    if not isinstance(values, (list, tuple)):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        return None
+    return tuple(int(v) for v in values)
+
+
+MAX_LIST_INDEX = 1 << 20  # object paths index small lists (param_groups); refuse absurd ones
+
+
+def checked_paths(paths: tp.Any, source: str) -> dict[str, Path_]:
+    """Recorded object paths (key -> tuple of str keys and int list indices), checked."""
+    if paths is None:
+        return {}
+    if not isinstance(paths, dict):
+        raise CheckpointError([f"{source}: is a {type(paths).__name__}, expected a mapping of keys to object paths"])
+    out = {}
+    for key, path in paths.items():
+        ok = isinstance(key, str) and isinstance(path, (list, tuple)) and len(path) > 0 and all(
+            isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < MAX_LIST_INDEX)
+            for p in path)
+        if not ok:
+            raise CheckpointError([f"{source}: object path of {key!r} is {path!r}, expected a list of keys "
+                                   "and list indices"])
+        out[key] = tuple(path)
+    return out
+
+
 def default_paths(keys: tp.Iterable[str]) -> dict[str, Path_]:
     """Object paths for keys with no recorded ones: split on the first dot only."""
     return {k: tuple(k.split(".", 1)) if "." in k else (k,) for k in keys}
 
 
-def unflatten(flat: dict[str, tp.Any], paths: dict[str, Path_]) -> dict[str, tp.Any]:
-    """The nested state dict of ``flat`` along ``paths`` (int path parts become list indices)."""
+def unflatten(flat: dict[str, tp.Any], paths: dict[str, Path_], source: str = "checkpoint") -> dict[str, tp.Any]:
+    """The nested state dict of ``flat`` along ``paths`` (int path parts become list indices);
+    CheckpointError naming ``source`` when two paths disagree (one says list, one says dict)."""
     root: dict[str, tp.Any] = {}
     for key, value in flat.items():
         path = paths.get(key) or (key,)
-        node: tp.Any = root
-        for part, nxt in zip(path[:-1], path[1:]):
-            empty: tp.Any = [] if isinstance(nxt, int) else {}
-            if isinstance(node, list):
-                node.extend([None] * (part + 1 - len(node)))
-                node[part] = empty if node[part] is None else node[part]
-            else:
-                node.setdefault(part, empty)
-            node = node[part]
-        if isinstance(node, list):
-            node.extend([None] * (path[-1] + 1 - len(node)))
-        node[path[-1]] = value
+        try:
+            _place(root, path, value)
+        except (TypeError, KeyError, IndexError):
+            raise CheckpointError([f"{source}: the object path of {key!r} ({list(path)}) conflicts with "
+                                   "another entry's"]) from None
     return root
+
+
+def _place(root: dict, path: Path_, value: tp.Any) -> None:
+    node: tp.Any = root
+    for part, nxt in zip(path[:-1], path[1:]):
+        empty: tp.Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (part + 1 - len(node)))
+            node[part] = empty if node[part] is None else node[part]
+        else:
+            node.setdefault(part, empty)
+        node = node[part]
+        if not isinstance(node, (list, dict)) or isinstance(node, list) != isinstance(nxt, int):
+            raise TypeError("path conflict")
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    elif isinstance(path[-1], int):
+        raise TypeError("path conflict")
+    node[path[-1]] = value
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -108,3 +172,14 @@ def jsonable(value: tp.Any) -> tp.Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def load_error(exc: BaseException) -> str:
+    """The reason in an exception from ``torch.load(weights_only=True)``, on one line: torch's own
+    message starts with advice to load without ``weights_only``, which is never the answer here."""
+    text = str(exc)
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n")[0].split(". Please")[0].strip()
+        return f"weights-only unpickler: {reason or 'rejected'}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__

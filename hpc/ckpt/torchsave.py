@@ -4,12 +4,12 @@ Read with ``TorchZip`` (hpc/ckpt/torch_zip.py): ``data.pkl`` through an allow-li
 unpickler that records where each tensor's bytes are, then one tensor at a time from its
 zip record. Layouts it does not handle (legacy non-zip files, big-endian,
 quantized/sparse tensors) fall back to ``torch.load(weights_only=True, mmap=True)``.
-Writing needs the whole dict in memory at once — the one direction that is not streamed.
+Writing is streamed too: ``TorchWriter`` (hpc/ckpt/torch_write.py) pickles the nested dict from
+the entries' dtypes and shapes, then writes one tensor record at a time.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import typing as tp
 from pathlib import Path
@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from hpc import compat
-from hpc.ckpt.entries import Entry, Progress, Reader, tensor_entry, unflatten
-from hpc.ckpt.outputs import commit, fresh
+from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, load_error, tensor_entry, unflatten
+from hpc.ckpt.outputs import describe, fsync_file, staged
+from hpc.ckpt.torch_write import Stored, TorchWriter
 from hpc.ckpt.torch_zip import TorchZip, Unsupported
 from hpc.errors import CheckpointError
 
@@ -58,7 +59,11 @@ class TorchReader:
             raise CheckpointError([f"{self.path}: holds a {type(obj).__name__}, expected a state dict"])
         if not isinstance(obj.get("model"), dict):
             obj = {"model": obj}  # a plain model.state_dict()
-        self.flat, self.paths = compat.flatten_state_dict(obj)
+        try:
+            self.flat, self.paths = compat.flatten_state_dict(obj)
+        except (ValueError, TypeError, KeyError) as exc:
+            self.close()
+            raise CheckpointError([f"{self.path}: its keys do not flatten to a state dict ({exc})"]) from None
         self.entries = {k: tensor_entry(k, v.dtype, v.shape) if isinstance(v, torch.Tensor) else Entry(k, None, None, 0)
                         for k, v in self.flat.items()}
         self.meta = {k[len("meta."):]: v for k, v in self.flat.items() if k.startswith("meta.")}
@@ -67,15 +72,30 @@ class TorchReader:
         try:
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=is_zip)
         except pickle.UnpicklingError as exc:
-            raise CheckpointError([f"{self.path}: refused by weights_only loading: {str(exc).splitlines()[0]}"]) from None
+            raise CheckpointError([f"{self.path}: refused by weights-only loading ({load_error(exc)})"]) from None
         except Exception as exc:
-            raise CheckpointError([f"{self.path}: unreadable torch file ({type(exc).__name__}: "
-                               f"{str(exc).splitlines()[0] if str(exc) else ''})"]) from None
+            raise CheckpointError([f"{self.path}: unreadable torch file ({load_error(exc)})"]) from None
+
+    def _ref(self, key: str) -> tp.Any:
+        value = self.flat[key]
+        return self.zip.ref(value) if self.zip is not None and isinstance(value, torch.Tensor) else None
 
     def read(self, key: str) -> tp.Any:
-        value = self.flat[key]
-        ref = self.zip.ref(value) if self.zip is not None and isinstance(value, torch.Tensor) else None
-        return self.zip.read(ref) if ref is not None else value
+        ref = self._ref(key)
+        try:
+            return self.zip.read(ref) if ref is not None else self.flat[key]  # type: ignore[union-attr]
+        except OSError as exc:
+            raise CheckpointError([f"{self.path}: cannot read {key!r} ({describe(exc)})"]) from None
+
+    def read_into(self, key: str, out: torch.Tensor) -> None:
+        """Fill the contiguous ``out`` with tensor ``key``: straight from its record when it is stored
+        contiguously, else through a fresh tensor."""
+        ref = self._ref(key)
+        try:
+            if ref is None or not self.zip.readinto(ref, out):  # type: ignore[union-attr]
+                out.copy_(self.read(key))
+        except OSError as exc:
+            raise CheckpointError([f"{self.path}: cannot read {key!r} ({describe(exc)})"]) from None
 
     def close(self) -> None:
         self.flat = {}
@@ -83,18 +103,19 @@ class TorchReader:
 
 
 def write_torch(reader: Reader, dst: Path, keys: list[str], *, model_only: bool,
-                progress: Progress = lambda n: None) -> Path:
-    """One ``torch.save`` file; NOT streamed: the whole (nested) dict is in memory before writing."""
-    flat = {}
-    for key in keys:
-        flat[key] = reader.read(key)
-        progress(reader.entries[key].nbytes)
-    nested = unflatten(flat, reader.paths)
-    del flat
+                progress: Progress = lambda n: None, scratch: Scratch | None = None) -> Path:
+    """One ``torch.save`` file (CRC32 as torch's setting says), written tensor by tensor: the
+    nested dict is pickled from the entries' dtypes and shapes, then each tensor is read into
+    ``scratch`` and written as its record."""
+    scratch = scratch or Scratch()
+    layout = {k: Stored(k, e.dtype, e.shape) if e.is_tensor else reader.read(k)
+              for k, e in ((k, reader.entries[k]) for k in keys)}
+    nested = unflatten(layout, reader.paths, str(getattr(reader, "path", "checkpoint")))
     obj = nested.get("model", {}) if model_only else nested
-    tmp = fresh(dst)
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    return commit(tmp, dst)
+    with staged(dst) as tmp, open(tmp, "wb") as f:
+        writer = TorchWriter(f, obj)
+        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch, progress)
+        writer.finish()
+        del writer
+        fsync_file(f)
+    return dst
