@@ -143,7 +143,10 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
 @click.option("--shard-size", default="5GiB", show_default=True, metavar="SIZE",
               help="safetensors: largest shard; bigger outputs become a folder of shards plus "
                    "model.safetensors.index.json.")
-def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) -> None:
+@click.option("--digest", is_flag=True,
+              help="dcp: also write the shard's SHA-256 beside it (as training saves do), for verify and inspect "
+                   "--deep to check later. Costs a hash of every byte (half the throughput on a busy 2-core machine).")
+def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str, digest: bool) -> None:
     """Convert SRC (DCP folder, torch.save file or safetensors) to DST in another format.
 
     DST must not exist; it appears only when complete. For safetensors, a DST ending in
@@ -153,7 +156,8 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str) 
 
     shard_bytes = parse_size(shard_size)
     with cleanup_on_sigterm(), Progress(to) as bar:
-        summary = convert_checkpoint(src, dst, to, model_only=model_only, shard_bytes=shard_bytes, start=bar.start)
+        summary = convert_checkpoint(src, dst, to, model_only=model_only, shard_bytes=shard_bytes, digest=digest,
+                                     start=bar.start)
     note = "" if summary["streamed"] else " (source not streamed: held in memory)"
     click.echo(f"wrote {summary['dst']} ({summary['to']}, {summary['keys']} entries, "
                f"{human(summary['bytes'])}){note}")

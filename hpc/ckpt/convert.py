@@ -160,25 +160,29 @@ def selected_keys(reader: Reader, model_only: bool) -> list[str]:
     return keys
 
 
-def _check_target(src: Path, dst: Path, to: str) -> None:
+def _check_target(src: Path, dst: Path, to: str, digest: bool) -> None:
     if to not in TARGETS:
         raise ConfigError([f"--to {to!r}: expected one of {', '.join(TARGETS)}"])
+    if digest and to != "dcp":
+        raise ConfigError([f"--digest: only --to dcp writes digests (a DCP folder's shards); not --to {to}"])
     check_destination(dst)
     if src.is_dir() and dst.resolve().parent.is_relative_to(src.resolve()):
         raise CheckpointError([f"{dst}: inside the source {src}; hpcx never writes into a checkpoint"])
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, *, model_only: bool = False,
-                       shard_bytes: int = DEFAULT_SHARD_BYTES, start: Start = _no_progress) -> dict[str, tp.Any]:
+                       shard_bytes: int = DEFAULT_SHARD_BYTES, digest: bool = False,
+                       start: Start = _no_progress) -> dict[str, tp.Any]:
     """Convert ``src`` (any format) to ``dst`` in format ``to``; a summary dict.
 
     ``dst`` is refused before ``src`` is read. Every direction is streamed: memory holds about the
     largest tensor (one reusable buffer). A torch source in a layout ``TorchZip`` does not handle
     (e.g. a legacy non-zip file) is loaded whole (``streamed`` False). ``start(total)`` is called
     once the source is checked and before anything is written; it returns the progress callback.
+    ``digest`` (dcp only) writes the shard's SHA-256 beside it.
     """
     src, dst = Path(src), Path(dst)
-    _check_target(src, dst, to)
+    _check_target(src, dst, to, digest)
     reader = open_checkpoint(src)
     try:
         keys = selected_keys(reader, model_only)
@@ -187,7 +191,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, *, model_only:
         total = sum(reader.entries[k].nbytes for k in keys)
         progress, scratch = start(total), Scratch()
         if to == "dcp":
-            write_dcp(reader, dst, keys, progress, scratch)
+            write_dcp(reader, dst, keys, progress, scratch, digest=digest)
         elif to == "safetensors":
             write_safetensors(reader, dst, keys, model_only=model_only, shard_bytes=shard_bytes,
                               progress=progress, scratch=scratch)

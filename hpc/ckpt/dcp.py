@@ -8,7 +8,7 @@ long enough for it, no two items sharing bytes), a storage record for every chun
 ``DcpReader`` then reads each chunk's blob itself and refuses a blob whose tensor is not the
 dtype and shape its chunk says; ``check_items`` does that for every blob without reading
 tensor data (what ``hpcx ckpt inspect`` runs). ``write_dcp`` writes one shard file plus
-``.metadata`` (the layout a single-rank ``dcp.save`` makes) and the shard's digest.
+``.metadata`` (the layout a single-rank ``dcp.save`` makes), and on request the shard's digest.
 """
 
 from __future__ import annotations
@@ -386,22 +386,24 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
 
 
 def write_dcp(reader: Reader, dst: Path, keys: list[str], progress: Progress = lambda n: None,
-              scratch: Scratch | None = None) -> Path:
+              scratch: Scratch | None = None, *, digest: bool = False) -> Path:
     """A one-shard DCP folder at ``dst`` holding ``keys`` of ``reader``, one tensor in memory at a
-    time (in ``scratch``), with the shard's SHA-256 beside it."""
+    time (in ``scratch``); with ``digest`` the shard's SHA-256 beside it, hashed as it is written."""
     scratch = scratch or Scratch()
     with staged(dst, folder=True) as tmp:
         state_md, storage = {}, {}
         with open(tmp / SHARD_FILE, "wb") as raw:
-            f = HashingWriter(raw)
+            f: tp.Any = HashingWriter(raw) if digest else raw
             try:
                 for key in keys:
                     state_md[key], index, storage[index] = _write_item(f, reader, reader.entries[key], scratch)
                     progress(reader.entries[key].nbytes)
             finally:
-                f.close()
+                if digest:
+                    f.close()
             fsync_file(raw)
-        write_digest(tmp / SHARD_FILE, f.hexdigest())
+        if digest:
+            write_digest(tmp / SHARD_FILE, f.hexdigest())
         metadata = dcp_md.Metadata(state_md, planner_data={k: reader.paths[k] for k in keys},
                                    storage_data=storage, storage_meta=dcp_md.StorageMeta(),
                                    version=dcp_fs.CURRENT_DCP_VERSION)

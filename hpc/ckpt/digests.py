@@ -5,8 +5,9 @@ large part of a save's time) and ``torch.load`` never checks it anyway, so by it
 notices a flipped byte in a shard. hpcx therefore writes, for every shard file ``F`` of a DCP
 folder it writes, ``F.sha256`` beside it in ``sha256sum`` format (``<hex>  F``; ``sha256sum -c
 F.sha256`` checks it too). The trainer's writing rank does it after its shards are fsync'ed,
-off the training loop's critical path (see trainer/checkpoint.py); ``hpcx ckpt convert --to dcp``
-does it for its shard. ``hpcx ckpt verify`` and ``hpcx ckpt inspect --deep`` check every digest
+off the training loop's critical path (see trainer/checkpoint.py); ``hpcx ckpt convert --to dcp
+--digest`` does it for its shard (not by default: there it is on the critical path, and the
+conversion can be checked against its source with ``verify``). ``hpcx ckpt verify`` and ``hpcx ckpt inspect --deep`` check every digest
 present; checkpoints without digests (older hpcx, other writers) are read as before and
 reported as such.
 """

@@ -158,10 +158,16 @@ def test_digests_are_written_at_save_and_catch_a_flipped_byte(tmp_path: Path, as
     assert_refused(("verify", path, copy), "SHA-256")
 
 
-def test_conversion_to_dcp_writes_a_digest_and_checkpoints_without_one_still_read(tmp_path: Path) -> None:
+def test_conversion_to_dcp_writes_a_digest_on_request_and_checkpoints_without_one_still_read(tmp_path: Path) -> None:
     path = saved(tmp_path)
-    assert cli("convert", path, tmp_path / "c.dcp", "--to", "dcp")[0] == 0
-    assert cli("inspect", tmp_path / "c.dcp", "--deep")[0] == 0
+    assert cli("convert", path, tmp_path / "c.dcp", "--to", "dcp", "--digest")[0] == 0
+    code, out = cli("inspect", tmp_path / "c.dcp", "--deep")
+    assert code == 0 and "1 of 1 shard files recorded, 1 verified" in out, out
+    if shutil.which("sha256sum"):
+        subprocess.run(["sha256sum", "-c", "__0_0.distcp.sha256"], cwd=tmp_path / "c.dcp", check=True, capture_output=True)
+    assert cli("convert", path, tmp_path / "plain.dcp", "--to", "dcp")[0] == 0
+    assert not list((tmp_path / "plain.dcp").glob("*.sha256"))
+    assert_refused(("convert", path, tmp_path / "x.pt", "--to", "torch", "--digest"), "only --to dcp")
     stock = mf.dcp_save(tmp_path / "stock", {"model": {"w": torch.ones(3)}})
     code, out = cli("inspect", stock, "--deep")
     assert code == 0 and "0 of 1 shard files recorded, 0 verified" in out, out
@@ -183,3 +189,40 @@ def test_inspect_deep_counts_nan_and_inf(tmp_path: Path) -> None:
     assert info["nonfinite"] == {"model.w": 3}
     code, out = cli("inspect", src, "--deep")
     assert code == 0 and "model.w (3)" in out
+
+
+def rewrite_archive(src: Path, dst: Path, edit) -> Path:
+    """A copy of the zip ``src`` whose records pass through ``edit(name, data) -> data | None``."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = edit(info.filename, zin.read(info))
+            if data is not None:
+                zout.writestr(info.filename, data)
+    return dst
+
+
+@pytest.mark.parametrize("damage,expect", [
+    ("end-record", "not a complete torch.save zip"),
+    ("central-entry", "not a complete torch.save zip"),
+    ("record-short", "holds 8 bytes; the pickle expects 64"),
+    ("record-missing", "record good/data/0 is missing"),
+    ("truncated", "not a complete torch.save zip"),
+])
+def test_a_torch_file_damaged_or_lying_is_refused(tmp_path: Path, damage: str, expect: str) -> None:
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(16.0), "b": torch.ones(2)}, good)
+    bad = tmp_path / "bad.pt"
+    if damage in ("end-record", "central-entry"):
+        bad.write_bytes(good.read_bytes())
+        mf.damage_item(bad, 0, bad.stat().st_size, damage)
+    elif damage == "record-short":
+        rewrite_archive(good, bad, lambda name, data: data[:8] if name.endswith("data/0") else data)
+    elif damage == "record-missing":
+        rewrite_archive(good, bad, lambda name, data: None if name.endswith("data/0") else data)
+    else:
+        bad.write_bytes(good.read_bytes()[:-30])
+    assert_refused(("inspect", bad), "bad.pt", expect)
+    assert_refused(("convert", bad, tmp_path / "o.safetensors", "--to", "safetensors"), expect)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.pt", "good.pt"]
