@@ -71,6 +71,7 @@ log = logging.getLogger("hpcx.trainer")
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
+    """``RUN/checkpoints/step-NNNNNNN``."""
     return Path(run_dir) / CHECKPOINTS / f"step-{step:07d}"
 
 
@@ -222,6 +223,17 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
         _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
         _start_digests(final, writer.written)
         return final
+    _start_async(state, writer, process_group, partial, final, keep)
+    if optimizer is not None:
+        _wait_staged_before_step(optimizer)
+    else:
+        wait_staged()  # nothing tells us when the caller changes the state: stage before returning
+    return final
+
+
+def _start_async(state: dict, writer: tp.Any, process_group: tp.Any, partial: Path, final: Path, keep: int) -> None:
+    """Hand ``state`` to ``dcp.async_save`` (staging and writing in the background); rank 0 commits
+    when the write is done. The job is ``_pending`` until ``wait_pending``."""
     response = dcp.async_save(state, storage_writer=writer, process_group=process_group or _gloo_group(),
                               async_stager=_reused_stager(), no_dist=not dist.is_initialized())
     staged, future = ((None, response) if isinstance(response, Future)
@@ -229,11 +241,6 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     job = {"future": future, "staged": staged, "final": final, "done": threading.Event(), "error": None}
     future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, _rank()))
     _pending.update(job)
-    if optimizer is not None:
-        _wait_staged_before_step(optimizer)
-    else:
-        wait_staged()  # nothing tells us when the caller changes the state: stage before returning
-    return final
 
 
 def wait_staged() -> None:

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import typing as tp
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,6 +53,7 @@ def big_module(size_mb: int) -> nn.Module:
 
 
 def timed(fn) -> float:
+    """Seconds ``fn()`` took."""
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
@@ -118,45 +120,52 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace, root: Path) -> None:
+    """Every measurement, ``--repeat`` times, then the report."""
     torch.manual_seed(0)
     model = big_module(args.size_mb)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, momentum=0.9)  # lr 0: the weights stay
     model(torch.randn(args.batch, 2048)).sum().backward()
     optimizer.step()  # the momentum buffers exist from here on, as in training
     optimizer.zero_grad(set_to_none=True)
-    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    size_mb = nbytes / MB
+    size_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / MB
     src = root / "random.src"
     src.write_bytes(os.urandom(round(size_mb) * MB))
     variants = ["hpcx"] if args.no_stock else ["stock", "hpcx"]
     res: dict[str, list[float]] = {}
-    add = lambda k, v: res.setdefault(k, []).append(v)  # noqa: E731
-    step = 0
+    steps = iter(range(1, 1 << 30))
     for _ in range(args.repeat):
         for k, v in dd(round(size_mb), src, root / "dd.bin").items():
-            add(f"dd_{k}", v)
+            res.setdefault(f"dd_{k}", []).append(v)
         for variant in variants:
             with stock_dcp() if variant == "stock" else nullcontext():
-                step += 1
-                add(f"{variant}_save", timed(lambda: save_checkpoint(root, step, model, None, None, {"step": step})))
-                add(f"{variant}_digests", timed(wait_pending))  # hpcx: shard digests, in the background
-                path = ckpt.step_dir(root, step)
-                add(f"{variant}_load_warm", timed(lambda: load_checkpoint(path, model)))
-                drop_cache(path)
-                add(f"{variant}_load_cold", timed(lambda: load_checkpoint(path, model)))
-        step += 1
-        step += 1  # the same state (weights + momentum) saved sync, for the pause's reference
-        add("sync_full", timed(lambda: save_checkpoint(root, step, model, optimizer, None, {"step": step})))
-        wait_pending()
-        step += 1
-        pause, waited, fwd_bwd = async_pause(root, step, model, optimizer, args.batch)
-        add("pause", pause)
-        add("waited", waited)
-        add("fwd_bwd", fwd_bwd)
-        t = time.perf_counter()
-        wait_pending()
-        add("async_rest", time.perf_counter() - t)
+                sync_and_load(root, next(steps), model, variant, res)
+        async_round(root, steps, model, optimizer, args.batch, res)
     report(size_mb, res, variants, root, args)
+
+
+def sync_and_load(root: Path, step: int, model: nn.Module, variant: str, res: dict) -> None:
+    """One sync save (model only), its digests, a warm and a cold load."""
+    add = lambda k, v: res.setdefault(f"{variant}_{k}", []).append(v)  # noqa: E731
+    add("save", timed(lambda: save_checkpoint(root, step, model, None, None, {"step": step})))
+    add("digests", timed(wait_pending))  # hpcx: shard digests, in the background
+    path = ckpt.step_dir(root, step)
+    add("load_warm", timed(lambda: load_checkpoint(path, model)))
+    drop_cache(path)
+    add("load_cold", timed(lambda: load_checkpoint(path, model)))
+
+
+def async_round(root: Path, steps: tp.Iterator[int], model: nn.Module, optimizer: torch.optim.Optimizer,
+                batch: int, res: dict) -> None:
+    """A sync save of weights + momentum (the reference), then an async save of the same state."""
+    add = lambda k, v: res.setdefault(k, []).append(v)  # noqa: E731
+    step = next(steps)
+    add("sync_full", timed(lambda: save_checkpoint(root, step, model, optimizer, None, {"step": step})))
+    wait_pending()
+    pause, waited, fwd_bwd = async_pause(root, next(steps), model, optimizer, batch)
+    add("pause", pause)
+    add("waited", waited)
+    add("fwd_bwd", fwd_bwd)
+    add("async_rest", timed(wait_pending))
 
 
 def async_pause(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

@@ -37,6 +37,7 @@ from trainer import checkpoint as ckpt
 
 
 def workloads() -> dict:
+    """The two kinds of training step, as functions."""
     mlp, x = nn.Sequential(nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512)), torch.randn(64, 512)
     small = [torch.randn(8) for _ in range(50)]
 
@@ -61,11 +62,13 @@ def step_times(work, until=None, n: int = 30, limit: int = 2000) -> list[float]:
 
 
 def save_in_thread(root: Path, step: int, model: nn.Module):
+    """hpcx's async save; the future of its write."""
     ckpt.save_checkpoint(root, step, model, None, None, {"step": step}, keep=2, async_save=True)
     return ckpt._pending["future"]
 
 
 def save_in_process(root: Path, step: int, model: nn.Module):
+    """The same writer under DCP's process executor (shared-memory staging); the future of its write."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -77,6 +80,7 @@ def save_in_process(root: Path, step: int, model: nn.Module):
 
 
 def measure(args: argparse.Namespace, root: Path) -> dict:
+    """{(thread|process, workload): [step time during a save / before it, per repetition]}."""
     model = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(max(1, args.size_mb // 16))))
     savers = {"thread": save_in_thread, "process": save_in_process}
     res: dict = {}

@@ -36,6 +36,7 @@ def parse_size(text: str) -> int:
 
 
 def human(n: int) -> str:
+    """``1.5 MiB`` & co."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -70,7 +71,11 @@ def inspect_cmd(path: str, deep: bool, as_json: bool) -> None:
         info = inspect_checkpoint(path, deep=deep, start=bar.start)
     if as_json:
         echo_json(info)
-        return
+    else:
+        _print_inspect(info, deep)
+
+
+def _print_inspect(info: dict, deep: bool) -> None:
     for label, key in (("format", "format"), ("complete", "complete"), ("step", "step"),
                        ("tokens seen", "tokens_seen"), ("world size", "world_size"), ("strategy", "strategy")):
         click.echo(f"{label + ':':13} {info[key] if info[key] is not None else '-'}")

@@ -39,6 +39,7 @@ def file_digest(path: Path) -> str:
 
 
 def digest_path(path: Path) -> Path:
+    """Where ``path``'s digest is recorded: ``path.sha256``."""
     return path.with_name(path.name + SUFFIX)
 
 

@@ -45,6 +45,7 @@ JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number
 
 
 def json_type(value: tp.Any) -> str:
+    """``a list``, ``an object``, ``null``...: what a JSON value is, for messages."""
     return JSON_TYPES.get(type(value), type(value).__name__)
 
 
