@@ -392,7 +392,7 @@ def site_show(name: str, as_json: bool) -> None:
 
 def _register_commands() -> None:
     """Commands that live in their own modules (each torch-free at import)."""
-    from hpc.ckpt_cli import ckpt_group
+    from hpc.ckpt.cli import ckpt_group
     from hpc.plan_cli import detect_command, plan_command
     from hpc.scale_cli import scale_group
 

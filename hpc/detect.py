@@ -446,7 +446,7 @@ def _local_site(d: Draft, host: Host | None) -> None:
     d.assumed = [a for a in d.assumed if not a.startswith("network.fabric")]
     d.storage["run_root"] = "~/hpcx-runs"
     gpus = d.node.get("gpus") or 0
-    d.found.append(f"no Slurm: a `local` site; `hpcx submit` runs the job on this machine"
+    d.found.append("no Slurm: a `local` site; `hpcx submit` runs the job on this machine"
                    + (f", one process per GPU ({gpus}, NCCL)" if gpus else ", CPU processes (gloo)"))
     if host is None:
         d.unknown.append("node.cpus, node.memory_gb: this machine's were not read (detect from saved files)")

@@ -4,14 +4,9 @@
 collectives return at once without sending anything, so device meshes, FSDP2 sharding and DCP
 planning run exactly as on rank R of a W-rank job. ``hpcx dryrun`` and the tests use it.
 
-Two private torch APIs are reached through this module only, and ``tests/test_fake_pg.py`` fails
-loudly when a torch upgrade moves them: ``FakeStore`` (``torch.testing._internal``), and DTensor's
-sharding-propagation cache, which must be cleared between two simulated worlds: it keys on meshes
-that compare equal across worlds, and would hand the next world's DTensors the previous world's
-mesh (its coordinates belong to the previous rank).
-Note for the lead: private torch APIs are to live in ``hpc/compat.py`` (being written on another
-branch); ``fake_store`` and
-``clear_sharding_cache`` belong there, with their test.
+Its two private torch APIs (``FakeStore``, and DTensor's sharding-propagation cache, which must be
+cleared between two simulated worlds: it keys on meshes that compare equal across worlds, and would
+hand the next world's DTensors the previous world's mesh) are reached through ``hpc.compat``.
 """
 
 from __future__ import annotations
@@ -19,12 +14,7 @@ from __future__ import annotations
 import contextlib
 import typing as tp
 
-
-def fake_store() -> tp.Any:
-    """A store for the fake backend (``torch.testing._internal.distributed.fake_pg.FakeStore``)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    return FakeStore()
+from hpc.compat import clear_sharding_cache, fake_store
 
 
 @contextlib.contextmanager
@@ -44,11 +34,3 @@ def fake_process_group(world_size: int, rank: int = 0) -> tp.Iterator[None]:
     finally:
         dist.destroy_process_group()
         clear_sharding_cache()
-
-
-def clear_sharding_cache() -> None:
-    """Forget DTensor's cached sharding decisions
-    (``torch.distributed.tensor.debug._clear_sharding_prop_cache``, torch's recommended way)."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()

@@ -16,9 +16,7 @@ TRAINER_ALLOWED = {"hpc.submit": {"trainer.task"},
                    "hpc.dryrun": {"trainer.model", "trainer.optim", "trainer.train", "trainer.parallelize",
                                   "trainer.checkpoint"},
                    # `hpcx plan --count-params` builds a user model on the meta device to count it
-                   "hpc.plan_cli": {"trainer.count"},
-                   # on this branch conversion still lives in trainer/ (the checkpoint branch moves it to hpc/ckpt)
-                   "hpc.ckpt_cli": {"trainer.convert"}}
+                   "hpc.plan_cli": {"trainer.count"}}
 # modules that import nothing else from hpc (the bottom of the graph)
 LEAVES = ("hpc.errors", "hpc.dims")
 # `hpcx site detect` reads `scontrol show node` of the node it runs on to draft a profile

@@ -22,36 +22,42 @@ references is there and long enough.
 
 Async saves (``async_save=True``) run ``dcp.async_save`` on a gloo group of
 their own: on the default group, next to training collectives, they deadlock.
-At most one save is in flight; the next save (and ``wait_pending``) waits.
+The state is copied to host memory in a background thread while the loop runs
+the next forward and backward; the optimizer's next ``step`` waits for that copy
+(``wait_staged``), then the write goes on in the background. At most one save is
+in flight; the next save (and ``wait_pending``) waits.
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
-import io
+import logging
 import os
 import random
 import re
 import shutil
 import threading
 import typing as tp
+import weakref
 from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch import nn
 
-from hpc.config import ConfigError
+from hpc import compat
+from hpc.ckpt.dcp import DcpReader, dcp_problems, index_offsets
+from hpc.ckpt.digests import write_digest
+from hpc.ckpt.entries import unflatten
+from hpc.ckpt.outputs import fsync_dir
 from hpc.dims import ParallelDims, dims_from_mesh
-from trainer.ckpt_formats import DcpReader, dcp_problems, fsync_dir, unflatten
-from trainer.safe_pickle import load_dcp_metadata
-from trainer.torch_zip import FileSlice, TorchZip, Unsupported, no_crc32
+from hpc.errors import CheckpointError, UserError
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")
@@ -59,10 +65,14 @@ FORMAT = "hpcx-dcp/1"
 
 _pending: dict[str, tp.Any] = {}  # the one async save in flight: future, final path, done event, error
 _async_group: list[tp.Any] = []  # the gloo group async saves use, created once
-_stager: list[tp.Any] = []  # the ReusedStager async saves share, created once
+_stager: list[tp.Any] = []  # the stager async saves share, created once
+_digest_threads: list[threading.Thread] = []  # digests of the last sync save, being written
+_guarded: weakref.WeakSet = weakref.WeakSet()  # optimizers whose step waits for staging
+log = logging.getLogger("hpcx.trainer")
 
 
 def step_dir(run_dir: str | Path, step: int) -> Path:
+    """``RUN/checkpoints/step-NNNNNNN``."""
     return Path(run_dir) / CHECKPOINTS / f"step-{step:07d}"
 
 
@@ -152,11 +162,13 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sched
                 step: int, train_state: dict, dims: ParallelDims | None) -> dict[str, tp.Any]:
     """The DCP state dict of one save (see the module docstring for its keys)."""
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state: dict[str, tp.Any] = {"model": msd, "train": dict(train_state), "rng": {f"rank{_rank()}": rng_state()}}
+    # the Python objects are copied now: an async save stages (deep-copies) the state later
+    state: dict[str, tp.Any] = {"model": msd, "train": copy.deepcopy(train_state),
+                                "rng": {f"rank{_rank()}": rng_state()}}
     if optimizer is not None:
         state["optim"] = osd
     if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+        state["scheduler"] = copy.deepcopy(scheduler.state_dict())
     dims = dims or infer_dims(model)
     state["meta"] = {"format": FORMAT, "step": int(step), "tokens_seen": int(train_state.get("tokens_seen", 0)),
                      "world_size": _world(), "strategy": dims.strategy, "sharding": dims.sharding,
@@ -195,9 +207,11 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
                     process_group: tp.Any = None, dims: ParallelDims | None = None) -> Path:
     """Save ``RUN/checkpoints/step-NNNNNNN`` collectively (every rank calls this); returns its path.
 
-    Waits for a save still in flight first. With ``async_save`` it returns once the state is staged
-    in host memory; the folder appears when the background write commits (``wait_pending`` waits
-    for that). ``process_group`` is the group async saves use (default: a gloo group of their own).
+    Waits for a save still in flight first. With ``async_save`` it returns at once: the state is
+    copied to host memory in the background, and ``optimizer``'s next ``step`` waits for that
+    copy (without an optimizer the copy is waited for here); until then do not change parameters
+    in place by other means (or call ``wait_staged`` first). The folder appears when the
+    background write commits (``wait_pending`` waits for that). ``process_group`` is the group async saves use (default: a gloo group of their own).
     Raises FileExistsError if the step's folder already exists, ValueError if ``keep`` < 2.
     """
     if keep < 2:
@@ -205,37 +219,107 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
     wait_pending()
     partial, final = _prepare(Path(run_dir), step)
     state = build_state(model, optimizer, scheduler, step, train_state, dims)
-    writer = HpcxFileSystemWriter(partial, overwrite=False)
+    writer = HpcxFileSystemWriter(partial, overwrite=False, digests_inline=async_save)
     if not async_save:
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
         if _rank() == 0:
             _commit(partial, final, keep)
         _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
+        _start_digests(final, writer.written)
         return final
-    future = dcp.async_save(state, storage_writer=writer, process_group=process_group or _gloo_group(),
-                            async_stager=_reused_stager(), no_dist=not dist.is_initialized())
-    if not isinstance(future, Future):
-        future = future.upload_completion  # an AsyncSaveResponse
-    job = {"future": future, "final": final, "done": threading.Event(), "error": None}
-    future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, _rank()))
-    _pending.update(job)
+    _start_async(state, writer, process_group, partial, final, keep)
+    if optimizer is not None:
+        _wait_staged_before_step(optimizer)
+    else:
+        wait_staged()  # nothing tells us when the caller changes the state: stage before returning
     return final
 
 
+def _start_async(state: dict, writer: tp.Any, process_group: tp.Any, partial: Path, final: Path, keep: int) -> None:
+    """Hand ``state`` to ``dcp.async_save`` (staging and writing in the background); rank 0 commits
+    when the write is done. The job is ``_pending`` until ``wait_pending``."""
+    response = dcp.async_save(state, storage_writer=writer, process_group=process_group or _gloo_group(),
+                              async_stager=_reused_stager(), no_dist=not dist.is_initialized())
+    staged, future = ((None, response) if isinstance(response, Future)
+                      else (response.staging_completion, response.upload_completion))
+    job = {"future": future, "staged": staged, "final": final, "done": threading.Event(), "error": None}
+    future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, _rank()))
+    _pending.update(job)
+
+
+def wait_staged() -> None:
+    """Block until the async save in flight has copied the state to host memory (its staging);
+    from then on the model and optimizer may change. ``save_checkpoint`` makes the optimizer's
+    next ``step`` call this, so staging overlaps the next forward and backward."""
+    staged = _pending.get("staged")
+    if staged is not None:
+        staged.result()
+
+
+def _wait_staged_before_step(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.step`` wait for staging (once per optimizer; a public torch hook): nothing
+    else in a training step changes parameters or optimizer state in place."""
+    if optimizer not in _guarded:
+        optimizer.register_step_pre_hook(lambda *args: wait_staged())
+        _guarded.add(optimizer)
+
+
 class HpcxFileSystemWriter(dcp.FileSystemWriter):
-    """FileSystemWriter whose shard writes skip torch.save's per-record CRC32 (in the writing thread only).
+    """FileSystemWriter whose shard writes skip torch.save's per-record CRC32.
 
     The CRC32 was 45-60% of a save's time here, and nothing checks it: ``torch.load`` ignores it
     (a flipped data byte loads silently either way), and so does hpcx's reader. Torn and short
     files are caught by the commit protocol (``.metadata`` only after every shard is fsync'ed)
     and by ``dcp_problems``' size checks; see docs/checkpoints.md. ``thread_count`` stays 1, so
-    every ``torch.save`` of the write runs in the thread that enters ``write_data`` (the caller
-    for a sync save, DCP's executor thread for an async one), where ``no_crc32`` applies.
+    every ``torch.save`` of the write runs inside ``write_data`` (in the caller for a sync save,
+    in DCP's executor thread for an async one), inside torch's public CRC32 switch.
     """
 
+    def __init__(self, *args: tp.Any, digests_inline: bool = True, **kwargs: tp.Any):
+        super().__init__(*args, **kwargs)
+        self.digests_inline = digests_inline
+        self.written: list[str] = []
+
     def write_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
-        with no_crc32():
-            return super().write_data(plan, planner)
+        """Write this rank's shard files; with ``digests_inline`` (async saves, which run here in
+        the background) also their SHA-256 digests, before ``.metadata`` commits them."""
+        if threading.current_thread() is not threading.main_thread():  # an async save's writer
+            _yield_cpu_to_training()
+        with compat.crc32_off():
+            future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.value()})
+        if self.digests_inline:
+            for name in self.written:
+                write_digest(Path(self.path) / name)
+        return future
+
+
+def _yield_cpu_to_training() -> None:
+    """Lower this background thread's CPU priority (nice 10), so that where cores are short the
+    training threads run first: on a 2-core machine a compute-bound step ran 2.9x slower while a
+    save was written at the same priority, 1.0x at nice 10 (``bench/checkpoint/step_impact.py``).
+    Linux schedules threads one by one; the setting stays with DCP's writer thread."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not permitted: only the priority is lost
+        pass
+
+
+def _start_digests(folder: Path, names: list[str]) -> None:
+    """After a sync save: this rank's shard digests, written into the committed folder by a
+    background thread (off the critical path; joined by the next save and by ``wait_pending``).
+    A checkpoint is complete without them; ``hpcx ckpt verify`` reports a missing one as such."""
+    def run() -> None:
+        _yield_cpu_to_training()
+        try:
+            for name in names:
+                write_digest(folder / name)
+        except OSError as exc:  # e.g. the folder was pruned meanwhile: the checkpoint is unaffected
+            log.warning("checkpoint digests of %s not written: %s", folder, exc)
+
+    thread = threading.Thread(target=run, name="hpcx-ckpt-digests", daemon=True)
+    thread.start()
+    _digest_threads.append(thread)
 
 
 def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int) -> None:
@@ -249,51 +333,23 @@ def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int
         job["done"].set()
 
 
-class ReusedStager(AsyncStager):
-    """Stages an async save into host buffers kept from one save to the next.
+def _reused_stager() -> tp.Any:
+    """The stager every async save shares: DCP's ``DefaultStager``, kept for the process.
 
-    DCP's default stager allocates a fresh host copy of the whole state every save; on a CPU
-    run that allocation (page faults) costs as much as the copy. The buffers are reused while
-    the state's layout (keys, shapes, dtypes) stays the same and rebuilt when it changes. Safe
-    because at most one save is in flight: ``save_checkpoint`` waits for the previous write
-    before staging the next one into the same buffers.
+    It stages into host buffers cached per source storage, so from the second save on staging
+    is a copy into memory that is already there (a fresh allocation every save was most of the
+    pause on a CPU run: page faults); a state whose layout changes gets new buffers for the new
+    storages. Staging runs in a background thread (``use_async_staging``): the loop goes on
+    with the next forward and backward while the state is copied, and the optimizer's next step
+    waits for the copy (``wait_staged``). Safe because at most one save is in flight:
+    ``save_checkpoint`` waits for the previous write before staging into the same buffers.
     """
-
-    _synchronize_after_execute = False
-
-    def __init__(self) -> None:
-        self.cache: dict | None = None
-        self.layout: tuple | None = None
-
-    def stage(self, state_dict: dict) -> dict:
-        layout = state_layout(state_dict)
-        if layout != self.layout:
-            self.cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
-            self.layout = layout
-        return _copy_state_dict(state_dict, self.cache, type_check=False)
-
-    def synchronize_staging(self) -> None:
-        """Staging is blocking: nothing to wait for."""
-
-    def close(self) -> None:
-        """Buffers live as long as the process; nothing to release early."""
-
-
-def state_layout(obj: tp.Any, path: str = "") -> tuple:
-    """(path, kind, shape, dtype) of every leaf: equal layouts can share staging buffers."""
-    if isinstance(obj, dict):
-        return tuple(item for k in sorted(obj, key=str) for item in state_layout(obj[k], f"{path}/{k}"))
-    if isinstance(obj, (list, tuple)):
-        return tuple(item for i, v in enumerate(obj) for item in state_layout(v, f"{path}/{i}"))
-    if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return ((path, type(obj).__name__, tuple(local.shape), str(local.dtype)),)
-    return ((path, type(obj).__name__, None, None),)
-
-
-def _reused_stager() -> ReusedStager:
     if not _stager:
-        _stager.append(ReusedStager())
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        gpu = torch.cuda.is_available()
+        _stager.append(DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                    use_async_staging=True, use_non_blocking_copy=gpu)))
     return _stager[0]
 
 
@@ -310,7 +366,10 @@ def wait_pending() -> Path | None:
     """Block until the async save in flight (if any) is written and committed; its path, or None.
 
     Call it before the process exits: an unfinished async save is left uncommitted (never trusted).
+    Also waits for the digests a sync save is still writing.
     """
+    while _digest_threads:
+        _digest_threads.pop().join()
     if not _pending:
         return None
     job = dict(_pending)
@@ -326,20 +385,25 @@ def wait_pending() -> Path | None:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """FileSystemReader whose ``.metadata`` goes through the allow-list unpickler, and whose
-    tensors are read straight from their zip records into the destination tensor.
+    """FileSystemReader that reads through hpcx's ``DcpReader``: ``.metadata`` through the allow-list
+    unpickler, checked, and each tensor straight from its zip record into the destination tensor.
 
     DCP's own ``read_data`` ``torch.load``s every stored tensor into a fresh buffer and then
     copies it into the model (two copies, a page-faulted allocation and the pure-Python
-    weights-only unpickler per item). Here each tensor blob is parsed with ``TorchZip`` (an
-    allow-list unpickler, no data read) and, when the request covers the whole stored chunk and
-    the destination is contiguous with the same dtype, its bytes are ``readinto`` the destination
+    weights-only unpickler per item), and trusts the blob's shape. Here each tensor blob is
+    parsed with ``TorchZip`` (an allow-list unpickler, no data read), refused unless its dtype
+    and shape are its chunk's, and, when the request covers the whole stored chunk and the
+    destination is contiguous with the same dtype, its bytes are ``readinto`` the destination
     directly; otherwise read into a fresh tensor, narrowed and copied as DCP does. Blobs in a
     layout ``TorchZip`` does not handle go through ``torch.load(weights_only=True)``.
     """
 
+    def __init__(self, reader: DcpReader):
+        super().__init__(reader.path)
+        self.reader = reader
+
     def read_metadata(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
-        metadata = load_dcp_metadata(self.path)
+        metadata = self.reader.metadata
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -347,67 +411,32 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         from torch.distributed.checkpoint.planner import LoadItemType
         from torch.futures import Future as TorchFuture
 
-        infos = {item.storage_index: self.storage_data[item.storage_index] for item in plan.items}
-        if any(info.transform_descriptors for info in infos.values()):
-            return super().read_data(plan, planner)
-        per_file: dict[str, list[tp.Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(infos[item.storage_index].relative_path, []).append(item)
-        for relative, items in per_file.items():
-            name = Path(self.path) / relative
-            with open(name, "rb", buffering=0) as f:
-                for req in sorted(items, key=lambda r: infos[r.storage_index].offset):
-                    info = infos[req.storage_index]
-                    if req.type == LoadItemType.BYTE_IO:
-                        f.seek(info.offset)
-                        data = f.read(info.length)
-                        if len(data) != info.length:
-                            raise ConfigError([f"{name}: item at byte {info.offset} is truncated"])
-                        planner.load_bytes(req, io.BytesIO(data))
-                        continue
-                    target = planner.resolve_tensor(req).detach()
-                    _read_tensor_item(f, name, info, req, target)
-                    planner.commit_tensor(req, target)
+        def place(req: tp.Any) -> tuple[str, int]:  # read each file front to back
+            info = self.reader.storage[(req.storage_index.fqn, index_offsets(req.storage_index))]
+            return info.relative_path, info.offset
+
+        for req in sorted(plan.items, key=place):
+            key, chunk = req.storage_index.fqn, index_offsets(req.storage_index)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, self.reader.read(key))
+                continue
+            target = planner.resolve_tensor(req).detach()
+            self.reader.read_request(key, chunk, req.storage_offsets, req.lengths, target)
+            planner.commit_tensor(req, target)
         fut: tp.Any = TorchFuture()
         fut.set_result(None)
         return fut
 
 
-def _read_tensor_item(f: tp.BinaryIO, name: Path, info: tp.Any, req: tp.Any, target: torch.Tensor) -> None:
-    """Fill ``target`` with the part ``req`` asks for of the tensor blob ``info`` in ``f``."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index
-
-    source = f"{name} (item at byte {info.offset})"
-    ref = None
-    try:
-        z = TorchZip(f, source, info.offset, info.length)
-        ref = z.ref(z.obj) if isinstance(z.obj, torch.Tensor) else None
-    except Unsupported:
-        pass
-    if ref is not None:
-        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == ref.size
-        if whole and z.readinto(ref, target):
-            return
-        tensor = z.read(ref)
-    else:
-        tensor = torch.load(FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
-    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-    if target.size() != tensor.size():
-        raise ConfigError([f"{source}: holds {tuple(tensor.size())}, the model expects {tuple(target.size())}"])
-    target.copy_(tensor)
-
-
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that loads non-tensor items with ``weights_only=True``."""
+    """DefaultLoadPlanner whose non-tensor items come already loaded (``weights_only=True``) by
+    ``SafeFileSystemReader``."""
 
     def load_bytes(self, read_item: tp.Any, value: tp.Any) -> None:
-        obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            compat.set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
         else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+            self.state_dict[read_item.dest_index.fqn] = value
 
 
 def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -417,18 +446,19 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     Every rank calls it. Returns the saved train state, plus ``meta`` (what ``build_state`` recorded)
     and ``rng_restored`` (True when this rank's RNG states were in the checkpoint and restored —
     false after a change of world size, where the trainer reseeds).
-    Raises ConfigError if the folder is incomplete or holds anything but plain data.
+    Raises CheckpointError if the folder is incomplete or holds anything but plain data.
     """
     path = Path(path)
+    wait_staged()  # loading changes the model in place: a save in flight must have copied it
     reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
     try:
-        _load_modules(path, model, optimizer)
+        _load_modules(reader, model, optimizer)
         extra = _read_prefix(reader, ("train.", "scheduler.", f"rng.rank{_rank()}."))
     finally:
         reader.close()
     if scheduler is not None:
         if "scheduler" not in extra:
-            raise ConfigError([f"{path}: holds no scheduler state, but a scheduler was given"])
+            raise CheckpointError([f"{path}: holds no scheduler state, but a scheduler was given"])
         scheduler.load_state_dict(extra["scheduler"])
     rng = extra.get("rng", {}).get(f"rank{_rank()}")
     if rng is not None and restore_rng:
@@ -436,11 +466,17 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return {**extra.get("train", {}), "meta": reader.meta, "rng_restored": rng is not None and restore_rng}
 
 
-def _load_modules(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
     state = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(),
-             no_dist=not dist.is_initialized())
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(reader), planner=SafeLoadPlanner(),
+                 no_dist=not dist.is_initialized())
+    except CheckpointException as exc:  # DCP wraps what every rank raised; a user error stays one
+        errors = [e for e, _ in exc.failures.values() if isinstance(e, UserError)]
+        if not errors:
+            raise
+        raise type(errors[0])(list(dict.fromkeys(m for e in errors for m in e.messages))) from None
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=msd,
                    optim_state_dict=osd if optimizer is not None else {})
 
@@ -448,4 +484,4 @@ def _load_modules(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 def _read_prefix(reader: DcpReader, prefixes: tuple[str, ...]) -> dict[str, tp.Any]:
     """The entries under ``prefixes``, read directly (no collective) and nested again."""
     flat = {k: reader.read(k) for k in reader.entries if k.startswith(prefixes)}
-    return unflatten(flat, reader.paths)
+    return unflatten(flat, reader.paths, str(reader.path))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from hpc import compat
 from hpc.spec import Train
 
 
@@ -71,7 +72,7 @@ def _comm_device(mesh) -> torch.device:
 def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not tensors:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(tensors)  # what clip_grad_norm_ uses: one fused pass per device/dtype
+    norms = compat.foreach_norm(tensors)  # what clip_grad_norm_ uses: one fused pass per device/dtype
     return torch.stack([n.to(device) for n in norms]).double().square().sum()
 
 

@@ -170,7 +170,7 @@ class Resilience:
 
     def stopped(self) -> None:
         """After the loop and the process-group teardown: rank 0 records the stop and, after a
-        preemption, requeues (may end the process with ``LOCAL_REQUEUE_EXIT``). Raises RuntimeError
+        preemption, requeues (may end the process with submitit's local requeue status). Raises RuntimeError
         when a preempted job cannot be requeued, so that it does not look completed."""
         if self.rank != 0:
             return

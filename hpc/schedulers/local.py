@@ -1,7 +1,7 @@
 """This machine, no scheduler: submitit's local executor.
 
 A local job is submitit's controller process (its pid is the job id); the controller starts one
-task process per rank and restarts them all when a task exits with ``LOCAL_REQUEUE_EXIT``. ``job.json``
+task process per rank and restarts them all when a task exits with submitit's requeue status (``hpc.compat.local_requeue_exit_code``). ``job.json``
 also records the controller's identity (boot and start time), so that a pid the kernel has given to
 another process since is never taken for the job (nor signalled). When the controller is gone, the
 ledger (a stop after SIGTERM: cancelled) and the result pickle say how the job ended.
@@ -19,6 +19,7 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpc import compat
 from hpc.errors import UserError
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
                                  result_path, task_command)
@@ -28,8 +29,6 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.site import SiteProfile
     from hpc.spec import JobSpec
 
-# submitit.local.local.LOCAL_REQUEUE_RETURN_CODE: the local controller restarts the tasks on this status
-LOCAL_REQUEUE_EXIT = 144
 
 
 def job_environment(spec: JobSpec, site: SiteProfile) -> dict[str, str]:
@@ -223,7 +222,7 @@ def process_start_time() -> float:
 
 
 class LocalJobSide(JobSide):
-    """Inside a task of submitit's local controller: a requeue is leaving with ``LOCAL_REQUEUE_EXIT``."""
+    """Inside a task of submitit's local controller: a requeue is leaving with submitit's requeue status (``hpc.compat.local_requeue_exit_code``)."""
 
     kind = "local"
 
@@ -238,13 +237,13 @@ class LocalJobSide(JobSide):
         import sys
 
         log = logging.getLogger("hpcx.trainer")
-        log.warning("requeue: leaving with exit status %d; submitit's local controller restarts the tasks",
-                    LOCAL_REQUEUE_EXIT)
+        code = compat.local_requeue_exit_code()  # the status submitit's controller restarts the tasks on
+        log.warning("requeue: leaving with exit status %d; submitit's local controller restarts the tasks", code)
         for handler in log.handlers:
             handler.flush()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(LOCAL_REQUEUE_EXIT)
+        os._exit(code)
 
     def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
         return wait_since_last_stop(run_dir, ledger)

@@ -1,7 +1,7 @@
 """Slurm: sbatch parameters and script, sacct/squeue/scontrol, scancel, and the job side's requeue.
 
 ``render`` returns byte for byte the script submitit writes for the same parameters (it calls
-submitit's own ``_make_sbatch_string``), so ``hpcx render`` shows exactly what
+submitit's own script builder, through ``hpc.compat``), so ``hpcx render`` shows exactly what
 ``hpcx submit`` sends. Commands run as argument lists (never through a shell) with a timeout.
 
 The script fails the way a cluster needs: ``srun --kill-on-bad-exit=1`` ends every task as soon as
@@ -112,9 +112,9 @@ def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: 
 
 def render_sbatch(params: dict[str, tp.Any], python: str, folder: str) -> str:
     """The sbatch script submitit will write for these parameters."""
-    from submitit.slurm.slurm import _make_sbatch_string
+    from hpc.compat import make_sbatch_string
 
-    return _make_sbatch_string(command=task_command(python, folder), folder=folder, **params)
+    return make_sbatch_string(command=task_command(python, folder), folder=folder, **params)
 
 
 # ---------------------------------------------------------------- Slurm's task variables (pure)

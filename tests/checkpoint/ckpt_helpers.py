@@ -89,3 +89,38 @@ def launch(world: int, args: list[str], tmp: Path, timeout: float = 120) -> None
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def cli(*args: object) -> tuple[int, str]:
+    """``hpcx ckpt ARGS`` in-process: (exit code, stdout + stderr); a traceback fails the test."""
+    from click.testing import CliRunner
+
+    from hpc.ckpt.cli import ckpt_group
+
+    result = CliRunner().invoke(ckpt_group, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result.exit_code, result.output
+
+
+def assert_refused(args: tuple, *expect: str) -> str:
+    """``hpcx ckpt ARGS`` exits 2 with only ``error:`` lines, each mentioning... and all of ``expect``."""
+    code, out = cli(*args)
+    lines = out.strip().splitlines()
+    assert code == 2, (args, code, out)
+    assert lines and all(line.startswith("error: ") for line in lines), out
+    assert "Traceback" not in out
+    for text in expect:
+        assert text in out, (text, out)
+    return out
+
+
+def refused_everywhere(tmp_path: Path, src: Path, *expect: str) -> None:
+    """inspect (plain and --deep), convert (every target) and verify all refuse ``src`` with
+    ``error:`` lines mentioning ``expect``, and leave nothing new in ``tmp_path``."""
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert_refused(("inspect", src), str(src.name), *expect)
+    assert_refused(("inspect", src, "--deep"), *expect)
+    for to, dst in (("dcp", "out.dcp"), ("torch", "out.pt"), ("safetensors", "out.st")):
+        assert_refused(("convert", src, tmp_path / dst, "--to", to), *expect)
+    assert_refused(("verify", src, src), *expect)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -135,7 +135,7 @@ def _reap(pids: list[int], timeout: float) -> dict:
 
 def check(root: Path, result: dict, reference: Path) -> dict:
     """What resume would do with this run: which step, and whether it loads to the reference state."""
-    from trainer.convert import verify_checkpoints
+    from hpc.ckpt.convert import verify_checkpoints
 
     run = root / result["name"]
     latest = ckpt.latest_checkpoint(run)

@@ -16,8 +16,8 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import SHAPE, build, train_step  # noqa: E402
 
-from hpc.ckpt_cli import ckpt_group  # noqa: E402
-from hpc.config import ConfigError  # noqa: E402
+from hpc.ckpt.cli import ckpt_group  # noqa: E402
+from hpc.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from trainer.model import GPT  # noqa: E402
 
@@ -130,7 +130,7 @@ def test_planted_metadata_pickle_is_refused_and_never_runs(saved, tmp_path: Path
     (bad / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
     code, out = cli("inspect", bad)
     assert code == 2 and ".metadata" in out and "refused" in out and "Traceback" not in out
-    with pytest.raises(ConfigError, match="refused"):
+    with pytest.raises(CheckpointError, match="refused"):
         load_checkpoint(bad, *build("none"))
     assert latest_checkpoint(tmp_path / "run") is None
     assert not marker.exists()
@@ -177,5 +177,13 @@ def test_existing_destination_is_refused(saved, tmp_path: Path) -> None:
 
 
 def test_cli_module_does_not_import_torch() -> None:
-    code = "import sys, hpc.ckpt_cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, hpc.ckpt, hpc.ckpt.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_format_package_never_imports_the_trainer() -> None:
+    code = ("import sys, pkgutil, importlib, hpc.ckpt\n"
+            "for m in pkgutil.iter_modules(hpc.ckpt.__path__): importlib.import_module('hpc.ckpt.' + m.name)\n"
+            "bad = [m for m in sys.modules if m == 'trainer' or m.startswith('trainer.')]\n"
+            "assert not bad, f'hpc.ckpt imported {bad}'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -14,9 +14,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import HERE, build, launch, read_json, train_step  # noqa: E402
 
-from hpc.config import ConfigError  # noqa: E402
+from hpc.ckpt.digests import check_digests  # noqa: E402
+from hpc.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir  # noqa: E402
-from trainer.convert import verify_checkpoints  # noqa: E402
+from hpc.ckpt.convert import verify_checkpoints  # noqa: E402
 
 
 def trained(steps: int = 1):
@@ -60,7 +61,7 @@ def test_latest_skips_torn_checkpoints(tmp_path: Path, damage: str) -> None:
         newest.rename(newest.parent / ".step-0000002.partial")
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 1)
     if damage != "partial-folder":
-        with pytest.raises(ConfigError, match=r"step-0000002"):
+        with pytest.raises(CheckpointError, match=r"step-0000002"):
             load_checkpoint(newest, *build("none"))
 
 
@@ -84,6 +85,9 @@ def test_fsdp4_checkpoint_reshards_into_every_strategy(tmp_path: Path) -> None:
     launch(4, ["save", str(tmp_path / "run"), str(tmp_path / "async"), str(tmp_path / "ref.json")], tmp_path)
     reference = read_json(tmp_path / "ref.json")["losses"][2:]
     checkpoint = step_dir(tmp_path / "run", 2)
+    for folder in (checkpoint, step_dir(tmp_path / "async", 2)):  # every rank's shard has its digest
+        shards = sorted(p.name for p in folder.glob("*.distcp"))
+        assert len(shards) == 4 and check_digests(folder, shards) == {"checked": shards, "missing": []}
     for strategy, world in (("fsdp", 4), ("fsdp", 2), ("hsdp", 4), ("ddp", 2), ("none", 1)):
         out = tmp_path / f"{strategy}{world}.json"
         launch(world, ["load", strategy, str(checkpoint), str(out)], tmp_path)

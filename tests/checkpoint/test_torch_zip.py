@@ -1,10 +1,9 @@
-"""The streaming ``torch.save`` reader (trainer/torch_zip.py) and hpcx's DCP fast paths."""
+"""The streaming ``torch.save`` reader (hpc/ckpt/torch_zip.py) and hpcx's DCP fast paths."""
 
 from __future__ import annotations
 
 import pickle
 import sys
-import threading
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -15,10 +14,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import build, train_step  # noqa: E402
 
-from hpc.config import ConfigError  # noqa: E402
+from hpc.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from trainer.ckpt_formats import TorchReader  # noqa: E402
-from trainer.torch_zip import no_crc32  # noqa: E402
+from hpc.ckpt.torchsave import TorchReader  # noqa: E402
 
 
 def assert_bit_exact(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
@@ -86,7 +84,7 @@ def test_planted_pickle_in_data_pkl_is_refused_without_running(tmp_path: Path) -
             if info.filename.endswith("data.pkl"):
                 data = pickle.dumps({"w": Planted(marker)}, protocol=2)
             dst.writestr(info.filename, data)
-    with pytest.raises(ConfigError, match="bad.pt"):
+    with pytest.raises(CheckpointError, match="bad.pt"):
         TorchReader(tmp_path / "bad.pt")
     assert not marker.exists()
 
@@ -96,7 +94,7 @@ def test_truncated_zip_is_refused_with_one_line(tmp_path: Path) -> None:
     data = (tmp_path / "t.pt").read_bytes()
     for cut in (len(data) // 2, len(data) - 10):
         (tmp_path / "cut.pt").write_bytes(data[:cut])
-        with pytest.raises(ConfigError) as err:
+        with pytest.raises(CheckpointError) as err:
             TorchReader(tmp_path / "cut.pt")
         assert len(err.value.messages) == 1 and "cut.pt" in err.value.messages[0]
         assert "\n" not in err.value.messages[0]
@@ -113,27 +111,6 @@ def test_legacy_non_zip_file_falls_back_to_weights_only_torch_load(tmp_path: Pat
         reader.close()
 
 
-def test_crc32_is_off_only_in_the_thread_inside_no_crc32(tmp_path: Path) -> None:
-    inside, go, done = threading.Event(), threading.Event(), threading.Event()
-
-    def background() -> None:
-        with no_crc32():
-            inside.set()
-            go.wait(10)
-            torch.save(torch.ones(8), tmp_path / "bg.pt")
-        done.set()
-
-    t = threading.Thread(target=background)
-    t.start()
-    inside.wait(10)
-    torch.save(torch.ones(8), tmp_path / "main.pt")  # while the other thread is inside no_crc32
-    go.set()
-    t.join(10)
-    crc = lambda p: [i.CRC for i in zipfile.ZipFile(p).infolist() if "/data/" in i.filename][0]  # noqa: E731
-    assert crc(tmp_path / "bg.pt") == 0 and crc(tmp_path / "main.pt") != 0
-    assert torch.serialization.get_crc32_options() is True
-
-
 def test_fast_load_equals_saved_state_and_torn_shards_are_still_refused(tmp_path: Path) -> None:
     import os
 
@@ -148,5 +125,5 @@ def test_fast_load_equals_saved_state_and_torn_shards_are_still_refused(tmp_path
     shard = next(path.glob("*.distcp"))
     os.truncate(shard, shard.stat().st_size - 1)  # CRC32 is off in shards: sizes still catch this
     assert latest_checkpoint(tmp_path) is None
-    with pytest.raises(ConfigError, match="truncated"):
+    with pytest.raises(CheckpointError, match="truncated"):
         load_checkpoint(path, *build("none"))

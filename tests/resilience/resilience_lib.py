@@ -47,7 +47,7 @@ def same_checkpoint_tensors(a: Path, b: Path, prefixes: tuple[str, ...] = ("mode
     """Keys under ``prefixes`` whose tensors differ (bitwise) between two DCP folders; [] when equal."""
     import torch
 
-    from trainer.ckpt_formats import DcpReader
+    from hpc.ckpt.dcp import DcpReader
 
     ra, rb = DcpReader(a), DcpReader(b)
     try:

@@ -21,7 +21,7 @@ checked to lie inside the archive before any data is read.
 ``Unsupported`` means "a layout this reader does not handle" (legacy non-zip
 files, big-endian data, quantized/sparse tensors, a global outside the list):
 callers fall back to ``torch.load(weights_only=True)``, which either loads it
-safely or refuses it. ``ConfigError`` means the archive is damaged.
+safely or refuses it. ``CheckpointError`` means the archive is damaged.
 """
 
 from __future__ import annotations
@@ -33,15 +33,14 @@ import io
 import pickle
 import struct
 import sys
-import threading
 import typing as tp
 import warnings
 import zipfile
-from contextlib import contextmanager
 
 import torch
 
-from hpc.config import ConfigError
+from hpc import compat
+from hpc.errors import CheckpointError
 
 MAX_PICKLE = 256 * 2**20  # a state dict's data.pkl is small; refuse absurd ones rather than read them
 
@@ -156,9 +155,9 @@ class TensorUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         self.refs = refs
         self.allowed: dict[tuple[str, str], tp.Any] = {
-            ("torch._utils", "_rebuild_tensor_v2"): refs.v2,
-            ("torch._utils", "_rebuild_tensor_v3"): refs.v3,
-            ("torch._utils", "_rebuild_parameter"): refs.parameter,
+            compat.REBUILD_TENSOR_V2: refs.v2,
+            compat.REBUILD_TENSOR_V3: refs.v3,
+            compat.REBUILD_PARAMETER: refs.parameter,
             ("collections", "OrderedDict"): collections.OrderedDict,
             ("torch", "Size"): torch.Size,
             ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
@@ -191,7 +190,7 @@ class TorchZip:
 
     ``obj`` is the unpickled object with every tensor replaced by a meta-device placeholder
     of the right dtype, shape and stride; ``ref(t)`` gives a placeholder's ``TensorRef``.
-    Raises ``Unsupported`` (fall back to torch.load) or ``ConfigError`` (damaged).
+    Raises ``Unsupported`` (fall back to torch.load) or ``CheckpointError`` (damaged).
     """
 
     def __init__(self, f: tp.BinaryIO, source: str, base: int = 0, length: int | None = None):
@@ -205,7 +204,7 @@ class TorchZip:
         try:
             infos = zipfile.ZipFile(f if whole else FileSlice(f, base, length)).infolist()  # type: ignore[arg-type]
         except zipfile.BadZipFile as exc:
-            raise ConfigError([f"{source}: not a complete torch.save zip, truncated or damaged ({exc})"]) from None
+            raise CheckpointError([f"{source}: not a complete torch.save zip, truncated or damaged ({exc})"]) from None
         pkl = [i for i in infos if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
         if len(pkl) != 1:
             raise Unsupported("no single <root>/data.pkl record (TorchScript or another zip)")
@@ -219,10 +218,10 @@ class TorchZip:
             self.obj = TensorUnpickler(self._record_bytes("data.pkl", MAX_PICKLE), refs).load()
         except Unsupported:
             raise
-        except ConfigError:
+        except CheckpointError:
             raise
         except Exception as exc:  # garbled pickle: many exception types
-            raise ConfigError([f"{source}: unreadable data.pkl ({type(exc).__name__}: {exc})"]) from None
+            raise CheckpointError([f"{source}: unreadable data.pkl ({type(exc).__name__}: {exc})"]) from None
         self.refs = refs.by_id
         for ref in self.refs.values():  # every record is checked before any tensor is read
             self._check(ref)
@@ -234,41 +233,41 @@ class TorchZip:
         """(absolute file offset of the record's bytes, record size)."""
         info = self.records.get(name)
         if info is None:
-            raise ConfigError([f"{self.source}: record {self.root}{name} is missing"])
+            raise CheckpointError([f"{self.source}: record {self.root}{name} is missing"])
         if info.compress_type != zipfile.ZIP_STORED:
             raise Unsupported(f"compressed record {name}")
         if name not in self.offsets:
             self.f.seek(self.base + info.header_offset)
             head = self.f.read(30)
             if len(head) != 30 or head[:4] != b"PK\x03\x04":
-                raise ConfigError([f"{self.source}: record {self.root}{name} has no local header "
+                raise CheckpointError([f"{self.source}: record {self.root}{name} has no local header "
                                    f"at byte {info.header_offset} (damaged)"])
             n, m = struct.unpack("<HH", head[26:30])
             self.offsets[name] = info.header_offset + 30 + n + m
         start = self.offsets[name]
         if start + info.file_size > self.length:
-            raise ConfigError([f"{self.source}: record {self.root}{name} ends at byte {start + info.file_size}, "
+            raise CheckpointError([f"{self.source}: record {self.root}{name} ends at byte {start + info.file_size}, "
                                f"past the end ({self.length}); truncated"])
         return self.base + start, info.file_size
 
     def _record_bytes(self, name: str, limit: int) -> bytes:
         pos, size = self._data_offset(name)
         if size > limit:
-            raise ConfigError([f"{self.source}: record {self.root}{name} is implausibly large ({size} bytes)"])
+            raise CheckpointError([f"{self.source}: record {self.root}{name} is implausibly large ({size} bytes)"])
         self.f.seek(pos)
         data = self.f.read(size)
         if len(data) != size:
-            raise ConfigError([f"{self.source}: record {self.root}{name} is truncated"])
+            raise CheckpointError([f"{self.source}: record {self.root}{name} is truncated"])
         return data
 
     def _check(self, ref: TensorRef) -> tuple[int, int]:
-        """(absolute offset of the view's first byte, byte count of its span); ConfigError if out of range."""
+        """(absolute offset of the view's first byte, byte count of its span); CheckpointError if out of range."""
         pos, size = self._data_offset(f"data/{ref.storage.key}")
         isz = ref.dtype.itemsize
         expected = ref.storage.numel * ref.storage.dtype.itemsize
         first, end = ref.span()
         if size != expected or end * isz > size:
-            raise ConfigError([f"{self.source}: record {self.root}data/{ref.storage.key} holds {size} bytes; "
+            raise CheckpointError([f"{self.source}: record {self.root}data/{ref.storage.key} holds {size} bytes; "
                                f"the pickle expects {expected} (view up to byte {end * isz})"])
         return pos + first * isz, (end - first) * isz
 
@@ -330,50 +329,12 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
 
 def read_exact(f: tp.BinaryIO, pos: int, out: torch.Tensor, source: str) -> None:
-    """Fill the contiguous tensor ``out`` with the bytes at ``pos`` of ``f``; ConfigError if the file ends."""
+    """Fill the contiguous tensor ``out`` with the bytes at ``pos`` of ``f``; CheckpointError if the file ends."""
     view = byte_view(out)
     f.seek(pos)
     done = 0
     while done < len(view):
         got = f.readinto(view[done:])
         if not got:
-            raise ConfigError([f"{source}: ends at byte {pos + done}, {len(view) - done} bytes short; truncated"])
+            raise CheckpointError([f"{source}: ends at byte {pos + done}, {len(view) - done} bytes short; truncated"])
         done += got
-
-
-# ---------------------------------------------------------------- CRC32 off, this thread only
-
-_crc = threading.local()
-
-
-def _install_crc_switch() -> None:
-    """Make ``torch.serialization.get_crc32_options`` answer False in threads inside ``no_crc32``.
-
-    torch reads the option once per ``torch.save``, through that module-level function; every
-    other thread (and every thread outside the context) gets torch's own setting unchanged.
-    """
-    current = torch.serialization.get_crc32_options
-    if getattr(current, "_hpcx_thread_local", False):
-        return
-
-    def get_crc32_options() -> bool:
-        return False if getattr(_crc, "off", 0) else current()
-
-    get_crc32_options._hpcx_thread_local = True  # type: ignore[attr-defined]
-    get_crc32_options.__doc__ = current.__doc__
-    torch.serialization.get_crc32_options = get_crc32_options
-
-
-@contextmanager
-def no_crc32() -> tp.Iterator[None]:
-    """``torch.save`` calls made by *this thread* inside the block write no CRC32 (0 in the zip).
-
-    Safe next to other threads: the switch is thread-local, so a ``torch.save`` running
-    elsewhere at the same time (the training loop, an async save) keeps its own setting.
-    """
-    _install_crc_switch()
-    _crc.off = getattr(_crc, "off", 0) + 1
-    try:
-        yield
-    finally:
-        _crc.off -= 1

@@ -17,21 +17,22 @@ import typing as tp
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from hpc.config import ConfigError
+from hpc import compat
+from hpc.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
 
 _METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+                     "TensorProperties", "MetadataIndex", "StorageMeta")
 
 ALLOWED: dict[tuple[str, str], tp.Any] = {
     **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_md, n) for n in _METADATA_CLASSES},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_fs._StorageInfo,
+    compat.MEM_FORMAT_ENCODING: compat.mem_format_encoding(),
+    compat.STORAGE_INFO: compat.storage_info_type(),
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # maps a name to a layout
+    compat.GET_LAYOUT: compat.get_layout(),  # maps a name to a layout
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,  # never instantiate a concrete foreign path
@@ -59,28 +60,28 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def loads_metadata(data: bytes, source: str = "<bytes>") -> dcp_md.Metadata:
-    """Unpickle DCP metadata from ``data``; ConfigError naming ``source`` on anything unexpected."""
+    """Unpickle DCP metadata from ``data``; CheckpointError naming ``source`` on anything unexpected."""
     try:
         obj = MetadataUnpickler(io.BytesIO(data)).load()
     except RefusedGlobal as exc:
-        raise ConfigError([f"{source}: refused to unpickle `{exc}`; a DCP .metadata holds only "
+        raise CheckpointError([f"{source}: refused to unpickle `{exc}`; a DCP .metadata holds only "
                            "torch.distributed.checkpoint metadata classes"]) from None
     except Exception as exc:  # truncated or garbled: pickle raises many types
-        raise ConfigError([f"{source}: not a readable DCP .metadata pickle ({type(exc).__name__}: {exc})"]) from None
+        raise CheckpointError([f"{source}: not a readable DCP .metadata pickle ({type(exc).__name__}: {exc})"]) from None
     if not isinstance(obj, dcp_md.Metadata) or not isinstance(obj.state_dict_metadata, dict):
-        raise ConfigError([f"{source}: holds a {type(obj).__name__}, expected DCP Metadata"])
+        raise CheckpointError([f"{source}: holds a {type(obj).__name__}, expected DCP Metadata"])
     if not isinstance(obj.storage_data, dict):
-        raise ConfigError([f"{source}: has no storage index (storage_data), expected one written by "
+        raise CheckpointError([f"{source}: has no storage index (storage_data), expected one written by "
                            "FileSystemWriter"])
     return obj
 
 
 def load_dcp_metadata(checkpoint_dir: str | Path) -> dcp_md.Metadata:
-    """The safely unpickled ``.metadata`` of a DCP folder; ConfigError if absent or not DCP metadata."""
+    """The safely unpickled ``.metadata`` of a DCP folder; CheckpointError if absent or not DCP metadata."""
     path = Path(checkpoint_dir) / METADATA_FILE
     if not Path(checkpoint_dir).is_dir():
-        raise ConfigError([f"{checkpoint_dir}: no such checkpoint folder"])
+        raise CheckpointError([f"{checkpoint_dir}: no such checkpoint folder"])
     if not path.is_file():
-        raise ConfigError([f"{path}: missing; a DCP checkpoint is committed only by its .metadata "
+        raise CheckpointError([f"{path}: missing; a DCP checkpoint is committed only by its .metadata "
                            "(the save did not finish)"])
     return loads_metadata(path.read_bytes(), str(path))

@@ -1,0 +1,14 @@
+"""Checkpoint formats, read and written one tensor at a time; the work behind ``hpcx ckpt``.
+
+Three formats share one flat view (``entries.Entry``, keyed like DCP's flattened state
+dict): DCP folders (``dcp``), safetensors files or shard sets (``safetensors``) and single
+``torch.save`` files (``torchsave``). Imports point one way::
+
+    cli ──► convert ──► dcp, safetensors, torchsave ──► entries, outputs, torch_zip, safe_pickle
+                                                   └──► hpc.compat, hpc.errors
+
+Nothing here imports ``trainer`` (the trainer imports this package for its DCP reader and
+allow-list unpickler), and importing ``hpc.ckpt`` or ``hpc.ckpt.cli`` does not import torch:
+every other module of the package does, so the CLI imports them inside its commands.
+A checkpoint that is missing, torn, corrupt or lying raises ``hpc.errors.CheckpointError``.
+"""

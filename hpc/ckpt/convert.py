@@ -1,0 +1,329 @@
+"""``hpcx ckpt inspect | convert | verify``: the work behind the commands, free of click.
+
+Every function opens its inputs through ``open_checkpoint``, which checks a checkpoint's
+structure completely (metadata allow-list and consistency, every referenced file present and
+long enough, a safetensors header that tells the truth) before reading a byte of tensor data,
+and raises ``CheckpointError`` with one line per problem. A destination is refused before the
+source is read; outputs are written under a temporary name beside it, renamed only when
+complete, and removed on any error (hpc/ckpt/outputs.py).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import typing as tp
+from pathlib import Path
+
+import torch
+
+from hpc.ckpt.dcp import DcpReader, write_dcp
+from hpc.ckpt.digests import check_digests, recorded_digest
+from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, jsonable
+from hpc.ckpt.outputs import check_destination
+from hpc.ckpt.safe_pickle import METADATA_FILE
+from hpc.ckpt.safetensors import INDEX_FILE, SafetensorsReader, check_safetensors_target, write_safetensors
+from hpc.ckpt.torchsave import LEGACY_TORCH_MAGIC, TorchReader, write_torch
+from hpc.errors import CheckpointError, ConfigError
+
+TARGETS = ("torch", "safetensors", "dcp")
+DEFAULT_SHARD_BYTES = 5 * 2**30  # 5 GiB, the usual safetensors shard size
+ZIP_MAGIC = b"PK\x03\x04"
+Start = tp.Callable[[int], Progress]  # called with the byte total once the inputs are checked
+
+
+def _no_progress(total: int) -> Progress:
+    return lambda n: None
+
+
+def detect_format(path: str | Path) -> str:
+    """``dcp``, ``safetensors`` or ``torch`` from what is at ``path``; CheckpointError when nothing fits."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / METADATA_FILE).exists() or any(path.glob("*.distcp")):
+            return "dcp"
+        if (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")):
+            return "safetensors"
+        raise CheckpointError([f"{path}: a folder with neither a DCP .metadata nor .safetensors files"])
+    if not path.exists():
+        raise CheckpointError([f"{path}: no such file or folder"])
+    try:
+        with open(path, "rb") as f:
+            head, size = f.read(9), f.seek(0, 2)
+    except OSError as exc:
+        raise CheckpointError([f"{path}: cannot read ({exc.strerror})"]) from None
+    if size == 0:
+        raise CheckpointError([f"{path}: empty file (0 bytes); not a checkpoint"])
+    if head[:4] in (ZIP_MAGIC, LEGACY_TORCH_MAGIC):
+        return "torch"
+    if path.suffix == ".safetensors" or _looks_like_safetensors(head, size):
+        return "safetensors"
+    raise CheckpointError([f"{path}: not a checkpoint: neither a torch.save file (zip or legacy), a safetensors "
+                           f"file (header length + JSON) nor a DCP folder (first bytes {head[:8]!r})"])
+
+
+def _looks_like_safetensors(head: bytes, size: int) -> bool:
+    if len(head) < 9:
+        return False
+    (n,) = struct.unpack("<Q", head[:8])
+    return 2 <= n <= size - 8 and head[8:9] in (b"{", b"[")
+
+
+def open_checkpoint(path: str | Path) -> Reader:
+    """A reader for the checkpoint at ``path``, any format; checked before anything is read."""
+    fmt = detect_format(path)
+    return {"dcp": DcpReader, "safetensors": SafetensorsReader, "torch": TorchReader}[fmt](path)
+
+
+# ---------------------------------------------------------------- inspect
+
+CHECKED = {
+    "dcp": ".metadata (allow-list, entries, chunks tile every tensor, storage records, file sizes) and every "
+           "item's zip directory and pickle against its chunk; no tensor data",
+    "torch": "zip directory, data.pkl (allow-list) and every tensor record inside the file; no tensor data",
+    "safetensors": "header (types, offsets against dtype x shape, file size, no gap or overlap) and index; "
+                   "no tensor data",
+}
+
+
+def inspect_checkpoint(path: str | Path, *, deep: bool = False, start: Start = _no_progress) -> dict[str, tp.Any]:
+    """What ``hpcx ckpt inspect`` shows: format, meta, train state, tensors, total size, what was checked.
+
+    ``deep`` also reads every byte: recorded digests are checked, every tensor is read whole and
+    its NaN/Inf elements are counted.
+    """
+    reader = open_checkpoint(path)  # raises CheckpointError when incomplete
+    try:
+        if isinstance(reader, DcpReader):
+            reader.check_items()
+        info = _summary(path, reader)
+        info["digests"] = _digests(reader, check=deep)
+        if deep:
+            info["nonfinite"] = _read_everything(reader, start(info["total_bytes"]))
+        info["checked"] = CHECKED[reader.format] + ("; deep: digests and every byte" if deep else "")
+        return info
+    finally:
+        reader.close()
+
+
+def _summary(path: str | Path, reader: Reader) -> dict[str, tp.Any]:
+    train = {k[len("train."):]: reader.read(k) for k in reader.entries
+             if k.startswith("train.") and not reader.entries[k].is_tensor}
+    tensors = [{"key": e.key, "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
+                "bytes": e.nbytes} for e in reader.entries.values() if e.is_tensor]
+    return {"path": str(path), "format": reader.format, "complete": True,
+            "step": reader.meta.get("step", train.get("step")),
+            "tokens_seen": reader.meta.get("tokens_seen", train.get("tokens_seen")),
+            "world_size": reader.meta.get("world_size"), "strategy": reader.meta.get("strategy"),
+            "meta": jsonable(reader.meta), "train": jsonable(train), "tensors": tensors,
+            "objects": sorted(k for k, e in reader.entries.items() if not e.is_tensor),
+            "total_bytes": sum(t["bytes"] for t in tensors)}
+
+
+def _digests(reader: Reader, check: bool) -> dict[str, tp.Any] | None:
+    """Digests of a DCP folder's shard files: how many are recorded, and (``check``) verified."""
+    if not isinstance(reader, DcpReader):
+        return None
+    files = reader.shard_files()
+    if check:
+        result = check_digests(reader.path, files)
+        return {"files": len(files), "recorded": len(result["checked"]), "verified": len(result["checked"])}
+    recorded = sum(recorded_digest(reader.path / name) is not None for name in files)
+    return {"files": len(files), "recorded": recorded, "verified": None}
+
+
+def _read_everything(reader: Reader, progress: Progress) -> dict[str, int]:
+    """Read every entry whole; the number of NaN/Inf elements of each float tensor that has any."""
+    scratch, nonfinite = Scratch(), {}
+    for key, e in reader.entries.items():
+        if not e.is_tensor:
+            reader.read(key)
+            continue
+        data = scratch.view(e.dtype, e.shape)
+        reader.read_into(key, data)
+        if (data.is_floating_point() or data.is_complex()) and data.numel():
+            bad = int((~torch.isfinite(data)).sum())
+            if bad:
+                nonfinite[key] = bad
+        progress(e.nbytes)
+    return nonfinite
+
+
+# ---------------------------------------------------------------- convert
+
+
+def selected_keys(reader: Reader, model_only: bool) -> list[str]:
+    """The keys a conversion copies: everything, or the model's tensors only."""
+    keys = [k for k in reader.entries if not model_only or k.startswith("model.")]
+    if not keys:
+        raise CheckpointError([f"{getattr(reader, 'path', '?')}: no {'model ' if model_only else ''}entries to convert"])
+    return keys
+
+
+def _check_target(src: Path, dst: Path, to: str, digest: bool) -> None:
+    if to not in TARGETS:
+        raise ConfigError([f"--to {to!r}: expected one of {', '.join(TARGETS)}"])
+    if digest and to != "dcp":
+        raise ConfigError([f"--digest: only --to dcp writes digests (a DCP folder's shards); not --to {to}"])
+    check_destination(dst)
+    if src.is_dir() and dst.resolve().parent.is_relative_to(src.resolve()):
+        raise CheckpointError([f"{dst}: inside the source {src}; hpcx never writes into a checkpoint"])
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, to: str, *, model_only: bool = False,
+                       shard_bytes: int = DEFAULT_SHARD_BYTES, digest: bool = False,
+                       start: Start = _no_progress) -> dict[str, tp.Any]:
+    """Convert ``src`` (any format) to ``dst`` in format ``to``; a summary dict.
+
+    ``dst`` is refused before ``src`` is read. Every direction is streamed: memory holds about the
+    largest tensor (one reusable buffer). A torch source in a layout ``TorchZip`` does not handle
+    (e.g. a legacy non-zip file) is loaded whole (``streamed`` False). ``start(total)`` is called
+    once the source is checked and before anything is written; it returns the progress callback.
+    ``digest`` (dcp only) writes the shard's SHA-256 beside it.
+    """
+    src, dst = Path(src), Path(dst)
+    _check_target(src, dst, to, digest)
+    reader = open_checkpoint(src)
+    try:
+        keys = selected_keys(reader, model_only)
+        if to == "safetensors":
+            check_safetensors_target(reader, dst, keys, shard_bytes)
+        total = sum(reader.entries[k].nbytes for k in keys)
+        progress, scratch = start(total), Scratch()
+        if to == "dcp":
+            write_dcp(reader, dst, keys, progress, scratch, digest=digest)
+        elif to == "safetensors":
+            write_safetensors(reader, dst, keys, model_only=model_only, shard_bytes=shard_bytes,
+                              progress=progress, scratch=scratch)
+        else:
+            write_torch(reader, dst, keys, model_only=model_only, progress=progress, scratch=scratch)
+        return {"src": str(src), "dst": str(dst), "from": reader.format, "to": to, "keys": len(keys),
+                "bytes": total, "streamed": getattr(reader, "streamed", True)}
+    finally:
+        reader.close()
+
+
+# ---------------------------------------------------------------- verify
+
+COMPARE_ELEMENTS = 1 << 22  # compared per slice, so a tolerance check needs bounded extra memory
+
+
+def compare_values(a: tp.Any, b: tp.Any, atol: float) -> str | None:
+    """None when equal (bit-exact for tensors when ``atol`` is 0), else what differs.
+
+    With ``atol`` > 0, NaN must be at the same positions on both sides, infinities must be equal,
+    and every other element pair within ``atol``. Objects compare by value, NaN equal to NaN.
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{type(a).__name__} vs {type(b).__name__}"
+        return compare_tensors(a, b, atol)
+    if isinstance(a, dict) and isinstance(b, dict):
+        if set(a) != set(b):
+            return f"keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
+        return next((f"[{k!r}]: {d}" for k in a if (d := compare_values(a[k], b[k], atol))), None)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
+        if len(a) != len(b):
+            return f"{len(a)} items vs {len(b)}"
+        return next((f"[{i}]: {d}" for i, (x, y) in enumerate(zip(a, b)) if (d := compare_values(x, y, atol))), None)
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return None
+    return None if type(a) is type(b) and a == b else f"{a!r} vs {b!r}"
+
+
+def compare_tensors(a: torch.Tensor, b: torch.Tensor, atol: float) -> str | None:
+    """None when equal within ``atol`` (see ``compare_values``), else the first or largest difference."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{_dtype(a)}{list(a.shape)} vs {_dtype(b)}{list(b.shape)}"
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    worst: tuple[float, int] | None = None
+    for first in range(0, fa.numel(), COMPARE_ELEMENTS):
+        found = _compare_slice(fa[first:first + COMPARE_ELEMENTS], fb[first:first + COMPARE_ELEMENTS], atol)
+        if found is None:
+            continue
+        what, index = found
+        if isinstance(what, str):
+            return f"{what}, first at flat index {first + index}"
+        if worst is None or what > worst[0]:
+            worst = (what, first + index)
+    return None if worst is None else f"max |a-b| = {worst[0]:.3g} at flat index {worst[1]}"
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _compare_slice(x: torch.Tensor, y: torch.Tensor, atol: float) -> tuple[str | float, int] | None:
+    """None when the slices match; else (what differs, index) or (largest distance, its index)."""
+    if atol == 0:
+        if not x.numel() or torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+            return None
+        if x.is_floating_point() or x.is_complex():
+            return _float_distance(x, y, 0.0) or _first_bit_difference(x, y)
+    elif x.is_floating_point() or x.is_complex():
+        return _float_distance(x, y, atol)
+    d = (x != y).long() if x.dtype == torch.bool else (x.long() - y.long()).abs()
+    over = (d > atol).nonzero()
+    return None if not len(over) else (f"{over.numel()} elements differ by more than {atol:g}", int(over[0]))
+
+
+def _first_bit_difference(x: torch.Tensor, y: torch.Tensor) -> tuple[str, int]:
+    """Equal values with different bits (-0.0 vs 0.0, NaN payloads): where."""
+    bx = x.contiguous().view(torch.uint8).reshape(x.numel(), -1)
+    by = y.contiguous().view(torch.uint8).reshape(y.numel(), -1)
+    return "bits differ between equal values (-0.0 vs 0.0 or NaN payloads)", int((bx != by).any(dim=1).nonzero()[0])
+
+
+def _float_distance(x: torch.Tensor, y: torch.Tensor, atol: float) -> tuple[str | float, int] | None:
+    """NaN at the same places, equal infinities, then the largest |x-y| if it exceeds ``atol``."""
+    if x.is_complex():
+        x, y = torch.view_as_real(x).reshape(-1), torch.view_as_real(y).reshape(-1)
+    nan_x, nan_y = x.isnan(), y.isnan()
+    if not torch.equal(nan_x, nan_y):
+        i = int((nan_x != nan_y).nonzero()[0])
+        return f"NaN in {'A' if bool(nan_x[i]) else 'B'} only", i
+    xd, yd = x.double(), y.double()
+    bad_inf = (xd.isinf() | yd.isinf()) & (xd != yd)
+    if bool(bad_inf.any()):
+        i = int(bad_inf.nonzero()[0])
+        return f"{float(xd[i]):.6g} vs {float(yd[i]):.6g}", i
+    d = torch.where(nan_x | xd.isinf(), 0.0, (xd - yd).abs())
+    i = int(d.argmax()) if d.numel() else 0
+    return (float(d[i]), i) if d.numel() and float(d[i]) > atol else None
+
+
+def verify_checkpoints(a: str | Path, b: str | Path, *, atol: float = 0.0, model_only: bool = False,
+                       limit: int = 10, start: Start = _no_progress) -> dict[str, tp.Any]:
+    """Compare two checkpoints of any formats key by key; equal, and the first ``limit`` differences.
+
+    Digests recorded in either (DCP) checkpoint are checked first; a file that no longer matches
+    its digest is a CheckpointError.
+    """
+    ra = open_checkpoint(a)
+    try:
+        rb = open_checkpoint(b)
+    except BaseException:
+        ra.close()
+        raise
+    try:
+        digests = {"a": _digests(ra, check=True), "b": _digests(rb, check=True)}
+        ka, kb = (set(selected_keys(r, model_only)) for r in (ra, rb))
+        diffs = [f"{k}: only in A" for k in sorted(ka - kb)] + [f"{k}: only in B" for k in sorted(kb - ka)]
+        progress = start(sum(ra.entries[k].nbytes for k in ka & kb))
+        for key in sorted(ka & kb):
+            if len(diffs) >= limit:
+                break
+            problem = compare_values(ra.read(key), rb.read(key), atol)
+            if problem:
+                diffs.append(f"{key}: {problem}")
+            progress(ra.entries[key].nbytes)
+        return {"a": str(a), "b": str(b), "equal": not diffs, "compared": len(ka & kb), "atol": atol,
+                "differences": diffs[:limit], "more": len(diffs) > limit, "digests": digests}
+    finally:
+        ra.close()
+        rb.close()
+
+
+def largest(entries: tp.Iterable[Entry]) -> int:
+    """Bytes of the largest tensor."""
+    return max((e.nbytes for e in entries if e.is_tensor), default=0)

@@ -1,0 +1,143 @@
+"""Outputs that appear whole or not at all. Torch-free.
+
+An output is written under a temporary name beside its destination,
+``.NAME.partial-HOST-PID``, and renamed to ``NAME`` only when complete. ``staged`` removes
+the temporary on every error path (an exception, Ctrl-C, a SIGTERM turned into SystemExit by
+the CLI); what a SIGKILL or a crash leaves behind is swept by the next output written into the
+same folder: a partial of *this* host whose process is gone. Partials of other hosts (a
+shared file system) and of live processes are never touched.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+import socket
+import typing as tp
+from contextlib import contextmanager
+from pathlib import Path
+
+from hpc.errors import CheckpointError, UserError
+
+PARTIAL = re.compile(r"^\.(?P<name>.+)\.partial-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
+
+
+def _host() -> str:
+    return socket.gethostname().replace("/", "_") or "localhost"
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def partial_path(dst: Path) -> Path:
+    """The temporary name this process writes ``dst`` under."""
+    return dst.parent / f".{dst.name}.partial-{_host()}-{os.getpid()}"
+
+
+def remove(path: Path) -> None:
+    """Remove a file or a folder tree, if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    return True
+
+
+def stale_partials(folder: Path) -> list[Path]:
+    """Partials in ``folder`` left by dead processes of this host (or, for names without a host,
+    written by hpcx before partials carried one, by dead processes here)."""
+    host, found = _host(), []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    for name in names:
+        m = PARTIAL.match(name)
+        if m and m.group("host") in (None, host) and not pid_alive(int(m.group("pid"))):
+            found.append(folder / name)
+    return found
+
+
+def sweep(folder: Path) -> list[Path]:
+    """Remove ``stale_partials(folder)``; the paths removed."""
+    stale = stale_partials(folder)
+    for path in stale:
+        remove(path)
+    return stale
+
+
+def check_destination(dst: Path) -> None:
+    """Refuse a ``dst`` that exists or whose folder does not (before anything is read)."""
+    if dst.exists() or dst.is_symlink():
+        raise CheckpointError([f"{dst}: already exists; choose a new destination (outputs are never overwritten)"])
+    if not dst.parent.is_dir():
+        raise CheckpointError([f"{dst.parent}: no such folder for the output"])
+
+
+def commit(tmp: Path, dst: Path) -> Path:
+    """Rename the finished ``tmp`` to ``dst`` (refusing an existing ``dst``) and sync the parent."""
+    if dst.exists() or dst.is_symlink():
+        remove(tmp)
+        raise CheckpointError([f"{dst}: already exists; hpcx never writes into an existing checkpoint"])
+    os.rename(tmp, dst)
+    fsync_dir(dst.parent)
+    return dst
+
+
+@contextmanager
+def staged(dst: Path, *, folder: bool = False) -> tp.Iterator[Path]:
+    """A temporary path (a new folder when ``folder``) that becomes ``dst`` when the block ends.
+
+    On any exception the temporary is removed and nothing appears at ``dst``; an ``OSError``
+    from writing (disk full, permission) becomes one ``UserError`` line. Stale partials of
+    dead processes beside ``dst`` are swept first.
+    """
+    check_destination(dst)
+    sweep(dst.parent)
+    tmp = partial_path(dst)
+    remove(tmp)
+    try:
+        if folder:
+            tmp.mkdir()
+        yield tmp
+        commit(tmp, dst)
+    except OSError as exc:
+        remove(tmp)
+        raise UserError([f"{dst}: cannot write ({describe(exc)}); nothing was written"]) from None
+    except BaseException:
+        remove(tmp)
+        raise
+
+
+def describe(exc: OSError) -> str:
+    """``No space left on device`` & co.: the error without Python's decoration."""
+    return exc.strerror or errno.errorcode.get(exc.errno or 0, "") or str(exc)
+
+
+def fsync_file(f: tp.BinaryIO) -> None:
+    """Flush Python's buffer and the kernel's for an open file."""
+    f.flush()
+    os.fsync(f.fileno())

@@ -1,0 +1,193 @@
+"""Every private torch and submitit API hpcx relies on, in one place.
+
+A private name (a leading underscore, or a constant a library does not export)
+can change in any release. Each one hpcx uses is reached through this module
+only, and ``tests/test_compat.py`` checks each of them by name, so a torch or
+submitit upgrade that breaks one fails in one obvious test that says what to do.
+Where torch has a public API for the same job, hpcx uses that instead (the CRC32
+switch below uses ``torch.serialization.set_crc32_options``).
+
+Importable without torch or submitit: login-node commands (``render``) use
+``make_sbatch_string``, so every import happens inside the function that needs it.
+"""
+
+from __future__ import annotations
+
+import threading
+import typing as tp
+from contextlib import contextmanager
+
+# ---------------------------------------------------------------- submitit
+
+#: The module submitit's sbatch script runs (``SlurmExecutor._submitit_command_str``).
+SUBMITIT_SUBMIT_MODULE = "submitit.core._submit"
+
+
+def make_sbatch_string(**params: tp.Any) -> str:
+    """submitit's own sbatch script for ``params`` (``submitit.slurm.slurm._make_sbatch_string``)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    return _make_sbatch_string(**params)
+
+
+def local_requeue_exit_code() -> int:
+    """The exit status after which submitit's local controller restarts the tasks
+    (``submitit.local.local.LOCAL_REQUEUE_RETURN_CODE``, not exported)."""
+    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+
+    return int(LOCAL_REQUEUE_RETURN_CODE)
+
+
+# ---------------------------------------------------------------- torch.distributed.checkpoint
+
+
+def storage_info_type() -> type:
+    """``FileSystemWriter``'s per-item record in ``.metadata`` (``filesystem._StorageInfo``)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> tp.Any:
+    """A ``_StorageInfo`` for an item at ``[offset, offset+length)`` of ``relative_path``."""
+    return storage_info_type()(relative_path, offset, length)
+
+
+def flatten_state_dict(state: dict) -> tuple[dict, dict]:
+    """DCP's flattening: (``{"a.b.c": leaf}``, ``{"a.b.c": ("a", "b", "c")}``)
+    (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+
+    return flatten(state)
+
+
+def set_element(root: dict, path: tp.Sequence[tp.Any], value: tp.Any) -> None:
+    """Set ``value`` at the object path ``path`` of ``root`` (``checkpoint._traverse.set_element``)."""
+    from torch.distributed.checkpoint._traverse import set_element as set_
+
+    set_(root, path, value)
+
+
+def narrow_tensor_by_index(tensor: tp.Any, offsets: tp.Sequence[int], sizes: tp.Sequence[int]) -> tp.Any:
+    """``tensor`` narrowed to the box at ``offsets`` of ``sizes``, as DCP's reader narrows it
+    (``torch.distributed._shard._utils.narrow_tensor_by_index``)."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
+
+    return narrow(tensor, offsets, sizes)
+
+
+# ---------------------------------------------------------------- torch serialization
+
+#: The globals ``torch.save`` names in a ``data.pkl`` to rebuild tensors and parameters
+#: (``torch._utils._rebuild_*``); hpcx's streaming reader recognises exactly these.
+REBUILD_TENSOR_V2 = ("torch._utils", "_rebuild_tensor_v2")
+REBUILD_TENSOR_V3 = ("torch._utils", "_rebuild_tensor_v3")
+REBUILD_PARAMETER = ("torch._utils", "_rebuild_parameter")
+
+def rebuild_function(name: tuple[str, str]) -> tp.Callable[..., tp.Any]:
+    """The function ``REBUILD_TENSOR_V2``/``_V3`` names, for pickling a tensor as torch.save does."""
+    import importlib
+
+    return getattr(importlib.import_module(name[0]), name[1])
+
+
+def torch_file_writer(f: tp.Any, crc32: bool, alignment: int) -> tp.Any:
+    """torch.save's zip writer (``torch._C.PyTorchFileWriter``) on a path or an open binary file:
+    ``write_record(name, data_or_pointer, size)`` and ``write_end_of_file()``."""
+    import torch
+
+    return torch._C.PyTorchFileWriter(f, crc32, alignment)
+
+
+#: The global a pickled tensor layout names (DCP's ``.metadata`` holds ``torch.strided``).
+GET_LAYOUT = ("torch.serialization", "_get_layout")
+#: The enum of memory formats DCP's ``TensorProperties`` pickles (``metadata._MEM_FORMAT_ENCODING``).
+MEM_FORMAT_ENCODING = ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
+#: ``FileSystemWriter``'s per-item record class, as ``.metadata`` names it.
+STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+
+
+def mem_format_encoding() -> type:
+    """DCP's memory-format enum (``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``)."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+
+    return _MEM_FORMAT_ENCODING
+
+
+def get_layout() -> tp.Callable[[str], tp.Any]:
+    """The function that maps ``"torch.strided"`` to the layout (``torch.serialization._get_layout``)."""
+    import torch.serialization
+
+    return torch.serialization._get_layout
+
+
+_crc_lock = threading.RLock()
+
+
+@contextmanager
+def crc32_off() -> tp.Iterator[None]:
+    """``torch.save`` calls inside this block write no CRC32 per zip record.
+
+    Uses torch's public switch, ``torch.serialization.set_crc32_options``. In torch 2.13 its
+    setting is per thread (a context variable), so a ``torch.save`` in another thread keeps
+    CRC32; where it is process-wide (older torch), such a save skips it too (harmless:
+    ``torch.load`` never checks it). Blocks in different threads run one at a time, so the
+    setting from before a block always comes back (hpcx never overlaps two saves anyway).
+    """
+    import torch.serialization as ts
+
+    with _crc_lock:
+        before = ts.get_crc32_options()
+        ts.set_crc32_options(False)
+        try:
+            yield
+        finally:
+            ts.set_crc32_options(before)
+
+
+# ---------------------------------------------------------------- torch: training
+
+
+def foreach_norm(tensors: list) -> list:
+    """The 2-norm of each tensor in one fused pass per device and dtype, as ``clip_grad_norm_``
+    computes it (``torch._foreach_norm``)."""
+    import torch
+
+    return list(torch._foreach_norm(tensors))
+
+
+def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:
+    """Activation checkpointing's module wrapper
+    (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrapper
+
+    return wrapper
+
+
+def set_pg_timeout(group: tp.Any, seconds: float) -> None:
+    """The timeout of collectives issued from now on in an existing process group; torch has no
+    public switch for it (``torch.distributed.distributed_c10d._set_pg_timeout``)."""
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+# ---------------------------------------------------------------- torch: the fake process group
+
+
+def fake_store() -> tp.Any:
+    """A store for torch's fake backend, used by ``hpcx dryrun``
+    (``torch.testing._internal.distributed.fake_pg.FakeStore``)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def clear_sharding_cache() -> None:
+    """Forget DTensor's cached sharding decisions between two simulated worlds
+    (``torch.distributed.tensor.debug._clear_sharding_prop_cache``, torch's recommended way)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()

@@ -1,0 +1,249 @@
+"""Outputs of ``hpcx ckpt convert``: nothing left behind on any error path, stale partials of dead
+processes swept, a destination refused before the source is read, inputs that are no checkpoint
+at all named as such, and no progress output before an error line."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import pty
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import malformed as mf  # noqa: E402
+from ckpt_helpers import assert_refused, cli  # noqa: E402
+
+from hpc.ckpt.convert import convert_checkpoint  # noqa: E402
+from hpc.ckpt.outputs import stale_partials  # noqa: E402
+from hpc.errors import CheckpointError  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+TARGETS = [("dcp", "out.dcp"), ("safetensors", "out.safetensors"), ("safetensors", "out-folder"), ("torch", "out.pt")]
+
+
+def five_tensors(tmp_path: Path, name: str = "src") -> Path:
+    g = torch.Generator().manual_seed(0)
+    return mf.dcp_save(tmp_path / name, {"model": {f"l{i}": torch.randn(64, 64, generator=g) for i in range(5)}})
+
+
+def leftovers(folder: Path, keep: set[str]) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name not in keep)
+
+
+@pytest.mark.parametrize("to,dst", TARGETS)
+@pytest.mark.parametrize("damage", ["end-record", "central-entry", "local-header", "pickle"])
+def test_a_source_torn_after_writing_began_leaves_nothing(tmp_path: Path, to: str, dst: str, damage: str) -> None:
+    src = five_tensors(tmp_path)
+    file, offset, length = mf.item_bytes(src, "model.l4")  # the last tensor: the others are written first
+    mf.damage_item(file, offset, length, damage)
+    args = ["convert", src, tmp_path / dst, "--to", to] + (["--shard-size", "20KB"] if dst == "out-folder" else [])
+    assert_refused(tuple(args), "item 'model.l4' at byte")
+    assert leftovers(tmp_path, {"src"}) == []
+
+
+@pytest.mark.parametrize("to,dst", TARGETS)
+def test_interrupted_conversion_leaves_nothing(tmp_path: Path, to: str, dst: str) -> None:
+    src = five_tensors(tmp_path)
+
+    def start(total: int):
+        calls = []
+
+        def progress(n: int) -> None:
+            calls.append(n)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+
+        return progress
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_checkpoint(src, tmp_path / dst, to, shard_bytes=20_000 if dst == "out-folder" else 2**30, start=start)
+    assert leftovers(tmp_path, {"src"}) == []
+
+
+WRITE_LIMITED = r"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
+from hpc.ckpt.cli import ckpt_group
+ckpt_group(sys.argv[2:], prog_name="hpcx ckpt")
+"""
+
+
+@pytest.mark.parametrize("to,dst", TARGETS)
+def test_a_write_that_fails_midway_is_one_line_and_leaves_nothing(tmp_path: Path, to: str, dst: str) -> None:
+    src = five_tensors(tmp_path)  # 5 x 16 KiB tensors; each file may grow to 40 KB only
+    extra = ["--shard-size", "20KB"] if dst == "out-folder" else []
+    limit = "10000" if dst == "out-folder" else "40000"  # a folder's shards are 20 KB each
+    p = subprocess.run([sys.executable, "-c", WRITE_LIMITED, limit, "convert", str(src), str(tmp_path / dst),
+                        "--to", to, *extra], capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert "cannot write (File too large)" in lines[0] and dst in lines[0]
+    assert leftovers(tmp_path, {"src"}) == []
+
+
+SLOW = r"""
+import sys, time
+from hpc.ckpt import dcp
+read_into = dcp.DcpReader.read_into
+def slow(self, key, out):
+    time.sleep(0.5)
+    read_into(self, key, out)
+dcp.DcpReader.read_into = slow
+from hpc.ckpt.cli import ckpt_group
+ckpt_group(sys.argv[1:], prog_name="hpcx ckpt")
+"""
+
+
+@pytest.mark.parametrize("to,dst", [("dcp", "out.dcp"), ("torch", "out.pt")])
+def test_sigterm_during_a_conversion_leaves_nothing(tmp_path: Path, to: str, dst: str) -> None:
+    src = five_tensors(tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", SLOW, "convert", str(src), str(tmp_path / dst), "--to", to],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not [q for q in tmp_path.iterdir() if ".partial-" in q.name]:
+        assert p.poll() is None and time.monotonic() < deadline, "no partial output appeared"
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 128 + signal.SIGTERM
+    assert leftovers(tmp_path, {"src"}) == []
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_stale_partials_of_dead_processes_here_are_swept(tmp_path: Path) -> None:
+    src = five_tensors(tmp_path)
+    out, host, dead = tmp_path / "out", socket.gethostname(), dead_pid()
+    stale = [f".old.pt.partial-{host}-{dead}", f".old.dcp.partial-{host}-{dead}", f".legacy.pt.partial-{dead}"]
+    kept = [f".other.pt.partial-elsewhere-{dead}", f".live.pt.partial-{host}-{os.getpid()}", ".hidden",
+            f"x.partial-{host}-{dead}"]
+    out.mkdir()
+    for name in stale + kept:
+        (out / name).write_bytes(b"x")
+    (out / stale[1]).unlink()
+    (out / stale[1]).mkdir()
+    (out / stale[1] / "__0_0.distcp").write_bytes(b"half")
+    assert sorted(p.name for p in stale_partials(out)) == sorted(stale)
+    assert cli("convert", src, out / "new.pt", "--to", "torch")[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(kept + ["new.pt"])
+
+
+def test_a_partial_left_by_a_killed_conversion_is_swept_by_the_next(tmp_path: Path) -> None:
+    src = five_tensors(tmp_path)
+    p = subprocess.Popen([sys.executable, "-c", SLOW, "convert", str(src), str(tmp_path / "a.dcp"), "--to", "dcp"])
+    deadline = time.monotonic() + 60
+    while not [q for q in tmp_path.iterdir() if ".partial-" in q.name]:
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    assert [q.name for q in tmp_path.iterdir() if ".partial-" in q.name]  # SIGKILL leaves it behind
+    assert cli("convert", src, tmp_path / "b.dcp", "--to", "dcp")[0] == 0
+    assert leftovers(tmp_path, {"src"}) == ["b.dcp"]
+
+
+@pytest.mark.parametrize("to", ["torch", "dcp", "safetensors"])
+@pytest.mark.parametrize("existing", ["file", "folder", "dangling-symlink", "no-parent"])
+def test_destination_is_refused_before_the_source_is_read(tmp_path: Path, to: str, existing: str) -> None:
+    marker = tmp_path / "pwned"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / ".metadata").write_bytes(pickle.dumps(mf.Planted(marker)))  # refused, if it were ever read
+    dst = tmp_path / "dst"
+    if existing == "file":
+        dst.write_bytes(b"keep me")
+    elif existing == "folder":
+        dst.mkdir()
+    elif existing == "dangling-symlink":
+        dst.symlink_to(tmp_path / "nowhere")
+    else:
+        dst = tmp_path / "missing" / "dst"
+    out = assert_refused(("convert", src, dst, "--to", to),
+                         "no such folder" if existing == "no-parent" else "already exists")
+    assert len(out.strip().splitlines()) == 1 and ".metadata" not in out and not marker.exists()
+    if existing == "file":
+        assert dst.read_bytes() == b"keep me"
+
+
+def test_destination_inside_the_source_folder_is_refused(tmp_path: Path) -> None:
+    src = five_tensors(tmp_path)
+    assert_refused(("convert", src, src / "inside.pt", "--to", "torch"), "inside the source")
+    assert sorted(p.name for p in src.iterdir()) == [".metadata", "__0_0.distcp"]
+
+
+@pytest.mark.parametrize("name,data,expect", [
+    ("empty.pt", b"", "empty file (0 bytes); not a checkpoint"),
+    ("empty", b"", "empty file (0 bytes)"),
+    ("empty.bin", b"", "empty file (0 bytes)"),
+    ("empty.safetensors", b"", "empty file (0 bytes)"),
+    ("three.pt", b"abc", "not a checkpoint"),
+    ("text.pt", b"hello, this is not a model\n" * 10, "not a checkpoint"),
+    ("zeros.bin", b"\0" * 100, "not a checkpoint"),
+    ("truncated-zip.pt", b"PK\x03\x04" + b"\0" * 60, "not a complete torch.save zip"),
+    ("legacy-garbage.pt", b"\x80\x02\x8a\x0a" + b"\0" * 20, "weights-only unpickler: Unsupported operand 0"),
+])
+def test_files_that_are_no_checkpoint_are_named_as_such(tmp_path: Path, name: str, data: bytes, expect: str) -> None:
+    src = tmp_path / name
+    src.write_bytes(data)
+    assert_refused(("inspect", src), name, expect)
+    assert_refused(("convert", src, tmp_path / "o.safetensors", "--to", "safetensors"), expect)
+    assert_refused(("verify", src, src), expect)
+    assert "not a safetensors" not in cli("inspect", src)[1] or name.endswith(".safetensors")
+
+
+def test_a_missing_path_is_named(tmp_path: Path) -> None:
+    assert_refused(("inspect", tmp_path / "nowhere"), "nowhere: no such file or folder")
+    assert_refused(("verify", five_tensors(tmp_path), tmp_path / "nowhere"), "no such file or folder")
+
+
+def run_in_pty(args: list[str]) -> tuple[int, str]:
+    """Run ``hpcx ckpt ARGS`` with stderr on a terminal: (exit code, what the terminal received)."""
+    master, slave = pty.openpty()
+    p = subprocess.Popen([sys.executable, "-m", "hpc.cli", "ckpt", *args], stdout=slave, stderr=slave,
+                         stdin=subprocess.DEVNULL, env={**os.environ, "COLUMNS": "100"})
+    os.close(slave)
+    out = b""
+    while True:
+        ready, _, _ = select.select([master], [], [], 60)
+        try:
+            chunk = os.read(master, 65536) if ready else b""
+        except OSError:
+            chunk = b""
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    return p.wait(60), out.decode(errors="replace")
+
+
+def test_no_progress_is_left_on_the_error_line_of_a_terminal(tmp_path: Path) -> None:
+    src = five_tensors(tmp_path)
+    code, screen = run_in_pty(["convert", str(src), str(tmp_path / "ok.pt"), "--to", "torch"])
+    assert code == 0 and "torch" in screen and "%" in screen  # the bar is drawn on a terminal
+    file, offset, length = mf.item_bytes(src, "model.l4")
+    mf.damage_item(file, offset, length, "end-record")
+    code, screen = run_in_pty(["convert", str(src), str(tmp_path / "bad.pt"), "--to", "torch"])
+    last = screen.replace("\r\n", "\n").rstrip("\n").split("\n")[-1]
+    visible = last.split("\r")[-1].split("\x1b[K")[-1]
+    assert code == 2 and visible.startswith("error: ") and "model.l4" in visible, repr(screen)
+    code, screen = run_in_pty(["inspect", str(src)])  # refused before any progress could start
+    assert code == 2 and screen.lstrip().startswith("error: ") and "%" not in screen, repr(screen)
+
+
+def test_the_api_refuses_an_existing_destination_without_opening_the_source(tmp_path: Path) -> None:
+    (tmp_path / "dst.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="already exists"):
+        convert_checkpoint(tmp_path / "no-such-source", tmp_path / "dst.pt", "torch")
