@@ -175,3 +175,22 @@ def test_one_process_strategies_take_one_task_per_node(site_name, strategy, task
     script = render(spec, site, launch, "/runs/RUN", "/venv/bin/python")
     if directive:
         assert directive in script and f"#SBATCH --ntasks-per-node={tasks}" in script
+
+
+@pytest.mark.parametrize("strategy,sharding,nodes,tpn,shard_size,expected", CASES, ids=IDS)
+def test_dryrun_builds_the_same_layout(strategy, sharding, nodes, tpn, shard_size, expected):
+    """`hpcx dryrun` (the trainer's construction on a fake process group) reports the layout and mesh
+    of the one function, and its bytes agree with the plan's for that layout."""
+    from hpc.dryrun import dryrun
+
+    spec, site = _spec(strategy, sharding, nodes, tpn, shard_size), load_site("dgx-h100")
+    dims = parallel_dims(strategy, sharding, nodes * tpn, tpn, shard_size)
+    if dims.dp_enabled:
+        spec = spec_from_dict({"job": {"nodes": nodes, "tasks_per_node": tpn},
+                               "parallel": {"strategy": strategy}, "train": {"global_batch": 16, "micro_batch": 8}})
+    result = dryrun(spec, site, resolve(spec, site), rank=nodes * tpn - 1)
+    assert ParallelDims.from_dict(result.dims) == dims
+    shape = result.mesh["shape"]
+    assert (tuple(shape) if shape else None) == dims.mesh_shape
+    assert (tuple(result.mesh["names"]) if result.mesh["names"] else None) == dims.mesh_dim_names
+    assert result.problems == []
