@@ -127,7 +127,7 @@ def test_trainer_mesh_refit_and_checkpoint_inference_agree(strategy, sharding, n
     from trainer.model import build_model, model_blocks
     from trainer.parallelize import build_mesh, parallelize
     from trainer.run import Run
-    from trainer.train import fit_launch
+    from trainer.train import fit_launch, site_parallel
 
     world = nodes * tpn
     dims = parallel_dims(strategy, sharding, world, tpn, shard_size)
@@ -145,7 +145,8 @@ def test_trainer_mesh_refit_and_checkpoint_inference_agree(strategy, sharding, n
     if dims.dp_enabled:
         return  # nn.DataParallel needs GPUs
     model = build_model(spec.model)
-    model = parallelize(model, model_blocks(model), spec.parallel, dims, mesh, torch.device("cpu"))
+    parallel = site_parallel(Run(tmp_path, spec, site, refit))  # mixed_precision "auto" decided for the site
+    model = parallelize(model, model_blocks(model), parallel, dims, mesh, torch.device("cpu"))
     seen = infer_dims(model)
     assert (seen.strategy, seen.dp_replicate, seen.dp_shard) == (dims.strategy, dims.dp_replicate, dims.dp_shard)
 

@@ -17,6 +17,7 @@ import torch
 from hpc.dims import ParallelDims, parallel_dims
 from hpc.models import model_facts
 from hpc.resolve import Launch
+from hpc.spec import Parallel, compute_precision
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, check_world, detect_rank_env, device_for, init_distributed,
                           init_single, shutdown, write_mesh, write_world)
@@ -79,7 +80,7 @@ def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
     backend = launch.backend
     device = device_for(backend, env.local_rank)
     if env.world_size > 1:
-        hosts = init_distributed(env, backend, run.spec.parallel.timeout_s)
+        hosts = init_distributed(env, backend, run.spec.parallel.timeout_s, device)
     elif launch.dims.needs_process_group:
         hosts = init_single(backend)
     else:
@@ -118,13 +119,14 @@ def build_trainer(run: Run, rank: int, device: torch.device,
                   preemption: PreemptionFlag | None = None) -> tuple[Trainer, TrainState]:
     """Model → parallelize → optimizer/schedule → data; the process group must already be up."""
     spec, launch = run.spec, run.launch
+    parallel = site_parallel(run)
     torch.manual_seed(spec.train.seed)  # the same initial weights on every rank
     model = build_model(spec.model)
     blocks = model_blocks(model, spec.model.blocks)
     mesh = build_mesh(launch.dims, device.type)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
-    model = parallelize(model, blocks, spec.parallel, launch.dims, mesh, device)
+    model = parallelize(model, blocks, parallel, launch.dims, mesh, device)
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     optimizer = build_optimizer(model, spec.train)
     facts = model_facts(spec.model)
@@ -139,10 +141,16 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         tokens_per_step=spec.train.global_batch * seq_len, world_size=launch.world_size, dims=launch.dims,
         metrics=MetricsWriter(run.run_dir, enabled=rank == 0),
         flops_per_token=facts.flops_per_token, peak_tflops=run.site.node.gpu_peak_tflops,
-        amp_dtype=autocast_dtype(spec.parallel, launch.dims),
-        scaler=_grad_scaler(spec.parallel.mixed_precision, launch.dims, device),
+        amp_dtype=autocast_dtype(parallel, launch.dims),
+        scaler=_grad_scaler(parallel.mixed_precision, launch.dims, device),
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps)
     return trainer, TrainState()
+
+
+def site_parallel(run: Run) -> Parallel:
+    """The spec's ``[parallel]`` with ``mixed_precision = "auto"`` decided for the run's site (as the planner did)."""
+    precision = compute_precision(run.spec.parallel.mixed_precision, run.site.node.gpus > 0)
+    return dataclasses.replace(run.spec.parallel, mixed_precision=precision)
 
 
 def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device):
