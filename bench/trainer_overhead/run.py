@@ -36,8 +36,9 @@ CPU; ``bench/float_math`` measures what that setting itself is worth), so the ra
 of the trainer's machinery, not of different arithmetic; the losses of both sides are printed
 side by side as the check. Each side's step time is the median over its windows of ``log_every``
 steps after the warm-up window (the trainer's metrics lines; the hand loop's own, timed with
-the same ``PhaseClock``), and beside each ratio the split of both steps into phases: data,
-forward, backward, optimizer, log and boundary (the vote). Goal: ratio ≤ 1.05.
+the same ``PhaseClock``); the ratio is the median over windows of hpcx / hand for the same steps.
+Beside it, the split of both steps into phases: data, forward, backward, optimizer, log and
+boundary (the vote). Goal: ratio ≤ 1.05.
 """
 
 from __future__ import annotations
@@ -292,13 +293,17 @@ def phase_medians(windows: list[dict]) -> dict[str, float]:
 
 
 def report_line(strategy: str, times: dict, warmup: int) -> str:
+    """Medians of both sides' windows, and the ratio: the median over windows of hpcx / hand for the same
+    steps (each pair ran interleaved over the same minutes, so the pair's ratio is what load leaves alone)."""
     hpcx, hand = steady(times["hpcx"], warmup), steady(times["hand"], warmup)
+    assert [w["step"] for w in hpcx] == [w["step"] for w in hand], "both loops log at the same steps"
     a, b = statistics.median(w["step_s"] for w in hpcx), statistics.median(w["step_s"] for w in hand)
+    ratio = statistics.median(x["step_s"] / y["step_s"] for x, y in zip(hpcx, hand))
     pa, pb = phase_medians(hpcx), phase_medians(hand)
     split = "  ".join(f"{name} {1000 * pa[name]:.0f}/{1000 * pb[name]:.0f}" for name in pa)
     loss_gap = max(abs(x["loss"] - y["loss"]) for x, y in zip(times["hpcx"], times["hand"]))
-    return (f"{strategy:9s} {1000 * a:9.1f} {1000 * b:9.1f} {a / b:7.3f}   {split}   "
-            f"(windows {len(hpcx)}/{len(hand)}, max |loss hpcx - hand| {loss_gap:.1e})")
+    return (f"{strategy:9s} {1000 * a:9.1f} {1000 * b:9.1f} {ratio:7.3f}   {split}   "
+            f"(windows {len(hpcx)}, max |loss hpcx - hand| {loss_gap:.1e})")
 
 
 def main() -> None:
@@ -311,6 +316,7 @@ def main() -> None:
     parser.add_argument("--strategies", default="none,ddp,fsdp,hsdp")
     parser.add_argument("--lr", type=float, default=3e-4, help="peak LR (tiny-ddp's 1e-2 makes the small GPT diverge, "
                         "and then the two loops' last-bit differences in clipping grow into different trajectories)")
+    parser.add_argument("--json", help="also write every window of both loops to this file")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -322,10 +328,13 @@ def main() -> None:
           f"steps of each loop, interleaved, after {args.warmup} warm-up steps, log_every {Train().log_every} "
           f"(the default); load average {os.getloadavg()[0]:.1f} at start")
     print(f"{'strategy':9s} {'hpcx ms':>9s} {'hand ms':>9s} {'ratio':>7s}   per-phase ms per step, hpcx/hand")
+    raw = {}
     with tempfile.TemporaryDirectory() as tmp:
         for strategy in args.strategies.split(","):
-            times = run_strategy(Path(tmp), strategy, args)
-            print(report_line(strategy, times, args.warmup), flush=True)
+            raw[strategy] = run_strategy(Path(tmp), strategy, args)
+            print(report_line(strategy, raw[strategy], args.warmup), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(raw, indent=1))
     print(f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())} at the end (1, 5, 15 min)")
 
 

@@ -22,6 +22,7 @@ from trainer.train import build_trainer
 from trainer_testlib import make_run
 
 SUBNORMAL = 1e-39  # below float32's smallest normal (1.2e-38)
+ONE_MICRO_BATCH = "train.micro_batch=8"  # the whole global batch in one forward (make_run's default is 8 of 1)
 
 
 class ScalarReads(TorchDispatchMode):
@@ -82,8 +83,9 @@ def metrics(run_dir: Path) -> list[dict]:
     (2, 5, 0, ["parallel.mixed_precision='fp16'"]),  # GradScaler + fused AdamW: inf checks stay on the device
 ])
 def test_only_logging_steps_read_device_values_and_only_once(tmp_path, log_every, steps, warmup, extra):
-    run_dir = make_run(tmp_path, "r", "none", 1, [f"train.log_every={log_every}", f"train.steps={steps}",
-                                                    f"train.warmup_metrics_steps={warmup}", *extra])
+    run_dir = make_run(tmp_path, "r", "none", 1, [ONE_MICRO_BATCH, f"train.log_every={log_every}",
+                                                    f"train.steps={steps}", f"train.warmup_metrics_steps={warmup}",
+                                                    *extra])
     per_step, _ = reads_per_step(run_dir)
     logged = [s for s in range(1, steps + 1) if s % log_every == 0 or s in (steps, warmup)]
     assert [s for s, n in enumerate(per_step, 1) if n] == logged, per_step
@@ -92,7 +94,7 @@ def test_only_logging_steps_read_device_values_and_only_once(tmp_path, log_every
 
 
 def test_a_resumed_run_logs_on_the_same_grid(tmp_path):
-    run_dir = make_run(tmp_path, "r", "none", 1, ["train.log_every=4", "train.steps=10",
+    run_dir = make_run(tmp_path, "r", "none", 1, [ONE_MICRO_BATCH, "train.log_every=4", "train.steps=10",
                                                     "train.warmup_metrics_steps=0"])
     per_step, result = reads_per_step(run_dir, start_step=5)
     assert per_step == [0, 0, 2, 0, 2]  # steps 6..10: 8 and the last
@@ -160,7 +162,7 @@ def test_cpu_training_flushes_subnormals_and_keeps_fp32_matmuls(tmp_path):
         assert not subnormals_survive()
         assert torch.get_float32_matmul_precision() == precision  # TF32 is a CUDA matter
         torch.set_flush_denormal(False)
-        reads_per_step(make_run(tmp_path, "r", "none", 1, ["train.steps=1"]))  # train() sets it itself
+        reads_per_step(make_run(tmp_path, "r", "none", 1, [ONE_MICRO_BATCH, "train.steps=1"]))  # train() sets it
         assert not subnormals_survive()
     finally:
         torch.set_flush_denormal(True)  # what every trainer process runs with
