@@ -38,7 +38,7 @@ from torch import nn
 from hpc.fake_pg import fake_process_group
 from hpc.memory import Config, init_bytes, model_states, staging_bytes
 from hpc.models import model_facts
-from hpc.resolve import Launch
+from hpc.resolve import Launch, launch_parallel
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
 
@@ -226,7 +226,7 @@ def mesh_report(mesh: tp.Any, launch: Launch, rank: int) -> dict[str, tp.Any]:
 
 
 def _where(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
-    if launch.dims.fsdp_enabled and spec.parallel.cpu_offload:
+    if launch.dims.fsdp_enabled and launch_parallel(spec, launch).cpu_offload:
         return "host (cpu_offload)"
     return "GPU" if site.node.gpus else "host (CPU site)"
 
@@ -239,8 +239,9 @@ def add_plan(result: DryRun, spec: JobSpec, launch: Launch) -> None:
     facts = model_facts(spec.model)
     if facts.n_params is None:
         return  # a user model: the planner cannot count it without torch; nothing to compare
-    offload = launch.dims.fsdp_enabled and spec.parallel.cpu_offload
-    cfg = Config(launch.dims, offload, spec.parallel.mixed_precision, spec.parallel.activation_checkpointing,
+    parallel = launch_parallel(spec, launch)
+    offload = launch.dims.fsdp_enabled and parallel.cpu_offload
+    cfg = Config(launch.dims, offload, parallel.mixed_precision, parallel.activation_checkpointing,
                  spec.train.micro_batch, spec.model.dropout, spec.checkpoint.async_save)
     states = model_states(facts.n_params, cfg, facts.param_shapes)
     result.planned = {k: int(v) for k, v in zip(STATES, states)}

@@ -14,7 +14,7 @@ from hpc.config import ConfigError
 from hpc.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.spec import JobSpec, Parallel, compute_precision
 from hpc.validate import check_world
 
 RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
@@ -188,3 +188,11 @@ def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir:
         "site": asdict(site),
         "launch": launch.to_dict(),
     }
+
+
+def launch_parallel(spec: JobSpec, launch: Launch) -> Parallel:
+    """The spec's ``[parallel]`` with its `auto` values decided as the planner did: ``cpu_offload`` by the
+    resolved launch, ``mixed_precision`` by the site (bf16 where it has GPUs, i.e. runs NCCL)."""
+    offload = spec.parallel.cpu_offload if launch.cpu_offload is None else launch.cpu_offload
+    precision = compute_precision(spec.parallel.mixed_precision, launch.backend == "nccl")
+    return dataclasses.replace(spec.parallel, cpu_offload=offload, mixed_precision=precision)

@@ -102,7 +102,8 @@ class Train:
     betas: list[float] = field(doc="AdamW betas.", factory=lambda: [0.9, 0.95])
     grad_clip: float = field(1.0, doc="Clip the global gradient norm to this (0: off).", minimum=0)
     seed: int = field(0, doc="Seed for model init, data order and dropout.", minimum=0, maximum=v.SEED_MAX)
-    log_every: int = field(1, doc="Write a metrics line every N steps.", minimum=1)
+    log_every: int = field(10, doc="Write a metrics line every N steps (reading the loss waits for the GPU: "
+                           "the steps in between never do).", minimum=1)
     warmup_metrics_steps: int = field(2, doc="Leading steps left out of throughput summaries.", minimum=0)
 
 
@@ -113,8 +114,9 @@ class Parallel:
     sharding: str = field("full_shard", doc="FSDP sharding: full_shard, shard_grad_op or no_shard.",
                           choices=SHARDINGS)
     shard_size: int = field(0, doc="HSDP shard group size (0: one node's ranks).", minimum=0)
-    mixed_precision: str = field("none", doc="Parameter dtype for compute; reductions stay fp32.",
-                                 choices=("none", "bf16", "fp16"))
+    mixed_precision: str = field("auto", doc="Compute dtype: `auto` (bf16 on a site with GPUs, fp32 on a CPU "
+                                 "site), `none` (fp32), `bf16` or `fp16`; reductions stay fp32.",
+                                 choices=("auto", "none", "bf16", "fp16"))
     cpu_offload: bool = field(False, doc="Keep sharded parameters, gradients and optimizer state in host memory.")
     activation_checkpointing: bool = field(False, doc="Recompute each block's activations in backward.")
     compile: bool = field(False, doc="torch.compile each block.")
@@ -122,6 +124,13 @@ class Parallel:
                            "and saving.", minimum=1)
     step_timeout_s: int = field(120, doc="Collective timeout once every rank finished its first step (at most "
                                 "`timeout_s`): a rank that hangs mid-run is noticed this fast.", minimum=1)
+
+
+def compute_precision(mixed_precision: str, gpus: bool) -> str:
+    """``parallel.mixed_precision`` for a site: `auto` is bf16 where the site has GPUs, else `none`."""
+    if mixed_precision != "auto":
+        return mixed_precision
+    return "bf16" if gpus else "none"
 
 
 @dataclass

@@ -124,6 +124,7 @@ def test_trainer_mesh_refit_and_checkpoint_inference_agree(strategy, sharding, n
     from trainer.model import WeightInit, build_model, model_blocks
     from trainer.parallelize import build_mesh, parallelize
     from trainer.run import Run
+    from hpc.resolve import launch_parallel
     from trainer.train import fit_launch
 
     world = nodes * tpn
@@ -142,8 +143,8 @@ def test_trainer_mesh_refit_and_checkpoint_inference_agree(strategy, sharding, n
     if dims.dp_enabled:
         return  # nn.DataParallel needs GPUs
     model = build_model(spec.model, "meta")
-    model = parallelize(model, model_blocks(model), spec.parallel, dims, mesh, torch.device("cpu"),
-                        WeightInit.of(model, 0))
+    parallel = launch_parallel(spec, refit)  # mixed_precision "auto" decided for the site
+    model = parallelize(model, model_blocks(model), parallel, dims, mesh, torch.device("cpu"), WeightInit.of(model, 0))
     seen = infer_dims(model)
     assert (seen.strategy, seen.dp_replicate, seen.dp_shard) == (dims.strategy, dims.dp_replicate, dims.dp_shard)
 

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, hpcx
 from tests.test_cli import PROBE
 
@@ -16,7 +18,7 @@ JOB = str(REPO / "jobs/tiny-ddp.toml")
 
 def test_main_job_runs_and_prints_result(run_root: Path):
     out = hpcx("submit", JOB, "--set", f"job.run_root={json.dumps(str(run_root))}", "--set", "train.steps=6",
-               "--wait", timeout=600)
+               "--set", "train.log_every=4", "--wait", timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("submitted job ") and "local" in lines[0]
@@ -25,8 +27,9 @@ def test_main_job_runs_and_prints_result(run_root: Path):
     run_dir = Path(next(l.split(": ", 1)[1] for l in lines if l.startswith("run folder:")))
     assert run_dir.parent == run_root
     metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert [m["step"] for m in metrics] == [2, 4, 6]  # the end of warm-up, every log_every steps, the last
     assert all(0 <= m["data_s"] < m["step_time_s"] for m in metrics)
+    assert all(sum(m["phases_s"].values()) == pytest.approx(m["step_time_s"]) for m in metrics)
     world = json.loads((run_dir / "world.json").read_text())
     assert world["world_size"] == 2 and world["all_reduce"] == 2
     status = json.loads(hpcx("status", str(run_dir), "--json").stdout)

@@ -170,17 +170,24 @@ def apply_nccl_trace(run_dir: str | Path) -> None:
         os.environ.setdefault(name, value)
 
 
-def init_distributed(env: RankEnv, backend: str, timeout_s: int) -> list[str]:
+def init_distributed(env: RankEnv, backend: str, timeout_s: int, device: torch.device | None = None) -> list[str]:
     """Rendezvous, then the default process group; returns the hostname of every rank (by rank).
 
-    Raises RuntimeError naming the ranks that did not arrive within ``timeout_s``.
+    Raises RuntimeError naming the ranks that did not arrive within ``timeout_s``. On CUDA, give
+    ``device``: the group is bound to it (NCCL connects eagerly, and the mesh's sub-groups split
+    its communicator instead of bootstrapping new ones).
     """
     timeout = timedelta(seconds=timeout_s)
     store = _connect_store(env, timeout)
     hosts = _rendezvous(store, env, timeout_s)
     dist.init_process_group(backend=backend, store=dist.PrefixStore("hpcx/pg", store), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+                            world_size=env.world_size, timeout=timeout, **bound_device(device))
     return hosts
+
+
+def bound_device(device: torch.device | None) -> dict[str, torch.device]:
+    """``init_process_group``'s ``device_id`` argument: the rank's GPU on CUDA, nothing elsewhere."""
+    return {"device_id": device} if device is not None and device.type == "cuda" else {}
 
 
 def init_single(backend: str) -> list[str]:
@@ -206,19 +213,24 @@ def _connect_store(env: RankEnv, timeout: timedelta) -> dist.Store:
 
 
 def _rendezvous(store: dist.Store, env: RankEnv, timeout_s: int) -> list[str]:
-    """Each rank posts its hostname; every rank waits for all, polling so that it can name the absent."""
+    """Each rank posts its hostname, waits for every rank's and reads them all back.
+
+    Three store requests per rank whatever the world size (set, one ``wait`` on all keys that the
+    store answers when the last one arrives, one ``multi_get``): O(world) for the store in all,
+    where polling each key would be O(world²). Only on a timeout are the keys checked one by one,
+    to name the ranks that did not come.
+    """
     store.set(f"arrived/{env.rank}", env.hostname)
     keys = [f"arrived/{r}" for r in range(env.world_size)]
-    deadline = time.monotonic() + timeout_s
-    while True:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        if not missing:
-            return [store.get(k).decode() for k in keys]
-        if time.monotonic() > deadline:
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError:  # DistStoreError: the timeout
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if missing:
             raise RuntimeError(f"rendezvous at {env.master_addr}:{env.master_port} timed out after {timeout_s} s: "
                                f"ranks {missing} of {env.world_size} did not arrive (this is rank {env.rank} "
-                               f"on {env.hostname})")
-        time.sleep(0.05)
+                               f"on {env.hostname})") from None
+    return [host.decode() for host in store.multi_get(keys)]
 
 
 def check_world(env: RankEnv, hosts: list[str], device: torch.device) -> int:

@@ -3,6 +3,12 @@
 Everything that survives a requeue is in ``TrainState``; everything the loop
 uses is in ``Trainer`` (built by ``trainer.train.build_trainer``). The single
 seam for checkpoints and preemption is ``step_boundary``.
+
+Host syncs: a step reads no device value except at its boundary (the preemption vote,
+``trainer.resilience``) and, every ``train.log_every`` steps, one transfer of the mean loss and
+the gradient norm for the metrics line. ``Trainer.clock`` charges the loop's seconds to its
+phases (data, forward, backward, optimizer, log, boundary); each metrics line carries their
+split (``phases_s``), so a slower phase names itself.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import statistics
-import time
 import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +27,7 @@ from torch import nn
 
 from hpc.dims import ParallelDims
 from trainer.data import GlobalSampler
-from trainer.metrics import MetricsWriter, memory_gb, mfu, progress_line
+from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
@@ -74,6 +79,7 @@ class Trainer:
     preemption: PreemptionFlag | None = None
     warmup_metrics_steps: int = 2
     resilience: tp.Any = None  # a trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
+    clock: PhaseClock = field(default_factory=PhaseClock)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -96,8 +102,12 @@ def forward_backward(t: Trainer, tokens: torch.Tensor, scale: float) -> torch.Te
                 else contextlib.nullcontext())
     with autocast:
         logits = t.model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()) * scale
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+    if scale != 1.0:
+        loss = loss * scale
+    t.clock.lap("forward")
     (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
+    t.clock.lap("backward")
     return loss.detach()
 
 
@@ -118,26 +128,33 @@ def train_step(t: Trainer, micro_batches: list[torch.Tensor]) -> tuple[torch.Ten
         t.optimizer.step()
     t.optimizer.zero_grad(set_to_none=True)
     t.scheduler.step()
+    t.clock.lap("optimizer")
     return total, norm
 
 
-def global_mean(value: torch.Tensor, world_size: int) -> float:
-    """Mean over ranks (gloo has no AVG): every rank holds the mean over its share of the global batch."""
+def logged_values(loss: torch.Tensor, norm: torch.Tensor, world_size: int) -> tuple[float, float]:
+    """(mean loss over ranks, gradient norm), copied from the device together: one host sync.
+
+    Every rank holds the mean over its share of the global batch; gloo has no AVG, so sum and divide.
+    """
     if world_size > 1 and dist.is_initialized():
-        value = value.clone()
-        dist.all_reduce(value)
-        value /= world_size
-    return float(value)
+        loss = loss.clone()
+        dist.all_reduce(loss)
+        loss /= world_size
+    host = torch.stack([loss.double(), norm.to(loss.device, torch.float64)]).cpu()
+    return float(host[0]), float(host[1])
 
 
-def step_record(t: Trainer, state: TrainState, loss: float, norm: torch.Tensor, lr: float, seconds: float,
-                data_seconds: float) -> dict:
-    """One metrics.jsonl line; ``data_s`` is rank 0's wait for its micro-batches (the scaling report's
-    data share of the step)."""
+def step_record(t: Trainer, state: TrainState, loss: float, norm: float, lr: float,
+                phases: dict[str, float]) -> dict:
+    """One metrics.jsonl line, over the steps since the previous one: ``step_time_s`` is the sum of
+    the phases (``phases_s``, seconds per step); ``data_s`` is rank 0's wait for its micro-batches
+    (the scaling report's data share of the step)."""
+    seconds = sum(phases.values())
     tokens_per_s = t.tokens_per_step / seconds
     return {"step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_time_s": seconds,
-            "data_s": data_seconds, "mfu": mfu(t.flops_per_token, tokens_per_s, t.world_size, t.peak_tflops),
-            "mem_gb": memory_gb(t.device), "grad_norm": float(norm)}
+            "data_s": phases["data"], "mfu": mfu(t.flops_per_token, tokens_per_s, t.world_size, t.peak_tflops),
+            "mem_gb": memory_gb(t.device), "grad_norm": norm, "phases_s": phases}
 
 
 def step_boundary(t: Trainer, state: TrainState) -> bool:
@@ -151,34 +168,66 @@ def step_boundary(t: Trainer, state: TrainState) -> bool:
     return t.preemption is not None and t.preemption.agreed(t.device)
 
 
+def set_float_math(device: torch.device) -> None:
+    """Process-wide float settings for training on ``device``.
+
+    Subnormal floats are flushed to zero on the CPU, wherever the device: on x86 each operation
+    on a subnormal takes a slow microcode path, and once attention sharpens the softmax backward
+    yields them by the hundred thousand (a CPU step then costs 1.5× and more: bench/float_math;
+    the CPU-offloaded AdamW meets them in squared small gradients). Nothing below 1.2e-38 matters
+    to a float32 run: AdamW's eps alone is 1e-8. On CUDA, fp32 matmuls may use TF32 tensor cores
+    (``float32_matmul_precision("high")``; bf16/fp16 compute is unchanged by it).
+    """
+    torch.set_flush_denormal(True)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+
+
 def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
     """Run from ``state.step`` to ``t.steps``; returns a summary (loss of the last logged step, …)."""
+    set_float_math(t.device)
     t.sampler.load_state_dict(state.sampler)
     batches = iter(t.loader)
     accum = t.sampler.grad_accum
     history: list[dict] = []
     stopped = False
-    tic, last_logged, data_s = time.perf_counter(), state.step, 0.0
+    last_logged = state.step
+    t.clock.restart()
     while state.step < t.steps and not stopped:
         lr = t.optimizer.param_groups[0]["lr"]
-        fetch = time.perf_counter()
         micro_batches = [next(batches) for _ in range(accum)]
-        data_s += time.perf_counter() - fetch
+        t.clock.lap("data")
         loss, norm = train_step(t, micro_batches)
         t.sampler.advance()
         state.step += 1
         state.tokens_seen += t.tokens_per_step
         state.sampler = t.sampler.state_dict()
-        if state.step % t.log_every == 0 or state.step == t.steps:
-            mean_loss = global_mean(loss, t.world_size)  # also waits for the step's work
-            toc, steps = time.perf_counter(), state.step - last_logged
-            history.append(step_record(t, state, mean_loss, norm, lr, (toc - tic) / steps, data_s / steps))
-            t.metrics.write(history[-1])
-            log.info(progress_line(history[-1], t.steps))
-            tic, last_logged, data_s = time.perf_counter(), state.step, 0.0
+        if logs_at(t, state.step):
+            history.append(log_step(t, state, loss, norm, lr, state.step - last_logged))
+            last_logged = state.step
         stopped = step_boundary(t, state)
+        t.clock.lap("boundary")
     t.metrics.close()
     return summary(t, state, history, stopped)
+
+
+def logs_at(t: Trainer, step: int) -> bool:
+    """Every ``log_every`` steps, the last step, and the last warm-up step: each line averages the steps
+    since the previous one, so no line after warm-up mixes warm-up steps into its throughput."""
+    return step % t.log_every == 0 or step in (t.steps, t.warmup_metrics_steps)
+
+
+def log_step(t: Trainer, state: TrainState, loss: torch.Tensor, norm: torch.Tensor, lr: float,
+             steps: int) -> dict:
+    """The metrics line of the ``steps`` steps up to this one (every rank reduces the loss; rank 0
+    writes). Writing it is charged to the next line's ``log`` phase."""
+    mean_loss, grad_norm = logged_values(loss, norm, t.world_size)  # also waits for the step's work
+    t.clock.lap("log")
+    record = step_record(t, state, mean_loss, grad_norm, lr, t.clock.take(steps))
+    t.metrics.write(record)
+    log.info(progress_line(record, t.steps))
+    t.clock.lap("log")
+    return record
 
 
 def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -> dict[str, tp.Any]:

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +58,39 @@ def mfu(flops_per_token: float | None, tokens_per_s: float, world_size: int, pea
     if not flops_per_token or not peak_tflops:
         return None
     return flops_per_token * tokens_per_s / (world_size * peak_tflops * 1e12)
+
+
+PHASES = ("data", "forward", "backward", "optimizer", "log", "boundary")
+
+
+class PhaseClock:
+    """Host seconds of each phase of the steps since the last metrics line.
+
+    ``lap(phase)`` charges the time since the previous lap to ``phase``, so every second of the
+    loop is counted once and the phases add up to the step time. On a GPU these are host
+    seconds: a phase that reads a device value (``log``, ``boundary``) also holds the wait for
+    the kernels queued before it.
+    """
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.last = time.perf_counter()
+
+    def restart(self) -> None:
+        """Forget what was charged so far (the loop starts, after building and resuming)."""
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.totals[phase] += now - self.last
+        self.last = now
+
+    def take(self, steps: int) -> dict[str, float]:
+        """Seconds per step of each phase since the last ``take``; starts a new window."""
+        window = {name: seconds / steps for name, seconds in self.totals.items()}
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        return window
 
 
 class MetricsWriter:

@@ -31,6 +31,7 @@ a meta model stays on meta and ddp/dp are not wrapped (``hpcx dryrun``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
@@ -39,7 +40,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpc.dims import ParallelDims
-from hpc.spec import Parallel
+from hpc.spec import Parallel, compute_precision
 from trainer.model import WeightInit, outer_units
 
 log = logging.getLogger("hpcx.trainer")
@@ -67,7 +68,10 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, list[list[int]]]:
 def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dims: ParallelDims,
                 mesh: DeviceMesh | None, device: torch.device, init: WeightInit | None = None) -> nn.Module:
     """Activation checkpointing, compile, FSDP, the weights (``init``), then DDP/DataParallel; the
-    model to train. The model may be on the meta device (give ``init``) or already on ``device``."""
+    model to train. The model may be on the meta device (give ``init``) or already on ``device``.
+    ``mixed_precision = "auto"`` not yet decided for a site is decided by ``device`` (bf16 on CUDA)."""
+    if parallel.mixed_precision == "auto":
+        parallel = dataclasses.replace(parallel, mixed_precision=compute_precision("auto", device.type == "cuda"))
     if parallel.activation_checkpointing:
         apply_ac(blocks)
     if parallel.compile:

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpc.dims import ParallelDims, parallel_dims
 from hpc.models import model_facts
-from hpc.resolve import Launch
+from hpc.resolve import Launch, launch_parallel
 from hpc.spec import JobSpec
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
@@ -84,7 +84,7 @@ def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
     if backend == "nccl":
         apply_nccl_trace(run.run_dir)
     if env.world_size > 1:
-        hosts = init_distributed(env, backend, run.spec.parallel.timeout_s)
+        hosts = init_distributed(env, backend, run.spec.parallel.timeout_s, device)
     elif launch.dims.needs_process_group:
         hosts = init_single(backend)
     else:
@@ -126,8 +126,10 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     model, mesh = build_parallel_model(spec, launch, device)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
+    parallel = launch_parallel(spec, launch)
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
-    optimizer = build_optimizer(model, spec.train)
+    scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
+    optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)
     facts = model_facts(spec.model)
     seq_len = facts.seq_len
     dataset = build_dataset(spec.data, seq_len, facts.vocab_size, spec.train.seed)
@@ -140,8 +142,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         tokens_per_step=spec.train.global_batch * seq_len, world_size=launch.world_size, dims=launch.dims,
         metrics=MetricsWriter(run.run_dir, enabled=rank == 0),
         flops_per_token=facts.flops_per_token, peak_tflops=run.site.node.gpu_peak_tflops,
-        amp_dtype=autocast_dtype(spec.parallel, launch.dims),
-        scaler=_grad_scaler(spec.parallel.mixed_precision, launch.dims, device),
+        amp_dtype=autocast_dtype(parallel, launch.dims),
+        scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps)
     return trainer, TrainState()
 
@@ -155,14 +157,13 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device,
     blocks = model_blocks(model, spec.model.blocks)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
-    offload = spec.parallel.cpu_offload if launch.cpu_offload is None else launch.cpu_offload  # auto decides
-    parallel = dataclasses.replace(spec.parallel, cpu_offload=offload)
-    model = parallelize(model, blocks, parallel, launch.dims, mesh, device, init)
+    model = parallelize(model, blocks, launch_parallel(spec, launch), launch.dims, mesh, device, init)
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",
                  device, local, total, 100.0 * local / max(1, total))
     return model, mesh
+
 
 
 def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device):

@@ -11,7 +11,7 @@ from hpc.dims import ParallelDims, parallel_dims
 from hpc.memory import HOST_USABLE, Config, Memory, estimate, headroom_gb
 from hpc.models import ModelFacts
 from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.spec import JobSpec, compute_precision
 
 from hpc.plan.timing import StepTime, host_step_seconds, step_time
 
@@ -180,7 +180,8 @@ class Setup:
 def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
     return Setup(nodes=nodes or spec.job.nodes, tasks_per_node=spec.job.tasks_per_node or site.default_tasks_per_node(),
                  micro_batch=spec.train.micro_batch, checkpointing=spec.parallel.activation_checkpointing,
-                 global_batch=spec.train.global_batch, mixed_precision=spec.parallel.mixed_precision,
+                 global_batch=spec.train.global_batch,
+                 mixed_precision=compute_precision(spec.parallel.mixed_precision, site.node.gpus > 0),
                  dropout=spec.model.dropout, async_save=spec.checkpoint.async_save)
 
 

@@ -41,7 +41,7 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
     if facts.n_params is None or t.global_batch % (setup.world * t.micro_batch):
         return {"compute_s": None, "comm_s": None, "tokens_per_s": None, "limiting_link": ""}
     choice = plan.choose(spec, site, nodes)
-    cfg = Config(choice.dims, choice.cpu_offload, spec.parallel.mixed_precision,
+    cfg = Config(choice.dims, choice.cpu_offload, setup.mixed_precision,
                  spec.parallel.activation_checkpointing, t.micro_batch, spec.model.dropout)
     comm = step_comm(facts, cfg, site, nodes, setup.tasks_per_node, setup.grad_accum)
     compute = plan.compute_seconds(facts, setup, site, ASSUMED_MFU)

@@ -32,7 +32,8 @@ def wait_for(run_dir: str, states: set[str], timeout: float = 300) -> dict:
 
 
 def test_two_node_job_runs_on_both_nodes(sandbox):
-    out = hpcx("submit", JOB, *TWO_NODES, "--set", "train.steps=6", "--set", "job.name=spine-2x2",
+    out = hpcx("submit", JOB, *TWO_NODES, "--set", "train.steps=6", "--set", "train.log_every=1",
+               "--set", "job.name=spine-2x2",
                "--wait", timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run folder:")))
@@ -158,7 +159,7 @@ def test_status_falls_back_without_sacct(sandbox, tmp_path):
 
 def test_hsdp_replicates_across_nodes_and_shards_within_one(sandbox):
     out = hpcx("submit", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", "sandbox", "--set", "train.steps=4",
-               "--set", "checkpoint.interval_steps=0", "--wait", timeout=600)
+               "--set", "checkpoint.interval_steps=0", "--set", "train.log_every=1", "--wait", timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run folder:")))
     hosts = json.loads((run_dir / "world.json").read_text())["hosts"]

@@ -16,6 +16,7 @@ from hpc.resolve import resolve, resolved_document
 from hpc.site import load_site
 from hpc.spec import load_spec
 from trainer.dist import rendezvous_port
+from trainer.metrics import PHASES
 from trainer_testlib import REPO, TINY, child_env, make_run, read_losses, torchrun
 
 
@@ -57,9 +58,13 @@ def test_torchrun_two_ranks(tmp_path):
     assert result["world_size"] == 2 and result["strategy"] == "ddp" and result["steps"] == 6
     world = json.loads((run_dir / "world.json").read_text())
     assert world == {"world_size": 2, "all_reduce": 2, "hosts": [socket.gethostname()] * 2, "backend": "gloo"}
-    assert len(read_losses(run_dir)) == 6
-    record = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert set(record) == {"step", "loss", "lr", "tokens_per_s", "step_time_s", "data_s", "mfu", "mem_gb", "grad_norm"}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [2, 6]  # default log_every 10: the end of warm-up (2), the last step
+    record = records[-1]
+    assert set(record) == {"step", "loss", "lr", "tokens_per_s", "step_time_s", "data_s", "mfu", "mem_gb", "grad_norm",
+                           "phases_s"}
+    assert record["step"] == 6 and set(record["phases_s"]) == set(PHASES)
+    assert sum(record["phases_s"].values()) == pytest.approx(record["step_time_s"])
     for rank in (0, 1):
         assert "all_reduce(1) = 2" in (run_dir / "logs" / f"rank-{rank}.log").read_text()
 

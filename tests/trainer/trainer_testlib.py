@@ -14,9 +14,10 @@ from hpc.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "jobs" / "tiny-ddp.toml"
-# 10 steps, global batch 8, clipping active (the tiny GPT's early grad norms are above 0.5).
+# 10 steps, global batch 8, clipping active (the tiny GPT's early grad norms are above 0.5); a metrics line
+# every step, so that tests compare losses step by step.
 BASE = ["train.steps=10", "train.global_batch=8", "train.lr=3e-3", "train.warmup_steps=2", "train.grad_clip=0.5",
-        "train.weight_decay=0.1", "train.seed=1234", "parallel.timeout_s=60"]
+        "train.weight_decay=0.1", "train.seed=1234", "parallel.timeout_s=60", "train.log_every=1"]
 
 
 def make_run(root: Path, name: str, strategy: str, ranks: int, overrides: list[str] = (), site: str = "local") -> Path:
