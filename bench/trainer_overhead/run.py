@@ -24,7 +24,8 @@ hpcx           ``trainer.loop.train`` as ``run_rank`` runs it: the run's DataLoa
                metrics line (``metrics.jsonl``, the progress log line). The final save after the
                last step is outside every measured window.
 hand           pre-built batches (the same samples the trainer's sampler gives that rank), the
-               same model built and wrapped by hand (DDP; ``fully_shard`` per block then root,
+               same model with the same initial weights (``WeightInit``), wrapped by hand (DDP;
+               ``fully_shard`` per block, on the embeddings, on final norm + head, then the root,
                on a 2-D mesh for hsdp), loss, backward, ``torch.nn.utils.clip_grad_norm_``, the
                same fused AdamW (decay on matrices only) + LambdaLR; a preemption vote every
                step (all-reduce MAX of a flag, ``.item()``); every ``log_every`` steps the loss
@@ -170,15 +171,17 @@ class Interleaved:
 
 
 def hand_model(run, rank: int):
-    """The trainer's GPT, wrapped by hand for the run's strategy."""
+    """The trainer's GPT with the trainer's initial weights, wrapped by hand for the run's strategy:
+    DDP, or ``fully_shard`` on each block, on the embeddings and on final norm + head (torchtitan's
+    units; the output side stays gathered after forward, as backward needs it first), then the root."""
     import torch
 
     from hpc.models import gpt_shape
-    from trainer.model import GPT
+    from trainer.model import GPT, WeightInit
 
     spec, dims = run.spec, run.launch.dims
-    torch.manual_seed(spec.train.seed)
     model = GPT(gpt_shape(spec.model.size, spec.model.seq_len), spec.model.dropout)
+    WeightInit.of(model, spec.train.seed).initialise(model, torch.device("cpu"))  # the same numbers as the trainer
     if dims.strategy == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     elif dims.strategy in ("fsdp", "hsdp"):
@@ -189,6 +192,9 @@ def hand_model(run, rank: int):
             if dims.strategy == "hsdp" else None
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
+        outer = model.fsdp_units()
+        for i, group in enumerate(outer):
+            fully_shard(group, mesh=mesh, reshard_after_forward=i < len(outer) - 1)
         fully_shard(model, mesh=mesh)
     torch.manual_seed(spec.train.seed + rank)
     return model
