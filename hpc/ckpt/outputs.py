@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hpc.errors import CheckpointError, UserError
+from hpc.procs import pid_alive
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.partial-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
 
@@ -51,19 +52,6 @@ def remove(path: Path) -> None:
             path.unlink()
         except FileNotFoundError:
             pass
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OverflowError:
-        return False
-    return True
 
 
 def stale_partials(folder: Path) -> list[Path]:

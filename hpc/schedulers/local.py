@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hpc import compat
 from hpc.errors import UserError
+from hpc.procs import pid_alive
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
                                  result_path, task_command)
 
@@ -90,21 +91,6 @@ def controller_alive(job_id: str, run_dir: Path) -> bool:
     if not pid_alive(pid):
         return False
     return recorded is None or pid_identity(pid) == recorded
-
-
-def pid_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (a zombie child of this process counts as finished)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
 
 
 def task_pids(controller_pid: int) -> list[int]:

@@ -1,0 +1,24 @@
+"""Processes on this host, by PID: used by the local scheduler (is a job's task still running) and by
+checkpoint conversion (is the writer of a ``.partial-HOST-PID`` output still alive)."""
+
+from __future__ import annotations
+
+import os
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie child of this process counts as finished);
+    another user's process counts as alive; a PID no kernel can hold does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OverflowError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
