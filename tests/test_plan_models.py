@@ -177,7 +177,7 @@ def test_count_params_on_a_broken_user_model_exits_2(tmp_path):
 # --- the trainer builds what the spec describes ------------------------------------------------------
 
 def test_trainer_builds_the_spec_architecture():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     from trainer.model import build_model
 
     for fields, shape in ARCHS:

@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import socket
-import time
 import typing as tp
 from dataclasses import dataclass, field
 from datetime import timedelta

@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from trainer.loop import TrainState, train
+    from trainer.loop import train
 
     torch.set_num_threads(1)
     print(f"GPT {args.size}, seq_len {args.seq_len}, batch 8, CPU, 1 thread; load average {os.getloadavg()[0]:.1f}")

@@ -129,7 +129,7 @@ def test_bf16_same_across_world_sizes(results):
 
 def test_compile_matches_single_process(tmp_path):
     """``parallel.compile`` (inductor on CPU, ~25 s to compile) trains to the eager losses."""
-    data = [f"train.steps=4"]
+    data = ["train.steps=4"]
     eager = run_in_process(make_run(tmp_path, "eager", "none", 1, data))
     compiled = run_in_process(make_run(tmp_path, "compiled", "none", 1, data + ["parallel.compile=true"]))
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < TOL

@@ -17,7 +17,7 @@ from hpc.site import load_site
 from hpc.spec import load_spec
 from trainer.dist import rendezvous_port
 from trainer.metrics import PHASES
-from trainer_testlib import REPO, TINY, child_env, make_run, read_losses, torchrun
+from trainer_testlib import REPO, TINY, child_env, make_run, torchrun
 
 
 def tiny_ddp_run(root: Path, overrides: list[str] = ()) -> Path:
