@@ -52,6 +52,7 @@ def worker(rank: int, world: int, port: int, size: str, old: bool, out: str) -> 
     import torch.distributed as dist
 
     from hpc.cli import load_job
+    from hpc.resolve import launch_parallel
     from trainer.model import build_model, local_numel, model_blocks
     from trainer.parallelize import build_mesh, parallelize
     from trainer.train import build_parallel_model
@@ -69,8 +70,8 @@ def worker(rank: int, world: int, port: int, size: str, old: bool, out: str) -> 
     if old:  # the previous trainer: the whole model on the host, initialised, then sharded
         torch.manual_seed(spec.train.seed)
         model = build_model(spec.model, "cpu")
-        model = parallelize(model, model_blocks(model), spec.parallel, launch.dims, build_mesh(launch.dims, "cpu"),
-                            torch.device("cpu"))
+        model = parallelize(model, model_blocks(model), launch_parallel(spec, launch), launch.dims,
+                            build_mesh(launch.dims, "cpu"), torch.device("cpu"))
     else:
         model, _ = build_parallel_model(spec, launch, torch.device("cpu"))
     seconds = time.perf_counter() - started
