@@ -124,7 +124,7 @@ def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None,
     if as_json:
         echo_json({"site": site.name, "mode": mode, "points": rows})
         return
-    click.echo(f"{spec.job.name}: {mode} scaling predicted on {site.name} (α-β communication + compute at "
+    click.echo(f"{spec.job.name}: {mode} scaling predicted on {site.name} (NCCL-model communication + compute at "
                f"{scale.ASSUMED_MFU:.0%} of peak; no overlap)")
     for line in predict_lines(rows):
         click.echo(line)

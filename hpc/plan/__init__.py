@@ -20,14 +20,14 @@ from hpc.spec import JobSpec
 
 from hpc.plan.explain import advise, plan_notes, recommend, unknown_model
 from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candidates, compute_seconds, evaluate,
-                           pick, setup_of)
+                           mfu_of, pick, setup_of)
 from hpc.plan.table import format_plan
 
 DRYRUN_NOTE = ("check: `hpcx dryrun JOB --site SITE` builds the real sharded model, mesh and optimizer at this "
                "world size on one CPU (it imports torch) and compares its bytes per rank with these")
 
 __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", "candidates", "choose",
-           "compute_seconds", "evaluate", "format_plan", "pick", "plan_job", "setup_of"]
+           "compute_seconds", "evaluate", "format_plan", "mfu_of", "pick", "plan_job", "setup_of"]
 
 
 def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: ModelFacts | None = None) -> Plan:
@@ -39,11 +39,12 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     allowed = spec.parallel.cpu_offload  # allowed, not required: candidates with and without offload
     rows = [evaluate(facts, c, setup, site) for c in candidates(setup, allowed, gpu)]
     choice = pick(rows) if facts.n_params is not None else None
+    mfu, mfu_source = mfu_of(site)
     plan = Plan(job=spec.job.name, site=site.name, model=facts.label, n_params=facts.n_params,
                 nodes=setup.nodes, tasks_per_node=setup.tasks_per_node, micro_batch=setup.micro_batch,
                 grad_accum=setup.grad_accum, mixed_precision=setup.mixed_precision,
-                checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, MFU_DEFAULT),
-                mfu=MFU_DEFAULT, rows=rows, choice=choice, offload_allowed=allowed)
+                checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, mfu),
+                mfu=mfu, rows=rows, choice=choice, offload_allowed=allowed, mfu_source=mfu_source)
     plan.notes = plan_notes(site, setup, facts, spec.parallel.strategy)
     if facts.n_params is not None:
         plan.notes.append(peaks_note(facts, setup.async_save, gpu))

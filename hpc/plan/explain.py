@@ -12,8 +12,8 @@ from hpc.memory import FRAGMENTATION, GB
 from hpc.models import ModelFacts, count_text
 from hpc.site import SiteProfile
 
-from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Candidate, Plan, Row, Setup, comm_cost, cost, evaluate, fitting,
-                           measure, pick, simplicity, tied)
+from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Candidate, Plan, Row, Setup, comm_cost, cost, eligible, evaluate,
+                           fitting, measure, pick, simplicity, tied)
 from hpc.plan.timing import CPU_ADAM_PARAMS_PER_CORE_S, phases
 
 
@@ -140,14 +140,16 @@ def _choice_line(plan: Plan, choice: Row) -> str:
 
 def _rule_line(plan: Plan, choice: Row) -> str:
     """The choice rule, said with this plan's numbers: the fastest, the tie and who was in it."""
-    fit = fitting(plan.rows)
+    fit = eligible(plan.rows)
     by = measure(fit)
     what = {"step": "estimated step", "comm s": "communication time", "comm GB": "communication volume"}[by]
+    left = _offload_left_out(plan.rows, fit)
     if len(fit) == 1:
-        return f"Choice: the only one of the {len(plan.rows)} evaluated that fits ({_cost_text(fit[0], by)})."
+        return f"Choice: the only one of the {len(plan.rows)} evaluated that fits{left} ({_cost_text(fit[0], by)})."
     fastest = min(fit, key=lambda r: cost(r, by))
     near = tied(plan.rows)
-    text = f"Choice rule: the least {what} of the {len(fit)} that fit is {fastest.label}'s, {_cost_text(fastest, by)}"
+    text = (f"Choice rule: the least {what} of the {len(fit)} that fit{left} is {fastest.label}'s, "
+            f"{_cost_text(fastest, by)}")
     others = [r for r in near if r is not fastest]
     if others:
         verb = "is" if len(others) == 1 else "are"
@@ -157,6 +159,15 @@ def _rule_line(plan: Plan, choice: Row) -> str:
         text += f"; nothing else is within {TIE:.0%} of it"
     nxt = _runner_up(fit, choice, by)
     return text + "." + (" " + _versus(choice, nxt, by) if nxt is not None else "")
+
+
+def _offload_left_out(rows: list[Row], fit: list[Row]) -> str:
+    """How many rows that fit with CPU offload the choice left aside, since rows fit without it."""
+    aside = [r for r in fitting(rows) if r.cfg.offload and r not in fit]
+    if not aside:
+        return ""
+    return (f" without offload ({len(aside)} offload row{'s' if len(aside) > 1 else ''} that fit "
+            f"{'are' if len(aside) > 1 else 'is'} left aside: offload is used only when nothing fits without it)")
 
 
 def _short(row: Row, by: str) -> str:
@@ -184,12 +195,56 @@ def _versus(choice: Row, other: Row, by: str) -> str:
     head = f"Runner-up of another kind: {other.label}, {_cost_text(other, by)}"
     if b > a * (1 + TIE):
         return f"{head}, {_pct(b, a)} than {choice.label}{_driver(choice, other, by)}."
-    simpler = simplicity(choice)[:2] < simplicity(other)[:2]
-    why = "the simpler one" if simpler else f"the one that communicates less ({_comm_text(choice)} vs {_comm_text(other)})"
+    why = _tie_reason(choice, other)
     if b >= a:
         return f"{head}, {_pct(b, a)} than {choice.label}, within the {TIE:.0%} tie; {choice.label} is {why}."
     return (f"{head}, {_pct(a, b).replace('more', 'less')} than {choice.label} but within the {TIE:.0%} tie; "
             f"{choice.label} is {why}.")
+
+
+def _tie_reason(choice: Row, other: Row) -> str:
+    """What broke the tie between two rows: the first term of ``simplicity`` in which they differ."""
+    mine, theirs = simplicity(choice), simplicity(other)
+    if mine[:2] != theirs[:2]:
+        return "the simpler one"
+    if mine[2] != theirs[2]:
+        links = {p.link for p in (choice.comm.parts if choice.comm else []) if p.kind == "all_gather"}
+        where = "one node's NVLink domain" if links & {"nvlink", "nvswitch"} else "one node"
+        return f"the one that keeps every micro-batch's all-gathers inside {where} ({_gather_text(choice, other)})"
+    return f"the one that communicates less ({_differing(choice, other)})"
+
+
+def _gather_text(inside: Row, across: Row) -> str:
+    """Where each row's all-gathers run: one node's link against the fabric, with their times."""
+    mine = [p for p in (inside.comm.parts if inside.comm else []) if p.kind == "all_gather"]
+    theirs = [p for p in (across.comm.parts if across.comm else []) if p.kind == "all_gather"]
+    t_in, t_out = sum(p.seconds or 0.0 for p in mine), sum(p.seconds or 0.0 for p in theirs)
+    nodes = max((p.nodes for p in theirs), default=1)
+    link = mine[0].link if mine else "its node"
+    return (f"{link}, {secs(t_in)} per step; {across.label}'s cross {nodes} nodes on "
+            f"{theirs[0].link if theirs else 'the fabric'}, {secs(t_out)}")
+
+
+def _differing(a: Row, b: Row) -> str:
+    """The communication of two rows, printed with as many digits as it takes to tell them apart."""
+    ca, cb = a.comm, b.comm
+    if ca is None or cb is None:
+        return "unknown"
+    parts = [_apart(ca.gb, cb.gb, "GB")]
+    if ca.seconds is not None and cb.seconds is not None:
+        parts.append(_apart(ca.seconds, cb.seconds, "s"))
+    return f"{', '.join(x for x, _ in parts)} per step vs {', '.join(y for _, y in parts)}"
+
+
+def _apart(x: float, y: float, unit: str) -> tuple[str, str]:
+    """``x`` and ``y`` with the fewest significant digits (at least 3) that print them differently."""
+    for digits in range(3, 10):
+        fx, fy = f"{x:.{digits}g}", f"{y:.{digits}g}"
+        if fx != fy or x == y:
+            break
+    if unit == "s" and max(x, y) < 0.1:
+        return _apart(x * 1e3, y * 1e3, "ms")
+    return f"{fx} {unit}", f"{fy} {unit}"
 
 
 def _driver(choice: Row, other: Row, by: str) -> str:
@@ -251,14 +306,14 @@ def _agrees(want: str, plan: Plan) -> str:
         return ""
     if ddp.fits is False:
         return f" — DDP does not fit ({_fit_text(ddp)})"
-    by = measure(fitting(rows))
+    by = measure(eligible(rows))
     return f" — DDP fits ({_fit_text(ddp)}) but takes {_cost_text(ddp, by)} vs {_cost_text(choice, by)}"
 
 
 def _departs(want: str, plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) -> str:
     choice, rows = plan.choice, plan.rows
     assert choice is not None
-    by = measure(fitting(rows))
+    by = measure(eligible(rows))
     if choice.cfg.offload:
         return _leanest_text(rows) + ", so the states go to the host"
     if want == "ddp":
@@ -284,7 +339,7 @@ def _ddp_kept(plan: Plan, by: str) -> str:
     """1–10B, and DDP chosen: it fits and its step ties with (or beats) the best FSDP layout."""
     choice = plan.choice
     assert choice is not None
-    sharded = [r for r in fitting(plan.rows) if r.dims.dp_shard > 1]
+    sharded = [r for r in eligible(plan.rows) if r.dims.dp_shard > 1]
     best = min(sharded, key=lambda r: cost(r, by)) if sharded else None
     text = f"DDP fits ({_fit_text(choice)})"
     if best is None:
@@ -351,13 +406,14 @@ def _pcie_rule(plan: Plan, choice: Row, site: SiteProfile) -> str:
 
 def _hsdp_rule(plan: Plan, choice: Row, rows: list[Row]) -> str:
     head = "Rule of thumb 'many nodes → HYBRID_SHARD'"
-    by = measure(fitting(rows))
+    by = measure(eligible(rows))
     nodal = [r for r in rows if r.dims.hsdp_enabled and r.dims.dp_shard == plan.tasks_per_node and not r.cfg.offload]
     fit = [r for r in nodal if r.fits is not False]
     node = min(fit, key=lambda r: cost(r, by)) if fit else min(nodal, key=lambda r: r.need_gb or 0.0, default=None)
     if choice.dims.hsdp_enabled:
         if choice.dims.dp_shard <= plan.tasks_per_node:
-            return f"{head}: agrees; the shard group of {choice.dims.dp_shard} keeps all-gathers inside one node."
+            return (f"{head}: agrees; the shard group of {choice.dims.dp_shard} keeps all-gathers inside one node"
+                    f"{_cross_node_text(plan, choice, _flat(plan, rows, by))}.")
         why = f" (sharded over one node it needs {_fit_text(node)})" if node is not None and node.fits is False else ""
         return (f"{head}: agrees, but the shard group of {choice.dims.dp_shard} spans "
                 f"{choice.dims.dp_shard // plan.tasks_per_node} nodes{why}.")
@@ -368,9 +424,25 @@ def _hsdp_rule(plan: Plan, choice: Row, rows: list[Row]) -> str:
     a, b = cost(choice, by), cost(node, by)
     if b > a * (1 + TIE):
         return (f"{head}: departs, because {node.label} is slower: {_cost_text(node, by)} vs {_cost_text(choice, by)} "
-                f"for {choice.label}.")
+                f"for {choice.label}{_cross_node_text(plan, node, choice)}.")
     return (f"{head}: departs, because {node.label} ({_cost_text(node, by)}) ties with {choice.label} "
-            f"({_cost_text(choice, by)}) within {TIE:.0%}, and {choice.label} is simpler or communicates less.")
+            f"({_cost_text(choice, by)}) within {TIE:.0%}, and {choice.label} is {_tie_reason(choice, node)}.")
+
+
+def _flat(plan: Plan, rows: list[Row], by: str) -> Row | None:
+    """The fastest eligible layout that is not hybrid: what HSDP is weighed against."""
+    flat = [r for r in eligible(rows) if not r.dims.hsdp_enabled and r.comm is not None]
+    return min(flat, key=lambda r: cost(r, by), default=None)
+
+
+def _cross_node_text(plan: Plan, row: Row, other: Row | None) -> str:
+    """Bytes through each node's network per step, as multiples of the fp32 gradients, for two rows."""
+    grads = 4 * (plan.n_params or 0) / GB
+    if other is None or row.comm is None or other.comm is None or not grads:
+        return ""
+    x, y = row.comm.cross_node_gb, other.comm.cross_node_gb
+    return (f"; across nodes {row.label} moves {x / grads:.2f}× the fp32 gradients through each node's network per "
+            f"step ({_gb(x)}), {other.label} {y / grads:.2f}× ({_gb(y)})")
 
 
 # --- offload and the bound --------------------------------------------------------------------
@@ -389,7 +461,7 @@ def _offload_line(plan: Plan, facts: ModelFacts, setup: Setup, site: SiteProfile
     fit = [r for r in offloaded if r.fits]
     if not offloaded:
         return f"{head}; auto does not use it."
-    by = measure(fitting(plan.rows))
+    by = measure(eligible(plan.rows))
     best = min(fit, key=lambda r: cost(r, by)) if fit else min(offloaded, key=lambda r: r.need_gb or 0.0)
     text = f"{head}; auto does not use it: {choice.label} fits on the GPU ({_fit_text(choice)})"
     if best.memory is not None:
@@ -412,10 +484,10 @@ def _bound(plan: Plan, site: SiteProfile) -> str:
     elif link == "pcie-host":
         link = f"the host link ({HOST_LINK_GBS:g} GB/s per GPU, assumed)"
     t = c.time
-    kind = "communication-bound" if t.comm_s > t.compute_s else "compute-bound"
+    kind = "Warning: the step is communication-bound" if t.comm_s > t.compute_s else "compute-bound"
     return (f"{kind} on {link}: communication {secs(t.comm_s)} vs compute {secs(t.compute_s)} per step, "
-            f"{secs(t.exposed_s)} not hidden (MFU {plan.mfu:.2f} assumed; each collective overlaps only its own "
-            "micro-batch's forward or backward)")
+            f"{secs(t.exposed_s)} not hidden (MFU {plan.mfu:.2f}, {plan.mfu_source}; each collective overlaps only "
+            "its own micro-batch's forward or backward)")
 
 
 # --- nothing fits -----------------------------------------------------------------------------

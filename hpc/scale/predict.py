@@ -44,7 +44,7 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
     cfg = Config(choice.dims, choice.cpu_offload, setup.mixed_precision,
                  spec.parallel.activation_checkpointing, t.micro_batch, spec.model.dropout)
     comm = step_comm(facts, cfg, site, nodes, setup.tasks_per_node, setup.grad_accum)
-    compute = plan.compute_seconds(facts, setup, site, ASSUMED_MFU)
+    compute = plan.compute_seconds(facts, setup, site, plan.mfu_of(site)[0])
     comm_s = comm.seconds if comm else None
     step = None if compute is None or comm_s is None else compute + comm_s
     return {"compute_s": compute, "comm_s": comm_s, "limiting_link": comm.slowest_link if comm else "",
