@@ -18,7 +18,8 @@ from hpc.models import ModelFacts, model_facts
 from hpc.site import SiteProfile
 from hpc.spec import JobSpec
 
-from hpc.plan.explain import advise, plan_notes, recommend, unknown_model
+from hpc.plan.advice import advise
+from hpc.plan.explain import plan_notes, recommend, unknown_model
 from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candidates, compute_seconds, evaluate,
                            mfu_of, pick, setup_of)
 from hpc.plan.table import format_plan
@@ -52,7 +53,7 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     if facts.n_params is None:
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:
-        plan.advice = advise(facts, setup, site, rows)
+        plan.advice = advise(facts, setup, site, rows, allowed)
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
     return plan

@@ -4,8 +4,6 @@ what would fit when nothing does."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hpc.comm import HOST_LINK_GBS
 from hpc.dims import parallel_dims
 from hpc.memory import FRAGMENTATION, GB
@@ -488,50 +486,3 @@ def _bound(plan: Plan, site: SiteProfile) -> str:
     return (f"{kind} on {link}: communication {secs(t.comm_s)} vs compute {secs(t.compute_s)} per step, "
             f"{secs(t.exposed_s)} not hidden (MFU {plan.mfu:.2f}, {plan.mfu_source}; each collective overlaps only "
             "its own micro-batch's forward or backward)")
-
-
-# --- nothing fits -----------------------------------------------------------------------------
-
-def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row]) -> list[str]:
-    """Nothing fits: what would, with numbers."""
-    leanest = min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb or 0.0)
-    out = [f"Nothing fits: the leanest, {leanest.label}, needs {_fit_text(leanest)}"
-           + (f" and {_gb(leanest.memory.host_per_node)} of host memory per node of "
-              f"{_gb(leanest.host_capacity_gb or 0)} usable" if leanest.cfg.offload and leanest.memory else "") + "."]
-    cand = (leanest.dims, leanest.cfg.offload)
-    if not setup.checkpointing:
-        out.append(_try("with parallel.activation_checkpointing = true", facts, cand, replace(setup, checkpointing=True), site))
-    if setup.micro_batch > 1:
-        smaller = replace(setup, micro_batch=1, checkpointing=True)
-        out.append(_try("with train.micro_batch = 1 and activation checkpointing", facts, cand, smaller, site))
-    if site.node.gpus and not leanest.cfg.offload:
-        full = parallel_dims("fsdp", "full_shard", setup.world)
-        out.append(_try("with parallel.cpu_offload = true", facts, (full, True), setup, site))
-    more = _more_nodes(facts, setup, site)
-    if more:
-        out.append(more)
-    return out
-
-
-def _try(what: str, facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> str:
-    row = evaluate(facts, cand, setup, site)
-    verdict = "fits" if row.fits else "still does not fit"
-    text = f"{what}: {row.label} {verdict} ({_fit_text(row)}"
-    if row.cfg.offload and row.memory is not None:
-        text += f"; host {_gb(row.memory.host_per_node)} per node of {_gb(row.host_capacity_gb or 0)} usable"
-    return text + ")."
-
-
-def _more_nodes(facts: ModelFacts, setup: Setup, site: SiteProfile) -> str:
-    if not site.multi_node or not site.node.gpus:
-        return ""
-    limit = site.scheduler.max_nodes or 1024
-    nodes = setup.nodes * 2
-    while nodes <= limit:
-        bigger = replace(setup, nodes=nodes)
-        row = evaluate(facts, (parallel_dims("fsdp", "full_shard", bigger.world), False), bigger, site)
-        if row.fits:
-            return (f"with job.nodes = {nodes}: fsdp full_shard over {bigger.world} GPUs fits "
-                    f"({_fit_text(row)}).")
-        nodes *= 2
-    return f"more nodes alone do not help up to {limit} nodes."
