@@ -4,6 +4,8 @@ what would fit when nothing does."""
 
 from __future__ import annotations
 
+import math
+
 from hpc.comm import HOST_LINK_GBS
 from hpc.dims import parallel_dims
 from hpc.memory import FRAGMENTATION, GB
@@ -141,12 +143,13 @@ def _rule_line(plan: Plan, choice: Row) -> str:
     fit = eligible(plan.rows)
     by = measure(fit)
     what = {"step": "estimated step", "comm s": "communication time", "comm GB": "communication volume"}[by]
-    left = _offload_left_out(plan.rows, fit)
+    left, plain = _offload_left_out(plan.rows, fit), " without offload" if _offload_left_out(plan.rows, fit) else ""
     if len(fit) == 1:
-        return f"Choice: the only one of the {len(plan.rows)} evaluated that fits{left} ({_cost_text(fit[0], by)})."
+        return (f"Choice: the only one of the {len(plan.rows)} evaluated that fits{plain} "
+                f"({_cost_text(fit[0], by)}).{left}")
     fastest = min(fit, key=lambda r: cost(r, by))
     near = tied(plan.rows)
-    text = (f"Choice rule: the least {what} of the {len(fit)} that fit{left} is {fastest.label}'s, "
+    text = (f"Choice rule: the least {what} of the {len(fit)} that fit{plain} is {fastest.label}'s, "
             f"{_cost_text(fastest, by)}")
     others = [r for r in near if r is not fastest]
     if others:
@@ -156,16 +159,17 @@ def _rule_line(plan: Plan, choice: Row) -> str:
     else:
         text += f"; nothing else is within {TIE:.0%} of it"
     nxt = _runner_up(fit, choice, by)
-    return text + "." + (" " + _versus(choice, nxt, by) if nxt is not None else "")
+    return text + "." + (" " + _versus(choice, nxt, by) if nxt is not None else "") + left
 
 
 def _offload_left_out(rows: list[Row], fit: list[Row]) -> str:
-    """How many rows that fit with CPU offload the choice left aside, since rows fit without it."""
+    """How many rows that fit with offload the choice left aside, since rows fit without it."""
     aside = [r for r in fitting(rows) if r.cfg.offload and r not in fit]
     if not aside:
         return ""
-    return (f" without offload ({len(aside)} offload row{'s' if len(aside) > 1 else ''} that fit "
-            f"{'are' if len(aside) > 1 else 'is'} left aside: offload is used only when nothing fits without it)")
+    many = len(aside) > 1
+    return (f" {len(aside)} offload row{'s' if many else ''} that fit {'are' if many else 'is'} left aside: "
+            "offload is used only when nothing fits without it.")
 
 
 def _short(row: Row, by: str) -> str:
@@ -209,7 +213,22 @@ def _tie_reason(choice: Row, other: Row) -> str:
         links = {p.link for p in (choice.comm.parts if choice.comm else []) if p.kind == "all_gather"}
         where = "one node's NVLink domain" if links & {"nvlink", "nvswitch"} else "one node"
         return f"the one that keeps every micro-batch's all-gathers inside {where} ({_gather_text(choice, other)})"
-    return f"the one that communicates less ({_differing(choice, other)})"
+    return _less_communication(choice, other)
+
+
+def _less_communication(a: Row, b: Row) -> str:
+    """The last tie-break, said with what actually differs: time where the site gives bandwidths, else bytes;
+    with as many digits as it takes to tell the two apart."""
+    ca, cb = a.comm, b.comm
+    if ca is None or cb is None:
+        return "the one that communicates less"
+    gb_a, gb_b = _apart(ca.gb, cb.gb, "GB")
+    if ca.seconds is None or cb.seconds is None:
+        return f"the one that sends fewer bytes per step ({gb_a} vs {gb_b})"
+    s_a, s_b = _apart(ca.seconds, cb.seconds, "s")
+    sends = "fewer" if ca.gb < cb.gb else "more" if ca.gb > cb.gb else "as many"
+    return (f"the one whose communication takes less time per step ({s_a} vs {s_b}; it sends {sends} bytes: "
+            f"{gb_a} vs {gb_b})")
 
 
 def _gather_text(inside: Row, across: Row) -> str:
@@ -218,30 +237,23 @@ def _gather_text(inside: Row, across: Row) -> str:
     theirs = [p for p in (across.comm.parts if across.comm else []) if p.kind == "all_gather"]
     t_in, t_out = sum(p.seconds or 0.0 for p in mine), sum(p.seconds or 0.0 for p in theirs)
     nodes = max((p.nodes for p in theirs), default=1)
-    link = mine[0].link if mine else "its node"
-    return (f"{link}, {secs(t_in)} per step; {across.label}'s cross {nodes} nodes on "
-            f"{theirs[0].link if theirs else 'the fabric'}, {secs(t_out)}")
-
-
-def _differing(a: Row, b: Row) -> str:
-    """The communication of two rows, printed with as many digits as it takes to tell them apart."""
-    ca, cb = a.comm, b.comm
-    if ca is None or cb is None:
-        return "unknown"
-    parts = [_apart(ca.gb, cb.gb, "GB")]
-    if ca.seconds is not None and cb.seconds is not None:
-        parts.append(_apart(ca.seconds, cb.seconds, "s"))
-    return f"{', '.join(x for x, _ in parts)} per step vs {', '.join(y for _, y in parts)}"
+    there = f"{across.label}'s cross {nodes} nodes on {theirs[0].link if theirs else 'the fabric'}, {secs(t_out)}"
+    if not mine:
+        return f"it has none: whole replicas; {there}"
+    return f"{mine[0].link}, {secs(t_in)} per step; {there}"
 
 
 def _apart(x: float, y: float, unit: str) -> tuple[str, str]:
-    """``x`` and ``y`` with the fewest significant digits (at least 3) that print them differently."""
-    for digits in range(3, 10):
-        fx, fy = f"{x:.{digits}g}", f"{y:.{digits}g}"
-        if fx != fy or x == y:
-            break
-    if unit == "s" and max(x, y) < 0.1:
+    """``x`` and ``y`` with three significant digits, or as many more decimals as it takes to print
+    them differently (fixed-point, never an exponent)."""
+    if unit == "s" and max(abs(x), abs(y)) < 0.1:
         return _apart(x * 1e3, y * 1e3, "ms")
+    top = max(abs(x), abs(y))
+    decimals = max(0, 2 - math.floor(math.log10(top))) if top > 0 else 0
+    fx, fy = f"{x:.{decimals}f}", f"{y:.{decimals}f}"
+    while fx == fy and x != y and decimals < 9:
+        decimals += 1
+        fx, fy = f"{x:.{decimals}f}", f"{y:.{decimals}f}"
     return f"{fx} {unit}", f"{fy} {unit}"
 
 
@@ -439,8 +451,9 @@ def _cross_node_text(plan: Plan, row: Row, other: Row | None) -> str:
     if other is None or row.comm is None or other.comm is None or not grads:
         return ""
     x, y = row.comm.cross_node_gb, other.comm.cross_node_gb
-    return (f"; across nodes {row.label} moves {x / grads:.2f}× the fp32 gradients through each node's network per "
-            f"step ({_gb(x)}), {other.label} {y / grads:.2f}× ({_gb(y)})")
+    fewer = "fewer" if x < y else "more" if x > y else "as many"
+    return (f"; across nodes {row.label} moves {fewer} bytes: {x / grads:.2f}× the fp32 gradients through each "
+            f"node's network per step ({_gb(x)}), {other.label} {y / grads:.2f}× ({_gb(y)})")
 
 
 # --- offload and the bound --------------------------------------------------------------------
