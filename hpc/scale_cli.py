@@ -1,7 +1,7 @@
 """``hpcx scale``: scaling studies from the command line (no torch, no matplotlib at import).
 
     hpcx scale JOB --nodes 1,2,4,8 [--mode weak|strong] [--steps N] [--site S] [--set K=V] [--wait]
-    hpcx scale report STUDY [--json]
+    hpcx scale report STUDY [--site-draft FILE] [--json]
     hpcx scale predict JOB --site S --nodes 1,2,4,...,1024 [--mode weak|strong] [--json]
 
 ``hpcx scale JOB …`` is short for ``hpcx scale run JOB …``: when the first word after ``scale`` is
@@ -144,8 +144,11 @@ def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None,
     if as_json:
         echo_json({"site": site.name, "mode": mode, "points": rows})
         return
+    from hpc.plan import mfu_of
+
+    mfu, source = mfu_of(site)
     click.echo(f"{spec.job.name}: {mode} scaling predicted on {site.name} (NCCL-model communication + compute at "
-               f"{scale.ASSUMED_MFU:.0%} of peak; no overlap)")
+               f"{mfu:.0%} of peak, {source}; no overlap)")
     for line in predict_lines(rows):
         click.echo(line)
 

@@ -1,5 +1,5 @@
-"""What the model predicts for one point of a study: the planner's strategy choice, its α-β
-communication and compute at an assumed MFU (or anchored on the smallest measured point)."""
+"""What the model predicts for one point of a study: the planner's strategy choice, its NCCL-model
+communication and compute at the site's MFU or an assumed one (or anchored on the smallest measured point)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class Prediction:
 
 def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp.Any]:
     """``dict(compute_s, comm_s, tokens_per_s, limiting_link)`` of one step at ``nodes`` nodes, from the
-    planner's pieces: its strategy choice, the α-β ``step_comm`` and compute at ASSUMED_MFU of the site's
-    peak (None where unknown). Step time is compute + communication (no overlap: a lower bound on throughput)."""
+    planner's pieces: its strategy choice, ``step_comm`` (timed by NCCL's cost model) and compute at the
+    site's ``node.mfu`` (else ASSUMED_MFU) of its peak (None where unknown). Step time is compute + communication (no overlap: a lower bound on throughput)."""
     from hpc import plan
     from hpc.comm import step_comm
     from hpc.memory import Config
