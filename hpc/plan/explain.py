@@ -50,7 +50,13 @@ def unknown_model(plan: Plan, setup: Setup) -> list[str]:
 # --- formatting -------------------------------------------------------------------------------
 
 def _gb(x: float) -> str:
-    return f"{x:.1f} GB" if x < 100 else f"{x:.0f} GB"
+    """GB with a digit that shows (below 0.1 GB in MB or kB, three significant digits), so that two
+    different sizes never print alike as 0.0 GB."""
+    if x >= 100:
+        return f"{x:.0f} GB"
+    if x >= 0.1 or x == 0:
+        return f"{x:.1f} GB"
+    return f"{x * 1e3:.3g} MB" if x >= 1e-4 else f"{x * 1e6:.3g} kB"
 
 
 def secs(x: float) -> str:
