@@ -260,6 +260,9 @@ H100 = NVSWITCH_8X80
 HOST256 = dict(PCIE_4X24, host=256)
 
 
+A100 = dict(gpus=8, mem=80, link="nvswitch", intra=240, net=200, peak=312)  # Ampere: no NVLS
+
+
 def eth(net: float) -> dict:
     """The H100 node on a slow fabric: Ethernet at ``net`` GB/s per node."""
     return dict(H100, fabric="ethernet", net=net)
@@ -276,6 +279,12 @@ NCCL_SCENARIOS = [
     ("350M on 32x8 H100 IB -> DDP", H100, dict(size="350m", nodes=32, global_batch=256), "ddp", ["agrees"]),
     ("1.3B on 8x8 H100 IB -> DDP", H100, dict(size="1.3b", nodes=8, global_batch=512), "ddp",
      ["departs, because DDP fits"]),
+    ("350M on 2x8 H100 IB -> DDP", H100, dict(size="350m", nodes=2, global_batch=16), "ddp", ["agrees"]),
+    ("125M on 32x8 A100 (no NVLS) over 200 GB/s IB -> DDP", A100, dict(size="125m", nodes=32, global_batch=256),
+     "ddp", ["agrees"]),
+    ("1.3B on 16x8 A100 -> DDP", A100, dict(size="1.3b", nodes=16, global_batch=256), "ddp", ["DDP fits"]),
+    ("125M on 16x8 H100 over EFA -> DDP", dict(H100, fabric="efa"), dict(size="125m", nodes=16, global_batch=128),
+     "ddp", ["ddp is the simpler one", "compute-bound on efa"]),
     # slow fabric: HSDP's all-reduce moves fewer bytes across nodes, with the numbers
     ("1.3B on 4x8 over 25 GB/s Ethernet -> HSDP 8", eth(25), dict(size="1.3b", nodes=4, global_batch=256), "hsdp 8",
      ["moves fewer bytes: 1.50× the fp32 gradients through each node's network per step", "1.94×"]),
@@ -289,6 +298,12 @@ NCCL_SCENARIOS = [
      "hsdp 8", ["moves fewer bytes: 1.75×"]),
     ("6.7B on 4x8 over 25 GB/s Ethernet -> HSDP 8", eth(25), dict(size="6.7b", nodes=4, global_batch=256), "hsdp 8",
      ["1.50×", "DDP does not fit"]),
+    ("13B on 8x8 over 12.5 GB/s Ethernet -> HSDP 8", eth(12.5), dict(size="13b", nodes=8, global_batch=512),
+     "hsdp 8", ["moves fewer bytes: 1.75×", "Warning: the step is communication-bound on ethernet"]),
+    ("125M on 2x8 over 3 GB/s Ethernet -> HSDP 8", eth(3), dict(size="125m", nodes=2, global_batch=16), "hsdp 8",
+     ["moves fewer bytes: 1.00×"]),
+    ("6.7B on 4 nodes x 4 PCIe GPUs over 3 GB/s Ethernet -> HSDP 4", PCIE_4X80,
+     dict(size="6.7b", nodes=4, global_batch=64), "hsdp 4", ["moves fewer bytes: 1.50×"]),
     # within the tie, HSDP against FSDP: the all-gathers stay in the NVLink domain
     ("13B on 4x8 H100 IB -> HSDP 8 by the NVLink tie-break", H100, dict(size="13b", nodes=4, global_batch=512),
      "hsdp 8 shard_grad_op", ["keeps every micro-batch's all-gathers inside one node's NVLink domain",
@@ -300,6 +315,8 @@ NCCL_SCENARIOS = [
     ("6.7B on 2x8 H100 IB -> HSDP 8", H100, dict(size="6.7b", nodes=2, global_batch=256), "hsdp 8 shard_grad_op",
      ["inside one node"]),
     ("6.7B on 8x8 H100 IB -> HSDP 8", H100, dict(size="6.7b", nodes=8, global_batch=1024), "hsdp 8 shard_grad_op",
+     ["inside one node"]),
+    ("13B on 4x8 A100 IB -> HSDP 8", A100, dict(size="13b", nodes=4, global_batch=256), "hsdp 8 shard_grad_op",
      ["inside one node"]),
     # offload only when nothing fits without it (and the words say so)
     ("6.7B on 8x24GB with offload allowed: full_shard fits at 23.4 GB, so no offload", dict(H100, mem=24),
@@ -315,6 +332,14 @@ NCCL_SCENARIOS = [
      "fsdp full_shard + offload", ["auto uses it"]),
     ("2.7B on 4x24GB PCIe with offload allowed: fits without", PCIE_4X24,
      dict(size="2.7b", global_batch=16, offload=True), "fsdp shard_grad_op", ["auto does not use it"]),
+    ("13B on one 8x80GB node with offload allowed: fits without", H100, dict(size="13b", global_batch=64, offload=True),
+     "fsdp shard_grad_op", ["auto does not use it", "offload rows that fit are left aside"]),
+    ("70B on 2x8x80GB with offload allowed: nothing fits without -> offload", H100,
+     dict(size="70b", nodes=2, global_batch=64, offload=True), "fsdp full_shard + offload", ["auto uses it"]),
+    ("70B on 4x8x80GB with offload allowed: fits without", H100,
+     dict(size="70b", nodes=4, global_batch=128, offload=True), "fsdp full_shard", ["auto does not use it"]),
+    ("1.3B on one 24GB GPU with offload allowed -> offload", ONE_24GB,
+     dict(size="1.3b", global_batch=4, offload=True), "fsdp full_shard + offload", ["auto uses it"]),
 ]
 
 
