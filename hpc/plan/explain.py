@@ -12,8 +12,8 @@ from hpc.memory import FRAGMENTATION, GB
 from hpc.models import ModelFacts, count_text
 from hpc.site import SiteProfile
 
-from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Candidate, Plan, Row, Setup, comm_cost, cost, eligible, evaluate,
-                           fitting, measure, pick, simplicity, tied)
+from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Plan, Row, Setup, comm_cost, cost, eligible, evaluate, fitting,
+                           measure, pick, simplicity, tied)
 from hpc.plan.timing import CPU_ADAM_PARAMS_PER_CORE_S, phases
 
 
