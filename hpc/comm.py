@@ -65,6 +65,7 @@ class Link:
 
 
 def group_link(group: Group, site: SiteProfile, tasks_per_node: int) -> Link:
+    """The group's bus bandwidth and its link: one node's, or the node's network share across nodes."""
     intra = site.node.intra_bandwidth_gbs
     if group.nodes <= 1:
         return Link(intra, site.node.intra_latency_us, site.node.intra_link)

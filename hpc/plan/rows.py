@@ -297,6 +297,7 @@ def tied(rows: list[Row]) -> list[Row]:
 
 
 def simplicity(row: Row) -> tuple[int, bool, bool, float]:
+    """The tie-break key, in SIMPLICITY_TEXT's order (smaller wins)."""
     return SIMPLICITY[row.dims.strategy], row.cfg.offload, row.gathers_cross_nodes, comm_cost(row)
 
 
