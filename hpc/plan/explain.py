@@ -155,13 +155,14 @@ def _rule_line(plan: Plan, choice: Row) -> str:
                 f"({_cost_text(fit[0], by)}).{left}")
     fastest = min(fit, key=lambda r: cost(r, by))
     near = tied(plan.rows)
-    text = (f"Choice rule: the least {what} of the {len(fit)} that fit{plain} is {fastest.label}'s, "
-            f"{_cost_text(fastest, by)}")
     others = [r for r in near if r is not fastest]
+    best, shown = _tie_figures(fastest, others, by) if others else ("", [])
+    figure = f"{best}{' per step' if by != 'comm GB' else ''}" if others else _cost_text(fastest, by)
+    text = f"Choice rule: the least {what} of the {len(fit)} that fit{plain} is {fastest.label}'s, {figure}"
     if others:
         verb = "is" if len(others) == 1 else "are"
-        text += (f"; {', '.join(f'{r.label} ({_short(r, by)})' for r in others)} {verb} within {TIE:.0%} of it and "
-                 f"tie, and the simplest tied one wins ({SIMPLICITY_TEXT})")
+        text += (f"; {', '.join(f'{r.label} ({x})' for r, x in zip(others, shown))} {verb} within "
+                 f"{TIE:.0%} of it and tie, and the simplest tied one wins ({SIMPLICITY_TEXT})")
     else:
         text += f"; nothing else is within {TIE:.0%} of it"
     nxt = _runner_up(fit, choice, by)
@@ -178,10 +179,21 @@ def _offload_left_out(rows: list[Row], fit: list[Row]) -> str:
             "offload is used only when nothing fits without it.")
 
 
-def _short(row: Row, by: str) -> str:
-    if by == "step":
-        return secs(row.step_s or 0.0)
-    return secs(comm_cost(row)) if by == "comm s" else f"{row.comm.gb if row.comm else 0:.1f} GB"
+def _tie_figures(fastest: Row, others: list[Row], by: str) -> tuple[str, list[str]]:
+    """The fastest row's figure and the tied rows', all with as many digits as it takes to tell each tied
+    row from the fastest (so no tied row prints like the fastest unless they are equal)."""
+    unit = "GB" if by == "comm GB" else "s"
+    a = cost(fastest, by)
+    scale, unit = (1e3, "ms") if unit == "s" and max([a] + [cost(r, by) for r in others]) < 0.1 else (1.0, unit)
+    decimals = max(_decimals(a * scale, cost(r, by) * scale) for r in others)
+    return f"{a * scale:.{decimals}f} {unit}", [f"{cost(r, by) * scale:.{decimals}f} {unit}" for r in others]
+
+
+def _decimals(x: float, y: float) -> int:
+    """The decimals ``_apart`` would print ``x`` and ``y`` with."""
+    fx, _ = _apart(x, y, "")
+    text = fx.strip()
+    return len(text.split(".")[1]) if "." in text else 0
 
 
 def _kind(row: Row) -> tuple[bool, bool, bool]:
