@@ -497,3 +497,18 @@ def test_json_recomputes_the_step_and_the_choice():
                                          r["comm"]["seconds_per_step"]))
     assert pick["label"] == doc["choice"]["label"] and doc["tie_break"] == SIMPLICITY_TEXT
     assert doc["mfu"] == 0.4 and doc["mfu_source"].startswith("assumed")
+
+
+def test_the_recommendation_shows_each_collective_as_nccl_runs_it():
+    """The small-model-on-many-nodes case says why DDP is fine: its all-reduce is a few ms, the latency a
+    fraction of it, with NCCL's pick and the group."""
+    plan = plan_job(spec("125m", nodes=64, global_batch=512), site(**H100))
+    line = next(r for r in plan.recommendation if r.startswith("Communication per step"))
+    m = re.search(r"all-reduce gradients 1\.3 GB in (\d+) calls \((tree|nvls_tree)/\w+ over 512 ranks on 64 nodes\): "
+                  r"([\d.]+) ms = ([\d.]+) ms latency \+ ([\d.]+) ms bandwidth", line)
+    assert m, line
+    total, latency, bandwidth = (float(m.group(i)) for i in (3, 4, 5))
+    assert total == pytest.approx(latency + bandwidth, abs=0.02) and latency < bandwidth and total < 10
+    offload = plan_job(spec("70b", global_batch=64, offload=True), site(**H100))
+    line = next(r for r in offload.recommendation if r.startswith("Communication per step"))
+    assert "host→GPU parameter shard (offload)" in line and "ring/Simple over 8 ranks on 1 node" in line

@@ -109,7 +109,9 @@ def recommend(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) ->
     """The choice with its numbers, the rule that made it, the rules of thumb, offload and the bound."""
     choice = plan.choice
     assert choice is not None and choice.memory is not None
-    out = [_choice_line(plan, choice), _rule_line(plan, choice)]
+    out = [_choice_line(plan, choice)]
+    out += [_parts_line(choice)] if choice.comm is not None and choice.comm.parts else []
+    out.append(_rule_line(plan, choice))
     replica = _row(plan.rows, "ddp") or _row(plan.rows, "none")
     if choice.dims.dp_shard > 1 and replica is not None and replica.fits is False and replica.memory is not None:
         m = replica.memory
@@ -142,6 +144,23 @@ def _choice_line(plan: Plan, choice: Row) -> str:
     if t.host_s:
         text += f" + CPU optimizer step {secs(t.host_s)}"
     return text + f" ({_gb(choice.comm.gb if choice.comm else 0)} sent per GPU per step)."
+
+
+def _parts_line(row: Row) -> str:
+    """Each collective of the choice as NCCL would run it: calls, algorithm, group, and its time split
+    into latency and bandwidth."""
+    texts = []
+    for p in row.comm.parts if row.comm else []:
+        text = f"{p.what} {_gb(p.gb)}"
+        if p.kind == "host_copy":
+            texts.append(text + (f", {secs(p.seconds)}" if p.seconds is not None else ""))
+            continue
+        where = f"{p.group} ranks on {p.nodes} node{'s' if p.nodes > 1 else ''}"
+        text += f" in {p.calls * p.repeat} calls ({p.algorithm or 'NCCL'} over {where})"
+        if p.seconds is not None and p.latency_s is not None and p.bandwidth_s is not None:
+            text += f": {secs(p.seconds)} = {secs(p.latency_s)} latency + {secs(p.bandwidth_s)} bandwidth"
+        texts.append(text)
+    return "Communication per step (NCCL's pick per call): " + "; ".join(texts) + "."
 
 
 def _rule_line(plan: Plan, choice: Row) -> str:
