@@ -30,6 +30,9 @@ def plan_notes(site: SiteProfile, setup: Setup, facts: ModelFacts, strategy: str
     elif gpu:
         notes.append("step s = compute + the communication its own micro-batch's forward or backward cannot hide "
                      "(+ the CPU optimizer step under offload)")
+    if gpu:
+        notes.append("comm s = NCCL's own cost model per call: hierarchical ring, tree or NVLS with LL, LL128 or "
+                     "Simple, the fastest for the call's size (hpc/collectives.py; `--json` has each part's pick)")
     if facts.n_params is None:
         notes.append(f"user model {facts.label}: set model.n_params, n_layers and dim, or run "
                      "`hpcx plan --count-params` where torch is installed")
