@@ -82,6 +82,7 @@ class Topology:
     generation: str = "ampere"  # NCCL's compute-capability class: volta, ampere, hopper, blackwell
     nvls: bool = False  # NVLink SHARP: an NVSwitch node of Hopper or later
     algorithms: tuple[str, ...] = ("ring", "tree", "nvls", "nvls_tree")
+    net_gbs: float = 0.0  # the group's share of a node's network (NVLS tree's inter-node term); 0: ring_gbs
 
     @property
     def per_node(self) -> float:
@@ -177,7 +178,7 @@ def _nvls_gbs(kind: str, algo: str, topo: Topology) -> float:
     per_channel *= 2.0 if kind == "all_reduce" else (ppn - 1) / ppn
     if algo == "nvls":
         return ch * per_channel
-    net = topo.tree_gbs / ch  # NCCL doubles the network share on two nodes, as for the tree
+    net = (topo.net_gbs or topo.ring_gbs) * (2 if topo.nodes <= 2 else 1) / ch  # doubled on two nodes, as NCCL does
     return ch * min(per_channel, net, NVLS_TREE_PER_CHANNEL[topo.generation][_node_index(topo.nodes)])
 
 

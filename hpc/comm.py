@@ -102,6 +102,7 @@ def group_topology(group: Group, site: SiteProfile, tasks_per_node: int) -> coll
         net = 2 * site.network.bandwidth_gbs * group.per_node / max(1, tasks_per_node)
         tree = min(site.node.intra_bandwidth_gbs, net) if group.per_node > 1 and site.node.intra_bandwidth_gbs else net
     node = site.node
+    share = site.network.bandwidth_gbs * group.per_node / max(1, tasks_per_node) if group.nodes > 1 else 0.0
     nvlink = node.intra_link in ("nvswitch", "nvlink")
     gen = collectives.generation(node.gpu_model, node.gpu_peak_tflops)
     return collectives.Topology(
@@ -109,7 +110,7 @@ def group_topology(group: Group, site: SiteProfile, tasks_per_node: int) -> coll
         intra_latency_us=node.intra_latency_us, inter_latency_us=site.network.latency_us,
         channels=16 if nvlink else 4, generation=gen,
         nvls=node.intra_link == "nvswitch" and gen in ("hopper", "blackwell"),
-        algorithms=("ring", "tree", "nvls", "nvls_tree") if node.gpus else ("ring",))
+        algorithms=("ring", "tree", "nvls", "nvls_tree") if node.gpus else ("ring",), net_gbs=share)
 
 
 @dataclass(frozen=True)

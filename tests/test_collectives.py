@@ -137,12 +137,12 @@ def test_the_site_maps_to_ncclS_inputs():
                     "intra_bandwidth_gbs": 450, "intra_latency_us": 3}}
     site = parse_site(doc, "h", "<test>")
     world = group_topology(Group(32, 8), site, 8)
-    assert (world.ranks, world.nodes, world.ring_gbs, world.tree_gbs) == (32, 4, 400, 400)
+    assert (world.ranks, world.nodes, world.ring_gbs, world.tree_gbs, world.net_gbs) == (32, 4, 400, 400, 400)
     assert world.generation == "hopper" and world.nvls
     pair = group_topology(Group(16, 8), site, 8)
     assert pair.tree_gbs == 450  # two nodes: the tree may use twice the 400 GB/s share, up to NVLink's 450
     replicas = group_topology(Group(4, 1), site, 8)  # HSDP's cross-replica groups, 8 side by side
-    assert (replicas.ring_gbs, replicas.per_node) == (50, 1)
+    assert (replicas.ring_gbs, replicas.per_node, replicas.net_gbs) == (50, 1, 50)
     # ppn = 1: NCCL charges the tree's network latency (exposed), scaled to the site's 5 µs hop
     assert nc.latency_us("all_reduce", "ring", 2, replicas) == pytest.approx(8.4 + 6 * 14.0 * 5 / 14)
 
@@ -158,7 +158,8 @@ def figure_topology(f: dict) -> nc.Topology:
     tree = min(f["intra_gbs"], 2 * f["net_gbs"]) if nodes == 2 else ring
     algos = tuple(f["algorithms"]) or ("ring", "tree", "nvls", "nvls_tree")
     nvls = f["nvswitch"] and f["generation"] in ("hopper", "blackwell")
-    return nc.Topology(nodes * ppn, nodes, "nvlink", ring, tree, 3.4, 14.0, 16, f["generation"], nvls, algos)
+    net = f["net_gbs"] if nodes > 1 else 0.0
+    return nc.Topology(nodes * ppn, nodes, "nvlink", ring, tree, 3.4, 14.0, 16, f["generation"], nvls, algos, net)
 
 
 @pytest.mark.parametrize("f", FIGURES, ids=[f["id"] for f in FIGURES])
@@ -175,7 +176,7 @@ def test_published_figures(f):
 
 def test_published_figures_cover_one_two_and_many_nodes():
     nodes = {f["nodes"] for f in FIGURES}
-    assert {1, 2} <= nodes and max(nodes) >= 64
+    assert {1, 2, 4, 8} <= nodes and max(nodes) >= 64
     assert any("time_us" in f and f["nodes"] == 1 for f in FIGURES)
     assert any("time_us" in f and f["nodes"] == 2 for f in FIGURES)
     assert math.isclose(nc.bus_factor("all_reduce", 2), 1.0)
