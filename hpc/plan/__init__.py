@@ -3,7 +3,9 @@
 ``plan_job(spec, site, nodes)`` evaluates each candidate (ddp, fsdp with each sharding,
 hsdp with node-sized and multi-node shard groups, each FSDP layout with CPU offload where the
 spec allows it) and recommends the simplest of those that fit and whose estimated step is within
-``TIE`` of the fastest. ``choose`` is what ``resolve`` calls: an explicit strategy in the spec is
+``TIE`` of the fastest; offload rows only when nothing fits without offload. Communication is timed
+with NCCL's own cost model (``hpc.collectives``); when nothing fits, ``hpc.plan.advice`` searches
+the cheapest change that does. ``choose`` is what ``resolve`` calls: an explicit strategy in the spec is
 respected, ``auto`` takes the plan's choice. Pure Python: runs on login nodes without torch.
 """
 
