@@ -486,6 +486,8 @@ def test_json_recomputes_the_step_and_the_choice():
         assert step["exposed_comm_s"] == pytest.approx(sum(step["exposed_by_phase_s"].values()))
         assert step["comm_s"] == pytest.approx(sum(p["seconds"] for p in comm["parts"]))
         assert step["hidden_comm_s"] == pytest.approx(step["comm_s"] - step["exposed_comm_s"])
+        assert sum(step["comm_by_phase_s"].values()) == pytest.approx(step["comm_s"])
+        assert sum(step["hidden_by_phase_s"].values()) == pytest.approx(step["hidden_comm_s"])
         for p in comm["parts"]:
             assert p["seconds"] == pytest.approx(p["latency_s"] + p["bandwidth_s"])
             assert p["algorithm"] and p["kind"] and p["phase"] in ("forward", "backward")

@@ -34,6 +34,7 @@ class StepTime:
     forward_s: float = 0.0  # compute of one micro-batch's forward
     backward_s: float = 0.0  # compute of one micro-batch's backward (with the recomputed forward)
     exposed_by_phase: tuple[tuple[str, float], ...] = ()  # per step: what each phase's compute does not hide
+    comm_by_phase: tuple[tuple[str, float], ...] = ()  # per step: the communication that runs in each phase
 
     @property
     def step_s(self) -> float:
@@ -45,7 +46,8 @@ class StepTime:
                 "exposed_comm_s": self.exposed_s, "hidden_comm_s": self.comm_s - self.exposed_s,
                 "cpu_optimizer_s": self.host_s, "forward_compute_per_micro_batch_s": self.forward_s,
                 "backward_compute_per_micro_batch_s": self.backward_s,
-                "exposed_by_phase_s": dict(self.exposed_by_phase)}
+                "comm_by_phase_s": dict(self.comm_by_phase), "exposed_by_phase_s": dict(self.exposed_by_phase),
+                "hidden_by_phase_s": {k: v - dict(self.exposed_by_phase).get(k, 0.0) for k, v in self.comm_by_phase}}
 
 
 def phases(compute_s: float, grad_accum: int, checkpointing: bool) -> tuple[float, float]:
@@ -90,4 +92,6 @@ def step_time(comm: Comm | None, compute_s: float | None, grad_accum: int, check
         return None
     by_phase = exposed_by_phase(comm, compute_s, grad_accum, checkpointing)
     fwd, bwd = phases(compute_s, grad_accum, checkpointing)
-    return StepTime(compute_s, comm.seconds, sum(by_phase.values()), host_s, fwd, bwd, tuple(by_phase.items()))
+    runs = {ph: sum(p.seconds or 0.0 for p in comm.parts if p.phase == ph) for ph in ("forward", "backward")}
+    return StepTime(compute_s, comm.seconds, sum(by_phase.values()), host_s, fwd, bwd, tuple(by_phase.items()),
+                    tuple(runs.items()))
