@@ -11,6 +11,8 @@ from hpc.config import ConfigError
 from hpc.plan import MFU_DEFAULT, compute_seconds, format_plan, plan_job, setup_of
 from hpc.models import model_facts
 from hpc.scale.mfu import study_mfu
+from hpc.scale.report import Study, study_site
+from hpc.scale.study import read_study
 from hpc.scale_cli import scale_group
 from hpc.site import parse_site
 from hpc.site_draft import load_draft, measured_mfu, write_draft
@@ -56,27 +58,17 @@ def test_scale_study_writes_its_mfu_into_a_site_draft_that_reproduces_the_step(t
     mfu, source = study_mfu(study, report)
     assert source.startswith("scale study tiny-ddp (scale-tiny-ddp-20250101-000000-abcdef") and "1 node(s)" in source
     base = report["points"][0]
-    drafted = write_draft(tmp_path / "pcie-measured.toml", load_draft_source(study), mfu, source)
+    doc = read_study(study)
+    drafted = write_draft(tmp_path / "pcie-measured.toml", study_site(doc), mfu, source)
     assert drafted.node.mfu == float(f"{mfu:.3g}") and drafted.node.mfu_source == source
     again = load_draft(tmp_path / "pcie-measured.toml")
     assert again.node == drafted.node and again.network == drafted.network
     # the planner with the measured MFU predicts the measured compute: step − predicted communication
-    from hpc.scale.report import Study, study_site
-    from hpc.scale.study import read_study
-
-    doc = read_study(study)
     point = Study(study, doc, study_site(doc)).spec(1)
     compute = compute_seconds(model_facts(point.model), setup_of(point, again, 1), again, again.node.mfu)
     assert compute == pytest.approx(base["step_time_s"] - base["predicted_comm_s"], rel=2e-3)
     with pytest.raises(ConfigError):  # never written over a file
         write_draft(tmp_path / "pcie-measured.toml", again, 0.5, "x")
-
-
-def load_draft_source(study):
-    from hpc.scale.report import study_site
-    from hpc.scale.study import read_study
-
-    return study_site(read_study(study))
 
 
 def test_scale_report_site_draft_cli(tmp_path, monkeypatch):
