@@ -514,3 +514,13 @@ def test_the_recommendation_shows_each_collective_as_nccl_runs_it():
     offload = plan_job(spec("70b", global_batch=64, offload=True), site(**H100))
     line = next(r for r in offload.recommendation if r.startswith("Communication per step"))
     assert "host→GPU parameter shard (offload)" in line and "ring/Simple over 8 ranks on 1 node" in line
+
+
+def test_advice_on_a_cpu_cluster_searches_nodes_up_to_its_limit():
+    from hpc.site import load_site
+
+    where = load_site("sandbox")  # CPU nodes, scheduler.max_nodes = 2
+    plan = plan_job(spec("13b", global_batch=8), where)
+    text = "\n".join(plan.advice)
+    assert plan.choice is None and "with job.nodes = 2: still nothing fits (the leanest" in text
+    assert text.endswith(f"nothing tried fits, up to {where.scheduler.max_nodes} nodes with every knob changed.")

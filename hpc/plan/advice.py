@@ -45,7 +45,7 @@ def chosen(facts: ModelFacts, setup: Setup, site: SiteProfile, offload: bool) ->
 
 
 def _node_counts(setup: Setup, site: SiteProfile) -> list[int]:
-    if not site.multi_node or not site.node.gpus:
+    if not site.multi_node:
         return [setup.nodes]
     limit = site.scheduler.max_nodes or MAX_NODES
     counts, n = [], setup.nodes
@@ -135,7 +135,8 @@ def advice_lines(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bo
         last = [c for c in tried if len(c.knobs) == 1 and c.knobs[0].startswith("job.nodes")][-1]
         out.append(f"more nodes alone do not help: {change_text(last, setup)}.")
     if not fits:
-        out.append(f"nothing tried fits, up to {_node_counts(setup, site)[-1]} nodes with every knob changed.")
+        most = _node_counts(setup, site)[-1]
+        out.append(f"nothing tried fits, up to {most} node{'s' if most > 1 else ''} with every knob changed.")
     return out
 
 
