@@ -87,7 +87,7 @@ def test_the_choice_rule_is_stated_with_its_numbers(name, site_kw, spec_kw, expe
 
 
 def _all_plans():
-    for _, site_kw, spec_kw, _, _ in SCENARIOS:
+    for _, site_kw, spec_kw, _, _ in SCENARIOS + NCCL_SCENARIOS:
         yield plan_job(spec(**spec_kw), site(**site_kw))
     for site_kw, size, nodes in SWEEPS:
         for a in (1, 16):
