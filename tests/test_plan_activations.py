@@ -16,8 +16,8 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from hpc.memory import compute_bytes, gpt_activations  # noqa: E402
-from hpc.models import GPTShape  # noqa: E402
+from hpc.plan.memory import compute_bytes, gpt_activations  # noqa: E402
+from hpc.core.models import GPTShape  # noqa: E402
 from trainer.model import GPT  # noqa: E402
 
 # (shape, micro_batch): widths, vocabularies and sequence lengths that differ from each other

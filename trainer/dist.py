@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc import runs
+from hpc.core import runs
 
 log = logging.getLogger("hpcx.trainer")
 PORT_BASE = 20000
@@ -78,7 +78,7 @@ def srun_env(env: tp.Mapping[str, str]) -> RankEnv:
     """A task of ``srun python -m trainer RUN``: rank, local rank and world from the step's variables,
     rank 0's host from the step's node list (``MASTER_ADDR``/``MASTER_PORT`` win when set). Raises
     RuntimeError naming what is missing or malformed rather than guessing rank 0 of 1."""
-    from hpc.schedulers.slurm import expand_hostlist, tasks_on_node
+    from hpc.schedulers.slurm.scheduler import expand_hostlist, tasks_on_node
 
     missing = [name for name in SRUN_VARIABLES if not env.get(name)]
     if missing:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hpc.dims import ParallelDims
+from hpc.core.dims import ParallelDims
 from trainer.data import GlobalSampler
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
 from trainer.optim import clip_grad_norm

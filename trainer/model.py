@@ -1,6 +1,6 @@
 """The model: the built-in GPT, or a user's ``package.module:function``; and how its weights are made.
 
-Built-in GPT, from ``hpc.models.gpt_shape`` so the planner's counts hold by
+Built-in GPT, from ``hpc.core.models.gpt_shape`` so the planner's counts hold by
 construction: token + learned position embeddings, ``n_layers`` pre-LN blocks
 (LayerNorm → causal SDPA attention → LayerNorm → 4× GELU MLP), a final
 LayerNorm and an output head (tied to the token embedding when the shape says
@@ -44,9 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc.errors import ConfigError, UserError
-from hpc.models import GPTShape, model_facts
-from hpc.spec import Model as ModelSpec
+from hpc.core.errors import ConfigError, UserError
+from hpc.core.models import GPTShape, model_facts
+from hpc.core.spec import Model as ModelSpec
 
 DEFAULT_BLOCKS = "blocks"
 GPT2_STD = 0.02

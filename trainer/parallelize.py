@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpc.dims import ParallelDims
-from hpc.spec import Parallel, compute_precision
+from hpc.core.dims import ParallelDims
+from hpc.core.spec import Parallel, compute_precision
 from trainer.model import WeightInit, outer_units
 
 log = logging.getLogger("hpcx.trainer")

@@ -14,7 +14,7 @@ step); both delegate here when ``run_rank`` attached a ``Resilience`` to the tra
   the loop stops. After the first step the collective timeout is shortened (``CollectiveTimeouts``;
   saves keep the long one).
 - Stop (after the process group is down): rank 0 writes the ledger's stop line and, after a
-  preemption, takes the incarnation's one requeue (``hpc.requeue``): ``scontrol requeue`` on Slurm,
+  preemption, takes the incarnation's one requeue (``hpc.core.requeue``): ``scontrol requeue`` on Slurm,
   exit status 144 under submitit's local controller, nothing under torchrun or one process (run the
   same command again to resume).
 - Failure: every rank that failed on its own (not as the echo of another's SIGTERM) reports it in
@@ -38,12 +38,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc import requeue as policy_
-from hpc import runs, schedulers
-from hpc.requeue import requeue_verdict
+from hpc.core import requeue as policy_
+from hpc.core import runs
+from hpc import schedulers
+from hpc.core.requeue import requeue_verdict
 from hpc.schedulers.base import JobSide
-from hpc.schedulers.local import process_start_time, wait_since_last_stop
-from hpc.spec import Checkpoint
+from hpc.schedulers.local.scheduler import process_start_time, wait_since_last_stop
+from hpc.core.spec import Checkpoint
 from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir,
                                 wait_pending)
 from trainer.dist import CollectiveTimeouts
@@ -207,7 +208,7 @@ class Resilience:
             self._leave_for_requeue()
 
     def _report(self, error: str, terminated: bool) -> None:
-        """This rank's failure report for whoever writes the stop line (``hpc.requeue``)."""
+        """This rank's failure report for whoever writes the stop line (``hpc.core.requeue``)."""
         if self.side is None:
             return
         try:

@@ -6,10 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.resolve import RESOLVED_VERSION, Launch
-from hpc.runs import RunDir
-from hpc.site import SiteProfile, parse_site
-from hpc.spec import JobSpec, spec_from_dict
+from hpc.core.resolve import RESOLVED_VERSION, Launch
+from hpc.core.runs import RunDir
+from hpc.core.site import SiteProfile, parse_site
+from hpc.core.spec import JobSpec, spec_from_dict
 
 
 

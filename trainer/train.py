@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpc.dims import ParallelDims, parallel_dims
-from hpc.models import model_facts
-from hpc.resolve import Launch, launch_parallel
-from hpc.spec import JobSpec
+from hpc.core.dims import ParallelDims, parallel_dims
+from hpc.core.models import model_facts
+from hpc.core.resolve import Launch, launch_parallel
+from hpc.core.spec import JobSpec
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, shutdown, write_mesh, write_world)

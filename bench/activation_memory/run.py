@@ -69,8 +69,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=4)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from hpc.memory import compute_bytes, gpt_activations
-    from hpc.models import GPTShape
+    from hpc.plan.memory import compute_bytes, gpt_activations
+    from hpc.core.models import GPTShape
 
     print(f"load average {os.getloadavg()[0]:.2f}; micro_batch {args.micro_batch}")
     print(f"{'shape (L, d, a, s, V)':24s} {'mode':13s} {'ckpt':5s} {'measured MB':>12s} {'predicted MB':>13s} "

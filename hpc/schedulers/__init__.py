@@ -14,8 +14,8 @@ import os
 from hpc.schedulers.base import SUBMITIT_DIR, TERMINAL, JobSide, JobState, Scheduler
 
 # kind -> (module, login-side class, job-side class)
-KINDS = {"slurm": ("hpc.schedulers.slurm", "SlurmScheduler", "SlurmJobSide"),
-         "local": ("hpc.schedulers.local", "LocalScheduler", "LocalJobSide")}
+KINDS = {"slurm": ("hpc.schedulers.slurm.scheduler", "SlurmScheduler", "SlurmJobSide"),
+         "local": ("hpc.schedulers.local.scheduler", "LocalScheduler", "LocalJobSide")}
 
 __all__ = ["KINDS", "SUBMITIT_DIR", "TERMINAL", "JobSide", "JobState", "Scheduler", "get", "job_side"]
 

@@ -5,7 +5,7 @@ state of many jobs in one bounded query; cancel; sending the preemption signal (
 often the scheduler restarted a job.
 
 Job side (``JobSide``, inside a running task): this job's id and restart count; asking for the one
-requeue (``hpc.requeue`` makes sure it is one) and leaving the way that scheduler restarts a job; how
+requeue (``hpc.core.requeue`` makes sure it is one) and leaving the way that scheduler restarts a job; how
 long this incarnation waited in the queue.
 
 Every task runs ``task_command``: the preemption signal and SIGTERM are held from the task's start
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.resolve import Launch
-    from hpc.site import SiteProfile
-    from hpc.spec import JobSpec
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
 
 SUBMITIT_DIR = "submitit"  # under the run folder: submitit's pickles and per-task stdout/stderr
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
@@ -189,13 +189,13 @@ class JobSide(abc.ABC):
     @property
     def decides_failures(self) -> bool:
         """Whether something outside the ranks decides the requeue after a failure (the batch
-        script's check after srun); then a failing rank only reports (``hpc.requeue``)."""
+        script's check after srun); then a failing rank only reports (``hpc.core.requeue``)."""
         return False
 
     @abc.abstractmethod
     def requeue(self) -> str | None:
         """Ask the scheduler for a requeue of this job; None when granted, else why not. Call it
-        through ``hpc.requeue.request``, which makes it the only one of this incarnation."""
+        through ``hpc.core.requeue.request``, which makes it the only one of this incarnation."""
 
     def leave_for_requeue(self) -> None:
         """After a granted requeue and the stop line: leave the way this scheduler restarts a job

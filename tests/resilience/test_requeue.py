@@ -1,4 +1,4 @@
-"""The one requeue per start of a job (``hpc.requeue``): claims, failure reports, and the batch script's
+"""The one requeue per start of a job (``hpc.core.requeue``): claims, failure reports, and the batch script's
 check after srun deciding from the run folder. Real files, real processes; the granted ``scontrol
 requeue`` itself is exercised on the sandbox (tests/slurm/test_failure_slurm.py)."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc import requeue, runs
-from hpc.schedulers.local import LocalJobSide
-from hpc.schedulers.slurm import SlurmJobSide
+from hpc.core import requeue, runs
+from hpc.schedulers.local.scheduler import LocalJobSide
+from hpc.schedulers.slurm.scheduler import SlurmJobSide
 
 JOB = "424242"
 

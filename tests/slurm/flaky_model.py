@@ -7,7 +7,7 @@ import os
 
 
 def build(fail_rank: int = 1, fail_after: int = 8, **_: object):
-    from hpc.models import gpt_shape
+    from hpc.core.models import gpt_shape
     from trainer.model import GPT
 
     model = GPT(gpt_shape("tiny"))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 
 def build(out_dir: str, **_: object):
-    from hpc.models import gpt_shape
+    from hpc.core.models import gpt_shape
     from trainer.model import GPT
 
     secret = os.environ.get("HF_TOKEN")

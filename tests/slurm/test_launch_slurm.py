@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-from hpc.resolve import resolve, resolved_document
-from hpc.runs import new_run_dir
-from hpc.site import load_site
-from hpc.spec import load_spec
+from hpc.core.resolve import resolve, resolved_document
+from hpc.core.runs import new_run_dir
+from hpc.core.site import load_site
+from hpc.core.spec import load_spec
 from tests.conftest import REPO
 
 

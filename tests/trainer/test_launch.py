@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc.resolve import resolve, resolved_document
-from hpc.site import load_site
-from hpc.spec import load_spec
+from hpc.core.resolve import resolve, resolved_document
+from hpc.core.site import load_site
+from hpc.core.spec import load_spec
 from trainer.dist import rendezvous_port
 from trainer.metrics import PHASES
 from trainer_testlib import REPO, TINY, child_env, make_run, torchrun

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from hpc.errors import ConfigError
-from hpc.models import GPT_PRESETS, gpt_shape
-from hpc.spec import Model
+from hpc.core.errors import ConfigError
+from hpc.core.models import GPT_PRESETS, gpt_shape
+from hpc.core.spec import Model
 from trainer.model import GPT, build_model, model_blocks
 
 

@@ -24,8 +24,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc.runs import RunDir
-from hpc.site import SiteProfile
+from hpc.core.runs import RunDir
+from hpc.core.site import SiteProfile
 
 CHANNEL = re.compile(
     r"Channel (\d+)(?:/\d+)? : (\d+)\[[0-9a-fA-F]+\] -> (\d+)\[[0-9a-fA-F]+\]"

@@ -23,7 +23,7 @@ import typing as tp
 from dataclasses import dataclass
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.spec import Model
+    from hpc.core.spec import Model
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from contextlib import contextmanager
 
 import click
 
-from hpc.clickutil import ErrorsGroup, echo_json, json_option
-from hpc.errors import ConfigError
+from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option
+from hpc.core.errors import ConfigError
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

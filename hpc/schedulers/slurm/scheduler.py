@@ -7,7 +7,7 @@ submitit's own script builder, through ``hpc.compat``), so ``hpcx render`` shows
 The script fails the way a cluster needs: ``srun --kill-on-bad-exit=1`` ends every task as soon as
 one fails (instead of leaving the others blocked in a collective until its timeout), and the check
 after srun (``python -m hpc.requeue``) then decides the one requeue, whichever rank died and however
-(see ``hpc.requeue``). The batch shell and each task ignore USR2 until the trainer's handler takes it.
+(see ``hpc.core.requeue``). The batch shell and each task ignore USR2 until the trainer's handler takes it.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc.errors import UserError
+from hpc.core.errors import UserError
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, Scheduler,
                                  task_command, try_command, unknown)
-from hpc.validate import directive_value
+from hpc.core.validate import directive_value
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.resolve import Launch
-    from hpc.site import SiteProfile
-    from hpc.spec import JobSpec
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
 
 log = logging.getLogger("hpcx.trainer")
 REQUEUE_ATTEMPTS = 3
@@ -64,7 +64,7 @@ def setup_lines(spec: JobSpec, site: SiteProfile) -> list[str]:
 
 
 def teardown_lines(run_dir: str, python: str) -> list[str]:
-    """After srun: its status is the job's; a failure goes to the requeue check (``hpc.requeue``)."""
+    """After srun: its status is the job's; a failure goes to the requeue check (``hpc.core.requeue``)."""
     check = shlex.join([python, "-m", "hpc.requeue", run_dir])
     return ["hpcx_srun_status=$?  # srun ends as soon as any task fails (--kill-on-bad-exit=1)",
             f'[ "$hpcx_srun_status" -eq 0 ] || {check} "$hpcx_srun_status"',
@@ -383,6 +383,6 @@ class SlurmJobSide(JobSide):
         start, submit = scontrol_seconds(fields.get("StartTime", "")), scontrol_seconds(fields.get("SubmitTime", ""))
         if start is not None and submit is not None:
             return max(0.0, start - submit), "scontrol"
-        from hpc.schedulers.local import wait_since_last_stop
+        from hpc.schedulers.local.scheduler import wait_since_last_stop
 
         return wait_since_last_stop(run_dir, ledger)

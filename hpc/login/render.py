@@ -5,9 +5,9 @@ byte for byte what ``hpcx submit`` sends), and ``render_summary`` explains the l
 from __future__ import annotations
 
 from hpc import schedulers
-from hpc.resolve import Launch
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.core.resolve import Launch
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec
 
 
 def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:

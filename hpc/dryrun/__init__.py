@@ -1,9 +1,9 @@
 """``hpcx dryrun``: the real trainer construction for one rank, at the job's full world size, on one CPU.
 
-The same code the job runs — spec, site, launch (``hpc.resolve``), the device mesh, the model
+The same code the job runs — spec, site, launch (``hpc.core.resolve``), the device mesh, the model
 built on the meta device and ``parallelize``-d (``trainer.train.build_parallel_model``), the
 optimizer (``trainer.optim.build_optimizer``) and the checkpoint state (``trainer.checkpoint``)
-— runs in this process as rank R of a W-rank job on torch's fake process group (``hpc.fake_pg``):
+— runs in this process as rank R of a W-rank job on torch's fake process group (``hpc.dryrun.fake_pg``):
 collectives return at once, nothing is allocated (every tensor is on the meta device), no GPU is
 needed. What it reports is read off the real objects:
 
@@ -16,7 +16,7 @@ needed. What it reports is read off the real objects:
   so that one step runs unfused: same state tensors);
 - the DCP local save plan of this rank (``torch.distributed.checkpoint``'s own planner).
 
-Beside them, ``hpcx plan``'s figures for the same layout (``hpc.memory.model_states``); a
+Beside them, ``hpcx plan``'s figures for the same layout (``hpc.plan.memory.model_states``); a
 difference of more than 1% is a problem (``hpcx dryrun`` exits 1). The plan gives the fullest
 rank; on a rank whose shards are shorter (dimensions that do not divide by the shard count),
 only a measurement above the plan counts.
@@ -35,12 +35,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from hpc.fake_pg import fake_process_group
-from hpc.memory import Config, init_bytes, model_states, staging_bytes
-from hpc.models import model_facts
-from hpc.resolve import Launch, launch_parallel
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.dryrun.fake_pg import fake_process_group
+from hpc.plan.memory import Config, init_bytes, model_states, staging_bytes
+from hpc.core.models import model_facts
+from hpc.core.resolve import Launch, launch_parallel
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec
 
 TOLERANCE = 0.01
 STATES = ("params", "grads", "optimizer")

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.config import ConfigError, load_json_bounded
+from hpc.core.config import ConfigError, load_json_bounded
 from hpc.schedulers.base import SUBMITIT_DIR
 
 

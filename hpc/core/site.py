@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc import schedulers
-from hpc import validate as v
-from hpc.config import ConfigError, build_document, check_table, field, read_toml, suggest
+from hpc.core import validate as v
+from hpc.core.config import ConfigError, build_document, check_table, field, read_toml, suggest
 
 DEFAULT_SITE = "local"
 USER_SITES = "~/.config/hpcx/sites"
@@ -118,7 +118,7 @@ SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage":
 
 def bundled_dir() -> Path:
     """The profiles shipped with hpcx: ``hpc/_sites`` in an installed wheel, else ``site/`` of the checkout."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # hpc/
     installed = here / "_sites"
     return installed if installed.is_dir() else here.parent / "site"
 

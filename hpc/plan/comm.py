@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hpc.memory import DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, compute_bytes
-from hpc.models import ModelFacts
-from hpc.site import SiteProfile
+from hpc.plan.memory import DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, compute_bytes
+from hpc.core.models import ModelFacts
+from hpc.core.site import SiteProfile
 
 HOST_LINK_GBS = 25.0  # PCIe Gen4 x16 host<->GPU copies, achieved (assumed; not in the site profile)
 

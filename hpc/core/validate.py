@@ -1,6 +1,6 @@
 """Input policy: what a well-typed value may hold before it reaches a job script, a terminal or a job.
 
-``hpc.config`` checks shapes and types; this module decides the rest, in one place: printable text and
+``hpc.core.config`` checks shapes and types; this module decides the rest, in one place: printable text and
 its length, environment-variable names, credential-looking names and values, the bounds of numbers,
 ``#SBATCH`` option names and how their values survive sbatch's directive parser, run roots and data
 files. Every check returns one-line messages (``[]`` when the value is fine) naming the key and what was
@@ -16,7 +16,7 @@ import typing as tp
 import unicodedata
 from pathlib import Path
 
-from hpc.errors import ConfigError
+from hpc.core.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------- bounds
 

@@ -20,8 +20,8 @@ import types
 import typing as tp
 from pathlib import Path
 
-from hpc import validate as v
-from hpc.errors import ConfigError, UserError
+from hpc.core import validate as v
+from hpc.core.errors import ConfigError, UserError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from hpc.clickutil import echo_json, json_option, set_option, site_option
-from hpc.config import ConfigError
+from hpc.cli.clickutil import echo_json, json_option, set_option, site_option
+from hpc.core.config import ConfigError
 
 
 @click.command("plan")
@@ -29,11 +29,11 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     `parallel.strategy = "auto"` in the spec submits exactly the strategy recommended here (with
     --count-params, only once the counted numbers are stated in the spec).
     """
-    from hpc.models import model_facts
+    from hpc.core.models import model_facts
     from hpc.plan import format_plan, plan_job
-    from hpc.resolve import cross_check
-    from hpc.site import choose_site, load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import cross_check
+    from hpc.core.site import choose_site, load_site
+    from hpc.core.spec import load_spec
 
     extra = (f"job.nodes={nodes}",) if nodes else ()
     spec = load_spec(job, tuple(overrides) + extra)
@@ -52,7 +52,7 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
 def _counted_facts(model: tp.Any) -> tp.Any:
     """A user model's facts from a meta-device build (torch, on request only), with a note saying
     what to state in the spec so `auto` and `submit` plan with the same numbers."""
-    from hpc.models import model_facts
+    from hpc.core.models import model_facts
 
     if model.arch == "gpt":
         return model_facts(model)  # the built-in GPT's count follows from its shape: nothing to build
@@ -78,7 +78,7 @@ def detect_command(name: str, topo: str | None, query: str | None, scontrol: str
     assumed and what it could not tell. A matrix cut short, asymmetric or with unknown cells is
     refused (exit 2). Without Slurm the draft is a `local` site for this machine.
     """
-    from hpc.detect import Host, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml
+    from hpc.schedulers.slurm.detect import Host, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml
 
     problems: list[str] = []
     topo_text = _text(topo, ["nvidia-smi", "topo", "-m"], problems)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from hpc.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
+from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 
 
 
@@ -57,8 +57,8 @@ def run_command(job: str, nodes_text: str, mode: str, steps: int | None, site_na
                 overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Submit one job per node count under one study folder; returns at once unless --wait."""
     from hpc import scale
-    from hpc.site import choose_site, load_site
-    from hpc.spec import load_spec
+    from hpc.core.site import choose_site, load_site
+    from hpc.core.spec import load_spec
 
     site = load_site(choose_site(site_name, load_spec(job, overrides).job.site))
     study_dir = scale.start_study(Path(job), site, overrides, scale.parse_nodes(nodes_text), mode, steps)
@@ -115,8 +115,8 @@ def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None,
                     as_json: bool) -> None:
     """The planner's model alone at each size: no jobs, no cluster needed."""
     from hpc import scale
-    from hpc.site import choose_site, load_site
-    from hpc.spec import load_spec
+    from hpc.core.site import choose_site, load_site
+    from hpc.core.spec import load_spec
 
     spec = load_spec(job, overrides)
     site = load_site(choose_site(site_name, spec.job.site))

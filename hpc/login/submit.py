@@ -17,16 +17,18 @@ import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc import roots, runs, schedulers
-from hpc.config import ConfigError
-from hpc.errors import UserError
+from hpc.login import roots
+from hpc.core import runs
+from hpc import schedulers
+from hpc.core.config import ConfigError
+from hpc.core.errors import UserError
 from hpc.schedulers.base import QUERY_TIMEOUT_S, read_result, result_path
-from hpc.validate import expand_run_root
+from hpc.core.validate import expand_run_root
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.resolve import Launch
-    from hpc.site import SiteProfile
-    from hpc.spec import JobSpec
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
 
 
 @dataclass
@@ -82,7 +84,7 @@ def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.R
         shutil.copyfile(spec_path, rd.spec)
     except FileNotFoundError:
         pass  # the spec was deleted since it was read: resolved.json has it all
-    from hpc.resolve import resolved_document
+    from hpc.core.resolve import resolved_document
 
     doc = resolved_document(spec, site, launch, str(rd.path))
     doc["overrides"] = list(overrides)
@@ -151,7 +153,7 @@ def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) ->
     return out
 
 
-# The job writes these itself (rank 0 at each start, whoever requeues: hpc.requeue.record_state), in
+# The job writes these itself (rank 0 at each start, whoever requeues: hpc.core.requeue.record_state), in
 # order; a poll can lag behind them (sacct still says RUNNING of the incarnation just requeued), so
 # polls never add them and the history shows each start and requeue exactly once.
 JOB_RECORDED = ("RUNNING", "REQUEUED")

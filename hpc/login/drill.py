@@ -16,9 +16,10 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc import runs, schedulers
-from hpc.config import ConfigError
-from hpc.submit import job_state
+from hpc.core import runs
+from hpc import schedulers
+from hpc.core.config import ConfigError
+from hpc.login.submit import job_state
 
 SIGNAL = "USR2"  # what the rendered script asks Slurm to send (--signal=USR2@LEAD)
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import click
 
 from hpc import __version__
-from hpc.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
-from hpc.config import ConfigError
-from hpc.validate import shown
+from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
+from hpc.core.config import ConfigError
+from hpc.core.validate import shown
 
 @click.group(cls=ErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcx")
@@ -33,9 +33,9 @@ def cli() -> None:
 
 def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
     """(spec, site, launch) with every problem reported as ConfigError."""
-    from hpc.resolve import resolve
-    from hpc.site import choose_site, load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolve
+    from hpc.core.site import choose_site, load_site
+    from hpc.core.spec import load_spec
 
     spec = load_spec(path, overrides)
     site = load_site(choose_site(site_name, spec.job.site))
@@ -52,12 +52,12 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 
     A summary of the launch goes to stderr, so `hpcx render job.toml > job.sh` keeps the script clean.
     """
-    from hpc.render import render as render_text, render_summary
+    from hpc.login.render import render as render_text, render_summary
 
-    from hpc.runs import run_dir_name
-    from hpc.submit import run_root
+    from hpc.core.runs import run_dir_name
+    from hpc.login.submit import run_root
 
-    from hpc.validate import check_run_dir_option
+    from hpc.core.validate import check_run_dir_option
 
     spec, site, launch = load_job(job, site_name, overrides)
     check_run_dir_option(run_dir)
@@ -75,9 +75,9 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 @json_option
 def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
-    from hpc import submit as sub
+    from hpc.login import submit as sub
 
-    from hpc.render import user_code_notice
+    from hpc.login.render import user_code_notice
 
     spec, site, launch = load_job(job, site_name, overrides)
     warn_passthrough(spec)
@@ -103,7 +103,7 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
 
 def warn_passthrough(spec: tp.Any) -> None:
     """A passthrough name the submitting shell does not set reaches the job unset: say so now."""
-    from hpc.validate import unset_passthrough
+    from hpc.core.validate import unset_passthrough
 
     for name in unset_passthrough(spec.env.passthrough):
         click.echo(f"warning: `env.passthrough` names {name}, but it is not set in this shell: "
@@ -112,7 +112,7 @@ def warn_passthrough(spec: tp.Any) -> None:
 
 def follow(run_dir: Path, quiet: bool = False) -> dict:
     """Wait for the job, printing state changes and steps; then print the result."""
-    from hpc import submit as sub
+    from hpc.login import submit as sub
 
     last: dict[str, tp.Any] = {}
 
@@ -156,7 +156,7 @@ def format_result(result: tp.Any) -> str:
 def run_roots() -> list[Path]:
     """Every site profile's run root. A profile that fails to load is named on stderr and its
     ``storage.run_root`` is still searched when it can be read, so its runs never vanish silently."""
-    from hpc.site import find_sites, load_site, raw_run_root
+    from hpc.core.site import find_sites, load_site, raw_run_root
 
     roots = []
     for name, (path, _) in find_sites().items():
@@ -167,7 +167,7 @@ def run_roots() -> list[Path]:
             also = f"; still looking for its runs in {root}" if root else ""
             click.echo(f"warning: site profile {path} does not load ({exc.messages[0]}){also}", err=True)
             roots += [root] if root else []
-    from hpc.roots import remembered  # runs made under a spec's job.run_root, or a site given as a path
+    from hpc.login.roots import remembered  # runs made under a spec's job.run_root, or a site given as a path
 
     return list(dict.fromkeys(roots + remembered()))
 
@@ -185,8 +185,9 @@ def status(ref: str | None, as_json: bool) -> None:
     The list asks each scheduler once for all its runs and waits at most a few seconds: a run whose
     scheduler does not answer shows "unknown (scheduler unreachable)".
     """
-    from hpc import runs, submit as sub
+    from hpc.core import runs
 
+    from hpc.login import submit as sub
     targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:LIST_RUNS]
     states = sub.job_states(targets, sub.QUERY_TIMEOUT_S if ref else LIST_TIMEOUT_S)
     infos = [sub.summary(r, states[r]) for r in targets]
@@ -212,8 +213,9 @@ def format_status(info: dict) -> str:
 @click.option("--rank", default=0, show_default=True, help="Which rank's log.")
 def logs(ref: str, follow_: bool, rank: int) -> None:
     """Print a rank's log (the trainer's log, else submitit's stdout/stderr for that task)."""
-    from hpc import runs, submit as sub
+    from hpc.core import runs
 
+    from hpc.login import submit as sub
     run_dir = runs.find_run(ref, run_roots())
     check_rank(run_dir, rank)
     offsets: dict[Path, int] = {}
@@ -230,7 +232,7 @@ def logs(ref: str, follow_: bool, rank: int) -> None:
 def check_rank(run_dir: Path, rank: int) -> None:
     """ConfigError naming the run's ranks when ``rank`` is not one of them (the resolved world size,
     and any rank that left a log, e.g. a torchrun start at another size)."""
-    from hpc.runs import RunDir
+    from hpc.core.runs import RunDir
 
     rd = RunDir(run_dir)
     world = rd.read_resolved().get("launch", {}).get("world_size")
@@ -244,7 +246,7 @@ def check_rank(run_dir: Path, rank: int) -> None:
 
 
 def log_files(run_dir: Path, rank: int) -> list[Path]:
-    from hpc.runs import RunDir
+    from hpc.core.runs import RunDir
 
     rd = RunDir(run_dir)
     if rd.rank_log(rank).exists():
@@ -270,8 +272,9 @@ def print_new(path: Path, offset: int) -> int:
 def cancel(ref: str) -> None:
     """Cancel a run's job: its ranks stop at their next step boundary, write the ledger's stop line
     and save nothing new (Slurm: scancel; a cancel is never treated as a preemption, never requeued)."""
-    from hpc import runs, submit as sub
+    from hpc.core import runs
 
+    from hpc.login import submit as sub
     click.echo(sub.cancel(runs.find_run(ref, run_roots())))
 
 
@@ -285,8 +288,8 @@ def drill(ref: str, at_step: str | None, as_json: bool) -> None:
     Waits until the job is training (and, with --at-step, has reached step N). The trainer then
     saves at the next step boundary, requeues itself once and resumes from that checkpoint.
     """
-    from hpc import runs
-    from hpc.drill import drill as send_drill, parse_step
+    from hpc.core import runs
+    from hpc.login.drill import drill as send_drill, parse_step
 
     step = parse_step(at_step)
     run_dir = runs.find_run(ref, run_roots())
@@ -311,7 +314,7 @@ def site_list(as_json: bool) -> None:
     Search path: $HPCX_SITE_PATH (folders separated by ':'), ~/.config/hpcx/sites, /etc/hpcx/sites,
     then the profiles bundled with hpcx; the first profile of a name wins.
     """
-    from hpc.site import find_sites
+    from hpc.core.site import find_sites
 
     rows = [_site_row(name, path, origin) for name, (path, origin) in find_sites().items()]
     if as_json:
@@ -358,7 +361,7 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
 
 def _site_row(name: str, path: Path, origin: str) -> dict[str, tp.Any]:
     """One line of `site list`: the profile's headline fields, or why it does not load."""
-    from hpc.site import load_site
+    from hpc.core.site import load_site
 
     row: dict[str, tp.Any] = {"name": name, "path": str(path), "origin": origin, "error": None}
     try:
@@ -375,7 +378,7 @@ def _site_row(name: str, path: Path, origin: str) -> dict[str, tp.Any]:
 @json_option
 def site_show(name: str, as_json: bool) -> None:
     """One profile with every field resolved (NAME or a path)."""
-    from hpc.site import load_site, site_as_dict
+    from hpc.core.site import load_site, site_as_dict
 
     doc = site_as_dict(load_site(name))
     if as_json:
@@ -392,9 +395,9 @@ def site_show(name: str, as_json: bool) -> None:
 
 def _register_commands() -> None:
     """Commands that live in their own modules (each torch-free at import)."""
-    from hpc.ckpt.cli import ckpt_group
-    from hpc.plan_cli import detect_command, plan_command
-    from hpc.scale_cli import scale_group
+    from hpc.cli.ckpt import ckpt_group
+    from hpc.cli.plan import detect_command, plan_command
+    from hpc.cli.scale import scale_group
 
     cli.add_command(plan_command, "plan")
     cli.add_command(ckpt_group, "ckpt")
@@ -407,7 +410,3 @@ _register_commands()
 
 def main() -> None:
     cli(prog_name="hpcx")
-
-
-if __name__ == "__main__":
-    main()

@@ -10,12 +10,12 @@ import dataclasses
 import typing as tp
 from dataclasses import asdict, dataclass, field
 
-from hpc.config import ConfigError
-from hpc.dims import ParallelDims, hsdp_shard_size, parallel_dims
-from hpc.dims import tasks_per_node as strategy_tasks_per_node
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec, Parallel, compute_precision
-from hpc.validate import check_world
+from hpc.core.config import ConfigError
+from hpc.core.dims import ParallelDims, hsdp_shard_size, parallel_dims
+from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec, Parallel, compute_precision
+from hpc.core.validate import check_world
 
 RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
 
@@ -71,7 +71,7 @@ class Launch:
 
 
 def tasks_per_node(spec: JobSpec, site: SiteProfile) -> int:
-    """The spec's tasks per node, else one for none/dp, else the site's default (``hpc.dims``)."""
+    """The spec's tasks per node, else one for none/dp, else the site's default (``hpc.core.dims``)."""
     return strategy_tasks_per_node(spec.parallel.strategy, spec.job.tasks_per_node, site.default_tasks_per_node())
 
 

@@ -20,15 +20,15 @@ import typing as tp
 from pathlib import Path
 
 from hpc import compat
-from hpc.errors import UserError
-from hpc.procs import pid_alive
+from hpc.core.errors import UserError
+from hpc.core.procs import pid_alive
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
                                  result_path, task_command)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.resolve import Launch
-    from hpc.site import SiteProfile
-    from hpc.spec import JobSpec
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
 
 
 
@@ -84,7 +84,7 @@ def pid_identity(pid: int) -> str | None:
 def controller_alive(job_id: str, run_dir: Path) -> bool:
     """The job's controller still runs: its pid is alive and, when ``job.json`` recorded the
     controller's identity, it is still that process (pids are reused)."""
-    from hpc.runs import RunDir
+    from hpc.core.runs import RunDir
 
     pid = int(job_id)
     recorded = RunDir(run_dir).read_job().get("pid_identity")
@@ -112,7 +112,7 @@ def task_pids(controller_pid: int) -> list[int]:
 def local_state(job_id: str, run_dir: Path) -> JobState:
     """RUNNING while the controller lives; then CANCELLED when the ledger's last stop followed a
     SIGTERM (``hpcx cancel``), else the result pickle tells COMPLETED or FAILED."""
-    from hpc.runs import RunDir
+    from hpc.core.runs import RunDir
 
     if controller_alive(job_id, run_dir):
         return JobState("RUNNING", "localhost", "process")
@@ -187,7 +187,7 @@ def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | Non
     if ledger and ledger[-1].get("event") == "stop":
         reference, source = ledger[-1].get("time"), "ledger"
     else:
-        from hpc.runs import RunDir
+        from hpc.core.runs import RunDir
 
         reference, source = RunDir(run_dir).read_job().get("submitted_at"), "job.json"
     if reference is None:

@@ -8,7 +8,7 @@ one party requeues an incarnation: the first to create ``RUN/requeue/<incarnatio
 - rank 0, after a failure, where nothing outside the ranks decides (submitit's local controller, a
   plain ``srun python -m trainer``);
 - on Slurm, the batch script's check after srun (``python -m hpc.requeue RUN STATUS``, rendered by
-  ``hpc.schedulers.slurm``). srun ends as soon as any task fails (``--kill-on-bad-exit=1``), so this
+  ``hpc.schedulers.slurm.scheduler``). srun ends as soon as any task fails (``--kill-on-bad-exit=1``), so this
   one place sees every failure, rank 0 killed without a Python error included (SIGKILL, out of
   memory, the NCCL watchdog). Ranks there only report (``RUN/requeue/<incarnation>.rank-R.json``); the
   check writes the incarnation's stop line from the reports and asks for the requeue unless the policy
@@ -26,7 +26,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc import runs
+from hpc.core import runs
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.schedulers.base import JobSide
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> int:
         return 2
     import signal
 
-    from hpc.schedulers.slurm import SlurmJobSide
+    from hpc.schedulers.slurm.scheduler import SlurmJobSide
 
     # A granted requeue ends the job at once: Slurm sends SIGTERM to the batch shell and to this check,
     # which must still record the stop line and the REQUEUED state (SIGKILL follows only after KillWait).

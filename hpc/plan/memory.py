@@ -26,8 +26,8 @@ import math
 import typing as tp
 from dataclasses import dataclass
 
-from hpc.dims import ParallelDims
-from hpc.models import GPTShape, ModelFacts
+from hpc.core.dims import ParallelDims
+from hpc.core.models import GPTShape, ModelFacts
 
 GB = 1e9
 PARAM_BYTES = 4  # stored parameters: fp32 under every strategy (see module docstring)

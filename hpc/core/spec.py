@@ -11,10 +11,10 @@ import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpc import validate as v
-from hpc.config import ConfigError, apply_overrides, build_document, field, read_toml
-from hpc.models import preset_counts
-from hpc.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
+from hpc.core import validate as v
+from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml
+from hpc.core.models import preset_counts
+from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
 SHARDINGS = ("full_shard", "shard_grad_op", "no_shard")
@@ -220,7 +220,7 @@ def resolve_paths(spec: JobSpec) -> list[str]:
             spec.job.run_root = str(v.expand_run_root(spec.job.run_root, f"`job.run_root` = {spec.job.run_root!r}"))
         except ConfigError as exc:
             errors += exc.messages
-    from hpc.models import model_facts
+    from hpc.core.models import model_facts
 
     facts = model_facts(spec.model)
     problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
@@ -252,7 +252,7 @@ def _check_env(env: Env) -> list[str]:
 
 
 def _check_model(model: Model) -> list[str]:
-    from hpc.models import model_problems
+    from hpc.core.models import model_problems
 
     return model_problems(model)
 

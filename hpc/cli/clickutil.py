@@ -7,8 +7,8 @@ import typing as tp
 
 import click
 
-from hpc.errors import UserError
-from hpc.validate import shown
+from hpc.core.errors import UserError
+from hpc.core.validate import shown
 
 JSON_HELP = "Print machine-readable JSON instead of text."
 
