@@ -288,7 +288,7 @@ def test_m_output_without_nvlink_says_so():
 
 
 def test_draft_without_slurm_is_a_local_gpu_site_that_resolves():
-    from hpc.core.resolve import resolve
+    from hpc.plan.resolve import resolve
     from hpc.core.spec import spec_from_dict
 
     topo = parse_topo((DATA / H100).read_text())

@@ -14,7 +14,7 @@ from hpc.plan.memory import GB
 from hpc.core.models import model_facts
 from hpc.plan import choose, evaluate, setup_of
 from hpc.login.render import render_summary
-from hpc.core.resolve import resolve
+from hpc.plan.resolve import resolve
 from hpc.core.site import load_site
 from hpc.core.spec import spec_from_dict
 

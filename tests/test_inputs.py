@@ -24,7 +24,7 @@ from hpc.core import validate
 from hpc.core.config import ConfigError, load_json_bounded
 from hpc.login.render import render
 from hpc.schedulers.slurm.scheduler import setup_lines, slurm_parameters
-from hpc.core.resolve import resolve
+from hpc.plan.resolve import resolve
 from hpc.core.site import load_site, parse_site
 from hpc.core.spec import load_spec
 from tests.conftest import REPO, hpcx

@@ -189,7 +189,7 @@ def test_explicit_strategy_is_respected():
 
 
 def test_shipped_job_resolves_to_the_plan():
-    from hpc.core.resolve import resolve
+    from hpc.plan.resolve import resolve
     from hpc.core.spec import load_spec
 
     s = load_spec(REPO / "jobs" / "gpt-13b-auto.toml")

@@ -15,7 +15,7 @@ from hpc.plan.explain import _versus
 from hpc.plan.rows import SIMPLICITY_TEXT, cost, fitting, measure
 from hpc.plan.timing import exposed_seconds, phases
 from hpc.login.render import render_summary
-from hpc.core.resolve import resolve
+from hpc.plan.resolve import resolve
 
 from tests.test_plan import NVSWITCH_8X80, ONE_24GB, PCIE_4X24, PCIE_4X80, SCENARIOS, site, spec
 

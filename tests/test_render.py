@@ -20,7 +20,7 @@ from hpc.core.config import ConfigError
 from hpc.core.errors import UserError
 from hpc.login.render import render, render_summary
 from hpc.schedulers.slurm.scheduler import slurm_parameters
-from hpc.core.resolve import resolve
+from hpc.plan.resolve import resolve
 from hpc.core.site import list_sites, load_site
 from hpc.core.spec import load_spec
 

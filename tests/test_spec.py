@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from hpc.core.config import ConfigError, apply_overrides, parse_override
-from hpc.core.resolve import resolve
+from hpc.plan.resolve import resolve
 from hpc.core.site import choose_site, list_sites, load_site
 from hpc.core.spec import load_spec, looks_secret, spec_from_dict
 

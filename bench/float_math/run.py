@@ -33,7 +33,8 @@ def build(root: Path, args: argparse.Namespace):
     """A trainer (strategy none) of the overhead bench's model, data and learning rate."""
     import torch
 
-    from hpc.core.resolve import resolve, resolved_document
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
     from hpc.core.site import load_site
     from hpc.core.spec import load_spec
     from trainer.run import load_run

@@ -66,7 +66,8 @@ class Check:
 
     def make_run(self, name: str, overrides: list[str]) -> Path:
         """A run folder resolved exactly as ``hpcx submit`` would, for this one-GPU machine."""
-        from hpc.core.resolve import resolve, resolved_document
+        from hpc.core.resolve import resolved_document
+        from hpc.plan.resolve import resolve
         from hpc.core.site import parse_site
         from hpc.core.spec import load_spec
 

@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make_run(root: Path, name: str, log_every: int, ranks: int, args: argparse.Namespace) -> Path:
-    from hpc.core.resolve import resolve, resolved_document
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
     from hpc.core.site import load_site
     from hpc.core.spec import load_spec
 

@@ -60,7 +60,8 @@ STRATEGIES = {"none": ("none", []), "ddp": ("ddp", []), "fsdp": ("fsdp", []),
 
 def make_run(root: Path, name: str, strategy: str, ranks: int, args: argparse.Namespace) -> Path:
     """A run folder resolved as ``hpcx submit`` would, with the spec's default ``log_every``."""
-    from hpc.core.resolve import resolve, resolved_document
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
     from hpc.core.site import load_site
     from hpc.core.spec import load_spec
 

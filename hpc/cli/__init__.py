@@ -33,7 +33,7 @@ def cli() -> None:
 
 def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
     """(spec, site, launch) with every problem reported as ConfigError."""
-    from hpc.core.resolve import resolve
+    from hpc.plan.resolve import resolve
     from hpc.core.site import choose_site, load_site
     from hpc.core.spec import load_spec
 

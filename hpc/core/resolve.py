@@ -39,6 +39,9 @@ class Launch:
     # FSDP keeps its shards on the host: the spec's cpu_offload for an explicit strategy, the plan's
     # choice under auto (where cpu_offload = true allows it); None in resolved.json files from before
     cpu_offload: bool | None = None
+    # the spec's [parallel] with its `auto` values decided (``launch_parallel``): what the trainer runs
+    # with, never decided again; None in resolved.json files from before (``decided_parallel`` fills it)
+    parallel: Parallel | None = None
 
     def __post_init__(self) -> None:
         if self.dims.world_size != self.world_size:
@@ -66,8 +69,10 @@ class Launch:
         else:  # version 1
             dims = parallel_dims(doc["strategy"], doc["sharding"], doc["world_size"], doc["tasks_per_node"],
                                  doc["shard"] if doc["strategy"] == "hsdp" else 0)
+        parallel = doc.pop("parallel", None)
+        parallel = Parallel(**parallel) if parallel else None
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(dims=dims, **{k: v for k, v in doc.items() if k in names and k != "dims"})
+        return cls(dims=dims, parallel=parallel, **{k: v for k, v in doc.items() if k in names and k != "dims"})
 
 
 def tasks_per_node(spec: JobSpec, site: SiteProfile) -> int:
@@ -152,31 +157,44 @@ def _check_dp(spec: JobSpec, site: SiteProfile, tpn: int) -> list[str]:
     return []
 
 
-def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
-    """Check spec against site and compute the launch; raises ConfigError with every problem."""
-    errors = cross_check(spec, site)
-    if errors:
-        raise ConfigError([f"{spec.source}: {e}" for e in errors])
-    from hpc.plan import choose  # the planner decides `auto`
-
+def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload: bool | None,
+               reasons: list[str]) -> Launch:
+    """The launch of a checked spec (``cross_check`` found nothing) with the layout the planner chose
+    (``hpc.plan.resolve``); its ``parallel`` is decided here, once (``launch_parallel``)."""
     tpn = tasks_per_node(spec, site)
     world = spec.job.nodes * tpn
-    choice = choose(spec, site, spec.job.nodes)
-    return Launch(
+    launch = Launch(
         nodes=spec.job.nodes,
         tasks_per_node=tpn,
         cpus_per_task=spec.job.cpus_per_task or max(1, site.node.cpus // tpn),
         gpus_per_node=gpus_per_node(spec, site),
         backend=site.backend,
-        dims=choice.dims,
+        dims=dims,
         grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
         partition=spec.job.partition or site.scheduler.partition,
         account=spec.job.account or site.scheduler.account,
         qos=spec.job.qos or site.scheduler.qos,
-        plan_reasons=choice.reasons,
-        cpu_offload=choice.cpu_offload,
+        plan_reasons=reasons,
+        cpu_offload=cpu_offload,
     )
+    return dataclasses.replace(launch, parallel=launch_parallel(spec, launch))
+
+
+def refit(spec: JobSpec, site: SiteProfile, launch: Launch, world_size: int, local_world: int) -> Launch:
+    """``launch`` for a run folder started at another world size (``torchrun --nproc_per_node=4`` on a
+    folder resolved for 2): ``cross_check`` at that size, then its layout and grad_accum. Raises
+    ConfigError stating the numbers when they do not fit."""
+    if world_size % local_world:
+        raise ConfigError(f"{world_size} ranks do not divide into nodes of {local_world}")
+    nodes = world_size // local_world
+    resized = dataclasses.replace(spec, job=dataclasses.replace(spec.job, nodes=nodes, tasks_per_node=local_world))
+    errors = cross_check(resized, site)
+    if errors:
+        raise ConfigError([f"{spec.source}: started with {world_size} ranks: {e}" for e in errors])
+    dims = parallel_dims(launch.dims.strategy, launch.dims.sharding, world_size, local_world, spec.parallel.shard_size)
+    return dataclasses.replace(launch, nodes=nodes, tasks_per_node=local_world, dims=dims,
+                               grad_accum=spec.train.global_batch // (world_size * spec.train.micro_batch))
 
 
 def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str) -> dict[str, tp.Any]:
@@ -192,7 +210,18 @@ def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir:
 
 def launch_parallel(spec: JobSpec, launch: Launch) -> Parallel:
     """The spec's ``[parallel]`` with its `auto` values decided as the planner did: ``cpu_offload`` by the
-    resolved launch, ``mixed_precision`` by the site (bf16 where it has GPUs, i.e. runs NCCL)."""
+    resolved launch, ``mixed_precision`` by the site (bf16 where it has GPUs, i.e. runs NCCL). The one
+    decision: ``launch_for`` records it in ``launch.parallel``; ``decided_parallel`` reads it back."""
+    if launch.parallel is not None:
+        return launch.parallel
     offload = spec.parallel.cpu_offload if launch.cpu_offload is None else launch.cpu_offload
     precision = compute_precision(spec.parallel.mixed_precision, launch.backend == "nccl")
     return dataclasses.replace(spec.parallel, cpu_offload=offload, mixed_precision=precision)
+
+
+def decided_parallel(spec: JobSpec, launch: Launch) -> Launch:
+    """``launch`` with its ``parallel`` recorded (a resolved.json from before it was: decided now, the
+    same way); what the trainer reads its run folder into."""
+    if launch.parallel is not None:
+        return launch
+    return dataclasses.replace(launch, parallel=launch_parallel(spec, launch))

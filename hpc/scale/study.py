@@ -20,7 +20,8 @@ from pathlib import Path
 
 from hpc.core import runs
 from hpc.core.config import ConfigError
-from hpc.core.resolve import resolve, tasks_per_node
+from hpc.core.resolve import tasks_per_node
+from hpc.plan.resolve import resolve
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, load_spec
 from hpc.core.validate import INT32_MAX

@@ -30,7 +30,8 @@ def gpu_site(gpus: int) -> dict:
 
 
 def gpu_run(root: Path, name: str, gpus: int, overrides: list[str]) -> Path:
-    from hpc.core.resolve import resolve, resolved_document
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
     from hpc.core.site import parse_site
     from hpc.core.spec import load_spec
 

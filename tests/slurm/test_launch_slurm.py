@@ -7,7 +7,8 @@ import subprocess
 import sys
 import time
 
-from hpc.core.resolve import resolve, resolved_document
+from hpc.core.resolve import resolved_document
+from hpc.plan.resolve import resolve
 from hpc.core.runs import new_run_dir
 from hpc.core.site import load_site
 from hpc.core.spec import load_spec

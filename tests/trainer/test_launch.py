@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc.core.resolve import resolve, resolved_document
+from hpc.core.resolve import resolved_document
+from hpc.plan.resolve import resolve
 from hpc.core.site import load_site
 from hpc.core.spec import load_spec
 from trainer.dist import rendezvous_port

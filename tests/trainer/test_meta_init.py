@@ -210,7 +210,7 @@ def test_a_tied_head_stays_tied_after_materialization(strategy, world):
     it again, or the model silently trains an untied head and counts its parameters twice."""
     from hpc.dryrun.fake_pg import fake_process_group
     from hpc.core.models import gpt_shape
-    from hpc.core.resolve import resolve
+    from hpc.plan.resolve import resolve
     from hpc.core.site import load_site
     from hpc.core.spec import spec_from_dict
     from trainer.train import build_parallel_model

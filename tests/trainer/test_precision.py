@@ -8,7 +8,7 @@ import torch
 
 from hpc.core.config import ConfigError
 from hpc.plan import plan_job
-from hpc.core.resolve import resolve
+from hpc.plan.resolve import resolve
 from hpc.core.site import load_site
 from hpc.core.spec import Parallel, compute_precision, load_spec, spec_from_dict
 from trainer.run import Run

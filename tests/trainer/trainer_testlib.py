@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpc.core.resolve import resolve, resolved_document
+from hpc.core.resolve import resolved_document
+from hpc.plan.resolve import resolve
 from hpc.core.site import load_site
 from hpc.core.spec import load_spec
 
