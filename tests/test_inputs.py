@@ -21,6 +21,8 @@ import pytest
 
 from hpc.login import roots
 from hpc.core import validate
+from hpc.schedulers.slurm import limits as slurm_limits
+from hpc.schedulers.slurm import options as slurm_options
 from hpc.core.config import ConfigError, load_json_bounded
 from hpc.login.render import render
 from hpc.schedulers.slurm.scheduler import setup_lines, slurm_parameters
@@ -392,17 +394,17 @@ def test_toml_nesting_scanner_skips_strings_and_comments():
 
 
 def test_sbatch_abbreviation_rule_is_prefix_based():
-    assert validate.check_sbatch_key("k", "exclusive") == []
-    assert validate.check_sbatch_key("k", "gres-flags") == []
-    assert validate.check_sbatch_key("k", "time-min") == []
+    assert slurm_options.check_sbatch_key("k", "exclusive") == []
+    assert slurm_options.check_sbatch_key("k", "gres-flags") == []
+    assert slurm_options.check_sbatch_key("k", "time-min") == []
     for key in ("outp", "ou", "e", "ex", "job", "t", "no-re", "sig", "part", "acc", "gpus-per"):
-        assert validate.check_sbatch_key("k", key), key
+        assert slurm_options.check_sbatch_key("k", key), key
 
 
 def test_slurm_parameters_pass_bounds_through(tmp_path: Path):
     site = load_site(str(site_with(tmp_path, "")))
-    spec = load_spec(JOB, ["job.nodes=1", f"job.time_limit_min={validate.SLURM_TIME_MAX_MIN}",
-                           f"job.signal_lead_s={validate.SLURM_SIGNAL_MAX}"])
+    spec = load_spec(JOB, ["job.nodes=1", f"job.time_limit_min={slurm_limits.SLURM_TIME_MAX_MIN}",
+                           f"job.signal_lead_s={slurm_limits.SLURM_SIGNAL_MAX}"])
     params = slurm_parameters(spec, site, resolve(spec, site), str(tmp_path / "run"), "/venv/bin/python")
     assert (params["time"], params["signal_delay_s"]) == (35_791_393, 65_535)
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hpc.schedulers.base import UNREACHABLE
-from hpc.schedulers.slurm.scheduler import SlurmScheduler, controller_addresses, expand_hostlist, tasks_on_node
+from hpc.schedulers.slurm.ranks import expand_hostlist, tasks_on_node
+from hpc.schedulers.slurm.scheduler import SlurmScheduler, controller_addresses
 from tests.conftest import REPO
 
 

@@ -42,8 +42,8 @@ from hpc.core import requeue as policy_
 from hpc.core import runs
 from hpc import schedulers
 from hpc.core.requeue import requeue_verdict
-from hpc.schedulers.base import JobSide
-from hpc.schedulers.local.scheduler import process_start_time, wait_since_last_stop
+from hpc.core.procs import process_start_time
+from hpc.schedulers.base import JobSide, wait_since_last_stop
 from hpc.core.spec import Checkpoint
 from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir,
                                 wait_pending)

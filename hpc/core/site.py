@@ -36,7 +36,7 @@ class Scheduler:
                                choices=("gpus-per-node", "gres", "none"))
     signal_lead_s: int = field(120, doc="Seconds before the time limit at which Slurm sends USR2 "
                                "(`--signal=USR2@LEAD`); must exceed the expected checkpoint save time.",
-                               minimum=1, maximum=v.SLURM_SIGNAL_MAX)
+                               minimum=1, maximum=schedulers.LIMITS["signal_lead_s"])
     max_nodes: int = field(0, doc="Largest job this site can run, in nodes (0: unknown).", minimum=0)
     sbatch: dict[str, str | int | bool] = field(
         doc="Extra sbatch options for every job, e.g. {constraint = \"h100\", exclusive = true}: long option "
@@ -51,15 +51,15 @@ class Scheduler:
 @dataclass
 class Node:
     gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend).", minimum=0,
-                      maximum=v.SLURM_U16_MAX)
+                      maximum=schedulers.LIMITS["gpus"])
     gpu_model: str = field("", doc="GPU model name, e.g. `NVIDIA H100 80GB HBM3`.")
     gpu_memory_gb: float = field(0.0, doc="Memory per GPU in GB (1e9 bytes).", minimum=0)
     gpu_peak_tflops: float = field(0.0, doc="Dense bf16 peak per GPU in TFLOP/s, for MFU (0: unknown).",
                                    minimum=0)
-    cpus: int = field(1, doc="CPU cores per node.", minimum=1, maximum=v.SLURM_U16_MAX)
+    cpus: int = field(1, doc="CPU cores per node.", minimum=1, maximum=schedulers.LIMITS["cpus"])
     memory_gb: float = field(0.0, doc="Host memory per node in GB (0: unknown).", minimum=0)
     tasks: int = field(0, doc="Tasks per node on CPU sites (0: one per GPU, or 1 without GPUs).", minimum=0,
-                       maximum=v.SLURM_U16_MAX)
+                       maximum=schedulers.LIMITS["tasks"])
     intra_link: str = field("none", doc="Link between the GPUs of a node.",
                             choices=("nvswitch", "nvlink", "pcie", "none"))
     intra_bandwidth_gbs: float = field(0.0, doc="Per-GPU bus bandwidth inside a node, GB/s.", minimum=0)
@@ -165,7 +165,7 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     errors += check_table("nccl", nccl, dict[str, str]) or v.check_nccl(nccl)
     sections = build_document(SECTIONS, doc, errors)
     # fields that failed their type checks were left at their defaults: these see only good values
-    errors += v.check_sbatch(sections["scheduler"].sbatch)
+    errors += schedulers.section_problems(sections["scheduler"])
     errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
     if not errors:  # cross-checks only make sense on well-typed fields
@@ -176,10 +176,7 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
 
 
 def cross_check_site(site: SiteProfile) -> list[str]:
-    errors = []
-    if site.node.gpus and site.scheduler.gpu_directive == "none" and site.multi_node:
-        errors.append(f"`scheduler.gpu_directive` = 'none' but `node.gpus` = {site.node.gpus}: "
-                      "expected 'gpus-per-node' or 'gres' on a GPU site")
+    errors = schedulers.site_problems(site)  # its kind's own (Slurm: the GPU directive)
     if site.node.gpus and not site.node.gpu_memory_gb:
         errors.append(f"`node.gpu_memory_gb` is unset but `node.gpus` = {site.node.gpus}: expected the memory per GPU")
     if site.node.gpus > 1 and site.node.intra_link == "none":

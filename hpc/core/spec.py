@@ -11,6 +11,7 @@ import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc import schedulers
 from hpc.core import validate as v
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml
 from hpc.core.models import preset_counts
@@ -26,18 +27,18 @@ class Job:
                       "name: printable, not empty, not starting with `-`.", max_len=v.NAME_MAX)
     nodes: int = field(1, doc="Number of nodes.", minimum=1)
     tasks_per_node: int = field(0, doc="Tasks (ranks) per node; one per GPU. 0: the site's GPUs per "
-                                "node, or its CPU task count.", minimum=0, maximum=v.SLURM_U16_MAX)
+                                "node, or its CPU task count.", minimum=0, maximum=schedulers.LIMITS["tasks"])
     cpus_per_task: int = field(0, doc="CPU cores per task (0: the node's cores divided by the tasks).",
-                               minimum=0, maximum=v.SLURM_U16_MAX)
+                               minimum=0, maximum=schedulers.LIMITS["cpus"])
     time_limit_min: int = field(60, doc="Wall-clock limit in minutes (`--time`).", minimum=1,
-                                maximum=v.SLURM_TIME_MAX_MIN)
+                                maximum=schedulers.LIMITS["time_limit_min"])
     partition: str | None = field(None, doc="Overrides the site's partition.")
     account: str | None = field(None, doc="Overrides the site's account.")
     qos: str | None = field(None, doc="Overrides the site's QOS.")
     max_requeues: int = field(3, doc="How many times a preempted or timed-out job is requeued.",
-                              minimum=0, maximum=v.SLURM_U16_MAX)
+                              minimum=0, maximum=schedulers.LIMITS["requeues"])
     signal_lead_s: int = field(0, doc="Seconds of warning before the time limit (0: the site's value).",
-                               minimum=0, maximum=v.SLURM_SIGNAL_MAX)
+                               minimum=0, maximum=schedulers.LIMITS["signal_lead_s"])
     site: str | None = field(None, doc="Site profile to use when neither --site nor $HPCX_SITE is given.")
     run_root: str | None = field(None, doc="Where this job's run folder goes (default: the site's run root). "
                                  "Absolute, or starting with `~` or `$VAR` (expanded when the spec is "

@@ -2,6 +2,6 @@
 
 import sys
 
-from hpc.core.requeue import main
+from hpc.schedulers.slurm.requeue import main  # the one kind whose script runs a check after its tasks
 
 sys.exit(main(sys.argv[1:]))

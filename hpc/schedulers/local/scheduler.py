@@ -23,7 +23,7 @@ from hpc import compat
 from hpc.core.errors import UserError
 from hpc.core.procs import pid_alive
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
-                                 result_path, task_command)
+                                 result_path, task_command, wait_since_last_stop)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
@@ -132,7 +132,7 @@ class LocalScheduler(Scheduler):
     kind = "local"
 
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
-        from hpc.schedulers.executors import LocalExecutor
+        from hpc.schedulers.local.executor import LocalExecutor
 
         # LocalExecutor directly: AutoExecutor does not pass signal_delay_s through to it
         executor = LocalExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
@@ -177,34 +177,6 @@ class LocalScheduler(Scheduler):
             except ProcessLookupError:
                 continue
         return [f"task pid {pid}" for pid in pids]
-
-
-def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
-    """This process's start minus the previous stop (after a requeue) or ``job.json``'s ``submitted_at``
-    (first start); unknown when the previous incarnation died without a stop line."""
-    if ledger and ledger[-1].get("event") == "start":
-        return None, "unknown"
-    if ledger and ledger[-1].get("event") == "stop":
-        reference, source = ledger[-1].get("time"), "ledger"
-    else:
-        from hpc.core.runs import RunDir
-
-        reference, source = RunDir(run_dir).read_job().get("submitted_at"), "job.json"
-    if reference is None:
-        return None, "unknown"
-    return max(0.0, process_start_time() - float(reference)), source
-
-
-def process_start_time() -> float:
-    """When this process started (epoch seconds, from /proc), else now."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime", encoding="ascii") as f:
-            boot = time.time() - float(f.read().split()[0])  # btime is whole seconds; uptime has 10 ms
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
 
 
 class LocalJobSide(JobSide):

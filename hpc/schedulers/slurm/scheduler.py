@@ -23,9 +23,10 @@ import typing as tp
 from pathlib import Path
 
 from hpc.core.errors import UserError
-from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, Scheduler,
-                                 task_command, try_command, unknown)
-from hpc.core.validate import directive_value
+from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv, Scheduler,
+                                 task_command, try_command, unknown, wait_since_last_stop)
+from hpc.schedulers.slurm import ranks
+from hpc.schedulers.slurm.options import check_sbatch, directive_value
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
@@ -115,46 +116,6 @@ def render_sbatch(params: dict[str, tp.Any], python: str, folder: str) -> str:
     from hpc.compat import make_sbatch_string
 
     return make_sbatch_string(command=task_command(python, folder), folder=folder, **params)
-
-
-# ---------------------------------------------------------------- Slurm's task variables (pure)
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """``n[1-3,7],gpu-a[01-02]`` → ``n1 n2 n3 n7 gpu-a01 gpu-a02`` (Slurm's compressed host lists;
-    zero padding kept, several bracket groups per name allowed)."""
-    hosts: list[str] = []
-    for item in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", text.strip()):
-        hosts += _expand_one(item)
-    return hosts
-
-
-def _expand_one(item: str) -> list[str]:
-    match = re.search(r"\[([^\]]*)\]", item)
-    if match is None:
-        return [item]
-    head, tail = item[:match.start()], item[match.end():]
-    out = []
-    for part in match.group(1).split(","):
-        low, _, high = part.partition("-")
-        width = len(low)
-        for n in range(int(low), int(high or low) + 1):
-            out += [f"{head}{n:0{width}d}{rest}" for rest in _expand_one(tail)]
-    return out
-
-
-def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
-    """Tasks of this step on node ``node_id``, from ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``)."""
-    counts: list[int] = []
-    for part in tasks_per_node.split(","):
-        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
-        if match is None:
-            raise ValueError(f"SLURM_STEP_TASKS_PER_NODE={tasks_per_node!r}: expected counts like 2(x3),1")
-        counts += [int(match.group(1))] * int(match.group(2) or 1)
-    if not 0 <= node_id < len(counts):
-        raise ValueError(f"node {node_id} is not among the {len(counts)} nodes of SLURM_STEP_TASKS_PER_NODE="
-                         f"{tasks_per_node!r}")
-    return counts[node_id]
 
 
 # ---------------------------------------------------------------- scontrol output
@@ -278,10 +239,20 @@ class SlurmScheduler(Scheduler):
     kind = "slurm"
     multi_node = True
 
+    @staticmethod
+    def section_problems(section: tp.Any) -> list[str]:
+        return check_sbatch(section.sbatch)
+
+    def site_problems(self, site: SiteProfile) -> list[str]:
+        if site.node.gpus and site.scheduler.gpu_directive == "none":
+            return [f"`scheduler.gpu_directive` = 'none' but `node.gpus` = {site.node.gpus}: "
+                    "expected 'gpus-per-node' or 'gres' on a GPU site"]
+        return []
+
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
         import sys
 
-        from hpc.schedulers.executors import SlurmExecutor
+        from hpc.schedulers.slurm.executor import SlurmExecutor
 
         executor = SlurmExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
         executor.update_parameters(**slurm_parameters(spec, site, launch, str(Path(folder).parent), sys.executable))
@@ -337,6 +308,18 @@ class SlurmJobSide(JobSide):
 
     kind = "slurm"
 
+    @classmethod
+    def started_this_task(cls, env: tp.Mapping[str, str]) -> bool:
+        """submitit's Slurm executor, or a task of a plain ``srun`` (a Slurm step, no torchrun); inside a job."""
+        executor = env.get("SUBMITIT_EXECUTOR", "")
+        if not executor and env.get("SLURM_STEP_ID") and "RANK" not in env:
+            executor = "slurm"
+        return executor == "slurm" and bool(env.get("SLURM_JOB_ID"))
+
+    @staticmethod
+    def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
+        return ranks.rank_env(env)
+
     def job_id(self) -> str | None:
         return os.environ.get("SLURM_JOB_ID")
 
@@ -383,6 +366,4 @@ class SlurmJobSide(JobSide):
         start, submit = scontrol_seconds(fields.get("StartTime", "")), scontrol_seconds(fields.get("SubmitTime", ""))
         if start is not None and submit is not None:
             return max(0.0, start - submit), "scontrol"
-        from hpc.schedulers.local.scheduler import wait_since_last_stop
-
         return wait_since_last_stop(run_dir, ledger)

@@ -1,4 +1,4 @@
-"""submitit's executors with hpcx's task command (``hpc.schedulers.base.task_command``).
+"""submitit's Slurm executor with hpcx's task command (``hpc.schedulers.base.task_command``).
 
 Imported only when a job is submitted: submitit and its dependencies are not needed before.
 """
@@ -12,7 +12,3 @@ from hpc.schedulers.base import TaskCommand
 
 class SlurmExecutor(TaskCommand, submitit.SlurmExecutor):
     """submitit's ``SlurmExecutor``; each task runs ``task_command``."""
-
-
-class LocalExecutor(TaskCommand, submitit.LocalExecutor):
-    """submitit's ``LocalExecutor``; each task runs ``task_command``."""
