@@ -10,8 +10,8 @@ import pytest
 from hpc.plan.comm import Group, Link, group_link, ring_bytes, ring_seconds, step_comm
 from hpc.core.config import ConfigError
 from hpc.plan.memory import GB, Config, model_states
-from hpc.core.models import gpt_facts
-from hpc.core.models import gpt_shape
+from hpc.core.models.gpt import gpt_facts
+from hpc.core.models.gpt import gpt_shape
 from hpc.core.dims import ParallelDims, parallel_dims
 from hpc.plan import Choice, choose, format_plan, plan_job
 from hpc.core.site import load_site, parse_site

@@ -19,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from hpc.plan.memory import Config, model_states  # noqa: E402
-from hpc.core.models import gpt_shape  # noqa: E402
+from hpc.core.models.gpt import gpt_shape  # noqa: E402
 from hpc.core.dims import ParallelDims, parallel_dims  # noqa: E402
 from hpc.core.spec import spec_from_dict  # noqa: E402
 

@@ -10,7 +10,8 @@ import textwrap
 import pytest
 
 from hpc.core.config import ConfigError
-from hpc.core.models import GPT_PRESETS, GPTShape, count_text, model_facts, spec_shape
+from hpc.core.models import count_text, model_facts
+from hpc.core.models.gpt import GPT_PRESETS, GPTShape, spec_shape
 from hpc.plan import choose, format_plan, plan_job
 from hpc.core.spec import spec_from_dict
 

@@ -16,7 +16,7 @@ import pytest
 
 from hpc.core.dims import parallel_dims
 from hpc.plan.memory import GB, Config, Memory, estimate, init_bytes, sharded_numel, staging_bytes
-from hpc.core.models import GPT_PRESETS, gpt_facts, gpt_shape
+from hpc.core.models.gpt import GPT_PRESETS, gpt_facts, gpt_shape
 from hpc.plan import format_plan, plan_job
 from hpc.plan.rows import Row
 from hpc.core.site import load_site, parse_site

@@ -103,7 +103,7 @@ def measure(size: str, world: int, old: bool) -> list[dict]:
 
 
 def report(size: str, world: int, records: list[dict], label: str) -> None:
-    from hpc.core.models import GPT_PRESETS
+    from hpc.core.models.gpt import GPT_PRESETS
 
     module = 4 * GPT_PRESETS[size].largest_module_params
     for rank, r in enumerate(records):

@@ -21,8 +21,8 @@ import time
 def model(size: str, fsdp: bool):
     import torch
 
-    from hpc.core.models import gpt_shape
-    from trainer.model import GPT
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.models.gpt import GPT
 
     torch.manual_seed(0)
     gpt = GPT(gpt_shape(size))

@@ -177,8 +177,9 @@ def hand_model(run, rank: int):
     units; the output side stays gathered after forward, as backward needs it first), then the root."""
     import torch
 
-    from hpc.core.models import gpt_shape
-    from trainer.model import GPT, WeightInit
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.model import WeightInit
+    from trainer.models.gpt import GPT
 
     spec, dims = run.spec, run.launch.dims
     model = GPT(gpt_shape(spec.model.size, spec.model.seq_len), spec.model.dropout)

@@ -52,10 +52,10 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
 def _counted_facts(model: tp.Any) -> tp.Any:
     """A user model's facts from a meta-device build (torch, on request only), with a note saying
     what to state in the spec so `auto` and `submit` plan with the same numbers."""
-    from hpc.core.models import model_facts
+    from hpc.core.models import counted_by_building, model_facts
 
-    if model.arch == "gpt":
-        return model_facts(model)  # the built-in GPT's count follows from its shape: nothing to build
+    if not counted_by_building(model):
+        return model_facts(model)  # a built-in family's count follows from its shape: nothing to build
     from trainer.count import count_model
 
     counted = count_model(model)

@@ -14,7 +14,7 @@ from pathlib import Path
 from hpc import schedulers
 from hpc.core import validate as v
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml
-from hpc.core.models import preset_counts
+from hpc.core.models.gpt import preset_counts
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")

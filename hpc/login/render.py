@@ -5,6 +5,7 @@ byte for byte what ``hpcx submit`` sends), and ``render_summary`` explains the l
 from __future__ import annotations
 
 from hpc import schedulers
+from hpc.core.models import code_notice
 from hpc.core.resolve import Launch
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
@@ -29,13 +30,9 @@ def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
 
 
 def user_code_notice(spec: JobSpec) -> str | None:
-    """What a `module:function` model means: that code is imported and called in every task."""
-    if spec.model.arch == "gpt":
-        return None
-    module, function = spec.model.arch.split(":", 1)
-    kwargs = ", ".join(spec.model.kwargs) or "no kwargs"
-    return (f"user code: every task will import the Python module {module!r} and call {function}({kwargs}) "
-            "(model.arch); it runs with your permissions, so check it is the code you mean")
+    """What the model means for the tasks, from its family (a `module:function` model: that code is
+    imported and called in every task); None for the built-in families."""
+    return code_notice(spec.model)
 
 
 def render(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:

@@ -13,8 +13,8 @@ What is modelled, and why (see docs/planner.md for the derivations):
 - Buffers: what exists only during a step (FSDP units gathered and prefetched, unsharded
   unit gradients before the reduce-scatter, DDP's gradient buckets, autocast's low-precision
   weight copies).
-- Activations of the built-in GPT (Korthikanti et al. 2022 accounting with fused SDPA
-  attention), with and without per-block activation checkpointing.
+- Activations: each model family's own (``hpc.core.models``; the built-in GPT's is Korthikanti et
+  al. 2022 accounting with fused SDPA attention, with and without per-block checkpointing).
 - Start-up and checkpoint peaks (separate terms, beside the training total): ``init_bytes``
   while the trainer materializes the model (``trainer.model.WeightInit``), ``staging_bytes``
   for the host copy checkpoint saves keep.
@@ -27,7 +27,8 @@ import typing as tp
 from dataclasses import dataclass
 
 from hpc.core.dims import ParallelDims
-from hpc.core.models import GPTShape, ModelFacts
+from hpc.core import models
+from hpc.core.models import ModelFacts, compute_bytes
 
 GB = 1e9
 PARAM_BYTES = 4  # stored parameters: fp32 under every strategy (see module docstring)
@@ -39,12 +40,6 @@ CONTEXT_GB = 2.0  # CUDA context (~0.5-1 GB) + NCCL communicator buffers (~1 GB)
 FRAGMENTATION = 0.10  # caching-allocator fragmentation, as a fraction of the estimate
 CPU_PROCESS_GB = 0.5  # a Python process with torch imported, per rank, on CPU sites
 HOST_USABLE = 0.8  # share of a node's RAM the planner lets offloaded states use
-LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gradient in and out
-
-
-def compute_bytes(mixed_precision: str) -> int:
-    """Bytes per element of compute tensors: 2 under bf16/fp16, 4 in fp32."""
-    return 4 if mixed_precision == "none" else 2
 
 
 @dataclass(frozen=True)
@@ -135,69 +130,11 @@ def _dtype(c: int) -> str:
     return "fp32" if c == 4 else "bf16/fp16"
 
 
-def residual_bytes(mixed_precision: str, autocast: bool) -> int:
-    """Bytes per element of the residual stream and the LayerNorm inputs. Under autocast (ddp, none)
-    the embeddings and the residual adds stay fp32 and LayerNorm runs in fp32; only the matmuls
-    and attention run in bf16/fp16. FSDP2's ``param_dtype`` makes every weight, so every tensor,
-    bf16/fp16."""
-    return 4 if autocast else compute_bytes(mixed_precision)
-
-
-@dataclass(frozen=True)
-class Activations:
-    """Activation bytes of one micro-batch."""
-
-    held: float  # at the end of forward: what autograd saved, plus the logits the training loop holds
-    peak: float  # the most alive at once, during backward
-
-
-def gpt_activations(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                    dropout: float = 0.0, autocast: bool = False) -> Activations:
-    """The built-in GPT's activation bytes of one micro-batch.
-
-    Per block and token, Korthikanti et al. (2022) count 16 elements of h (two LayerNorm inputs,
-    the attention's and MLP's matmul inputs and outputs), two 1-byte dropout masks and 5·a·s bytes
-    for the attention matrix; fused SDPA stores no s×s matrix, only an fp32 log-sum-exp per head.
-    The two LayerNorm inputs are the residual stream (fp32 under autocast, ``residual_bytes``);
-    LayerNorm also keeps a mean and a reciprocal std per token. The peak is at the loss's backward
-    (all blocks' activations, the logits the loop holds, fp32 log-softmax and its gradient in and
-    out) or, when that is smaller, inside the last block's backward. With checkpointing, each block
-    keeps its input and one block is recomputed at a time. ``held`` is checked against autograd's
-    saved tensors (tests/test_plan_activations.py), ``peak`` against the CPU allocator
-    (bench/activation_memory).
-    """
-    c, r = compute_bytes(mixed_precision), residual_bytes(mixed_precision, autocast)
-    tokens, d = micro_batch * shape.seq_len, shape.d_model
-    masks = 2 if dropout > 0 else 0
-    block = tokens * d * (14 * c + 2 * r + masks) + tokens * 4 * r + tokens * shape.n_heads * 4
-    head = tokens * d * (r + c) + 2 * tokens * r  # ln_f input (residual) and output (the head's input)
-    logits = tokens * shape.vocab_size * c
-    log_probs = tokens * shape.vocab_size * 4  # cross_entropy's fp32 log-softmax, saved for backward
-    loss = tokens * shape.vocab_size * LOGIT_BYTES  # … plus its fp32 gradient in and out
-    grads = tokens * d * (r + 4 * c)  # the MLP's backward: residual gradient + 4h-wide input gradient
-    small = tokens * 16 + (tokens * d if dropout > 0 else 0)  # token ids and targets; embedding dropout mask
-    if checkpointing:
-        kept = shape.n_layers * tokens * d * r
-        return Activations(kept + head + logits + log_probs + small,
-                           kept + logits + max(head + loss, block + grads) + small)
-    kept = shape.n_layers * block
-    return Activations(kept + head + logits + log_probs + small, kept + logits + max(head + loss, grads) + small)
-
-
-def gpt_activation_bytes(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                         dropout: float = 0.0, autocast: bool = False) -> float:
-    """Activation memory of one micro-batch at its peak (``gpt_activations(...).peak``)."""
-    return gpt_activations(shape, micro_batch, checkpointing, mixed_precision, dropout, autocast).peak
-
-
 def activation_bytes(facts: ModelFacts, cfg: Config) -> float | None:
-    """The GPT's activations from its shape; a user model's measured figure; else None."""
-    if facts.gpt is not None:
-        return gpt_activation_bytes(facts.gpt, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision,
-                                    cfg.dropout, autocast=not cfg.dims.fsdp_enabled)
-    if facts.activation_gb_per_sample:
-        return facts.activation_gb_per_sample * GB * cfg.micro_batch
-    return None
+    """Activation bytes of one micro-batch at its peak, from the model's family (``hpc.core.models``);
+    None when unknown."""
+    return models.activation_bytes(facts, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision, cfg.dropout,
+                                   autocast=not cfg.dims.fsdp_enabled)
 
 
 def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | None:

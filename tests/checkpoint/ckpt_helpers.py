@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc.core.models import GPTShape
-from trainer.model import GPT
+from hpc.core.models.gpt import GPTShape
+from trainer.models.gpt import GPT
 
 HERE = Path(__file__).resolve().parent
 SHAPE = GPTShape(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=64)

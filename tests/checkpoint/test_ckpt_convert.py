@@ -19,7 +19,7 @@ from ckpt_helpers import SHAPE, build, train_step  # noqa: E402
 from hpc.cli.ckpt import ckpt_group  # noqa: E402
 from hpc.core.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from trainer.model import GPT  # noqa: E402
+from trainer.models.gpt import GPT  # noqa: E402
 
 
 def cli(*args: str) -> tuple[int, str]:

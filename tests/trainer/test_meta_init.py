@@ -21,7 +21,8 @@ from torch import nn
 
 from hpc.core.dims import parallel_dims
 from hpc.core.spec import Model
-from trainer.model import GPT, WeightInit, build_model, model_blocks, module_seed
+from trainer.model import WeightInit, build_model, model_blocks, module_seed
+from trainer.models.gpt import GPT
 from trainer_testlib import make_run, torchrun
 
 GPT_UNEVEN = ["model.seq_len=30", "model.vocab_size=250"]  # pos_emb and head rows split 8/8/8/6 over 4
@@ -209,7 +210,7 @@ def test_a_tied_head_stays_tied_after_materialization(strategy, world):
     """``to_empty`` gives each module its own tensor; the head tied to the token embedding must share
     it again, or the model silently trains an untied head and counts its parameters twice."""
     from hpc.dryrun.fake_pg import fake_process_group
-    from hpc.core.models import gpt_shape
+    from hpc.core.models.gpt import gpt_shape
     from hpc.plan.resolve import resolve
     from hpc.core.site import load_site
     from hpc.core.spec import spec_from_dict
