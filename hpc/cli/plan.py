@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
 import typing as tp
-from pathlib import Path
 
 import click
 
@@ -78,48 +74,8 @@ def detect_command(name: str, topo: str | None, query: str | None, scontrol: str
     assumed and what it could not tell. A matrix cut short, asymmetric or with unknown cells is
     refused (exit 2). Without Slurm the draft is a `local` site for this machine.
     """
-    from hpc.schedulers.slurm.detect import Host, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml
+    from hpc.schedulers.slurm.detect import detect_site
 
-    problems: list[str] = []
-    topo_text = _text(topo, ["nvidia-smi", "topo", "-m"], problems)
-    query_text = _text(query, ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv"], problems)
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
-    slurm_text = _text(scontrol, ["scontrol", "show", "node", node], problems)
-    parsed_topo = _parse(parse_topo, topo_text, topo or "`nvidia-smi topo -m`")
-    parsed_query = _parse(parse_query_gpu, query_text, query or "`nvidia-smi --query-gpu`")
-    parsed_slurm = _parse(parse_scontrol_nodes, slurm_text, scontrol or "`scontrol show node`")
-    host = None if topo or query else Host.here()  # this machine's CPUs and memory, when it is the GPU node
-    try:
-        draft = draft_site(name, parsed_topo, parsed_query, parsed_slurm or None, host)
-    except ValueError as exc:
-        raise ConfigError([f"{topo or 'nvidia-smi'}: {exc}"]) from None
-    draft.unknown[:0] = problems
-    click.echo(render_toml(draft), nl=False)
+    click.echo(detect_site(name, topo, query, scontrol), nl=False)
 
 
-def _text(path: str | None, command: list[str], problems: list[str]) -> str | None:
-    if path:
-        try:
-            return Path(path).read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise ConfigError([f"{path}: cannot read: {exc}"]) from None
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        problems.append(f"could not run `{' '.join(command)}`: {exc}")
-        return None
-    if done.returncode != 0:
-        problems.append(f"`{' '.join(command)}` exited {done.returncode}: {done.stderr.strip()[:200]}")
-        return None
-    return done.stdout
-
-
-def _parse(parser: tp.Callable[[str], tp.Any], text: str | None, source: str) -> tp.Any:
-    """Parsed output, or None when there was none; output that does not parse is refused (a draft built
-    on half of it would be confidently wrong)."""
-    if text is None:
-        return None
-    try:
-        return parser(text)
-    except ValueError as exc:
-        raise ConfigError([f"{source}: {exc}"]) from None

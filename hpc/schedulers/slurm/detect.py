@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import subprocess
+import typing as tp
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc.core.config import ConfigError
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NV = re.compile(r"^NV(\d+)$")
@@ -475,3 +481,54 @@ def render_toml(d: Draft) -> str:
         if table:
             out += ["", f"[{section}]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
     return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- `hpcx site detect`
+
+
+def detect_site(name: str, topo: str | None, query: str | None, scontrol: str | None) -> str:
+    """The draft profile's TOML, from this node's nvidia-smi and scontrol or from the saved outputs
+    given (paths); ConfigError when an output does not parse or the GPU matrix is refused."""
+    problems: list[str] = []
+    topo_text = _text(topo, ["nvidia-smi", "topo", "-m"], problems)
+    query_text = _text(query, ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv"], problems)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    slurm_text = _text(scontrol, ["scontrol", "show", "node", node], problems)
+    parsed_topo = _parse(parse_topo, topo_text, topo or "`nvidia-smi topo -m`")
+    parsed_query = _parse(parse_query_gpu, query_text, query or "`nvidia-smi --query-gpu`")
+    parsed_slurm = _parse(parse_scontrol_nodes, slurm_text, scontrol or "`scontrol show node`")
+    host = None if topo or query else Host.here()  # this machine's CPUs and memory, when it is the GPU node
+    try:
+        draft = draft_site(name, parsed_topo, parsed_query, parsed_slurm or None, host)
+    except ValueError as exc:
+        raise ConfigError([f"{topo or 'nvidia-smi'}: {exc}"]) from None
+    draft.unknown[:0] = problems
+    return render_toml(draft)
+
+
+def _text(path: str | None, command: list[str], problems: list[str]) -> str | None:
+    if path:
+        try:
+            return Path(path).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise ConfigError([f"{path}: cannot read: {exc}"]) from None
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        problems.append(f"could not run `{' '.join(command)}`: {exc}")
+        return None
+    if done.returncode != 0:
+        problems.append(f"`{' '.join(command)}` exited {done.returncode}: {done.stderr.strip()[:200]}")
+        return None
+    return done.stdout
+
+
+def _parse(parser: tp.Callable[[str], tp.Any], text: str | None, source: str) -> tp.Any:
+    """Parsed output, or None when there was none; output that does not parse is refused (a draft built
+    on half of it would be confidently wrong)."""
+    if text is None:
+        return None
+    try:
+        return parser(text)
+    except ValueError as exc:
+        raise ConfigError([f"{source}: {exc}"]) from None
