@@ -13,7 +13,7 @@ from __future__ import annotations
 import typing as tp
 from dataclasses import dataclass
 
-from hpc.core.models import ModelFacts, Counted, compute_bytes, count_text, residual_bytes
+from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
