@@ -1,4 +1,4 @@
-"""hpcx's NCCL model (hpc.collectives), checked three ways: it reproduces the tuning table NCCL itself
+"""hpcx's NCCL model (hpc.plan.collectives), checked three ways: it reproduces the tuning table NCCL itself
 printed in a recorded log, its hierarchical ring matches the rings NCCL built in the recorded 2-node
 H100 logs, and it lands near published nccl-tests figures (tests/data/published, sources there)."""
 
@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from hpc import collectives as nc
-from hpc.comm import Group, group_topology
-from hpc import nccl
-from hpc.site import parse_site
+from hpc.plan import collectives as nc
+from hpc.plan.comm import Group, group_topology
+from hpc.login import nccl
+from hpc.core.site import parse_site
 
 from tests.conftest import REPO, RECORDED
 

@@ -10,14 +10,14 @@ import re
 
 import pytest
 
-from hpc.comm import HOST_LINK_GBS, Comm, Part
-from hpc.memory import DDP_BUCKET_BYTES, GB, HOST_USABLE
+from hpc.plan.comm import HOST_LINK_GBS, Comm, Part
+from hpc.plan.memory import DDP_BUCKET_BYTES, GB, HOST_USABLE
 from hpc.plan import TIE, choose, format_plan, plan_job
 from hpc.plan.explain import _versus
 from hpc.plan.rows import SIMPLICITY_TEXT, cost, fitting, measure
 from hpc.plan.timing import exposed_seconds, phases
-from hpc.render import render_summary
-from hpc.resolve import resolve
+from hpc.login.render import render_summary
+from hpc.plan.resolve import resolve
 
 from tests.test_plan import NVSWITCH_8X80, ONE_24GB, PCIE_4X24, PCIE_4X80, SCENARIOS, site, spec
 
@@ -462,7 +462,7 @@ def test_nothing_fits_advice_names_the_cheapest_change(name, site_kw, spec_kw, c
 
 def test_the_cheapest_change_really_fits_and_nothing_cheaper_does():
     """The advice's pick, planned as a spec with that change, fits; the node counts below it do not."""
-    from hpc.models import model_facts
+    from hpc.core.models import model_facts
     from hpc.plan import setup_of
     from hpc.plan.advice import search
 
@@ -517,7 +517,7 @@ def test_the_recommendation_shows_each_collective_as_nccl_runs_it():
 
 
 def test_advice_on_a_cpu_cluster_searches_nodes_up_to_its_limit():
-    from hpc.site import load_site
+    from hpc.core.site import load_site
 
     where = load_site("sandbox")  # CPU nodes, scheduler.max_nodes = 2
     plan = plan_job(spec("13b", global_batch=8), where)

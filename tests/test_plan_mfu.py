@@ -7,15 +7,15 @@ import pytest
 from click.testing import CliRunner
 
 from hpc import scale
-from hpc.config import ConfigError
+from hpc.core.config import ConfigError
 from hpc.plan import MFU_DEFAULT, compute_seconds, format_plan, plan_job, setup_of
-from hpc.models import model_facts
+from hpc.core.models import model_facts
 from hpc.scale.mfu import study_mfu
 from hpc.scale.report import Study, study_site
 from hpc.scale.study import read_study
-from hpc.scale_cli import scale_group
-from hpc.site import parse_site
-from hpc.site_draft import load_draft, measured_mfu, write_draft
+from hpc.cli.scale import scale_group
+from hpc.core.site import parse_site
+from hpc.core.site_draft import load_draft, measured_mfu, write_draft
 
 from tests.test_plan import spec
 from tests.test_scale import WARM, make_study, states

@@ -9,10 +9,11 @@ import textwrap
 
 import pytest
 
-from hpc.config import ConfigError
-from hpc.models import GPT_PRESETS, GPTShape, count_text, model_facts, spec_shape
+from hpc.core.config import ConfigError
+from hpc.core.models import count_text, model_facts
+from hpc.core.models.gpt import GPT_PRESETS, GPTShape, spec_shape
 from hpc.plan import choose, format_plan, plan_job
-from hpc.spec import spec_from_dict
+from hpc.core.spec import spec_from_dict
 
 from tests.conftest import REPO, hpcx
 from tests.test_plan import NVSWITCH_8X80, ONE_24GB, site
@@ -203,7 +204,7 @@ def test_dryrun_header_prints_the_parameter_count_once():
     """Issue 23: the header said "gpt 70b (65.3B params) (65.27B params)"."""
     pytest.importorskip("torch")
     from hpc.dryrun import model_text
-    from hpc.models import gpt_facts, gpt_shape
+    from hpc.core.models.gpt import gpt_facts, gpt_shape
 
     facts = gpt_facts("gpt 70b", gpt_shape("70b"))
     assert model_text(facts.label, facts.n_params) == "gpt 70b (65.3B params)"

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hpc import runs, scale
-from hpc.config import ConfigError
-from hpc.scale_cli import scale_group
-from hpc.site import load_site
-from hpc.spec import load_spec
+from hpc.core import runs
+from hpc import scale
+from hpc.core.config import ConfigError
+from hpc.cli.scale import scale_group
+from hpc.core.site import load_site
+from hpc.core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "data" / "tiny-scale.toml"
@@ -197,7 +198,7 @@ def test_parse_nodes():
 
 
 def test_start_study_keeps_going_when_one_submission_fails(tmp_path, monkeypatch):
-    from hpc import submit as sub
+    from hpc.login import submit as sub
 
     def fake_submit(spec, site, launch, spec_path, overrides):
         if spec.job.nodes == 2:
@@ -227,7 +228,7 @@ def test_predict_matches_hand_computed_alpha_beta():
     flops_per_token = 6 * (n_params - (256 * 64 + 64 * 64)) + 12 * 2 * 64 * 64
     rows = scale.predict_table(load_spec(TINY), load_site("pcie-4gpu"), [1, 2], "weak")
     one, two = rows
-    # NCCL's tuning model (hpc.collectives; issue 23 replaced the flat α-β ring, so these figures changed)
+    # NCCL's tuning model (hpc.plan.collectives; issue 23 replaced the flat α-β ring, so these figures changed)
     # 1 node: ring/LL128 over 4 ranks on PCIe: 14 µs + 6 hops × 2.5 µs × (8 / 5.7, the site's Simple hop
     # over NCCL's), and 2·3/4 of the bytes at 92 % of 25 GB/s
     assert one["comm_s"] == pytest.approx((14.0 + 6 * 2.5 * 8 / 5.7) * 1e-6 + 1.5 * grad_bytes / (0.92 * 25e9))
@@ -308,7 +309,7 @@ def test_no_torch_or_matplotlib_at_import():
     import subprocess
     import sys
 
-    code = ("import sys, hpc.scale, hpc.scale_cli, hpc.nccl; "
+    code = ("import sys, hpc.scale, hpc.cli.scale, hpc.login.nccl; "
             "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

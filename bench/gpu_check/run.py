@@ -19,7 +19,7 @@ like are picked up as the trainer gains them), reading back metrics.jsonl and le
 With ``--site-draft FILE`` the 1.3b throughput run's MFU, on the planner's basis (the planner's
 compute time at MFU 1 over the measured step: one GPU, no communication; activation checkpointing's
 recompute counted as the planner counts it), is written with its source into a site profile draft
-for this machine (``hpc.site_draft``).
+for this machine (``hpc.core.site_draft``).
 
 Parts that would not fit in the remaining budget are skipped and said so. Figures are printed as
 ratios where a baseline exists; run ``nvidia-smi`` beside it to note the machine.
@@ -73,9 +73,10 @@ class Check:
 
     def make_run(self, name: str, overrides: list[str]) -> Path:
         """A run folder resolved exactly as ``hpcx submit`` would, for this one-GPU machine."""
-        from hpc.resolve import resolve, resolved_document
-        from hpc.site import parse_site
-        from hpc.spec import load_spec
+        from hpc.core.resolve import resolved_document
+        from hpc.plan.resolve import resolve
+        from hpc.core.site import parse_site
+        from hpc.core.spec import load_spec
 
         spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
             "model.seq_len=2048", f"train.steps={self.steps}", "train.warmup_steps=5",
@@ -122,8 +123,8 @@ def steady(run_dir: Path) -> list[dict]:
 def predicted_gb(run_dir: Path) -> float | None:
     """The planner's per-rank estimate (without headroom) for the strategy this run uses."""
     from hpc.plan import plan_job
-    from hpc.site import parse_site
-    from hpc.spec import spec_from_dict
+    from hpc.core.site import parse_site
+    from hpc.core.spec import spec_from_dict
 
     doc = json.loads((run_dir / "resolved.json").read_text())
     site = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}
@@ -135,9 +136,9 @@ def predicted_gb(run_dir: Path) -> float | None:
 def planner_mfu(run_dir: Path, step_s: float) -> float | None:
     """The planner's compute time at MFU 1 for this run over its measured step time."""
     from hpc.plan import compute_seconds, setup_of
-    from hpc.models import model_facts
-    from hpc.site import parse_site
-    from hpc.spec import spec_from_dict
+    from hpc.core.models import model_facts
+    from hpc.core.site import parse_site
+    from hpc.core.spec import spec_from_dict
 
     doc = json.loads((run_dir / "resolved.json").read_text())
     site = parse_site({k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")},
@@ -217,9 +218,9 @@ def fp16_offload(check: Check) -> list[str]:
 
 
 def write_site_draft(check: Check, path: Path) -> None:
-    """This machine as a site draft with the measured MFU (hpc.site_draft); says why when there is none."""
-    from hpc.site import parse_site
-    from hpc.site_draft import write_draft
+    """This machine as a site draft with the measured MFU (hpc.core.site_draft); says why when there is none."""
+    from hpc.core.site import parse_site
+    from hpc.core.site_draft import write_draft
 
     if check.planner_mfu is None:
         print(f"site draft: not written (no throughput run measured an MFU): {path}", flush=True)

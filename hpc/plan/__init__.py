@@ -4,7 +4,7 @@
 hsdp with node-sized and multi-node shard groups, each FSDP layout with CPU offload where the
 spec allows it) and recommends the simplest of those that fit and whose estimated step is within
 ``TIE`` of the fastest; offload rows only when nothing fits without offload. Communication is timed
-with NCCL's own cost model (``hpc.collectives``); when nothing fits, ``hpc.plan.advice`` searches
+with NCCL's own cost model (``hpc.plan.collectives``); when nothing fits, ``hpc.plan.advice`` searches
 the cheapest change that does. ``choose`` is what ``resolve`` calls: an explicit strategy in the spec is
 respected, ``auto`` takes the plan's choice. Pure Python: runs on login nodes without torch.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc.config import ConfigError
-from hpc.dims import ParallelDims, parallel_dims, tasks_per_node
-from hpc.memory import peaks_note
-from hpc.models import ModelFacts, model_facts
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.core.config import ConfigError
+from hpc.core.dims import ParallelDims, parallel_dims, tasks_per_node
+from hpc.plan.memory import peaks_note
+from hpc.core.models import ModelFacts, model_facts
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec
 
 from hpc.plan.advice import advise
 from hpc.plan.explain import plan_notes, recommend, unknown_model

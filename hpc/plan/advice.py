@@ -12,8 +12,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from hpc.models import ModelFacts
-from hpc.site import SiteProfile
+from hpc.core.models import ModelFacts
+from hpc.core.site import SiteProfile
 
 from hpc.plan.explain import _fit_text, _gb, secs
 from hpc.plan.rows import Row, Setup, candidates, evaluate, pick

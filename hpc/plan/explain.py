@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from hpc.comm import HOST_LINK_GBS
-from hpc.dims import parallel_dims
-from hpc.memory import FRAGMENTATION, GB
-from hpc.models import ModelFacts, count_text
-from hpc.site import SiteProfile
+from hpc.plan.comm import HOST_LINK_GBS
+from hpc.core.dims import parallel_dims
+from hpc.plan.memory import FRAGMENTATION, GB
+from hpc.core.models import ModelFacts, count_text
+from hpc.core.site import SiteProfile
 
 from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Plan, Row, Setup, comm_cost, cost, eligible, evaluate, fitting,
                            measure, pick, simplicity, tied)
@@ -32,7 +32,7 @@ def plan_notes(site: SiteProfile, setup: Setup, facts: ModelFacts, strategy: str
                      "(+ the CPU optimizer step under offload)")
     if gpu:
         notes.append("comm s = NCCL's own cost model per call: hierarchical ring, tree or NVLS with LL, LL128 or "
-                     "Simple, the fastest for the call's size (hpc/collectives.py; `--json` has each part's pick)")
+                     "Simple, the fastest for the call's size (hpc/plan/collectives.py; `--json` has each part's pick)")
     if facts.n_params is None:
         notes.append(f"user model {facts.label}: set model.n_params, n_layers and dim, or run "
                      "`hpcx plan --count-params` where torch is installed")

@@ -12,7 +12,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc.models import model_facts
+from hpc.core.models import model_facts
 
 from hpc.scale.predict import predicted_step
 from hpc.scale.report import Study, study_site
