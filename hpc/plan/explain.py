@@ -12,7 +12,7 @@ from hpc.plan.memory import FRAGMENTATION, GB
 from hpc.core.models import ModelFacts, count_text
 from hpc.core.site import SiteProfile
 
-from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Plan, Row, Setup, comm_cost, cost, eligible, evaluate, fitting,
+from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Plan, Row, Setup, cost, eligible, evaluate, fitting,
                            measure, pick, simplicity, tied)
 from hpc.plan.timing import CPU_ADAM_PARAMS_PER_CORE_S, phases
 
