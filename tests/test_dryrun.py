@@ -185,6 +185,7 @@ def test_cli_text_for_the_13b_job():
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "as rank 13 of 32 (node 1, local rank 5)" in text
+    assert "gpt 13b (13.1B params) on dgx-h100" in text and text.count("params)") == 1  # issue 23: once
     assert "dp_shard: 4 groups of 8 ranks, each inside one node" in text
     assert "blocks.0 … blocks.39 (40 units, each)" in text and "tok_emb, pos_emb" in text
     assert "checkpoint (DCP local plan of this rank)" in text and "+0.00%" in text

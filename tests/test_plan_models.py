@@ -198,3 +198,16 @@ def test_tied_gpt_trains_through_the_shared_matrix():
     loss = torch.nn.functional.cross_entropy(net(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
     loss.backward()
     assert net.tok_emb.weight.grad is not None and net.head.weight.grad is net.tok_emb.weight.grad
+
+
+def test_dryrun_header_prints_the_parameter_count_once():
+    """Issue 23: the header said "gpt 70b (65.3B params) (65.27B params)"."""
+    pytest.importorskip("torch")
+    from hpc.dryrun import model_text
+    from hpc.core.models.gpt import gpt_facts, gpt_shape
+
+    facts = gpt_facts("gpt 70b", gpt_shape("70b"))
+    assert model_text(facts.label, facts.n_params) == "gpt 70b (65.3B params)"
+    assert model_text("pkg.mod:build (parameters unknown)", 1_234_567) == "pkg.mod:build (1.23M params built)"
+    assert model_text("pkg.mod:build (7.00B params, stated)", 6_738_415_616) == \
+        "pkg.mod:build (7.00B params, stated); 6.74B params built"

@@ -1,6 +1,7 @@
 """The GPU check: one prepared run of at most 8 minutes on one GPU, the trainer run as a user runs it.
 
     python bench/gpu_check/run.py [--budget-s 480] [--steps 20] [--only throughput,sync,fsdp,fp16]
+                                  [--site-draft FILE]
 
 Exits 0 with "skipped: no GPU" where CUDA is absent. Every part is ``python -m trainer RUN_DIR`` in a
 fresh process on a run folder resolved for a one-GPU site (so meta-device init, bf16 defaults and the
@@ -14,6 +15,11 @@ like are picked up as the trainer gains them), reading back metrics.jsonl and le
    saves, stops and, with no scheduler to requeue it, leaves), then the same command again: the
    resume onto the GPU, checked in the ledger and by the loss continuing where it stopped;
 4. fp16: FSDP2 with fp16 (ShardedGradScaler) and CPU offload (pinned host memory): finite losses.
+
+With ``--site-draft FILE`` the 1.3b throughput run's MFU, on the planner's basis (the planner's
+compute time at MFU 1 over the measured step: one GPU, no communication; activation checkpointing's
+recompute counted as the planner counts it), is written with its source into a site profile draft
+for this machine (``hpc.core.site_draft``).
 
 Parts that would not fit in the remaining budget are skipped and said so. Figures are printed as
 ratios where a baseline exists; run ``nvidia-smi`` beside it to note the machine.
@@ -60,6 +66,7 @@ class Check:
         props = torch.cuda.get_device_properties(0)
         self.gpu, self.memory_gb = props.name, props.total_memory / 1e9
         self.root, self.steps, self.deadline = root, steps, time.monotonic() + budget_s
+        self.planner_mfu: tuple[float, str] | None = None  # the last throughput run's, for --site-draft
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -126,6 +133,21 @@ def predicted_gb(run_dir: Path) -> float | None:
     return row.memory.total if row else None
 
 
+def planner_mfu(run_dir: Path, step_s: float) -> float | None:
+    """The planner's compute time at MFU 1 for this run over its measured step time."""
+    from hpc.plan import compute_seconds, setup_of
+    from hpc.core.models import model_facts
+    from hpc.core.site import parse_site
+    from hpc.core.spec import spec_from_dict
+
+    doc = json.loads((run_dir / "resolved.json").read_text())
+    site = parse_site({k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")},
+                      "gpu-check", "<gpu_check>")
+    spec = spec_from_dict(doc["spec"])
+    at_peak = compute_seconds(model_facts(spec.model), setup_of(spec, site, 1), site, 1.0)
+    return at_peak / step_s if at_peak and step_s else None
+
+
 def throughput(check: Check, size: str, micro: int) -> list[str]:
     run = check.make_run(f"gpt-{size}", [f"model.size={size!r}", f"train.global_batch={micro}",
                                          f"train.micro_batch={micro}", "parallel.strategy='none'",
@@ -142,6 +164,12 @@ def throughput(check: Check, size: str, micro: int) -> list[str]:
         ok = "ok" if abs(measured / predicted - 1) <= 0.10 else "MISSED"
         memory += f", planner {predicted:.1f} GB: measured/predicted {measured / predicted:.2f} (±10%: {ok})"
     mfu = f"MFU {100 * statistics.median(mfus):.1f}%" if mfus else "MFU unknown (GPU peak not in the table)"
+    step = statistics.median(r["step_time_s"] for r in rows)
+    basis = planner_mfu(run, step)
+    if basis:
+        check.planner_mfu = (basis, f"bench/gpu_check on one {check.gpu}, {time.strftime('%Y-%m-%d')}: GPT {size} "
+                                    f"bf16+AC+compile, micro {micro} x 2048, step {step * 1e3:.1f} ms")
+        mfu += f" ({100 * basis:.1f}% on the planner's basis, recompute counted)"
     return [f"GPT {size} bf16+AC+compile, micro {micro} × 2048: {rate:,.0f} tokens/s, {mfu}; {memory}"]
 
 
@@ -189,11 +217,26 @@ def fp16_offload(check: Check) -> list[str]:
             f"{losses[-1]:.3f} ({'finite' if finite else 'NOT FINITE'}), {rate:,.0f} tokens/s"]
 
 
+def write_site_draft(check: Check, path: Path) -> None:
+    """This machine as a site draft with the measured MFU (hpc.core.site_draft); says why when there is none."""
+    from hpc.core.site import parse_site
+    from hpc.core.site_draft import write_draft
+
+    if check.planner_mfu is None:
+        print(f"site draft: not written (no throughput run measured an MFU): {path}", flush=True)
+        return
+    site = parse_site(site_doc(check.gpu, check.memory_gb), "gpu-check", "<gpu_check>")
+    drafted = write_draft(path, site, *check.planner_mfu)
+    print(f"site draft: {path}: node.mfu = {drafted.node.mfu} ({drafted.node.mfu_source})", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=480.0)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--only", default=",".join(PARTS))
+    parser.add_argument("--site-draft", type=Path, default=None,
+                        help="write this machine's site profile draft with the measured node.mfu here")
     args = parser.parse_args()
     import torch
 
@@ -218,6 +261,8 @@ def main() -> int:
                         print(f"{name}: {line}", flush=True)
                 except Exception as exc:  # report and go on: one broken part must not hide the others
                     print(f"{name}: FAILED: {str(exc)[-800:]}", flush=True)
+        if args.site_draft is not None:
+            write_site_draft(check, args.site_draft)
     print(f"wall {time.monotonic() - start:.0f} s")
     return 0
 

@@ -1,7 +1,7 @@
 """``hpcx scale``: scaling studies from the command line (no torch, no matplotlib at import).
 
     hpcx scale JOB --nodes 1,2,4,8 [--mode weak|strong] [--steps N] [--site S] [--set K=V] [--wait]
-    hpcx scale report STUDY [--json]
+    hpcx scale report STUDY [--site-draft FILE] [--json]
     hpcx scale predict JOB --site S --nodes 1,2,4,...,1024 [--mode weak|strong] [--json]
 
 ``hpcx scale JOB …`` is short for ``hpcx scale run JOB …``: when the first word after ``scale`` is
@@ -82,16 +82,36 @@ def run_command(job: str, nodes_text: str, mode: str, steps: int | None, site_na
 
 @scale_group.command("report")
 @click.argument("study", type=click.Path(file_okay=False))
+@click.option("--site-draft", type=click.Path(dir_okay=False), default=None,
+              help="Write the study's site profile with the measured node.mfu to this new file.")
 @json_option
-def report_command(study: str, as_json: bool) -> None:
+def report_command(study: str, site_draft: str | None, as_json: bool) -> None:
     """Table, report.csv, report.md and report.png of a study (partial studies too)."""
-    print_report(Path(study), as_json)
+    print_report(Path(study), as_json, Path(site_draft) if site_draft else None)
 
 
-def print_report(study_dir: Path, as_json: bool) -> None:
+def write_mfu_draft(study_dir: Path, report: dict, path: Path) -> str:
+    """The measured MFU into a site draft at ``path``; the line that says so."""
+    from hpc.core.config import ConfigError
+    from hpc.scale.mfu import study_mfu
+    from hpc.scale.report import study_site
+    from hpc.scale.study import read_study
+    from hpc.core.site_draft import write_draft
+
+    found = study_mfu(study_dir, report)
+    if found is None:
+        raise ConfigError([f"{study_dir}: no measured point with a known peak FLOP/s: no MFU to write"])
+    drafted = write_draft(path, study_site(read_study(study_dir)), *found)
+    return f"site draft {path}: node.mfu = {drafted.node.mfu} ({drafted.node.mfu_source})"
+
+
+def print_report(study_dir: Path, as_json: bool, site_draft: Path | None = None) -> None:
     from hpc import scale
 
     report = scale.build_report(study_dir)
+    if site_draft is not None:
+        report["site_draft"] = write_mfu_draft(study_dir, report, site_draft)
+        click.echo(report["site_draft"], err=True)
     report["files"], report["warnings"] = scale.write_report(report, study_dir, report["group_readable"])
     for warning in report["warnings"]:
         click.echo(f"warning: {warning}", err=True)
@@ -124,8 +144,11 @@ def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None,
     if as_json:
         echo_json({"site": site.name, "mode": mode, "points": rows})
         return
-    click.echo(f"{spec.job.name}: {mode} scaling predicted on {site.name} (α-β communication + compute at "
-               f"{scale.ASSUMED_MFU:.0%} of peak; no overlap)")
+    from hpc.plan import mfu_of
+
+    mfu, source = mfu_of(site)
+    click.echo(f"{spec.job.name}: {mode} scaling predicted on {site.name} (NCCL-model communication + compute at "
+               f"{mfu:.0%} of peak, {source}; no overlap)")
     for line in predict_lines(rows):
         click.echo(line)
 

@@ -63,8 +63,14 @@ class Node:
     intra_link: str = field("none", doc="Link between the GPUs of a node.",
                             choices=("nvswitch", "nvlink", "pcie", "none"))
     intra_bandwidth_gbs: float = field(0.0, doc="Per-GPU bus bandwidth inside a node, GB/s.", minimum=0)
-    intra_latency_us: float = field(5.0, doc="Latency of one intra-node collective step, microseconds.",
+    intra_latency_us: float = field(5.0, doc="Latency of one intra-node ring step (NCCL's Simple protocol), "
+                                    "microseconds; NCCL's own figures are 3.4 for NVLink and 5.7 for PCIe.",
                                     minimum=0)
+    mfu: float = field(0.0, doc="Model FLOPs utilisation a training step reaches here (fraction of "
+                       "`gpu_peak_tflops`), for the planner's compute time; 0: unknown, the planner assumes 0.40. "
+                       "`hpcx scale report STUDY --site-draft FILE` writes a measured one.", minimum=0, maximum=1)
+    mfu_source: str = field("", doc="Where `mfu` came from (a scale study, a GPU check, a paper), printed "
+                            "beside the planner's compute time.", max_len=256)
 
 
 @dataclass
@@ -72,8 +78,8 @@ class Network:
     fabric: str = field("none", doc="Fabric between nodes.",
                         choices=("infiniband", "roce", "efa", "ethernet", "none"))
     bandwidth_gbs: float = field(0.0, doc="Per-node injection bandwidth between nodes, GB/s.", minimum=0)
-    latency_us: float = field(10.0, doc="Latency of one inter-node collective step, microseconds.",
-                              minimum=0)
+    latency_us: float = field(10.0, doc="Latency of one inter-node ring step (NCCL's Simple protocol), "
+                              "microseconds; NCCL's own figure for InfiniBand is 14.", minimum=0)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from torch import nn
 
 from hpc.dryrun.fake_pg import fake_process_group
 from hpc.plan.memory import Config, init_bytes, model_states, staging_bytes
-from hpc.core.models import model_facts
+from hpc.core.models import count_text, model_facts
 from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
@@ -270,9 +270,20 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def model_text(label: str, n_params: int) -> str:
+    """The model once, with its parameter count once: the label already carries the planner's count
+    ("gpt 70b (65.3B params)"); the built count is added only where the label has none or differs."""
+    unknown = " (parameters unknown)"
+    if label.endswith(unknown):
+        return f"{label[:-len(unknown)]} ({_count(n_params)} params built)"
+    if f"({count_text(n_params)} params" in label:
+        return label
+    return f"{label}; {_count(n_params)} params built"
+
+
 def format_dryrun(r: DryRun) -> str:
     """The report as text: who, mesh, units, bytes beside the plan, checkpoint, cost."""
-    lines = [f"dryrun {r.job}: {r.model} ({_count(r.n_params)} params) on {r.site} as rank {r.rank} of "
+    lines = [f"dryrun {r.job}: {model_text(r.model, r.n_params)} on {r.site} as rank {r.rank} of "
              f"{r.world_size} (node {r.mesh['node']}, local rank {r.mesh['local_rank']}); one CPU process on "
              "torch's fake process group, every tensor on the meta device",
              f"layout: {r.layout}"]

@@ -3,7 +3,9 @@
 ``plan_job(spec, site, nodes)`` evaluates each candidate (ddp, fsdp with each sharding,
 hsdp with node-sized and multi-node shard groups, each FSDP layout with CPU offload where the
 spec allows it) and recommends the simplest of those that fit and whose estimated step is within
-``TIE`` of the fastest. ``choose`` is what ``resolve`` calls: an explicit strategy in the spec is
+``TIE`` of the fastest; offload rows only when nothing fits without offload. Communication is timed
+with NCCL's own cost model (``hpc.plan.collectives``); when nothing fits, ``hpc.plan.advice`` searches
+the cheapest change that does. ``choose`` is what ``resolve`` calls: an explicit strategy in the spec is
 respected, ``auto`` takes the plan's choice. Pure Python: runs on login nodes without torch.
 """
 
@@ -18,16 +20,17 @@ from hpc.core.models import ModelFacts, model_facts
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
 
-from hpc.plan.explain import advise, plan_notes, recommend, unknown_model
+from hpc.plan.advice import advise
+from hpc.plan.explain import plan_notes, recommend, unknown_model
 from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candidates, compute_seconds, evaluate,
-                           pick, setup_of)
+                           mfu_of, pick, setup_of)
 from hpc.plan.table import format_plan
 
 DRYRUN_NOTE = ("check: `hpcx dryrun JOB --site SITE` builds the real sharded model, mesh and optimizer at this "
                "world size on one CPU (it imports torch) and compares its bytes per rank with these")
 
 __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", "candidates", "choose",
-           "compute_seconds", "evaluate", "format_plan", "pick", "plan_job", "setup_of"]
+           "compute_seconds", "evaluate", "format_plan", "mfu_of", "pick", "plan_job", "setup_of"]
 
 
 def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: ModelFacts | None = None) -> Plan:
@@ -39,11 +42,12 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     allowed = spec.parallel.cpu_offload  # allowed, not required: candidates with and without offload
     rows = [evaluate(facts, c, setup, site) for c in candidates(setup, allowed, gpu)]
     choice = pick(rows) if facts.n_params is not None else None
+    mfu, mfu_source = mfu_of(site)
     plan = Plan(job=spec.job.name, site=site.name, model=facts.label, n_params=facts.n_params,
                 nodes=setup.nodes, tasks_per_node=setup.tasks_per_node, micro_batch=setup.micro_batch,
                 grad_accum=setup.grad_accum, mixed_precision=setup.mixed_precision,
-                checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, MFU_DEFAULT),
-                mfu=MFU_DEFAULT, rows=rows, choice=choice, offload_allowed=allowed)
+                checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, mfu),
+                mfu=mfu, rows=rows, choice=choice, offload_allowed=allowed, mfu_source=mfu_source)
     plan.notes = plan_notes(site, setup, facts, spec.parallel.strategy)
     if facts.n_params is not None:
         plan.notes.append(peaks_note(facts, setup.async_save, gpu))
@@ -51,7 +55,7 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     if facts.n_params is None:
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:
-        plan.advice = advise(facts, setup, site, rows)
+        plan.advice = advise(facts, setup, site, rows, allowed)
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
     return plan

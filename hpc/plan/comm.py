@@ -1,15 +1,16 @@
-"""Communication per optimizer step: bytes each rank sends, timed with a ring α-β model.
+"""Communication per optimizer step: bytes each rank sends, timed with NCCL's own cost model.
 
-A ring collective over ``p`` ranks on a message of ``M`` bytes (the full, unsharded size):
+Bytes: a collective over ``p`` ranks on a message of ``M`` bytes (the full, unsharded size) sends
+2(p-1)/p · M per rank for an all-reduce and (p-1)/p · M for an all-gather or reduce-scatter
+(nccl-tests' bus-bandwidth factors). Time: ``hpc.plan.collectives`` (NCCL's tuning model: ring, tree,
+NVLS; LL, LL128, Simple; the fastest per call size) on the group's ``Topology``:
 
-- all-reduce: each rank sends 2(p-1)/p · M; time 2(p-1)/p · M / B + 2(p-1) · α
-- all-gather or reduce-scatter: (p-1)/p · M; time (p-1)/p · M / B + (p-1) · α
-
-B is the group's bus bandwidth. Inside a node it is the site's per-GPU intra-node bandwidth.
-A ring that crosses nodes carries, through each node's network links, as many bytes as one
-rank sends; when ``k`` groups run at once (one per local rank of the orthogonal mesh
-dimension), they share the node's links: B = min(intra, network · ranks-per-node-in-group /
-tasks-per-node). α is the intra-node or network latency.
+- bus bandwidth: inside a node the site's per-GPU intra-node bandwidth. A ring that crosses nodes
+  carries, through each node's network links, as many bytes as one rank sends; when ``k`` groups
+  run at once (one per local rank of the orthogonal mesh dimension), they share the node's links:
+  B = min(intra, network · ranks-per-node-in-group / tasks-per-node).
+- latency: per call (chunks pipeline), intra-node hops at ``node.intra_latency_us`` and only the
+  inter-node hops at ``network.latency_us`` (see ``hpc.plan.collectives``).
 
 Which collectives run (per micro-batch unless said otherwise):
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hpc.plan import collectives
 from hpc.plan.memory import DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, compute_bytes
 from hpc.core.models import ModelFacts
 from hpc.core.site import SiteProfile
@@ -63,6 +65,7 @@ class Link:
 
 
 def group_link(group: Group, site: SiteProfile, tasks_per_node: int) -> Link:
+    """The group's bus bandwidth and its link: one node's, or the node's network share across nodes."""
     intra = site.node.intra_bandwidth_gbs
     if group.nodes <= 1:
         return Link(intra, site.node.intra_latency_us, site.node.intra_link)
@@ -80,13 +83,57 @@ def ring_bytes(kind: str, message: float, p: int) -> float:
 
 
 def ring_seconds(kind: str, message: float, p: int, link: Link, calls: int = 1) -> float | None:
-    """α-β time of ``calls`` ring collectives that together move ``message`` bytes; None if unknown."""
+    """The textbook α-β ring: every step at one latency (``link.latency_us``); None if unknown. Kept for
+    comparison: the planner times collectives with ``hpc.plan.collectives`` (hierarchical ring, tree, NVLS)."""
     if p <= 1:
         return 0.0
     if not link.bandwidth_gbs:
         return None
     steps = (2 if kind == "all_reduce" else 1) * (p - 1) * calls
     return ring_bytes(kind, message, p) / (link.bandwidth_gbs * GB) + steps * link.latency_us * 1e-6
+
+
+def group_topology(group: Group, site: SiteProfile, tasks_per_node: int) -> collectives.Topology:
+    """What NCCL's tuning model sees of ``group`` on ``site``: its bus bandwidths and hop latencies."""
+    link = group_link(group, site, tasks_per_node)
+    ring = link.bandwidth_gbs
+    tree = ring
+    if group.nodes == 2:  # NCCL's trees on two nodes can use twice the network share (tuning.cc)
+        net = 2 * site.network.bandwidth_gbs * group.per_node / max(1, tasks_per_node)
+        tree = min(site.node.intra_bandwidth_gbs, net) if group.per_node > 1 and site.node.intra_bandwidth_gbs else net
+    node = site.node
+    share = site.network.bandwidth_gbs * group.per_node / max(1, tasks_per_node) if group.nodes > 1 else 0.0
+    nvlink = node.intra_link in ("nvswitch", "nvlink")
+    gen = collectives.generation(node.gpu_model, node.gpu_peak_tflops)
+    return collectives.Topology(
+        ranks=group.size, nodes=group.nodes, intra="nvlink" if nvlink else "pcie", ring_gbs=ring, tree_gbs=tree,
+        intra_latency_us=node.intra_latency_us, inter_latency_us=site.network.latency_us,
+        channels=16 if nvlink else 4, generation=gen,
+        nvls=node.intra_link == "nvswitch" and gen in ("hopper", "blackwell"),
+        algorithms=("ring", "tree", "nvls", "nvls_tree") if node.gpus else ("ring",), net_gbs=share)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """``calls`` calls of one collective as NCCL would run them: the pick per call, summed."""
+
+    algorithm: str  # e.g. "tree/LL128"; the edge call may differ
+    latency_s: float
+    bandwidth_s: float
+
+    @property
+    def seconds(self) -> float:
+        return self.latency_s + self.bandwidth_s
+
+
+def collective_seconds(kind: str, message: float, calls: int, topo: collectives.Topology) -> Timing | None:
+    """``calls`` equal calls moving ``message`` bytes in all; None where a bandwidth is unknown."""
+    if topo.ranks <= 1:
+        return Timing("", 0.0, 0.0)
+    est = collectives.best(kind, message / max(1, calls), topo)
+    if est is None:
+        return None
+    return Timing(est.label, est.latency_s * calls, est.bandwidth_s * calls)
 
 
 @dataclass
@@ -98,6 +145,23 @@ class Part:
     phase: str = "backward"  # the compute it can hide under: "forward" or "backward" of a micro-batch
     repeat: int = 1  # runs per optimizer step: every micro-batch (grad_accum), or once (the last one's backward)
     unhidden_s: float = 0.0  # per run: the call nothing can overlap (the first gather, the last reduction)
+    kind: str = ""  # all_reduce, all_gather, reduce_scatter, host_copy
+    message_gb: float = 0.0  # the full message of one run (all its calls)
+    calls: int = 1  # calls per run (FSDP units, DDP buckets)
+    group: int = 1  # ranks in the communicator
+    nodes: int = 1  # nodes it spans
+    algorithm: str = ""  # NCCL's pick per call, e.g. "ring/Simple", "tree/LL128", "nvls/Simple"
+    latency_s: float | None = None  # per step: the latency part of ``seconds``
+    bandwidth_s: float | None = None  # per step: the bandwidth part of ``seconds``
+    cross_node_gb: float = 0.0  # per node per step, through the node's network links
+
+    def to_dict(self) -> dict:
+        """Every term of this part, for ``hpcx plan --json``."""
+        return {"what": self.what, "kind": self.kind, "gb": self.gb, "message_gb": self.message_gb,
+                "calls_per_run": self.calls, "runs_per_step": self.repeat, "group_ranks": self.group,
+                "group_nodes": self.nodes, "algorithm": self.algorithm, "link": self.link, "phase": self.phase,
+                "seconds": self.seconds, "latency_s": self.latency_s, "bandwidth_s": self.bandwidth_s,
+                "unhidden_per_run_s": self.unhidden_s, "cross_node_gb_per_node": self.cross_node_gb}
 
 
 @dataclass
@@ -114,6 +178,11 @@ class Comm:
     def seconds(self) -> float | None:
         times = [p.seconds for p in self.parts]
         return None if any(t is None for t in times) else sum(times)  # type: ignore[misc]
+
+    @property
+    def cross_node_gb(self) -> float:
+        """GB per node per step through the node's network links."""
+        return sum(p.cross_node_gb for p in self.parts)
 
     @property
     def slowest_link(self) -> str:
@@ -134,13 +203,20 @@ class Collective:
     phase: str = "backward"
 
 
-def _add(comm: Comm, c: Collective, group: Group, link: Link, repeat: int) -> None:
+def _add(comm: Comm, c: Collective, group: Group, site: SiteProfile, tasks_per_node: int, repeat: int) -> None:
     sent = ring_bytes(c.kind, c.message, group.size) * repeat
-    t = ring_seconds(c.kind, c.message, group.size, link, c.calls)
-    if sent:
-        edge = ring_seconds(c.kind, c.edge, group.size, link) or 0.0
-        comm.parts.append(Part(c.what, sent / GB, None if t is None else t * repeat, link.name, c.phase, repeat,
-                               edge))
+    if not sent:
+        return
+    topo = group_topology(group, site, tasks_per_node)
+    t = collective_seconds(c.kind, c.message, c.calls, topo)
+    edge = collective_seconds(c.kind, c.edge, 1, topo)
+    side_by_side = tasks_per_node / max(1, group.per_node)  # groups sharing one node's links
+    cross = sent * side_by_side if group.nodes > 1 else 0.0
+    link = group_link(group, site, tasks_per_node)
+    comm.parts.append(Part(c.what, sent / GB, None if t is None else t.seconds * repeat, link.name, c.phase, repeat,
+                           edge.seconds if edge else 0.0, c.kind, c.message / GB, c.calls, group.size, group.nodes,
+                           t.algorithm if t else "", None if t is None else t.latency_s * repeat,
+                           None if t is None else t.bandwidth_s * repeat, cross / GB))
 
 
 def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tasks_per_node: int,
@@ -158,7 +234,7 @@ def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tas
             reduce = Collective("all-reduce gradients", "all_reduce", grads, buckets, min(grads, DDP_BUCKET_BYTES))
         else:  # one all-reduce per FSDP unit; the root's (embeddings) comes last
             reduce = Collective("all-reduce gradients", "all_reduce", grads, facts.n_units + 1, root * REDUCE_BYTES)
-        _add(comm, reduce, everyone, group_link(everyone, site, tasks_per_node), 1)
+        _add(comm, reduce, everyone, site, tasks_per_node, 1)
     elif cfg.dims.fsdp_enabled:
         _sharded_comm(comm, facts, cfg, site, tasks_per_node, grad_accum)
     if cfg.offload:
@@ -180,7 +256,8 @@ def _offload_copies(comm: Comm, facts: ModelFacts, cfg: Config, grad_accum: int)
     for phase, what, width in copies:
         total = shard * width * grad_accum
         comm.parts.append(Part(what, total / GB, total / bandwidth, "pcie-host", phase, grad_accum,
-                               root * width / bandwidth))
+                               root * width / bandwidth, "host_copy", shard * width / GB, 1, 1, 1, "copy",
+                               0.0, total / bandwidth))
 
 
 def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile, tasks_per_node: int,
@@ -189,17 +266,16 @@ def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile,
     n, root, unit, units = facts.n_params or 0, facts.root_params or 0, facts.unit_params or 0, facts.n_units + 1
     c, degree = compute_bytes(cfg.mixed_precision), cfg.dims.dp_shard
     shard = Group(degree, min(degree, tasks_per_node))
-    link = group_link(shard, site, tasks_per_node)
     # forward gathers the root first; backward gathers the blocks again (the root stays gathered)
-    _add(comm, Collective("all-gather forward", "all_gather", n * c, units, root * c, "forward"), shard, link,
-         grad_accum)
+    _add(comm, Collective("all-gather forward", "all_gather", n * c, units, root * c, "forward"), shard, site,
+         tasks_per_node, grad_accum)
     if cfg.dims.reshard_after_forward:
         _add(comm, Collective("all-gather backward", "all_gather", (n - root) * c, units - 1, unit * c), shard,
-             link, grad_accum)
+             site, tasks_per_node, grad_accum)
     _add(comm, Collective("reduce-scatter gradients", "reduce_scatter", n * REDUCE_BYTES, units,
-                          root * REDUCE_BYTES), shard, link, grad_accum)
+                          root * REDUCE_BYTES), shard, site, tasks_per_node, grad_accum)
     replicas = cfg.dims.dp_replicate
     if replicas > 1:
         across = Group(replicas, max(1, tasks_per_node // degree))
         _add(comm, Collective("all-reduce across replicas", "all_reduce", n * REDUCE_BYTES / degree, units,
-                              root * REDUCE_BYTES / degree), across, group_link(across, site, tasks_per_node), 1)
+                              root * REDUCE_BYTES / degree), across, site, tasks_per_node, 1)

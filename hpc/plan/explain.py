@@ -4,7 +4,7 @@ what would fit when nothing does."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
 
 from hpc.plan.comm import HOST_LINK_GBS
 from hpc.core.dims import parallel_dims
@@ -12,7 +12,7 @@ from hpc.plan.memory import FRAGMENTATION, GB
 from hpc.core.models import ModelFacts, count_text
 from hpc.core.site import SiteProfile
 
-from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Candidate, Plan, Row, Setup, comm_cost, cost, evaluate, fitting,
+from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Plan, Row, Setup, cost, eligible, evaluate, fitting,
                            measure, pick, simplicity, tied)
 from hpc.plan.timing import CPU_ADAM_PARAMS_PER_CORE_S, phases
 
@@ -30,6 +30,9 @@ def plan_notes(site: SiteProfile, setup: Setup, facts: ModelFacts, strategy: str
     elif gpu:
         notes.append("step s = compute + the communication its own micro-batch's forward or backward cannot hide "
                      "(+ the CPU optimizer step under offload)")
+    if gpu:
+        notes.append("comm s = NCCL's own cost model per call: hierarchical ring, tree or NVLS with LL, LL128 or "
+                     "Simple, the fastest for the call's size (hpc/plan/collectives.py; `--json` has each part's pick)")
     if facts.n_params is None:
         notes.append(f"user model {facts.label}: set model.n_params, n_layers and dim, or run "
                      "`hpcx plan --count-params` where torch is installed")
@@ -50,7 +53,13 @@ def unknown_model(plan: Plan, setup: Setup) -> list[str]:
 # --- formatting -------------------------------------------------------------------------------
 
 def _gb(x: float) -> str:
-    return f"{x:.1f} GB" if x < 100 else f"{x:.0f} GB"
+    """GB with a digit that shows (below 0.1 GB in MB or kB, three significant digits), so that two
+    different sizes never print alike as 0.0 GB."""
+    if x >= 100:
+        return f"{x:.0f} GB"
+    if x >= 0.1 or x == 0:
+        return f"{x:.1f} GB"
+    return f"{x * 1e3:.3g} MB" if x >= 1e-4 else f"{x * 1e6:.3g} kB"
 
 
 def secs(x: float) -> str:
@@ -103,7 +112,9 @@ def recommend(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) ->
     """The choice with its numbers, the rule that made it, the rules of thumb, offload and the bound."""
     choice = plan.choice
     assert choice is not None and choice.memory is not None
-    out = [_choice_line(plan, choice), _rule_line(plan, choice)]
+    out = [_choice_line(plan, choice)]
+    out += [_parts_line(choice)] if choice.comm is not None and choice.comm.parts else []
+    out.append(_rule_line(plan, choice))
     replica = _row(plan.rows, "ddp") or _row(plan.rows, "none")
     if choice.dims.dp_shard > 1 and replica is not None and replica.fits is False and replica.memory is not None:
         m = replica.memory
@@ -138,31 +149,73 @@ def _choice_line(plan: Plan, choice: Row) -> str:
     return text + f" ({_gb(choice.comm.gb if choice.comm else 0)} sent per GPU per step)."
 
 
+def _parts_line(row: Row) -> str:
+    """Each collective of the choice as NCCL would run it: calls, algorithm, group, and its time split
+    into latency and bandwidth."""
+    texts = []
+    for p in row.comm.parts if row.comm else []:
+        text = f"{p.what} {_gb(p.gb)}"
+        if p.kind == "host_copy":
+            texts.append(text + (f", {secs(p.seconds)}" if p.seconds is not None else ""))
+            continue
+        where = f"{p.group} ranks on {p.nodes} node{'s' if p.nodes > 1 else ''}"
+        text += f" in {p.calls * p.repeat} calls ({p.algorithm or 'NCCL'} over {where})"
+        if p.seconds is not None and p.latency_s is not None and p.bandwidth_s is not None:
+            text += f": {secs(p.seconds)} = {secs(p.latency_s)} latency + {secs(p.bandwidth_s)} bandwidth"
+        texts.append(text)
+    return "Communication per step (NCCL's pick per call): " + "; ".join(texts) + "."
+
+
 def _rule_line(plan: Plan, choice: Row) -> str:
     """The choice rule, said with this plan's numbers: the fastest, the tie and who was in it."""
-    fit = fitting(plan.rows)
+    fit = eligible(plan.rows)
     by = measure(fit)
     what = {"step": "estimated step", "comm s": "communication time", "comm GB": "communication volume"}[by]
+    left, plain = _offload_left_out(plan.rows, fit), " without offload" if _offload_left_out(plan.rows, fit) else ""
     if len(fit) == 1:
-        return f"Choice: the only one of the {len(plan.rows)} evaluated that fits ({_cost_text(fit[0], by)})."
+        return (f"Choice: the only one of the {len(plan.rows)} evaluated that fits{plain} "
+                f"({_cost_text(fit[0], by)}).{left}")
     fastest = min(fit, key=lambda r: cost(r, by))
     near = tied(plan.rows)
-    text = f"Choice rule: the least {what} of the {len(fit)} that fit is {fastest.label}'s, {_cost_text(fastest, by)}"
     others = [r for r in near if r is not fastest]
+    best, shown = _tie_figures(fastest, others, by) if others else ("", [])
+    figure = f"{best}{' per step' if by != 'comm GB' else ''}" if others else _cost_text(fastest, by)
+    text = f"Choice rule: the least {what} of the {len(fit)} that fit{plain} is {fastest.label}'s, {figure}"
     if others:
         verb = "is" if len(others) == 1 else "are"
-        text += (f"; {', '.join(f'{r.label} ({_short(r, by)})' for r in others)} {verb} within {TIE:.0%} of it and "
-                 f"tie, and the simplest tied one wins ({SIMPLICITY_TEXT})")
+        text += (f"; {', '.join(f'{r.label} ({x})' for r, x in zip(others, shown))} {verb} within "
+                 f"{TIE:.0%} of it and tie, and the simplest tied one wins ({SIMPLICITY_TEXT})")
     else:
         text += f"; nothing else is within {TIE:.0%} of it"
     nxt = _runner_up(fit, choice, by)
-    return text + "." + (" " + _versus(choice, nxt, by) if nxt is not None else "")
+    return text + "." + (" " + _versus(choice, nxt, by) if nxt is not None else "") + left
 
 
-def _short(row: Row, by: str) -> str:
-    if by == "step":
-        return secs(row.step_s or 0.0)
-    return secs(comm_cost(row)) if by == "comm s" else f"{row.comm.gb if row.comm else 0:.1f} GB"
+def _offload_left_out(rows: list[Row], fit: list[Row]) -> str:
+    """How many rows that fit with offload the choice left aside, since rows fit without it."""
+    aside = [r for r in fitting(rows) if r.cfg.offload and r not in fit]
+    if not aside:
+        return ""
+    many = len(aside) > 1
+    return (f" {len(aside)} offload row{'s' if many else ''} that fit {'are' if many else 'is'} left aside: "
+            "offload is used only when nothing fits without it.")
+
+
+def _tie_figures(fastest: Row, others: list[Row], by: str) -> tuple[str, list[str]]:
+    """The fastest row's figure and the tied rows', all with as many digits as it takes to tell each tied
+    row from the fastest (so no tied row prints like the fastest unless they are equal)."""
+    unit = "GB" if by == "comm GB" else "s"
+    a = cost(fastest, by)
+    scale, unit = (1e3, "ms") if unit == "s" and max([a] + [cost(r, by) for r in others]) < 0.1 else (1.0, unit)
+    decimals = max(_decimals(a * scale, cost(r, by) * scale) for r in others)
+    return f"{a * scale:.{decimals}f} {unit}", [f"{cost(r, by) * scale:.{decimals}f} {unit}" for r in others]
+
+
+def _decimals(x: float, y: float) -> int:
+    """The decimals ``_apart`` would print ``x`` and ``y`` with."""
+    fx, _ = _apart(x, y, "")
+    text = fx.strip()
+    return len(text.split(".")[1]) if "." in text else 0
 
 
 def _kind(row: Row) -> tuple[bool, bool, bool]:
@@ -184,12 +237,64 @@ def _versus(choice: Row, other: Row, by: str) -> str:
     head = f"Runner-up of another kind: {other.label}, {_cost_text(other, by)}"
     if b > a * (1 + TIE):
         return f"{head}, {_pct(b, a)} than {choice.label}{_driver(choice, other, by)}."
-    simpler = simplicity(choice)[:2] < simplicity(other)[:2]
-    why = "the simpler one" if simpler else f"the one that communicates less ({_comm_text(choice)} vs {_comm_text(other)})"
+    why = _tie_reason(choice, other)
     if b >= a:
         return f"{head}, {_pct(b, a)} than {choice.label}, within the {TIE:.0%} tie; {choice.label} is {why}."
     return (f"{head}, {_pct(a, b).replace('more', 'less')} than {choice.label} but within the {TIE:.0%} tie; "
             f"{choice.label} is {why}.")
+
+
+def _tie_reason(choice: Row, other: Row) -> str:
+    """What broke the tie between two rows: the first term of ``simplicity`` in which they differ."""
+    mine, theirs = simplicity(choice), simplicity(other)
+    if mine[:2] != theirs[:2]:
+        return "the simpler one"
+    if mine[2] != theirs[2]:
+        links = {p.link for p in (choice.comm.parts if choice.comm else []) if p.kind == "all_gather"}
+        where = "one node's NVLink domain" if links & {"nvlink", "nvswitch"} else "one node"
+        return f"the one that keeps every micro-batch's all-gathers inside {where} ({_gather_text(choice, other)})"
+    return _less_communication(choice, other)
+
+
+def _less_communication(a: Row, b: Row) -> str:
+    """The last tie-break, said with what actually differs: time where the site gives bandwidths, else bytes;
+    with as many digits as it takes to tell the two apart."""
+    ca, cb = a.comm, b.comm
+    if ca is None or cb is None:
+        return "the one that communicates less"
+    gb_a, gb_b = _apart(ca.gb, cb.gb, "GB")
+    if ca.seconds is None or cb.seconds is None:
+        return f"the one that sends fewer bytes per step ({gb_a} vs {gb_b})"
+    s_a, s_b = _apart(ca.seconds, cb.seconds, "s")
+    sends = "fewer" if ca.gb < cb.gb else "more" if ca.gb > cb.gb else "as many"
+    return (f"the one whose communication takes less time per step ({s_a} vs {s_b}; it sends {sends} bytes: "
+            f"{gb_a} vs {gb_b})")
+
+
+def _gather_text(inside: Row, across: Row) -> str:
+    """Where each row's all-gathers run: one node's link against the fabric, with their times."""
+    mine = [p for p in (inside.comm.parts if inside.comm else []) if p.kind == "all_gather"]
+    theirs = [p for p in (across.comm.parts if across.comm else []) if p.kind == "all_gather"]
+    t_in, t_out = sum(p.seconds or 0.0 for p in mine), sum(p.seconds or 0.0 for p in theirs)
+    nodes = max((p.nodes for p in theirs), default=1)
+    there = f"{across.label}'s cross {nodes} nodes on {theirs[0].link if theirs else 'the fabric'}, {secs(t_out)}"
+    if not mine:
+        return f"it has none: whole replicas; {there}"
+    return f"{mine[0].link}, {secs(t_in)} per step; {there}"
+
+
+def _apart(x: float, y: float, unit: str) -> tuple[str, str]:
+    """``x`` and ``y`` with three significant digits, or as many more decimals as it takes to print
+    them differently (fixed-point, never an exponent)."""
+    if unit == "s" and max(abs(x), abs(y)) < 0.1:
+        return _apart(x * 1e3, y * 1e3, "ms")
+    top = max(abs(x), abs(y))
+    decimals = max(0, 2 - math.floor(math.log10(top))) if top > 0 else 0
+    fx, fy = f"{x:.{decimals}f}", f"{y:.{decimals}f}"
+    while fx == fy and x != y and decimals < 9:
+        decimals += 1
+        fx, fy = f"{x:.{decimals}f}", f"{y:.{decimals}f}"
+    return f"{fx} {unit}", f"{fy} {unit}"
 
 
 def _driver(choice: Row, other: Row, by: str) -> str:
@@ -251,14 +356,14 @@ def _agrees(want: str, plan: Plan) -> str:
         return ""
     if ddp.fits is False:
         return f" — DDP does not fit ({_fit_text(ddp)})"
-    by = measure(fitting(rows))
+    by = measure(eligible(rows))
     return f" — DDP fits ({_fit_text(ddp)}) but takes {_cost_text(ddp, by)} vs {_cost_text(choice, by)}"
 
 
 def _departs(want: str, plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) -> str:
     choice, rows = plan.choice, plan.rows
     assert choice is not None
-    by = measure(fitting(rows))
+    by = measure(eligible(rows))
     if choice.cfg.offload:
         return _leanest_text(rows) + ", so the states go to the host"
     if want == "ddp":
@@ -284,7 +389,7 @@ def _ddp_kept(plan: Plan, by: str) -> str:
     """1–10B, and DDP chosen: it fits and its step ties with (or beats) the best FSDP layout."""
     choice = plan.choice
     assert choice is not None
-    sharded = [r for r in fitting(plan.rows) if r.dims.dp_shard > 1]
+    sharded = [r for r in eligible(plan.rows) if r.dims.dp_shard > 1]
     best = min(sharded, key=lambda r: cost(r, by)) if sharded else None
     text = f"DDP fits ({_fit_text(choice)})"
     if best is None:
@@ -351,13 +456,14 @@ def _pcie_rule(plan: Plan, choice: Row, site: SiteProfile) -> str:
 
 def _hsdp_rule(plan: Plan, choice: Row, rows: list[Row]) -> str:
     head = "Rule of thumb 'many nodes → HYBRID_SHARD'"
-    by = measure(fitting(rows))
+    by = measure(eligible(rows))
     nodal = [r for r in rows if r.dims.hsdp_enabled and r.dims.dp_shard == plan.tasks_per_node and not r.cfg.offload]
     fit = [r for r in nodal if r.fits is not False]
     node = min(fit, key=lambda r: cost(r, by)) if fit else min(nodal, key=lambda r: r.need_gb or 0.0, default=None)
     if choice.dims.hsdp_enabled:
         if choice.dims.dp_shard <= plan.tasks_per_node:
-            return f"{head}: agrees; the shard group of {choice.dims.dp_shard} keeps all-gathers inside one node."
+            return (f"{head}: agrees; the shard group of {choice.dims.dp_shard} keeps all-gathers inside one node"
+                    f"{_cross_node_text(plan, choice, _flat(plan, rows, by))}.")
         why = f" (sharded over one node it needs {_fit_text(node)})" if node is not None and node.fits is False else ""
         return (f"{head}: agrees, but the shard group of {choice.dims.dp_shard} spans "
                 f"{choice.dims.dp_shard // plan.tasks_per_node} nodes{why}.")
@@ -368,9 +474,26 @@ def _hsdp_rule(plan: Plan, choice: Row, rows: list[Row]) -> str:
     a, b = cost(choice, by), cost(node, by)
     if b > a * (1 + TIE):
         return (f"{head}: departs, because {node.label} is slower: {_cost_text(node, by)} vs {_cost_text(choice, by)} "
-                f"for {choice.label}.")
+                f"for {choice.label}{_cross_node_text(plan, node, choice)}.")
     return (f"{head}: departs, because {node.label} ({_cost_text(node, by)}) ties with {choice.label} "
-            f"({_cost_text(choice, by)}) within {TIE:.0%}, and {choice.label} is simpler or communicates less.")
+            f"({_cost_text(choice, by)}) within {TIE:.0%}, and {choice.label} is {_tie_reason(choice, node)}.")
+
+
+def _flat(plan: Plan, rows: list[Row], by: str) -> Row | None:
+    """The fastest eligible layout that is not hybrid: what HSDP is weighed against."""
+    flat = [r for r in eligible(rows) if not r.dims.hsdp_enabled and r.comm is not None]
+    return min(flat, key=lambda r: cost(r, by), default=None)
+
+
+def _cross_node_text(plan: Plan, row: Row, other: Row | None) -> str:
+    """Bytes through each node's network per step, as multiples of the fp32 gradients, for two rows."""
+    grads = 4 * (plan.n_params or 0) / GB
+    if other is None or row.comm is None or other.comm is None or not grads:
+        return ""
+    x, y = row.comm.cross_node_gb, other.comm.cross_node_gb
+    fewer = "fewer" if x < y else "more" if x > y else "as many"
+    return (f"; across nodes {row.label} moves {fewer} bytes: {x / grads:.2f}× the fp32 gradients through each "
+            f"node's network per step ({_gb(x)}), {other.label} {y / grads:.2f}× ({_gb(y)})")
 
 
 # --- offload and the bound --------------------------------------------------------------------
@@ -389,7 +512,7 @@ def _offload_line(plan: Plan, facts: ModelFacts, setup: Setup, site: SiteProfile
     fit = [r for r in offloaded if r.fits]
     if not offloaded:
         return f"{head}; auto does not use it."
-    by = measure(fitting(plan.rows))
+    by = measure(eligible(plan.rows))
     best = min(fit, key=lambda r: cost(r, by)) if fit else min(offloaded, key=lambda r: r.need_gb or 0.0)
     text = f"{head}; auto does not use it: {choice.label} fits on the GPU ({_fit_text(choice)})"
     if best.memory is not None:
@@ -412,54 +535,7 @@ def _bound(plan: Plan, site: SiteProfile) -> str:
     elif link == "pcie-host":
         link = f"the host link ({HOST_LINK_GBS:g} GB/s per GPU, assumed)"
     t = c.time
-    kind = "communication-bound" if t.comm_s > t.compute_s else "compute-bound"
+    kind = "Warning: the step is communication-bound" if t.comm_s > t.compute_s else "compute-bound"
     return (f"{kind} on {link}: communication {secs(t.comm_s)} vs compute {secs(t.compute_s)} per step, "
-            f"{secs(t.exposed_s)} not hidden (MFU {plan.mfu:.2f} assumed; each collective overlaps only its own "
-            "micro-batch's forward or backward)")
-
-
-# --- nothing fits -----------------------------------------------------------------------------
-
-def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row]) -> list[str]:
-    """Nothing fits: what would, with numbers."""
-    leanest = min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb or 0.0)
-    out = [f"Nothing fits: the leanest, {leanest.label}, needs {_fit_text(leanest)}"
-           + (f" and {_gb(leanest.memory.host_per_node)} of host memory per node of "
-              f"{_gb(leanest.host_capacity_gb or 0)} usable" if leanest.cfg.offload and leanest.memory else "") + "."]
-    cand = (leanest.dims, leanest.cfg.offload)
-    if not setup.checkpointing:
-        out.append(_try("with parallel.activation_checkpointing = true", facts, cand, replace(setup, checkpointing=True), site))
-    if setup.micro_batch > 1:
-        smaller = replace(setup, micro_batch=1, checkpointing=True)
-        out.append(_try("with train.micro_batch = 1 and activation checkpointing", facts, cand, smaller, site))
-    if site.node.gpus and not leanest.cfg.offload:
-        full = parallel_dims("fsdp", "full_shard", setup.world)
-        out.append(_try("with parallel.cpu_offload = true", facts, (full, True), setup, site))
-    more = _more_nodes(facts, setup, site)
-    if more:
-        out.append(more)
-    return out
-
-
-def _try(what: str, facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> str:
-    row = evaluate(facts, cand, setup, site)
-    verdict = "fits" if row.fits else "still does not fit"
-    text = f"{what}: {row.label} {verdict} ({_fit_text(row)}"
-    if row.cfg.offload and row.memory is not None:
-        text += f"; host {_gb(row.memory.host_per_node)} per node of {_gb(row.host_capacity_gb or 0)} usable"
-    return text + ")."
-
-
-def _more_nodes(facts: ModelFacts, setup: Setup, site: SiteProfile) -> str:
-    if not site.multi_node or not site.node.gpus:
-        return ""
-    limit = site.scheduler.max_nodes or 1024
-    nodes = setup.nodes * 2
-    while nodes <= limit:
-        bigger = replace(setup, nodes=nodes)
-        row = evaluate(facts, (parallel_dims("fsdp", "full_shard", bigger.world), False), bigger, site)
-        if row.fits:
-            return (f"with job.nodes = {nodes}: fsdp full_shard over {bigger.world} GPUs fits "
-                    f"({_fit_text(row)}).")
-        nodes *= 2
-    return f"more nodes alone do not help up to {limit} nodes."
+            f"{secs(t.exposed_s)} not hidden (MFU {plan.mfu:.2f}, {plan.mfu_source}; each collective overlaps only "
+            "its own micro-batch's forward or backward)")

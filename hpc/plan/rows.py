@@ -15,12 +15,14 @@ from hpc.core.spec import JobSpec, compute_precision
 
 from hpc.plan.timing import StepTime, host_step_seconds, step_time
 
-MFU_DEFAULT = 0.4  # assumed model FLOPs utilisation (no site or spec field yet)
+MFU_DEFAULT = 0.4  # assumed model FLOPs utilisation where the site sets no node.mfu
 TIE = 0.05  # within 5% of the fastest estimated step counts as a tie; the simplest tied row wins
 # Simplicity, the first tie-break: one process < whole replicas < sharded (any FSDP/HSDP layout);
-# then no offload before offload, then the least communication.
+# then no offload before offload, then all-gathers inside one node (its NVLink domain) before
+# all-gathers across nodes, then the least communication.
 SIMPLICITY = {"none": 0, "ddp": 1, "fsdp": 2, "hsdp": 2}
-SIMPLICITY_TEXT = "none < ddp < fsdp/hsdp, without offload before with, then the least communication"
+SIMPLICITY_TEXT = ("none < ddp < fsdp/hsdp, without offload before with, then all-gathers inside one node before "
+                   "across nodes, then the least communication")
 
 
 @dataclass
@@ -48,6 +50,11 @@ class Row:
     def family(self) -> str:
         d = self.dims
         return d.strategy if not d.fsdp_enabled or d.hsdp_enabled else f"fsdp {d.sharding}"
+
+    @property
+    def gathers_cross_nodes(self) -> bool:
+        """Whether every micro-batch's all-gathers leave the node (a shard group wider than a node)."""
+        return self.comm is not None and any(p.kind == "all_gather" and p.nodes > 1 for p in self.comm.parts)
 
     @property
     def step_s(self) -> float | None:
@@ -104,12 +111,9 @@ class Row:
                 "staging_per_node": m.staging_per_node, "host_need_per_node": self.host_need_gb},
             "capacity_gb": self.capacity_gb, "host_capacity_gb": self.host_capacity_gb, "fits": self.fits,
             "comm": None if c is None else {
-                "gb_per_step": c.gb, "seconds_per_step": c.seconds,
-                "parts": [{"what": p.what, "gb": p.gb, "seconds": p.seconds, "link": p.link, "phase": p.phase,
-                           "runs_per_step": p.repeat} for p in c.parts]},
-            "step": None if self.time is None else {
-                "seconds": self.time.step_s, "compute_s": self.time.compute_s, "comm_s": self.time.comm_s,
-                "exposed_comm_s": self.time.exposed_s, "cpu_optimizer_s": self.time.host_s},
+                "gb_per_step": c.gb, "seconds_per_step": c.seconds, "cross_node_gb_per_node": c.cross_node_gb,
+                "gathers_cross_nodes": self.gathers_cross_nodes, "parts": [p.to_dict() for p in c.parts]},
+            "step": None if self.time is None else self.time.to_dict(),
         }
 
 
@@ -132,6 +136,7 @@ class Plan:
     rows: list[Row]
     choice: Row | None
     offload_allowed: bool = False  # the spec's cpu_offload under auto: offload variants are candidates
+    mfu_source: str = "assumed"
     recommendation: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -146,8 +151,9 @@ class Plan:
             "nodes": self.nodes, "tasks_per_node": self.tasks_per_node, "world_size": self.world,
             "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
             "mixed_precision": self.mixed_precision, "activation_checkpointing": self.checkpointing,
-            "compute_seconds_per_step": self.compute_s, "mfu": self.mfu,
-            "rows": [r.to_dict() for r in self.rows], "compared_by": measure(fitting(self.rows)), "tie": TIE,
+            "compute_seconds_per_step": self.compute_s, "mfu": self.mfu, "mfu_source": self.mfu_source,
+            "rows": [r.to_dict() for r in self.rows], "compared_by": measure(eligible(self.rows)), "tie": TIE,
+            "eligible": [r.label for r in eligible(self.rows)], "tie_break": SIMPLICITY_TEXT,
             "choice": None if self.choice is None else self.choice.to_dict(),
             "recommendation": self.recommendation, "advice": self.advice, "notes": self.notes,
         }
@@ -221,9 +227,16 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
     else:
         capacity = site.node.memory_gb / tpn if site.node.memory_gb else None
     host_s = host_step_seconds((facts.n_params or 0) / dims.dp_shard, site.node.cpus // tpn) if offload else 0.0
-    time = step_time(comm, compute_seconds(facts, setup, site, MFU_DEFAULT), setup.grad_accum,
+    time = step_time(comm, compute_seconds(facts, setup, site, mfu_of(site)[0]), setup.grad_accum,
                      setup.checkpointing, host_s)
     return Row(cfg, memory, comm, capacity, host, gpu, time)
+
+
+def mfu_of(site: SiteProfile) -> tuple[float, str]:
+    """The MFU the compute time uses and where it came from: the site's ``node.mfu``, else MFU_DEFAULT."""
+    if site.node.mfu:
+        return site.node.mfu, site.node.mfu_source or f"node.mfu of site {site.name!r}"
+    return MFU_DEFAULT, f"assumed: site {site.name!r} sets no node.mfu"
 
 
 def compute_seconds(facts: ModelFacts, setup: Setup, site: SiteProfile, mfu: float) -> float | None:
@@ -266,9 +279,16 @@ def fitting(rows: list[Row]) -> list[Row]:
     return known or [r for r in rows if r.fits is None]
 
 
-def tied(rows: list[Row]) -> list[Row]:
-    """The rows that fit whose cost is within TIE of the cheapest."""
+def eligible(rows: list[Row]) -> list[Row]:
+    """What the choice picks from: the rows that fit without CPU offload, or, when none does, the
+    offload rows that fit (offload is used only when nothing fits without it)."""
     fit = fitting(rows)
+    return [r for r in fit if not r.cfg.offload] or fit
+
+
+def tied(rows: list[Row]) -> list[Row]:
+    """The eligible rows whose cost is within TIE of the cheapest."""
+    fit = eligible(rows)
     if not fit:
         return []
     by = measure(fit)
@@ -276,8 +296,9 @@ def tied(rows: list[Row]) -> list[Row]:
     return [r for r in fit if cost(r, by) <= best * (1 + TIE) + 1e-9]
 
 
-def simplicity(row: Row) -> tuple[int, bool, float]:
-    return SIMPLICITY[row.dims.strategy], row.cfg.offload, comm_cost(row)
+def simplicity(row: Row) -> tuple[int, bool, bool, float]:
+    """The tie-break key, in SIMPLICITY_TEXT's order (smaller wins)."""
+    return SIMPLICITY[row.dims.strategy], row.cfg.offload, row.gathers_cross_nodes, comm_cost(row)
 
 
 def pick(rows: list[Row]) -> Row | None:

@@ -46,7 +46,7 @@ def format_plan(plan: Plan) -> str:
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     lines.append("")
     if plan.compute_s is not None:
-        lines.append(f"compute per step: {_secs(plan.compute_s)} s at MFU {plan.mfu:.2f}"
+        lines.append(f"compute per step: {_secs(plan.compute_s)} s at MFU {plan.mfu:.2f}, {plan.mfu_source}"
                      f"{' (+1/3 recompute)' if plan.checkpointing else ''}")
     lines += [f"note: {n}" for n in plan.notes]
     if plan.choice is not None or plan.recommendation:

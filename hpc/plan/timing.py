@@ -31,10 +31,23 @@ class StepTime:
     exposed_s: float  # the part of comm_s that compute does not hide
     host_s: float = 0.0  # the CPU optimizer step under offload
 
+    forward_s: float = 0.0  # compute of one micro-batch's forward
+    backward_s: float = 0.0  # compute of one micro-batch's backward (with the recomputed forward)
+    exposed_by_phase: tuple[tuple[str, float], ...] = ()  # per step: what each phase's compute does not hide
+    comm_by_phase: tuple[tuple[str, float], ...] = ()  # per step: the communication that runs in each phase
+
     @property
     def step_s(self) -> float:
         return self.compute_s + self.exposed_s + self.host_s
 
+    def to_dict(self) -> dict:
+        """Every term of the step, for ``hpcx plan --json``: step = compute + exposed + cpu optimizer."""
+        return {"seconds": self.step_s, "compute_s": self.compute_s, "comm_s": self.comm_s,
+                "exposed_comm_s": self.exposed_s, "hidden_comm_s": self.comm_s - self.exposed_s,
+                "cpu_optimizer_s": self.host_s, "forward_compute_per_micro_batch_s": self.forward_s,
+                "backward_compute_per_micro_batch_s": self.backward_s,
+                "comm_by_phase_s": dict(self.comm_by_phase), "exposed_by_phase_s": dict(self.exposed_by_phase),
+                "hidden_by_phase_s": {k: v - dict(self.exposed_by_phase).get(k, 0.0) for k, v in self.comm_by_phase}}
 
 
 def phases(compute_s: float, grad_accum: int, checkpointing: bool) -> tuple[float, float]:
@@ -51,15 +64,20 @@ def _exposed(parts: list[Part], compute: float) -> float:
     return max(sum(p.unhidden_s for p in parts), runs - compute)
 
 
-def exposed_seconds(comm: Comm, compute_s: float, grad_accum: int, checkpointing: bool) -> float:
-    """Communication seconds per step that overlap with compute cannot hide."""
+def exposed_by_phase(comm: Comm, compute_s: float, grad_accum: int, checkpointing: bool) -> dict[str, float]:
+    """Per phase (forward, backward), the communication seconds per step that compute cannot hide."""
     fwd, bwd = phases(compute_s, grad_accum, checkpointing)
-    total = 0.0
+    out = {}
     for phase, compute in (("forward", fwd), ("backward", bwd)):
         every = [p for p in comm.parts if p.phase == phase and p.repeat > 1]
         last = [p for p in comm.parts if p.phase == phase]  # the last micro-batch runs every part
-        total += (grad_accum - 1) * _exposed(every, compute) + _exposed(last, compute)
-    return total
+        out[phase] = (grad_accum - 1) * _exposed(every, compute) + _exposed(last, compute)
+    return out
+
+
+def exposed_seconds(comm: Comm, compute_s: float, grad_accum: int, checkpointing: bool) -> float:
+    """Communication seconds per step that overlap with compute cannot hide."""
+    return sum(exposed_by_phase(comm, compute_s, grad_accum, checkpointing).values())
 
 
 def host_step_seconds(params_per_rank: float, cores_per_rank: int) -> float:
@@ -72,4 +90,8 @@ def step_time(comm: Comm | None, compute_s: float | None, grad_accum: int, check
     """The step's time, or None when compute or a communication time is unknown."""
     if comm is None or compute_s is None or comm.seconds is None:
         return None
-    return StepTime(compute_s, comm.seconds, exposed_seconds(comm, compute_s, grad_accum, checkpointing), host_s)
+    by_phase = exposed_by_phase(comm, compute_s, grad_accum, checkpointing)
+    fwd, bwd = phases(compute_s, grad_accum, checkpointing)
+    runs = {ph: sum(p.seconds or 0.0 for p in comm.parts if p.phase == ph) for ph in ("forward", "backward")}
+    return StepTime(compute_s, comm.seconds, sum(by_phase.values()), host_s, fwd, bwd, tuple(by_phase.items()),
+                    tuple(runs.items()))

@@ -51,8 +51,8 @@ def notes(report: dict) -> list[str]:
     out.append(f"efficiency: tok/s per rank against the smallest measured point ({base} nodes)" if base
                else "efficiency: no point has measured steps yet")
     anchored = report["prediction_basis"] == "anchored"
-    out.append("prediction: α-β communication + compute measured at the smallest point" if anchored
-               else f"prediction: planner model (α-β communication + compute at {ASSUMED_MFU:.0%} of peak)")
+    out.append("prediction: NCCL-model communication + compute measured at the smallest point" if anchored
+               else f"prediction: planner model (NCCL-model communication + compute at the site MFU or {ASSUMED_MFU:.0%} of peak)")
     for r in report["points"]:
         head = f"{r['nodes']} nodes: "
         if r.get("error"):

@@ -1,5 +1,5 @@
-"""What the model predicts for one point of a study: the planner's strategy choice, its α-β
-communication and compute at an assumed MFU (or anchored on the smallest measured point)."""
+"""What the model predicts for one point of a study: the planner's strategy choice, its NCCL-model
+communication and compute at the site's MFU or an assumed one (or anchored on the smallest measured point)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ class Prediction:
 
 def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp.Any]:
     """``dict(compute_s, comm_s, tokens_per_s, limiting_link)`` of one step at ``nodes`` nodes, from the
-    planner's pieces: its strategy choice, the α-β ``step_comm`` and compute at ASSUMED_MFU of the site's
-    peak (None where unknown). Step time is compute + communication (no overlap: a lower bound on throughput)."""
+    planner's pieces: its strategy choice, ``step_comm`` (timed by NCCL's cost model) and compute at the
+    site's ``node.mfu`` (else ASSUMED_MFU) of its peak (None where unknown). Step time is compute + communication (no overlap: a lower bound on throughput)."""
     from hpc import plan
     from hpc.plan.comm import step_comm
     from hpc.plan.memory import Config
@@ -44,7 +44,7 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
     cfg = Config(choice.dims, choice.cpu_offload, setup.mixed_precision,
                  spec.parallel.activation_checkpointing, t.micro_batch, spec.model.dropout)
     comm = step_comm(facts, cfg, site, nodes, setup.tasks_per_node, setup.grad_accum)
-    compute = plan.compute_seconds(facts, setup, site, ASSUMED_MFU)
+    compute = plan.compute_seconds(facts, setup, site, plan.mfu_of(site)[0])
     comm_s = comm.seconds if comm else None
     step = None if compute is None or comm_s is None else compute + comm_s
     return {"compute_s": compute, "comm_s": comm_s, "limiting_link": comm.slowest_link if comm else "",

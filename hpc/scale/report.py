@@ -158,7 +158,7 @@ def add_verdict(row: dict, base: dict | None, study: Study) -> None:
 
     The step time lost against linear scaling is blamed on data loading or communication when that
     one grew by at least EXPLAINED_SHARE of the loss: measured (``data_s``, ``comm_wait_s``) where
-    the trainer logs them, else the α-β model's communication.
+    the trainer logs them, else the planner's NCCL cost model's communication.
     """
     row["verdict"], row["advice"] = None, []
     if not base or row is base or row["efficiency"] is None or row["efficiency"] >= EFFICIENCY_GOAL:
@@ -172,7 +172,7 @@ def add_verdict(row: dict, base: dict | None, study: Study) -> None:
         row["verdict"] = f"data-bound ({eff}; data loading {row['data_s'] * 1e3:.1f} ms per step)"
         row["advice"] = data_advice(study.spec(row["nodes"]))
         return
-    grew, source = (comm_grew, "measured communication wait") if comm_grew is not None else (model_grew, "α-β model")
+    grew, source = (comm_grew, "measured communication wait") if comm_grew is not None else (model_grew, "NCCL cost model")
     if grew is not None and grew >= EXPLAINED_SHARE * lost:
         row["verdict"] = (f"communication-bound on {row['limiting_link']} ({eff}; {source}: "
                           f"+{grew * 1e3:.1f} ms of communication)")
