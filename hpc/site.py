@@ -162,10 +162,12 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     errors: list[str] = []
     doc = dict(doc)
     nccl = doc.pop("nccl", {})
-    errors += check_table("nccl", nccl, dict[str, str]) or v.check_nccl(nccl)
+    errors += check_table("nccl", nccl, dict[str, str])
+    errors += v.check_nccl(_printable_keys(nccl))
     sections = build_document(SECTIONS, doc, errors)
-    # fields that failed their type checks were left at their defaults: these see only good values
-    errors += v.check_sbatch(sections["scheduler"].sbatch)
+    # fields that failed their type checks were left at their defaults: the names in them are read raw
+    sbatch = _printable_keys(_raw_table(doc, "scheduler", "sbatch"))
+    errors += v.check_sbatch(sbatch, _owned_options() if sbatch else ())
     errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
     if not errors:  # cross-checks only make sense on well-typed fields
@@ -173,6 +175,25 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return site
+
+
+def _raw_table(doc: dict, section: str, key: str) -> dict[str, tp.Any]:
+    """``doc[section][key]`` as written when it is a table (its values unchecked), else ``{}``."""
+    table = doc.get(section)
+    value = table.get(key) if isinstance(table, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _printable_keys(table: tp.Any) -> dict[str, tp.Any]:
+    """The entries of a table whose names the loader found printable (it reports the others)."""
+    return {k: x for k, x in table.items() if v.first_unprintable(k) is None} if isinstance(table, dict) else {}
+
+
+def _owned_options() -> frozenset[str]:
+    """The options on hpcx's own #SBATCH lines (read off a script the Slurm scheduler renders)."""
+    from hpc.schedulers.slurm import owned_options
+
+    return owned_options()
 
 
 def cross_check_site(site: SiteProfile) -> list[str]:

@@ -477,3 +477,29 @@ def test_hostile_run_folder_json_is_one_line(tmp_path: Path):
     out = hpcx("status", str(run))
     assert out.returncode == 2
     assert out.stderr == f"error: {run / 'job.json'}: JSON nested deeper than 32 levels (line 1, column 353)\n"
+
+
+def test_every_option_hpcx_renders_is_refused_in_scheduler_sbatch(tmp_path: Path):
+    """What hpcx owns is read off what it renders: each #SBATCH option of a real script, for sites that
+    take GPUs either way, is refused in [scheduler.sbatch] (a second one would replace hpcx's)."""
+    import re
+
+    from hpc.schedulers.slurm import owned_options
+
+    spec = tmp_path / "j.toml"
+    spec.write_text('[job]\nname = "j"\npartition = "p"\naccount = "a"\nqos = "q"\n')
+    rendered = set()
+    for site in ("dgx-h100", "pcie-4gpu", "sandbox"):
+        out = hpcx("render", str(spec), "--site", site)
+        assert out.returncode == 0, out.stderr
+        rendered |= set(re.findall(r"^#SBATCH --([a-z0-9-]+)", out.stdout, re.M))
+    assert rendered <= owned_options()
+    for option in sorted(rendered):
+        assert validate.check_sbatch({option: "x"}, owned_options()), option
+
+
+def test_sbatch_option_table_reads_abbreviations_like_getopt():
+    assert validate.sbatch_reads_as("mem") == ["mem"]
+    assert validate.sbatch_reads_as("vers") == ["version"]
+    assert validate.sbatch_reads_as("clu") == ["cluster", "cluster-constraint", "clusters"]
+    assert validate.sbatch_reads_as("no-such-option") == []
