@@ -181,7 +181,7 @@ def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
     errors: list[str] = []
     sections = build_document(SECTIONS, doc, errors)
     spec = JobSpec(source=source, **sections)
-    errors += _check_env(spec.env)
+    errors += _check_env(doc.get("env"))
     if _clean(errors, "job"):
         errors += _check_job(spec.job)
     # checks across fields run only on sections whose fields are all well-typed
@@ -235,20 +235,28 @@ def _check_job(job: Job) -> list[str]:
     return errors
 
 
-def _check_env(env: Env) -> list[str]:
+def _check_env(env: tp.Any) -> list[str]:
+    """Names and values of the raw ``[env]`` table: a name is checked also beside a value of the wrong type
+    (which the loader reports), so every problem of an entry is said at once."""
+    env = env if isinstance(env, dict) else {}
+    table = env.get("set") if isinstance(env.get("set"), dict) else {}
+    passthrough = env.get("passthrough") if isinstance(env.get("passthrough"), list) else []
+    # the loader reports names with unprintable characters
+    table = {k: x for k, x in table.items() if v.first_unprintable(k) is None}
+    passthrough = [n for n in passthrough if isinstance(n, str) and v.first_unprintable(n) is None]
     errors = []
-    for name in env.set:
+    for name in table:
         errors += v.check_env_name(f"env.set.{v.shown(name)}", name)
-    for name in env.passthrough:
+    for name in passthrough:
         errors += v.check_env_name("env.passthrough", name)
-    for name, value in env.set.items():
+    for name, value in table.items():
         if looks_secret(name):
             errors.append(f"`env.set.{v.shown(name)}` looks like a secret: put \"{v.shown(name)}\" in "
                           "`env.passthrough` and export it in your shell, so its value is never written to disk")
-        elif kind := v.secret_value_kind(value):
+        elif isinstance(value, str) and (kind := v.secret_value_kind(value)):
             errors.append(f"`env.set.{v.shown(name)}` holds what looks like {kind}: pass it by name with "
                           "`env.passthrough`, so its value is never written to disk")
-    return errors
+    return errors + v.check_env_names(table, passthrough)
 
 
 def _check_model(model: Model) -> list[str]:

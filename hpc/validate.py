@@ -113,6 +113,41 @@ def check_env_name(path: str, name: str) -> list[str]:
             "not starting with a digit"]
 
 
+# What Slurm, srun, submitit, torch.distributed's launchers and hpcx itself read to place and start each
+# rank: a job's env.set may not change it, and env.passthrough cannot bring it (the launcher sets it).
+LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_", "SUBMITIT_", "TORCHELASTIC_", "HPCX_")
+LAUNCHER_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                            "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                            "CUDA_VISIBLE_DEVICES"})
+
+
+def launcher_variable(name: str) -> str | None:
+    """Who sets ``name`` in every task ('Slurm', 'hpcx' …), or None for a variable a job may set."""
+    owners = (("SLURM_", "Slurm"), ("SLURMD_", "Slurm"), ("SRUN_", "srun"), ("SUBMITIT_", "submitit"),
+              ("TORCHELASTIC_", "torchrun"), ("HPCX_", "hpcx"))
+    owner = next((who for prefix, who in owners if name.startswith(prefix)), None)
+    if owner is None and name in LAUNCHER_NAMES:
+        owner = "Slurm and hpcx" if name == "CUDA_VISIBLE_DEVICES" else "the launcher (torch.distributed's rendezvous)"
+    return owner
+
+
+def check_env_names(set_names: tp.Iterable[str], passthrough: tp.Iterable[str]) -> list[str]:
+    """``env.set`` and ``env.passthrough`` names that the launcher owns, or that are in both."""
+    errors, passed = [], [n for n in passthrough if isinstance(n, str)]
+    for name in set_names:
+        if owner := launcher_variable(name):
+            errors.append(f"`env.set.{shown(name)}`: {shown(name)} is set or read by {owner} in every task: expected a "
+                          "variable of your own")
+        if name in passed:
+            errors.append(f"`env.set.{shown(name)}`: {shown(name)} is also in `env.passthrough`: expected it in "
+                          "one of the two (set gives every task this value; passthrough takes the shell's)")
+    for name in passed:
+        if owner := launcher_variable(name):
+            errors.append(f"`env.passthrough`: {shown(name)} is set or read by {owner} in every task, not taken from "
+                          "your shell: expected a variable of your own")
+    return errors
+
+
 def check_nccl(table: dict[str, tp.Any]) -> list[str]:
     """A site's [nccl] table: valid names with a known prefix, nothing that looks like a credential."""
     errors = []

@@ -136,14 +136,14 @@ def test_site_env_names_render_as_plain_exports_and_run_nothing(tmp_path: Path):
 def test_passthrough_and_user_code_are_stated(tmp_path: Path):
     spec = tmp_path / "job.toml"
     spec.write_text('[model]\narch = "os:system"\nkwargs = {command = "id"}\nseq_len = 8\nvocab_size = 16\n'
-                    '[env]\npassthrough = ["HPCX_TEST_SET", "HPCX_TEST_UNSET"]\n[parallel]\nstrategy = "ddp"\n')
-    env = {"HPCX_TEST_SET": "1"}
-    os.environ.pop("HPCX_TEST_UNSET", None)
+                    '[env]\npassthrough = ["MYJOB_TEST_SET", "MYJOB_TEST_UNSET"]\n[parallel]\nstrategy = "ddp"\n')
+    env = {"MYJOB_TEST_SET": "1"}
+    os.environ.pop("MYJOB_TEST_UNSET", None)
     out = hpcx("render", str(spec), env=env)
     assert out.returncode == 0, out.stderr
-    assert ("warning: `env.passthrough` names HPCX_TEST_UNSET, but it is not set in this shell: the job "
+    assert ("warning: `env.passthrough` names MYJOB_TEST_UNSET, but it is not set in this shell: the job "
             "will not see it") in out.stderr.splitlines()
-    assert "HPCX_TEST_SET, but" not in out.stderr
+    assert "MYJOB_TEST_SET, but" not in out.stderr
     assert ("# user code: every task will import the Python module 'os' and call system(command) (model.arch); "
             "it runs with your permissions, so check it is the code you mean") in out.stderr.splitlines()
     gpt = hpcx("render", str(JOB))
