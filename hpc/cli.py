@@ -102,8 +102,13 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
 
 
 def warn_passthrough(spec: tp.Any) -> None:
-    """A passthrough name the submitting shell does not set reaches the job unset: say so now."""
+    """A passthrough name the submitting shell does not set reaches the job unset, and settings that
+    load but are unlikely to be meant (``hpc.spec.spec_warnings``): say so now."""
+    from hpc.spec import spec_warnings
     from hpc.validate import unset_passthrough
+
+    for line in spec_warnings(spec):
+        click.echo(f"warning: {shown(line, 4000)}", err=True)
 
     for name in unset_passthrough(spec.env.passthrough):
         click.echo(f"warning: `env.passthrough` names {name}, but it is not set in this shell: "

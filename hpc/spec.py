@@ -7,6 +7,7 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
+import re
 import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -182,20 +183,30 @@ def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
     sections = build_document(SECTIONS, doc, errors)
     spec = JobSpec(source=source, **sections)
     errors += _check_env(doc.get("env"))
-    if _clean(errors, "job"):
-        errors += _check_job(spec.job)
-    # checks across fields run only on sections whose fields are all well-typed
-    if _clean(errors, "model"):
+    # a field that failed its type check was left at its default: each check runs when its fields are well-typed
+    errors += _check_job(spec.job, lambda *keys: _typed(errors, "job", keys))
+    if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
-    if _clean(errors, "train") and _clean(errors, "model"):
-        errors += _check_train(spec.train, spec.model)
+    errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
+    if _typed(errors, "parallel", ("timeout_s", "step_timeout_s")):
+        errors += _check_parallel(spec.parallel)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return spec
 
 
-def _clean(errors: list[str], section: str) -> bool:
-    return not any(f"`{section}." in e or f"`{section}`" in e for e in errors)
+# The fields ``hpc.models.model_problems`` reads.
+MODEL_SHAPE_FIELDS = ("arch", "size", "dim", "n_layers", "n_heads", "seq_len", "vocab_size", "tie_embeddings", "n_params")
+
+
+def _typed(errors: list[str], section: str, keys: tp.Iterable[str]) -> bool:
+    """No message so far names ``section`` as a whole or one of its ``keys`` (``section.key``; with
+    ``section`` empty, ``keys`` are full dotted paths)."""
+    paths = [f"{section}.{k}" if section else k for k in keys]
+    tables = {section} if section else {p.split(".")[0] for p in paths}
+    named = re.compile("`(?:" + "|".join(re.escape(t) for t in tables) + ")`|`(?:"
+                       + "|".join(re.escape(p) for p in paths) + r")[`\s.\[]")
+    return not any(named.search(e) for e in errors)
 
 
 def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = True) -> JobSpec:
@@ -228,9 +239,9 @@ def resolve_paths(spec: JobSpec) -> list[str]:
     return errors + problems
 
 
-def _check_job(job: Job) -> list[str]:
-    errors = v.check_job_name(job.name)
-    if job.run_root is not None:
+def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:
+    errors = v.check_job_name(job.name) if typed("name") else []
+    if job.run_root is not None and typed("run_root"):
         errors += v.check_run_root("job.run_root", job.run_root)
     return errors
 
@@ -265,10 +276,30 @@ def _check_model(model: Model) -> list[str]:
     return model_problems(model)
 
 
-def _check_train(train: Train, model: Model) -> list[str]:
+def _check_train(train: Train, model: Model, typed: tp.Callable[..., bool]) -> list[str]:
     errors = []
-    if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
+    if typed("train.betas") and (len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas)):
         errors.append(f"`train.betas` = {train.betas!r}: expected two numbers in [0, 1)")
-    if model.dropout >= 1:
+    if typed("model.dropout") and model.dropout >= 1:
         errors.append(f"`model.dropout` = {model.dropout!r}: expected a probability below 1")
     return errors
+
+
+def _check_parallel(parallel: Parallel) -> list[str]:
+    if parallel.step_timeout_s > parallel.timeout_s:
+        return [f"`parallel.step_timeout_s` = {parallel.step_timeout_s} is longer than `parallel.timeout_s` = "
+                f"{parallel.timeout_s}: expected at most {parallel.timeout_s} s (the step timeout is the short one, "
+                "once every rank has finished a step)"]
+    return []
+
+
+def spec_warnings(spec: JobSpec) -> list[str]:
+    """Settings that load but are unlikely to be meant: one line each, naming the file."""
+    t, out = spec.train, []
+    if t.warmup_steps >= t.steps:
+        out.append(f"`train.warmup_steps` = {t.warmup_steps} is not shorter than `train.steps` = {t.steps}: the "
+                   f"learning rate never reaches `train.lr` = {t.lr:g}")
+    if t.warmup_metrics_steps >= t.steps:
+        out.append(f"`train.warmup_metrics_steps` = {t.warmup_metrics_steps} is not shorter than `train.steps` = "
+                   f"{t.steps}: throughput summaries will have no steps to measure")
+    return [f"{spec.source}: {line}" for line in out]

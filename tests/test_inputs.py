@@ -503,3 +503,15 @@ def test_sbatch_option_table_reads_abbreviations_like_getopt():
     assert validate.sbatch_reads_as("vers") == ["version"]
     assert validate.sbatch_reads_as("clu") == ["cluster", "cluster-constraint", "clusters"]
     assert validate.sbatch_reads_as("no-such-option") == []
+
+
+def test_warm_up_longer_than_the_run_is_a_warning(tmp_path: Path):
+    spec = tmp_path / "warm.toml"
+    spec.write_text('[train]\nsteps = 5\nwarmup_steps = 10\nwarmup_metrics_steps = 5\n')
+    out = hpcx("render", str(spec))
+    assert out.returncode == 0, out.stderr
+    assert (f"warning: {spec}: `train.warmup_steps` = 10 is not shorter than `train.steps` = 5: the learning rate "
+            "never reaches `train.lr` = 0.0003") in out.stderr.splitlines()
+    assert (f"warning: {spec}: `train.warmup_metrics_steps` = 5 is not shorter than `train.steps` = 5: throughput "
+            "summaries will have no steps to measure") in out.stderr.splitlines()
+    assert "warning" not in hpcx("render", str(JOB)).stderr
