@@ -418,12 +418,15 @@ def parse_override(item: str) -> tuple[list[str], tp.Any]:
     if len(parts) < 2 or not all(parts):
         raise ConfigError([f"--set {_shown_item(item)}: expected a dotted key such as train.steps"])
     try:
-        value = parse_toml(f"v = {raw}", "--set")["v"]
+        doc = parse_toml(f"v = {raw}", "--set")
     except TomlSyntaxError:
-        value = raw
+        return parts, raw  # not TOML: the text itself
     except ConfigError as exc:  # valid TOML, but too deep or too long a number
         raise ConfigError([f"--set {_shown_item(item)}: {exc.messages[0].split(': ', 1)[1]}"]) from None
-    return parts, value
+    if list(doc) != ["v"]:  # `5\n[env.set]\nX=1`: a document, of which one key would be kept
+        raise ConfigError([f"--set {_shown_item(item)}: expected one TOML value after `=` (a number, a quoted "
+                           "string, an array or an inline table), not more lines of TOML"])
+    return parts, doc["v"]
 
 
 def _shown_item(item: str) -> str:

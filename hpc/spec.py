@@ -215,11 +215,26 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
-    spec = spec_from_dict(doc, str(path))
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    try:
+        spec = spec_from_dict(doc, str(path))
+    except ConfigError as exc:
+        raise ConfigError([_named_origin(m, str(path), keys) for m in exc.messages]) from None
     errors = resolve_paths(spec) if paths else []
     if errors:
-        raise ConfigError([f"{path}: {e}" for e in errors])
+        raise ConfigError([_named_origin(f"{path}: {e}", str(path), keys) for e in errors])
     return spec
+
+
+def _named_origin(message: str, source: str, keys: tp.Sequence[str]) -> str:
+    """``FILE: `train.steps` …`` as ``--set: `train.steps` …`` when that value came from ``--set``."""
+    body = message.removeprefix(f"{source}: ")
+    named = re.search(r"`([^`]*)`", body)
+    path = named.group(1).strip("[]") if named else ""  # `[trian]`: a section only --set named
+    if path and any(path == k or path.startswith((f"{k}.", f"{k}[", f"{k} ")) or k.startswith(f"{path}.")
+                    for k in keys if k):
+        return f"--set: {body}"
+    return message
 
 
 def resolve_paths(spec: JobSpec) -> list[str]:
