@@ -34,11 +34,11 @@ def cli() -> None:
 def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
     """(spec, site, launch) with every problem reported as ConfigError."""
     from hpc.resolve import resolve
-    from hpc.site import choose_site, load_site
+    from hpc.site import select_site
     from hpc.spec import load_spec
 
     spec = load_spec(path, overrides)
-    site = load_site(choose_site(site_name, spec.job.site))
+    site = select_site(site_name, spec)
     return spec, site, resolve(spec, site)
 
 

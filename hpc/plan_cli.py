@@ -32,12 +32,12 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     from hpc.models import model_facts
     from hpc.plan import format_plan, plan_job
     from hpc.resolve import cross_check
-    from hpc.site import choose_site, load_site
+    from hpc.site import select_site
     from hpc.spec import load_spec
 
     extra = (f"job.nodes={nodes}",) if nodes else ()
     spec = load_spec(job, tuple(overrides) + extra)
-    site = load_site(choose_site(site_name, spec.job.site))
+    site = select_site(site_name, spec)
     errors = cross_check(spec, site)
     if errors:
         raise ConfigError([f"{spec.source}: {e}" for e in errors])

@@ -144,16 +144,19 @@ def list_sites() -> list[str]:
     return list(find_sites())
 
 
-def site_path(name_or_path: str) -> Path:
-    """A site name on the search path (``sandbox``) or a path to a profile file."""
+def site_path(name_or_path: str, label: str | None = None) -> Path:
+    """A site name on the search path (``sandbox``) or a path to a profile file. ``label`` says where the
+    name came from in a message (default ``--site 'NAME'``)."""
+    label = label or f"--site {name_or_path!r}"
+    if not name_or_path.strip():
+        raise ConfigError([f"{label}: expected a site name (`hpcx site list`) or a path to a profile"])
     candidate = Path(name_or_path)
     if candidate.suffix == ".toml" or os.sep in name_or_path:
         return candidate
     sites = find_sites()
     if name_or_path not in sites:
         where = ", ".join(str(folder) for folder, _ in search_path())
-        raise ConfigError([f"--site {name_or_path!r}: no such site profile ({suggest(name_or_path, sites)}); "
-                           f"searched {where}"])
+        raise ConfigError([f"{label}: no such site profile ({suggest(name_or_path, sites)}); searched {where}"])
     return sites[name_or_path][0]
 
 
@@ -208,8 +211,9 @@ def cross_check_site(site: SiteProfile) -> list[str]:
     return errors
 
 
-def load_site(name_or_path: str) -> SiteProfile:
-    path = site_path(name_or_path)
+def load_site(name_or_path: str, label: str | None = None) -> SiteProfile:
+    """The profile ``name_or_path`` names (``label``: where that came from, for messages)."""
+    path = site_path(name_or_path, label)
     if v.first_unprintable(path.stem) is not None:  # the name is shown by render, status and site list
         raise ConfigError([f"{v.shown(str(path))}: expected a profile name of printable characters"])
     return parse_site(read_toml(path), path.stem, str(path))
@@ -231,7 +235,26 @@ def raw_run_root(path: Path) -> Path | None:
 
 def choose_site(cli: str | None, spec_site: str | None) -> str:
     """--site, then $HPCX_SITE, then the spec's job.site, then `local`."""
-    return cli or os.environ.get("HPCX_SITE") or spec_site or DEFAULT_SITE
+    return site_choice(cli, spec_site)[0]
+
+
+def site_choice(cli: str | None, spec_site: str | None, spec_source: str = "the spec") -> tuple[str, str]:
+    """(name or path, where it came from for a message): ``--site`` (also when empty: an error, not a fall
+    back), then ``$HPCX_SITE`` (empty counts as unset), then the spec's ``job.site``, then `local`."""
+    if cli is not None:
+        return cli, f"--site {cli!r}"
+    env = os.environ.get("HPCX_SITE")
+    if env:
+        return env, f"$HPCX_SITE = {v.shown(env)!r}"
+    if spec_site is not None:
+        return spec_site, f"{spec_source}: `job.site` = {v.shown(spec_site)!r}"
+    return DEFAULT_SITE, f"the default site {DEFAULT_SITE!r}"
+
+
+def select_site(cli: str | None, spec: tp.Any) -> SiteProfile:
+    """The site a command runs ``spec`` on (``site_choice``), loaded; a message names where it came from."""
+    name, label = site_choice(cli, spec.job.site, spec.source)
+    return load_site(name, label)
 
 
 def site_as_dict(site: SiteProfile) -> dict[str, tp.Any]:

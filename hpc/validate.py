@@ -109,7 +109,9 @@ def check_env_name(path: str, name: str) -> list[str]:
     """A valid shell variable name: anything else would be spliced into the script's export lines."""
     if ENV_NAME.match(name):
         return []
-    return [f"`{path}`: variable name {shown(name)!r}: expected letters, digits and underscores, "
+    other = next((ch for ch in name if not ch.isascii() and ch.isprintable()), None)
+    what = f" (`{other}` is U+{ord(other):04X} {unicodedata.name(other, '')}".rstrip() + ")" if other else ""
+    return [f"`{path}`: variable name {shown(name)!r}{what}: expected letters, digits and underscores, "
             "not starting with a digit"]
 
 

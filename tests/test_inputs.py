@@ -515,3 +515,41 @@ def test_warm_up_longer_than_the_run_is_a_warning(tmp_path: Path):
     assert (f"warning: {spec}: `train.warmup_metrics_steps` = 5 is not shorter than `train.steps` = 5: throughput "
             "summaries will have no steps to measure") in out.stderr.splitlines()
     assert "warning" not in hpcx("render", str(JOB)).stderr
+
+
+@pytest.mark.parametrize("cli,env,spec_site,message", [
+    (None, "no-such-site", None, "$HPCX_SITE = 'no-such-site': no such site profile"),
+    ("no-such-site", "local", None, "--site 'no-such-site': no such site profile"),
+    (None, None, "no-such-site", "S.toml: `job.site` = 'no-such-site': no such site profile"),
+    ("", None, None, "--site '': expected a site name (`hpcx site list`) or a path to a profile"),
+    ("  ", "local", None, "--site '  ': expected a site name (`hpcx site list`) or a path to a profile"),
+    (None, None, "", "S.toml: `job.site` = '': expected a site name (`hpcx site list`) or a path to a profile"),
+    (None, " ", None, "$HPCX_SITE = ' ': expected a site name (`hpcx site list`) or a path to a profile"),
+    (None, "sandbx", None, "$HPCX_SITE = 'sandbx': no such site profile (did you mean `sandbox`?)"),
+])
+def test_site_problems_name_where_the_site_came_from(cli, env, spec_site, message, monkeypatch):
+    from types import SimpleNamespace
+
+    from hpc.site import select_site
+
+    if env is None:
+        monkeypatch.delenv("HPCX_SITE", raising=False)
+    else:
+        monkeypatch.setenv("HPCX_SITE", env)
+    spec = SimpleNamespace(job=SimpleNamespace(site=spec_site), source="S.toml")
+    with pytest.raises(ConfigError) as info:
+        select_site(cli, spec)
+    assert info.value.messages[0].startswith(message), info.value.messages
+
+
+def test_empty_hpcx_site_counts_as_unset_and_the_cli_names_the_variable(monkeypatch):
+    from types import SimpleNamespace
+
+    from hpc.site import select_site
+
+    monkeypatch.setenv("HPCX_SITE", "")
+    assert select_site(None, SimpleNamespace(job=SimpleNamespace(site=None), source="S")).name == "local"
+    out = hpcx("render", str(JOB), env={"HPCX_SITE": "no-such-site"})
+    assert out.returncode == 2 and out.stderr.startswith("error: $HPCX_SITE = 'no-such-site': no such site profile")
+    out = hpcx("render", str(JOB), "--site", "")
+    assert out.returncode == 2 and "error: --site '': expected a site name" in out.stderr and not out.stdout
