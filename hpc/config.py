@@ -359,7 +359,7 @@ def _char_at(text: str, line: int, col: int) -> str:
     lines = text.split("\n")
     row = lines[line - 1] if 0 < line <= len(lines) else ""
     ch = row[col - 1] if 0 < col <= len(row) else ""
-    if not ch or ch.isascii():
+    if not ch or ch.isascii() or not ch.isprintable():  # unprintable ones: said elsewhere (a BOM inside)
         return ""
     return f" ({_char_note(ch)}; a bare key is ASCII letters, digits, `-` and `_`: quote it, or type the ASCII letter)"
 
