@@ -60,10 +60,19 @@ def first_unprintable(text: str) -> str | None:
     return next(ch for ch in text if not ch.isprintable())
 
 
+def utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8: what Slurm and the kernel count (an emoji is 4)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 def check_text(path: str, text: str, max_len: int = TEXT_MAX) -> list[str]:
-    """Printable and bounded: every string that reaches a job script or a terminal."""
-    if len(text) > max_len:
-        return [f"`{path}` is {len(text)} characters long: expected at most {max_len}"]
+    """Printable and bounded: every string that reaches a job script or a terminal. ``max_len`` counts
+    bytes of UTF-8, as Slurm (names, comments, partitions …) and Linux (paths) do."""
+    size = utf8_len(text) if len(text) * 4 > max_len else len(text)  # cheap while it cannot be too long
+    if size > max_len:
+        if size == len(text):
+            return [f"`{path}` is {len(text)} characters long: expected at most {max_len}"]
+        return [f"`{path}` is {size} bytes long in UTF-8 ({len(text)} characters): expected at most {max_len} bytes"]
     ch = first_unprintable(text)
     if ch is not None:
         return [f"`{path}` contains {char_label(ch)}, which is not allowed in values that reach the job script"]
@@ -447,10 +456,10 @@ def expand_path(value: str, where: str) -> Path:
     if not os.path.isabs(text):
         raise ConfigError([f"{where}: expands to {shown(text)!r}: expected an absolute path"])
     bad = first_unprintable(text)
-    if bad is not None or len(text) > PATH_MAX:
-        what = f"{char_label(bad)}" if bad is not None else f"{len(text)} characters"
+    if bad is not None or utf8_len(text) > PATH_MAX:
+        what = f"{char_label(bad)}" if bad is not None else f"{utf8_len(text)} bytes"
         raise ConfigError([f"{where}: expands to a path with {what}: expected at most {PATH_MAX} "
-                           "printable characters"])
+                           + ("printable characters" if bad is not None else "bytes")])
     return Path(os.path.normpath(text))
 
 
