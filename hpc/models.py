@@ -227,8 +227,11 @@ def model_problems(model: Model) -> list[str]:
             return [f"`model.n_params` = {model.n_params} is for user models: the built-in GPT's count follows "
                     f"from its shape ({count_text(spec_shape(model).n_params)} here)"]
         return _shape_problems(spec_shape(model))
-    if not USER_ARCH.match(model.arch):
-        return [f"`model.arch` = {model.arch!r}: expected 'gpt' or 'package.module:function'"]
+    from hpc.validate import check_model_arch
+
+    if not USER_ARCH.match(model.arch) or check_model_arch(model.arch):
+        return check_model_arch(model.arch) or [f"`model.arch` = {model.arch!r}: expected 'gpt' or "
+                                                "'package.module:function'"]
     errors = [f"`model.{key}` must be set for the user model {model.arch!r} (0 means the preset's, and a user "
               f"model has none)" for key in ("seq_len", "vocab_size") if not getattr(model, key)]
     return errors + _stated_problems(model)

@@ -34,8 +34,33 @@ def user_code_notice(spec: JobSpec) -> str | None:
         return None
     module, function = spec.model.arch.split(":", 1)
     kwargs = ", ".join(spec.model.kwargs) or "no kwargs"
-    return (f"user code: every task will import the Python module {module!r} and call {function}({kwargs}) "
-            "(model.arch); it runs with your permissions, so check it is the code you mean")
+    found = module_file(module)
+    where = f"from {found}" if found else "which is not importable here: every task must find it on its sys.path"
+    return (f"user code: every task will import the Python module {module!r} ({where}) and call "
+            f"{function}({kwargs}) (model.arch); it runs with your permissions, so check it is the code you mean")
+
+
+def module_file(module: str, folder: str | None = None) -> str | None:
+    """The file ``import module`` would load, found without importing anything (no package's
+    ``__init__`` runs): searched from ``folder`` (default: the current one, where each task starts),
+    then ``sys.path``. None when it is not found."""
+    import os
+    import sys
+    from importlib.machinery import PathFinder
+
+    search: list[str] | None = [folder or os.getcwd(), *sys.path]
+    spec = None
+    parts = module.split(".")
+    for n in range(1, len(parts) + 1):
+        spec = PathFinder.find_spec(".".join(parts[:n]), search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+        if not search and n < len(parts):
+            return None  # a module, not a package: it has no submodules
+    if spec.origin and spec.origin not in ("namespace", "built-in", "frozen"):
+        return spec.origin
+    return next(iter(spec.submodule_search_locations or []), None)
 
 
 def render(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:

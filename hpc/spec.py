@@ -188,6 +188,10 @@ def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
     if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
     errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
+    if _typed(errors, "model", ("kwargs",)):
+        errors += v.check_model_kwargs(spec.model.kwargs)
+    if _typed(errors, "model", ("blocks",)):
+        errors += v.check_model_blocks(spec.model.blocks)
     if _typed(errors, "parallel", ("timeout_s", "step_timeout_s")):
         errors += _check_parallel(spec.parallel)
     if errors:

@@ -9,9 +9,11 @@ expected; the callers prefix the file. Torch-free and cheap: it runs on login no
 
 from __future__ import annotations
 
+import keyword
 import os
 import re
 import stat
+import sys
 import typing as tp
 import unicodedata
 from pathlib import Path
@@ -103,6 +105,67 @@ def check_world(nodes: int, tasks_per_node: int) -> list[str]:
     if world > INT32_MAX:
         return [f"`job.nodes` × tasks per node = {nodes} × {tasks_per_node} = {world} ranks: expected at "
                 f"most {INT32_MAX} (torch.distributed ranks are 32-bit)"]
+    return []
+
+
+# ------------------------------------------------------------------------------------------ user code
+
+# Never a model factory: the standard library and the interpreter's own modules (`os:system`,
+# `builtins:exec`, `subprocess:run` would run in every task with the spec's kwargs).
+NOT_MODEL_MODULES = frozenset(sys.stdlib_module_names) | {"__main__", "builtins"}
+
+
+def _identifier_problem(part: str) -> str | None:
+    if not part:
+        return "an empty name"
+    if not part.isidentifier():
+        return f"{shown(part)!r}, which is not a Python identifier"
+    if keyword.iskeyword(part):
+        return f"{part!r}, a Python keyword"
+    return None
+
+
+def check_model_arch(arch: str) -> list[str]:
+    """``model.arch`` = ``package.module:function``: dotted identifiers, one `:`, a function name, and a
+    module of the user's, not of the standard library."""
+    label = f"`model.arch` = {shown(arch)!r}"
+    module, colon, function = arch.partition(":")
+    if not colon or ":" in function:
+        return [f"{label}: expected 'gpt' or 'package.module:function' (one `:` between the module and the function)"]
+    parts = [("the module path", p) for p in module.split(".")] + [("the function", function)]
+    bad = next(((where, why) for where, p in parts if (why := _identifier_problem(p))), None)
+    if bad:
+        return [f"{label}: {bad[0]} holds {bad[1]}: expected 'gpt' or 'package.module:function' "
+                "(dotted Python identifiers)"]
+    top = module.split(".")[0]
+    if top in NOT_MODEL_MODULES:
+        what = "the module each task starts with" if top == "__main__" else "Python's standard library"
+        return [f"{label}: `{top}` is {what}, not a model factory: expected a function of your own package that "
+                "returns an nn.Module"]
+    return []
+
+
+def check_model_kwargs(kwargs: tp.Mapping[str, tp.Any]) -> list[str]:
+    """Top-level ``model.kwargs`` keys are passed as keyword arguments: identifiers, not keywords."""
+    errors = []
+    for key in kwargs:
+        if first_unprintable(key) is not None or (key.isidentifier() and not keyword.iskeyword(key)):
+            continue  # unprintable keys: the loader's message
+        why = "empty" if not key else "a Python keyword" if keyword.iskeyword(key) else "not a Python identifier"
+        errors.append(f"`model.kwargs` key {shown(key)!r} is {why}: the model function is called with each key "
+                      "as a keyword argument")
+    return errors
+
+
+def check_model_blocks(path: str) -> list[str]:
+    """``model.blocks``: an attribute path (``transformer.h``, ``layers.0.blocks``), or empty for `blocks`."""
+    if not path:
+        return []
+    for part in path.split("."):
+        why = None if part.isdigit() else _identifier_problem(part)
+        if why:
+            return [f"`model.blocks` = {shown(path)!r} holds {why}: expected an attribute path such as "
+                    "`transformer.h` (names and indices joined by `.`)"]
     return []
 
 

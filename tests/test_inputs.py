@@ -135,17 +135,26 @@ def test_site_env_names_render_as_plain_exports_and_run_nothing(tmp_path: Path):
 
 def test_passthrough_and_user_code_are_stated(tmp_path: Path):
     spec = tmp_path / "job.toml"
-    spec.write_text('[model]\narch = "os:system"\nkwargs = {command = "id"}\nseq_len = 8\nvocab_size = 16\n'
+    spec.write_text('[model]\narch = "mymodels:build"\nkwargs = {command = "id"}\nseq_len = 8\nvocab_size = 16\n'
                     '[env]\npassthrough = ["MYJOB_TEST_SET", "MYJOB_TEST_UNSET"]\n[parallel]\nstrategy = "ddp"\n')
+    (tmp_path / "mymodels.py").write_text("raise SystemExit('render must not import the user module')\n")
     env = {"MYJOB_TEST_SET": "1"}
     os.environ.pop("MYJOB_TEST_UNSET", None)
-    out = hpcx("render", str(spec), env=env)
+    out = hpcx("render", str(spec), env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert ("warning: `env.passthrough` names MYJOB_TEST_UNSET, but it is not set in this shell: the job "
             "will not see it") in out.stderr.splitlines()
     assert "MYJOB_TEST_SET, but" not in out.stderr
-    assert ("# user code: every task will import the Python module 'os' and call system(command) (model.arch); "
-            "it runs with your permissions, so check it is the code you mean") in out.stderr.splitlines()
+    assert (f"# user code: every task will import the Python module 'mymodels' (from {tmp_path / 'mymodels.py'}) "
+            "and call build(command) (model.arch); it runs with your permissions, so check it is the code you "
+            "mean") in out.stderr.splitlines()
+    elsewhere = hpcx("render", str(spec), env=env)  # from another folder the module is not found
+    assert "(which is not importable here: every task must find it on its sys.path)" in elsewhere.stderr
+    spec.write_text(spec.read_text().replace("mymodels:build", "os:system"))
+    refused = hpcx("render", str(spec), env=env, cwd=tmp_path)
+    assert refused.returncode == 2 and not refused.stdout
+    assert (f"error: {spec}: `model.arch` = 'os:system': `os` is Python's standard library, not a model factory: "
+            "expected a function of your own package that returns an nn.Module") in refused.stderr.splitlines()
     gpt = hpcx("render", str(JOB))
     assert "user code" not in gpt.stderr and "warning" not in gpt.stderr
 
