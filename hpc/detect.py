@@ -20,6 +20,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from hpc.validate import shown
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NV = re.compile(r"^NV(\d+)$")
 GPU_LABEL = re.compile(r"^GPU(\d+)$")
@@ -461,15 +463,24 @@ def _toml_value(v: object) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    text = shown(str(v), 1000)  # printable: what a tool printed may hold escapes a profile refuses
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _comment(kind: str, text: str) -> list[str]:
+    """``# kind: text`` as comment lines: every line of a message of several lines (a tool's stderr)
+    commented, unprintable characters escaped (TOML comments hold no control characters)."""
+    lines = str(text).splitlines() or [""]
+    return [f"# {kind}: {shown(lines[0], 1000)}"] + [f"#   {shown(line, 1000)}" for line in lines[1:]]
 
 
 def render_toml(d: Draft) -> str:
-    """The draft as a site profile file, with what was found, assumed and not known as comments."""
-    out = [f"# Site profile draft for {d.name!r}, written by `hpcx site detect`. Check every value."]
-    out += [f"# found: {f}" for f in d.found]
-    out += [f"# assumed: {a}" for a in d.assumed]
-    out += [f"# unknown: {u}" for u in d.unknown]
+    """The draft as a site profile file, with what was found, assumed and not known as comments. It
+    always parses as TOML: every comment line starts with `#`, every string value is escaped."""
+    out = [f"# Site profile draft for {shown(d.name)!r}, written by `hpcx site detect`. Check every value."]
+    out += [line for f in d.found for line in _comment("found", f)]
+    out += [line for a in d.assumed for line in _comment("assumed", a)]
+    out += [line for u in d.unknown for line in _comment("unknown", u)]
     for section in ("scheduler", "node", "network", "nccl", "storage"):
         table = getattr(d, section)
         if table:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from hpc.config import tomllib
+import os
+import shlex
+import sys
+
+from hpc.config import parse_toml, tomllib
 
 import pytest
 
+import hpc.detect
 from hpc.detect import (Host, SlurmNode, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo,
                         render_toml)
 from hpc.site import parse_site
@@ -13,6 +18,40 @@ from hpc.site import parse_site
 from tests.conftest import RECORDED, hpcx
 
 DATA = RECORDED
+DRAFTS: list[str] = []  # every draft the running test made (render_toml here, or `hpcx site detect`)
+
+
+def assert_draft_loads(text: str) -> None:
+    """A draft is always valid TOML, and a site `hpcx site show` accepts whenever the tools told the GPUs'
+    memory (without `--query-gpu` the draft says the memory is unknown, and a GPU site needs it)."""
+    doc = parse_toml(text, "draft")
+    if "# unknown: node.gpu_model, node.gpu_memory_gb" not in text:
+        parse_site(doc, "draft", "draft")
+
+
+@pytest.fixture(autouse=True)
+def every_draft_loads(monkeypatch):
+    """Each test's drafts, however made, are loaded after it (issue 24: a draft that does not parse)."""
+    real = hpc.detect.render_toml
+
+    def recording(draft):
+        DRAFTS.append(real(draft))
+        return DRAFTS[-1]
+
+    monkeypatch.setattr(hpc.detect, "render_toml", recording)
+    monkeypatch.setattr(sys.modules[__name__], "render_toml", recording)
+    DRAFTS.clear()
+    yield
+    for text in DRAFTS:
+        assert_draft_loads(text)
+
+
+def detect_cli(*args: str, env: dict | None = None):
+    """`hpcx site detect ARGS` in a fresh interpreter; a draft it prints joins DRAFTS."""
+    out = hpcx("site", "detect", *args, env=env)
+    if out.returncode == 0:
+        DRAFTS.append(out.stdout)
+    return out
 
 H100 = "nvidia-smi-topo-m_8x-h100-80gb-hbm3_nv18_12x-mlx5_nic-legend_numa-off.txt"
 H200 = "nvidia-smi-topo-m_8x-h200-sxm_nv18_10x-mlx5_nic-legend_raw-file.txt"
@@ -104,7 +143,7 @@ def test_scontrol_key_value_records():
 
 
 def test_detect_cli_from_files():
-    out = hpcx("site", "detect", "--name", "a100", "--topo", str(DATA / A100), "--query", str(DATA / QUERY),
+    out = detect_cli("--name", "a100", "--topo", str(DATA / A100), "--query", str(DATA / QUERY),
                "--scontrol", "/dev/null")
     assert out.returncode == 0, out.stderr
     doc = tomllib.loads(out.stdout)
@@ -114,7 +153,7 @@ def test_detect_cli_from_files():
 def test_detect_cli_bad_file_exits_2(tmp_path):
     bad = tmp_path / "topo.txt"
     bad.write_text("nothing\n")
-    out = hpcx("site", "detect", "--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
+    out = detect_cli("--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
     assert out.returncode == 2 and "Traceback" not in out.stderr
 
 
@@ -330,7 +369,40 @@ def test_query_and_topo_gpu_counts_must_agree():
 def test_detect_cli_refuses_a_truncated_matrix_in_one_line(tmp_path, cut):
     bad = tmp_path / "topo.txt"
     bad.write_text((DATA / A100).read_text()[:cut])
-    out = hpcx("site", "detect", "--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
+    out = detect_cli("--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and str(bad) in errors[0] and "not square" in errors[0]
+
+
+@pytest.mark.parametrize("stderr", [
+    "scontrol: error: Munge encode failed: Failed to connect to \"/run/munge/munge.socket.2\": "
+    "No such file or directory (retrying ...)\nscontrol: error: slurm_send_node_msg: auth_g_create: REQUEST_NODE_INFO "
+    "has authentication error\nslurm_load_node error: Protocol authentication error\n",
+    "line one\n\n[node]\ngpus = 99\n\x1b[31mred\x1b[0m\tand a tab\r\n# already a comment\n",
+    "\n\n\n",
+])
+def test_a_probe_failing_with_several_lines_still_drafts_valid_toml(stderr, tmp_path):
+    """Only the first line of a multi-line error was commented out: every such draft was invalid TOML."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f"#!/bin/sh\nprintf '%s' {shlex.quote(stderr)} >&2\nexit 1\n")
+    (fake / "scontrol").chmod(0o755)
+    out = detect_cli("--topo", str(DATA / A100), "--query", str(DATA / QUERY),
+                     env={"PATH": f"{fake}:{os.environ['PATH']}"})
+    assert out.returncode == 0, out.stderr
+    doc = tomllib.loads(out.stdout)  # the fixture also loads it as a site
+    assert doc["node"]["gpus"] == 8 and doc["scheduler"]["kind"] == "local"
+    assert "exited 1" in out.stdout
+    assert all(line.startswith("#") or not line.strip() or "=" in line or line.startswith("[")
+               for line in out.stdout.splitlines())
+
+
+def test_draft_values_and_names_from_tools_are_escaped():
+    query = parse_query_gpu("name, memory.total [MiB]\nNVIDIA \"H100\" \\\\ 80GB, 81559 MiB\n")
+    draft = draft_site("odd\nname\x1b", parse_topo((DATA / H100).read_text()), None, None)
+    draft.unknown.append("a\nmulti-line\x00 note")
+    text = render_toml(draft)
+    assert parse_toml(text, "draft")
+    text = render_toml(draft_site("q", None, query, None, Host(cpus=8, memory_gb=64.0)))
+    assert tomllib.loads(text)["node"]["gpu_model"] == 'NVIDIA "H100" \\\\ 80GB'
