@@ -69,7 +69,8 @@ def _counted_facts(model: tp.Any) -> tp.Any:
 @click.option("--name", default="detected", show_default=True, help="Name written into the draft.")
 @click.option("--topo", type=click.Path(exists=True, dir_okay=False), help="Saved `nvidia-smi topo -m` output.")
 @click.option("--query", type=click.Path(exists=True, dir_okay=False),
-              help="Saved `nvidia-smi --query-gpu=name,memory.total --format=csv` output.")
+              help="Saved `nvidia-smi --query-gpu=name,memory.total,mig.mode.current --format=csv` output "
+              "(the MIG column may be left out).")
 @click.option("--scontrol", type=click.Path(exists=True, dir_okay=False), help="Saved `scontrol show node` output.")
 def detect_command(name: str, topo: str | None, query: str | None, scontrol: str | None) -> None:
     """Draft a site profile (TOML on stdout) from this GPU node's tools, or from saved outputs.
@@ -78,11 +79,12 @@ def detect_command(name: str, topo: str | None, query: str | None, scontrol: str
     assumed and what it could not tell. A matrix cut short, asymmetric or with unknown cells is
     refused (exit 2). Without Slurm the draft is a `local` site for this machine.
     """
-    from hpc.detect import Host, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo, render_toml
+    from hpc.detect import (QUERY_COMMAND, Host, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo,
+                            render_toml)
 
     problems: list[str] = []
     topo_text = _text(topo, ["nvidia-smi", "topo", "-m"], problems)
-    query_text = _text(query, ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv"], problems)
+    query_text = _text(query, QUERY_COMMAND, problems)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     slurm_text = _text(scontrol, ["scontrol", "show", "node", node], problems)
     parsed_topo = _parse(parse_topo, topo_text, topo or "`nvidia-smi topo -m`")

@@ -208,7 +208,21 @@ def cross_check_site(site: SiteProfile) -> list[str]:
         errors.append(f"`node.gpu_memory_gb` is unset but `node.gpus` = {site.node.gpus}: expected the memory per GPU")
     if site.node.gpus > 1 and site.node.intra_link == "none":
         errors.append(f"`node.intra_link` = 'none' with {site.node.gpus} GPUs per node: expected nvswitch, nvlink or pcie")
-    return errors
+    return errors + _gpu_fields_without_gpus(site.node)
+
+
+def _gpu_fields_without_gpus(node: Node) -> list[str]:
+    """`gpus = 0` beside fields that describe GPUs: planned as a CPU site (gloo) without a word otherwise."""
+    if node.gpus:
+        return []
+    named = [f"`node.{key}` = {getattr(node, key)!r}" for key in ("gpu_model", "gpu_memory_gb", "gpu_peak_tflops")
+             if getattr(node, key)]
+    named += [f"`node.intra_link` = {node.intra_link!r}"] if node.intra_link != "none" else []
+    if not named:
+        return []
+    verb = "describe" if len(named) > 1 else "describes"
+    return [f"`node.gpus` = 0 makes this a CPU site (gloo, no GPUs), but {', '.join(named)} {verb} GPUs: expected "
+            "`node.gpus` = the GPUs per node, or no GPU fields on a CPU site"]
 
 
 def load_site(name_or_path: str, label: str | None = None) -> SiteProfile:

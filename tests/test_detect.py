@@ -406,3 +406,114 @@ def test_draft_values_and_names_from_tools_are_escaped():
     assert parse_toml(text, "draft")
     text = render_toml(draft_site("q", None, query, None, Host(cpus=8, memory_gb=64.0)))
     assert tomllib.loads(text)["node"]["gpu_model"] == 'NVIDIA "H100" \\\\ 80GB'
+
+
+# --- separators, link counts, MIG and other tools (issue 24) -----------------------------------
+
+ROCM_SMI = "rocm-smi_concise-info_8x-mi300x.txt"
+
+
+def _mixed(text: str, how: str) -> str:
+    """A recorded matrix with its separators mixed: tabs and runs of spaces side by side."""
+    out = []
+    for n, line in enumerate(text.splitlines(keepends=True)):
+        if how == "alternate":  # every other tab becomes three spaces
+            parts = line.split("\t")
+            line = "".join(p + ("\t" if i % 2 else "   ") for i, p in enumerate(parts[:-1])) + parts[-1]
+        elif how == "header" and "GPU0" in line and line[:1] in "\t ":
+            line = line.replace("\t", "  ") if "\t" in line else line.replace("  ", "\t", 3)
+        elif how == "rows" and line.startswith("GPU"):
+            line = line.replace("\t", "    ") if "\t" in line else line.replace("    ", "\t")
+        elif how == "tab-then-space":
+            line = line.replace("\t", "\t ")
+        out.append(line)
+    return "".join(out)
+
+
+@pytest.mark.parametrize("how", ["alternate", "header", "rows", "tab-then-space"])
+@pytest.mark.parametrize("name", [H100, H200, A100, NV18_SPACES, PCIE8, A6000, V100_PAIR, DGX1_MP])
+def test_matrix_with_tabs_and_spaces_mixed_parses_as_the_original(name, how):
+    text = (DATA / name).read_text()
+    want, got = parse_topo(text), parse_topo(_mixed(text, how))
+    assert (got.gpus, got.nics, got.links, got.numa, got.gpu_nic) == \
+        (want.gpus, want.nics, want.links, want.numa, want.gpu_nic)
+
+
+def _nv_counts(name: str, counts) -> str:
+    """The recorded matrix with each GPU pair's NV# cell edited to NV<counts(i, j)>, symmetric."""
+    lines = _lines(name)
+    header, end = _gpu_rows(name)
+    for i in range(header + 1, end):
+        cells = lines[i].split("\t")
+        row = int(cells[0].removeprefix("GPU"))
+        for j in range(8):
+            if j != row:
+                cells[1 + j] = f"NV{counts(min(row, j), max(row, j))}"
+        lines[i] = "\t".join(cells)
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("counts,low", [
+    (lambda i, j: 1 + (i + j) % 2, 1),  # NV1 and NV2 mixed (V100 boards)
+    (lambda i, j: 2 if j == i + 1 else 1, 1),
+    (lambda i, j: 12 - (i + j) % 3, 10),
+])
+def test_every_pair_on_nvlink_with_mixed_counts_is_nvlink_not_pcie(counts, low):
+    topo = parse_topo(_nv_counts(H100, counts))
+    draft = draft_site("mesh", topo, None, None)
+    assert draft.node["intra_link"] == "nvlink"
+    assert draft.node["intra_bandwidth_gbs"] == low * 25.0
+    assert any("every GPU pair is joined by NVLink" in f for f in draft.found)
+    render_toml(draft)
+
+
+def test_uniform_nv_counts_stay_a_switch():
+    topo = parse_topo(_nv_counts(H100, lambda i, j: 2))
+    assert draft_site("s", topo, None, None).node["intra_link"] == "nvswitch"
+
+
+def _query_with_mig(enabled: set[int]) -> str:
+    """The recorded --query-gpu output with a mig.mode.current column added."""
+    lines = (DATA / QUERY).read_text().splitlines()
+    out = [lines[0] + ", mig.mode.current"]
+    out += [f"{line}, {'Enabled' if n in enabled else 'Disabled'}" for n, line in enumerate(lines[1:])]
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize("enabled", [{1}, {0, 3, 7}, set(range(8))])
+def test_mig_devices_are_said(enabled):
+    query = parse_query_gpu(_query_with_mig(enabled))
+    assert query.mig == [n in enabled for n in range(8)] and len(query.names) == 8
+    draft = draft_site("mig", parse_topo((DATA / H100).read_text()), query, None, Host(cpus=8, memory_gb=64.0))
+    said = [u for u in draft.unknown if u.startswith("MIG is enabled on GPU")]
+    assert said == [f"MIG is enabled on GPU {', '.join(map(str, sorted(enabled)))} (mig.mode.current): a task there "
+                    "sees MIG devices (slices), not the whole GPU, and one NCCL job cannot span MIG devices; the "
+                    "profile counts whole GPUs: disable MIG (`nvidia-smi -mig 0`) on the nodes hpcx runs on"]
+    assert "# unknown: MIG is enabled on GPU" in render_toml(draft)
+
+
+def test_mig_column_disabled_everywhere_says_nothing():
+    query = parse_query_gpu(_query_with_mig(set()))
+    draft = draft_site("q", None, query, None, Host(cpus=8, memory_gb=64.0))
+    assert not [u for u in draft.unknown if "MIG" in u]
+
+
+@pytest.mark.parametrize("cut", [None, (2, None), (0, 5), (4, 6)])
+def test_rocm_smi_output_is_named(cut):
+    text = (DATA / ROCM_SMI).read_text()
+    if cut:
+        text = "".join(text.splitlines(keepends=True)[cut[0]:cut[1]])
+    for parser, tool in ((parse_topo, "nvidia-smi topo -m"),
+                         (parse_query_gpu, "nvidia-smi --query-gpu=name,memory.total --format=csv")):
+        with pytest.raises(ValueError) as info:
+            parser(text)
+        assert str(info.value) == (f"this is `rocm-smi` output (AMD GPUs), not `{tool}`: `hpcx site detect` reads "
+                                   "NVIDIA's tools; write the profile by hand (docs/site.md)")
+
+
+def test_rocm_smi_file_given_to_detect_exits_2_in_one_line():
+    out = detect_cli("--topo", str(DATA / ROCM_SMI), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
+    assert out.returncode == 2 and not out.stdout
+    assert out.stderr.splitlines() == [f"error: {DATA / ROCM_SMI}: this is `rocm-smi` output (AMD GPUs), not "
+                                       "`nvidia-smi topo -m`: `hpcx site detect` reads NVIDIA's tools; write the "
+                                       "profile by hand (docs/site.md)"]
