@@ -252,6 +252,17 @@ def check_table(path: str, value: tp.Any, hint: tp.Any) -> list[str]:
     return _check_items(path, value, hint, {})
 
 
+def untouched(errors: tp.Sequence[str], paths: tp.Iterable[str]) -> bool:
+    """No message in ``errors`` names one of the dotted ``paths`` (``train.betas``: also its items and
+    keys) or the section a path is in as a whole: a cross-check of those fields sees the values given,
+    not defaults left where a value failed its type check."""
+    paths = list(paths)
+    tables = {p.split(".")[0] for p in paths}
+    named = re.compile("`(?:" + "|".join(re.escape(t) for t in tables) + ")`|`(?:"
+                       + "|".join(re.escape(p) for p in paths) + r")[`\s.\[]")
+    return not any(named.search(e) for e in errors)
+
+
 def build_section(cls: type, table: tp.Any, prefix: str, errors: list[str]) -> tp.Any:
     """Instantiate one dataclass section from a TOML table, appending problems to ``errors``."""
     if not isinstance(table, dict):

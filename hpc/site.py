@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpc import schedulers
 from hpc import validate as v
-from hpc.config import ConfigError, build_document, check_table, field, read_toml, suggest
+from hpc.config import ConfigError, build_document, check_table, field, read_toml, suggest, untouched
 
 DEFAULT_SITE = "local"
 USER_SITES = "~/.config/hpcx/sites"
@@ -173,7 +173,7 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     errors += v.check_sbatch(sbatch, _owned_options() if sbatch else ())
     errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
-    if not errors:  # cross-checks only make sense on well-typed fields
+    if untouched(errors, CROSS_CHECKED):  # cross-checks see the values given, not defaults left by a type error
         errors += cross_check_site(site)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
@@ -197,6 +197,11 @@ def _owned_options() -> frozenset[str]:
     from hpc.schedulers.slurm import owned_options
 
     return owned_options()
+
+
+# The fields ``cross_check_site`` reads.
+CROSS_CHECKED = ("scheduler.kind", "scheduler.gpu_directive", "node.gpus", "node.gpu_model", "node.gpu_memory_gb",
+                 "node.gpu_peak_tflops", "node.intra_link")
 
 
 def cross_check_site(site: SiteProfile) -> list[str]:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc import validate as v
-from hpc.config import ConfigError, apply_overrides, build_document, field, read_toml
+from hpc.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.models import preset_counts
 from hpc.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
@@ -204,13 +204,8 @@ MODEL_SHAPE_FIELDS = ("arch", "size", "dim", "n_layers", "n_heads", "seq_len", "
 
 
 def _typed(errors: list[str], section: str, keys: tp.Iterable[str]) -> bool:
-    """No message so far names ``section`` as a whole or one of its ``keys`` (``section.key``; with
-    ``section`` empty, ``keys`` are full dotted paths)."""
-    paths = [f"{section}.{k}" if section else k for k in keys]
-    tables = {section} if section else {p.split(".")[0] for p in paths}
-    named = re.compile("`(?:" + "|".join(re.escape(t) for t in tables) + ")`|`(?:"
-                       + "|".join(re.escape(p) for p in paths) + r")[`\s.\[]")
-    return not any(named.search(e) for e in errors)
+    """No message so far names ``section`` as a whole or one of its ``keys`` (``hpc.config.untouched``)."""
+    return untouched(errors, [f"{section}.{k}" if section else k for k in keys])
 
 
 def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = True) -> JobSpec:

@@ -189,19 +189,20 @@ def check_env_name(path: str, name: str) -> list[str]:
 
 # What Slurm, srun, submitit, torch.distributed's launchers and hpcx itself read to place and start each
 # rank: a job's env.set may not change it, and env.passthrough cannot bring it (the launcher sets it).
-LAUNCHER_PREFIXES = ("SLURM_", "SLURMD_", "SRUN_", "SUBMITIT_", "TORCHELASTIC_", "HPCX_")
-LAUNCHER_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                            "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                            "CUDA_VISIBLE_DEVICES"})
+LAUNCHER_PREFIXES = {"SLURM_": "Slurm", "SLURMD_": "Slurm", "SRUN_": "srun", "PMI_": "srun's PMI",
+                     "PMIX_": "srun's PMIx", "SUBMITIT_": "submitit", "TORCHELASTIC_": "torchrun", "HPCX_": "hpcx"}
+RENDEZVOUS_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                              "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"})
+DEVICE_NAMES = frozenset({"CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"})
 
 
 def launcher_variable(name: str) -> str | None:
     """Who sets ``name`` in every task ('Slurm', 'hpcx' …), or None for a variable a job may set."""
-    owners = (("SLURM_", "Slurm"), ("SLURMD_", "Slurm"), ("SRUN_", "srun"), ("SUBMITIT_", "submitit"),
-              ("TORCHELASTIC_", "torchrun"), ("HPCX_", "hpcx"))
-    owner = next((who for prefix, who in owners if name.startswith(prefix)), None)
-    if owner is None and name in LAUNCHER_NAMES:
-        owner = "Slurm and hpcx" if name == "CUDA_VISIBLE_DEVICES" else "the launcher (torch.distributed's rendezvous)"
+    owner = next((who for prefix, who in LAUNCHER_PREFIXES.items() if name.startswith(prefix)), None)
+    if owner is None and name in RENDEZVOUS_NAMES:
+        owner = "the launcher (torch.distributed's rendezvous)"
+    if owner is None and name in DEVICE_NAMES:
+        owner = "Slurm and hpcx (each rank's GPU)"
     return owner
 
 
@@ -391,7 +392,9 @@ def check_sbatch_key(path: str, key: str, owned: tp.Collection[str] = ()) -> lis
     and ``owned``, the options on hpcx's own #SBATCH lines), not one ``SBATCH_REFUSED`` names, not an
     abbreviation."""
     if not SBATCH_KEY.match(key):
-        return [f"`{path}`: option name {shown(key)!r}: expected an sbatch long option name without the "
+        other = next((ch for ch in key if not ch.isascii() and ch.isprintable()), None)
+        what = f" (`{other}` is U+{ord(other):04X} {unicodedata.name(other, '')}".rstrip() + ")" if other else ""
+        return [f"`{path}`: option name {shown(key)!r}{what}: expected an sbatch long option name without the "
                 "dashes (lower-case letters, digits and `-`), e.g. constraint or mem-per-cpu"]
     option = sbatch_option(key)
     if option in SBATCH_OWNED:
