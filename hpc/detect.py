@@ -1,9 +1,9 @@
 """Draft a site profile from what a GPU node's tools print.
 
 Inputs, each optional: ``nvidia-smi topo -m`` (GPU/NIC link matrix), ``nvidia-smi
---query-gpu=name,memory.total --format=csv`` and ``scontrol show node``. The parsers are
-pure functions on text, tolerant of what real outputs contain: ANSI underline escapes on the
-header, tabs or runs of spaces, trailing empty cells, NIC columns named ``NIC#`` (with a
+--query-gpu=name,memory.total,mig.mode.current --format=csv`` (the MIG column may be left out) and
+``scontrol show node``. The parsers are pure functions on text, tolerant of what real outputs
+contain: ANSI underline escapes on the header, tabs or runs of spaces (or both mixed), trailing empty cells, NIC columns named ``NIC#`` (with a
 "NIC Legend") or ``mlx5_#`` (older drivers), a header clipped before its NIC columns, and
 ``topo -mp`` output (PCIe paths only: NVLink is then unknown, never "absent").
 
@@ -11,7 +11,9 @@ They are strict about what would make a draft wrong: a matrix that is not square
 missing or cut short), not symmetric, or holds a cell the legend does not define is refused
 with one line (``ValueError``), as is a ``--query-gpu`` line cut before its unit. Everything
 the tools cannot tell is listed in ``Draft.unknown``, and every value the draft had to assume
-(PCIe generation, NVLink speed per link, latencies) in ``Draft.assumed``.
+(PCIe generation, NVLink speed per link, latencies) in ``Draft.assumed``. Another tool's output
+(``rocm-smi``, ``nvidia-smi -L``) is refused naming that tool, and ``render_toml`` always writes a
+file that parses as TOML, whatever the tools printed.
 """
 
 from __future__ import annotations

@@ -41,16 +41,20 @@ class Scheduler:
     sbatch: dict[str, str | int | bool] = field(
         doc="Extra sbatch options for every job, e.g. {constraint = \"h100\", exclusive = true}: long option "
         "names without the dashes; a string or integer value, `true` for an option without a value, `false` "
-        "to leave it out. Options hpcx sets itself (job-name, nodes, ntasks-per-node, cpus-per-task, time, "
-        "signal, requeue, partition, account, qos, gpus-per-node, gres …), options that would move its "
-        "logs, environment or user (output, error, open-mode, export, uid …) and abbreviations of them are "
-        "refused. Values reach the `#SBATCH` line exactly (sbatch's reading of quotes and backslashes is "
-        "accounted for).", factory=dict)
+        "to leave it out. Judged by what they do: options on hpcx's own #SBATCH lines (job-name, nodes, "
+        "ntasks-per-node, cpus-per-task, time, signal, requeue, partition, account, qos, gpus-per-node, gres, "
+        "wckey …), options that move the job to another cluster (clusters), change its logs, environment, "
+        "folder or user (output, error, open-mode, export, get-user-env, chdir, uid …), add a second GPU, "
+        "CPU, task or memory count (gpus-per-task, cpus-per-gpu, mem-per-gpu, ntasks-per-core …), make "
+        "sbatch submit nothing (version, help, usage, test-only) and every abbreviation are refused, as are "
+        "options Slurm takes only one of (mem with mem-per-cpu). Values reach the `#SBATCH` line exactly "
+        "(sbatch's reading of quotes and backslashes is accounted for).", factory=dict)
 
 
 @dataclass
 class Node:
-    gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend).", minimum=0,
+    gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend), which then has no GPU "
+                      "fields (model, memory, peak, an intra-node link).", minimum=0,
                       maximum=v.SLURM_U16_MAX)
     gpu_model: str = field("", doc="GPU model name, e.g. `NVIDIA H100 80GB HBM3`.")
     gpu_memory_gb: float = field(0.0, doc="Memory per GPU in GB (1e9 bytes).", minimum=0)

@@ -49,7 +49,9 @@ class Job:
 
 @dataclass
 class Model:
-    arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module.")
+    arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module: dotted "
+                      "Python identifiers, not a module of the standard library; `render` and `submit` say which "
+                      "file will be imported.")
     size: str = field("tiny", doc="Preset of the built-in GPT, with its real parameter count: "
                       f"{preset_counts()}.")
     dim: int = field(0, doc="Width (d_model) of the built-in GPT (0: the preset's); for a user model with "
@@ -67,8 +69,10 @@ class Model:
                           "`n_layers` and `dim`.", minimum=0, maximum=10**15)
     dropout: float = field(0.0, doc="Dropout probability, below 1.", minimum=0, maximum=1)
     blocks: str = field("", doc="For user models: attribute path of the nn.ModuleList whose children "
-                        "are the units to shard and checkpoint, e.g. `transformer.h` (default: `blocks`).")
-    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model: strings, finite "
+                        "are the units to shard and checkpoint, e.g. `transformer.h` (names and indices "
+                        "joined by `.`; default: `blocks`).")
+    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model (each key a Python "
+                                      "identifier): strings, finite "
                                       "numbers, booleans, arrays, tables; no credential-looking keys or values "
                                       "(they are written to resolved.json).", factory=dict)
     activation_gb: float = field(0.0, doc="Measured activation memory per micro-batch sample in GB, for "
@@ -148,11 +152,15 @@ class Checkpoint:
 @dataclass
 class Env:
     set: dict[str, str] = field(doc="Environment variables set for every task (values are quoted; "
-                                "credential-looking names and values are refused here: use `passthrough`).",
+                                "credential-looking names and values are refused here: use `passthrough`; so "
+                                "are the variables Slurm, srun, submitit, torchrun's rendezvous and hpcx set or "
+                                "read: `SLURM_*`, `SRUN_*`, `SUBMITIT_*`, `TORCHELASTIC_*`, `HPCX_*`, `RANK`, "
+                                "`WORLD_SIZE`, `MASTER_ADDR`, `CUDA_VISIBLE_DEVICES` …).",
                                 factory=dict, max_len=v.PATH_MAX)
     passthrough: list[str] = field(doc="Names of variables taken from the submitting shell by name "
                                    "only; their values never reach the script or the run folder. "
-                                   "`render` and `submit` warn about names the shell does not set.",
+                                   "`render` and `submit` warn about names the shell does not set. A name is "
+                                   "in `set` or here, not both.",
                                    factory=list)
 
 
