@@ -35,11 +35,14 @@ def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> t
     """(spec, site, launch) with every problem reported as ConfigError."""
     from hpc.resolve import resolve
     from hpc.site import select_site
-    from hpc.spec import load_spec
+    from hpc.spec import load_spec, set_origins
 
     spec = load_spec(path, overrides)
     site = select_site(site_name, spec)
-    return spec, site, resolve(spec, site)
+    try:
+        return spec, site, resolve(spec, site)
+    except ConfigError as exc:
+        raise ConfigError(set_origins(exc.messages, spec.source, overrides)) from None
 
 
 @cli.command()

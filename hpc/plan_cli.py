@@ -33,14 +33,14 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     from hpc.plan import format_plan, plan_job
     from hpc.resolve import cross_check
     from hpc.site import select_site
-    from hpc.spec import load_spec
+    from hpc.spec import load_spec, set_origins
 
     extra = (f"job.nodes={nodes}",) if nodes else ()
     spec = load_spec(job, tuple(overrides) + extra)
     site = select_site(site_name, spec)
     errors = cross_check(spec, site)
     if errors:
-        raise ConfigError([f"{spec.source}: {e}" for e in errors])
+        raise ConfigError(set_origins([f"{spec.source}: {e}" for e in errors], spec.source, overrides))
     facts = _counted_facts(spec.model) if count_params else model_facts(spec.model)
     plan = plan_job(spec, site, facts=facts)
     if as_json:

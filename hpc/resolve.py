@@ -174,6 +174,10 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
     tpn = tasks_per_node(spec, site)
     world = spec.job.nodes * tpn
     choice = choose(spec, site, spec.job.nodes)
+    if choice.dims.fsdp_enabled and site.backend == "gloo" and spec.parallel.mixed_precision == "fp16":
+        raise ConfigError([f"{spec.source}: `parallel.mixed_precision` = 'fp16' is not supported by gloo on CPU sites "
+                           f"(strategy 'auto' chose {choice.dims.strategy!r}, which gathers and reduces in it): use "
+                           "'bf16' or 'none'"])
     return Launch(
         nodes=spec.job.nodes,
         tasks_per_node=tpn,

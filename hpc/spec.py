@@ -222,19 +222,24 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
-    keys = [item.split("=", 1)[0].strip() for item in overrides]
     try:
         spec = spec_from_dict(doc, str(path))
     except ConfigError as exc:
-        raise ConfigError([_named_origin(m, str(path), keys) for m in exc.messages]) from None
+        raise ConfigError(set_origins(exc.messages, str(path), overrides)) from None
     errors = resolve_paths(spec) if paths else []
     if errors:
-        raise ConfigError([_named_origin(f"{path}: {e}", str(path), keys) for e in errors])
+        raise ConfigError(set_origins([f"{path}: {e}" for e in errors], str(path), overrides))
     return spec
 
 
+def set_origins(messages: tp.Sequence[str], source: str, overrides: tp.Sequence[str]) -> list[str]:
+    """``FILE: `train.steps` …`` as ``--set: `train.steps` …`` for each message about a value that came
+    from ``--set`` (the first key a message names decides)."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    return [_named_origin(m, source, keys) for m in messages]
+
+
 def _named_origin(message: str, source: str, keys: tp.Sequence[str]) -> str:
-    """``FILE: `train.steps` …`` as ``--set: `train.steps` …`` when that value came from ``--set``."""
     body = message.removeprefix(f"{source}: ")
     named = re.search(r"`([^`]*)`", body)
     path = named.group(1).strip("[]") if named else ""  # `[trian]`: a section only --set named

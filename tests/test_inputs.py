@@ -562,3 +562,11 @@ def test_empty_hpcx_site_counts_as_unset_and_the_cli_names_the_variable(monkeypa
     assert out.returncode == 2 and out.stderr.startswith("error: $HPCX_SITE = 'no-such-site': no such site profile")
     out = hpcx("render", str(JOB), "--site", "")
     assert out.returncode == 2 and "error: --site '': expected a site name" in out.stderr and not out.stdout
+
+
+def test_cross_check_of_a_set_value_names_set():
+    out = hpcx("render", str(JOB), "--set", "train.global_batch=7")
+    assert out.returncode == 2 and not out.stdout
+    assert out.stderr.startswith("error: --set: `train.global_batch` = 7 is not divisible by ranks × micro_batch")
+    plan = hpcx("plan", str(JOB), "--set", "train.global_batch=7")
+    assert plan.returncode == 2 and plan.stderr.startswith("error: --set: `train.global_batch` = 7")
