@@ -481,8 +481,11 @@ def parse_override(item: str) -> tuple[list[str], tp.Any]:
         raise ConfigError([f"--set {_shown_item(item)}: expected a dotted key such as train.steps"])
     try:
         doc = parse_toml(f"v = {raw}", "--set")
-    except TomlSyntaxError:
-        return parts, raw  # not TOML: the text itself
+    except TomlSyntaxError as exc:
+        if raw.lstrip()[:1] in ("\"", "'", "[", "{"):  # meant as TOML: `"a" "b"`, `[1, 2`, `{a = 1`
+            why = exc.messages[0].split("TOML syntax error: ", 1)[-1]
+            raise ConfigError([f"--set {_shown_item(item)}: expected one TOML value after `=`: {why}"]) from None
+        return parts, raw  # not TOML: the text itself (job.name=hello world)
     except ConfigError as exc:  # valid TOML, but too deep or too long a number
         raise ConfigError([f"--set {_shown_item(item)}: {exc.messages[0].split(': ', 1)[1]}"]) from None
     if list(doc) != ["v"]:  # `5\n[env.set]\nX=1`: a document, of which one key would be kept

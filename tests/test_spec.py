@@ -303,3 +303,14 @@ def test_a_user_model_may_state_a_70b_parameter_count():
     spec = spec_from_dict({"model": {"arch": "pkg.mod:build", "seq_len": 4096, "vocab_size": 128256,
                                      "n_params": 70_553_706_496, "n_layers": 80, "dim": 8192}})
     assert spec.model.n_params == 70_553_706_496
+
+
+@pytest.mark.parametrize("item,why", [
+    ('job.name="a" "b"', "Expected newline or end of document after a statement"),
+    ("train.betas=[0.9, 0.95", "Unclosed array at end of document"),
+    ("env.set={A = \"1\"", "Unclosed inline table at end of document"),
+    ("job.name='x'y", "Expected newline or end of document after a statement"),
+])
+def test_set_value_meant_as_toml_that_does_not_parse_is_refused(item: str, why: str):
+    """A value that starts like TOML (a quote, `[`, `{`) is never kept as text when it does not parse."""
+    assert messages(lambda: parse_override(item)) == [f"--set {shown(item)!r}: expected one TOML value after `=`: {why}"]
