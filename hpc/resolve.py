@@ -104,7 +104,7 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     if spec.job.cpus_per_task and spec.job.cpus_per_task * tpn > site.node.cpus:
         errors.append(f"`job.cpus_per_task` = {spec.job.cpus_per_task} × {tpn} tasks = "
                       f"{spec.job.cpus_per_task * tpn} CPUs but site {site.name!r} nodes have {site.node.cpus}")
-    elif not spec.job.cpus_per_task and tpn > site.node.cpus:
+    elif not spec.job.cpus_per_task and tpn > site.node.cpus and site.allocates_cpus:
         errors.append(f"{tpn} tasks per node need at least {tpn} CPUs, but site {site.name!r} nodes have "
                       f"{site.node.cpus} (`node.cpus`): expected at most {site.node.cpus} tasks per node")
     errors += _check_strategy(spec, site, world, tpn)

@@ -105,6 +105,13 @@ class SiteProfile:
         return schedulers.get(self.scheduler.kind).multi_node
 
     @property
+    def allocates_cpus(self) -> bool:
+        """Whether this site's scheduler gives each task CPUs of its own (Slurm, unless `overcommit` is
+        among its sbatch options): then a node runs at most ``node.cpus`` tasks."""
+        overcommit = any(k.replace("_", "-") == "overcommit" and x is not False for k, x in self.scheduler.sbatch.items())
+        return schedulers.get(self.scheduler.kind).allocates_cpus and not overcommit
+
+    @property
     def backend(self) -> str:
         return "nccl" if self.node.gpus > 0 else "gloo"
 

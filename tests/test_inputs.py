@@ -570,3 +570,22 @@ def test_cross_check_of_a_set_value_names_set():
     assert out.stderr.startswith("error: --set: `train.global_batch` = 7 is not divisible by ranks × micro_batch")
     plan = hpcx("plan", str(JOB), "--set", "train.global_batch=7")
     assert plan.returncode == 2 and plan.stderr.startswith("error: --set: `train.global_batch` = 7")
+
+
+@pytest.mark.parametrize("sbatch,refused", [({}, True), ({"overcommit": True}, False), ({"overcommit": False}, True)])
+def test_tasks_above_node_cpus_are_refused_where_slurm_allocates_cpus(sbatch, refused, tmp_path: Path):
+    from hpc.site import parse_site
+
+    doc = {"scheduler": {"kind": "slurm", "gpu_directive": "none", "sbatch": sbatch}, "node": {"cpus": 2},
+           "storage": {"run_root": str(tmp_path)}}
+    site = parse_site(doc, "two-cpus", "two.toml")
+    spec = tmp_path / "s.toml"
+    spec.write_text('[job]\ntasks_per_node = 3\n[train]\nglobal_batch = 3\nmicro_batch = 1\n[parallel]\nstrategy = "ddp"\n')
+    if not refused:
+        assert resolve(load_spec(spec), site).tasks_per_node == 3
+        return
+    with pytest.raises(ConfigError) as info:
+        resolve(load_spec(spec), site)
+    assert info.value.messages == [f"{spec}: 3 tasks per node need at least 3 CPUs, but site 'two-cpus' nodes have 2 "
+                                   "(`node.cpus`): expected at most 2 tasks per node"]
+    assert resolve(load_spec(spec), load_site("local")).tasks_per_node == 3  # processes on this machine time-share

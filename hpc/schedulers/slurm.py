@@ -295,6 +295,7 @@ class SlurmScheduler(Scheduler):
 
     kind = "slurm"
     multi_node = True
+    allocates_cpus = True
 
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
         import sys
