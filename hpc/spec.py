@@ -128,7 +128,8 @@ class Parallel:
     timeout_s: int = field(600, doc="Collective and rendezvous timeout in seconds while starting, resuming "
                            "and saving.", minimum=1)
     step_timeout_s: int = field(120, doc="Collective timeout once every rank finished its first step (at most "
-                                "`timeout_s`): a rank that hangs mid-run is noticed this fast.", minimum=1)
+                                "`timeout_s`: a larger value given is refused, the default is lowered to it): a "
+                                "rank that hangs mid-run is noticed this fast.", minimum=1)
 
 
 def compute_precision(mixed_precision: str, gpus: bool) -> str:
@@ -200,8 +201,6 @@ def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
         errors += v.check_model_kwargs(spec.model.kwargs)
     if _typed(errors, "model", ("blocks",)):
         errors += v.check_model_blocks(spec.model.blocks)
-    if _typed(errors, "parallel", ("timeout_s", "step_timeout_s")):
-        errors += _check_parallel(spec.parallel)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return spec
@@ -222,13 +221,14 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
+    timeouts = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel"))]  # as written, not as resolved
     try:
         spec = spec_from_dict(doc, str(path))
     except ConfigError as exc:
-        raise ConfigError(set_origins(exc.messages, str(path), overrides)) from None
-    errors = resolve_paths(spec) if paths else []
+        raise ConfigError(set_origins(exc.messages + timeouts, str(path), overrides)) from None
+    errors = timeouts + [f"{path}: {e}" for e in (resolve_paths(spec) if paths else [])]
     if errors:
-        raise ConfigError(set_origins([f"{path}: {e}" for e in errors], str(path), overrides))
+        raise ConfigError(set_origins(errors, str(path), overrides))
     return spec
 
 
@@ -312,12 +312,15 @@ def _check_train(train: Train, model: Model, typed: tp.Callable[..., bool]) -> l
     return errors
 
 
-def _check_parallel(parallel: Parallel) -> list[str]:
-    if parallel.step_timeout_s > parallel.timeout_s:
-        return [f"`parallel.step_timeout_s` = {parallel.step_timeout_s} is longer than `parallel.timeout_s` = "
-                f"{parallel.timeout_s}: expected at most {parallel.timeout_s} s (the step timeout is the short one, "
-                "once every rank has finished a step)"]
-    return []
+def given_timeouts(parallel: tp.Any) -> list[str]:
+    """A ``parallel.step_timeout_s`` given above ``timeout_s`` (given or default), in a spec as written. The
+    default step timeout is lowered to a smaller ``timeout_s`` (as the trainer does), so it is not checked."""
+    given = parallel if isinstance(parallel, dict) else {}
+    step, timeout = given.get("step_timeout_s"), given.get("timeout_s", Parallel.timeout_s)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (step, timeout)) or step <= timeout:
+        return []
+    return [f"`parallel.step_timeout_s` = {step} is longer than `parallel.timeout_s` = {timeout}: expected at most "
+            f"{timeout} s (the step timeout is the short one, once every rank has finished a step)"]
 
 
 def spec_warnings(spec: JobSpec) -> list[str]:
