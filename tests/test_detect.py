@@ -517,3 +517,14 @@ def test_rocm_smi_file_given_to_detect_exits_2_in_one_line():
     assert out.stderr.splitlines() == [f"error: {DATA / ROCM_SMI}: this is `rocm-smi` output (AMD GPUs), not "
                                        "`nvidia-smi topo -m`: `hpcx site detect` reads NVIDIA's tools; write the "
                                        "profile by hand (docs/site.md)"]
+
+
+SMI_LIST = "nvidia-smi-L_1x-rtx-4070-laptop.txt"
+
+
+@pytest.mark.parametrize("parser,tool", [(parse_query_gpu, "nvidia-smi --query-gpu=name,memory.total --format=csv"),
+                                         (parse_topo, "nvidia-smi topo -m")])
+def test_the_gpu_listing_is_named(parser, tool):
+    with pytest.raises(ValueError) as info:
+        parser((DATA / SMI_LIST).read_text())
+    assert str(info.value) == f"this is `nvidia-smi -L` output, not `{tool}`"
