@@ -6,14 +6,14 @@ import os
 import shlex
 import sys
 
-from hpc.config import parse_toml, tomllib
+from hpc.core.config import parse_toml, tomllib
 
 import pytest
 
-import hpc.detect
-from hpc.detect import (Host, SlurmNode, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo,
+import hpc.schedulers.slurm.detect
+from hpc.schedulers.slurm.detect import (Host, SlurmNode, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo,
                         render_toml)
-from hpc.site import parse_site
+from hpc.core.site import parse_site
 
 from tests.conftest import RECORDED, hpcx
 
@@ -32,13 +32,13 @@ def assert_draft_loads(text: str) -> None:
 @pytest.fixture(autouse=True)
 def every_draft_loads(monkeypatch):
     """Each test's drafts, however made, are loaded after it (issue 24: a draft that does not parse)."""
-    real = hpc.detect.render_toml
+    real = hpc.schedulers.slurm.detect.render_toml
 
     def recording(draft):
         DRAFTS.append(real(draft))
         return DRAFTS[-1]
 
-    monkeypatch.setattr(hpc.detect, "render_toml", recording)
+    monkeypatch.setattr(hpc.schedulers.slurm.detect, "render_toml", recording)
     monkeypatch.setattr(sys.modules[__name__], "render_toml", recording)
     DRAFTS.clear()
     yield
@@ -327,8 +327,8 @@ def test_m_output_without_nvlink_says_so():
 
 
 def test_draft_without_slurm_is_a_local_gpu_site_that_resolves():
-    from hpc.resolve import resolve
-    from hpc.spec import spec_from_dict
+    from hpc.plan.resolve import resolve
+    from hpc.core.spec import spec_from_dict
 
     topo = parse_topo((DATA / H100).read_text())
     query = parse_query_gpu((DATA / QUERY).read_text())
