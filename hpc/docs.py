@@ -34,7 +34,7 @@ LIMITS = (f"Every file is a regular UTF-8 file (a byte-order mark is allowed) of
           f"{v.CONFIG_MAX_BYTES // 2**20} MiB, with tables and arrays nested at most {v.MAX_DEPTH} deep. "
           "Strings are printable — no control, format or separator characters (tab, newline, escape, "
           f"backspace, DEL, C1 controls, U+2028/U+2029, bidi overrides …) — and at most {v.TEXT_MAX} "
-          "characters unless a key says otherwise. Numbers are finite (no `nan` or `inf`); integers are at "
+          "bytes of UTF-8 (as Slurm counts: an emoji is 4) unless a key says otherwise. Numbers are finite (no `nan` or `inf`); integers are at "
           f"most {v.INT32_MAX} and floats at most {v.FLOAT_MAX:g} unless a key says otherwise.")
 
 
@@ -58,7 +58,7 @@ def field_limits(cls: type) -> dict[str, str]:
             high = number_text(high if high is not None else (v.INT32_MAX if hint is int else v.FLOAT_MAX))
             out[f.name] = f" Range: {low or '…'} – {high}."
         elif meta.get("max_len") and meta["max_len"] != v.TEXT_MAX:
-            out[f.name] = f" At most {meta['max_len']} characters."
+            out[f.name] = f" At most {meta['max_len']} bytes."
         else:
             out[f.name] = ""
     return out

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from hpc.core.config import tomllib
+import os
+import shlex
+import sys
+
+from hpc.core.config import parse_toml, tomllib
 
 import pytest
 
+import hpc.schedulers.slurm.detect
 from hpc.schedulers.slurm.detect import (Host, SlurmNode, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo,
                         render_toml)
 from hpc.core.site import parse_site
@@ -13,6 +18,40 @@ from hpc.core.site import parse_site
 from tests.conftest import RECORDED, hpcx
 
 DATA = RECORDED
+DRAFTS: list[str] = []  # every draft the running test made (render_toml here, or `hpcx site detect`)
+
+
+def assert_draft_loads(text: str) -> None:
+    """A draft is always valid TOML, and a site `hpcx site show` accepts whenever the tools told the GPUs'
+    memory (without `--query-gpu` the draft says the memory is unknown, and a GPU site needs it)."""
+    doc = parse_toml(text, "draft")
+    if "# unknown: node.gpu_model, node.gpu_memory_gb" not in text:
+        parse_site(doc, "draft", "draft")
+
+
+@pytest.fixture(autouse=True)
+def every_draft_loads(monkeypatch):
+    """Each test's drafts, however made, are loaded after it (issue 24: a draft that does not parse)."""
+    real = hpc.schedulers.slurm.detect.render_toml
+
+    def recording(draft):
+        DRAFTS.append(real(draft))
+        return DRAFTS[-1]
+
+    monkeypatch.setattr(hpc.schedulers.slurm.detect, "render_toml", recording)
+    monkeypatch.setattr(sys.modules[__name__], "render_toml", recording)
+    DRAFTS.clear()
+    yield
+    for text in DRAFTS:
+        assert_draft_loads(text)
+
+
+def detect_cli(*args: str, env: dict | None = None):
+    """`hpcx site detect ARGS` in a fresh interpreter; a draft it prints joins DRAFTS."""
+    out = hpcx("site", "detect", *args, env=env)
+    if out.returncode == 0:
+        DRAFTS.append(out.stdout)
+    return out
 
 H100 = "nvidia-smi-topo-m_8x-h100-80gb-hbm3_nv18_12x-mlx5_nic-legend_numa-off.txt"
 H200 = "nvidia-smi-topo-m_8x-h200-sxm_nv18_10x-mlx5_nic-legend_raw-file.txt"
@@ -104,7 +143,7 @@ def test_scontrol_key_value_records():
 
 
 def test_detect_cli_from_files():
-    out = hpcx("site", "detect", "--name", "a100", "--topo", str(DATA / A100), "--query", str(DATA / QUERY),
+    out = detect_cli("--name", "a100", "--topo", str(DATA / A100), "--query", str(DATA / QUERY),
                "--scontrol", "/dev/null")
     assert out.returncode == 0, out.stderr
     doc = tomllib.loads(out.stdout)
@@ -114,7 +153,7 @@ def test_detect_cli_from_files():
 def test_detect_cli_bad_file_exits_2(tmp_path):
     bad = tmp_path / "topo.txt"
     bad.write_text("nothing\n")
-    out = hpcx("site", "detect", "--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
+    out = detect_cli("--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
     assert out.returncode == 2 and "Traceback" not in out.stderr
 
 
@@ -330,7 +369,162 @@ def test_query_and_topo_gpu_counts_must_agree():
 def test_detect_cli_refuses_a_truncated_matrix_in_one_line(tmp_path, cut):
     bad = tmp_path / "topo.txt"
     bad.write_text((DATA / A100).read_text()[:cut])
-    out = hpcx("site", "detect", "--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
+    out = detect_cli("--topo", str(bad), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
     assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and str(bad) in errors[0] and "not square" in errors[0]
+
+
+@pytest.mark.parametrize("stderr", [
+    "scontrol: error: Munge encode failed: Failed to connect to \"/run/munge/munge.socket.2\": "
+    "No such file or directory (retrying ...)\nscontrol: error: slurm_send_node_msg: auth_g_create: REQUEST_NODE_INFO "
+    "has authentication error\nslurm_load_node error: Protocol authentication error\n",
+    "line one\n\n[node]\ngpus = 99\n\x1b[31mred\x1b[0m\tand a tab\r\n# already a comment\n",
+    "\n\n\n",
+])
+def test_a_probe_failing_with_several_lines_still_drafts_valid_toml(stderr, tmp_path):
+    """Only the first line of a multi-line error was commented out: every such draft was invalid TOML."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "scontrol").write_text(f"#!/bin/sh\nprintf '%s' {shlex.quote(stderr)} >&2\nexit 1\n")
+    (fake / "scontrol").chmod(0o755)
+    out = detect_cli("--topo", str(DATA / A100), "--query", str(DATA / QUERY),
+                     env={"PATH": f"{fake}:{os.environ['PATH']}"})
+    assert out.returncode == 0, out.stderr
+    doc = tomllib.loads(out.stdout)  # the fixture also loads it as a site
+    assert doc["node"]["gpus"] == 8 and doc["scheduler"]["kind"] == "local"
+    assert "exited 1" in out.stdout
+    assert all(line.startswith("#") or not line.strip() or "=" in line or line.startswith("[")
+               for line in out.stdout.splitlines())
+
+
+def test_draft_values_and_names_from_tools_are_escaped():
+    query = parse_query_gpu("name, memory.total [MiB]\nNVIDIA \"H100\" \\\\ 80GB, 81559 MiB\n")
+    draft = draft_site("odd\nname\x1b", parse_topo((DATA / H100).read_text()), None, None)
+    draft.unknown.append("a\nmulti-line\x00 note")
+    text = render_toml(draft)
+    assert parse_toml(text, "draft")
+    text = render_toml(draft_site("q", None, query, None, Host(cpus=8, memory_gb=64.0)))
+    assert tomllib.loads(text)["node"]["gpu_model"] == 'NVIDIA "H100" \\\\ 80GB'
+
+
+# --- separators, link counts, MIG and other tools (issue 24) -----------------------------------
+
+ROCM_SMI = "rocm-smi_concise-info_8x-mi300x.txt"
+
+
+def _mixed(text: str, how: str) -> str:
+    """A recorded matrix with its separators mixed: tabs and runs of spaces side by side."""
+    out = []
+    for n, line in enumerate(text.splitlines(keepends=True)):
+        if how == "alternate":  # every other tab becomes three spaces
+            parts = line.split("\t")
+            line = "".join(p + ("\t" if i % 2 else "   ") for i, p in enumerate(parts[:-1])) + parts[-1]
+        elif how == "header" and "GPU0" in line and line[:1] in "\t ":
+            line = line.replace("\t", "  ") if "\t" in line else line.replace("  ", "\t", 3)
+        elif how == "rows" and line.startswith("GPU"):
+            line = line.replace("\t", "    ") if "\t" in line else line.replace("    ", "\t")
+        elif how == "tab-then-space":
+            line = line.replace("\t", "\t ")
+        out.append(line)
+    return "".join(out)
+
+
+@pytest.mark.parametrize("how", ["alternate", "header", "rows", "tab-then-space"])
+@pytest.mark.parametrize("name", [H100, H200, A100, NV18_SPACES, PCIE8, A6000, V100_PAIR, DGX1_MP])
+def test_matrix_with_tabs_and_spaces_mixed_parses_as_the_original(name, how):
+    text = (DATA / name).read_text()
+    want, got = parse_topo(text), parse_topo(_mixed(text, how))
+    assert (got.gpus, got.nics, got.links, got.numa, got.gpu_nic) == \
+        (want.gpus, want.nics, want.links, want.numa, want.gpu_nic)
+
+
+def _nv_counts(name: str, counts) -> str:
+    """The recorded matrix with each GPU pair's NV# cell edited to NV<counts(i, j)>, symmetric."""
+    lines = _lines(name)
+    header, end = _gpu_rows(name)
+    for i in range(header + 1, end):
+        cells = lines[i].split("\t")
+        row = int(cells[0].removeprefix("GPU"))
+        for j in range(8):
+            if j != row:
+                cells[1 + j] = f"NV{counts(min(row, j), max(row, j))}"
+        lines[i] = "\t".join(cells)
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("counts,low", [
+    (lambda i, j: 1 + (i + j) % 2, 1),  # NV1 and NV2 mixed (V100 boards)
+    (lambda i, j: 2 if j == i + 1 else 1, 1),
+    (lambda i, j: 12 - (i + j) % 3, 10),
+])
+def test_every_pair_on_nvlink_with_mixed_counts_is_nvlink_not_pcie(counts, low):
+    topo = parse_topo(_nv_counts(H100, counts))
+    draft = draft_site("mesh", topo, None, None)
+    assert draft.node["intra_link"] == "nvlink"
+    assert draft.node["intra_bandwidth_gbs"] == low * 25.0
+    assert any("every GPU pair is joined by NVLink" in f for f in draft.found)
+    render_toml(draft)
+
+
+def test_uniform_nv_counts_stay_a_switch():
+    topo = parse_topo(_nv_counts(H100, lambda i, j: 2))
+    assert draft_site("s", topo, None, None).node["intra_link"] == "nvswitch"
+
+
+def _query_with_mig(enabled: set[int]) -> str:
+    """The recorded --query-gpu output with a mig.mode.current column added."""
+    lines = (DATA / QUERY).read_text().splitlines()
+    out = [lines[0] + ", mig.mode.current"]
+    out += [f"{line}, {'Enabled' if n in enabled else 'Disabled'}" for n, line in enumerate(lines[1:])]
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize("enabled", [{1}, {0, 3, 7}, set(range(8))])
+def test_mig_devices_are_said(enabled):
+    query = parse_query_gpu(_query_with_mig(enabled))
+    assert query.mig == [n in enabled for n in range(8)] and len(query.names) == 8
+    draft = draft_site("mig", parse_topo((DATA / H100).read_text()), query, None, Host(cpus=8, memory_gb=64.0))
+    said = [u for u in draft.unknown if u.startswith("MIG is enabled on GPU")]
+    assert said == [f"MIG is enabled on GPU {', '.join(map(str, sorted(enabled)))} (mig.mode.current): a task there "
+                    "sees MIG devices (slices), not the whole GPU, and one NCCL job cannot span MIG devices; the "
+                    "profile counts whole GPUs: disable MIG (`nvidia-smi -mig 0`) on the nodes hpcx runs on"]
+    assert "# unknown: MIG is enabled on GPU" in render_toml(draft)
+
+
+def test_mig_column_disabled_everywhere_says_nothing():
+    query = parse_query_gpu(_query_with_mig(set()))
+    draft = draft_site("q", None, query, None, Host(cpus=8, memory_gb=64.0))
+    assert not [u for u in draft.unknown if "MIG" in u]
+
+
+@pytest.mark.parametrize("cut", [None, (2, None), (0, 5), (4, 6)])
+def test_rocm_smi_output_is_named(cut):
+    text = (DATA / ROCM_SMI).read_text()
+    if cut:
+        text = "".join(text.splitlines(keepends=True)[cut[0]:cut[1]])
+    for parser, tool in ((parse_topo, "nvidia-smi topo -m"),
+                         (parse_query_gpu, "nvidia-smi --query-gpu=name,memory.total --format=csv")):
+        with pytest.raises(ValueError) as info:
+            parser(text)
+        assert str(info.value) == (f"this is `rocm-smi` output (AMD GPUs), not `{tool}`: `hpcx site detect` reads "
+                                   "NVIDIA's tools; write the profile by hand (docs/site.md)")
+
+
+def test_rocm_smi_file_given_to_detect_exits_2_in_one_line():
+    out = detect_cli("--topo", str(DATA / ROCM_SMI), "--query", str(DATA / QUERY), "--scontrol", "/dev/null")
+    assert out.returncode == 2 and not out.stdout
+    assert out.stderr.splitlines() == [f"error: {DATA / ROCM_SMI}: this is `rocm-smi` output (AMD GPUs), not "
+                                       "`nvidia-smi topo -m`: `hpcx site detect` reads NVIDIA's tools; write the "
+                                       "profile by hand (docs/site.md)"]
+
+
+SMI_LIST = "nvidia-smi-L_1x-rtx-4070-laptop.txt"
+
+
+@pytest.mark.parametrize("parser,tool", [(parse_query_gpu, "nvidia-smi --query-gpu=name,memory.total --format=csv"),
+                                         (parse_topo, "nvidia-smi topo -m")])
+def test_the_gpu_listing_is_named(parser, tool):
+    with pytest.raises(ValueError) as info:
+        parser((DATA / SMI_LIST).read_text())
+    assert str(info.value) == f"this is `nvidia-smi -L` output, not `{tool}`"

@@ -138,17 +138,26 @@ def test_site_env_names_render_as_plain_exports_and_run_nothing(tmp_path: Path):
 
 def test_passthrough_and_user_code_are_stated(tmp_path: Path):
     spec = tmp_path / "job.toml"
-    spec.write_text('[model]\narch = "os:system"\nkwargs = {command = "id"}\nseq_len = 8\nvocab_size = 16\n'
-                    '[env]\npassthrough = ["HPCX_TEST_SET", "HPCX_TEST_UNSET"]\n[parallel]\nstrategy = "ddp"\n')
-    env = {"HPCX_TEST_SET": "1"}
-    os.environ.pop("HPCX_TEST_UNSET", None)
-    out = hpcx("render", str(spec), env=env)
+    spec.write_text('[model]\narch = "mymodels:build"\nkwargs = {command = "id"}\nseq_len = 8\nvocab_size = 16\n'
+                    '[env]\npassthrough = ["MYJOB_TEST_SET", "MYJOB_TEST_UNSET"]\n[parallel]\nstrategy = "ddp"\n')
+    (tmp_path / "mymodels.py").write_text("raise SystemExit('render must not import the user module')\n")
+    env = {"MYJOB_TEST_SET": "1"}
+    os.environ.pop("MYJOB_TEST_UNSET", None)
+    out = hpcx("render", str(spec), env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    assert ("warning: `env.passthrough` names HPCX_TEST_UNSET, but it is not set in this shell: the job "
+    assert ("warning: `env.passthrough` names MYJOB_TEST_UNSET, but it is not set in this shell: the job "
             "will not see it") in out.stderr.splitlines()
-    assert "HPCX_TEST_SET, but" not in out.stderr
-    assert ("# user code: every task will import the Python module 'os' and call system(command) (model.arch); "
-            "it runs with your permissions, so check it is the code you mean") in out.stderr.splitlines()
+    assert "MYJOB_TEST_SET, but" not in out.stderr
+    assert (f"# user code: every task will import the Python module 'mymodels' (from {tmp_path / 'mymodels.py'}) "
+            "and call build(command) (model.arch); it runs with your permissions, so check it is the code you "
+            "mean") in out.stderr.splitlines()
+    elsewhere = hpcx("render", str(spec), env=env)  # from another folder the module is not found
+    assert "(which is not importable here: every task must find it on its sys.path)" in elsewhere.stderr
+    spec.write_text(spec.read_text().replace("mymodels:build", "os:system"))
+    refused = hpcx("render", str(spec), env=env, cwd=tmp_path)
+    assert refused.returncode == 2 and not refused.stdout
+    assert (f"error: {spec}: `model.arch` = 'os:system': `os` is Python's standard library, not a model factory: "
+            "expected a function of your own package that returns an nn.Module") in refused.stderr.splitlines()
     gpt = hpcx("render", str(JOB))
     assert "user code" not in gpt.stderr and "warning" not in gpt.stderr
 
@@ -480,3 +489,106 @@ def test_hostile_run_folder_json_is_one_line(tmp_path: Path):
     out = hpcx("status", str(run))
     assert out.returncode == 2
     assert out.stderr == f"error: {run / 'job.json'}: JSON nested deeper than 32 levels (line 1, column 353)\n"
+
+
+def test_every_option_hpcx_renders_is_refused_in_scheduler_sbatch(tmp_path: Path):
+    """What hpcx owns is read off what it renders: each #SBATCH option of a real script, for sites that
+    take GPUs either way, is refused in [scheduler.sbatch] (a second one would replace hpcx's)."""
+    import re
+
+    from hpc.schedulers.slurm.scheduler import owned_options
+
+    spec = tmp_path / "j.toml"
+    spec.write_text('[job]\nname = "j"\npartition = "p"\naccount = "a"\nqos = "q"\n')
+    rendered = set()
+    for site in ("dgx-h100", "pcie-4gpu", "sandbox"):
+        out = hpcx("render", str(spec), "--site", site)
+        assert out.returncode == 0, out.stderr
+        rendered |= set(re.findall(r"^#SBATCH --([a-z0-9-]+)", out.stdout, re.M))
+    assert rendered <= owned_options()
+    for option in sorted(rendered):
+        assert slurm_options.check_sbatch({option: "x"}, owned_options()), option
+
+
+def test_sbatch_option_table_reads_abbreviations_like_getopt():
+    assert slurm_options.sbatch_reads_as("mem") == ["mem"]
+    assert slurm_options.sbatch_reads_as("vers") == ["version"]
+    assert slurm_options.sbatch_reads_as("clu") == ["cluster", "cluster-constraint", "clusters"]
+    assert slurm_options.sbatch_reads_as("no-such-option") == []
+
+
+def test_warm_up_longer_than_the_run_is_a_warning(tmp_path: Path):
+    spec = tmp_path / "warm.toml"
+    spec.write_text('[train]\nsteps = 5\nwarmup_steps = 10\nwarmup_metrics_steps = 5\n')
+    out = hpcx("render", str(spec))
+    assert out.returncode == 0, out.stderr
+    assert (f"warning: {spec}: `train.warmup_steps` = 10 is not shorter than `train.steps` = 5: the learning rate "
+            "never reaches `train.lr` = 0.0003") in out.stderr.splitlines()
+    assert (f"warning: {spec}: `train.warmup_metrics_steps` = 5 is not shorter than `train.steps` = 5: throughput "
+            "summaries will have no steps to measure") in out.stderr.splitlines()
+    assert "warning" not in hpcx("render", str(JOB)).stderr
+
+
+@pytest.mark.parametrize("cli,env,spec_site,message", [
+    (None, "no-such-site", None, "$HPCX_SITE = 'no-such-site': no such site profile"),
+    ("no-such-site", "local", None, "--site 'no-such-site': no such site profile"),
+    (None, None, "no-such-site", "S.toml: `job.site` = 'no-such-site': no such site profile"),
+    ("", None, None, "--site '': expected a site name (`hpcx site list`) or a path to a profile"),
+    ("  ", "local", None, "--site '  ': expected a site name (`hpcx site list`) or a path to a profile"),
+    (None, None, "", "S.toml: `job.site` = '': expected a site name (`hpcx site list`) or a path to a profile"),
+    (None, " ", None, "$HPCX_SITE = ' ': expected a site name (`hpcx site list`) or a path to a profile"),
+    (None, "sandbx", None, "$HPCX_SITE = 'sandbx': no such site profile (did you mean `sandbox`?)"),
+])
+def test_site_problems_name_where_the_site_came_from(cli, env, spec_site, message, monkeypatch):
+    from types import SimpleNamespace
+
+    from hpc.core.site import select_site
+
+    if env is None:
+        monkeypatch.delenv("HPCX_SITE", raising=False)
+    else:
+        monkeypatch.setenv("HPCX_SITE", env)
+    spec = SimpleNamespace(job=SimpleNamespace(site=spec_site), source="S.toml")
+    with pytest.raises(ConfigError) as info:
+        select_site(cli, spec)
+    assert info.value.messages[0].startswith(message), info.value.messages
+
+
+def test_empty_hpcx_site_counts_as_unset_and_the_cli_names_the_variable(monkeypatch):
+    from types import SimpleNamespace
+
+    from hpc.core.site import select_site
+
+    monkeypatch.setenv("HPCX_SITE", "")
+    assert select_site(None, SimpleNamespace(job=SimpleNamespace(site=None), source="S")).name == "local"
+    out = hpcx("render", str(JOB), env={"HPCX_SITE": "no-such-site"})
+    assert out.returncode == 2 and out.stderr.startswith("error: $HPCX_SITE = 'no-such-site': no such site profile")
+    out = hpcx("render", str(JOB), "--site", "")
+    assert out.returncode == 2 and "error: --site '': expected a site name" in out.stderr and not out.stdout
+
+
+def test_cross_check_of_a_set_value_names_set():
+    out = hpcx("render", str(JOB), "--set", "train.global_batch=7")
+    assert out.returncode == 2 and not out.stdout
+    assert out.stderr.startswith("error: --set: `train.global_batch` = 7 is not divisible by ranks × micro_batch")
+    plan = hpcx("plan", str(JOB), "--set", "train.global_batch=7")
+    assert plan.returncode == 2 and plan.stderr.startswith("error: --set: `train.global_batch` = 7")
+
+
+@pytest.mark.parametrize("sbatch,refused", [({}, True), ({"overcommit": True}, False), ({"overcommit": False}, True)])
+def test_tasks_above_node_cpus_are_refused_where_slurm_allocates_cpus(sbatch, refused, tmp_path: Path):
+    from hpc.core.site import parse_site
+
+    doc = {"scheduler": {"kind": "slurm", "gpu_directive": "none", "sbatch": sbatch}, "node": {"cpus": 2},
+           "storage": {"run_root": str(tmp_path)}}
+    site = parse_site(doc, "two-cpus", "two.toml")
+    spec = tmp_path / "s.toml"
+    spec.write_text('[job]\ntasks_per_node = 3\n[train]\nglobal_batch = 3\nmicro_batch = 1\n[parallel]\nstrategy = "ddp"\n')
+    if not refused:
+        assert resolve(load_spec(spec), site).tasks_per_node == 3
+        return
+    with pytest.raises(ConfigError) as info:
+        resolve(load_spec(spec), site)
+    assert info.value.messages == [f"{spec}: 3 tasks per node need at least 3 CPUs, but site 'two-cpus' nodes have 2 "
+                                   "(`node.cpus`): expected at most 2 tasks per node"]
+    assert resolve(load_spec(spec), load_site("local")).tasks_per_node == 3  # processes on this machine time-share

@@ -165,3 +165,24 @@ def test_bundled_gpu_sites_never_pin_one_interface_name():
     for name in BUNDLED:
         value = load_site(name).nccl.get("NCCL_SOCKET_IFNAME")
         assert value is None or value.startswith("^"), f"{name}: NCCL_SOCKET_IFNAME={value!r}"
+
+
+def test_license_is_an_spdx_expression_setuptools_takes_without_a_warning(monkeypatch):
+    """`license = "Apache-2.0"` (PEP 639; setuptools >= 77): the table form warns on every install
+    that such builds stop working in 2027."""
+    import warnings
+
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+
+    from hpc.core.config import tomllib
+
+    doc = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert doc["project"]["license"] == "Apache-2.0"
+    assert "setuptools>=77" in doc["build-system"]["requires"]
+    monkeypatch.chdir(REPO)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), "pyproject.toml")
+    assert [str(w.message) for w in caught] == []
+    assert dist.metadata.license_expression == "Apache-2.0"

@@ -25,6 +25,7 @@ from hpc.core.config import ConfigError, apply_overrides, parse_override
 from hpc.plan.resolve import resolve
 from hpc.core.site import choose_site, list_sites, load_site
 from hpc.core.spec import load_spec, looks_secret, spec_from_dict
+from hpc.core.validate import shown
 
 CORPUS = Path(__file__).parent / "corpus"
 REPO = Path(__file__).resolve().parents[1]
@@ -197,10 +198,44 @@ def test_defaults_are_documented():
 def test_overrides_apply_and_are_validated(tmp_path: Path):
     spec = load_spec(REPO / "jobs/tiny-ddp.toml", ["train.steps=7", "job.name=\"x y\"", "parallel.strategy=fsdp"])
     assert (spec.train.steps, spec.job.name, spec.parallel.strategy) == (7, "x y", "fsdp")
+    # a problem of a value that came from --set names --set (issue 24), not the spec file
     assert messages(lambda: load_spec(REPO / "jobs/tiny-ddp.toml", ["train.stpes=7"])) == [
-        f"{REPO / 'jobs/tiny-ddp.toml'}: unknown key `train.stpes`: did you mean `train.steps`?"]
+        "--set: unknown key `train.stpes`: did you mean `train.steps`?"]
     assert messages(lambda: load_spec(REPO / "jobs/tiny-ddp.toml", ["train.steps=many"])) == [
-        f"{REPO / 'jobs/tiny-ddp.toml'}: `train.steps` = 'many' (str): expected an integer"]
+        "--set: `train.steps` = 'many' (str): expected an integer"]
+
+
+@pytest.mark.parametrize("item", [
+    "train.steps=5\n[env.set]\nX=1",  # the issue's case: the table was dropped without a word
+    "train.steps=5\nlr = 1",
+    "train.steps=5\n[train]",
+    "env.set={A = \"1\"}\nB = \"2\"",
+    "job.name=\"a\"\n\n[[x]]",
+    "train.lr=1e-3\r\nw=1",
+])
+def test_set_value_is_one_toml_value(item: str):
+    assert messages(lambda: parse_override(item)) == [
+        f"--set {shown(item)!r}: expected one TOML value after `=` (a number, a quoted string, an array or an inline "
+        "table), not more lines of TOML"]
+
+
+@pytest.mark.parametrize("item,value", [
+    ("train.steps=5 # a comment", 5), ("train.betas=[0.9,\n 0.99]", [0.9, 0.99]), ("job.name=a b", "a b"),
+    ('env.set={A = "1", B = "2"}', {"A": "1", "B": "2"}), ("job.name=\"x\"\n", "x"),
+])
+def test_set_value_forms_that_are_one_value(item: str, value):
+    assert parse_override(item)[1] == value
+
+
+def test_set_origin_beside_file_problems(tmp_path: Path):
+    spec = tmp_path / "s.toml"
+    spec.write_text('[train]\nsteps = "x"\n')
+    assert messages(lambda: load_spec(spec, ["train.lr=-1", "env.set.RANK=\"0\"", "job.nodes=0"])) == [
+        "--set: `job.nodes` = 0: expected a value >= 1",
+        f"{spec}: `train.steps` = 'x' (str): expected an integer",
+        "--set: `train.lr` = -1: expected a value >= 0",
+        "--set: `env.set.RANK`: RANK is set or read by the launcher (torch.distributed's rendezvous) in every task: "
+        "expected a variable of your own"]
 
 
 def test_override_syntax():
@@ -268,3 +303,14 @@ def test_a_user_model_may_state_a_70b_parameter_count():
     spec = spec_from_dict({"model": {"arch": "pkg.mod:build", "seq_len": 4096, "vocab_size": 128256,
                                      "n_params": 70_553_706_496, "n_layers": 80, "dim": 8192}})
     assert spec.model.n_params == 70_553_706_496
+
+
+@pytest.mark.parametrize("item,why", [
+    ('job.name="a" "b"', "Expected newline or end of document after a statement"),
+    ("train.betas=[0.9, 0.95", "Unclosed array at end of document"),
+    ("env.set={A = \"1\"", "Unclosed inline table at end of document"),
+    ("job.name='x'y", "Expected newline or end of document after a statement"),
+])
+def test_set_value_meant_as_toml_that_does_not_parse_is_refused(item: str, why: str):
+    """A value that starts like TOML (a quote, `[`, `{`) is never kept as text when it does not parse."""
+    assert messages(lambda: parse_override(item)) == [f"--set {shown(item)!r}: expected one TOML value after `=`: {why}"]

@@ -34,12 +34,15 @@ def cli() -> None:
 def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
     """(spec, site, launch) with every problem reported as ConfigError."""
     from hpc.plan.resolve import resolve
-    from hpc.core.site import choose_site, load_site
-    from hpc.core.spec import load_spec
+    from hpc.core.site import select_site
+    from hpc.core.spec import load_spec, set_origins
 
     spec = load_spec(path, overrides)
-    site = load_site(choose_site(site_name, spec.job.site))
-    return spec, site, resolve(spec, site)
+    site = select_site(site_name, spec)
+    try:
+        return spec, site, resolve(spec, site)
+    except ConfigError as exc:
+        raise ConfigError(set_origins(exc.messages, spec.source, overrides)) from None
 
 
 @cli.command()
@@ -102,8 +105,13 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
 
 
 def warn_passthrough(spec: tp.Any) -> None:
-    """A passthrough name the submitting shell does not set reaches the job unset: say so now."""
+    """A passthrough name the submitting shell does not set reaches the job unset, and settings that
+    load but are unlikely to be meant (``hpc.core.spec.spec_warnings``): say so now."""
+    from hpc.core.spec import spec_warnings
     from hpc.core.validate import unset_passthrough
+
+    for line in spec_warnings(spec):
+        click.echo(f"warning: {shown(line, 4000)}", err=True)
 
     for name in unset_passthrough(spec.env.passthrough):
         click.echo(f"warning: `env.passthrough` names {name}, but it is not set in this shell: "

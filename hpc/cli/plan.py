@@ -28,15 +28,15 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     from hpc.core.models import model_facts
     from hpc.plan import format_plan, plan_job
     from hpc.core.resolve import cross_check
-    from hpc.core.site import choose_site, load_site
-    from hpc.core.spec import load_spec
+    from hpc.core.site import select_site
+    from hpc.core.spec import load_spec, set_origins
 
     extra = (f"job.nodes={nodes}",) if nodes else ()
     spec = load_spec(job, tuple(overrides) + extra)
-    site = load_site(choose_site(site_name, spec.job.site))
+    site = select_site(site_name, spec)
     errors = cross_check(spec, site)
     if errors:
-        raise ConfigError([f"{spec.source}: {e}" for e in errors])
+        raise ConfigError(set_origins([f"{spec.source}: {e}" for e in errors], spec.source, overrides))
     facts = _counted_facts(spec.model) if count_params else model_facts(spec.model)
     plan = plan_job(spec, site, facts=facts)
     if as_json:
@@ -65,7 +65,8 @@ def _counted_facts(model: tp.Any) -> tp.Any:
 @click.option("--name", default="detected", show_default=True, help="Name written into the draft.")
 @click.option("--topo", type=click.Path(exists=True, dir_okay=False), help="Saved `nvidia-smi topo -m` output.")
 @click.option("--query", type=click.Path(exists=True, dir_okay=False),
-              help="Saved `nvidia-smi --query-gpu=name,memory.total --format=csv` output.")
+              help="Saved `nvidia-smi --query-gpu=name,memory.total,mig.mode.current --format=csv` output "
+              "(the MIG column may be left out).")
 @click.option("--scontrol", type=click.Path(exists=True, dir_okay=False), help="Saved `scontrol show node` output.")
 def detect_command(name: str, topo: str | None, query: str | None, scontrol: str | None) -> None:
     """Draft a site profile (TOML on stdout) from this GPU node's tools, or from saved outputs.

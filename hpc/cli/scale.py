@@ -57,10 +57,10 @@ def run_command(job: str, nodes_text: str, mode: str, steps: int | None, site_na
                 overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Submit one job per node count under one study folder; returns at once unless --wait."""
     from hpc import scale
-    from hpc.core.site import choose_site, load_site
+    from hpc.core.site import select_site
     from hpc.core.spec import load_spec
 
-    site = load_site(choose_site(site_name, load_spec(job, overrides).job.site))
+    site = select_site(site_name, load_spec(job, overrides))
     study_dir = scale.start_study(Path(job), site, overrides, scale.parse_nodes(nodes_text), mode, steps)
     points = scale.read_study(study_dir)["points"]
     if not as_json:
@@ -135,11 +135,11 @@ def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None,
                     as_json: bool) -> None:
     """The planner's model alone at each size: no jobs, no cluster needed."""
     from hpc import scale
-    from hpc.core.site import choose_site, load_site
+    from hpc.core.site import select_site
     from hpc.core.spec import load_spec
 
     spec = load_spec(job, overrides)
-    site = load_site(choose_site(site_name, spec.job.site))
+    site = select_site(site_name, spec)
     rows = scale.predict_table(spec, site, scale.parse_nodes(nodes_text), mode)
     if as_json:
         echo_json({"site": site.name, "mode": mode, "points": rows})

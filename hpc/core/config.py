@@ -18,6 +18,7 @@ import stat
 import sys
 import types
 import typing as tp
+import unicodedata
 from pathlib import Path
 
 from hpc.core import validate as v
@@ -44,12 +45,51 @@ def field(default: tp.Any = dataclasses.MISSING, *, doc: str, choices: tp.Sequen
 
 
 def suggest(key: str, valid: tp.Iterable[str], prefix: str = "") -> str:
-    """'did you mean `train.micro_batch`?' for the closest valid key, else the list of valid keys."""
+    """'did you mean `train.micro_batch`?' for the closest valid key, else the list of valid keys. A key
+    that differs by look-alike characters (Cyrillic `е` in `steps`) gets the code points named."""
     valid = sorted(valid)
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    close = nearest(key, valid)
     if close:
-        return f"did you mean `{prefix}{close[0]}`?"
+        return f"did you mean `{prefix}{close}`?{lookalike_note(key, close)}"
     return "valid keys: " + ", ".join(valid)
+
+
+# Letters of other scripts that look like Latin ones (Unicode's confusables, the common part); NFKC
+# already folds fullwidth and compatibility forms (ｓｔｅｐｓ, ℓ).
+_CONFUSABLE = str.maketrans("аеорсухіјѕԁһӏԛԝгɡАВЕКМНОРСТХІЈЅαοινκρτυΑΒΕΗΙΚΜΝΟΡΤΧΥΖıʟ",
+                            "aeopcyxijsdhlqwrgABEKMHOPCTXIJSaoivkptuABEHIKMNOPTXYZiL")
+
+
+def skeleton(text: str) -> str:
+    """``text`` with look-alike letters and compatibility forms folded to ASCII where one looks the same."""
+    return unicodedata.normalize("NFKC", text).translate(_CONFUSABLE)
+
+
+def nearest(key: str, valid: tp.Sequence[str]) -> str | None:
+    """The valid name closest to ``key``: the same after folding look-alikes, else difflib's nearest."""
+    same = [x for x in valid if skeleton(x) == skeleton(key)]
+    if same:
+        return same[0]
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def lookalike_note(key: str, close: str) -> str:
+    """`` (`е` is U+0435 CYRILLIC SMALL LETTER IE, not `e`)`` for each non-ASCII character of ``key``."""
+    pairs = {}
+    for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, key, close, autojunk=False).get_opcodes():
+        for n, ch in enumerate(key[i1:i2]):
+            if not ch.isascii() and ch not in pairs:
+                pairs[ch] = close[j1 + n] if op == "replace" and i2 - i1 == j2 - j1 else None
+    notes = [f"{_char_note(ch)}" + (f", not `{other}`" if other else "") for ch, other in pairs.items()]
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _char_note(ch: str) -> str:
+    if not ch.isprintable():
+        return f"the key holds {v.char_label(ch)}"
+    name = unicodedata.name(ch, "")
+    return f"`{ch}` is U+{ord(ch):04X}" + (f" {name}" if name else "")
 
 
 def describe(value: tp.Any, path: str = "") -> str:
@@ -212,6 +252,17 @@ def check_table(path: str, value: tp.Any, hint: tp.Any) -> list[str]:
     return _check_items(path, value, hint, {})
 
 
+def untouched(errors: tp.Sequence[str], paths: tp.Iterable[str]) -> bool:
+    """No message in ``errors`` names one of the dotted ``paths`` (``train.betas``: also its items and
+    keys) or the section a path is in as a whole: a cross-check of those fields sees the values given,
+    not defaults left where a value failed its type check."""
+    paths = list(paths)
+    tables = {p.split(".")[0] for p in paths}
+    named = re.compile("`(?:" + "|".join(re.escape(t) for t in tables) + ")`|`(?:"
+                       + "|".join(re.escape(p) for p in paths) + r")[`\s.\[]")
+    return not any(named.search(e) for e in errors)
+
+
 def build_section(cls: type, table: tp.Any, prefix: str, errors: list[str]) -> tp.Any:
     """Instantiate one dataclass section from a TOML table, appending problems to ``errors``."""
     if not isinstance(table, dict):
@@ -241,8 +292,9 @@ def build_document(sections: dict[str, type], doc: dict, errors: list[str]) -> d
         return {name: cls() for name, cls in sections.items()}
     for key in doc:
         if key not in sections:
-            close = difflib.get_close_matches(key, list(sections), n=1, cutoff=0.6)
-            hint = f"did you mean `[{close[0]}]`?" if close else "valid sections: " + ", ".join(sections)
+            close = nearest(key, list(sections))
+            hint = (f"did you mean `[{close}]`?{lookalike_note(key, close)}" if close
+                    else "valid sections: " + ", ".join(sections))
             errors.append(f"unknown section `[{shown_key(key)}]`: {hint}")
     return {name: build_section(cls, doc.get(name, {}), name, errors) for name, cls in sections.items()}
 
@@ -299,7 +351,7 @@ def parse_toml(text: str, source: str) -> dict:
         msg = getattr(exc, "msg", str(exc))
         if line is None:  # Python < 3.14 only puts the position in the text
             line, col, msg = _position_from_message(str(exc))
-        raise TomlSyntaxError([f"{source}:{line}:{col}: TOML syntax error: {msg}"]) from None
+        raise TomlSyntaxError([f"{source}:{line}:{col}: TOML syntax error: {msg}{_char_at(text, line, col)}"]) from None
     except ValueError as exc:  # an integer of more than 4300 digits
         raise ConfigError([f"{source}: TOML value error: {str(exc).split(';')[0]}"]) from None
     too_deep = deepest_path(doc)
@@ -311,6 +363,16 @@ def parse_toml(text: str, source: str) -> dict:
 # What opens and closes a nesting level, and what the scanner must skip: comments and strings.
 TOML_SYNTAX = (re.compile(r"[\n#\"'\[\]{}]"), "#")
 JSON_SYNTAX = (re.compile(r"[\n\"\[\]{}]"), None)
+
+
+def _char_at(text: str, line: int, col: int) -> str:
+    """A note on a non-ASCII character where the parser stopped (a look-alike letter in a bare key)."""
+    lines = text.split("\n")
+    row = lines[line - 1] if 0 < line <= len(lines) else ""
+    ch = row[col - 1] if 0 < col <= len(row) else ""
+    if not ch or ch.isascii() or not ch.isprintable():  # unprintable ones: said elsewhere (a BOM inside)
+        return ""
+    return f" ({_char_note(ch)}; a bare key is ASCII letters, digits, `-` and `_`: quote it, or type the ASCII letter)"
 
 
 class TomlSyntaxError(ConfigError):
@@ -418,12 +480,18 @@ def parse_override(item: str) -> tuple[list[str], tp.Any]:
     if len(parts) < 2 or not all(parts):
         raise ConfigError([f"--set {_shown_item(item)}: expected a dotted key such as train.steps"])
     try:
-        value = parse_toml(f"v = {raw}", "--set")["v"]
-    except TomlSyntaxError:
-        value = raw
+        doc = parse_toml(f"v = {raw}", "--set")
+    except TomlSyntaxError as exc:
+        if raw.lstrip()[:1] in ("\"", "'", "[", "{"):  # meant as TOML: `"a" "b"`, `[1, 2`, `{a = 1`
+            why = exc.messages[0].split("TOML syntax error: ", 1)[-1]
+            raise ConfigError([f"--set {_shown_item(item)}: expected one TOML value after `=`: {why}"]) from None
+        return parts, raw  # not TOML: the text itself (job.name=hello world)
     except ConfigError as exc:  # valid TOML, but too deep or too long a number
         raise ConfigError([f"--set {_shown_item(item)}: {exc.messages[0].split(': ', 1)[1]}"]) from None
-    return parts, value
+    if list(doc) != ["v"]:  # `5\n[env.set]\nX=1`: a document, of which one key would be kept
+        raise ConfigError([f"--set {_shown_item(item)}: expected one TOML value after `=` (a number, a quoted "
+                           "string, an array or an inline table), not more lines of TOML"])
+    return parts, doc["v"]
 
 
 def _shown_item(item: str) -> str:

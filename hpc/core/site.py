@@ -10,6 +10,7 @@ then the bundled profiles (the repository's ``site/`` folder, shipped in wheels 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import typing as tp
 from dataclasses import asdict, dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from hpc import schedulers
 from hpc.core import validate as v
-from hpc.core.config import ConfigError, build_document, check_table, field, read_toml, suggest
+from hpc.core.config import ConfigError, build_document, check_table, field, read_toml, suggest, untouched
 
 DEFAULT_SITE = "local"
 USER_SITES = "~/.config/hpcx/sites"
@@ -41,16 +42,20 @@ class Scheduler:
     sbatch: dict[str, str | int | bool] = field(
         doc="Extra sbatch options for every job, e.g. {constraint = \"h100\", exclusive = true}: long option "
         "names without the dashes; a string or integer value, `true` for an option without a value, `false` "
-        "to leave it out. Options hpcx sets itself (job-name, nodes, ntasks-per-node, cpus-per-task, time, "
-        "signal, requeue, partition, account, qos, gpus-per-node, gres …), options that would move its "
-        "logs, environment or user (output, error, open-mode, export, uid …) and abbreviations of them are "
-        "refused. Values reach the `#SBATCH` line exactly (sbatch's reading of quotes and backslashes is "
-        "accounted for).", factory=dict)
+        "to leave it out. Judged by what they do: options on hpcx's own #SBATCH lines (job-name, nodes, "
+        "ntasks-per-node, cpus-per-task, time, signal, requeue, partition, account, qos, gpus-per-node, gres, "
+        "wckey …), options that move the job to another cluster (clusters), change its logs, environment, "
+        "folder or user (output, error, open-mode, export, get-user-env, chdir, uid …), add a second GPU, "
+        "CPU, task or memory count (gpus-per-task, cpus-per-gpu, mem-per-gpu, ntasks-per-core …), make "
+        "sbatch submit nothing (version, help, usage, test-only) and every abbreviation are refused, as are "
+        "options Slurm takes only one of (mem with mem-per-cpu). Values reach the `#SBATCH` line exactly "
+        "(sbatch's reading of quotes and backslashes is accounted for).", factory=dict)
 
 
 @dataclass
 class Node:
-    gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend).", minimum=0,
+    gpus: int = field(0, doc="GPUs per node; 0 for a CPU-only site (gloo backend), which then has no GPU "
+                      "fields (model, memory, peak, an intra-node link).", minimum=0,
                       maximum=schedulers.LIMITS["gpus"])
     gpu_model: str = field("", doc="GPU model name, e.g. `NVIDIA H100 80GB HBM3`.")
     gpu_memory_gb: float = field(0.0, doc="Memory per GPU in GB (1e9 bytes).", minimum=0)
@@ -107,6 +112,13 @@ class SiteProfile:
         return schedulers.get(self.scheduler.kind).multi_node
 
     @property
+    def allocates_cpus(self) -> bool:
+        """Whether this site's scheduler gives each task CPUs of its own (Slurm, unless `overcommit` is
+        among its sbatch options): then a node runs at most ``node.cpus`` tasks."""
+        overcommit = any(k.replace("_", "-") == "overcommit" and x is not False for k, x in self.scheduler.sbatch.items())
+        return schedulers.get(self.scheduler.kind).allocates_cpus and not overcommit
+
+    @property
     def backend(self) -> str:
         return "nccl" if self.node.gpus > 0 else "gloo"
 
@@ -150,16 +162,19 @@ def list_sites() -> list[str]:
     return list(find_sites())
 
 
-def site_path(name_or_path: str) -> Path:
-    """A site name on the search path (``sandbox``) or a path to a profile file."""
+def site_path(name_or_path: str, label: str | None = None) -> Path:
+    """A site name on the search path (``sandbox``) or a path to a profile file. ``label`` says where the
+    name came from in a message (default ``--site 'NAME'``)."""
+    label = label or f"--site {name_or_path!r}"
+    if not name_or_path.strip():
+        raise ConfigError([f"{label}: expected a site name (`hpcx site list`) or a path to a profile"])
     candidate = Path(name_or_path)
     if candidate.suffix == ".toml" or os.sep in name_or_path:
         return candidate
     sites = find_sites()
     if name_or_path not in sites:
         where = ", ".join(str(folder) for folder, _ in search_path())
-        raise ConfigError([f"--site {name_or_path!r}: no such site profile ({suggest(name_or_path, sites)}); "
-                           f"searched {where}"])
+        raise ConfigError([f"{label}: no such site profile ({suggest(name_or_path, sites)}); searched {where}"])
     return sites[name_or_path][0]
 
 
@@ -168,17 +183,36 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     errors: list[str] = []
     doc = dict(doc)
     nccl = doc.pop("nccl", {})
-    errors += check_table("nccl", nccl, dict[str, str]) or v.check_nccl(nccl)
+    errors += check_table("nccl", nccl, dict[str, str])
+    errors += v.check_nccl(_printable_keys(nccl))
     sections = build_document(SECTIONS, doc, errors)
-    # fields that failed their type checks were left at their defaults: these see only good values
-    errors += schedulers.section_problems(sections["scheduler"])
+    # fields that failed their type checks were left at their defaults: the sbatch names are read raw
+    raw = dataclasses.replace(sections["scheduler"], sbatch=_printable_keys(_raw_table(doc, "scheduler", "sbatch")))
+    errors += schedulers.section_problems(raw)
     errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
-    if not errors:  # cross-checks only make sense on well-typed fields
+    if untouched(errors, CROSS_CHECKED):  # cross-checks see the values given, not defaults left by a type error
         errors += cross_check_site(site)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return site
+
+
+def _raw_table(doc: dict, section: str, key: str) -> dict[str, tp.Any]:
+    """``doc[section][key]`` as written when it is a table (its values unchecked), else ``{}``."""
+    table = doc.get(section)
+    value = table.get(key) if isinstance(table, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def _printable_keys(table: tp.Any) -> dict[str, tp.Any]:
+    """The entries of a table whose names the loader found printable (it reports the others)."""
+    return {k: x for k, x in table.items() if v.first_unprintable(k) is None} if isinstance(table, dict) else {}
+
+
+# The fields ``cross_check_site`` reads.
+CROSS_CHECKED = ("scheduler.kind", "scheduler.gpu_directive", "node.gpus", "node.gpu_model", "node.gpu_memory_gb",
+                 "node.gpu_peak_tflops", "node.intra_link")
 
 
 def cross_check_site(site: SiteProfile) -> list[str]:
@@ -187,11 +221,26 @@ def cross_check_site(site: SiteProfile) -> list[str]:
         errors.append(f"`node.gpu_memory_gb` is unset but `node.gpus` = {site.node.gpus}: expected the memory per GPU")
     if site.node.gpus > 1 and site.node.intra_link == "none":
         errors.append(f"`node.intra_link` = 'none' with {site.node.gpus} GPUs per node: expected nvswitch, nvlink or pcie")
-    return errors
+    return errors + _gpu_fields_without_gpus(site.node)
 
 
-def load_site(name_or_path: str) -> SiteProfile:
-    path = site_path(name_or_path)
+def _gpu_fields_without_gpus(node: Node) -> list[str]:
+    """`gpus = 0` beside fields that describe GPUs: planned as a CPU site (gloo) without a word otherwise."""
+    if node.gpus:
+        return []
+    named = [f"`node.{key}` = {getattr(node, key)!r}" for key in ("gpu_model", "gpu_memory_gb", "gpu_peak_tflops")
+             if getattr(node, key)]
+    named += [f"`node.intra_link` = {node.intra_link!r}"] if node.intra_link != "none" else []
+    if not named:
+        return []
+    verb = "describe" if len(named) > 1 else "describes"
+    return [f"`node.gpus` = 0 makes this a CPU site (gloo, no GPUs), but {', '.join(named)} {verb} GPUs: expected "
+            "`node.gpus` = the GPUs per node, or no GPU fields on a CPU site"]
+
+
+def load_site(name_or_path: str, label: str | None = None) -> SiteProfile:
+    """The profile ``name_or_path`` names (``label``: where that came from, for messages)."""
+    path = site_path(name_or_path, label)
     if v.first_unprintable(path.stem) is not None:  # the name is shown by render, status and site list
         raise ConfigError([f"{v.shown(str(path))}: expected a profile name of printable characters"])
     return parse_site(read_toml(path), path.stem, str(path))
@@ -213,7 +262,26 @@ def raw_run_root(path: Path) -> Path | None:
 
 def choose_site(cli: str | None, spec_site: str | None) -> str:
     """--site, then $HPCX_SITE, then the spec's job.site, then `local`."""
-    return cli or os.environ.get("HPCX_SITE") or spec_site or DEFAULT_SITE
+    return site_choice(cli, spec_site)[0]
+
+
+def site_choice(cli: str | None, spec_site: str | None, spec_source: str = "the spec") -> tuple[str, str]:
+    """(name or path, where it came from for a message): ``--site`` (also when empty: an error, not a fall
+    back), then ``$HPCX_SITE`` (empty counts as unset), then the spec's ``job.site``, then `local`."""
+    if cli is not None:
+        return cli, f"--site {cli!r}"
+    env = os.environ.get("HPCX_SITE")
+    if env:
+        return env, f"$HPCX_SITE = {v.shown(env)!r}"
+    if spec_site is not None:
+        return spec_site, f"{spec_source}: `job.site` = {v.shown(spec_site)!r}"
+    return DEFAULT_SITE, f"the default site {DEFAULT_SITE!r}"
+
+
+def select_site(cli: str | None, spec: tp.Any) -> SiteProfile:
+    """The site a command runs ``spec`` on (``site_choice``), loaded; a message names where it came from."""
+    name, label = site_choice(cli, spec.job.site, spec.source)
+    return load_site(name, label)
 
 
 def site_as_dict(site: SiteProfile) -> dict[str, tp.Any]:

@@ -7,13 +7,14 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
+import re
 import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc import schedulers
 from hpc.core import validate as v
-from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml
+from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.models.gpt import preset_counts
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
@@ -49,7 +50,9 @@ class Job:
 
 @dataclass
 class Model:
-    arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module.")
+    arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module: dotted "
+                      "Python identifiers, not a module of the standard library; `render` and `submit` say which "
+                      "file will be imported.")
     size: str = field("tiny", doc="Preset of the built-in GPT, with its real parameter count: "
                       f"{preset_counts()}.")
     dim: int = field(0, doc="Width (d_model) of the built-in GPT (0: the preset's); for a user model with "
@@ -67,8 +70,10 @@ class Model:
                           "`n_layers` and `dim`.", minimum=0, maximum=10**15)
     dropout: float = field(0.0, doc="Dropout probability, below 1.", minimum=0, maximum=1)
     blocks: str = field("", doc="For user models: attribute path of the nn.ModuleList whose children "
-                        "are the units to shard and checkpoint, e.g. `transformer.h` (default: `blocks`).")
-    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model: strings, finite "
+                        "are the units to shard and checkpoint, e.g. `transformer.h` (names and indices "
+                        "joined by `.`; default: `blocks`).")
+    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model (each key a Python "
+                                      "identifier): strings, finite "
                                       "numbers, booleans, arrays, tables; no credential-looking keys or values "
                                       "(they are written to resolved.json).", factory=dict)
     activation_gb: float = field(0.0, doc="Measured activation memory per micro-batch sample in GB, for "
@@ -124,7 +129,8 @@ class Parallel:
     timeout_s: int = field(600, doc="Collective and rendezvous timeout in seconds while starting, resuming "
                            "and saving.", minimum=1)
     step_timeout_s: int = field(120, doc="Collective timeout once every rank finished its first step (at most "
-                                "`timeout_s`): a rank that hangs mid-run is noticed this fast.", minimum=1)
+                                "`timeout_s`: a larger value given is refused, the default is lowered to it): a "
+                                "rank that hangs mid-run is noticed this fast.", minimum=1)
 
 
 def compute_precision(mixed_precision: str, gpus: bool) -> str:
@@ -148,11 +154,15 @@ class Checkpoint:
 @dataclass
 class Env:
     set: dict[str, str] = field(doc="Environment variables set for every task (values are quoted; "
-                                "credential-looking names and values are refused here: use `passthrough`).",
+                                "credential-looking names and values are refused here: use `passthrough`; so "
+                                "are the variables Slurm, srun, submitit, torchrun's rendezvous and hpcx set or "
+                                "read: `SLURM_*`, `SRUN_*`, `SUBMITIT_*`, `TORCHELASTIC_*`, `HPCX_*`, `RANK`, "
+                                "`WORLD_SIZE`, `MASTER_ADDR`, `CUDA_VISIBLE_DEVICES` …).",
                                 factory=dict, max_len=v.PATH_MAX)
     passthrough: list[str] = field(doc="Names of variables taken from the submitting shell by name "
                                    "only; their values never reach the script or the run folder. "
-                                   "`render` and `submit` warn about names the shell does not set.",
+                                   "`render` and `submit` warn about names the shell does not set. A name is "
+                                   "in `set` or here, not both.",
                                    factory=list)
 
 
@@ -182,21 +192,28 @@ def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
     errors: list[str] = []
     sections = build_document(SECTIONS, doc, errors)
     spec = JobSpec(source=source, **sections)
-    errors += _check_env(spec.env)
-    if _clean(errors, "job"):
-        errors += _check_job(spec.job)
-    # checks across fields run only on sections whose fields are all well-typed
-    if _clean(errors, "model"):
+    errors += _check_env(doc.get("env"))
+    # a field that failed its type check was left at its default: each check runs when its fields are well-typed
+    errors += _check_job(spec.job, lambda *keys: _typed(errors, "job", keys))
+    if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
-    if _clean(errors, "train") and _clean(errors, "model"):
-        errors += _check_train(spec.train, spec.model)
+    errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
+    if _typed(errors, "model", ("kwargs",)):
+        errors += v.check_model_kwargs(spec.model.kwargs)
+    if _typed(errors, "model", ("blocks",)):
+        errors += v.check_model_blocks(spec.model.blocks)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return spec
 
 
-def _clean(errors: list[str], section: str) -> bool:
-    return not any(f"`{section}." in e or f"`{section}`" in e for e in errors)
+# The fields ``hpc.core.models.model_problems`` reads.
+MODEL_SHAPE_FIELDS = ("arch", "size", "dim", "n_layers", "n_heads", "seq_len", "vocab_size", "tie_embeddings", "n_params")
+
+
+def _typed(errors: list[str], section: str, keys: tp.Iterable[str]) -> bool:
+    """No message so far names ``section`` as a whole or one of its ``keys`` (``hpc.config.untouched``)."""
+    return untouched(errors, [f"{section}.{k}" if section else k for k in keys])
 
 
 def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = True) -> JobSpec:
@@ -205,11 +222,32 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
-    spec = spec_from_dict(doc, str(path))
-    errors = resolve_paths(spec) if paths else []
+    timeouts = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel"))]  # as written, not as resolved
+    try:
+        spec = spec_from_dict(doc, str(path))
+    except ConfigError as exc:
+        raise ConfigError(set_origins(exc.messages + timeouts, str(path), overrides)) from None
+    errors = timeouts + [f"{path}: {e}" for e in (resolve_paths(spec) if paths else [])]
     if errors:
-        raise ConfigError([f"{path}: {e}" for e in errors])
+        raise ConfigError(set_origins(errors, str(path), overrides))
     return spec
+
+
+def set_origins(messages: tp.Sequence[str], source: str, overrides: tp.Sequence[str]) -> list[str]:
+    """``FILE: `train.steps` …`` as ``--set: `train.steps` …`` for each message about a value that came
+    from ``--set`` (the first key a message names decides)."""
+    keys = [item.split("=", 1)[0].strip() for item in overrides]
+    return [_named_origin(m, source, keys) for m in messages]
+
+
+def _named_origin(message: str, source: str, keys: tp.Sequence[str]) -> str:
+    body = message.removeprefix(f"{source}: ")
+    named = re.search(r"`([^`]*)`", body)
+    path = named.group(1).strip("[]") if named else ""  # `[trian]`: a section only --set named
+    if path and any(path == k or path.startswith((f"{k}.", f"{k}[", f"{k} ")) or k.startswith(f"{path}.")
+                    for k in keys if k):
+        return f"--set: {body}"
+    return message
 
 
 def resolve_paths(spec: JobSpec) -> list[str]:
@@ -229,27 +267,35 @@ def resolve_paths(spec: JobSpec) -> list[str]:
     return errors + problems
 
 
-def _check_job(job: Job) -> list[str]:
-    errors = v.check_job_name(job.name)
-    if job.run_root is not None:
+def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:
+    errors = v.check_job_name(job.name) if typed("name") else []
+    if job.run_root is not None and typed("run_root"):
         errors += v.check_run_root("job.run_root", job.run_root)
     return errors
 
 
-def _check_env(env: Env) -> list[str]:
+def _check_env(env: tp.Any) -> list[str]:
+    """Names and values of the raw ``[env]`` table: a name is checked also beside a value of the wrong type
+    (which the loader reports), so every problem of an entry is said at once."""
+    env = env if isinstance(env, dict) else {}
+    table = env.get("set") if isinstance(env.get("set"), dict) else {}
+    passthrough = env.get("passthrough") if isinstance(env.get("passthrough"), list) else []
+    # the loader reports names with unprintable characters
+    table = {k: x for k, x in table.items() if v.first_unprintable(k) is None}
+    passthrough = [n for n in passthrough if isinstance(n, str) and v.first_unprintable(n) is None]
     errors = []
-    for name in env.set:
+    for name in table:
         errors += v.check_env_name(f"env.set.{v.shown(name)}", name)
-    for name in env.passthrough:
+    for name in passthrough:
         errors += v.check_env_name("env.passthrough", name)
-    for name, value in env.set.items():
+    for name, value in table.items():
         if looks_secret(name):
             errors.append(f"`env.set.{v.shown(name)}` looks like a secret: put \"{v.shown(name)}\" in "
                           "`env.passthrough` and export it in your shell, so its value is never written to disk")
-        elif kind := v.secret_value_kind(value):
+        elif isinstance(value, str) and (kind := v.secret_value_kind(value)):
             errors.append(f"`env.set.{v.shown(name)}` holds what looks like {kind}: pass it by name with "
                           "`env.passthrough`, so its value is never written to disk")
-    return errors
+    return errors + v.check_env_names(table, passthrough, schedulers.ENV_OWNERS)
 
 
 def _check_model(model: Model) -> list[str]:
@@ -258,10 +304,33 @@ def _check_model(model: Model) -> list[str]:
     return model_problems(model)
 
 
-def _check_train(train: Train, model: Model) -> list[str]:
+def _check_train(train: Train, model: Model, typed: tp.Callable[..., bool]) -> list[str]:
     errors = []
-    if len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas):
+    if typed("train.betas") and (len(train.betas) != 2 or not all(0 <= b < 1 for b in train.betas)):
         errors.append(f"`train.betas` = {train.betas!r}: expected two numbers in [0, 1)")
-    if model.dropout >= 1:
+    if typed("model.dropout") and model.dropout >= 1:
         errors.append(f"`model.dropout` = {model.dropout!r}: expected a probability below 1")
     return errors
+
+
+def given_timeouts(parallel: tp.Any) -> list[str]:
+    """A ``parallel.step_timeout_s`` given above ``timeout_s`` (given or default), in a spec as written. The
+    default step timeout is lowered to a smaller ``timeout_s`` (as the trainer does), so it is not checked."""
+    given = parallel if isinstance(parallel, dict) else {}
+    step, timeout = given.get("step_timeout_s"), given.get("timeout_s", Parallel.timeout_s)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (step, timeout)) or step <= timeout:
+        return []
+    return [f"`parallel.step_timeout_s` = {step} is longer than `parallel.timeout_s` = {timeout}: expected at most "
+            f"{timeout} s (the step timeout is the short one, once every rank has finished a step)"]
+
+
+def spec_warnings(spec: JobSpec) -> list[str]:
+    """Settings that load but are unlikely to be meant: one line each, naming the file."""
+    t, out = spec.train, []
+    if t.warmup_steps >= t.steps:
+        out.append(f"`train.warmup_steps` = {t.warmup_steps} is not shorter than `train.steps` = {t.steps}: the "
+                   f"learning rate never reaches `train.lr` = {t.lr:g}")
+    if t.warmup_metrics_steps >= t.steps:
+        out.append(f"`train.warmup_metrics_steps` = {t.warmup_metrics_steps} is not shorter than `train.steps` = "
+                   f"{t.steps}: throughput summaries will have no steps to measure")
+    return [f"{spec.source}: {line}" for line in out]

@@ -9,9 +9,11 @@ expected; the callers prefix the file. Torch-free and cheap: it runs on login no
 
 from __future__ import annotations
 
+import keyword
 import os
 import re
 import stat
+import sys
 import typing as tp
 import unicodedata
 from pathlib import Path
@@ -57,10 +59,19 @@ def first_unprintable(text: str) -> str | None:
     return next(ch for ch in text if not ch.isprintable())
 
 
+def utf8_len(text: str) -> int:
+    """Bytes of ``text`` in UTF-8: what Slurm and the kernel count (an emoji is 4)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
 def check_text(path: str, text: str, max_len: int = TEXT_MAX) -> list[str]:
-    """Printable and bounded: every string that reaches a job script or a terminal."""
-    if len(text) > max_len:
-        return [f"`{path}` is {len(text)} characters long: expected at most {max_len}"]
+    """Printable and bounded: every string that reaches a job script or a terminal. ``max_len`` counts
+    bytes of UTF-8, as Slurm (names, comments, partitions …) and Linux (paths) do."""
+    size = utf8_len(text) if len(text) * 4 > max_len else len(text)  # cheap while it cannot be too long
+    if size > max_len:
+        if size == len(text):
+            return [f"`{path}` is {len(text)} characters long: expected at most {max_len}"]
+        return [f"`{path}` is {size} bytes long in UTF-8 ({len(text)} characters): expected at most {max_len} bytes"]
     ch = first_unprintable(text)
     if ch is not None:
         return [f"`{path}` contains {char_label(ch)}, which is not allowed in values that reach the job script"]
@@ -94,6 +105,67 @@ def check_world(nodes: int, tasks_per_node: int) -> list[str]:
     return []
 
 
+# ------------------------------------------------------------------------------------------ user code
+
+# Never a model factory: the standard library and the interpreter's own modules (`os:system`,
+# `builtins:exec`, `subprocess:run` would run in every task with the spec's kwargs).
+NOT_MODEL_MODULES = frozenset(sys.stdlib_module_names) | {"__main__", "builtins"}
+
+
+def _identifier_problem(part: str) -> str | None:
+    if not part:
+        return "an empty name"
+    if not part.isidentifier():
+        return f"{shown(part)!r}, which is not a Python identifier"
+    if keyword.iskeyword(part):
+        return f"{part!r}, a Python keyword"
+    return None
+
+
+def check_model_arch(arch: str) -> list[str]:
+    """``model.arch`` = ``package.module:function``: dotted identifiers, one `:`, a function name, and a
+    module of the user's, not of the standard library."""
+    label = f"`model.arch` = {shown(arch)!r}"
+    module, colon, function = arch.partition(":")
+    if not colon or ":" in function:
+        return [f"{label}: expected 'gpt' or 'package.module:function' (one `:` between the module and the function)"]
+    parts = [("the module path", p) for p in module.split(".")] + [("the function", function)]
+    bad = next(((where, why) for where, p in parts if (why := _identifier_problem(p))), None)
+    if bad:
+        return [f"{label}: {bad[0]} holds {bad[1]}: expected 'gpt' or 'package.module:function' "
+                "(dotted Python identifiers)"]
+    top = module.split(".")[0]
+    if top in NOT_MODEL_MODULES:
+        what = "the module each task starts with" if top == "__main__" else "Python's standard library"
+        return [f"{label}: `{top}` is {what}, not a model factory: expected a function of your own package that "
+                "returns an nn.Module"]
+    return []
+
+
+def check_model_kwargs(kwargs: tp.Mapping[str, tp.Any]) -> list[str]:
+    """Top-level ``model.kwargs`` keys are passed as keyword arguments: identifiers, not keywords."""
+    errors = []
+    for key in kwargs:
+        if first_unprintable(key) is not None or (key.isidentifier() and not keyword.iskeyword(key)):
+            continue  # unprintable keys: the loader's message
+        why = "empty" if not key else "a Python keyword" if keyword.iskeyword(key) else "not a Python identifier"
+        errors.append(f"`model.kwargs` key {shown(key)!r} is {why}: the model function is called with each key "
+                      "as a keyword argument")
+    return errors
+
+
+def check_model_blocks(path: str) -> list[str]:
+    """``model.blocks``: an attribute path (``transformer.h``, ``layers.0.blocks``), or empty for `blocks`."""
+    if not path:
+        return []
+    for part in path.split("."):
+        why = None if part.isdigit() else _identifier_problem(part)
+        if why:
+            return [f"`model.blocks` = {shown(path)!r} holds {why}: expected an attribute path such as "
+                    "`transformer.h` (names and indices joined by `.`)"]
+    return []
+
+
 # ------------------------------------------------------------------------------------------- env names
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -106,8 +178,49 @@ def check_env_name(path: str, name: str) -> list[str]:
     """A valid shell variable name: anything else would be spliced into the script's export lines."""
     if ENV_NAME.match(name):
         return []
-    return [f"`{path}`: variable name {shown(name)!r}: expected letters, digits and underscores, "
+    other = next((ch for ch in name if not ch.isascii() and ch.isprintable()), None)
+    what = f" (`{other}` is U+{ord(other):04X} {unicodedata.name(other, '')}".rstrip() + ")" if other else ""
+    return [f"`{path}`: variable name {shown(name)!r}{what}: expected letters, digits and underscores, "
             "not starting with a digit"]
+
+
+# What Slurm, srun, submitit, torch.distributed's launchers and hpcx itself read to place and start each
+# rank: a job's env.set may not change it, and env.passthrough cannot bring it (the launcher sets it).
+# (Each scheduler's own prefixes, e.g. Slurm's, come from ``hpc.schedulers.ENV_OWNERS``.)
+LAUNCHER_PREFIXES = {"SUBMITIT_": "submitit", "TORCHELASTIC_": "torchrun", "HPCX_": "hpcx"}
+RENDEZVOUS_NAMES = frozenset({"WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                              "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"})
+DEVICE_NAMES = frozenset({"CUDA_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"})
+
+
+def launcher_variable(name: str, owners: tp.Mapping[str, str] = {}) -> str | None:
+    """Who sets ``name`` in every task ('Slurm', 'hpcx' …), or None for a variable a job may set.
+    ``owners``: more prefixes and who owns them (the schedulers', ``hpc.schedulers.ENV_OWNERS``)."""
+    owner = next((who for prefix, who in {**owners, **LAUNCHER_PREFIXES}.items() if name.startswith(prefix)), None)
+    if owner is None and name in RENDEZVOUS_NAMES:
+        owner = "the launcher (torch.distributed's rendezvous)"
+    if owner is None and name in DEVICE_NAMES:
+        owner = "Slurm and hpcx (each rank's GPU)"
+    return owner
+
+
+def check_env_names(set_names: tp.Iterable[str], passthrough: tp.Iterable[str],
+                    owners: tp.Mapping[str, str] = {}) -> list[str]:
+    """``env.set`` and ``env.passthrough`` names that the launcher owns (``launcher_variable``), or that
+    are in both."""
+    errors, passed = [], [n for n in passthrough if isinstance(n, str)]
+    for name in set_names:
+        if owner := launcher_variable(name, owners):
+            errors.append(f"`env.set.{shown(name)}`: {shown(name)} is set or read by {owner} in every task: expected a "
+                          "variable of your own")
+        if name in passed:
+            errors.append(f"`env.set.{shown(name)}`: {shown(name)} is also in `env.passthrough`: expected it in "
+                          "one of the two (set gives every task this value; passthrough takes the shell's)")
+    for name in passed:
+        if owner := launcher_variable(name, owners):
+            errors.append(f"`env.passthrough`: {shown(name)} is set or read by {owner} in every task, not taken from "
+                          "your shell: expected a variable of your own")
+    return errors
 
 
 def check_nccl(table: dict[str, tp.Any]) -> list[str]:
@@ -252,10 +365,10 @@ def expand_path(value: str, where: str) -> Path:
     if not os.path.isabs(text):
         raise ConfigError([f"{where}: expands to {shown(text)!r}: expected an absolute path"])
     bad = first_unprintable(text)
-    if bad is not None or len(text) > PATH_MAX:
-        what = f"{char_label(bad)}" if bad is not None else f"{len(text)} characters"
+    if bad is not None or utf8_len(text) > PATH_MAX:
+        what = f"{char_label(bad)}" if bad is not None else f"{utf8_len(text)} bytes"
         raise ConfigError([f"{where}: expands to a path with {what}: expected at most {PATH_MAX} "
-                           "printable characters"])
+                           + ("printable characters" if bad is not None else "bytes")])
     return Path(os.path.normpath(text))
 
 

@@ -29,7 +29,7 @@ KINDS = {"slurm": ("hpc.schedulers.slurm.scheduler", "SlurmScheduler", "SlurmJob
 # kinds with integer limits on what a spec or site may ask (``<kind>/limits.py``, importing nothing)
 LIMITED = ("slurm",)
 
-__all__ = ["KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "JobSide", "JobState", "RankEnv", "Scheduler", "get",
+__all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "JobSide", "JobState", "RankEnv", "Scheduler", "get",
            "job_side", "rank_env", "rendezvous_port", "section_problems", "site_problems"]
 
 
@@ -43,6 +43,10 @@ def _limits() -> dict[str, int]:
 
 
 LIMITS = _limits()
+# name prefix -> who sets it in every task, over the kinds with limits (``<kind>/limits.py``: ENV_PREFIXES)
+ENV_OWNERS = {prefix: who for kind in LIMITED
+              for prefix, who in getattr(importlib.import_module(f"hpc.schedulers.{kind}.limits"), "ENV_PREFIXES",
+                                         {}).items()}
 
 
 def _load(kind: str, index: int) -> type:

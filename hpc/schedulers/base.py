@@ -164,6 +164,7 @@ class Scheduler(abc.ABC):
 
     kind: str = ""
     multi_node: bool = False  # one job can span several nodes
+    allocates_cpus: bool = False  # each task gets CPUs of its own (more tasks than CPUs are refused)
 
     @abc.abstractmethod
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:

@@ -219,7 +219,7 @@ def test_a_tied_head_stays_tied_after_materialization(strategy, world):
     spec = spec_from_dict({"model": {"size": "tiny", "tie_embeddings": True},
                            "job": {"nodes": 1, "tasks_per_node": world},
                            "parallel": {"strategy": strategy}, "train": {"global_batch": 4 * world}})
-    launch = resolve(spec, load_site("sandbox"))
+    launch = resolve(spec, load_site("local"))  # a CPU site that runs 4 tasks on a node (the sandbox's have 2 CPUs)
     with fake_process_group(world, world - 1):
         model, _ = build_parallel_model(spec, launch, torch.device("cpu"))
         inner = getattr(model, "module", model)

@@ -33,9 +33,13 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
 
 
 def problems(model: Model) -> list[str]:
-    """A ``package.module:function`` arch, the context and vocabulary set, a stated count that fits."""
-    if not USER_ARCH.match(model.arch):
-        return [f"`model.arch` = {model.arch!r}: expected 'gpt' or 'package.module:function'"]
+    """A ``package.module:function`` arch of the user's (``check_model_arch``), the context and vocabulary
+    set, a stated count that fits."""
+    from hpc.core.validate import check_model_arch
+
+    if not USER_ARCH.match(model.arch) or check_model_arch(model.arch):
+        return check_model_arch(model.arch) or [f"`model.arch` = {model.arch!r}: expected 'gpt' or "
+                                                "'package.module:function'"]
     errors = [f"`model.{key}` must be set for the user model {model.arch!r} (0 means the preset's, and a user "
               f"model has none)" for key in ("seq_len", "vocab_size") if not getattr(model, key)]
     return errors + _stated_problems(model)
@@ -45,8 +49,33 @@ def code_notice(model: Model) -> str | None:
     """What a `module:function` model means: that code is imported and called in every task."""
     module, function = model.arch.split(":", 1)
     kwargs = ", ".join(model.kwargs) or "no kwargs"
-    return (f"user code: every task will import the Python module {module!r} and call {function}({kwargs}) "
-            "(model.arch); it runs with your permissions, so check it is the code you mean")
+    found = module_file(module)
+    where = f"from {found}" if found else "which is not importable here: every task must find it on its sys.path"
+    return (f"user code: every task will import the Python module {module!r} ({where}) and call "
+            f"{function}({kwargs}) (model.arch); it runs with your permissions, so check it is the code you mean")
+
+
+def module_file(module: str, folder: str | None = None) -> str | None:
+    """The file ``import module`` would load, found without importing anything (no package's
+    ``__init__`` runs): searched from ``folder`` (default: the current one, where each task starts),
+    then ``sys.path``. None when it is not found."""
+    import os
+    import sys
+    from importlib.machinery import PathFinder
+
+    search: list[str] | None = [folder or os.getcwd(), *sys.path]
+    spec = None
+    parts = module.split(".")
+    for n in range(1, len(parts) + 1):
+        spec = PathFinder.find_spec(".".join(parts[:n]), search)
+        if spec is None:
+            return None
+        search = list(spec.submodule_search_locations or [])
+        if not search and n < len(parts):
+            return None  # a module, not a package: it has no submodules
+    if spec.origin and spec.origin not in ("namespace", "built-in", "frozen"):
+        return spec.origin
+    return next(iter(spec.submodule_search_locations or []), None)
 
 
 def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,

@@ -1,9 +1,9 @@
 """Draft a site profile from what a GPU node's tools print.
 
 Inputs, each optional: ``nvidia-smi topo -m`` (GPU/NIC link matrix), ``nvidia-smi
---query-gpu=name,memory.total --format=csv`` and ``scontrol show node``. The parsers are
-pure functions on text, tolerant of what real outputs contain: ANSI underline escapes on the
-header, tabs or runs of spaces, trailing empty cells, NIC columns named ``NIC#`` (with a
+--query-gpu=name,memory.total,mig.mode.current --format=csv`` (the MIG column may be left out) and
+``scontrol show node``. The parsers are pure functions on text, tolerant of what real outputs
+contain: ANSI underline escapes on the header, tabs or runs of spaces (or both mixed), trailing empty cells, NIC columns named ``NIC#`` (with a
 "NIC Legend") or ``mlx5_#`` (older drivers), a header clipped before its NIC columns, and
 ``topo -mp`` output (PCIe paths only: NVLink is then unknown, never "absent").
 
@@ -11,7 +11,9 @@ They are strict about what would make a draft wrong: a matrix that is not square
 missing or cut short), not symmetric, or holds a cell the legend does not define is refused
 with one line (``ValueError``), as is a ``--query-gpu`` line cut before its unit. Everything
 the tools cannot tell is listed in ``Draft.unknown``, and every value the draft had to assume
-(PCIe generation, NVLink speed per link, latencies) in ``Draft.assumed``.
+(PCIe generation, NVLink speed per link, latencies) in ``Draft.assumed``. Another tool's output
+(``rocm-smi``, ``nvidia-smi -L``) is refused naming that tool, and ``render_toml`` always writes a
+file that parses as TOML, whatever the tools printed.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from pathlib import Path
 
 from hpc.core.config import ConfigError
 
+from hpc.core.validate import shown
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 NV = re.compile(r"^NV(\d+)$")
 GPU_LABEL = re.compile(r"^GPU(\d+)$")
+COLUMN_LABEL = re.compile(r"^(GPU\d+|NIC\d+|mlx\d+_\d+)$")
 # Cells `nvidia-smi topo` prints when its legend is cut off (SOC is the pre-2017 name of SYS).
 KNOWN_CELLS = ("X", "SYS", "SOC", "NODE", "PHB", "PXB", "PIX")
 NVLINK_GBS_PER_LINK = 25.0  # NVLink 2/3/4 on datacenter GPUs: 25 GB/s per link per direction
@@ -65,10 +70,15 @@ class Legend:
 
 
 def _cells(line: str) -> list[str]:
+    """Header cells: separated by tabs, by runs of spaces, or a mix of both (a matrix pasted from a
+    terminal, or edited); single spaces stay inside a cell (``CPU Affinity``) unless they only
+    separate column labels (``GPU0 GPU1``)."""
     line = ANSI.sub("", line).rstrip("\n")
-    if "\t" in line:
-        return [c.strip() for c in line.split("\t")]
-    return [c.strip() for c in re.split(r"\s{2,}", line)]
+    cells = []
+    for cell in (c.strip() for c in re.split(r"\t| {2,}", line)):
+        words = cell.split()
+        cells += words if len(words) > 1 and all(COLUMN_LABEL.match(w) for w in words) else [cell]
+    return cells
 
 
 def _legend(lines: list[str]) -> Legend:
@@ -89,9 +99,26 @@ def _valid_cell(value: str, legend: Legend) -> bool:
     return value in (legend.cells if legend.cells is not None else KNOWN_CELLS)
 
 
+# What other tools print, recognised so that a wrong file is named for what it is.
+ROCM_SMI = re.compile(r"ROCm System Management Interface|End of ROCm SMI Log|(Weight|Hops) between two GPUs|"
+                      r"Link Type between two GPUs|\[Model : Revision\]|\[0x[0-9a-f]{4} : 0x[0-9a-f]{2}\]|AMD Instinct")
+SMI_LIST = re.compile(r"^\s*(GPU \d+: .*\(UUID: GPU-|MIG \S+\s+Device\s+\d+: \(UUID: MIG-)", re.M)
+
+
+def other_tool(text: str, expected: str) -> None:
+    """ValueError naming the tool when ``text`` is another tool's output than ``expected``."""
+    if ROCM_SMI.search(text):
+        raise ValueError(f"this is `rocm-smi` output (AMD GPUs), not `{expected}`: `hpcx site detect` reads "
+                         "NVIDIA's tools; write the profile by hand (docs/site.md)")
+    if SMI_LIST.search(text):
+        mig = " with MIG devices" if re.search(r"^\s*MIG \S+\s+Device", text, re.M) else ""
+        raise ValueError(f"this is `nvidia-smi -L` output{mig}, not `{expected}`")
+
+
 def parse_topo(text: str) -> Topology:
     """Parse ``nvidia-smi topo -m`` (or ``-mp``); raises ValueError, one line, when there is no matrix
-    or it is not one a draft can be built on (see ``check_matrix``)."""
+    or it is not one a draft can be built on (see ``check_matrix``), or when it is another tool's output."""
+    other_tool(text, "nvidia-smi topo -m")
     lines = [ANSI.sub("", raw) for raw in text.splitlines()]
     # The header's first cell is empty (the row labels' column); rows start with their label.
     header_at = next((i for i, ln in enumerate(lines) if ln[:1] in ("\t", " ") and re.search(r"\bGPU0\b", ln)), None)
@@ -205,32 +232,47 @@ def _numa(after_gpus: list[str]) -> str:
 class GpuQuery:
     names: list[str]
     memory_gb: list[float]  # 1e9 bytes
+    mig: list[bool] = field(default_factory=list)  # mig.mode.current is Enabled, per GPU (when queried)
+
+
+QUERY_COMMAND = ["nvidia-smi", "--query-gpu=name,memory.total,mig.mode.current", "--format=csv"]
+MIG_MODES = {"enabled": True, "disabled": False, "[n/a]": False, "n/a": False}
 
 
 def parse_query_gpu(text: str) -> GpuQuery:
-    """Parse ``nvidia-smi --query-gpu=name,memory.total --format=csv`` (with or without units); a
-    value without the unit its header announces is a line cut short, and refused."""
-    names, memory, unit = [], [], None
+    """Parse ``nvidia-smi --query-gpu=name,memory.total[,mig.mode.current] --format=csv`` (with or
+    without units); a value without the unit its header announces is a line cut short, and refused."""
+    other_tool(text, "nvidia-smi --query-gpu=name,memory.total --format=csv")
+    out, unit = GpuQuery([], []), None
     for number, raw in enumerate(text.splitlines(), 1):
         line = ANSI.sub("", raw).strip()
         if line.lower().startswith("name"):
             unit = re.search(r"\[(MiB|GiB)\]", line)
             continue
-        if not line:
-            continue
-        name, _, mem = line.rpartition(",")
-        m = re.match(r"^\s*([\d.]+)\s*(MiB|GiB)?\s*$", mem)
-        if not name or not m:
-            raise ValueError(f"line {number} of the nvidia-smi --query-gpu output is not 'name, memory': {line!r}")
-        if unit is not None and m.group(2) != unit.group(1):
-            raise ValueError(f"line {number} of the nvidia-smi --query-gpu output, {line!r}, lacks the unit its "
-                             f"header announces ({unit.group(1)}): the output looks cut short")
-        mib = float(m.group(1)) * (1024 if m.group(2) == "GiB" else 1)
-        names.append(name.strip())
-        memory.append(round(mib * 2**20 / 1e9, 1))
-    if not names:
+        if line:
+            _query_line(out, number, line, unit.group(1) if unit else None)
+    if not out.names:
         raise ValueError("no GPUs in the nvidia-smi --query-gpu output")
-    return GpuQuery(names, memory)
+    return out
+
+
+def _query_line(out: GpuQuery, number: int, line: str, unit: str | None) -> None:
+    """One ``name, memory[, mig mode]`` line into ``out``."""
+    rest, _, last = line.rpartition(",")
+    mig = MIG_MODES.get(last.strip().lower())
+    if mig is not None:
+        line = rest
+    name, _, mem = line.rpartition(",")
+    m = re.match(r"^\s*([\d.]+)\s*(MiB|GiB)?\s*$", mem)
+    if not name or not m:
+        raise ValueError(f"line {number} of the nvidia-smi --query-gpu output is not 'name, memory': {line!r}")
+    if unit is not None and m.group(2) != unit:
+        raise ValueError(f"line {number} of the nvidia-smi --query-gpu output, {line!r}, lacks the unit its "
+                         f"header announces ({unit}): the output looks cut short")
+    mib = float(m.group(1)) * (1024 if m.group(2) == "GiB" else 1)
+    out.names.append(name.strip())
+    out.memory_gb.append(round(mib * 2**20 / 1e9, 1))
+    out.mig.append(bool(mig))
 
 
 @dataclass
@@ -341,6 +383,11 @@ def _from_query(d: Draft, query: GpuQuery | None) -> None:
                    f"{min(query.memory_gb):g} GB (1e9 bytes) each")
     if len(set(query.names)) > 1:
         d.found.append(f"mixed GPU models ({', '.join(sorted(set(query.names)))}): the profile uses the smallest memory")
+    mig = [i for i, on in enumerate(query.mig) if on]
+    if mig:
+        d.unknown.append(f"MIG is enabled on GPU {', '.join(map(str, mig))} (mig.mode.current): a task there sees MIG "
+                         "devices (slices), not the whole GPU, and one NCCL job cannot span MIG devices; the profile "
+                         "counts whole GPUs: disable MIG (`nvidia-smi -mig 0`) on the nodes hpcx runs on")
     peak = next((t for key, t in PEAK_TFLOPS if key in query.names[0]), None)
     if peak:
         d.node["gpu_peak_tflops"] = peak
@@ -379,8 +426,8 @@ def _intra_link(n: int, topo: Topology, query: GpuQuery | None) -> tuple[str, fl
                                   "not shown by -mp, so whether the GPUs have it is unknown",
                                   "node.intra_link = pcie: the lower bound until `nvidia-smi topo -m` shows the "
                                   "NVLinks (-mp cannot)", pcie]
-    if counts and all(counts) and len(set(counts)) == 1:
-        return _nvlink(n, counts[0], query)
+    if counts and all(counts):
+        return _nvlink(n, counts, query)
     if any(counts):
         pairs = sum(1 for c in counts if c) // 2
         return "pcie", PCIE_GBS, [f"NVLink joins only {pairs} of {n * (n - 1) // 2} GPU pairs; a ring over all {n} "
@@ -392,16 +439,24 @@ def _intra_link(n: int, topo: Topology, query: GpuQuery | None) -> tuple[str, fl
     return "pcie", PCIE_GBS, [f"no NVLink between the {n} GPUs (every pair is a PCIe path in `topo -m`): pcie", pcie]
 
 
-def _nvlink(n: int, links: int, query: GpuQuery | None) -> tuple[str, float, list[str]]:
+def _nvlink(n: int, counts: list[int], query: GpuQuery | None) -> tuple[str, float, list[str]]:
+    """Every GPU pair joined by NVLink: a switch when more than 4 GPUs see the same count everywhere,
+    else a direct mesh (NV1/NV2 mixed, as on V100 boards) whose slowest pair bounds a ring."""
     rtx = bool(query and any("RTX" in x for x in query.names))
     per_link = BRIDGE_GBS_PER_LINK if rtx else NVLINK_GBS_PER_LINK
-    kind = "nvswitch" if n > 4 else "nvlink"
+    links, uniform = min(counts), len(set(counts)) == 1
+    kind = "nvswitch" if n > 4 and uniform else "nvlink"
     gbs = links * per_link
-    how = "switch inferred from >4 fully connected GPUs" if kind == "nvswitch" else \
-        "a direct mesh or a switch cannot be told apart"
-    return kind, gbs, [f"every GPU pair is NV{links}: {kind} ({how})",
-                       f"node.intra_bandwidth_gbs = {gbs:g}: {links} links × {per_link:g} GB/s per link per "
-                       f"direction assumed ({'RTX bridge' if rtx else 'NVLink 2–4'})"]
+    if uniform:
+        how = "switch inferred from >4 fully connected GPUs" if kind == "nvswitch" else \
+            "a direct mesh or a switch cannot be told apart"
+        found = f"every GPU pair is NV{links}: {kind} ({how})"
+    else:
+        found = (f"every GPU pair is joined by NVLink, NV{links} to NV{max(counts)} links: nvlink (a direct mesh; "
+                 "a switch would give every pair the same count)")
+    slowest = "" if uniform else f" (the slowest pair's NV{links}: a ring over all {n} GPUs runs at its speed)"
+    return kind, gbs, [found, f"node.intra_bandwidth_gbs = {gbs:g}: {links} links × {per_link:g} GB/s per link per "
+                       f"direction assumed ({'RTX bridge' if rtx else 'NVLink 2–4'}){slowest}"]
 
 
 def _from_nics(d: Draft, topo: Topology) -> None:
@@ -467,15 +522,24 @@ def _toml_value(v: object) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    text = shown(str(v), 1000)  # printable: what a tool printed may hold escapes a profile refuses
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _comment(kind: str, text: str) -> list[str]:
+    """``# kind: text`` as comment lines: every line of a message of several lines (a tool's stderr)
+    commented, unprintable characters escaped (TOML comments hold no control characters)."""
+    lines = str(text).splitlines() or [""]
+    return [f"# {kind}: {shown(lines[0], 1000)}"] + [f"#   {shown(line, 1000)}" for line in lines[1:]]
 
 
 def render_toml(d: Draft) -> str:
-    """The draft as a site profile file, with what was found, assumed and not known as comments."""
-    out = [f"# Site profile draft for {d.name!r}, written by `hpcx site detect`. Check every value."]
-    out += [f"# found: {f}" for f in d.found]
-    out += [f"# assumed: {a}" for a in d.assumed]
-    out += [f"# unknown: {u}" for u in d.unknown]
+    """The draft as a site profile file, with what was found, assumed and not known as comments. It
+    always parses as TOML: every comment line starts with `#`, every string value is escaped."""
+    out = [f"# Site profile draft for {shown(d.name)!r}, written by `hpcx site detect`. Check every value."]
+    out += [line for f in d.found for line in _comment("found", f)]
+    out += [line for a in d.assumed for line in _comment("assumed", a)]
+    out += [line for u in d.unknown for line in _comment("unknown", u)]
     for section in ("scheduler", "node", "network", "nccl", "storage"):
         table = getattr(d, section)
         if table:
@@ -491,7 +555,7 @@ def detect_site(name: str, topo: str | None, query: str | None, scontrol: str | 
     given (paths); ConfigError when an output does not parse or the GPU matrix is refused."""
     problems: list[str] = []
     topo_text = _text(topo, ["nvidia-smi", "topo", "-m"], problems)
-    query_text = _text(query, ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv"], problems)
+    query_text = _text(query, QUERY_COMMAND, problems)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
     slurm_text = _text(scontrol, ["scontrol", "show", "node", node], problems)
     parsed_topo = _parse(parse_topo, topo_text, topo or "`nvidia-smi topo -m`")

@@ -11,3 +11,7 @@ SLURM_TIME_MAX_MIN = 35_791_393  # `--time`: larger minute counts come back wrap
 # field -> the largest value Slurm takes there
 LIMITS = {"tasks": SLURM_U16_MAX, "cpus": SLURM_U16_MAX, "gpus": SLURM_U16_MAX, "requeues": SLURM_U16_MAX,
           "signal_lead_s": SLURM_SIGNAL_MAX, "time_limit_min": SLURM_TIME_MAX_MIN}
+
+# Environment variables Slurm, srun and its MPI plugins set or read in every task (prefix -> who): a job's
+# env.set may not override them (``hpc.schedulers.ENV_OWNERS``).
+ENV_PREFIXES = {"SLURM_": "Slurm", "SLURMD_": "Slurm", "SRUN_": "srun", "PMI_": "srun's PMI", "PMIX_": "srun's PMIx"}

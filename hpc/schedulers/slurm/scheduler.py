@@ -13,6 +13,7 @@ after srun (``python -m hpc.requeue``) then decides the one requeue, whichever r
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import re
@@ -116,6 +117,23 @@ def render_sbatch(params: dict[str, tp.Any], python: str, folder: str) -> str:
     from hpc.compat import make_sbatch_string
 
     return make_sbatch_string(command=task_command(python, folder), folder=folder, **params)
+
+
+@functools.cache
+def owned_options() -> frozenset[str]:
+    """Every option on hpcx's own ``#SBATCH`` lines, read off scripts rendered for each way a site takes
+    GPUs with every optional field set: what a site's [scheduler.sbatch] may not give a second time."""
+    from types import SimpleNamespace as Ns
+
+    spec = Ns(job=Ns(name="j", time_limit_min=1), env=Ns(set={}, passthrough=[]))
+    launch = Ns(nodes=1, tasks_per_node=1, cpus_per_task=1, signal_lead_s=1, gpus_per_node=1,
+                partition="p", account="a", qos="q")
+    found: set[str] = set()
+    for directive in ("gpus-per-node", "gres"):
+        site = Ns(scheduler=Ns(sbatch={}, gpu_directive=directive), nccl={})
+        params = slurm_parameters(spec, site, launch, "/run", "python")  # type: ignore[arg-type]
+        found |= set(re.findall(r"^#SBATCH --([a-z0-9-]+)", render_sbatch(params, "python", "/run/s"), re.M))
+    return frozenset(found)
 
 
 # ---------------------------------------------------------------- scontrol output
@@ -238,10 +256,11 @@ class SlurmScheduler(Scheduler):
 
     kind = "slurm"
     multi_node = True
+    allocates_cpus = True
 
     @staticmethod
     def section_problems(section: tp.Any) -> list[str]:
-        return check_sbatch(section.sbatch)
+        return check_sbatch(section.sbatch, owned_options() if section.sbatch else ())
 
     def site_problems(self, site: SiteProfile) -> list[str]:
         if site.node.gpus and site.scheduler.gpu_directive == "none":
