@@ -156,6 +156,22 @@ def foreach_norm(tensors: list) -> list:
     return list(torch._foreach_norm(tensors))
 
 
+def foreach_mul_(tensors: list, scalar: tp.Any) -> None:
+    """Multiply each tensor in place by ``scalar`` (a 0-d tensor on their device) in one fused launch
+    per call, as ``clip_grad_norm_`` scales gradients (``torch._foreach_mul_``)."""
+    import torch
+
+    torch._foreach_mul_(tensors, scalar)
+
+
+def dump_flight_recorder() -> bytes:
+    """The NCCL flight recorder's buffer as a pickle (``torch._C._distributed_c10d._dump_fr_trace``;
+    torch has no public call for an on-demand dump)."""
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    return _dump_fr_trace()
+
+
 def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:
     """Activation checkpointing's module wrapper
     (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``)."""

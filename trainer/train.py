@@ -22,12 +22,12 @@ from hpc.resolve import Launch, launch_parallel
 from hpc.spec import JobSpec
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
-                          init_distributed, init_single, shutdown, write_mesh, write_world)
+                          init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
 from trainer.loop import Trainer, TrainState, train
-from trainer.metrics import MetricsWriter, flush_logging, setup_logging
+from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, build_model, local_numel, model_blocks
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize
+from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
 from trainer.resilience import resilience_for
 from trainer.run import Run, load_run
@@ -89,6 +89,8 @@ def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
         hosts = init_single(backend)
     else:
         hosts = [env.hostname]
+    if dist_initialized(env, launch):  # before any step: a wrong gloo interface fails in seconds
+        open_side_groups(run.spec.parallel.timeout_s, run.spec.checkpoint.async_save)
     total = check_world(env, hosts, device)
     if env.is_rank0:
         write_world(run.run_dir, hosts, total, backend if dist_initialized(env, launch) else "none")
@@ -144,7 +146,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         flops_per_token=facts.flops_per_token, peak_tflops=run.site.node.gpu_peak_tflops,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
-        preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps)
+        preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
+        clock=PhaseClock(device))
     return trainer, TrainState()
 
 
@@ -157,7 +160,8 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device,
     blocks = model_blocks(model, spec.model.blocks)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
-    model = parallelize(model, blocks, launch_parallel(spec, launch), launch.dims, mesh, device, init)
+    rng = uses_rng(spec.model.dropout, blocks, spec.model.arch != "gpt")
+    model = parallelize(model, blocks, launch_parallel(spec, launch), launch.dims, mesh, device, init, rng)
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",
