@@ -123,10 +123,8 @@ def run_part(part: Part, tmp: Path, timeout_s: float) -> list[dict]:
     """Run one part in a child (own session); killed with its group past ``timeout_s``."""
     out = tmp / part.name
     out.mkdir()
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part.name, "--out", str(out),
-           "--deadline", str(time.time() + timeout_s)]
     with open(out / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=tmp, env=child_env(tmp), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(part_command(part.name, out, time.time() + timeout_s), cwd=tmp, env=child_env(tmp), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         _children.append(proc)
         try:
@@ -137,6 +135,12 @@ def run_part(part: Part, tmp: Path, timeout_s: float) -> list[dict]:
             kill_group(proc)  # also whatever it started that is still alive
             _children.remove(proc)
     return part_rows(part, out, proc.returncode)
+
+
+def part_command(name: str, out: Path, deadline: float) -> list[str]:
+    """This script again, as the child that runs part ``name`` into ``out`` until ``deadline``."""
+    return [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(out),
+            "--deadline", str(deadline)]
 
 
 def part_rows(part: Part, out: Path, code: int) -> list[dict]:
