@@ -165,11 +165,13 @@ def foreach_mul_(tensors: list, scalar: tp.Any) -> None:
 
 
 def dump_flight_recorder() -> bytes:
-    """The NCCL flight recorder's buffer as a pickle (``torch._C._distributed_c10d._dump_fr_trace``;
-    torch has no public call for an on-demand dump)."""
-    from torch._C._distributed_c10d import _dump_fr_trace
+    """The flight recorder's buffer as a pickle, on demand (torch has no public call for it): NCCL's
+    (``torch._C._distributed_c10d._dump_nccl_trace``, in CUDA builds) where there is one, else the
+    generic recorder of CPU backends (``_dump_fr_trace``), which holds no NCCL collectives."""
+    from torch._C import _distributed_c10d as c10d
 
-    return _dump_fr_trace()
+    dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace
+    return dump()
 
 
 def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:

@@ -280,8 +280,13 @@ def test_foreach_mul_() -> None:
 def test_dump_flight_recorder() -> None:
     import pickle
 
-    with private_api("torch._C._distributed_c10d._dump_fr_trace", "bench/gpu_check/run.py (the flight recorder "
+    import torch
+
+    name = "_dump_nccl_trace" if torch.cuda.is_available() else "_dump_fr_trace"
+    with private_api(f"torch._C._distributed_c10d.{name}", "bench/gpu_check/run.py (the flight recorder "
                      "part)", "update hpc.compat.dump_flight_recorder"):
+        if torch.cuda.is_available():
+            assert hasattr(torch._C._distributed_c10d, "_dump_nccl_trace")
         trace = pickle.loads(compat.dump_flight_recorder())
         assert isinstance(trace, dict) and "version" in trace
 

@@ -403,7 +403,8 @@ def rate_rows(t, run_dir: Path, seconds: list[float]) -> list[dict]:
 
 
 def predicted_gb(run_dir: Path) -> float | None:
-    """The planner's per-rank estimate (without headroom) for the strategy this run uses."""
+    """The planner's per-rank estimate (without headroom) for the strategy this run uses; at world size 1
+    the planner has only the ``none`` row, which holds what FSDP holds there (the whole model)."""
     from hpc.plan import plan_job
     from hpc.site import parse_site
     from hpc.spec import spec_from_dict
@@ -411,8 +412,9 @@ def predicted_gb(run_dir: Path) -> float | None:
     doc = json.loads((run_dir / "resolved.json").read_text())
     site = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}
     plan = plan_job(spec_from_dict(doc["spec"]), parse_site(site, "gpu-check", "<gpu_check>"))
-    found = next((r for r in plan.rows if r.dims.strategy == doc["launch"]["strategy"] and r.memory), None)
-    return found.memory.total if found else None
+    wanted = (doc["launch"]["strategy"], "none") if doc["launch"]["world_size"] == 1 else (doc["launch"]["strategy"],)
+    found = [r for name in wanted for r in plan.rows if r.dims.strategy == name and r.memory]
+    return found[0].memory.total if found else None
 
 
 def sync_row(ctx: Ctx, t, batches) -> dict:
