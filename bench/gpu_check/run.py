@@ -18,8 +18,10 @@ itself (no install step, no submitit), downloads nothing, and prints one table. 
    identical initial weights, losses within 1e-3.
 4. ``offload``: FSDP2 CPU offload under bf16 and fp16, fused and multi-tensor AdamW: parameters
    pinned, losses as without offload, step time.
-5. ``pytest``: ``pytest -m gpu tests/gpu`` (pytest is not on the lent machine: carry it in the
-   working tree as ``.gpu_check_deps/``, ``pip install --target .gpu_check_deps pytest``).
+5. ``pytest``: ``pytest -m gpu tests/gpu``. The lent machine lacks pytest, and tests/gpu also runs
+   ``hpcx submit`` (submitit, click): carry them in the working tree (git ignores the folder; all
+   pure Python), made here with ``python -m pip install --target .gpu_check_deps pytest submitit click``
+   (check that no torch or numpy landed in it); children get it on ``PYTHONPATH``.
 
 What needs 2 GPUs or 2 nodes is listed as unchecked. Where CUDA is absent it says so in one line,
 runs the CPU-possible parts (resume, staging, strategies on gloo) and exits 0 unless one failed.
@@ -198,8 +200,10 @@ def main(argv: list[str]) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="hpcx-gpu-check-"))
     try:
         info = probe(tmp)
-        print(describe(info, args.budget_s) if info["cuda"] else CUDA_ABSENT, flush=True)
-        rows = planned(args.only.split(","), info, budget, tmp)
+        failed = [info.pop("error")] if "error" in info else []
+        print(describe(info, args.budget_s) if info["cuda"] else CUDA_ABSENT if not failed else
+              f"the device probe failed: {failed[0]['result']}", flush=True)
+        rows = failed + planned(args.only.split(","), info, budget, tmp)
     finally:
         for proc in list(_children):
             kill_group(proc)
@@ -695,8 +699,8 @@ def part_pytest(ctx: Ctx) -> list[dict]:
     import importlib.util
 
     if importlib.util.find_spec("pytest") is None:
-        return [row("pytest", "pytest -m gpu tests/gpu", f"pytest is not importable: carry it as {DEPS.name}/",
-                    "unchecked")]
+        return [row("pytest", "pytest -m gpu tests/gpu", f"pytest is not importable: carry {DEPS.name}/ "
+                    f"(python -m pip install --target {DEPS.name} pytest submitit click)", "unchecked")]
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-p", "no:cacheprovider",
            "--ignore=tests/gpu/test_check_parts.py", f"--basetemp={ctx.out / 'pytest'}"]
     try:
