@@ -109,32 +109,99 @@ def child_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-_children: list[subprocess.Popen] = []  # the part running now, killed with its group on any exit
+_children: list[subprocess.Popen] = []  # the part running now, stopped with everything below it on any exit
+GRACE_S = 5.0  # SIGTERM first (torchrun then stops its workers), SIGKILL what is left after this
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole process group (it leads its own session), then reap it."""
+def become_subreaper() -> None:
+    """Orphans below this process (torchrun's workers lead sessions of their own, so a group kill misses
+    them) are re-parented to it instead of init, so that ``stop_part`` still finds them (Linux)."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
         pass
+
+
+def process_tree() -> dict[int, int]:
+    """pid -> parent pid of every process this one can see."""
+    tree = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            tree[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return tree
+
+
+def below(roots: set[int], tree: dict[int, int]) -> set[int]:
+    """``roots`` and every process under them."""
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += [child for child, parent in tree.items() if parent == pid]
+    return found
+
+
+def stop_part(proc: subprocess.Popen, spared: set[int]) -> None:
+    """Stop the part's child and everything it started (its group, other sessions, orphans re-parented
+    here; not the ``spared`` processes that were below this one before): SIGTERM, then SIGKILL; reap."""
+    tree = process_tree()
+    orphans = {pid for pid, parent in tree.items() if parent == os.getpid() and pid not in spared}
+    running = {proc.pid} if proc.poll() is None else set()  # a reaped child's pid may be another's now
+    victims = below(orphans | running, tree) - spared
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.time() + GRACE_S
+        while time.time() < end and any(alive(pid) for pid in victims):
+            reap(victims)
+            time.sleep(0.05)
     proc.wait()
+    reap(victims)
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def reap(pids: set[int]) -> None:
+    """Collect the exit status of those of ``pids`` that are this process's children and have ended."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
 
 
 def run_part(part: Part, tmp: Path, timeout_s: float) -> list[dict]:
-    """Run one part in a child (own session); killed with its group past ``timeout_s``."""
+    """Run one part in a child (own session); stopped with all it started past ``timeout_s``."""
     out = tmp / part.name
     out.mkdir()
+    spared = below({os.getpid()}, process_tree()) - {os.getpid()}
     with open(out / "log.txt", "w") as log:
-        proc = subprocess.Popen(part_command(part.name, out, time.time() + timeout_s), cwd=tmp, env=child_env(tmp), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(part_command(part.name, out, time.time() + timeout_s), cwd=tmp,
+                                env=child_env(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         _children.append(proc)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            if timeout_s < part.max_s:  # cut short by the whole check's budget, not past its own limit
+                return [row(part.name, "part", f"stopped at the budget's end after {timeout_s:.0f} s (it may take "
+                            f"{part.max_s:.0f} s)", "skipped")]
             return [row(part.name, "part", f"killed after {timeout_s:.0f} s (its deadline)", "FAILED")]
         finally:
-            kill_group(proc)  # also whatever it started that is still alive
+            stop_part(proc, spared)  # also whatever it started that is still alive
             _children.remove(proc)
     return part_rows(part, out, proc.returncode)
 
@@ -196,6 +263,7 @@ def main(argv: list[str]) -> int:
         print(f"unknown parts {sorted(unknown)}: expected some of {', '.join(p.name for p in PARTS)}")
         return 2
     budget, start = Budget(args.budget_s), time.monotonic()
+    become_subreaper()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # so that the finally below still runs
     tmp = Path(tempfile.mkdtemp(prefix="hpcx-gpu-check-"))
     try:
@@ -206,7 +274,7 @@ def main(argv: list[str]) -> int:
         rows = failed + planned(args.only.split(","), info, budget, tmp)
     finally:
         for proc in list(_children):
-            kill_group(proc)
+            stop_part(proc, set())
         shutil.rmtree(tmp, ignore_errors=True)
     print(table(rows))
     print(f"wall {time.monotonic() - start:.0f} s of a {args.budget_s:.0f} s budget")
