@@ -2,7 +2,8 @@
 
 Order inside a rank: ``detect_rank_env`` → ``apply_job_env`` → ``device_for`` (and, on NCCL,
 ``apply_nccl_trace``) → ``init_distributed`` (our own store rendezvous that names missing ranks, then
-the process group, then an all-reduce of 1 that every rank logs) → … → ``shutdown``.
+the process group, then an all-reduce of 1 that every rank logs) → ``open_side_groups`` (the gloo side
+groups, before the model exists) → … → ``shutdown``.
 
 After the first step ``CollectiveTimeouts`` shortens the collective timeout from ``parallel.timeout_s``
 (start-up: compiling, loading, a slow rank arriving) to ``parallel.step_timeout_s``, and lengthens it

@@ -209,7 +209,8 @@ class AutocastDataParallel(nn.DataParallel):
         super().__init__(module)
         self.amp_dtype = amp_dtype
 
-    def parallel_apply(self, replicas, inputs, kwargs):  # noqa: D102 (DataParallel's hook)
+    def parallel_apply(self, replicas, inputs, kwargs):
+        """DataParallel's own, each replica wrapped in ``AutocastReplica``."""
         if self.amp_dtype is not None:
             replicas = [AutocastReplica(r, self.amp_dtype) for r in replicas]
         return super().parallel_apply(replicas, inputs, kwargs)
@@ -222,7 +223,8 @@ class AutocastReplica(nn.Module):
         super().__init__()
         self.replica, self.dtype = replica, dtype
 
-    def forward(self, *args, **kwargs):  # noqa: D102
+    def forward(self, *args, **kwargs):
+        """The replica's forward under ``autocast`` of its inputs' device type."""
         device = next((t.device.type for t in args if isinstance(t, torch.Tensor)), "cuda")
         with torch.autocast(device, dtype=self.dtype):
             return self.replica(*args, **kwargs)

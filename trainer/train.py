@@ -78,7 +78,8 @@ def set_cpu_threads(launch: Launch) -> None:
 
 
 def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
-    """Pick the device, start the process group (when needed), all-reduce a 1; rank 0 writes world.json."""
+    """Pick the device, start the process group (when needed), all-reduce a 1 (rank 0 writes world.json),
+    then the gloo side groups (``dist.open_side_groups``)."""
     backend = launch.backend
     device = device_for(backend, env.local_rank, env.local_world_size)
     if backend == "nccl":
@@ -89,11 +90,11 @@ def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
         hosts = init_single(backend)
     else:
         hosts = [env.hostname]
-    if dist_initialized(env, launch):  # before any step: a wrong gloo interface fails in seconds
-        open_side_groups(run.spec.parallel.timeout_s, run.spec.checkpoint.async_save)
     total = check_world(env, hosts, device)
     if env.is_rank0:
         write_world(run.run_dir, hosts, total, backend if dist_initialized(env, launch) else "none")
+    if dist_initialized(env, launch):  # before the model and any step: a wrong gloo interface fails in seconds
+        open_side_groups(run.spec.parallel.timeout_s, run.spec.checkpoint.async_save)
     return device
 
 
