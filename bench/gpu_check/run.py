@@ -221,9 +221,9 @@ def part_rows(part: Part, out: Path, code: int) -> list[dict]:
     return [row(part.name, "part", f"exit {code}: {tail}", "FAILED")]
 
 
-def probe(tmp: Path) -> dict:
+def probe(tmp: Path, budget: Budget) -> dict:
     """The device, asked in a child so that this process never holds a CUDA context."""
-    rows = run_part(Part("probe", False, 0, 90), tmp, 90)
+    rows = run_part(Part("probe", False, 0, 90), tmp, max(1.0, min(90.0, budget.left() - 5)))
     return json.loads(rows[0]["result"]) if rows[0]["status"] == "ok" else {"cuda": False, "error": rows[0]}
 
 
@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # so that the finally below still runs
     tmp = Path(tempfile.mkdtemp(prefix="hpcx-gpu-check-"))
     try:
-        info = probe(tmp)
+        info = probe(tmp, budget)
         failed = [info.pop("error")] if "error" in info else []
         print(describe(info, args.budget_s) if info["cuda"] else CUDA_ABSENT if not failed else
               f"the device probe failed: {failed[0]['result']}", flush=True)
