@@ -154,3 +154,31 @@ def test_the_child_paths_import_no_submitit():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "ok", out.stderr
+
+
+GPU_SITE = {"scheduler": {"kind": "local", "gpu_directive": "none"},
+            "node": {"gpus": 1, "gpu_model": "NVIDIA H200", "gpu_memory_gb": 150.0, "gpu_peak_tflops": 989.0,
+                     "cpus": 16, "intra_link": "none"}, "network": {"fabric": "none"}}
+
+
+def test_the_gpu_parts_run_folders_resolve_for_a_one_gpu_site(tmp_path, monkeypatch):
+    """What a CPU can check of the CUDA-only parts before the first GPU run: their specs resolve for a
+    one-GPU site as written, on NCCL, and the planner has a memory figure for the throughput run."""
+    import json
+
+    import torch
+
+    check = load_check()
+    monkeypatch.setattr(check, "site_doc", lambda ctx: {**GPU_SITE, "storage": {"run_root": str(tmp_path)}})
+    ctx = check.Ctx(tmp_path, torch.device("cpu"), float("inf"))
+    throughput = check.make_run(ctx, "throughput", check.THROUGHPUT)
+    assert check.predicted_gb(throughput) > 1
+    on_gpu = check.Ctx(tmp_path, torch.device("cuda"), 0)  # resume_overrides only looks at the device type
+    runs = [throughput, check.make_run(ctx, "resume", check.resume_overrides(on_gpu))]
+    runs += [check.make_run(ctx, f"offload-{p}-{o}", check.offload_overrides(p, o)) for p in ("bf16", "fp16")
+             for o in (False, True)]
+    for run in runs:
+        launch = json.loads((run / "resolved.json").read_text())["launch"]
+        assert (launch["backend"], launch["strategy"], launch["world_size"]) == ("nccl", "fsdp", 1)
+    assert [json.loads((r / "resolved.json").read_text())["launch"]["cpu_offload"] for r in runs[2:]] == \
+        [False, True, False, True]

@@ -421,11 +421,13 @@ def one_step(trainer, batches) -> None:
 MICRO = 8  # 350m × 2048 tokens × 8 per step, activation checkpointing on: well inside one H100/H200
 
 
+THROUGHPUT = ["model.size='350m'", "model.seq_len=2048", f"train.global_batch={MICRO}", f"train.micro_batch={MICRO}",
+              "parallel.strategy='fsdp'", "parallel.mixed_precision='bf16'", "parallel.activation_checkpointing=true",
+              "parallel.compile=true", "train.steps=1000"]
+
+
 def part_throughput(ctx: Ctx) -> list[dict]:
-    run_dir = make_run(ctx, "throughput", [
-        "model.size='350m'", "model.seq_len=2048", f"train.global_batch={MICRO}", f"train.micro_batch={MICRO}",
-        "parallel.strategy='fsdp'", "parallel.mixed_precision='bf16'", "parallel.activation_checkpointing=true",
-        "parallel.compile=true", "train.steps=1000"])
+    run_dir = make_run(ctx, "throughput", THROUGHPUT)
     t = build(ctx, run_dir)
     batches = iter(t.loader)
     for _ in range(3):  # compilation, allocator warm-up
@@ -736,15 +738,19 @@ def offload_run(ctx: Ctx, precision: str, fused: bool, offload: bool) -> tuple[l
     from trainer.run import load_run
 
     name = f"offload-{precision}-{'fused' if fused else 'multi'}-{'on' if offload else 'off'}"
-    run_dir = make_run(ctx, name, [
-        "model.size='125m'", "model.seq_len=256", "train.micro_batch=4", "train.global_batch=4", "train.steps=4",
-        "parallel.strategy='fsdp'", f"parallel.mixed_precision={precision!r}",
-        f"parallel.cpu_offload={str(offload).lower()}"])
+    run_dir = make_run(ctx, name, offload_overrides(precision, offload))
     t = build(ctx, run_dir)
     with_optimizer(t, fused, load_run(run_dir).spec.train)
     pinned = all(p.to_local().is_pinned() for p in t.model.parameters()) if offload else True
     result = train(t, TrainState())
     return result["losses"], result["step_time_s"], pinned
+
+
+def offload_overrides(precision: str, offload: bool) -> list[str]:
+    """FSDP2 (world size 1) of the 125m GPT for 4 steps, with or without CPU offload."""
+    return ["model.size='125m'", "model.seq_len=256", "train.micro_batch=4", "train.global_batch=4", "train.steps=4",
+            "parallel.strategy='fsdp'", f"parallel.mixed_precision={precision!r}",
+            f"parallel.cpu_offload={str(offload).lower()}"]
 
 
 def with_optimizer(t, fused: bool, train_spec) -> None:
