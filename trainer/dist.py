@@ -387,3 +387,6 @@ def shutdown(timeout_s: int) -> None:
     except Exception as e:
         log.warning("destroy_process_group failed: %s", e)
     _SIDE_GROUPS.clear()
+    from trainer.optim import forget_host_groups
+
+    forget_host_groups()

@@ -76,9 +76,8 @@ def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
     shard dimension of size 1 (no_shard, HSDP with one rank per shard group) needs no all-reduce.
     Each tensor's (or shard's) norm is taken in fp32 and the squares are summed in fp64, so the
     total does not depend on how tensors are split or on the order of the sums across ranks.
-    The squares are summed where the gradients are; only the one scalar that must be all-reduced
-    travels to the communication device and back (under CPU offload on NCCL: one round trip per
-    step, none where no dimension needs the all-reduce).
+    The squares are summed where the gradients are; under CPU offload on NCCL they are all-reduced
+    on gloo groups of the host (``open_host_groups``), so no step waits for a trip through the GPU.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -96,13 +95,44 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def _all_reduced(squares: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
-    """``squares`` summed over the mesh dimensions ``dims``, back on its own device."""
+    """``squares`` summed over the mesh dimensions ``dims``, back on its own device: on the host's gloo
+    groups where ``open_host_groups`` made them (offloaded gradients on NCCL), else on the mesh's own."""
     if not dims:
+        return squares
+    host = [_HOST_GROUPS.get(_mesh_dim_key(mesh, d)) for d in dims]
+    if squares.device.type == "cpu" and all(g is not None for g in host):
+        for group in host:
+            dist.all_reduce(squares, group=group)
         return squares
     comm = squares.to(_comm_device(mesh))
     for dim in dims:
         dist.all_reduce(comm, group=mesh.get_group(dim))
     return comm.to(squares.device)
+
+
+_HOST_GROUPS: dict[tuple, dist.ProcessGroup] = {}  # (mesh ranks, dim) -> this rank's gloo group along dim
+
+
+def _mesh_dim_key(mesh, dim: int) -> tuple:
+    return tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), dim
+
+
+def open_host_groups(mesh) -> None:
+    """Under CPU offload on NCCL: a gloo group along each mesh dimension of more than one rank, so that the
+    norm of gradients held on the host is all-reduced on the host (no blocking trip through the GPU and
+    back every step). Collective: every rank, in the same order, before the first step."""
+    if mesh is None or mesh.device_type != "cuda":
+        return
+    for dim in range(mesh.ndim):
+        key = _mesh_dim_key(mesh, dim)
+        if mesh.size(dim) > 1 and key not in _HOST_GROUPS:
+            ranks = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.size(dim)).tolist()
+            _HOST_GROUPS[key] = dist.new_subgroups_by_enumeration(ranks, backend="gloo")[0]
+
+
+def forget_host_groups() -> None:
+    """Drop the host groups (``trainer.dist.shutdown``: they die with the process group)."""
+    _HOST_GROUPS.clear()
 
 
 def _comm_device(mesh) -> torch.device:

@@ -26,7 +26,7 @@ from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world,
 from trainer.loop import Trainer, TrainState, train
 from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, build_model, local_numel, model_blocks
-from trainer.optim import build_optimizer, build_scheduler
+from trainer.optim import build_optimizer, build_scheduler, open_host_groups
 from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
 from trainer.resilience import resilience_for
@@ -130,6 +130,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
     parallel = launch_parallel(spec, launch)
+    if parallel.cpu_offload:
+        open_host_groups(mesh)  # the norm of host gradients reduces on the host
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
     optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)

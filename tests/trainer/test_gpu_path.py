@@ -377,3 +377,45 @@ def test_the_phase_clock_keeps_host_seconds_off_cuda():
     clock = PhaseClock(torch.device("cpu"))
     clock.lap("forward")
     assert not clock.cuda and clock.events == [] and clock.take(1)["forward"] >= 0
+
+
+class FakeCudaMesh:
+    """What ``open_host_groups`` and ``_all_reduced`` read of a 1-D NCCL mesh of 2 ranks."""
+
+    device_type, ndim = "cuda", 1
+    mesh = torch.tensor([0, 1])
+
+    def size(self, dim: int) -> int:
+        return 2
+
+    def get_group(self, dim: int):
+        return "the NCCL group"
+
+
+def test_offloaded_norms_reduce_on_host_groups_without_a_trip_through_the_gpu(monkeypatch):
+    from trainer import optim
+
+    made, reduced = [], []
+    monkeypatch.setattr(optim, "_HOST_GROUPS", {})
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration",
+                        lambda ranks, backend: made.append((ranks, backend)) or ("the gloo group", []))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group: reduced.append((t.device.type, group)))
+    monkeypatch.setattr(torch.Tensor, "to", lambda *a, **k: pytest.fail("no copy to the GPU and back"))
+    mesh = FakeCudaMesh()
+    optim.open_host_groups(mesh)
+    optim.open_host_groups(mesh)  # once per mesh
+    squares = torch.tensor(4.0, dtype=torch.float64)
+    assert optim._all_reduced(squares, mesh, [0]) is squares
+    assert made == [([[0, 1]], "gloo")] and reduced == [("cpu", "the gloo group")]
+    optim.forget_host_groups()
+    assert optim._HOST_GROUPS == {}
+
+
+def test_a_cpu_mesh_needs_no_host_groups(monkeypatch):
+    from trainer import optim
+
+    monkeypatch.setattr(dist, "new_subgroups_by_enumeration", lambda *a, **k: pytest.fail("made a group"))
+    mesh = FakeCudaMesh()
+    mesh.device_type = "cpu"
+    optim.open_host_groups(mesh)
+    optim.open_host_groups(None)
