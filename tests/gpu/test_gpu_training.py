@@ -88,10 +88,15 @@ def losses_of(root: Path, name: str, gpus: int, sets: list[str]) -> list[float]:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_cpu_offload_keeps_pinned_host_shards_and_trains(tmp_path, precision):
-    run = gpu_run(tmp_path, "r", GPUS, ["parallel.strategy='fsdp'", "parallel.cpu_offload=true",
-                                        f"parallel.mixed_precision={precision!r}", *batch(GPUS)])
-    assert finite(train_on_all_gpus(run)["losses"])
+def test_cpu_offload_trains_as_without_it(tmp_path, precision):
+    """On every GPU: with several, the norm of the host gradients reduces on the host gloo groups."""
+    seen = {}
+    for offload in ("false", "true"):
+        run = gpu_run(tmp_path, f"offload-{offload}", GPUS, [
+            "parallel.strategy='fsdp'", f"parallel.cpu_offload={offload}", f"parallel.mixed_precision={precision!r}",
+            *batch(GPUS)])
+        seen[offload] = train_on_all_gpus(run)["losses"]
+    assert finite(seen["true"]) and max(abs(a - b) for a, b in zip(seen["true"], seen["false"])) <= 1e-2
 
 
 @pytest.mark.parametrize("strategy", ["none", "ddp", "fsdp"])
