@@ -150,7 +150,7 @@ def test_a_part_past_its_deadline_is_killed_with_everything_it_started(tmp_path,
 def test_the_child_paths_import_no_submitit():
     """What the check's children import (the trainer's in-job modules) works without submitit."""
     code = ("import sys; sys.modules['submitit'] = None; import trainer.__main__, trainer.train, trainer.loop, "
-            "trainer.checkpoint, trainer.resilience, hpc.plan, hpc.resolve; print('ok')")
+            "trainer.checkpoint, trainer.resilience, hpc.plan, hpc.plan.resolve, hpc.core.resolve; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.stdout.strip() == "ok", out.stderr

@@ -39,9 +39,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpc.config import ConfigError
-from hpc.dims import ParallelDims
-from hpc.spec import Parallel, compute_precision
+from hpc.core.config import ConfigError
+from hpc.core.dims import ParallelDims
+from hpc.core.spec import Parallel, compute_precision
 from trainer.model import WeightInit, outer_units
 
 log = logging.getLogger("hpcx.trainer")
@@ -72,7 +72,8 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
                 preserve_rng: bool = True) -> nn.Module:
     """Activation checkpointing, compile, FSDP, the weights (``init``), then DDP/DataParallel; the
     model to train. The model may be on the meta device (give ``init``) or already on ``device``.
-    ``mixed_precision = "auto"`` not yet decided for a site is decided by ``device`` (bf16 on CUDA).
+    The trainer passes ``launch.parallel``, decided at resolve; only a caller that passes a spec's own
+    ``[parallel]`` (tests, benches) leaves ``mixed_precision = "auto"``, read as ``compute_precision`` on ``device``.
     ``preserve_rng``: whether recomputed blocks must replay the RNG (``uses_rng``)."""
     if parallel.mixed_precision == "auto":
         parallel = dataclasses.replace(parallel, mixed_precision=compute_precision("auto", device.type == "cuda"))
@@ -127,10 +128,11 @@ def apply_ac(blocks: nn.ModuleList, preserve_rng: bool = True) -> None:
     The wrapper inserts ``_checkpoint_wrapped_module`` into parameter names; the
     ``torch.distributed.checkpoint.state_dict`` helpers strip it, so checkpoints do not depend on it.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from hpc.compat import checkpoint_wrapper  # torch's private wrapper, reached in one place
 
+    wrap = checkpoint_wrapper()
     for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=preserve_rng)
+        blocks[i] = wrap(block, preserve_rng_state=preserve_rng)
 
 
 def apply_compile(blocks: nn.ModuleList) -> None:

@@ -367,9 +367,10 @@ def site_doc(ctx: Ctx) -> dict:
 
 def make_run(ctx: Ctx, name: str, overrides: list[str]) -> Path:
     """A run folder resolved as ``hpcx submit`` resolves it, for this one-device machine."""
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import parse_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.core.site import parse_site
+    from hpc.core.spec import load_spec
+    from hpc.plan.resolve import resolve
 
     spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
         "job.tasks_per_node=1", "train.log_every=1", "train.warmup_steps=2", "train.warmup_metrics_steps=2",
@@ -479,9 +480,9 @@ def rate_rows(t, run_dir: Path, seconds: list[float]) -> list[dict]:
 def predicted_gb(run_dir: Path) -> float | None:
     """The planner's per-rank estimate (without headroom) for the strategy this run uses; at world size 1
     the planner has only the ``none`` row, which holds what FSDP holds there (the whole model)."""
+    from hpc.core.site import parse_site
+    from hpc.core.spec import spec_from_dict
     from hpc.plan import plan_job
-    from hpc.site import parse_site
-    from hpc.spec import spec_from_dict
 
     doc = json.loads((run_dir / "resolved.json").read_text())
     site = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}

@@ -181,9 +181,9 @@ def test_dataparallel_threads_compute_in_the_loops_dtype():
 
 @TWO_GPUS
 def test_dp_with_compile_is_refused_where_several_gpus_are_visible():
-    from hpc.config import ConfigError
-    from hpc.dims import parallel_dims
-    from hpc.spec import Parallel, load_spec
+    from hpc.core.config import ConfigError
+    from hpc.core.dims import parallel_dims
+    from hpc.core.spec import Parallel, load_spec
     from trainer.model import build_model, model_blocks
     from trainer.parallelize import parallelize
 

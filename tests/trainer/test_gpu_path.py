@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc.config import ConfigError
-from hpc.resolve import resolve
-from hpc.site import load_site, parse_site
-from hpc.spec import load_spec
+from hpc.core.config import ConfigError
+from hpc.core.site import load_site, parse_site
+from hpc.core.spec import load_spec
+from hpc.plan.resolve import resolve
 from trainer import checkpoint, dist as tdist, garbage
 from trainer.metrics import PhaseClock
 from trainer.model import build_model, model_blocks
