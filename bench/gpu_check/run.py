@@ -531,12 +531,13 @@ def flight_recorder_row() -> dict:
 
 
 def resume_overrides(ctx: Ctx) -> list[str]:
-    """FSDP2, async saves every 3 steps, dropout on (the device RNG must resume too), 10 steps."""
+    """FSDP2, async saves every 5 steps, dropout on (the device RNG must resume too), 30 steps: long enough
+    that the USR2 sent once step 4 is logged lands well before the end, even where a step takes milliseconds."""
     size = ["model.size='small'", "model.seq_len=256", "train.micro_batch=4", "train.global_batch=4"]
     if ctx.device.type != "cuda":
         size = ["model.size='tiny'", "train.micro_batch=2", "train.global_batch=2"]
     return [*size, "parallel.strategy='fsdp'", "model.dropout=0.1", "checkpoint.async_save=true",
-            "checkpoint.interval_steps=3", "train.steps=10"]
+            "checkpoint.interval_steps=5", "train.steps=30"]
 
 
 def trainer_process(ctx: Ctx, run_dir: Path, usr2_at: int | None = None) -> int:
