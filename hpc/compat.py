@@ -156,6 +156,24 @@ def foreach_norm(tensors: list) -> list:
     return list(torch._foreach_norm(tensors))
 
 
+def foreach_mul_(tensors: list, scalar: tp.Any) -> None:
+    """Multiply each tensor in place by ``scalar`` (a 0-d tensor on their device) in one fused launch
+    per call, as ``clip_grad_norm_`` scales gradients (``torch._foreach_mul_``)."""
+    import torch
+
+    torch._foreach_mul_(tensors, scalar)
+
+
+def dump_flight_recorder() -> bytes:
+    """The flight recorder's buffer as a pickle, on demand (torch has no public call for it): NCCL's
+    (``torch._C._distributed_c10d._dump_nccl_trace``, in CUDA builds) where there is one, else the
+    generic recorder of CPU backends (``_dump_fr_trace``), which holds no NCCL collectives."""
+    from torch._C import _distributed_c10d as c10d
+
+    dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace
+    return dump()
+
+
 def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:
     """Activation checkpointing's module wrapper
     (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``)."""

@@ -27,7 +27,15 @@ TITLES = {
              "task: names are shell variable names (`[A-Za-z_][A-Za-z0-9_]*`) starting with "
              + ", ".join(f"`{p}`" for p in v.NCCL_PREFIXES) + " (e.g. `NCCL_IB_HCA`, "
              "`PYTORCH_CUDA_ALLOC_CONF`, `GLOO_SOCKET_IFNAME`); names or values that look like credentials "
-             "are refused, since they are written into every job script."),
+             "are refused, since they are written into every job script. A value already exported in the "
+             "submitting shell wins over the profile's. On GPU sites set `GLOO_SOCKET_IFNAME` to the "
+             "interface every node reaches (`ip -br addr`; names such as `eth0` or `ib0,ib1`, never NCCL's "
+             "`^lo,docker` exclusions): the trainer's gloo side groups (the step-boundary vote, barriers, "
+             "async saves) bind to it, are made right after the process group and fail within 30 s when "
+             "they cannot connect. If your nodes name it differently, export `GLOO_SOCKET_IFNAME` before "
+             "`hpcx submit` or set it in your own profile. `TORCH_NCCL_ASYNC_ERROR_HANDLING` is pinned to 3 "
+             "by the trainer (the flight recorder dumps only then): another value, here or exported, is "
+             "overridden with a warning in the rank's log."),
 }
 
 LIMITS = (f"Every file is a regular UTF-8 file (a byte-order mark is allowed) of at most "

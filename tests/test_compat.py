@@ -267,6 +267,30 @@ def test_foreach_norm() -> None:
         assert [float(n) for n in norms] == [5.0, 2.0]
 
 
+def test_foreach_mul_() -> None:
+    import torch
+
+    with private_api("torch._foreach_mul_", "trainer/optim.py (gradient clipping)",
+                     "update hpc.compat.foreach_mul_ (a mul_ per tensor is the slow fallback)"):
+        tensors = [torch.tensor([1.0, 2.0]), torch.ones(3)]
+        compat.foreach_mul_(tensors, torch.tensor(0.5))
+        assert [t.tolist() for t in tensors] == [[0.5, 1.0], [0.5, 0.5, 0.5]]
+
+
+def test_dump_flight_recorder() -> None:
+    import pickle
+
+    import torch
+
+    name = "_dump_nccl_trace" if torch.cuda.is_available() else "_dump_fr_trace"
+    with private_api(f"torch._C._distributed_c10d.{name}", "bench/gpu_check/run.py (the flight recorder "
+                     "part)", "update hpc.compat.dump_flight_recorder"):
+        if torch.cuda.is_available():
+            assert hasattr(torch._C._distributed_c10d, "_dump_nccl_trace")
+        trace = pickle.loads(compat.dump_flight_recorder())
+        assert isinstance(trace, dict) and "version" in trace
+
+
 def test_checkpoint_wrapper() -> None:
     import torch
 

@@ -64,7 +64,6 @@ STEP_DIR = re.compile(r"^step-(\d{7})$")
 FORMAT = "hpcx-dcp/1"
 
 _pending: dict[str, tp.Any] = {}  # the one async save in flight: future, final path, done event, error
-_async_group: list[tp.Any] = []  # the gloo group async saves use, created once
 _stager: list[tp.Any] = []  # the stager async saves share, created once
 _digest_threads: list[threading.Thread] = []  # digests of the last sync save, being written
 _guarded: weakref.WeakSet = weakref.WeakSet()  # optimizers whose step waits for staging
@@ -238,6 +237,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer:
 def _start_async(state: dict, writer: tp.Any, process_group: tp.Any, partial: Path, final: Path, keep: int) -> None:
     """Hand ``state`` to ``dcp.async_save`` (staging and writing in the background); rank 0 commits
     when the write is done. The job is ``_pending`` until ``wait_pending``."""
+    device_work_done()
     response = dcp.async_save(state, storage_writer=writer, process_group=process_group or _gloo_group(),
                               async_stager=_reused_stager(), no_dist=not dist.is_initialized())
     staged, future = ((None, response) if isinstance(response, Future)
@@ -245,6 +245,16 @@ def _start_async(state: dict, writer: tp.Any, process_group: tp.Any, partial: Pa
     job = {"future": future, "staged": staged, "final": final, "done": threading.Event(), "error": None}
     future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, _rank()))
     _pending.update(job)
+
+
+def device_work_done() -> None:
+    """Wait for the work queued on this device's current stream (the optimizer step) before staging.
+
+    DCP's stager copies on a CUDA stream of its own that never waits for the default stream; with a
+    process group the barriers before a save synchronize, without one (strategy none or dp) nothing
+    does, and the copy could read parameters the step is still writing. Nothing to wait for on CPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
 
 
 def wait_staged() -> None:
@@ -354,12 +364,12 @@ def _reused_stager() -> tp.Any:
 
 
 def _gloo_group() -> tp.Any:
-    """A gloo group over all ranks for async saves (created once, collectively, on first use)."""
+    """The gloo group async saves use (``trainer.dist.side_group("saves")``), or None without a group."""
     if not dist.is_initialized():
         return None
-    if not _async_group:
-        _async_group.append(dist.new_group(backend="gloo"))
-    return _async_group[0]
+    from trainer.dist import side_group
+
+    return side_group("saves")
 
 
 def wait_pending() -> Path | None:

@@ -2,7 +2,8 @@
 
 Order inside a rank: ``detect_rank_env`` → ``apply_job_env`` → ``device_for`` (and, on NCCL,
 ``apply_nccl_trace``) → ``init_distributed`` (our own store rendezvous that names missing ranks, then
-the process group, then an all-reduce of 1 that every rank logs) → … → ``shutdown``.
+the process group, then an all-reduce of 1 that every rank logs) → ``open_side_groups`` (the gloo side
+groups, before the model exists) → … → ``shutdown``.
 
 After the first step ``CollectiveTimeouts`` shortens the collective timeout from ``parallel.timeout_s``
 (start-up: compiling, loading, a slow rank arriving) to ``parallel.step_timeout_s``, and lengthens it
@@ -96,8 +97,13 @@ def device_for(backend: str, local_rank: int, local_world: int = 1) -> torch.dev
     return torch.device("cuda", index)
 
 
-# The NCCL flight recorder: the last collectives of each rank, dumped when one times out.
-FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+# The NCCL flight recorder: the last collectives of each rank, dumped when one times out (torch 2.13
+# reads the buffer size under its old and its new name).
+FLIGHT_RECORDER = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_FR_BUFFER_SIZE": "2000",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+# Pinned whatever the site or user set: with 1 the watchdog aborts the communicator and cleans up
+# before the flight recorder dumps; 3 (skip cleanup) keeps the dumps (torchtitan forces it too).
+PINNED_NCCL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 
 def nccl_trace_env(run_dir: str | Path) -> dict[str, str]:
@@ -112,6 +118,17 @@ def apply_nccl_trace(run_dir: str | Path) -> None:
     runs.RunDir(run_dir).nccl_trace.mkdir(exist_ok=True)
     for name, value in nccl_trace_env(run_dir).items():
         os.environ.setdefault(name, value)
+    pin_nccl_env()
+
+
+def pin_nccl_env() -> None:
+    """Set ``PINNED_NCCL`` before the NCCL group exists; a different value (the site profile's, one
+    exported, or the spec's ``env.set``) is overridden with a warning."""
+    for name, value in PINNED_NCCL.items():
+        if os.environ.get(name, value) != value:
+            log.warning("%s=%s overridden to %s: the flight recorder dumps only with %s", name,
+                        os.environ[name], value, value)
+        os.environ[name] = value
 
 
 def init_distributed(env: RankEnv, backend: str, timeout_s: int, device: torch.device | None = None) -> list[str]:
@@ -208,16 +225,46 @@ def monitored_barrier(timeout_s: int) -> None:
     dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
-_GLOO_GROUP = None
+_SIDE_GROUPS: dict[str, dist.ProcessGroup] = {}
+SIDE_CONNECT_S = 30  # a gloo side group that cannot connect in this long is a wrong interface, not a slow rank
 
 
-def side_group() -> dist.ProcessGroup:
-    """A gloo group over all ranks, beside the training group: CPU collectives that never wait for the
-    GPU (the step-boundary vote, the teardown barrier). Created collectively on first use."""
-    global _GLOO_GROUP
-    if _GLOO_GROUP is None:
-        _GLOO_GROUP = dist.new_group(backend="gloo")
-    return _GLOO_GROUP
+def side_group(purpose: str = "steps") -> dist.ProcessGroup:
+    """A gloo group over all ranks beside the training group, one per purpose: ``steps`` for CPU
+    collectives that never wait for the GPU (the step-boundary vote, the teardown barrier), ``saves``
+    for async checkpoints (which run in a background thread: on one group with the vote, their
+    collectives would interleave differently on different ranks). ``open_side_groups`` makes them
+    right after ``init_process_group``; otherwise made collectively on first use."""
+    if purpose not in _SIDE_GROUPS:
+        _SIDE_GROUPS[purpose] = dist.new_group(backend="gloo")
+    return _SIDE_GROUPS[purpose]
+
+
+def side_purposes(async_saves: bool) -> tuple[str, ...]:
+    """The side groups a job uses, in the order every rank makes them."""
+    return ("steps", "saves") if async_saves else ("steps",)
+
+
+def open_side_groups(timeout_s: int, async_saves: bool) -> None:
+    """Right after ``init_process_group``, on every rank in the same order: each side group, which
+    must connect within ``SIDE_CONNECT_S`` seconds (an interface the other ranks cannot reach fails
+    here, in seconds, not at the first step boundary after compile and step 1), then gets ``timeout_s``."""
+    connect_s = min(SIDE_CONNECT_S, timeout_s)
+    for purpose in side_purposes(async_saves):
+        if purpose not in _SIDE_GROUPS:
+            _SIDE_GROUPS[purpose] = _connect_gloo(purpose, connect_s)
+            set_timeout([_SIDE_GROUPS[purpose]], timeout_s)
+
+
+def _connect_gloo(purpose: str, connect_s: int) -> dist.ProcessGroup:
+    try:
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=connect_s))
+    except RuntimeError as exc:
+        shown = os.environ.get("GLOO_SOCKET_IFNAME")
+        raise RuntimeError(f"the gloo side group ({purpose}) did not connect within {connect_s} s on "
+                           f"{socket.gethostname()} (GLOO_SOCKET_IFNAME={shown!r}): set GLOO_SOCKET_IFNAME to an "
+                           f"interface every node reaches (`ip -br addr`; a name, not NCCL's ^exclusions): "
+                           f"{exc}") from exc
 
 
 def process_groups(model: torch.nn.Module) -> list[dist.ProcessGroup]:
@@ -274,7 +321,6 @@ class CollectiveTimeouts:
 
 def shutdown(timeout_s: int) -> None:
     """Wait for every rank (bounded), then destroy the process group. Never raises: the work is done."""
-    global _GLOO_GROUP
     if not dist.is_initialized():
         return
     try:
@@ -285,4 +331,7 @@ def shutdown(timeout_s: int) -> None:
         dist.destroy_process_group()
     except Exception as e:
         log.warning("destroy_process_group failed: %s", e)
-    _GLOO_GROUP = None
+    _SIDE_GROUPS.clear()
+    from trainer.optim import forget_host_groups
+
+    forget_host_groups()

@@ -28,6 +28,7 @@ from torch import nn
 from hpc.core.dims import ParallelDims
 from trainer.boundary import StepBoundary
 from trainer.data import GlobalSampler
+from trainer.garbage import GarbageCollection
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
@@ -81,6 +82,7 @@ class Trainer:
     warmup_metrics_steps: int = 2
     resilience: StepBoundary | None = None  # trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
     clock: PhaseClock = field(default_factory=PhaseClock)
+    gc_every: int = 0  # train.gc_every: collect every N steps on all ranks, automatic GC off (0: Python's own)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -193,6 +195,7 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
     history: list[dict] = []
     stopped = False
     last_logged = state.step
+    collector = GarbageCollection(t.gc_every)  # closed after the loop (a failure ends the process)
     t.clock.restart()
     while state.step < t.steps and not stopped:
         lr = t.optimizer.param_groups[0]["lr"]
@@ -207,7 +210,9 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
             history.append(log_step(t, state, loss, norm, lr, state.step - last_logged))
             last_logged = state.step
         stopped = step_boundary(t, state)
+        collector.step(state.step)
         t.clock.lap("boundary")
+    collector.close()
     t.metrics.close()
     return summary(t, state, history, stopped)
 

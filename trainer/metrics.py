@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+import typing as tp
 from pathlib import Path
 
 import torch
@@ -64,33 +65,56 @@ PHASES = ("data", "forward", "backward", "optimizer", "log", "boundary")
 
 
 class PhaseClock:
-    """Host seconds of each phase of the steps since the last metrics line.
+    """Seconds of each phase of the steps since the last metrics line.
 
     ``lap(phase)`` charges the time since the previous lap to ``phase``, so every second of the
-    loop is counted once and the phases add up to the step time. On a GPU these are host
-    seconds: a phase that reads a device value (``log``, ``boundary``) also holds the wait for
-    the kernels queued before it.
+    loop is counted once and the phases add up to the step time. On the CPU these are host
+    seconds. On CUDA (``PhaseClock(device)``) each lap records an event on the current stream and
+    ``take`` reads the GPU's time between consecutive events: host seconds there would charge the
+    kernels queued by forward and backward to whichever phase next waits for the GPU (``log``,
+    ``boundary``). Recording an event never waits; ``take`` waits for the last one, which the
+    metrics line's one read of the loss has already passed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.cuda = device is not None and device.type == "cuda"
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.last = time.perf_counter()
+        self.events: list[tuple[str, tp.Any]] = [("", self._event())] if self.cuda else []
 
     def restart(self) -> None:
         """Forget what was charged so far (the loop starts, after building and resuming)."""
         self.totals = dict.fromkeys(PHASES, 0.0)
         self.last = time.perf_counter()
+        self.events = [("", self._event())] if self.cuda else []
 
     def lap(self, phase: str) -> None:
+        if self.cuda:
+            self.events.append((phase, self._event()))
+            return
         now = time.perf_counter()
         self.totals[phase] += now - self.last
         self.last = now
 
     def take(self, steps: int) -> dict[str, float]:
         """Seconds per step of each phase since the last ``take``; starts a new window."""
+        if self.cuda:
+            self._charge_events()
         window = {name: seconds / steps for name, seconds in self.totals.items()}
         self.totals = dict.fromkeys(PHASES, 0.0)
         return window
+
+    def _event(self) -> tp.Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _charge_events(self) -> None:
+        """Charge the GPU time between consecutive events to the later one's phase; keep the last."""
+        self.events[-1][1].synchronize()
+        for (_, before), (phase, after) in zip(self.events, self.events[1:]):
+            self.totals[phase] += before.elapsed_time(after) / 1000.0
+        self.events = self.events[-1:]
 
 
 class MetricsWriter:

@@ -68,25 +68,71 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: Train) -> torch.opt
 
 
 def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:
-    """The global L2 norm of all gradients (fp64 result), whatever the sharding.
+    """The global L2 norm of all gradients (fp64 result, on the gradients' device), whatever the sharding.
 
     Plain tensors (none/dp/ddp: every rank holds the whole reduced gradient) count once.
     DTensor gradients (FSDP/HSDP) contribute the squared norms of their local shards, all-reduced
-    over the mesh dimensions where they are sharded only — replicated dimensions hold copies.
+    over the mesh dimensions where they are sharded only — replicated dimensions hold copies, and a
+    shard dimension of size 1 (no_shard, HSDP with one rank per shard group) needs no all-reduce.
     Each tensor's (or shard's) norm is taken in fp32 and the squares are summed in fp64, so the
     total does not depend on how tensors are split or on the order of the sums across ranks.
+    The squares are summed where the gradients are; under CPU offload on NCCL they are all-reduced
+    on gloo groups of the host (``open_host_groups``), so no step waits for a trip through the GPU.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    device = grads[0].device
+    device = _local(grads[0]).device
     total = _sum_of_squares([g.detach() for g in grads if not isinstance(g, DTensor)], device)
     for (mesh, dims), group in _by_shard_dims(g for g in grads if isinstance(g, DTensor)).items():
-        squares = _sum_of_squares([g.to_local().detach() for g in group], _comm_device(mesh))
-        for dim in dims:
-            dist.all_reduce(squares, group=mesh.get_group(dim))
-        total = total + squares.to(total.device)
+        squares = _sum_of_squares([g.to_local().detach() for g in group], device)
+        total = total + _all_reduced(squares, mesh, [d for d in dims if mesh.size(d) > 1])
     return total.sqrt()
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def _all_reduced(squares: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
+    """``squares`` summed over the mesh dimensions ``dims``, back on its own device: on the host's gloo
+    groups where ``open_host_groups`` made them (offloaded gradients on NCCL), else on the mesh's own."""
+    if not dims:
+        return squares
+    host = [_HOST_GROUPS.get(_mesh_dim_key(mesh, d)) for d in dims]
+    if squares.device.type == "cpu" and all(g is not None for g in host):
+        for group in host:
+            dist.all_reduce(squares, group=group)
+        return squares
+    comm = squares.to(_comm_device(mesh))
+    for dim in dims:
+        dist.all_reduce(comm, group=mesh.get_group(dim))
+    return comm.to(squares.device)
+
+
+_HOST_GROUPS: dict[tuple, dist.ProcessGroup] = {}  # (mesh ranks, dim) -> this rank's gloo group along dim
+
+
+def _mesh_dim_key(mesh, dim: int) -> tuple:
+    return tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), dim
+
+
+def open_host_groups(mesh) -> None:
+    """Under CPU offload on NCCL: a gloo group along each mesh dimension of more than one rank, so that the
+    norm of gradients held on the host is all-reduced on the host (no blocking trip through the GPU and
+    back every step). Collective: every rank, in the same order, before the first step."""
+    if mesh is None or mesh.device_type != "cuda":
+        return
+    for dim in range(mesh.ndim):
+        key = _mesh_dim_key(mesh, dim)
+        if mesh.size(dim) > 1 and key not in _HOST_GROUPS:
+            ranks = mesh.mesh.movedim(dim, -1).reshape(-1, mesh.size(dim)).tolist()
+            _HOST_GROUPS[key] = dist.new_subgroups_by_enumeration(ranks, backend="gloo")[0]
+
+
+def forget_host_groups() -> None:
+    """Drop the host groups (``trainer.dist.shutdown``: they die with the process group)."""
+    _HOST_GROUPS.clear()
 
 
 def _comm_device(mesh) -> torch.device:
@@ -117,8 +163,16 @@ def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Ten
     norm = grad_norm(parameters)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for p in parameters:
-            if p.grad is not None:
-                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                local.mul_(coef.to(dtype=local.dtype, device=local.device))
+        for (device, dtype), grads in grads_by_device_and_dtype(parameters).items():
+            compat.foreach_mul_(grads, coef.to(dtype=dtype, device=device))  # one launch per group
     return norm
+
+
+def grads_by_device_and_dtype(parameters: list[nn.Parameter]) -> dict[tuple[torch.device, torch.dtype], list]:
+    """The local gradients (a DTensor's shard) grouped by (device, dtype), for one foreach call each."""
+    groups: dict = defaultdict(list)
+    for p in parameters:
+        if p.grad is not None:
+            local = _local(p.grad)
+            groups[(local.device, local.dtype)].append(local)
+    return dict(groups)

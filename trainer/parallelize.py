@@ -39,12 +39,14 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims
 from hpc.core.spec import Parallel, compute_precision
 from trainer.model import WeightInit, outer_units
 
 log = logging.getLogger("hpcx.trainer")
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
@@ -66,15 +68,19 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, list[list[int]]]:
 
 
 def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dims: ParallelDims,
-                mesh: DeviceMesh | None, device: torch.device, init: WeightInit | None = None) -> nn.Module:
+                mesh: DeviceMesh | None, device: torch.device, init: WeightInit | None = None,
+                preserve_rng: bool = True) -> nn.Module:
     """Activation checkpointing, compile, FSDP, the weights (``init``), then DDP/DataParallel; the
     model to train. The model may be on the meta device (give ``init``) or already on ``device``.
     The trainer passes ``launch.parallel``, decided at resolve; only a caller that passes a spec's own
-    ``[parallel]`` (tests, benches) leaves ``mixed_precision = "auto"``, read as ``compute_precision`` on ``device``."""
+    ``[parallel]`` (tests, benches) leaves ``mixed_precision = "auto"``, read as ``compute_precision`` on ``device``.
+    ``preserve_rng``: whether recomputed blocks must replay the RNG (``uses_rng``)."""
     if parallel.mixed_precision == "auto":
         parallel = dataclasses.replace(parallel, mixed_precision=compute_precision("auto", device.type == "cuda"))
+    if dims.dp_enabled and parallel.compile:
+        refuse_dp_compile(torch.cuda.device_count() if device.type == "cuda" else 0)
     if parallel.activation_checkpointing:
-        apply_ac(blocks)
+        apply_ac(blocks, preserve_rng)
     if parallel.compile:
         apply_compile(blocks)
     if dims.fsdp_enabled:
@@ -89,8 +95,17 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
     if dims.ddp_enabled:
         return apply_ddp(model, device)
     if dims.dp_enabled:
-        return apply_dp(model)
+        return apply_dp(model, DTYPES[parallel.mixed_precision])
     return model
+
+
+def refuse_dp_compile(gpus: int) -> None:
+    """dp + compile over several GPUs is refused (``hpc.resolve`` refuses it too): ``Module.compile``
+    binds the compiled code to the original module, so DataParallel's replicas would run cuda:0's
+    weights on the other GPUs' inputs."""
+    if gpus > 1:
+        raise ConfigError([f"`parallel.compile` = true with strategy 'dp' on {gpus} GPUs: DataParallel's replicas "
+                           "would run the compiled cuda:0 module; use strategy 'ddp' (or compile = false)"])
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -98,8 +113,17 @@ def on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def apply_ac(blocks: nn.ModuleList) -> None:
-    """Recompute each block's activations in backward (non-reentrant; RNG preserved, so dropout agrees).
+def uses_rng(dropout: float, blocks: nn.ModuleList, user_model: bool) -> bool:
+    """Whether a block's forward draws random numbers (so a recomputation must replay the RNG): the
+    spec's dropout, an ``nn.Dropout`` with p > 0 inside a block, or a user model (its code is unknown)."""
+    drops = any(isinstance(m, DROPOUTS) and m.p > 0 for m in blocks.modules())
+    return dropout > 0 or drops or user_model
+
+
+def apply_ac(blocks: nn.ModuleList, preserve_rng: bool = True) -> None:
+    """Recompute each block's activations in backward (non-reentrant). With ``preserve_rng`` the RNG
+    state is saved and replayed, so dropout agrees; without (no dropout) that stash, and the device
+    sync it costs on CUDA, is skipped (torchtitan's ``preserve_rng_state`` switch).
 
     The wrapper inserts ``_checkpoint_wrapped_module`` into parameter names; the
     ``torch.distributed.checkpoint.state_dict`` helpers strip it, so checkpoints do not depend on it.
@@ -108,7 +132,7 @@ def apply_ac(blocks: nn.ModuleList) -> None:
 
     wrap = checkpoint_wrapper()
     for i, block in enumerate(blocks):
-        blocks[i] = wrap(block)
+        blocks[i] = wrap(block, preserve_rng_state=preserve_rng)
 
 
 def apply_compile(blocks: nn.ModuleList) -> None:
@@ -165,13 +189,47 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
 
 
-def apply_dp(model: nn.Module) -> nn.Module:
-    """``nn.DataParallel`` (one process driving every visible GPU), with a warning pointing to DDP."""
+def apply_dp(model: nn.Module, amp_dtype: torch.dtype | None = None) -> nn.Module:
+    """``nn.DataParallel`` (one process driving every visible GPU; ``AutocastDataParallel`` so its
+    threads compute in ``amp_dtype``), with a warning pointing to DDP."""
     warnings.warn("parallel.strategy = 'dp' uses nn.DataParallel: one process, a Python thread per GPU and "
                   "a model copy every step; it is slower than DDP even on one node. Use strategy = 'ddp'.",
                   stacklevel=2)
     log.warning("strategy 'dp' (nn.DataParallel) is kept for parity only: use 'ddp'")
-    return nn.DataParallel(model)
+    return AutocastDataParallel(model, amp_dtype)
+
+
+class AutocastDataParallel(nn.DataParallel):
+    """DataParallel whose worker threads autocast to the loop's dtype.
+
+    Autocast's dtype is per thread: DataParallel's workers enter ``autocast(enabled=...)`` without a
+    dtype, so under the loop's bf16 autocast they compute in the thread default (fp16 on CUDA), with
+    no scaler. Each replica runs inside ``autocast(dtype=amp_dtype)`` here; parameter names are
+    DataParallel's own (``module.…``)."""
+
+    def __init__(self, module: nn.Module, amp_dtype: torch.dtype | None = None) -> None:
+        super().__init__(module)
+        self.amp_dtype = amp_dtype
+
+    def parallel_apply(self, replicas, inputs, kwargs):
+        """DataParallel's own, each replica wrapped in ``AutocastReplica``."""
+        if self.amp_dtype is not None:
+            replicas = [AutocastReplica(r, self.amp_dtype) for r in replicas]
+        return super().parallel_apply(replicas, inputs, kwargs)
+
+
+class AutocastReplica(nn.Module):
+    """One replica run inside ``autocast(device, dtype)`` in whatever thread calls it."""
+
+    def __init__(self, replica: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.replica, self.dtype = replica, dtype
+
+    def forward(self, *args, **kwargs):
+        """The replica's forward under ``autocast`` of its inputs' device type."""
+        device = next((t.device.type for t in args if isinstance(t, torch.Tensor)), "cuda")
+        with torch.autocast(device, dtype=self.dtype):
+            return self.replica(*args, **kwargs)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -22,12 +22,12 @@ from hpc.core.resolve import Launch, refit
 from hpc.core.spec import JobSpec
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
-                          init_distributed, init_single, shutdown, write_mesh, write_world)
+                          init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
 from trainer.loop import Trainer, TrainState, train
-from trainer.metrics import MetricsWriter, flush_logging, setup_logging
+from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, build_model, local_numel, model_blocks
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize
+from trainer.optim import build_optimizer, build_scheduler, open_host_groups
+from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
 from trainer.resilience import resilience_for
 from trainer.run import Run, load_run
@@ -78,7 +78,8 @@ def set_cpu_threads(launch: Launch) -> None:
 
 
 def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
-    """Pick the device, start the process group (when needed), all-reduce a 1; rank 0 writes world.json."""
+    """Pick the device, start the process group (when needed), all-reduce a 1 (rank 0 writes world.json),
+    then the gloo side groups (``dist.open_side_groups``)."""
     backend = launch.backend
     device = device_for(backend, env.local_rank, env.local_world_size)
     if backend == "nccl":
@@ -92,6 +93,8 @@ def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
     total = check_world(env, hosts, device)
     if env.is_rank0:
         write_world(run.run_dir, hosts, total, backend if dist_initialized(env, launch) else "none")
+    if dist_initialized(env, launch):  # before the model and any step: a wrong gloo interface fails in seconds
+        open_side_groups(run.spec.parallel.timeout_s, run.spec.checkpoint.async_save)
     return device
 
 
@@ -121,6 +124,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
     parallel = launch.parallel  # decided once, at resolve (hpc.core.resolve.launch_for)
+    if parallel.cpu_offload:
+        open_host_groups(mesh)  # the norm of host gradients reduces on the host
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
     optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)
@@ -138,7 +143,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         flops_per_token=facts.flops_per_token, peak_tflops=run.site.node.gpu_peak_tflops,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
-        preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps)
+        preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
+        clock=PhaseClock(device))
     return trainer, TrainState()
 
 
@@ -151,7 +157,8 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device,
     blocks = model_blocks(model, spec.model.blocks)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
-    model = parallelize(model, blocks, launch.parallel, launch.dims, mesh, device, init)
+    rng = uses_rng(spec.model.dropout, blocks, not model_facts(spec.model).builtin)  # a user model: unknown
+    model = parallelize(model, blocks, launch.parallel, launch.dims, mesh, device, init, rng)
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",

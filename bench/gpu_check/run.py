@@ -1,47 +1,347 @@
-"""The GPU check: one prepared run of at most 8 minutes on one GPU, the trainer run as a user runs it.
+"""The GPU check: what one GPU must prove in at most 8 minutes, from a bare checkout.
 
-    python bench/gpu_check/run.py [--budget-s 480] [--steps 20] [--only throughput,sync,fsdp,fp16]
-                                  [--site-draft FILE]
+    python bench/gpu_check/run.py [--budget-s 420] [--only throughput,resume,staging,strategies,offload,pytest]
 
-Exits 0 with "skipped: no GPU" where CUDA is absent. Every part is ``python -m trainer RUN_DIR`` in a
-fresh process on a run folder resolved for a one-GPU site (so meta-device init, bf16 defaults and the
-like are picked up as the trainer gains them), reading back metrics.jsonl and ledger.jsonl:
+Needs torch (and CUDA for most parts) and nothing else: it puts the repository root on ``sys.path``
+itself (no install step, no submitit), downloads nothing, and prints one table. Parts:
 
-1. throughput: GPT 350m and 1.3b, bf16 + activation checkpointing + torch.compile, seq 2048:
-   tokens/s and MFU (median after warm-up), peak memory against the planner (``hpcx plan``'s
-   estimate for that strategy, goal within ±10%);
-2. sync: 350m with ``log_every`` 1 against 20 (the per-step host syncs of logging), as a ratio;
-3. fsdp: FSDP2 (world size 1) with async checkpoints every 5 steps, a USR2 mid-run (the trainer
-   saves, stops and, with no scheduler to requeue it, leaves), then the same command again: the
-   resume onto the GPU, checked in the ledger and by the loss continuing where it stopped;
-4. fp16: FSDP2 with fp16 (ShardedGradScaler) and CPU offload (pinned host memory): finite losses.
+1. ``throughput``: FSDP2 + bf16 + activation checkpointing + compile, GPT 350m, world size 1 on
+   NCCL: tokens/s, MFU, peak memory against the planner; the steady steps again under
+   ``torch.cuda.set_sync_debug_mode("error")`` (no hidden host sync); one flight-recorder dump
+   that holds entries.
+2. ``resume``: FSDP2 with async saves, ``python -m trainer`` preempted by USR2, resumed by a fresh
+   process: the losses and grad norms after the resume, and the final model and optimizer state,
+   equal an uninterrupted run's bit for bit (dropout on, so the device RNG counts).
+   ``staging``: an async save without a process group right after in-place updates queued on the
+   GPU: the saved tensors equal the live ones.
+3. ``strategies``: none, ddp, fsdp and fsdp no_shard (world size 1, grad_accum 2, fp32), 5 steps:
+   identical initial weights, losses within 1e-3.
+4. ``offload``: FSDP2 CPU offload under bf16 and fp16, fused and multi-tensor AdamW: parameters
+   pinned, losses as without offload, step time.
+5. ``pytest``: ``pytest -m gpu tests/gpu``. The lent machine lacks pytest, and tests/gpu also runs
+   ``hpcx submit`` (submitit, click): carry them in the working tree (git ignores the folder; all
+   pure Python), made here with ``python -m pip install --target .gpu_check_deps pytest submitit click``
+   (check that no torch or numpy landed in it); children get it on ``PYTHONPATH``.
 
-With ``--site-draft FILE`` the 1.3b throughput run's MFU, on the planner's basis (the planner's
-compute time at MFU 1 over the measured step: one GPU, no communication; activation checkpointing's
-recompute counted as the planner counts it), is written with its source into a site profile draft
-for this machine (``hpc.core.site_draft``).
+What needs 2 GPUs or 2 nodes is listed as unchecked. Where CUDA is absent it says so in one line,
+runs the CPU-possible parts (resume, staging, strategies on gloo) and exits 0 unless one failed.
 
-Parts that would not fit in the remaining budget are skipped and said so. Figures are printed as
-ratios where a baseline exists; run ``nvidia-smi`` beside it to note the machine.
+Every part runs in a child process of its own session, under a deadline; on overrun the whole
+process group is killed, so no child keeps the GPU while the next part runs. The remaining budget
+is checked before each part and inside it. Everything is written into one temporary folder
+(run folders, compile caches, TMPDIR, logs) that is removed at the end whatever happens; no
+bytecode is written into the checkout.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import signal
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
+
+sys.dont_write_bytecode = True  # nothing written into the checkout
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+DEPS = REPO / ".gpu_check_deps"  # what the lent machine lacks (pytest), carried in the working tree
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0}
-WARMUP = 5  # steps left out of medians (compilation, allocator warm-up)
-PARTS = ("throughput", "sync", "fsdp", "fp16")
+CUDA_ABSENT = "CUDA absent: torch.cuda.is_available() is False; running the CPU-possible parts only"
+
+
+@dataclass(frozen=True)
+class Part:
+    """One child process: its name, whether it needs CUDA, the least and the most seconds it takes."""
+
+    name: str
+    cuda: bool
+    min_s: float
+    max_s: float
+
+
+PARTS = (Part("throughput", True, 120, 200), Part("resume", False, 40, 90), Part("staging", False, 15, 40),
+         Part("strategies", False, 20, 60), Part("offload", True, 40, 90), Part("pytest", True, 30, 300))
+UNCHECKED = ("dp over 2+ GPUs (DataParallel's threads under bf16; dp + compile refused)",
+             "ddp / fsdp / hsdp over 2+ GPUs on NCCL (tests/gpu runs them where the GPUs are)",
+             "a timed-out collective's flight-recorder dump (2 GPUs)",
+             "2 nodes: gloo side groups on GLOO_SOCKET_IFNAME, HSDP across nodes")
+
+
+def row(part: str, item: str, result: str, status: str) -> dict:
+    """One line of the table; status: ok, MISSED, FAILED, skipped or unchecked."""
+    return {"part": part, "item": item, "result": result, "status": status}
+
+
+# ====================================================================== the parent
+
+
+class Budget:
+    """The whole check's deadline."""
+
+    def __init__(self, seconds: float) -> None:
+        self.end = time.time() + seconds
+
+    def left(self) -> float:
+        return self.end - time.time()
+
+
+def child_env(tmp: Path) -> dict[str, str]:
+    """The children's environment: the checkout (and carried deps) importable, every cache and
+    temporary file inside ``tmp``, no rank variables inherited."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "SUBMITIT_EXECUTOR", "SLURM_STEP_ID", "SLURM_PROCID", "TORCHELASTIC_USE_AGENT_STORE")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    paths = [str(REPO)] + ([str(DEPS)] if DEPS.is_dir() else [])
+    for sub in ("tmp", "inductor", "triton"):
+        (tmp / sub).mkdir(exist_ok=True)
+    env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONDONTWRITEBYTECODE="1", TMPDIR=str(tmp / "tmp"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp / "inductor"), TRITON_CACHE_DIR=str(tmp / "triton"))
+    return env
+
+
+_children: list[subprocess.Popen] = []  # the part running now, stopped with everything below it on any exit
+GRACE_S = 5.0  # SIGTERM first (torchrun then stops its workers), SIGKILL what is left after this
+
+
+def become_subreaper() -> None:
+    """Orphans below this process (torchrun's workers lead sessions of their own, so a group kill misses
+    them) are re-parented to it instead of init, so that ``stop_part`` still finds them (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def process_tree() -> dict[int, int]:
+    """pid -> parent pid of every process this one can see."""
+    tree = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            tree[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    return tree
+
+
+def below(roots: set[int], tree: dict[int, int]) -> set[int]:
+    """``roots`` and every process under them."""
+    found, todo = set(), list(roots)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo += [child for child, parent in tree.items() if parent == pid]
+    return found
+
+
+def stop_part(proc: subprocess.Popen, spared: set[int]) -> None:
+    """Stop the part's child and everything it started (its group, other sessions, orphans re-parented
+    here; not the ``spared`` processes that were below this one before): SIGTERM, then SIGKILL; reap."""
+    tree = process_tree()
+    orphans = {pid for pid, parent in tree.items() if parent == os.getpid() and pid not in spared}
+    running = {proc.pid} if proc.poll() is None else set()  # a reaped child's pid may be another's now
+    victims = below(orphans | running, tree) - spared
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in victims:
+            try:
+                os.kill(pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        end = time.time() + GRACE_S
+        while time.time() < end and any(alive(pid) for pid in victims):
+            reap(victims)
+            time.sleep(0.05)
+    proc.wait()
+    reap(victims)
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def reap(pids: set[int]) -> None:
+    """Collect the exit status of those of ``pids`` that are this process's children and have ended."""
+    for pid in pids:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+
+def run_part(part: Part, tmp: Path, timeout_s: float) -> list[dict]:
+    """Run one part in a child (own session); stopped with all it started past ``timeout_s``."""
+    out = tmp / part.name
+    out.mkdir()
+    spared = below({os.getpid()}, process_tree()) - {os.getpid()}
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(part_command(part.name, out, time.time() + timeout_s), cwd=tmp,
+                                env=child_env(tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        _children.append(proc)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            if timeout_s < part.max_s:  # cut short by the whole check's budget, not past its own limit
+                return [row(part.name, "part", f"stopped at the budget's end after {timeout_s:.0f} s (it may take "
+                            f"{part.max_s:.0f} s)", "skipped")]
+            return [row(part.name, "part", f"killed after {timeout_s:.0f} s (its deadline)", "FAILED")]
+        finally:
+            stop_part(proc, spared)  # also whatever it started that is still alive
+            _children.remove(proc)
+    return part_rows(part, out, proc.returncode)
+
+
+def part_command(name: str, out: Path, deadline: float) -> list[str]:
+    """This script again, as the child that runs part ``name`` into ``out`` until ``deadline``."""
+    return [sys.executable, str(Path(__file__).resolve()), "--part", name, "--out", str(out),
+            "--deadline", str(deadline)]
+
+
+def part_rows(part: Part, out: Path, code: int) -> list[dict]:
+    """The rows the child wrote, or one FAILED row with the end of its log."""
+    result = out / "rows.json"
+    if code == 0 and result.is_file():
+        return json.loads(result.read_text())
+    tail = " | ".join((out / "log.txt").read_text(errors="replace").strip().splitlines()[-4:])[-600:]
+    return [row(part.name, "part", f"exit {code}: {tail}", "FAILED")]
+
+
+def probe(tmp: Path, budget: Budget) -> dict:
+    """The device, asked in a child so that this process never holds a CUDA context."""
+    rows = run_part(Part("probe", False, 0, 90), tmp, max(1.0, min(90.0, budget.left() - 5)))
+    return json.loads(rows[0]["result"]) if rows[0]["status"] == "ok" else {"cuda": False, "error": rows[0]}
+
+
+def planned(only: list[str], info: dict, budget: Budget, tmp: Path) -> list[dict]:
+    """Run the parts in order, each if CUDA allows and the budget still holds its minimum."""
+    rows = []
+    for part in (p for p in PARTS if p.name in only):
+        if part.cuda and not info["cuda"]:
+            rows.append(row(part.name, "part", "needs CUDA", "skipped"))
+        elif budget.left() - 5 < part.min_s:
+            rows.append(row(part.name, "part", f"{budget.left():.0f} s left, needs {part.min_s:.0f} s", "skipped"))
+        else:
+            rows += run_part(part, tmp, min(part.max_s, budget.left() - 5))
+    gpus = info.get("count", 0)
+    for item in UNCHECKED:
+        covered = gpus >= 2 and "2 nodes" not in item and "pytest" in only
+        rows.append(row("multi", item, f"see the pytest part ({gpus} GPUs)" if covered else "needs more hardware",
+                        "pytest" if covered else "unchecked"))
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as one aligned text table."""
+    head = {"part": "part", "item": "item", "result": "result", "status": "status"}
+    widths = {k: min(60 if k != "result" else 200, max(len(str(r[k])) for r in [head, *rows])) for k in head}
+    lines = ["  ".join(str(r[k])[:widths[k]].ljust(widths[k]) for k in ("part", "item", "status", "result"))
+             for r in [head, *rows]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    if args.part:
+        return child_main(args)
+    unknown = set(args.only.split(",")) - {p.name for p in PARTS}
+    if unknown:
+        print(f"unknown parts {sorted(unknown)}: expected some of {', '.join(p.name for p in PARTS)}")
+        return 2
+    budget, start = Budget(args.budget_s), time.monotonic()
+    become_subreaper()
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # so that the finally below still runs
+    tmp = Path(tempfile.mkdtemp(prefix="hpcx-gpu-check-"))
+    try:
+        info = probe(tmp, budget)
+        failed = [info.pop("error")] if "error" in info else []
+        print(describe(info, args.budget_s) if info["cuda"] else CUDA_ABSENT if not failed else
+              f"the device probe failed: {failed[0]['result']}", flush=True)
+        rows = failed + planned(args.only.split(","), info, budget, tmp)
+    finally:
+        for proc in list(_children):
+            stop_part(proc, set())
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(table(rows))
+    print(f"wall {time.monotonic() - start:.0f} s of a {args.budget_s:.0f} s budget")
+    return 1 if any(r["status"] in ("FAILED", "MISSED") for r in rows) else 0
+
+
+def describe(info: dict, budget_s: float) -> str:
+    peak = info.get("peak_tflops") or "unknown"
+    return (f"{info['name']} × {info['count']}, {info['memory_gb']:.0f} GB, bf16 peak {peak} TFLOP/s; "
+            f"torch {info['torch']}; budget {budget_s:.0f} s")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline")
+    parser.add_argument("--only", default=",".join(p.name for p in PARTS), help="comma-separated parts")
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # a child: run this part
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+# ====================================================================== a child: one part
+
+
+@dataclass
+class Ctx:
+    """What a part works with: its folder, its device, its deadline."""
+
+    out: Path
+    device: object  # torch.device
+    deadline: float
+
+    def left(self) -> float:
+        return self.deadline - time.time()
+
+    def check(self, what: str) -> None:
+        """Stop the part (its row says where) once its deadline has passed."""
+        if self.left() <= 0:
+            raise TimeoutError(f"deadline passed during {what}")
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import torch
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx = Ctx(args.out, device, args.deadline)
+    try:
+        rows = CHILD_PARTS[args.part](ctx)
+    except Exception as exc:  # the part's one row says what broke
+        rows = [row(args.part, "part", f"{type(exc).__name__}: {str(exc)[-500:]}", "FAILED")]
+    (args.out / "rows.json").write_text(json.dumps(rows))
+    sys.stdout.flush()
+    os._exit(0)  # skip native teardown (NCCL, gloo) once the rows are written
+
+
+def part_probe(ctx: Ctx) -> list[dict]:
+    import torch
+
+    info: dict = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "count": 0}
+    if info["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(name=props.name, memory_gb=props.total_memory / 1e9, count=torch.cuda.device_count(),
+                    peak_tflops=peak_tflops(props.name))
+    return [row("probe", "device", json.dumps(info), "ok")]
 
 
 def peak_tflops(name: str) -> float:
@@ -49,223 +349,477 @@ def peak_tflops(name: str) -> float:
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)
 
 
-def site_doc(gpu_name: str, memory_gb: float) -> dict:
-    """A one-GPU machine as a local site profile."""
-    return {"scheduler": {"kind": "local", "gpu_directive": "none"},
-            "node": {"gpus": 1, "gpu_model": gpu_name, "gpu_memory_gb": round(memory_gb, 1),
-                     "gpu_peak_tflops": peak_tflops(gpu_name), "cpus": os.cpu_count() or 1, "intra_link": "none"},
-            "network": {"fabric": "none"}, "storage": {"run_root": "/tmp"}}
+# ---------------------------------------------------------------- run folders and trainers
 
 
-class Check:
-    """The GPU, a scratch folder, the time budget, and how to run the trainer on a spec."""
+def site_doc(ctx: Ctx) -> dict:
+    """This machine as a one-device local site (one GPU: NCCL; none: gloo)."""
+    import torch
 
-    def __init__(self, root: Path, budget_s: float, steps: int):
-        import torch
-
+    node: dict = {"gpus": 0, "cpus": os.cpu_count() or 1, "intra_link": "none"}
+    if ctx.device.type == "cuda":
         props = torch.cuda.get_device_properties(0)
-        self.gpu, self.memory_gb = props.name, props.total_memory / 1e9
-        self.root, self.steps, self.deadline = root, steps, time.monotonic() + budget_s
-        self.planner_mfu: tuple[float, str] | None = None  # the last throughput run's, for --site-draft
-
-    def left(self) -> float:
-        return self.deadline - time.monotonic()
-
-    def make_run(self, name: str, overrides: list[str]) -> Path:
-        """A run folder resolved exactly as ``hpcx submit`` would, for this one-GPU machine."""
-        from hpc.core.resolve import resolved_document
-        from hpc.plan.resolve import resolve
-        from hpc.core.site import parse_site
-        from hpc.core.spec import load_spec
-
-        spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
-            "model.seq_len=2048", f"train.steps={self.steps}", "train.warmup_steps=5",
-            f"train.warmup_metrics_steps={WARMUP}", "job.tasks_per_node=1", "train.log_every=1", *overrides])
-        site = parse_site(site_doc(self.gpu, self.memory_gb), "gpu-check", "<gpu_check>")
-        run_dir = self.root / name
-        run_dir.mkdir()
-        for sub in ("logs", "checkpoints"):
-            (run_dir / sub).mkdir()
-        doc = resolved_document(spec, site, resolve(spec, site), str(run_dir))
-        (run_dir / "resolved.json").write_text(json.dumps(doc))
-        return run_dir
-
-    def train(self, run_dir: Path, signal_at_step: int | None = None) -> subprocess.CompletedProcess:
-        """``python -m trainer RUN_DIR`` (one process, cuda:0); ``signal_at_step``: send USR2 once
-        metrics.jsonl shows that step."""
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SUBMITIT_EXECUTOR")}
-        proc = subprocess.Popen([sys.executable, "-m", "trainer", str(run_dir)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        while signal_at_step is not None and proc.poll() is None:
-            if any(r.get("step", 0) >= signal_at_step for r in metrics(run_dir)):
-                proc.send_signal(signal.SIGUSR2)
-                break
-            time.sleep(0.2)
-        out, err = proc.communicate(timeout=max(30.0, self.left() + 60))
-        if proc.returncode != 0:
-            raise RuntimeError(f"{run_dir.name}: trainer failed ({proc.returncode}): {err[-1500:]}")
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        node.update(gpus=1, gpu_model=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1),
+                    gpu_peak_tflops=peak_tflops(props.name))
+    return {"scheduler": {"kind": "local", "gpu_directive": "none"}, "node": node, "network": {"fabric": "none"},
+            "storage": {"run_root": str(ctx.out)}}
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+def make_run(ctx: Ctx, name: str, overrides: list[str]) -> Path:
+    """A run folder resolved as ``hpcx submit`` resolves it, for this one-device machine."""
+    from hpc.core.resolve import resolved_document
+    from hpc.core.site import parse_site
+    from hpc.core.spec import load_spec
+    from hpc.plan.resolve import resolve
+
+    spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
+        "job.tasks_per_node=1", "train.log_every=1", "train.warmup_steps=2", "train.warmup_metrics_steps=2",
+        "parallel.timeout_s=120", *overrides])
+    site = parse_site(site_doc(ctx), "gpu-check", "<gpu_check>")
+    run_dir = ctx.out / name
+    for sub in ("logs", "checkpoints"):
+        (run_dir / sub).mkdir(parents=True)
+    doc = resolved_document(spec, site, resolve(spec, site), str(run_dir))
+    (run_dir / "resolved.json").write_text(json.dumps(doc))
+    return run_dir
 
 
-def ledger(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
+def start_group(ctx: Ctx, run_dir: Path) -> None:
+    """The one-process group FSDP and DDP need, flight recorder on (NCCL on a GPU, gloo on the CPU)."""
+    import torch.distributed as dist
+
+    from trainer.dist import apply_nccl_trace, init_single, open_side_groups
+
+    if dist.is_initialized():
+        return
+    if ctx.device.type == "cuda":
+        apply_nccl_trace(run_dir)
+    init_single("nccl" if ctx.device.type == "cuda" else "gloo")
+    open_side_groups(120, async_saves=True)
 
 
-def steady(run_dir: Path) -> list[dict]:
-    return [r for r in metrics(run_dir) if r["step"] > WARMUP] or metrics(run_dir)
+def build(ctx: Ctx, run_dir: Path):
+    """``build_trainer`` on this run folder, in this process."""
+    from trainer.run import load_run
+    from trainer.train import build_trainer
+
+    start_group(ctx, run_dir)
+    trainer, _ = build_trainer(load_run(run_dir), 0, ctx.device)
+    return trainer
+
+
+def one_step(trainer, batches) -> None:
+    """One optimizer step of the trainer's own ``train_step`` (no logging, no boundary)."""
+    from trainer.loop import train_step
+
+    train_step(trainer, [next(batches) for _ in range(trainer.sampler.grad_accum)])
+    trainer.sampler.advance()
+
+
+# ---------------------------------------------------------------- 1. throughput
+
+
+MICRO = 8  # 350m × 2048 tokens × 8 per step, activation checkpointing on: well inside one H100/H200
+
+
+THROUGHPUT = ["model.size='350m'", "model.seq_len=2048", f"train.global_batch={MICRO}", f"train.micro_batch={MICRO}",
+              "parallel.strategy='fsdp'", "parallel.mixed_precision='bf16'", "parallel.activation_checkpointing=true",
+              "parallel.compile=true", "train.steps=1000"]
+
+
+def part_throughput(ctx: Ctx) -> list[dict]:
+    run_dir = make_run(ctx, "throughput", THROUGHPUT)
+    t = build(ctx, run_dir)
+    batches = iter(t.loader)
+    for _ in range(3):  # compilation, allocator warm-up
+        one_step(t, batches)
+        ctx.check("the compile steps")
+    seconds = timed_steps(ctx, t, batches, 8)
+    rows = rate_rows(t, run_dir, seconds)
+    rows.append(sync_row(ctx, t, batches))
+    rows.append(flight_recorder_row())
+    return rows
+
+
+def timed_steps(ctx: Ctx, t, batches, steps: int) -> list[float]:
+    """Seconds of each step, by CUDA events (the host returns long before the GPU is done)."""
+    import torch
+
+    times = []
+    for _ in range(steps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        one_step(t, batches)
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1000)
+        ctx.check("the timed steps")
+    return times
+
+
+def rate_rows(t, run_dir: Path, seconds: list[float]) -> list[dict]:
+    import torch
+
+    from trainer.metrics import mfu
+
+    rate = t.tokens_per_step / statistics.median(seconds)
+    util = mfu(t.flops_per_token, rate, 1, t.peak_tflops)
+    measured, predicted = torch.cuda.max_memory_allocated() / 1e9, predicted_gb(run_dir)
+    rows = [row("throughput", "GPT 350m FSDP2 bf16+AC+compile, 8 × 2048", f"{rate:,.0f} tokens/s, step "
+                f"{1000 * statistics.median(seconds):.0f} ms", "ok"),
+            row("throughput", "MFU", f"{100 * util:.1f}%" if util else "unknown (GPU peak not in the table)", "ok")]
+    if predicted:
+        ratio = measured / predicted
+        rows.append(row("throughput", "peak memory vs plan", f"{measured:.1f} GB measured, {predicted:.1f} GB "
+                        f"planned: {ratio:.2f}", "ok" if abs(ratio - 1) <= 0.10 else "MISSED"))
+    else:
+        rows.append(row("throughput", "peak memory vs plan", f"{measured:.1f} GB; the plan has no row", "MISSED"))
+    return rows
 
 
 def predicted_gb(run_dir: Path) -> float | None:
-    """The planner's per-rank estimate (without headroom) for the strategy this run uses."""
-    from hpc.plan import plan_job
+    """The planner's per-rank estimate (without headroom) for the strategy this run uses; at world size 1
+    the planner has only the ``none`` row, which holds what FSDP holds there (the whole model)."""
     from hpc.core.site import parse_site
     from hpc.core.spec import spec_from_dict
+    from hpc.plan import plan_job
 
     doc = json.loads((run_dir / "resolved.json").read_text())
     site = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}
     plan = plan_job(spec_from_dict(doc["spec"]), parse_site(site, "gpu-check", "<gpu_check>"))
-    row = next((r for r in plan.rows if r.dims.strategy == doc["launch"]["strategy"] and r.memory), None)
-    return row.memory.total if row else None
+    wanted = (doc["launch"]["strategy"], "none") if doc["launch"]["world_size"] == 1 else (doc["launch"]["strategy"],)
+    found = [r for name in wanted for r in plan.rows if r.dims.strategy == name and r.memory]
+    return found[0].memory.total if found else None
 
 
-def planner_mfu(run_dir: Path, step_s: float) -> float | None:
-    """The planner's compute time at MFU 1 for this run over its measured step time."""
-    from hpc.plan import compute_seconds, setup_of
-    from hpc.core.models import model_facts
-    from hpc.core.site import parse_site
-    from hpc.core.spec import spec_from_dict
-
-    doc = json.loads((run_dir / "resolved.json").read_text())
-    site = parse_site({k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")},
-                      "gpu-check", "<gpu_check>")
-    spec = spec_from_dict(doc["spec"])
-    at_peak = compute_seconds(model_facts(spec.model), setup_of(spec, site, 1), site, 1.0)
-    return at_peak / step_s if at_peak and step_s else None
-
-
-def throughput(check: Check, size: str, micro: int) -> list[str]:
-    run = check.make_run(f"gpt-{size}", [f"model.size={size!r}", f"train.global_batch={micro}",
-                                         f"train.micro_batch={micro}", "parallel.strategy='none'",
-                                         "parallel.mixed_precision='bf16'", "parallel.activation_checkpointing=true",
-                                         "parallel.compile=true"])
-    check.train(run)
-    rows = steady(run)
-    rate = statistics.median(r["tokens_per_s"] for r in rows)
-    mfus = [r["mfu"] for r in rows if r.get("mfu") is not None]
-    measured = max(r["mem_gb"] for r in metrics(run))
-    predicted = predicted_gb(run)
-    memory = f"peak {measured:.1f} GB"
-    if predicted:
-        ok = "ok" if abs(measured / predicted - 1) <= 0.10 else "MISSED"
-        memory += f", planner {predicted:.1f} GB: measured/predicted {measured / predicted:.2f} (±10%: {ok})"
-    mfu = f"MFU {100 * statistics.median(mfus):.1f}%" if mfus else "MFU unknown (GPU peak not in the table)"
-    step = statistics.median(r["step_time_s"] for r in rows)
-    basis = planner_mfu(run, step)
-    if basis:
-        check.planner_mfu = (basis, f"bench/gpu_check on one {check.gpu}, {time.strftime('%Y-%m-%d')}: GPT {size} "
-                                    f"bf16+AC+compile, micro {micro} x 2048, step {step * 1e3:.1f} ms")
-        mfu += f" ({100 * basis:.1f}% on the planner's basis, recompute counted)"
-    return [f"GPT {size} bf16+AC+compile, micro {micro} × 2048: {rate:,.0f} tokens/s, {mfu}; {memory}"]
-
-
-def sync_cost(check: Check) -> list[str]:
-    """The same 350m run logging every step and every 20th: the ratio of their step times."""
-    rates = {}
-    for every in (1, 20):
-        run = check.make_run(f"log-every-{every}", ["model.size='350m'", "train.global_batch=8",
-                                                    "train.micro_batch=8", "parallel.strategy='none'",
-                                                    "parallel.mixed_precision='bf16'", f"train.log_every={every}",
-                                                    "train.steps=60"])
-        check.train(run)
-        rates[every] = statistics.median(r["step_time_s"] for r in steady(run))
-    return [f"log_every 1 vs 20 (350m bf16): step {1000 * rates[1]:.1f} ms vs {1000 * rates[20]:.1f} ms, "
-            f"ratio {rates[1] / rates[20]:.3f} (the per-step syncs of logging)"]
-
-
-def fsdp_resume(check: Check) -> list[str]:
-    """FSDP2 with async saves; preempted mid-run; the same command resumes from the newest checkpoint."""
-    run = check.make_run("fsdp-resume", ["model.size='350m'", "train.global_batch=4", "train.micro_batch=4",
-                                         "parallel.strategy='fsdp'", "parallel.mixed_precision='bf16'",
-                                         "checkpoint.interval_steps=5", "checkpoint.async_save=true",
-                                         "train.steps=30"])
-    check.train(run, signal_at_step=12)
-    stop = ledger(run)[-1]
-    check.train(run)
-    start, final = ledger(run)[-2:]
-    steps = sorted({r["step"] for r in metrics(run)})
-    ok = (stop["reason"] == "preempted" and start["step"] == stop["step"] and start["checkpoint"]
-          and final["reason"] == "completed" and steps == list(range(1, 31)))
-    return [f"FSDP2 async saves: preempted at step {stop['step']} ({stop['saves']} saves, {stop['save_s']} s), "
-            f"resumed from {start['checkpoint']} in {start['restore_s']} s, completed at {final['step']}: "
-            f"{'ok' if ok else 'MISSED'}"]
-
-
-def fp16_offload(check: Check) -> list[str]:
-    run = check.make_run("fp16-offload", ["model.size='350m'", "train.global_batch=4", "train.micro_batch=4",
-                                          "parallel.strategy='fsdp'", "parallel.mixed_precision='fp16'",
-                                          "parallel.cpu_offload=true", "train.steps=12"])
-    check.train(run)
-    losses = [r["loss"] for r in metrics(run)]
-    finite = all(loss == loss and abs(loss) != float("inf") for loss in losses)
-    rate = statistics.median(r["tokens_per_s"] for r in steady(run))
-    return [f"FSDP2 fp16 + ShardedGradScaler + pinned CPU offload: {len(losses)} steps, loss {losses[0]:.3f} -> "
-            f"{losses[-1]:.3f} ({'finite' if finite else 'NOT FINITE'}), {rate:,.0f} tokens/s"]
-
-
-def write_site_draft(check: Check, path: Path) -> None:
-    """This machine as a site draft with the measured MFU (hpc.core.site_draft); says why when there is none."""
-    from hpc.core.site import parse_site
-    from hpc.core.site_draft import write_draft
-
-    if check.planner_mfu is None:
-        print(f"site draft: not written (no throughput run measured an MFU): {path}", flush=True)
-        return
-    site = parse_site(site_doc(check.gpu, check.memory_gb), "gpu-check", "<gpu_check>")
-    drafted = write_draft(path, site, *check.planner_mfu)
-    print(f"site draft: {path}: node.mfu = {drafted.node.mfu} ({drafted.node.mfu_source})", flush=True)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget-s", type=float, default=480.0)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--only", default=",".join(PARTS))
-    parser.add_argument("--site-draft", type=Path, default=None,
-                        help="write this machine's site profile draft with the measured node.mfu here")
-    args = parser.parse_args()
+def sync_row(ctx: Ctx, t, batches) -> dict:
+    """Three steady steps under CUDA's sync detector: any host sync raises."""
     import torch
 
-    if not torch.cuda.is_available():
-        print("skipped: no GPU (torch.cuda.is_available() is False)")
-        return 0
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="hpcx-gpu-check-") as tmp:
-        check = Check(Path(tmp), args.budget_s, args.steps)
-        print(f"{check.gpu}, {check.memory_gb:.0f} GB, bf16 peak {peak_tflops(check.gpu) or 'unknown'} TFLOP/s; "
-              f"torch {torch.__version__}; budget {args.budget_s:.0f} s", flush=True)
-        parts = {"throughput": [lambda: throughput(check, "350m", 8), lambda: throughput(check, "1.3b", 8)],
-                 "sync": [lambda: sync_cost(check)], "fsdp": [lambda: fsdp_resume(check)],
-                 "fp16": [lambda: fp16_offload(check)]}
-        for name in args.only.split(","):
-            for part in parts[name]:
-                if check.left() < 45:
-                    print(f"{name}: skipped (the {args.budget_s:.0f} s budget is spent)", flush=True)
-                    continue
-                try:
-                    for line in part():
-                        print(f"{name}: {line}", flush=True)
-                except Exception as exc:  # report and go on: one broken part must not hide the others
-                    print(f"{name}: FAILED: {str(exc)[-800:]}", flush=True)
-        if args.site_draft is not None:
-            write_site_draft(check, args.site_draft)
-    print(f"wall {time.monotonic() - start:.0f} s")
-    return 0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            one_step(t, batches)
+            ctx.check("the sync-checked steps")
+    except RuntimeError as exc:
+        return row("throughput", "steady steps under set_sync_debug_mode('error')", str(exc).splitlines()[0][:300],
+                   "MISSED")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return row("throughput", "steady steps under set_sync_debug_mode('error')", "3 steps, no host sync", "ok")
+
+
+def flight_recorder_row() -> dict:
+    """One on-demand flight-recorder dump: the collectives of the steps must be in it."""
+    import pickle
+
+    import torch
+    import torch.distributed as dist
+
+    from hpc import compat
+
+    dist.all_reduce(torch.ones(1, device="cuda"))
+    torch.cuda.synchronize()
+    entries = pickle.loads(compat.dump_flight_recorder()).get("entries", [])
+    names = sorted({e.get("profiling_name", "?") for e in entries})[:4]
+    return row("throughput", "flight-recorder dump", f"{len(entries)} entries ({', '.join(names)})",
+               "ok" if entries else "MISSED")
+
+
+# ---------------------------------------------------------------- 2. preempt and resume; staging
+
+
+def resume_overrides(ctx: Ctx) -> list[str]:
+    """FSDP2, async saves every 5 steps, dropout on (the device RNG must resume too), 30 steps: long enough
+    that the USR2 sent once step 4 is logged lands well before the end, even where a step takes milliseconds."""
+    size = ["model.size='small'", "model.seq_len=256", "train.micro_batch=4", "train.global_batch=4"]
+    if ctx.device.type != "cuda":
+        size = ["model.size='tiny'", "train.micro_batch=2", "train.global_batch=2"]
+    return [*size, "parallel.strategy='fsdp'", "model.dropout=0.1", "checkpoint.async_save=true",
+            "checkpoint.interval_steps=5", "train.steps=30"]
+
+
+def trainer_process(ctx: Ctx, run_dir: Path, usr2_at: int | None = None) -> int:
+    """``python -m trainer RUN`` as a user runs it; with ``usr2_at``, USR2 once that step is logged.
+    Killed (and the part failed) at the part's deadline."""
+    with open(run_dir / "logs" / "stdout.txt", "a") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", str(run_dir)], stdout=log,
+                                stderr=subprocess.STDOUT, cwd=ctx.out)
+    try:
+        while proc.poll() is None:
+            if usr2_at is not None and logged_steps(run_dir) and logged_steps(run_dir)[-1] >= usr2_at:
+                proc.send_signal(signal.SIGUSR2)
+                usr2_at = None
+            if ctx.left() <= 0:
+                raise TimeoutError(f"{run_dir.name}: the trainer outlived the part's deadline")
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in metrics(run_dir)]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def part_resume(ctx: Ctx) -> list[dict]:
+    reference, resumed = (make_run(ctx, name, resume_overrides(ctx)) for name in ("uninterrupted", "resumed"))
+    codes = [trainer_process(ctx, reference), trainer_process(ctx, resumed, usr2_at=4)]
+    stop = ledger(resumed)[-1]
+    codes.append(trainer_process(ctx, resumed))
+    starts = [e for e in ledger(resumed) if e.get("event") == "start"]
+    if any(codes) or stop.get("reason") != "preempted" or len(starts) != 2:
+        return [row("resume", "preempted and resumed", f"exit codes {codes}, stop {stop}", "FAILED")]
+    return [losses_row(reference, resumed, int(starts[-1]["step"])), state_row(reference, resumed)]
+
+
+def ledger(run_dir: Path) -> list[dict]:
+    path = run_dir / "ledger.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def losses_row(reference: Path, resumed: Path, step: int) -> dict:
+    """The logged loss and grad norm of every step after the resume, against the uninterrupted run."""
+    ref = {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(reference)}
+    after = {r["step"]: (r["loss"], r["grad_norm"]) for r in metrics(resumed) if r["step"] > step}
+    same = bool(after) and all(ref.get(s) == v for s, v in after.items())
+    worst = max((abs(ref[s][0] - v[0]) for s, v in after.items() if s in ref), default=float("nan"))
+    return row("resume", f"USR2 at step {step}, a fresh process: steps {min(after, default=0)}-"
+               f"{max(after, default=0)}", "losses and grad norms bit for bit" if same else
+               f"differ (largest loss difference {worst:.3g})", "ok" if same else "MISSED")
+
+
+def state_row(reference: Path, resumed: Path) -> dict:
+    """The final checkpoints' model and optimizer tensors (every step after the resume included)."""
+    import torch
+
+    from hpc.ckpt.dcp import DcpReader
+    from trainer.checkpoint import latest_checkpoint
+
+    a, b = DcpReader(latest_checkpoint(reference)), DcpReader(latest_checkpoint(resumed))
+    keys = sorted(k for k in a.entries if k.startswith(("model.", "optim.")))
+    differ = [k for k in keys if not _same(a.read(k), b.read(k), torch)]
+    a.close()
+    b.close()
+    return row("resume", "final model + optimizer state", f"{len(keys)} entries, {len(differ)} differ "
+               f"{differ[:3] if differ else ''}".strip(), "ok" if keys and not differ else "MISSED")
+
+
+def _same(x, y, torch) -> bool:
+    if isinstance(x, torch.Tensor):
+        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and torch.equal(x, y)
+    return x == y
+
+
+def part_staging(ctx: Ctx) -> list[dict]:
+    """Async saves with no process group, each right after in-place updates still queued on the GPU."""
+    import torch
+    from torch import nn
+
+    from hpc.ckpt.dcp import DcpReader
+    from trainer.checkpoint import save_checkpoint, wait_pending, wait_staged
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(ctx.device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(64, 1024, device=ctx.device)).square().mean().backward()
+    optimizer.step()
+    differ, saves = 0, 3
+    for step in range(1, saves + 1):
+        keep_gpu_busy(ctx.device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)  # the step that is still running when the save starts
+        path = save_checkpoint(ctx.out / "staging", step, model, optimizer, None, {"tokens_seen": 0},
+                               keep=2, async_save=True)
+        wait_staged()
+        live = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        wait_pending()
+        reader = DcpReader(path)
+        differ += sum(not torch.equal(reader.read(f"model.{k}"), v) for k, v in live.items())
+        reader.close()
+        ctx.check("the staging saves")
+    return [row("staging", f"async save without a process group ({ctx.device.type}), {saves} saves",
+                f"{differ} of {saves * len(live)} saved tensors differ from the live ones",
+                "ok" if not differ else "MISSED")]
+
+
+def keep_gpu_busy(device) -> None:
+    """Queue ~0.1 s of matmuls, so that the next kernels run well after the host moved on."""
+    import torch
+
+    if device.type != "cuda":
+        return
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(50):
+        b = a @ a
+    del a, b
+
+
+# ---------------------------------------------------------------- 3. strategies agree
+
+
+STRATEGIES = (("none", "full_shard"), ("ddp", "full_shard"), ("fsdp", "full_shard"), ("fsdp", "no_shard"))
+
+
+def part_strategies(ctx: Ctx) -> list[dict]:
+    """The same seed, 5 steps of grad_accum 2 in fp32, under each strategy at world size 1."""
+    from trainer.loop import TrainState, train
+
+    losses, states = {}, {}
+    for strategy, sharding in STRATEGIES:
+        name = strategy if sharding == "full_shard" else f"{strategy}-{sharding}"
+        run_dir = make_run(ctx, name, [
+            "train.steps=5", "train.global_batch=4", "train.micro_batch=2", "parallel.mixed_precision='none'",
+            f"parallel.strategy={strategy!r}", f"parallel.sharding={sharding!r}", "train.seed=7"])
+        t = build(ctx, run_dir)
+        states[name] = full_state(t.model)
+        losses[name] = train(t, TrainState())["losses"]
+        ctx.check(f"strategy {name}")
+    same_init = [n for n in states if not same_state(states["none"], states[n])]
+    worst = max(abs(a - b) for n in losses for a, b in zip(losses[n], losses["none"]))
+    return [row("strategies", "identical initial weights", ", ".join(states) if not same_init else
+                f"differ: {same_init}", "ok" if not same_init else "MISSED"),
+            row("strategies", "5 steps, grad_accum 2: losses agree", f"largest difference from none {worst:.2e} "
+                "(≤ 1e-3)", "ok" if worst <= 1e-3 and all(len(v) == 5 for v in losses.values()) else "MISSED")]
+
+
+def full_state(model) -> dict:
+    """The whole (unsharded) model state on the CPU, by its wrapper-free names."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def same_state(a: dict, b: dict) -> bool:
+    import torch
+
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- 4. CPU offload
+
+
+def part_offload(ctx: Ctx) -> list[dict]:
+    """FSDP2 with and without CPU offload, bf16 and fp16, fused and multi-tensor AdamW: 4 steps each."""
+    rows = []
+    for precision in ("bf16", "fp16"):
+        for fused in (True, False):
+            rows.append(offload_row(ctx, precision, fused))
+            ctx.check(f"offload {precision}")
+    return rows
+
+
+def offload_row(ctx: Ctx, precision: str, fused: bool) -> dict:
+    kind = "fused" if fused else "multi-tensor"
+    try:
+        plain, _, _ = offload_run(ctx, precision, fused, offload=False)
+        losses, step_s, pinned = offload_run(ctx, precision, fused, offload=True)
+    except RuntimeError as exc:
+        known = precision == "fp16" and fused and "broadcast shape" in str(exc)
+        return row("offload", f"{precision}, {kind} AdamW", ("fails as documented in trainer.optim (ShardedGradScaler"
+                   "'s found_inf); the trainer uses multi-tensor" if known else str(exc)[:300]),
+                   "ok" if known else "FAILED")
+    worst = max(abs(a - b) for a, b in zip(losses, plain))
+    good = pinned and worst <= 1e-3 and len(losses) == len(plain) == 4
+    return row("offload", f"{precision}, {kind} AdamW", f"pinned: {pinned}; losses vs no offload: largest "
+               f"difference {worst:.2e}; step {1000 * step_s:.0f} ms", "ok" if good else "MISSED")
+
+
+def offload_run(ctx: Ctx, precision: str, fused: bool, offload: bool) -> tuple[list[float], float, bool]:
+    """(losses, median step seconds, every parameter in pinned host memory) of one 4-step run."""
+    from trainer.loop import TrainState, train
+    from trainer.run import load_run
+
+    name = f"offload-{precision}-{'fused' if fused else 'multi'}-{'on' if offload else 'off'}"
+    run_dir = make_run(ctx, name, offload_overrides(precision, offload))
+    t = build(ctx, run_dir)
+    with_optimizer(t, fused, load_run(run_dir).spec.train)
+    pinned = all(p.to_local().is_pinned() for p in t.model.parameters()) if offload else True
+    result = train(t, TrainState())
+    return result["losses"], result["step_time_s"], pinned
+
+
+def offload_overrides(precision: str, offload: bool) -> list[str]:
+    """FSDP2 (world size 1) of the 125m GPT for 4 steps, with or without CPU offload."""
+    return ["model.size='125m'", "model.seq_len=256", "train.micro_batch=4", "train.global_batch=4", "train.steps=4",
+            "parallel.strategy='fsdp'", f"parallel.mixed_precision={precision!r}",
+            f"parallel.cpu_offload={str(offload).lower()}"]
+
+
+def with_optimizer(t, fused: bool, train_spec) -> None:
+    """The trainer's AdamW as the fused or the multi-tensor kernel: same groups, settings and schedule."""
+    import torch
+
+    from trainer.optim import build_scheduler
+
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in t.optimizer.param_groups]
+    t.optimizer = torch.optim.AdamW(groups, lr=train_spec.lr, betas=tuple(train_spec.betas), fused=fused,
+                                    foreach=None if fused else True)
+    t.scheduler = build_scheduler(t.optimizer, train_spec)
+
+
+# ---------------------------------------------------------------- 5. pytest -m gpu
+
+
+def part_pytest(ctx: Ctx) -> list[dict]:
+    """``pytest -m gpu tests/gpu`` (but not the test that runs this check's parts again), for as long as
+    the part's deadline allows: stopped there, the tests that ran are counted."""
+    import importlib.util
+
+    item = "pytest -m gpu tests/gpu"
+    if importlib.util.find_spec("pytest") is None:
+        return [row("pytest", item, f"pytest is not importable: carry {DEPS.name}/ "
+                    f"(python -m pip install --target {DEPS.name} pytest submitit click)", "unchecked")]
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q", "-rfE", "-p", "no:cacheprovider",
+           "--ignore=tests/gpu/test_check_parts.py", f"--basetemp={ctx.out / 'pytest'}"]
+    log = ctx.out / "pytest.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = proc.wait(timeout=max(1.0, ctx.left() - 10))
+    except subprocess.TimeoutExpired:
+        stop_pytest(proc)
+        passed, failed, skipped = progress_counts(log.read_text(errors="replace"))
+        return [row("pytest", item, f"stopped at the deadline: {passed} passed, {failed} failed, {skipped} skipped "
+                    "so far", "FAILED" if failed else "skipped")]
+    summary = (log.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
+    return [row("pytest", item, summary[:300], "ok" if code == 0 else "FAILED")]
+
+
+def stop_pytest(proc: subprocess.Popen) -> None:
+    """SIGTERM pytest's group (its torchrun agents then stop their workers), SIGKILL after GRACE_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            proc.wait(timeout=GRACE_S)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
+
+
+def progress_counts(text: str) -> tuple[int, int, int]:
+    """(passed, failed or errors, skipped) from pytest -q's progress characters so far."""
+    marks = "".join(line.split("[")[0].strip() for line in text.splitlines()
+                    if line.rstrip().endswith("%]") or set(line.strip()) <= set(".FEsx"))
+    return marks.count("."), marks.count("F") + marks.count("E"), marks.count("s")
+
+
+CHILD_PARTS = {"probe": part_probe, "throughput": part_throughput, "resume": part_resume, "staging": part_staging,
+               "strategies": part_strategies, "offload": part_offload, "pytest": part_pytest}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

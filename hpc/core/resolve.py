@@ -162,6 +162,10 @@ def _check_dp(spec: JobSpec, site: SiteProfile, tpn: int) -> list[str]:
         gpus = f"all {site.node.gpus} GPUs" if site.node.gpus else "the node"
         errors.append(f"`parallel.strategy` = 'dp' (nn.DataParallel) runs one process driving {gpus}, but "
                       f"`job.tasks_per_node` = {tpn}: set it to 1 (or leave it 0), or use ddp (one process per GPU)")
+    if site.node.gpus > 1 and spec.parallel.compile:
+        errors.append(f"`parallel.compile` = true with strategy 'dp' on {site.node.gpus} GPUs: torch.compile binds "
+                      "to the original module, so DataParallel's replicas would run cuda:0's weights on the other "
+                      "GPUs' inputs; use strategy 'ddp' (or compile = false)")
     if site.node.gpus > 1 and spec.train.micro_batch % site.node.gpus:
         errors.append(f"`parallel.strategy` = 'dp' splits each micro batch over the node's {site.node.gpus} GPUs, "
                       f"but `train.micro_batch` = {spec.train.micro_batch} is not divisible by {site.node.gpus}")

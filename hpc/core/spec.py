@@ -111,6 +111,8 @@ class Train:
     log_every: int = field(10, doc="Write a metrics line every N steps (reading the loss waits for the GPU: "
                            "the steps in between never do).", minimum=1)
     warmup_metrics_steps: int = field(2, doc="Leading steps left out of throughput summaries.", minimum=0)
+    gc_every: int = field(50, doc="Python's automatic garbage collection is off during training; every rank "
+                          "collects after every N-th step, together (0: Python's automatic collector).", minimum=0)
 
 
 @dataclass

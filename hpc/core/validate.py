@@ -240,7 +240,19 @@ def check_nccl(table: dict[str, tp.Any]) -> list[str]:
         elif isinstance(value, str) and (kind := secret_value_kind(value)):
             errors.append(f"`{path}` holds what looks like {kind}: a site profile's [nccl] values are "
                           "written into every job script")
+        else:
+            errors += check_pinned_env(path, key, value)
     return errors
+
+
+def check_pinned_env(path: str, key: str, value: tp.Any) -> list[str]:
+    """Values the trainer depends on: ``GLOO_SOCKET_IFNAME`` takes interface names only (gloo has no
+    ``^`` exclusions: ``^lo,docker`` would name an interface called "^lo"). (``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+    is pinned to 3 by the trainer itself, which warns when it overrides another value.)"""
+    if key == "GLOO_SOCKET_IFNAME" and (not str(value).strip() or str(value).lstrip().startswith("^")):
+        return [f"`{path}` = {value!r}: expected interface names (e.g. 'eth0' or 'ib0,ib1'); gloo takes no "
+                "'^' exclusions as NCCL_SOCKET_IFNAME does"]
+    return []
 
 
 # --------------------------------------------------------------------------------------------- secrets
