@@ -393,12 +393,14 @@ def site_show(name: str, as_json: bool) -> None:
 def _register_commands() -> None:
     """Commands that live in their own modules (each torch-free at import)."""
     from hpc.ckpt.cli import ckpt_group
+    from hpc.data.cli import data_group
     from hpc.plan_cli import detect_command, plan_command
     from hpc.scale_cli import scale_group
 
     cli.add_command(plan_command, "plan")
     cli.add_command(ckpt_group, "ckpt")
     cli.add_command(scale_group, "scale")
+    cli.add_command(data_group, "data")
     site.add_command(detect_command, "detect")
 
 

@@ -1,0 +1,224 @@
+"""``hpcx data prepare``: inputs → groups → token shards → ``manifest.json``.
+
+The plan (inputs in sorted order, their sizes, the groups, the tokenizer and the options) is
+decided once and written to ``DIR/.prepare/plan.json``. Each group of inputs is tokenized on its
+own (``run_group``: by a worker process, or by one Slurm array task) into shards named after the
+group, and finished by an atomic ``group-GGGGG.json``; ``merge`` then writes the manifest from the
+finished groups in order. So the output does not depend on the number of workers or on where a
+group ran, and a preparation killed and started again redoes only the unfinished groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hpc.data.inputs import BadInput, Format, expand_inputs, read_documents
+from hpc.data.shards import SPLITS, ShardWriter
+from hpc.data.tokenizer import describe_tokenizer, load_tokenizer
+from hpc.errors import UserError
+from hpc.runs import write_json
+
+STATE = ".prepare"
+MANIFEST = "manifest.json"
+BATCH_DOCS = 512  # documents per encode_batch call
+KEPT_EXAMPLES = 10  # skipped documents named in the manifest
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything besides the inputs that decides the output bytes."""
+
+    fmt: Format = Format()
+    val_fraction: float = 0.0
+    shard_tokens: int = 1 << 26
+    group_bytes: int = 256 << 20
+    errors: str = "raise"  # raise | skip
+    eos: str | None = None
+
+
+def make_plan(inputs: tp.Sequence[str], tokenizer: str, options: Options) -> dict[str, tp.Any]:
+    """The plan of a preparation as plain JSON: nothing in it depends on where it runs."""
+    if not 0 <= options.val_fraction < 1:
+        raise UserError([f"--val-fraction {options.val_fraction}: expected a fraction in [0, 1)"])
+    files = expand_inputs(inputs)
+    sizes = [f.stat().st_size for f in files]
+    info = describe_tokenizer(tokenizer, options.eos)
+    return {"version": 1, "inputs": [{"path": str(f), "bytes": n} for f, n in zip(files, sizes)],
+            "groups": group_inputs(sizes, options.group_bytes), "tokenizer": info.to_dict(), "dtype": info.dtype,
+            "format": dataclasses.asdict(options.fmt), "val_fraction": options.val_fraction,
+            "shard_tokens": options.shard_tokens, "errors": options.errors}
+
+
+def group_inputs(sizes: tp.Sequence[int], group_bytes: int) -> list[list[int]]:
+    """Consecutive inputs, a group closed once it holds ``group_bytes`` (a big file is a group alone)."""
+    groups: list[list[int]] = [[]]
+    held = 0
+    for i, size in enumerate(sizes):
+        if groups[-1] and held + size > group_bytes:
+            groups.append([])
+            held = 0
+        groups[-1].append(i)
+        held += size
+    return groups
+
+
+def start(out: Path, plan: dict) -> None:
+    """Create ``out`` and record the plan; an existing plan must be the same one (then it resumes)."""
+    state = out / STATE
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "plan.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != plan:
+            key = next((k for k in plan if old.get(k) != plan[k]), "version")
+            raise UserError([f"{out}: prepared before with other {key} ({path}): expected the same inputs, "
+                             "tokenizer and options to resume; use another --out or delete it"])
+        return
+    write_json(path, plan)
+
+
+def group_record_path(out: Path, group: int) -> Path:
+    return out / STATE / f"group-{group:05d}.json"
+
+
+def pending_groups(out: Path, plan: dict) -> list[int]:
+    """Groups without a finished record."""
+    return [g for g in range(len(plan["groups"])) if not group_record_path(out, g).is_file()]
+
+
+def in_val(segments: list[tuple[str, bool]], fraction: float) -> bool:
+    """The split of a document, from a hash of its text: the same wherever and in whatever order it is
+    read, and a duplicate lands on the same side as its original."""
+    if fraction <= 0:
+        return False
+    h = hashlib.blake2b(digest_size=8, person=b"hpcx-val")
+    for text, counted in segments:
+        h.update(b"\x01" if counted else b"\x00")
+        h.update(text.encode("utf-8"))
+    return int.from_bytes(h.digest(), "big") < fraction * 2.0 ** 64
+
+
+class Skipped:
+    """Documents left out under ``--errors=skip``: how many, and the first few by name."""
+
+    def __init__(self, mode: str):
+        self.mode, self.count, self.first = mode, 0, []
+
+    def add(self, bad: BadInput) -> None:
+        if self.mode != "skip":
+            raise bad
+        self.count += 1
+        if len(self.first) < KEPT_EXAMPLES:
+            self.first.append(str(bad))
+
+    def to_dict(self) -> dict[str, tp.Any]:
+        return {"count": self.count, "first": self.first}
+
+
+def run_group(out: Path, plan: dict, group: int, report: tp.Callable[[int, int], None] | None = None) -> dict:
+    """Tokenize one group into its shards and write its record; returns the record."""
+    tok = _plan_tokenizer(plan)
+    fmt = Format(**plan["format"])
+    masked = fmt.kind == "prompt-response"
+    writers = {s: ShardWriter(out, s, group, plan["dtype"], plan["shard_tokens"], masked) for s in SPLITS}
+    skipped = Skipped(plan["errors"])
+    report = report or (lambda nbytes, tokens: None)
+    for i in plan["groups"][group]:
+        _tokenize_file(Path(plan["inputs"][i]["path"]), plan, tok, writers, skipped, report)
+    for w in writers.values():
+        w.flush()
+    record = {"group": group, "splits": {s: w.shards for s, w in writers.items()}, "skipped": skipped.to_dict()}
+    write_json(group_record_path(out, group), record)
+    return record
+
+
+def _plan_tokenizer(plan: dict) -> tp.Any:
+    """The plan's tokenizer, refused if its file changed since the plan was made."""
+    info = describe_tokenizer(plan["tokenizer"]["path"], plan["tokenizer"]["eos_token"])
+    if info.sha256 != plan["tokenizer"]["sha256"]:
+        raise UserError([f"{info.path}: changed since this preparation started (sha256 {info.sha256[:12]}…, "
+                         f"planned {plan['tokenizer']['sha256'][:12]}…): expected the same tokenizer"])
+    return load_tokenizer(info.path)
+
+
+def _tokenize_file(path: Path, plan: dict, tok: tp.Any, writers: dict, skipped: Skipped,
+                   report: tp.Callable[[int, int], None]) -> None:
+    """All documents of one input, in batches of ``BATCH_DOCS``; an input without any is bad input."""
+    batch: list[list[tuple[str, bool]]] = []
+    documents, bad, read = 0, 0, 0
+    for where, doc, pos in read_documents(path, Format(**plan["format"])):
+        if isinstance(doc, BadInput):
+            skipped.add(doc)
+            bad += 1
+            continue
+        batch.append(doc)
+        documents += 1
+        if len(batch) >= BATCH_DOCS:
+            report(pos - read, _encode(tok, batch, plan, writers))
+            batch, read = [], pos
+    report(plan_size(plan, path) - read, _encode(tok, batch, plan, writers) if batch else 0)
+    if documents == 0 and bad == 0:
+        skipped.add(BadInput(str(path), "no documents (an empty input): expected at least one"))
+
+
+def plan_size(plan: dict, path: Path) -> int:
+    return next(i["bytes"] for i in plan["inputs"] if i["path"] == str(path))
+
+
+def _encode(tok: tp.Any, batch: list[list[tuple[str, bool]]], plan: dict, writers: dict) -> int:
+    """Encode a batch of documents (every segment in one ``encode_batch``), add each with its EOS to its
+    split's writer; returns the tokens written."""
+    texts = [text for doc in batch for text, _ in doc]
+    encoded = iter(tok.encode_batch(texts, add_special_tokens=False))
+    eos, total = plan["tokenizer"]["eos_id"], 0
+    for doc in batch:
+        parts = [np.asarray(next(encoded).ids, dtype=np.int64) for _ in doc]
+        tokens = np.concatenate(parts + [np.array([eos], dtype=np.int64)])
+        mask = np.concatenate([np.full(len(p), counted, dtype=np.uint8) for p, (_, counted) in zip(parts, doc)]
+                              + [np.ones(1, dtype=np.uint8)])
+        writers["val" if in_val(doc, plan["val_fraction"]) else "train"].add(tokens, mask)
+        total += len(tokens)
+    return total
+
+
+def merge(out: Path) -> dict:
+    """Write ``manifest.json`` from the plan and every finished group, in group order."""
+    plan = json.loads((out / STATE / "plan.json").read_text())
+    missing = pending_groups(out, plan)
+    if missing:
+        raise UserError([f"{out}: groups {missing[:10]} of {len(plan['groups'])} are not finished: "
+                         "expected every group before the merge (run prepare again to finish them)"])
+    records = [json.loads(group_record_path(out, g).read_text()) for g in range(len(plan["groups"]))]
+    manifest = manifest_of(plan, records)
+    write_json(out / MANIFEST, manifest)
+    return manifest
+
+
+def manifest_of(plan: dict, records: list[dict]) -> dict:
+    """The manifest: the tokenizer, dtype, inputs and options, and per split its shards and totals."""
+    splits = {}
+    for s in SPLITS:
+        shards = [dict(shard, group=r["group"]) for r in records for shard in r["splits"][s]]
+        splits[s] = {"tokens": sum(x["tokens"] for x in shards), "documents": sum(x["documents"] for x in shards),
+                     "shards": shards}
+    skipped = [r["skipped"] for r in records]
+    tokenizer = plan["tokenizer"]
+    return {"format": "hpcx-tokens", "version": 1, "tokenizer": tokenizer, "vocab_size": tokenizer["vocab_size"],
+            "eos_id": tokenizer["eos_id"], "dtype": plan["dtype"], "masked": plan["format"]["kind"] != "text",
+            "document_format": plan["format"], "inputs": plan["inputs"], "groups": plan["groups"],
+            "val_fraction": plan["val_fraction"], "shard_tokens": plan["shard_tokens"], "splits": splits,
+            "skipped": {"count": sum(x["count"] for x in skipped),
+                        "first": [m for x in skipped for m in x["first"]][:KEPT_EXAMPLES]}}
+
+
+def cpu_workers(requested: int) -> int:
+    """``--workers 0``: one per CPU this process may use."""
+    return requested if requested > 0 else max(1, len(os.sched_getaffinity(0)))
