@@ -149,8 +149,10 @@ def format_result(result: tp.Any) -> str:
     losses = result.get("losses") or [result["final_loss"]]
     rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
     stop = " (stopped for a preemption)" if result.get("preempted") else ""
+    evaluated = (f", eval loss {result['eval_loss']:.4f} (perplexity {result['eval_perplexity']:.2f})"
+                 if result.get("eval_loss") is not None else "")
     return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate} "
-            f"(median after warm-up), {result['world_size']} ranks, {result['strategy']}")
+            f"(median after warm-up){evaluated}, {result['world_size']} ranks, {result['strategy']}")
 
 
 def run_roots() -> list[Path]:
@@ -202,6 +204,8 @@ def format_status(info: dict) -> str:
     ledger = info["ledger"]
     return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
             f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
+            + (f"  eval loss {info['eval_loss']:.4f} (perplexity {info['eval_perplexity']:.2f})"
+               if info.get("eval_loss") is not None else "")
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
                f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else ""))
 

@@ -86,6 +86,10 @@ class PhaseClock:
         self.totals[phase] += now - self.last
         self.last = now
 
+    def skip(self) -> None:
+        """Charge the time since the last lap to no phase (an evaluation, which has its own record)."""
+        self.last = time.perf_counter()
+
     def take(self, steps: int) -> dict[str, float]:
         """Seconds per step of each phase since the last ``take``; starts a new window."""
         window = {name: seconds / steps for name, seconds in self.totals.items()}

@@ -136,3 +136,38 @@ def describe(manifest: dict) -> str:
 
 def summary_json(manifest: dict) -> str:
     return json.dumps({s: {"tokens": m["tokens"], "documents": m["documents"]} for s, m in manifest["splits"].items()})
+
+
+def check_prepared(path: Path, seq_len: int, vocab: int, label: str) -> list[str]:
+    """``data.source`` (or ``data.val_source``) naming a folder or a manifest.json: ``check_source``."""
+    manifest = manifest_path(path)
+    if manifest is None:
+        what = "a directory without manifest.json" if path.is_dir() else "no such file"
+        return [f"{label}: {what}: expected a folder made by `hpcx data prepare`, its manifest.json, or a "
+                "regular file of tokens"]
+    return check_source(manifest, seq_len, vocab, label)
+
+
+def check_validation(data: tp.Any, train: tp.Any, seq_len: int, vocab: int) -> tuple[list[str], str]:
+    """(problems, absolute ``data.val_source``): a named folder is checked like ``data.source``; with
+    ``train.eval_every`` there must be something to evaluate on."""
+    source = data.val_source
+    if source and source != "none":
+        from hpc.errors import ConfigError
+        from hpc.validate import expand_path
+
+        try:
+            path = expand_path(source if source.startswith(("/", "~", "$")) else str(Path.cwd() / source),
+                               f"`data.val_source` = {source!r}")
+        except ConfigError as exc:
+            return exc.messages, source
+        problems = check_prepared(path, seq_len, vocab, f"`data.val_source` = {source!r}")
+        return problems, str(path)
+    if not train.eval_every or source == "none":
+        return [], source
+    manifest = manifest_path(data.source) if data.source != "synthetic" else None
+    if manifest is None or longest_shard(load_manifest(manifest), "val") < seq_len + 1:
+        return [f"`train.eval_every` = {train.eval_every}: no validation split to evaluate on: expected "
+                "`data.source` prepared with --val-fraction (a val shard of seq_len + 1 tokens), or a "
+                "`data.val_source`"], source
+    return [], source
