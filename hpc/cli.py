@@ -398,6 +398,7 @@ def _register_commands() -> None:
     """Commands that live in their own modules (each torch-free at import)."""
     from hpc.ckpt.cli import ckpt_group
     from hpc.data.cli import data_group
+    from hpc.plot import plot_command
     from hpc.plan_cli import detect_command, plan_command
     from hpc.scale_cli import scale_group
 
@@ -405,6 +406,7 @@ def _register_commands() -> None:
     cli.add_command(ckpt_group, "ckpt")
     cli.add_command(scale_group, "scale")
     cli.add_command(data_group, "data")
+    cli.add_command(plot_command, "plot")
     site.add_command(detect_command, "detect")
 
 

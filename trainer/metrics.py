@@ -125,7 +125,9 @@ class MetricsWriter:
 def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
+    except ImportError:  # tensorboard is optional: say so once (only rank 0 opens a writer)
+        log.info("TensorBoard is not installed: no event files are written (metrics.jsonl has every value; "
+                 "`hpcx plot RUN` draws them; pip install 'hpcx[tensorboard]' for event files)")
         return None
     return SummaryWriter(str(run_dir / "tensorboard"))
 

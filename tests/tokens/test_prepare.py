@@ -175,3 +175,19 @@ def test_missing_tokenizer_and_missing_input(tmp_path, corpus):
     assert code == 2 and "no such file: expected a Hugging Face tokenizer.json" in out
     code, out = run_prepare(str(tmp_path / "nothing"), "--tokenizer", "x", "--out", str(tmp_path / "o"))
     assert code == 2 and "no such file or folder" in out
+
+
+def test_data_commands_import_no_torch(tmp_path, corpus, tokenizer):
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from hpc.cli import cli; "
+            f"r = CliRunner().invoke(cli, ['data', 'prepare', {str(corpus)!r}, '--tokenizer', {str(tokenizer)!r}, "
+            f"'--out', {str(tmp_path / 'o')!r}]); assert r.exit_code == 0, r.output; "
+            f"r = CliRunner().invoke(cli, ['data', 'verify', {str(tmp_path / 'o')!r}]); assert r.exit_code == 0; "
+            "from hpc.spec import load_spec; "
+            f"load_spec('jobs/tiny-ddp.toml', [\"data.source='{tmp_path / 'o'}'\", 'model.vocab_size=640']); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().endswith("False")
