@@ -32,11 +32,13 @@ def data_group() -> None:
 @click.option("--errors", "errors", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
               help="skip: leave out bad documents, count them and name the first ones.")
 @click.option("--eos", default=None, help="The end-of-document token (default: the tokenizer's).")
-@click.option("--site", "site_name", default=None, metavar="NAME|PATH", help="Run as a Slurm job array on this site.")
+@click.option("--site", "site_name", default=None, metavar="NAME|PATH",
+              help="Run as a Slurm job array on this site (one task per group), then a merge job.")
+@click.option("--wait", is_flag=True, help="With --site: block until the merge job wrote the manifest.")
 @json_option
 def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str, text_key: str, prompt_key: str,
                     response_key: str, messages_key: str, val_fraction: float, workers: int, shard_tokens: int,
-                    group_bytes: int, errors: str, eos: str | None, site_name: str | None, as_json: bool) -> None:
+                    group_bytes: int, errors: str, eos: str | None, site_name: str | None, wait: bool, as_json: bool) -> None:
     """Tokenize INPUT… (.txt, .jsonl, .parquet; .gz/.zst; folders and globs) into token shards and a
     manifest.json in --out; a killed run started again continues where it was."""
     from hpc.data.inputs import Format
@@ -49,12 +51,24 @@ def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str
     out_dir = Path(out).resolve()
     start(out_dir, plan)
     if site_name:
-        from hpc.data.array import submit_array
-
-        click.echo(submit_array(out_dir, plan, site_name))
+        _submit_array(out_dir, plan, site_name, wait)
         return
     manifest = run_local(out_dir, plan, workers)
     _report(out_dir, manifest, as_json)
+
+
+def _submit_array(out: Path, plan: dict, site_name: str, wait: bool) -> None:
+    from hpc.data.array import submit_array, wait_for_manifest
+
+    jobs = submit_array(out, plan, site_name)
+    if jobs is None:
+        click.echo(f"{out / 'manifest.json'}: already prepared")
+        return
+    click.echo(f"submitted job array {jobs[0]} ({len(plan['groups'])} groups) and merge job {jobs[1]}; "
+               f"logs in {out / '.prepare' / 'logs'}")
+    if wait:
+        wait_for_manifest(out, jobs[1], timeout_s=7 * 24 * 3600)
+        click.echo(f"{out / 'manifest.json'}: written by job {jobs[1]}")
 
 
 def _positive(name: str, value: int) -> int:
