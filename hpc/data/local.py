@@ -4,6 +4,7 @@ spawned processes, with one progress line fed by all of them."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import typing as tp
 from pathlib import Path
@@ -14,9 +15,11 @@ from hpc.data.progress import Progress
 _QUEUE: tp.Any = None  # the progress queue of a worker process
 
 
-def _init_worker(q: tp.Any) -> None:
+def _init_worker(q: tp.Any, threads: int) -> None:
+    """Before tokenizers is imported here: its thread pool takes this process's share of the CPUs."""
     global _QUEUE
     _QUEUE = q
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
 
 
 def _report(nbytes: int, tokens: int) -> None:
@@ -40,7 +43,9 @@ def run_groups(out: Path, plan: dict, workers: int, progress: Progress) -> None:
         return
     ctx = mp.get_context("spawn")  # tokenizers' thread pool does not survive a fork
     q = ctx.Queue()
-    with ctx.Pool(min(workers, len(todo)), initializer=_init_worker, initargs=(q,)) as pool:
+    procs = min(workers, len(todo))
+    threads = max(1, len(os.sched_getaffinity(0)) // procs)
+    with ctx.Pool(procs, initializer=_init_worker, initargs=(q, threads)) as pool:
         results = [pool.apply_async(_worker_group, (str(out), plan, g)) for g in todo]
         while not all(r.ready() for r in results):
             _drain(q, progress, timeout=0.2)

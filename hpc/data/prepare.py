@@ -125,14 +125,13 @@ class Skipped:
 
 def run_group(out: Path, plan: dict, group: int, report: tp.Callable[[int, int], None] | None = None) -> dict:
     """Tokenize one group into its shards and write its record; returns the record."""
-    tok = _plan_tokenizer(plan)
-    fmt = Format(**plan["format"])
-    masked = fmt.kind == "prompt-response"
+    masked = plan["format"]["kind"] == "prompt-response"
     writers = {s: ShardWriter(out, s, group, plan["dtype"], plan["shard_tokens"], masked) for s in SPLITS}
+    pending = Pending(_plan_tokenizer(plan), plan, writers, report or (lambda nbytes, tokens: None))
     skipped = Skipped(plan["errors"])
-    report = report or (lambda nbytes, tokens: None)
     for i in plan["groups"][group]:
-        _tokenize_file(Path(plan["inputs"][i]["path"]), plan, tok, writers, skipped, report)
+        _read_file(Path(plan["inputs"][i]["path"]), plan["inputs"][i]["bytes"], plan, pending, skipped)
+    pending.flush()
     for w in writers.values():
         w.flush()
     record = {"group": group, "splits": {s: w.shards for s, w in writers.items()}, "skipped": skipped.to_dict()}
@@ -149,28 +148,41 @@ def _plan_tokenizer(plan: dict) -> tp.Any:
     return load_tokenizer(info.path)
 
 
-def _tokenize_file(path: Path, plan: dict, tok: tp.Any, writers: dict, skipped: Skipped,
-                   report: tp.Callable[[int, int], None]) -> None:
-    """All documents of one input, in batches of ``BATCH_DOCS``; an input without any is bad input."""
-    batch: list[list[tuple[str, bool]]] = []
+class Pending:
+    """Documents waiting for one ``encode_batch`` (across the files of a group, so small files still
+    make full batches), and the input bytes read for them, reported once they are written."""
+
+    def __init__(self, tok: tp.Any, plan: dict, writers: dict, report: tp.Callable[[int, int], None]):
+        self.tok, self.plan, self.writers, self.report = tok, plan, writers, report
+        self.docs: list[list[tuple[str, bool]]] = []
+        self.nbytes = 0
+
+    def add(self, doc: list[tuple[str, bool]], nbytes: int) -> None:
+        self.docs.append(doc)
+        self.nbytes += nbytes
+        if len(self.docs) >= BATCH_DOCS:
+            self.flush()
+
+    def flush(self) -> None:
+        tokens = _encode(self.tok, self.docs, self.plan, self.writers) if self.docs else 0
+        self.report(self.nbytes, tokens)
+        self.docs, self.nbytes = [], 0
+
+
+def _read_file(path: Path, size: int, plan: dict, pending: Pending, skipped: Skipped) -> None:
+    """All documents of one input into ``pending``; an input without any is bad input."""
     documents, bad, read = 0, 0, 0
     for where, doc, pos in read_documents(path, Format(**plan["format"])):
         if isinstance(doc, BadInput):
             skipped.add(doc)
             bad += 1
             continue
-        batch.append(doc)
         documents += 1
-        if len(batch) >= BATCH_DOCS:
-            report(pos - read, _encode(tok, batch, plan, writers))
-            batch, read = [], pos
-    report(plan_size(plan, path) - read, _encode(tok, batch, plan, writers) if batch else 0)
+        pending.add(doc, pos - read)
+        read = pos
+    pending.nbytes += size - read
     if documents == 0 and bad == 0:
         skipped.add(BadInput(str(path), "no documents (an empty input): expected at least one"))
-
-
-def plan_size(plan: dict, path: Path) -> int:
-    return next(i["bytes"] for i in plan["inputs"] if i["path"] == str(path))
 
 
 def _encode(tok: tp.Any, batch: list[list[tuple[str, bool]]], plan: dict, writers: dict) -> int:
@@ -178,12 +190,13 @@ def _encode(tok: tp.Any, batch: list[list[tuple[str, bool]]], plan: dict, writer
     split's writer; returns the tokens written."""
     texts = [text for doc in batch for text, _ in doc]
     encoded = iter(tok.encode_batch(texts, add_special_tokens=False))
-    eos, total = plan["tokenizer"]["eos_id"], 0
+    eos, masked, total = plan["tokenizer"]["eos_id"], plan["format"]["kind"] != "text", 0
     for doc in batch:
-        parts = [np.asarray(next(encoded).ids, dtype=np.int64) for _ in doc]
-        tokens = np.concatenate(parts + [np.array([eos], dtype=np.int64)])
-        mask = np.concatenate([np.full(len(p), counted, dtype=np.uint8) for p, (_, counted) in zip(parts, doc)]
-                              + [np.ones(1, dtype=np.uint8)])
+        parts = [next(encoded).ids for _ in doc]
+        tokens = np.array([i for p in parts for i in p] + [eos], dtype=writers["train"].dtype)
+        mask = None
+        if masked:
+            mask = np.array([c for p, (_, c) in zip(parts, doc) for _ in p] + [1], dtype=np.uint8)
         writers["val" if in_val(doc, plan["val_fraction"]) else "train"].add(tokens, mask)
         total += len(tokens)
     return total

@@ -106,3 +106,28 @@ def test_training_from_a_manifest_evaluates_and_records_its_data(prepared, tmp_p
     info = summary(run_dir, JobState("COMPLETED"))
     assert info["loss"] == lines[-2]["loss"] and info["eval_loss"] == evals[-1]["eval_loss"]
     assert f"eval loss {evals[-1]['eval_loss']:.4f} (perplexity" in format_status(info)
+
+
+def test_loader_workers_default_by_site_kind():
+    from hpc.spec import Data, loader_workers
+
+    assert Data().num_workers == -1
+    assert loader_workers(-1, True, 8) == 4 and loader_workers(-1, True, 2) == 1 and loader_workers(-1, True, 32) == 4
+    assert loader_workers(-1, False, 8) == 0 and loader_workers(3, False, 8) == 3 and loader_workers(0, True, 8) == 0
+
+
+def test_worker_processes_read_the_same_batches(prepared):
+    from hpc.spec import Data
+    from trainer.data import GlobalSampler, build_loader
+    from trainer.tokens import ManifestTokens
+
+    ds = ManifestTokens(prepared, "train", 64)
+    batches = {}
+    for workers in (0, 2):
+        sampler = GlobalSampler(len(ds), 4, 2, 0, 1, seed=5, shuffle=True)
+        loader = build_loader(ds, sampler, Data(), 5, pin_memory=False, workers=workers)
+        assert loader.persistent_workers == (workers > 0)
+        stream = iter(loader)
+        batches[workers] = [next(stream) for _ in range(4)]
+        del stream
+    assert all((a == b).all() for a, b in zip(batches[0], batches[2]))
