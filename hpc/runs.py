@@ -144,7 +144,10 @@ def read_last_jsonl_with(path: Path, key: str, chunk: int = 1 << 20) -> dict | N
             lines = f.read().splitlines()
     except FileNotFoundError:
         return None
+    needle = json.dumps(key).encode()
     for line in reversed(lines[1:] if size > chunk else lines):
+        if needle not in line:  # most lines are not the ones sought: no JSON parse for them
+            continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError:

@@ -42,6 +42,7 @@ class Evaluator:
 
 def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank: int, world_size: int,
                     every: int, steps: int) -> Evaluator:
+    """This rank's share of the validation samples, cut as a training step cuts its global batch."""
     sampler = GlobalSampler(len(dataset), global_batch, micro_batch, rank, world_size, seed=0, shuffle=False)
     return Evaluator(dataset, sampler, every, steps)
 

@@ -94,8 +94,8 @@ def open_binary(path: Path) -> tuple[tp.BinaryIO, tp.BinaryIO]:
     return raw, raw
 
 
-def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[str, Segments | BadInput, int]]:
-    """Yield (``file:line``, segments or the BadInput of that document, raw bytes read so far)."""
+def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[Segments | BadInput, int]]:
+    """Yield (segments or the BadInput of that document, raw bytes of the input read so far)."""
     kind = input_kind(path.name)[0]
     stream, raw = open_binary(path)
     with raw, stream:
@@ -103,8 +103,9 @@ def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[str, Segments |
             if kind == ".parquet":
                 yield from _parquet_documents(path, stream, raw, fmt)
             elif kind == ".jsonl":
-                for line_no, text in _lines(path, stream, raw):
-                    yield text[0], _json_document(text, fmt), text[2]
+                name = str(path)
+                for line_no, text, pos in _lines(name, stream, raw):
+                    yield _json_document(name, line_no, text, fmt), pos
             else:
                 yield from _paragraphs(path, stream, raw, fmt)
         except (OSError, EOFError) as exc:
@@ -112,23 +113,28 @@ def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[str, Segments |
             raise UserError([f"{path}: cannot read ({exc}): expected a readable {kind_name} stream"]) from None
 
 
-def _lines(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO) -> tp.Iterator[tuple[int, tuple]]:
-    """(line number, (where, text or BadInput, raw position)) per line."""
+TELL_EVERY = 256  # lines between two looks at the raw file's position (for the progress line)
+
+
+def _lines(name: str, stream: tp.BinaryIO, raw: tp.BinaryIO) -> tp.Iterator[tuple[int, str | BadInput, int]]:
+    """(line number, text or BadInput, raw position, updated every few hundred lines) per line."""
     buffered = io.BufferedReader(stream) if not isinstance(stream, io.BufferedIOBase) else stream
+    pos = 0
     for line_no, data in enumerate(buffered, 1):
-        where = f"{path}:{line_no}"
         try:
             text: str | BadInput = data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            text = BadInput(where, f"byte 0x{data[exc.start]:02x} at column {exc.start + 1} is not UTF-8: "
-                            "expected UTF-8 text")
-        yield line_no, (where, text, raw.tell())
+            text = BadInput(f"{name}:{line_no}", f"byte 0x{data[exc.start]:02x} at column {exc.start + 1} is not "
+                            "UTF-8: expected UTF-8 text")
+        if line_no % TELL_EVERY == 0:
+            pos = raw.tell()
+        yield line_no, text, pos
 
 
-def _json_document(line: tuple, fmt: Format) -> Segments | BadInput:
-    where, text = line[0], line[1]
+def _json_document(name: str, line_no: int, text: str | BadInput, fmt: Format) -> Segments | BadInput:
     if isinstance(text, BadInput):
         return text
+    where = f"{name}:{line_no}"
     if not text.strip():
         return BadInput(where, "an empty line: expected one JSON object per line")
     try:
@@ -182,19 +188,16 @@ def _paragraphs(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format) 
     if fmt.kind != "text":
         raise UserError([f"{path}: a .txt file: expected .jsonl or .parquet for --format prompt-response"])
     lines: list[str] = []
-    first = ""
-    for _, (where, text, pos) in _lines(path, stream, raw):
+    for _, text, pos in _lines(str(path), stream, raw):
         if isinstance(text, BadInput):
-            yield where, text, pos
-            continue
-        if text.strip():
-            first = first or where
+            yield text, pos
+        elif text.strip():
             lines.append(text)
         elif lines:
-            yield first, [("".join(lines).rstrip("\n"), True)], pos
-            lines, first = [], ""
+            yield [("".join(lines).rstrip("\n"), True)], pos
+            lines = []
     if lines:
-        yield first, [("".join(lines).rstrip("\n"), True)], raw.tell()
+        yield [("".join(lines).rstrip("\n"), True)], raw.tell()
 
 
 def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format) -> tp.Iterator[tuple]:
@@ -215,7 +218,7 @@ def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: F
         for record in batch.to_pylist():
             row += 1
             obj = {k: v for k, v in record.items() if v is not None}
-            yield f"{path}:row {row}", segments_of(obj, fmt, f"{path}:row {row}"), raw_progress(raw, row, total)
+            yield segments_of(obj, fmt, f"{path}:row {row}"), raw_progress(raw, row, total)
 
 
 def raw_progress(raw: tp.BinaryIO, row: int, total: int) -> int:

@@ -28,7 +28,8 @@ from hpc.runs import write_json
 
 STATE = ".prepare"
 MANIFEST = "manifest.json"
-BATCH_DOCS = 512  # documents per encode_batch call
+BATCH_DOCS = 512  # documents per encode_batch call, at most
+BATCH_CHARS = 1 << 22  # and characters per call, at most (a few MB of text)
 KEPT_EXAMPLES = 10  # skipped documents named in the manifest
 
 
@@ -113,6 +114,7 @@ class Skipped:
         self.mode, self.count, self.first = mode, 0, []
 
     def add(self, bad: BadInput) -> None:
+        """Count a bad document, or raise it unless ``--errors=skip``."""
         if self.mode != "skip":
             raise bad
         self.count += 1
@@ -125,6 +127,8 @@ class Skipped:
 
 def run_group(out: Path, plan: dict, group: int, report: tp.Callable[[int, int], None] | None = None) -> dict:
     """Tokenize one group into its shards and write its record; returns the record."""
+    for stale in out.glob(f".*-{group:05d}-*.tmp-*"):  # what a killed earlier attempt at this group left
+        stale.unlink(missing_ok=True)
     masked = plan["format"]["kind"] == "prompt-response"
     writers = {s: ShardWriter(out, s, group, plan["dtype"], plan["shard_tokens"], masked) for s in SPLITS}
     pending = Pending(_plan_tokenizer(plan), plan, writers, report or (lambda nbytes, tokens: None))
@@ -155,31 +159,35 @@ class Pending:
     def __init__(self, tok: tp.Any, plan: dict, writers: dict, report: tp.Callable[[int, int], None]):
         self.tok, self.plan, self.writers, self.report = tok, plan, writers, report
         self.docs: list[list[tuple[str, bool]]] = []
-        self.nbytes = 0
+        self.nbytes = self.chars = 0
 
     def add(self, doc: list[tuple[str, bool]], nbytes: int) -> None:
+        """One document and the input bytes read for it; encodes once a batch is full (in documents
+        or in characters: memory follows the batch, so long documents make shorter batches)."""
         self.docs.append(doc)
         self.nbytes += nbytes
-        if len(self.docs) >= BATCH_DOCS:
+        self.chars += sum(len(text) for text, _ in doc)
+        if len(self.docs) >= BATCH_DOCS or self.chars >= BATCH_CHARS:
             self.flush()
 
     def flush(self) -> None:
+        """Encode and write the waiting documents; report their bytes and tokens."""
         tokens = _encode(self.tok, self.docs, self.plan, self.writers) if self.docs else 0
         self.report(self.nbytes, tokens)
-        self.docs, self.nbytes = [], 0
+        self.docs, self.nbytes, self.chars = [], 0, 0
 
 
 def _read_file(path: Path, size: int, plan: dict, pending: Pending, skipped: Skipped) -> None:
     """All documents of one input into ``pending``; an input without any is bad input."""
     documents, bad, read = 0, 0, 0
-    for where, doc, pos in read_documents(path, Format(**plan["format"])):
+    for doc, pos in read_documents(path, Format(**plan["format"])):
         if isinstance(doc, BadInput):
             skipped.add(doc)
             bad += 1
             continue
         documents += 1
-        pending.add(doc, pos - read)
-        read = pos
+        pending.add(doc, max(0, pos - read))
+        read = max(read, pos)
     pending.nbytes += size - read
     if documents == 0 and bad == 0:
         skipped.add(BadInput(str(path), "no documents (an empty input): expected at least one"))
@@ -189,11 +197,13 @@ def _encode(tok: tp.Any, batch: list[list[tuple[str, bool]]], plan: dict, writer
     """Encode a batch of documents (every segment in one ``encode_batch``), add each with its EOS to its
     split's writer; returns the tokens written."""
     texts = [text for doc in batch for text, _ in doc]
-    encoded = iter(tok.encode_batch(texts, add_special_tokens=False))
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers ≥ 0.20) skips the offsets
+    encoded = iter(encode(texts, add_special_tokens=False))
     eos, masked, total = plan["tokenizer"]["eos_id"], plan["format"]["kind"] != "text", 0
     for doc in batch:
         parts = [next(encoded).ids for _ in doc]
-        tokens = np.array([i for p in parts for i in p] + [eos], dtype=writers["train"].dtype)
+        ids = parts[0] + [eos] if len(parts) == 1 else [i for p in parts for i in p] + [eos]
+        tokens = np.array(ids, dtype=writers["train"].dtype)
         mask = None
         if masked:
             mask = np.array([c for p, (_, c) in zip(parts, doc) for _ in p] + [1], dtype=np.uint8)

@@ -34,12 +34,14 @@ class Progress:
         self.interval = 0.25 if self.tty else quiet_interval_s
 
     def update(self, nbytes: int, tokens: int) -> None:
+        """Count input bytes read and tokens written; redraw when it is time."""
         self.bytes += nbytes
         self.tokens += tokens
         if time.monotonic() - self.drawn >= self.interval:
             self.draw()
 
     def line(self) -> str:
+        """Share done, bytes, tokens, tokens/s and ETA."""
         elapsed = max(1e-9, time.monotonic() - self.start)
         rate = self.bytes / elapsed
         eta = (self.total - self.bytes) / rate if rate else 0.0
@@ -48,6 +50,7 @@ class Progress:
                 f"ETA {_duration(eta)}")
 
     def draw(self, final: bool = False) -> None:
+        """Print the line (in place on a terminal; ``final`` ends it)."""
         self.drawn = time.monotonic()
         if self.tty:
             self.stream.write("\r" + self.line() + ("\n" if final else ""))

@@ -28,6 +28,7 @@ def group_task(folder: Path, index: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    """``group DIR INDEX`` or ``merge DIR``; a UserError is printed as ``error:`` lines, exit 2."""
     try:
         if argv[:1] == ["group"] and len(argv) == 3:
             group_task(Path(argv[1]), int(argv[2]))

@@ -3,7 +3,6 @@ cluster run is tests/slurm/test_data_slurm.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from hpc.data import task
 from hpc.data.prepare import Options, make_plan, start

@@ -191,3 +191,30 @@ def test_data_commands_import_no_torch(tmp_path, corpus, tokenizer):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().endswith("False")
+
+
+def test_sigkill_mid_preparation_then_resume(tmp_path, corpus, tokenizer):
+    """A real kill (SIGKILL of the process group) once some groups are finished: the folder lists no
+    manifest, and the same command started again gives the bytes of an uninterrupted run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    common = [str(corpus), "--tokenizer", str(tokenizer), "--group-bytes", "20000", "--val-fraction", "0.1"]
+    assert run_prepare(*common, "--out", str(tmp_path / "whole"))[0] == 0
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "hpc.cli", "data", "prepare", *common, "--out", str(out),
+                             "--workers", "2"], start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[2])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not list((out / ".prepare").glob("group-*.json")):
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    finished = len(list((out / ".prepare").glob("group-*.json")))
+    groups = len(json.loads((tmp_path / "whole/.prepare/plan.json").read_text())["groups"])
+    assert 1 <= finished and not (out / "manifest.json").exists() or finished == groups
+    assert run_prepare(*common, "--out", str(out))[0] == 0
+    assert folder_bytes(tmp_path / "whole") == folder_bytes(out)
