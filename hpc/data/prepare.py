@@ -29,7 +29,7 @@ from hpc.runs import write_json
 STATE = ".prepare"
 MANIFEST = "manifest.json"
 BATCH_DOCS = 512  # documents per encode_batch call, at most
-BATCH_CHARS = 1 << 22  # and characters per call, at most (a few MB of text)
+BATCH_CHARS = 1 << 20  # and characters per call, at most (the encodings of 1 MB of text take ~30 MB)
 KEPT_EXAMPLES = 10  # skipped documents named in the manifest
 
 
