@@ -67,7 +67,7 @@ def _submit_array(out: Path, plan: dict, site_name: str, wait: bool) -> None:
     click.echo(f"submitted job array {jobs[0]} ({len(plan['groups'])} groups) and merge job {jobs[1]}; "
                f"logs in {out / '.prepare' / 'logs'}")
     if wait:
-        wait_for_manifest(out, jobs[1], timeout_s=7 * 24 * 3600)
+        wait_for_manifest(out, site_name, jobs[1], timeout_s=7 * 24 * 3600)
         click.echo(f"{out / 'manifest.json'}: written by job {jobs[1]}")
 
 

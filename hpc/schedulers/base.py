@@ -167,6 +167,14 @@ class Scheduler(abc.ABC):
         """How many times the scheduler restarted (requeued) the job."""
         return 0
 
+    def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
+        """``hpcx data prepare --site``: the unfinished ``groups`` of the preparation in ``folder`` as jobs,
+        then its merge job; (id of the group jobs, id of the merge job). Not every kind can."""
+        from hpc.errors import UserError
+
+        raise UserError([f"--site {site.name}: a {self.kind} site: expected a Slurm site for a job array "
+                         "(without --site, prepare runs here)"])
+
 
 class JobSide(abc.ABC):
     """The side of one scheduler kind that runs inside a job's task."""

@@ -13,6 +13,7 @@ from hpc.errors import UserError
 from hpc.schedulers.base import try_command
 
 SUBMIT_TIMEOUT_S = 60.0
+ARRAY_MINUTES = 240  # per array task; a group of 256 MiB takes minutes on one core
 
 
 def job_script(python: str, args: tp.Sequence[str]) -> str:
@@ -52,11 +53,3 @@ def submit_prepare(folder: Path, scheduler: tp.Any, python: str, groups: list[in
     merge_options = sbatch_options(scheduler, "hpcx-prepare-merge", str(state / "logs" / "merge.out"), 1, minutes)
     merge_id = submit(merge, merge_options + [f"--dependency=afterok:{array_id}", "--kill-on-invalid-dep=yes"])
     return array_id, merge_id
-
-
-def in_queue(job_id: str) -> bool | None:
-    """Whether the job is still queued or running (None: squeue did not answer)."""
-    ok, out = try_command(["squeue", "-h", "-j", job_id, "-o", "%i"])
-    if not ok:
-        return None if "Invalid job id" not in out else False
-    return bool(out.strip())
