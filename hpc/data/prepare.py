@@ -74,7 +74,10 @@ def group_inputs(sizes: tp.Sequence[int], group_bytes: int) -> list[list[int]]:
 def start(out: Path, plan: dict) -> None:
     """Create ``out`` and record the plan; an existing plan must be the same one (then it resumes)."""
     state = out / STATE
-    state.mkdir(parents=True, exist_ok=True)
+    try:
+        state.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError([f"--out {out}: cannot create it ({exc.strerror}): expected a folder this user may write"]) from None
     path = state / "plan.json"
     if path.exists():
         old = json.loads(path.read_text())

@@ -170,6 +170,12 @@ def test_dtype_follows_the_vocabulary():
     assert TokenizerInfo("t", "h", 65537, 0, "e").dtype == "uint32"
 
 
+def test_out_that_is_a_file_is_a_user_error(tmp_path, corpus, tokenizer):
+    (tmp_path / "o").write_text("")
+    code, out = run_prepare(str(corpus), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "o/inside"))
+    assert code == 2 and "cannot create it" in out and "Traceback" not in out
+
+
 def test_missing_tokenizer_and_missing_input(tmp_path, corpus):
     code, out = run_prepare(str(corpus), "--tokenizer", str(tmp_path / "none"), "--out", str(tmp_path / "o"))
     assert code == 2 and "no such file: expected a Hugging Face tokenizer.json" in out
