@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 import pytest
 
@@ -31,10 +32,15 @@ def test_job_array_output_is_byte_identical_to_the_local_run(sandbox, tmp_path):
     assert groups >= 2 and f"({groups} groups)" in array.stdout
     assert folder_bytes(tmp_path / "local") == folder_bytes(tmp_path / "array")
     array_id = array.stdout.split("job array ")[1].split()[0]
-    out = subprocess.run(["sacct", "-j", array_id, "-X", "-n", "-P", "-o", "JobID,State,NodeList"],
-                         capture_output=True, text=True, timeout=30)
-    rows = [line.split("|") for line in out.stdout.split()]
-    assert len(rows) == groups and all(state == "COMPLETED" for _, state, _ in rows), out.stdout
+    rows, deadline = [], time.monotonic() + 60
+    while time.monotonic() < deadline:  # accounting records the array's tasks a moment after they end
+        out = subprocess.run(["sacct", "-j", array_id, "-X", "-n", "-P", "-o", "JobID,State,NodeList"],
+                             capture_output=True, text=True, timeout=30)
+        rows = [line.split("|") for line in out.stdout.split()]
+        if len(rows) == groups and all(state == "COMPLETED" for _, state, _ in rows):
+            break
+        time.sleep(1)
+    assert len(rows) == groups and all(state == "COMPLETED" for _, state, _ in rows), rows
     assert {node for _, _, node in rows} <= {"n1", "n2"}  # the tasks ran on the compute nodes
     again = hpcx("data", "prepare", *common, "--out", str(tmp_path / "array"), "--site", "sandbox")
     assert again.returncode == 0 and "already prepared" in again.stdout
