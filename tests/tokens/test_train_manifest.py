@@ -131,3 +131,26 @@ def test_worker_processes_read_the_same_batches(prepared):
         batches[workers] = [next(stream) for _ in range(4)]
         del stream
     assert all((a == b).all() for a, b in zip(batches[0], batches[2]))
+
+
+@pytest.mark.gpu
+def test_gpu_site_loads_with_workers_and_pinned_memory_and_evaluates(prepared, tmp_path):
+    """On a site with GPUs the default loader has worker processes (half of the task's 4 CPUs), pinned
+    memory and persistent workers; training from the manifest evaluates on the GPU."""
+    import torch
+
+    from tests.gpu.test_gpu import gpu_run
+    from trainer.loop import train
+    from trainer.run import load_run
+    from trainer.train import build_trainer
+
+    run_dir = gpu_run(tmp_path, "gpu-data", 1, [f"data.source={str(prepared)!r}", "model.vocab_size=640",
+                                                "parallel.strategy='none'", "train.eval_every=3", "train.eval_steps=1",
+                                                "job.tasks_per_node=1"])
+    trainer, state = build_trainer(load_run(run_dir), 0, torch.device("cuda:0"))
+    assert trainer.loader.num_workers == 2 and trainer.loader.pin_memory and trainer.loader.persistent_workers
+    result = train(trainer, state)
+    assert result["steps"] == 6 and result["eval_loss"] > 0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "eval_loss" in r] == [3, 6]
+    assert all(r["phases_s"]["data"] >= 0 for r in lines if "phases_s" in r)
