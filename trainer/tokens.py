@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hpc.data.manifest import load_manifest, manifest_path
+from hpc.core.manifest import load_manifest, manifest_path
 
 
 class ManifestTokens(Dataset):
@@ -100,6 +100,6 @@ def data_record(data: tp.Any) -> dict[str, tp.Any]:
 
 def record_data(run_dir: Path, data: tp.Any) -> None:
     """Rank 0 writes ``RUN/data.json`` (``data_record``)."""
-    from hpc.runs import RunDir, write_json
+    from hpc.core.runs import RunDir, write_json
 
     write_json(RunDir(run_dir).data, data_record(data))

@@ -26,9 +26,10 @@ sys.path.insert(0, str(REPO / "bench" / "data_prepare"))
 
 
 def make_run(root: Path, name: str, source: str, args: argparse.Namespace) -> Path:
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
 
     spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
         f"model.size={args.size!r}", "model.vocab_size=8192", f"model.seq_len={args.seq_len}",

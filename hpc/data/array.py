@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from hpc.data.prepare import MANIFEST, merge, pending_groups
-from hpc.errors import UserError
+from hpc.core.errors import UserError
 
 WAIT_POLL_S = 2.0
 
@@ -17,8 +17,8 @@ WAIT_POLL_S = 2.0
 def submit_array(folder: Path, plan: dict, site_name: str | None) -> tuple[str, str] | None:
     """Submit the groups and the merge (None when every group was finished: then only the merge runs, here)."""
     from hpc import schedulers
-    from hpc.site import choose_site, load_site
-    from hpc.validate import slurm_path_problem
+    from hpc.core.site import choose_site, load_site
+    from hpc.core.validate import slurm_path_problem
 
     site = load_site(choose_site(site_name, None))
     problem = slurm_path_problem(str(folder))
@@ -34,7 +34,7 @@ def submit_array(folder: Path, plan: dict, site_name: str | None) -> tuple[str, 
 def wait_for_manifest(folder: Path, site_name: str | None, merge_id: str, timeout_s: float) -> None:
     """Until the merge job has ended; then its manifest must be there."""
     from hpc import schedulers
-    from hpc.site import choose_site, load_site
+    from hpc.core.site import choose_site, load_site
 
     scheduler = schedulers.get(load_site(choose_site(site_name, None)).scheduler.kind)
     deadline = time.monotonic() + timeout_s

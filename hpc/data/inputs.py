@@ -17,7 +17,7 @@ import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.errors import UserError
+from hpc.core.errors import UserError
 
 KINDS = (".txt", ".jsonl", ".parquet")
 COMPRESSIONS = ("", ".gz", ".zst")

@@ -23,8 +23,8 @@ import numpy as np
 from hpc.data.inputs import BadInput, Format, expand_inputs, read_documents
 from hpc.data.shards import SPLITS, ShardWriter
 from hpc.data.tokenizer import describe_tokenizer, load_tokenizer
-from hpc.errors import UserError
-from hpc.runs import write_json
+from hpc.core.errors import UserError
+from hpc.core.runs import write_json
 
 STATE = ".prepare"
 MANIFEST = "manifest.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc.runs import write_atomic
+from hpc.core.runs import write_atomic
 
 SPLITS = ("train", "val")
 
@@ -20,15 +20,6 @@ SPLITS = ("train", "val")
 def shard_stem(split: str, group: int, number: int) -> str:
     """``train-00003-0001``: group 3's second shard of the train split."""
     return f"{split}-{group:05d}-{number:04d}"
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """SHA-256 of a file, read in 4 MiB pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 class ShardWriter:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hpc.data.prepare import STATE, merge, run_group
 from hpc.data.progress import Progress
-from hpc.errors import UserError
+from hpc.core.errors import UserError
 
 
 def group_task(folder: Path, index: int) -> None:

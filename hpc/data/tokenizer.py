@@ -10,7 +10,7 @@ import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hpc.errors import UserError
+from hpc.core.errors import UserError
 
 # Where a folder's tokenizer_config.json names no EOS, the first of these in the vocabulary is it.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from hpc.spec import Model
+from hpc.core.spec import Model
 from trainer.dist import detect_rank_env, init_distributed
 from trainer.evaluate import build_evaluator, evaluate
 from trainer.model import build_model

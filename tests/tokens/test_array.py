@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from hpc.data import task
 from hpc.data.prepare import Options, make_plan, start
-from hpc.schedulers.slurm_array import job_script, sbatch_options
-from hpc.site import load_site
+from hpc.schedulers.slurm.array import job_script, sbatch_options
+from hpc.core.site import load_site
 from tests.tokens.test_prepare import folder_bytes, run_prepare
 
 

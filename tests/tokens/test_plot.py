@@ -34,7 +34,7 @@ def test_plot_draws_several_runs_into_one_png(tmp_path):
 
 
 def test_plot_series_separates_train_and_eval_lines(tmp_path):
-    from hpc.plot import series
+    from hpc.cli.plot import series
 
     run = fake_run(tmp_path, "a", 20, 1e-3)
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

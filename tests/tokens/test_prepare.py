@@ -191,7 +191,7 @@ def test_data_commands_import_no_torch(tmp_path, corpus, tokenizer):
             f"r = CliRunner().invoke(cli, ['data', 'prepare', {str(corpus)!r}, '--tokenizer', {str(tokenizer)!r}, "
             f"'--out', {str(tmp_path / 'o')!r}]); assert r.exit_code == 0, r.output; "
             f"r = CliRunner().invoke(cli, ['data', 'verify', {str(tmp_path / 'o')!r}]); assert r.exit_code == 0; "
-            "from hpc.spec import load_spec; "
+            "from hpc.core.spec import load_spec; "
             f"load_spec('jobs/tiny-ddp.toml', [\"data.source='{tmp_path / 'o'}'\", 'model.vocab_size=640']); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2])

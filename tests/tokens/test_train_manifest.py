@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpc.config import ConfigError
-from hpc.spec import load_spec
+from hpc.core.config import ConfigError
+from hpc.core.spec import load_spec
 from tests.tokens.test_prepare import run_prepare
 
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +87,7 @@ def test_evaluation_is_the_same_at_one_and_two_ranks(prepared, tmp_path):
 def test_training_from_a_manifest_evaluates_and_records_its_data(prepared, tmp_path):
     from hpc.cli import format_result, format_status
     from hpc.schedulers.base import JobState
-    from hpc.submit import summary
+    from hpc.login.submit import summary
 
     run_dir = make_run(tmp_path, "manifest", "ddp", 2, [f"data.source={str(prepared)!r}", "model.vocab_size=640",
                                                         "train.steps=6", "train.eval_every=3", "train.eval_steps=2",
@@ -109,7 +109,7 @@ def test_training_from_a_manifest_evaluates_and_records_its_data(prepared, tmp_p
 
 
 def test_loader_workers_default_by_site_kind():
-    from hpc.spec import Data, loader_workers
+    from hpc.core.spec import Data, loader_workers
 
     assert Data().num_workers == -1
     assert loader_workers(-1, True, 8) == 4 and loader_workers(-1, True, 2) == 1 and loader_workers(-1, True, 32) == 4
@@ -117,7 +117,7 @@ def test_loader_workers_default_by_site_kind():
 
 
 def test_worker_processes_read_the_same_batches(prepared):
-    from hpc.spec import Data
+    from hpc.core.spec import Data
     from trainer.data import GlobalSampler, build_loader
     from trainer.tokens import ManifestTokens
 
