@@ -133,9 +133,9 @@ def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
     return whole[-1] if whole else None
 
 
-def read_last_jsonl_with(path: Path, key: str, chunk: int = 1 << 18) -> dict | None:
+def read_last_jsonl_with(path: Path, key: str, chunk: int = 1 << 16) -> dict | None:
     """The last complete JSON line holding ``key`` among the last ``chunk`` bytes (eval lines are
-    sparse among the metrics lines; ``status`` reads no more than 256 KiB for them)."""
+    sparse among the metrics lines: ``status`` reads no more than 64 KiB, some 200 lines, for them)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
