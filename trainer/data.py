@@ -135,16 +135,25 @@ class GlobalSampler:
 
 
 def build_dataset(data: Data, seq_len: int, vocab_size: int, seed: int) -> Dataset:
-    """Synthetic tokens or a ``.bin`` token file, per ``data.source``."""
+    """Synthetic tokens, the train split of a prepared folder (``trainer.tokens``) or a ``.bin`` token
+    file, per ``data.source``."""
     if data.source == "synthetic":
         return SyntheticTokens(vocab_size, seq_len, seed)
+    from trainer.tokens import ManifestTokens, is_manifest_source
+
+    if is_manifest_source(data.source):
+        return ManifestTokens(data.source, "train", seq_len)
     return TokenFile(data.source, data.dtype, seq_len)
 
 
-def build_loader(dataset: Dataset, sampler: GlobalSampler, data: Data, seed: int, pin_memory: bool) -> DataLoader:
-    """A DataLoader with its own generator: creating its iterator must not draw from the global RNG."""
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=data.num_workers, pin_memory=pin_memory,
-                      generator=torch.Generator().manual_seed(seed), persistent_workers=False)
+def build_loader(dataset: Dataset, sampler: GlobalSampler, data: Data, seed: int, pin_memory: bool,
+                 workers: int | None = None) -> DataLoader:
+    """A DataLoader with its own generator: creating its iterator must not draw from the global RNG.
+    ``workers``: the launch's ``hpc.spec.loader_workers`` (default: ``data.num_workers``, -1 as 0);
+    workers persist across iterators, and pinned memory is used only with a GPU."""
+    workers = max(0, data.num_workers) if workers is None else workers
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+                      generator=torch.Generator().manual_seed(seed), persistent_workers=workers > 0)
 
 
 def shuffle_enabled(data: Data) -> bool:

@@ -22,14 +22,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from hpc.core.dims import ParallelDims
 from trainer.boundary import StepBoundary
 from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
+from trainer.evaluate import eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
+from trainer.objective import Batch, counted_targets, masked_scale, micro_loss, split_batch
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
@@ -83,6 +84,8 @@ class Trainer:
     resilience: StepBoundary | None = None  # trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
     clock: PhaseClock = field(default_factory=PhaseClock)
     gc_every: int = 0  # train.gc_every: collect every N steps on all ranks, automatic GC off (0: Python's own)
+    evaluator: tp.Any = None  # a trainer.evaluate.Evaluator when train.eval_every is set
+    last_eval: dict | None = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -98,16 +101,15 @@ def micro_step_context(model: nn.Module, sync: bool) -> tp.ContextManager:
     return contextlib.nullcontext()
 
 
-def forward_backward(t: Trainer, tokens: torch.Tensor, scale: float) -> torch.Tensor:
-    """Loss of one micro-batch (mean over its tokens × ``scale``), back-propagated; returns it detached."""
+def forward_backward(t: Trainer, batch: Batch, scale: float) -> torch.Tensor:
+    """Loss of one micro-batch (``trainer.objective.micro_loss``), back-propagated; returns it detached."""
+    tokens, mask = split_batch(batch)
     tokens = tokens.to(t.device, non_blocking=True)
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None
                 else contextlib.nullcontext())
     with autocast:
         logits = t.model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-    if scale != 1.0:
-        loss = loss * scale
+    loss = micro_loss(logits, tokens, mask, scale)
     t.clock.lap("forward")
     (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
     t.clock.lap("backward")
@@ -117,10 +119,12 @@ def forward_backward(t: Trainer, tokens: torch.Tensor, scale: float) -> torch.Te
 def train_step(t: Trainer, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns (local mean loss, grad norm)."""
     n = len(micro_batches)
+    count = counted_targets(micro_batches, t.world_size)
+    scale = 1.0 / n if count is None else masked_scale(count, t.world_size)
     total = torch.zeros((), device=t.device)
     for i, tokens in enumerate(micro_batches):
         with micro_step_context(t.model, sync=i == n - 1):
-            total += forward_backward(t, tokens, 1.0 / n)
+            total += forward_backward(t, tokens, scale)
     if t.scaler is not None:
         t.scaler.unscale_(t.optimizer)
     norm = clip_grad_norm(t.params, t.grad_clip)
@@ -209,6 +213,8 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
         if logs_at(t, state.step):
             history.append(log_step(t, state, loss, norm, lr, state.step - last_logged))
             last_logged = state.step
+        if t.evaluator is not None and t.evaluator.due(state.step, t.steps):
+            t.last_eval = eval_step(t, state.step)
         stopped = step_boundary(t, state)
         collector.step(state.step)
         t.clock.lap("boundary")
@@ -243,4 +249,5 @@ def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
             "world_size": t.world_size, "strategy": t.dims.strategy, "preempted": stopped,
-            "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir)}
+            "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir),
+            **({k: t.last_eval[k] for k in ("eval_loss", "eval_perplexity")} if t.last_eval else {})}

@@ -96,6 +96,10 @@ class PhaseClock:
         self.totals[phase] += now - self.last
         self.last = now
 
+    def skip(self) -> None:
+        """Charge the time since the last lap to no phase (an evaluation, which has its own record)."""
+        self.last = time.perf_counter()
+
     def take(self, steps: int) -> dict[str, float]:
         """Seconds per step of each phase since the last ``take``; starts a new window."""
         if self.cuda:
@@ -145,7 +149,9 @@ class MetricsWriter:
 def _tensorboard(run_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
-    except ImportError:  # tensorboard is optional
+    except ImportError:  # tensorboard is optional: say so once (only rank 0 opens a writer)
+        log.info("TensorBoard is not installed: no event files are written (metrics.jsonl has every value; "
+                 "`hpcx plot RUN` draws them; pip install 'hpcx[tensorboard]' for event files)")
         return None
     return SummaryWriter(str(run_dir / "tensorboard"))
 

@@ -19,10 +19,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from hpc.core.dims import ParallelDims
 from hpc.core.models import model_facts
 from hpc.core.resolve import Launch, refit
-from hpc.core.spec import JobSpec
+from hpc.core.spec import JobSpec, loader_workers
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
+from trainer.evaluate import build_eval
 from trainer.loop import Trainer, TrainState, train
 from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, build_model, local_numel, model_blocks
@@ -31,6 +32,7 @@ from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, paralle
 from trainer.preemption import PreemptionFlag
 from trainer.resilience import resilience_for
 from trainer.run import Run, load_run
+from trainer.tokens import record_data
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -134,9 +136,12 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     dataset = build_dataset(spec.data, seq_len, facts.vocab_size, spec.train.seed)
     sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,
                             launch.world_size, spec.train.seed, shuffle_enabled(spec.data))
+    workers = loader_workers(spec.data.num_workers, device.type == "cuda", launch.cpus_per_task)
+    if rank == 0:
+        record_data(run.run_dir, spec.data)
     trainer = Trainer(
         run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train),
-        sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda"),
+        sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda", workers),
         device=device, steps=spec.train.steps, grad_clip=spec.train.grad_clip, log_every=spec.train.log_every,
         tokens_per_step=spec.train.global_batch * seq_len, world_size=launch.world_size, dims=launch.dims,
         metrics=MetricsWriter(run.run_dir, enabled=rank == 0),
@@ -144,7 +149,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
-        clock=PhaseClock(device))
+        clock=PhaseClock(device), evaluator=build_eval(spec, seq_len, rank, launch.world_size))
     return trainer, TrainState()
 
 

@@ -157,8 +157,10 @@ def format_result(result: tp.Any) -> str:
     losses = result.get("losses") or [result["final_loss"]]
     rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
     stop = " (stopped for a preemption)" if result.get("preempted") else ""
+    evaluated = (f", eval loss {result['eval_loss']:.4f} (perplexity {result['eval_perplexity']:.2f})"
+                 if result.get("eval_loss") is not None else "")
     return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate} "
-            f"(median after warm-up), {result['world_size']} ranks, {result['strategy']}")
+            f"(median after warm-up){evaluated}, {result['world_size']} ranks, {result['strategy']}")
 
 
 def run_roots() -> list[Path]:
@@ -211,6 +213,8 @@ def format_status(info: dict) -> str:
     ledger = info["ledger"]
     return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
             f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
+            + (f"  eval loss {info['eval_loss']:.4f} (perplexity {info['eval_perplexity']:.2f})"
+               if info.get("eval_loss") is not None else "")
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
                f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else ""))
 
@@ -404,12 +408,16 @@ def site_show(name: str, as_json: bool) -> None:
 def _register_commands() -> None:
     """Commands that live in their own modules (each torch-free at import)."""
     from hpc.cli.ckpt import ckpt_group
+    from hpc.cli.data import data_group
+    from hpc.cli.plot import plot_command
     from hpc.cli.plan import detect_command, plan_command
     from hpc.cli.scale import scale_group
 
     cli.add_command(plan_command, "plan")
     cli.add_command(ckpt_group, "ckpt")
     cli.add_command(scale_group, "scale")
+    cli.add_command(data_group, "data")
+    cli.add_command(plot_command, "plot")
     site.add_command(detect_command, "detect")
 
 

@@ -11,7 +11,8 @@ Layout::
     RUN/logs/rank-N.log  the trainer's log per rank
     RUN/world.json       rank 0: who took part (hosts by rank) and the all-reduce check
     RUN/mesh.json        rank 0: the rank groups of each device-mesh dimension
-    RUN/metrics.jsonl    rank 0's per-step metrics
+    RUN/metrics.jsonl    rank 0's per-step metrics (and eval lines: eval_loss, eval_perplexity)
+    RUN/data.json        rank 0: the data it trained on (manifest and tokenizer, with their SHA-256)
     RUN/ledger.jsonl     one line per start and stop of the job (goodput)
     RUN/requeue/         per incarnation: the one requeue's claim, and the ranks' failure reports
     RUN/nccl-trace/      NCCL flight-recorder dumps of a collective that timed out (GPU sites)
@@ -132,6 +133,30 @@ def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
     return whole[-1] if whole else None
 
 
+def read_last_jsonl_with(path: Path, key: str, chunk: int = 1 << 16) -> dict | None:
+    """The last complete JSON line holding ``key`` among the last ``chunk`` bytes (eval lines are
+    sparse among the metrics lines: ``status`` reads no more than 64 KiB, some 200 lines, for them)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - chunk))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return None
+    needle = json.dumps(key).encode()
+    for line in reversed(lines[1:] if size > chunk else lines):
+        if needle not in line:  # most lines are not the ones sought: no JSON parse for them
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and key in record:
+            return record
+    return None
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Every complete JSON line; a torn last line (a writer killed mid-line) is skipped."""
     try:
@@ -159,6 +184,7 @@ class RunDir:
     JOB: tp.ClassVar[str] = "job.json"
     STATES: tp.ClassVar[str] = "states.jsonl"
     METRICS: tp.ClassVar[str] = "metrics.jsonl"
+    DATA: tp.ClassVar[str] = "data.json"
     LEDGER: tp.ClassVar[str] = "ledger.jsonl"
     WORLD: tp.ClassVar[str] = "world.json"
     MESH: tp.ClassVar[str] = "mesh.json"
@@ -188,6 +214,7 @@ class RunDir:
     job = property(lambda self: self.path / self.JOB)
     states = property(lambda self: self.path / self.STATES)
     metrics = property(lambda self: self.path / self.METRICS)
+    data = property(lambda self: self.path / self.DATA)
     ledger = property(lambda self: self.path / self.LEDGER)
     world = property(lambda self: self.path / self.WORLD)
     mesh = property(lambda self: self.path / self.MESH)
@@ -218,6 +245,15 @@ class RunDir:
     def last_metrics(self) -> dict | None:
         """The newest metrics line, without reading the whole file."""
         return read_last_jsonl(self.metrics)
+
+    def last_eval(self) -> dict | None:
+        """The newest eval line of the metrics (``eval_loss``, ``eval_perplexity``)."""
+        return read_last_jsonl_with(self.metrics, "eval_loss")
+
+    def last_train_metrics(self) -> dict | None:
+        """The newest training line of the metrics (an eval line may come after it)."""
+        last = self.last_metrics()
+        return last if last is None or "loss" in last else read_last_jsonl_with(self.metrics, "loss")
 
     def exists(self) -> bool:
         return self.resolved.is_file()

@@ -82,14 +82,29 @@ class Model:
 
 @dataclass
 class Data:
-    source: str = field("synthetic", doc="`synthetic` (seeded random tokens) or a path to a `.bin` token file "
-                        "(relative to the current folder; `~` and `$VAR` expanded). Checked when the spec is "
-                        "loaded: a readable regular file, a whole number of `dtype` tokens, at least one "
+    source: str = field("synthetic", doc="`synthetic` (seeded random tokens), a folder made by `hpcx data prepare` "
+                        "(or its `manifest.json`: every shard memory-mapped, samples of `seq_len + 1` tokens), or a "
+                        "path to a flat `.bin` token file (relative to the current folder; `~` and `$VAR` expanded). "
+                        "Checked when the spec is loaded: for a manifest, that its tokenizer fits `model.vocab_size` "
+                        "and every file has the size the manifest says (`hpcx data verify` checks the hashes); for "
+                        "a `.bin` file, a readable regular file, a whole number of `dtype` tokens, at least one "
                         "sample, and — on up to 4 MiB read from across the file — no token id at or above "
                         "the model's vocabulary.", max_len=v.PATH_MAX)
-    dtype: str = field("uint16", doc="Token dtype of a `.bin` file.", choices=("uint16", "uint32"))
+    dtype: str = field("uint16", doc="Token dtype of a `.bin` file (a manifest names its own).", choices=("uint16", "uint32"))
     shuffle: bool = field(True, doc="Reshuffle the samples each epoch (deterministic from train.seed).")
-    num_workers: int = field(0, doc="DataLoader worker processes per rank.", minimum=0, maximum=1024)
+    num_workers: int = field(-1, doc="DataLoader worker processes per rank; -1: on a site with GPUs half the "
+                             "task's CPUs (1 to 4, with pinned memory and persistent workers), on a CPU site 0.",
+                             minimum=-1, maximum=1024)
+    val_source: str = field("", doc="What `train.eval_every` evaluates on: empty for the validation split of "
+                            "`data.source`'s manifest, a folder made by `hpcx data prepare` (its validation split, "
+                            "else its train split), or `none`.", max_len=v.PATH_MAX)
+
+
+def loader_workers(num_workers: int, gpus: bool, cpus_per_task: int) -> int:
+    """``data.num_workers`` for a launch: -1 is half the task's CPUs (1–4) where there are GPUs, else 0."""
+    if num_workers >= 0:
+        return num_workers
+    return min(4, max(1, cpus_per_task // 2)) if gpus else 0
 
 
 @dataclass
@@ -113,6 +128,10 @@ class Train:
     warmup_metrics_steps: int = field(2, doc="Leading steps left out of throughput summaries.", minimum=0)
     gc_every: int = field(50, doc="Python's automatic garbage collection is off during training; every rank "
                           "collects after every N-th step, together (0: Python's automatic collector).", minimum=0)
+    eval_every: int = field(0, doc="Evaluate on `data.val_source` every N steps and after the last (0: never): "
+                            "mean loss and perplexity over the same samples at every world size.", minimum=0)
+    eval_steps: int = field(10, doc="Batches of `global_batch` samples per evaluation (the validation samples "
+                            "in order, from the first).", minimum=1)
 
 
 @dataclass
@@ -266,6 +285,11 @@ def resolve_paths(spec: JobSpec) -> list[str]:
     facts = model_facts(spec.model)
     problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
                                                      facts.vocab_size)
+    if not problems:
+        from hpc.core.manifest import check_validation
+
+        more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size)
+        problems += more
     return errors + problems
 
 

@@ -417,7 +417,12 @@ def check_data_source(source: str, dtype: str, seq_len: int, vocab: int) -> tupl
                            f"`data.source` = {shown(source)!r}")
     except ConfigError as exc:
         return [m for m in exc.messages], source
-    return _check_token_file(f"`data.source` = {shown(source)!r}", path, dtype, seq_len, vocab), str(path)
+    label = f"`data.source` = {shown(source)!r}"
+    if path.is_dir() or path.name == "manifest.json":
+        from hpc.core.manifest import check_prepared
+
+        return check_prepared(path, seq_len, vocab, label), str(path)
+    return _check_token_file(label, path, dtype, seq_len, vocab), str(path)
 
 
 def _check_token_file(label: str, path: Path, dtype: str, seq_len: int, vocab: int) -> list[str]:

@@ -176,7 +176,8 @@ def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str
     ledger = rd.read_ledger()
     launch = rd.read_resolved().get("launch", {})
     starts = [e for e in ledger if e.get("event") == "start"]
-    last = rd.last_metrics() or {}
+    last = rd.last_train_metrics() or {}
+    evaluated = rd.last_eval() or {}
     return {
         "run_dir": str(run_dir),
         "job_id": info.get("job_id"),
@@ -187,6 +188,8 @@ def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str
         "states": [s["state"] for s in rd.read_states()],
         "step": last.get("step"),
         "loss": last.get("loss"),
+        "eval_loss": evaluated.get("eval_loss"),
+        "eval_perplexity": evaluated.get("eval_perplexity"),
         "restarts": max(0, len(starts) - 1),
         "strategy": launch.get("strategy"),
         "world_size": launch.get("world_size"),
@@ -202,7 +205,7 @@ def ledger_summary(ledger: list[dict]) -> dict[str, tp.Any]:
         "steps_recomputed": sum(e.get("steps_recomputed", 0) for e in ledger if e.get("event") == "start"),
         "save_s": round(sum(e.get("save_s", 0.0) for e in stops), 3),
         "restore_s": round(sum(e.get("restore_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
-        "queue_wait_s": round(sum(e.get("queue_wait_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
+        "queue_wait_s": round(sum(e.get("queue_wait_s") or 0.0 for e in ledger if e.get("event") == "start"), 3),
     }
 
 

@@ -188,7 +188,7 @@ def _growth(row: dict, base: dict, key: str) -> float | None:
 
 
 def data_advice(spec: JobSpec) -> list[str]:
-    workers = spec.data.num_workers
+    workers = max(0, spec.data.num_workers)  # -1 (auto): 0 on the CPU sites
     return [f"raise `data.num_workers` from {workers} to {max(2, 2 * workers)} (loading overlaps compute)",
             "keep the token file on node-local or fast storage"]
 

@@ -198,6 +198,14 @@ class Scheduler(abc.ABC):
         """How many times the scheduler restarted (requeued) the job."""
         return 0
 
+    def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
+        """``hpcx data prepare --site``: the unfinished ``groups`` of the preparation in ``folder`` as jobs,
+        then its merge job; (id of the group jobs, id of the merge job). Not every kind can."""
+        from hpc.core.errors import UserError
+
+        raise UserError([f"--site {site.name}: a {self.kind} site: expected a Slurm site for a job array "
+                         "(without --site, prepare runs here)"])
+
     @staticmethod
     def section_problems(section: tp.Any) -> list[str]:
         """This kind's rules on the options it owns in a site's ``[scheduler]`` section (well-typed)."""

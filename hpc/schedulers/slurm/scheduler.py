@@ -321,6 +321,11 @@ class SlurmScheduler(Scheduler):
     def restarts(self, job_id: str) -> int:
         return int(show_job(job_id).get("Restarts", "0") or 0)
 
+    def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
+        from hpc.schedulers.slurm.array import ARRAY_MINUTES, submit_prepare
+
+        return submit_prepare(folder, site.scheduler, python, groups, min(4, site.node.cpus), ARRAY_MINUTES)
+
 
 class SlurmJobSide(JobSide):
     """Inside a Slurm job: ``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``, ``scontrol requeue``."""

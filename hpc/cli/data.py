@@ -1,0 +1,121 @@
+"""``hpcx data prepare`` and ``hpcx data verify`` (torch-free; tokenizers and pyarrow imported lazily)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from hpc.cli.clickutil import echo_json, json_option
+
+
+@click.group("data")
+def data_group() -> None:
+    """Tokenize text into sharded token datasets, and check them."""
+
+
+@data_group.command("prepare")
+@click.argument("inputs", nargs=-1, required=True, metavar="INPUT…")
+@click.option("--tokenizer", required=True, metavar="PATH", help="A local Hugging Face tokenizer.json, or a folder with one.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (resumed if it holds this preparation).")
+@click.option("--format", "kind", type=click.Choice(["text", "prompt-response"]), default="text", show_default=True,
+              help="prompt-response: jsonl/parquet records with a prompt and a response (or a chat list); "
+                   "a loss mask counts only the response.")
+@click.option("--text-key", default="text", show_default=True, help="Key of a .jsonl line / column of a .parquet file.")
+@click.option("--prompt-key", default="prompt", show_default=True)
+@click.option("--response-key", default="response", show_default=True)
+@click.option("--messages-key", default="messages", show_default=True, help="A chat list of {role, content}.")
+@click.option("--val-fraction", default=0.0, show_default=True, help="Share of documents held out (by a hash of each).")
+@click.option("--workers", default=1, show_default=True, help="Processes (0: one per CPU).")
+@click.option("--shard-tokens", default=1 << 26, show_default=True, help="Tokens per shard (closed at a document end).")
+@click.option("--group-bytes", default=256 << 20, show_default=True, help="Input bytes per group (one worker or array task each).")
+@click.option("--errors", "errors", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
+              help="skip: leave out bad documents, count them and name the first ones.")
+@click.option("--eos", default=None, help="The end-of-document token (default: the tokenizer's).")
+@click.option("--site", "site_name", default=None, metavar="NAME|PATH",
+              help="Run as a Slurm job array on this site (one task per group), then a merge job.")
+@click.option("--wait", is_flag=True, help="With --site: block until the merge job wrote the manifest.")
+@json_option
+def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str, text_key: str, prompt_key: str,
+                    response_key: str, messages_key: str, val_fraction: float, workers: int, shard_tokens: int,
+                    group_bytes: int, errors: str, eos: str | None, site_name: str | None, wait: bool, as_json: bool) -> None:
+    """Tokenize INPUT… (.txt, .jsonl, .parquet; .gz/.zst; folders and globs) into token shards and a
+    manifest.json in --out; a killed run started again continues where it was."""
+    from hpc.data.inputs import Format
+    from hpc.data.prepare import Options, make_plan, start
+
+    fmt = Format(kind, text_key, prompt_key, response_key, messages_key)
+    options = Options(fmt, val_fraction, _positive("--shard-tokens", shard_tokens),
+                      _positive("--group-bytes", group_bytes), errors, eos)
+    plan = make_plan(inputs, tokenizer, options)
+    out_dir = Path(out).resolve()
+    start(out_dir, plan)
+    if site_name:
+        _submit_array(out_dir, plan, site_name, wait)
+        return
+    manifest = run_local(out_dir, plan, workers)
+    _report(out_dir, manifest, as_json)
+
+
+def _submit_array(out: Path, plan: dict, site_name: str, wait: bool) -> None:
+    from hpc.data.array import submit_array, wait_for_manifest
+
+    jobs = submit_array(out, plan, site_name)
+    if jobs is None:
+        click.echo(f"{out / 'manifest.json'}: already prepared")
+        return
+    click.echo(f"submitted job array {jobs[0]} ({len(plan['groups'])} groups) and merge job {jobs[1]}; "
+               f"logs in {out / '.prepare' / 'logs'}")
+    if wait:
+        wait_for_manifest(out, site_name, jobs[1], timeout_s=7 * 24 * 3600)
+        click.echo(f"{out / 'manifest.json'}: written by job {jobs[1]}")
+
+
+def _positive(name: str, value: int) -> int:
+    from hpc.core.errors import UserError
+
+    if value < 1:
+        raise UserError([f"{name} {value}: expected a positive number"])
+    return value
+
+
+def run_local(out: Path, plan: dict, workers: int) -> dict:
+    """Every unfinished group here, then the merge."""
+    from hpc.data.local import run_groups
+    from hpc.data.prepare import cpu_workers, merge
+    from hpc.data.progress import Progress
+
+    progress = Progress(sum(i["bytes"] for i in plan["inputs"]))
+    run_groups(out, plan, cpu_workers(workers), progress)
+    progress.draw(final=True)
+    return merge(out)
+
+
+def _report(out: Path, manifest: dict, as_json: bool) -> None:
+    from hpc.core.manifest import describe
+
+    if as_json:
+        echo_json({"manifest": str(out / "manifest.json"), "splits": {s: {"tokens": m["tokens"], "documents": m["documents"],
+                   "shards": len(m["shards"])} for s, m in manifest["splits"].items()}, "skipped": manifest["skipped"]})
+        return
+    click.echo(f"{out / 'manifest.json'}: {describe(manifest)}")
+    skipped = manifest["skipped"]
+    if skipped["count"]:
+        click.echo(f"skipped {skipped['count']} bad documents (--errors=skip); the first:", err=True)
+        for line in skipped["first"]:
+            click.echo(f"  {line}", err=True)
+
+
+@data_group.command("verify")
+@click.argument("folder", metavar="DIR")
+@json_option
+def verify_command(folder: str, as_json: bool) -> None:
+    """Check every file of a prepared folder against its manifest (sizes, SHA-256, offsets, token ids)."""
+    from hpc.core.manifest import verify
+
+    result = verify(folder)
+    if as_json:
+        echo_json(result)
+        return
+    parts = [f"{s}: {m['shards']} shards, {m['tokens']:,} tokens, {m['documents']:,} documents" for s, m in result.items()]
+    click.echo(f"{folder}: every file matches its manifest ({'; '.join(parts)})")

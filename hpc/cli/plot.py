@@ -1,0 +1,80 @@
+"""``hpcx plot RUN… [--out PNG]``: a run's curves against step — train and eval loss, learning rate,
+tokens/s — from its ``metrics.jsonl``; several runs on one figure to compare them. Torch-free;
+matplotlib (the ``plot`` extra) is imported only to draw."""
+
+from __future__ import annotations
+
+import io
+import typing as tp
+from pathlib import Path
+
+import click
+
+from hpc.core.errors import UserError
+
+PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the lines that carry ``key`` (train lines carry loss, lr, tokens/s; eval lines eval_loss)."""
+    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and "step" in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
+    """One row of panels (loss with eval loss, LR, tokens/s) with a line per run, written atomically to ``path``."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError(["hpcx plot needs matplotlib: pip install 'hpcx[plot]'"]) from None
+    fig = Figure(figsize=(15, 4.2))
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(1, len(PANELS), i + 1) for i in range(len(PANELS))]
+    for n, (name, records) in enumerate(curves):
+        color = f"C{n % 10}"
+        for ax, (key, _) in zip(axes, PANELS):
+            ax.plot(*series(records, key), "-", color=color, label=name if key != "loss" else f"{name} train")
+        steps, evals = series(records, "eval_loss")
+        if steps:
+            axes[0].plot(steps, evals, "o--", color=color, label=f"{name} eval")
+    for ax, (key, title) in zip(axes, PANELS):
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize="small")
+    if len(curves) > 1:
+        axes[2].legend(fontsize="small")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    from hpc.core.runs import write_atomic
+
+    write_atomic(path, buf.getvalue())
+
+
+def run_curves(refs: tp.Sequence[str], roots: list[Path]) -> list[tuple[str, list[dict]]]:
+    """(run folder name, metrics lines) of each run; a run without metrics is a UserError."""
+    from hpc.core import runs
+
+    out = []
+    for ref in refs:
+        run_dir = runs.find_run(ref, roots)
+        records = runs.RunDir(run_dir).read_metrics()
+        if not records:
+            raise UserError([f"{run_dir}: no metrics.jsonl lines yet: expected a run that has logged a step"])
+        out.append((run_dir.name, records))
+    return out
+
+
+@click.command("plot")
+@click.argument("refs", nargs=-1, required=True, metavar="RUN…")
+@click.option("--out", "out", default="hpcx-plot.png", show_default=True, type=click.Path(dir_okay=False),
+              help="Where the PNG goes.")
+def plot_command(refs: tuple[str, ...], out: str) -> None:
+    """Draw train and eval loss, learning rate and tokens/s against step for RUN… (folders, names or job ids)."""
+    from hpc.cli import run_roots
+
+    curves = run_curves(refs, run_roots())
+    draw(curves, Path(out))
+    click.echo(f"{out}: {', '.join(name for name, _ in curves)}")

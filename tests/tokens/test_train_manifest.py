@@ -1,0 +1,156 @@
+"""The trainer on a prepared folder: samples, login-node checks, validation, the run's data record
+(issue 21, items 3 and 4)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpc.core.config import ConfigError
+from hpc.core.spec import load_spec
+from tests.tokens.test_prepare import run_prepare
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "jobs/tiny-ddp.toml"
+sys.path.insert(0, str(REPO / "tests/trainer"))
+from trainer_testlib import make_run, torchrun  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, corpus, tokenizer) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "data"
+    code, text = run_prepare(str(corpus), "--tokenizer", str(tokenizer), "--out", str(out), "--val-fraction", "0.2",
+                             "--group-bytes", "100000", "--shard-tokens", "20000")
+    assert code == 0, text
+    return out
+
+
+def test_samples_are_windows_of_one_shard(prepared):
+    from trainer.tokens import ManifestTokens
+
+    ds = ManifestTokens(prepared, "train", 64)
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    shards = [s for s in manifest["splits"]["train"]["shards"] if s["tokens"] > 64]
+    assert len(ds) == sum((s["tokens"] - 1) // 64 for s in shards) and len(shards) > 1
+    second = np.fromfile(prepared / shards[1]["file"], dtype=np.uint16)
+    first_of_second = (shards[0]["tokens"] - 1) // 64
+    assert ds[first_of_second].tolist() == second[:65].tolist()
+    assert ds[first_of_second + 2].tolist() == second[128:193].tolist()
+    assert ManifestTokens(prepared / "manifest.json", "val", 64)[0].shape == (65,)
+
+
+def test_login_checks_vocabulary_sizes_and_validation(prepared, tmp_path):
+    spec = load_spec(TINY, [f"data.source={str(prepared)!r}", "model.vocab_size=640"])
+    assert spec.data.source == str(prepared)
+    with pytest.raises(ConfigError, match=r"has 600 tokens, more than the model's vocabulary of 256: expected "
+                                          r"`model.vocab_size` >= 600"):
+        load_spec(TINY, [f"data.source={str(prepared)!r}"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in prepared.iterdir():
+        if f.is_file():
+            (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "train-00000-0000.bin").write_bytes(b"\x00\x00")
+    with pytest.raises(ConfigError, match=r"train-00000-0000.bin has 2 bytes: expected \d+ as the manifest says"):
+        load_spec(TINY, [f"data.source={str(broken)!r}", "model.vocab_size=640"])
+
+
+def test_eval_needs_something_to_evaluate(tmp_path, corpus, tokenizer):
+    out = tmp_path / "noval"
+    assert run_prepare(str(corpus), "--tokenizer", str(tokenizer), "--out", str(out))[0] == 0
+    with pytest.raises(ConfigError, match=r"`train.eval_every` = 5: no validation split"):
+        load_spec(TINY, [f"data.source={str(out)!r}", "model.vocab_size=640", "train.eval_every=5"])
+    spec = load_spec(TINY, [f"data.source={str(out)!r}", "model.vocab_size=640", "train.eval_every=5",
+                            f"data.val_source={str(out)!r}"])
+    assert spec.data.val_source == str(out)
+
+
+@pytest.mark.slow
+def test_evaluation_is_the_same_at_one_and_two_ranks(prepared, tmp_path):
+    worker = str(Path(__file__).parent / "eval_worker.py")
+    records = []
+    for n in (1, 2):
+        proc = torchrun(n, [worker, str(prepared), str(tmp_path / f"eval-{n}.json")])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records.append(json.loads((tmp_path / f"eval-{n}.json").read_text()))
+    one, two = records
+    assert one["eval_tokens"] == two["eval_tokens"] == 3 * 4 * 64
+    assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-12)
+    assert one["eval_perplexity"] == pytest.approx(np.exp(one["eval_loss"]))
+
+
+@pytest.mark.slow
+def test_training_from_a_manifest_evaluates_and_records_its_data(prepared, tmp_path):
+    from hpc.cli import format_result, format_status
+    from hpc.schedulers.base import JobState
+    from hpc.login.submit import summary
+
+    run_dir = make_run(tmp_path, "manifest", "ddp", 2, [f"data.source={str(prepared)!r}", "model.vocab_size=640",
+                                                        "train.steps=6", "train.eval_every=3", "train.eval_steps=2",
+                                                        "train.log_every=2"])
+    proc = torchrun(2, ["-m", "trainer", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in lines if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [3, 6] and all(r["eval_tokens"] == 2 * 8 * 64 for r in evals)
+    assert result["eval_loss"] == evals[-1]["eval_loss"] and "eval loss" in format_result(result)
+    assert all(r["loss"] < 7 for r in lines if "loss" in r)
+    data = json.loads((run_dir / "data.json").read_text())
+    assert data["manifest"] == str(prepared / "manifest.json") and data["tokenizer"]["vocab_size"] == 600
+    assert data["val_source"] == [str(prepared), "val"]
+    info = summary(run_dir, JobState("COMPLETED"))
+    assert info["loss"] == lines[-2]["loss"] and info["eval_loss"] == evals[-1]["eval_loss"]
+    assert f"eval loss {evals[-1]['eval_loss']:.4f} (perplexity" in format_status(info)
+
+
+def test_loader_workers_default_by_site_kind():
+    from hpc.core.spec import Data, loader_workers
+
+    assert Data().num_workers == -1
+    assert loader_workers(-1, True, 8) == 4 and loader_workers(-1, True, 2) == 1 and loader_workers(-1, True, 32) == 4
+    assert loader_workers(-1, False, 8) == 0 and loader_workers(3, False, 8) == 3 and loader_workers(0, True, 8) == 0
+
+
+def test_worker_processes_read_the_same_batches(prepared):
+    from hpc.core.spec import Data
+    from trainer.data import GlobalSampler, build_loader
+    from trainer.tokens import ManifestTokens
+
+    ds = ManifestTokens(prepared, "train", 64)
+    batches = {}
+    for workers in (0, 2):
+        sampler = GlobalSampler(len(ds), 4, 2, 0, 1, seed=5, shuffle=True)
+        loader = build_loader(ds, sampler, Data(), 5, pin_memory=False, workers=workers)
+        assert loader.persistent_workers == (workers > 0)
+        stream = iter(loader)
+        batches[workers] = [next(stream) for _ in range(4)]
+        del stream
+    assert all((a == b).all() for a, b in zip(batches[0], batches[2]))
+
+
+@pytest.mark.gpu
+def test_gpu_site_loads_with_workers_and_pinned_memory_and_evaluates(prepared, tmp_path):
+    """On a site with GPUs the default loader has worker processes (half of the task's 4 CPUs), pinned
+    memory and persistent workers; training from the manifest evaluates on the GPU."""
+    import torch
+
+    from tests.gpu.test_gpu import gpu_run
+    from trainer.loop import train
+    from trainer.run import load_run
+    from trainer.train import build_trainer
+
+    run_dir = gpu_run(tmp_path, "gpu-data", 1, [f"data.source={str(prepared)!r}", "model.vocab_size=640",
+                                                "parallel.strategy='none'", "train.eval_every=3", "train.eval_steps=1",
+                                                "job.tasks_per_node=1"])
+    trainer, state = build_trainer(load_run(run_dir), 0, torch.device("cuda:0"))
+    assert trainer.loader.num_workers == 2 and trainer.loader.pin_memory and trainer.loader.persistent_workers
+    result = train(trainer, state)
+    assert result["steps"] == 6 and result["eval_loss"] > 0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if "eval_loss" in r] == [3, 6]
+    assert all(r["phases_s"]["data"] >= 0 for r in lines if "phases_s" in r)

@@ -1,0 +1,101 @@
+"""Validation loss: every ``train.eval_every`` steps and after the last, the mean next-token loss over
+the first ``train.eval_steps × global_batch`` validation samples, in order.
+
+The samples are cut over ranks and micro-batches as a training step cuts its global batch
+(``GlobalSampler`` without shuffling), each rank sums its targets' losses and counts in float64,
+and one all-reduce adds them: the same samples and the same mean at every world size. With a
+loss mask only the counted (response) targets enter both sums.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import typing as tp
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, default_collate
+
+from trainer.data import GlobalSampler
+from trainer.objective import split_batch, token_losses
+
+log = logging.getLogger("hpcx.trainer")
+
+
+@dataclass
+class Evaluator:
+    """What one rank evaluates on, and how often."""
+
+    dataset: Dataset
+    sampler: GlobalSampler
+    every: int
+    steps: int
+
+    def due(self, step: int, last: int) -> bool:
+        """After every ``every``-th step and after the last one."""
+        return step % self.every == 0 or step == last
+
+
+def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank: int, world_size: int,
+                    every: int, steps: int) -> Evaluator:
+    """This rank's share of the validation samples, cut as a training step cuts its global batch."""
+    sampler = GlobalSampler(len(dataset), global_batch, micro_batch, rank, world_size, seed=0, shuffle=False)
+    return Evaluator(dataset, sampler, every, steps)
+
+
+def _sums(t: tp.Any, ev: Evaluator) -> torch.Tensor:
+    """(sum of target losses, number of targets) over this rank's share, float64 on the device."""
+    sums = torch.zeros(2, dtype=torch.float64, device=t.device)
+    autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None else contextlib.nullcontext())
+    for k in range(ev.steps):
+        for indices in ev.sampler.step_batches(k * ev.sampler.global_batch):
+            tokens, mask = split_batch(default_collate([ev.dataset[i] for i in indices]))
+            tokens = tokens.to(t.device)
+            with autocast:
+                logits = t.model(tokens[:, :-1])
+            losses = token_losses(logits, tokens).double()
+            weight = mask[:, 1:].to(t.device, torch.float64) if mask is not None else torch.ones_like(losses)
+            sums += torch.stack([(losses * weight).sum(), weight.sum()])
+    return sums
+
+
+def evaluate(t: tp.Any, ev: Evaluator, step: int) -> dict[str, tp.Any]:
+    """The eval record of ``step`` (every rank takes part): loss, perplexity, targets, seconds."""
+    started = time.perf_counter()
+    t.model.eval()
+    with torch.no_grad():
+        sums = _sums(t, ev)
+    t.model.train()
+    if t.world_size > 1 and dist.is_initialized():
+        dist.all_reduce(sums)
+    loss_sum, count = (float(x) for x in sums.cpu())
+    loss = loss_sum / max(1.0, count)
+    return {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+            "eval_tokens": int(count), "eval_s": time.perf_counter() - started}
+
+
+def eval_step(t: tp.Any, step: int) -> dict[str, tp.Any]:
+    """Evaluate, write the record to metrics.jsonl (rank 0) and the log; its seconds are left out of the
+    training phases (``PhaseClock.skip``), so the next metrics line's throughput is the training's."""
+    record = evaluate(t, t.evaluator, step)
+    t.metrics.write(record)
+    log.info("step %d/%d | eval loss %.4f | perplexity %.2f | %d tokens | %.1f s", step, t.steps,
+             record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_s"])
+    t.clock.skip()
+    return record
+
+
+def build_eval(spec: tp.Any, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
+    """The evaluator of a spec (None when ``train.eval_every`` is 0 or there is nothing to evaluate on)."""
+    from trainer.tokens import ManifestTokens, val_split_source
+
+    where = val_split_source(spec.data) if spec.train.eval_every else None
+    if where is None:
+        return None
+    dataset = ManifestTokens(where[0], where[1], seq_len)
+    return build_evaluator(dataset, spec.train.global_batch, spec.train.micro_batch, rank, world_size,
+                           spec.train.eval_every, spec.train.eval_steps)

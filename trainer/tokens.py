@@ -1,0 +1,105 @@
+"""Token shards of a manifest (``hpcx data prepare``), memory-mapped, as one dataset of samples.
+
+Sample ``i`` is ``seq_len + 1`` consecutive tokens of one shard (inputs and shifted targets from one
+read); shard ``k`` holds ``(tokens_k − 1) // seq_len`` samples, numbered after the shards before it in
+manifest order, and a sample never spans two shards. Documents are packed, each ended by its EOS.
+With a loss mask (``--format prompt-response``) a sample is ``(tokens, mask)``. Every shard is opened
+lazily in the process that reads it, so DataLoader workers never pickle a memory map.
+"""
+
+from __future__ import annotations
+
+import bisect
+import typing as tp
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from hpc.core.manifest import load_manifest, manifest_path
+
+
+class ManifestTokens(Dataset):
+    """The samples of one split of a prepared folder."""
+
+    def __init__(self, source: str | Path, split: str, seq_len: int):
+        path = manifest_path(source)
+        if path is None:
+            raise ValueError(f"{source}: no manifest.json (made by `hpcx data prepare`)")
+        self.folder, self.split, self.seq_len = path.parent, split, seq_len
+        self.manifest = load_manifest(path)
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.masked = bool(self.manifest.get("masked"))
+        self.shards = [s for s in self.manifest["splits"][split]["shards"] if s["tokens"] > seq_len]
+        counts = [(s["tokens"] - 1) // seq_len for s in self.shards]
+        self.starts = np.cumsum([0] + counts).tolist()
+        self._maps: dict[int, tuple[np.memmap, np.memmap | None]] = {}
+        if not len(self):
+            raise ValueError(f"{path}: the {split} split holds no sample of seq_len + 1 = {seq_len + 1} tokens")
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def _open(self, k: int) -> tuple[np.memmap, np.memmap | None]:
+        if k not in self._maps:
+            shard = self.shards[k]
+            tokens = np.memmap(self.folder / shard["file"], dtype=self.dtype, mode="r")
+            mask = np.memmap(self.folder / shard["mask"], dtype=np.uint8, mode="r") if self.masked else None
+            self._maps[k] = (tokens, mask)
+        return self._maps[k]
+
+    def __getitem__(self, index: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        k = bisect.bisect_right(self.starts, index) - 1
+        first = (index - self.starts[k]) * self.seq_len
+        tokens, mask = self._open(k)
+        window = torch.from_numpy(tokens[first:first + self.seq_len + 1].astype(np.int64))
+        if mask is None:
+            return window
+        return window, torch.from_numpy(mask[first:first + self.seq_len + 1].astype(np.bool_))
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": {}}
+
+
+def is_manifest_source(source: str) -> bool:
+    """Whether ``data.source`` names a prepared folder (or its manifest.json)."""
+    return source != "synthetic" and manifest_path(source) is not None
+
+
+def val_split_source(data: tp.Any) -> tuple[str, str] | None:
+    """(folder, split) that evaluation reads: ``data.val_source`` (its val split, or its train split
+    when it has no val split), else the val split of ``data.source``; None when there is none."""
+    if data.val_source == "none":
+        return None
+    if data.val_source:
+        manifest = load_manifest(manifest_path(data.val_source))
+        return data.val_source, "val" if manifest["splits"]["val"]["tokens"] else "train"
+    if not is_manifest_source(data.source):
+        return None
+    manifest = load_manifest(manifest_path(data.source))
+    return (data.source, "val") if manifest["splits"]["val"]["tokens"] else None
+
+
+def data_record(data: tp.Any) -> dict[str, tp.Any]:
+    """What a run trained on: the manifest (path, SHA-256, totals), its tokenizer (path, SHA-256,
+    vocabulary, EOS; what a model export ships) and the validation source."""
+    import hashlib
+
+    if not is_manifest_source(data.source):
+        return {"source": data.source}
+    path = manifest_path(data.source)
+    manifest = load_manifest(path)
+    return {"source": data.source, "manifest": str(path), "manifest_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"], "masked": bool(manifest.get("masked")),
+            "splits": {s: {k: m[k] for k in ("tokens", "documents")} for s, m in manifest["splits"].items()},
+            "val_source": val_split_source(data)}
+
+
+def record_data(run_dir: Path, data: tp.Any) -> None:
+    """Rank 0 writes ``RUN/data.json`` (``data_record``)."""
+    from hpc.core.runs import RunDir, write_json
+
+    write_json(RunDir(run_dir).data, data_record(data))
