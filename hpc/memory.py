@@ -191,7 +191,12 @@ def gpt_activation_bytes(shape: GPTShape, micro_batch: int, checkpointing: bool,
 
 
 def activation_bytes(facts: ModelFacts, cfg: Config) -> float | None:
-    """The GPT's activations from its shape; a user model's measured figure; else None."""
+    """The GPT's and Llama's activations from their shapes; a user model's measured figure; else None."""
+    if facts.llama is not None:
+        from hpc.llama import llama_activations
+
+        return llama_activations(facts.llama, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision,
+                                 autocast=not cfg.dims.fsdp_enabled).peak
     if facts.gpt is not None:
         return gpt_activation_bytes(facts.gpt, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision,
                                     cfg.dropout, autocast=not cfg.dims.fsdp_enabled)

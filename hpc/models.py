@@ -144,10 +144,11 @@ class ModelFacts:
     source: str = ""  # where the parameter count comes from
     param_shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape; empty when unknown
     largest_module_params: int | None = None  # the most parameters one module owns (init granularity)
+    llama: tp.Any = None  # the Llama family's shape (hpc.llama.LlamaShape); None for other families
 
     @property
     def builtin(self) -> bool:
-        return self.gpt is not None
+        return self.gpt is not None or self.llama is not None
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,10 @@ def model_facts(model: Model, counted: Counted | None = None) -> ModelFacts:
     ``seq_len`` and ``vocab_size`` set). ``counted`` replaces a user model's stated numbers."""
     if model.arch == "gpt":
         return gpt_facts(gpt_label(model), spec_shape(model))
+    if model.arch == "llama":
+        from hpc.llama import llama_facts
+
+        return llama_facts(model)
     if counted is not None:
         return _counted_facts(model, counted)
     if model.n_params:
@@ -220,6 +225,13 @@ def _counted_facts(model: Model, c: Counted) -> ModelFacts:
 
 def model_problems(model: Model) -> list[str]:
     """What is wrong with ``spec.model`` for its family (checked at load, on the login node)."""
+    from hpc import llama
+
+    if model.arch == "llama":
+        return llama.llama_problems(model)
+    foreign = llama.foreign_field_problems(model)
+    if foreign:
+        return foreign
     if model.arch == "gpt":
         if model.size not in GPT_PRESETS:
             return [f"`model.size` = {model.size!r}: expected one of {', '.join(GPT_PRESETS)}"]
@@ -228,7 +240,7 @@ def model_problems(model: Model) -> list[str]:
                     f"from its shape ({count_text(spec_shape(model).n_params)} here)"]
         return _shape_problems(spec_shape(model))
     if not USER_ARCH.match(model.arch):
-        return [f"`model.arch` = {model.arch!r}: expected 'gpt' or 'package.module:function'"]
+        return [f"`model.arch` = {model.arch!r}: expected 'gpt', 'llama' or 'package.module:function'"]
     errors = [f"`model.{key}` must be set for the user model {model.arch!r} (0 means the preset's, and a user "
               f"model has none)" for key in ("seq_len", "vocab_size") if not getattr(model, key)]
     return errors + _stated_problems(model)

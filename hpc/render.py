@@ -30,7 +30,7 @@ def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
 
 def user_code_notice(spec: JobSpec) -> str | None:
     """What a `module:function` model means: that code is imported and called in every task."""
-    if spec.model.arch == "gpt":
+    if spec.model.arch in ("gpt", "llama"):
         return None
     module, function = spec.model.arch.split(":", 1)
     kwargs = ", ".join(spec.model.kwargs) or "no kwargs"

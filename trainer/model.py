@@ -153,10 +153,14 @@ def build_model(spec: ModelSpec, device: str | torch.device) -> nn.Module:
     """The model of ``spec`` in fp32, built under ``torch.device(device)``: on ``meta`` nothing is
     allocated (the trainer; ``WeightInit`` materializes it later), elsewhere each module's
     constructor initialises it from the current torch RNG."""
-    shape = model_facts(spec).gpt
+    facts = model_facts(spec)
     with torch.device(device):
-        if shape is not None:
-            return GPT(shape, spec.dropout)
+        if facts.gpt is not None:
+            return GPT(facts.gpt, spec.dropout)
+        if facts.llama is not None:
+            from trainer.llama import Llama
+
+            return Llama(facts.llama)
         model = _user_function(spec.arch)(**spec.kwargs)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"`model.arch` = {spec.arch!r} returned {type(model).__name__}, expected an nn.Module")
