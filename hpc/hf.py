@@ -132,8 +132,10 @@ def read_config(path: Path) -> dict[str, tp.Any]:
 
 
 def spec_fields(path: Path, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
-    """The ``[model]`` fields ``doc`` (``path``'s config.json) sets; ConfigError for what hpcx lacks."""
-    archs = doc.get("architectures") or []
+    """The ``[model]`` fields ``doc`` (``path``'s config.json) sets; ConfigError for what hpcx lacks.
+    The architecture is ``architectures`` (or, where a bare config has none, ``model_type``); rotary
+    settings come from ``rope_theta`` / ``rope_scaling`` or transformers 5's ``rope_parameters``."""
+    archs = doc.get("architectures") or ([LLAMA_ARCH] if doc.get("model_type") == "llama" else [])
     if archs != [LLAMA_ARCH]:
         raise ConfigError([f"`model.hf_config`: {path}: architectures = {archs!r}; hpcx implements "
                            f"[{LLAMA_ARCH!r}] only"])
@@ -142,15 +144,20 @@ def spec_fields(path: Path, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
         raise ConfigError(problems)
     fields: dict[str, tp.Any] = {"arch": "llama"}
     fields.update({ours: doc[key] for key, ours in LLAMA_KEYS if doc.get(key) is not None})
-    scaling = doc.get("rope_scaling") or {}
-    fields.update({ours: scaling[key] for key, ours in ROPE_KEYS if key in scaling})
-    if "rope_theta" not in fields and isinstance(doc.get("rope_parameters"), dict):
-        fields["rope_theta"] = doc["rope_parameters"].get("rope_theta", 10000.0)
-    fields.setdefault("rope_theta", 10000.0)
+    rope = _rope(doc)
+    fields.update({ours: rope[key] for key, ours in ROPE_KEYS if key in rope})
+    fields["rope_theta"] = float(rope.get("rope_theta", fields.get("rope_theta", 10000.0)))
     fields.setdefault("n_kv_heads", fields["n_heads"])
     fields.setdefault("rope_factor", 1.0)
     fields.setdefault("tie_embeddings", False)
     return fields
+
+
+def _rope(doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """The rotary settings of a config: ``rope_scaling`` (transformers 4) or ``rope_parameters`` (5)."""
+    rope = doc.get("rope_parameters") if isinstance(doc.get("rope_parameters"), dict) else {}
+    scaling = doc.get("rope_scaling") if isinstance(doc.get("rope_scaling"), dict) else {}
+    return {**rope, **scaling}
 
 
 def _unsupported(path: Path, doc: dict[str, tp.Any]) -> list[str]:
@@ -164,9 +171,11 @@ def _unsupported(path: Path, doc: dict[str, tp.Any]) -> list[str]:
     if isinstance(heads, int) and isinstance(width, int) and heads and doc.get("head_dim", width // heads) != width // heads:
         out.append(f"{where}: head_dim = {doc['head_dim']!r}; hpcx's Llama has hidden_size / num_attention_heads "
                    f"= {width // heads}")
-    scaling = doc.get("rope_scaling")
-    if scaling is not None and (not isinstance(scaling, dict) or scaling.get("rope_type", scaling.get("type")) != "llama3"):
-        out.append(f"{where}: rope_scaling = {scaling!r}; hpcx implements none or rope_type 'llama3'")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = doc.get(key)
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+        if rope is not None and kind not in ("default", "llama3"):
+            out.append(f"{where}: {key} = {rope!r}; hpcx implements rope_type 'default' and 'llama3'")
     return out
 
 
