@@ -7,6 +7,7 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
+import os
 import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -167,6 +168,13 @@ class Checkpoint:
                       minimum=2)
     async_save: bool = field(False, doc="Save in the background on a separate process group.")
     resume: bool = field(True, doc="Resume from the newest committed checkpoint of the run folder.")
+    init_from: str = field("", doc="Start from these weights (model only: step 0, a fresh optimizer and "
+                           "schedule): a Hugging Face folder (`config.json` + `model.safetensors` or shards with "
+                           "`model.safetensors.index.json`), an hpcx run or step folder (DCP), or one "
+                           "`.safetensors`/`torch.save` file. Used only while the run has no checkpoint of its "
+                           "own (a requeued fine-tune resumes from its own newest step). Names, shapes and dtypes "
+                           "are checked at submit and dryrun from the headers; each rank reads only its shard's "
+                           "bytes. Relative to the current folder; recorded absolute.", max_len=v.PATH_MAX)
 
 
 @dataclass
@@ -254,6 +262,9 @@ def resolve_paths(spec: JobSpec) -> list[str]:
             errors += exc.messages
     from hpc.models import model_facts
 
+    if spec.checkpoint.init_from:
+        spec.checkpoint.init_from = str(Path(os.path.expandvars(os.path.expanduser(spec.checkpoint.init_from)))
+                                        .absolute())
     facts = model_facts(spec.model)
     problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
                                                      facts.vocab_size)
