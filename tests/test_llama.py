@@ -164,3 +164,41 @@ def test_the_tiny_llama_job_plans_on_the_local_site():
     out = hpcx("plan", str(REPO / "jobs" / "tiny-llama.toml"), "--site", "local")
     assert out.returncode == 0, out.stderr
     assert "llama tiny (131K params)" in out.stdout
+
+
+def test_meta_build_materializes_with_the_weight_init_scheme():
+    torch = pytest.importorskip("torch")
+    from trainer.llama import rope_frequencies
+    from trainer.model import WeightInit, build_model
+
+    spec = model(size="tiny", rope_factor=8.0, rope_original_seq_len=16)
+    shape = model_facts(spec).llama
+    states = []
+    for _ in range(2):
+        net = build_model(spec, "meta")
+        WeightInit.of(net, seed=7).materialize(net, torch.device("cpu"))
+        states.append({k: v.clone() for k, v in net.state_dict().items()})
+        assert torch.equal(net.rope.inv_freq, rope_frequencies(shape))
+        assert torch.equal(net.norm.weight, torch.ones(shape.d_model))
+        assert net.blocks[0].attn.wo.weight.std().item() < net.blocks[0].attn.wq.weight.std().item()
+    assert "rope.inv_freq" not in states[0]  # not in checkpoints: computed from the shape
+    assert all(torch.equal(states[0][k], states[1][k]) for k in states[0])
+
+
+def test_llama3_scaling_divides_only_the_long_wavelengths():
+    torch = pytest.importorskip("torch")
+    from trainer.llama import rope_frequencies
+
+    plain = rope_frequencies(LlamaShape(1, 128, 1, 1, 8, 8, 8, rope_theta=500000.0))
+    scaled = rope_frequencies(LlamaShape(1, 128, 1, 1, 8, 8, 8, rope_theta=500000.0, rope_factor=8.0))
+    wavelen = 2 * torch.pi / plain
+    assert torch.equal(scaled[wavelen < 8192 / 4], plain[wavelen < 8192 / 4])
+    assert torch.allclose(scaled[wavelen > 8192], plain[wavelen > 8192] / 8)
+
+
+def test_scale_predict_counts_the_llama():
+    from tests.conftest import REPO, hpcx
+
+    out = hpcx("scale", "predict", str(REPO / "jobs" / "llama3-8b-finetune.toml"), "--site", "dgx-h100",
+               "--nodes", "2,4")
+    assert out.returncode == 0 and "llama3-8b-ft" in out.stdout, out.stderr

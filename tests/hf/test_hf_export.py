@@ -135,3 +135,35 @@ def test_refusals_are_one_line_exit_2(llama_run, tmp_path, case):
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
     assert not dst.exists() or case == "exists"
+
+
+MEMORY_CHILD = r"""
+import json, sys
+import torch
+from hpc.ckpt.hf import export_hf
+import hpc.ckpt.dcp, hpc.spec, hpc.runs, hpc.models
+def hwm():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+before = hwm()
+export_hf(sys.argv[1], sys.argv[2], dtype=sys.argv[3])
+print(json.dumps({"growth": hwm() - before}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_export_memory_stays_at_about_the_largest_tensor(tmp_path, dtype):
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.llama import Llama
+
+    sets = ["model.arch='llama'", "model.size='small'", "model.dim=512", "model.n_layers=12", "model.vocab_size=16384"]
+    run = make_run(tmp_path, "big", "none", 1, sets)
+    spec = load_run(run).spec
+    shape = model_facts(spec.model).llama
+    dcp.save({"model": Llama(shape).state_dict()}, checkpoint_id=str(run / "checkpoints" / "step-0000001"),
+             no_dist=True)
+    total, largest = shape.n_params * 4, shape.largest_module_params * 4  # 207 MB, the embedding's 32 MB
+    out = subprocess.run([sys.executable, "-c", MEMORY_CHILD, str(run), str(tmp_path / "hf"), dtype],
+                         capture_output=True, text=True, cwd=REPO, env=child_env(1), timeout=300, check=True)
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    assert growth <= 2 * largest + 32 * 2**20 < total / 2, (growth, largest, total)
