@@ -49,6 +49,14 @@ def test_hf_folder_round_trips_bit_for_bit_on_two_ranks(source, tmp_path, strate
     assert_bitwise(exported(run, tmp_path), hf_tensors(source))
 
 
+def test_uneven_shards_on_three_ranks_and_hsdp_on_four(source, tmp_path):
+    """dims that do not divide by 3 (kv 32 rows, vocab 256): later ranks hold shorter shards; 2 × 2 HSDP."""
+    for name, strategy, ranks, extra in (("three", "fsdp", 3, ["train.global_batch=6"]),
+                                         ("four", "hsdp", 4, ["parallel.shard_size=2"])):
+        run = fine_tune(tmp_path, name, source, strategy, ranks, extra)
+        assert_bitwise(exported(run, tmp_path / name), hf_tensors(source))
+
+
 def test_bf16_weights_become_fp32_masters_and_tied_stays_tied(tmp_path):
     src = hf_folder(tmp_path / "tied", dtype="bfloat16", tie_word_embeddings=True)
     run = fine_tune(tmp_path, "tied", src, "fsdp", 2, ["model.tie_embeddings=true"])
