@@ -90,16 +90,35 @@ def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
                        "Hugging Face (a user model has no known Hugging Face class)"])
 
 
-def tokenizer_files(resolved: dict[str, tp.Any]) -> list[Path]:
-    """The tokenizer files of the run's data, when its spec names a tokenizer (a folder or a file)."""
-    data = resolved.get("spec", {}).get("data", {})
-    name = data.get("tokenizer") if isinstance(data, dict) else None
-    if not isinstance(name, str) or not name:
+def tokenizer_files(resolved: dict[str, tp.Any], run: Path | None = None) -> list[Path]:
+    """The tokenizer files of the run's data, when it names a tokenizer: the ``tokenizer.path`` of
+    ``RUN/data.json`` (what the run trained on) or of the manifest of a prepared ``data.source``
+    folder, else a ``data.tokenizer`` path; a ``tokenizer.json`` brings the files beside it. None
+    named: nothing (the export then has no tokenizer)."""
+    named = _tokenizer_path(resolved, run)
+    if named is None:
         return []
-    path = Path(name)
-    if path.is_file():
-        return [path]
-    return [path / f for f in TOKENIZER_FILES if (path / f).is_file()]
+    folder = named if named.is_dir() else named.parent
+    files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    return files if named.is_dir() or named in files else [named, *files]
+
+
+def _tokenizer_path(resolved: dict[str, tp.Any], run: Path | None) -> Path | None:
+    data = resolved.get("spec", {}).get("data", {})
+    data = data if isinstance(data, dict) else {}
+    docs = [run / "data.json"] if run is not None else []
+    if isinstance(data.get("source"), str):
+        docs.append(Path(data["source"]) / "manifest.json")
+    for doc in docs:
+        try:
+            tok = json.loads(doc.read_text(encoding="utf-8")).get("tokenizer")
+        except (OSError, ValueError, AttributeError):
+            continue
+        path = tok.get("path") if isinstance(tok, dict) else tok
+        if isinstance(path, str) and Path(path).exists():
+            return Path(path)
+    name = data.get("tokenizer")
+    return Path(name) if isinstance(name, str) and name and Path(name).exists() else None
 
 
 # ---------------------------------------------------------------- export
@@ -197,7 +216,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
         shards = hf_shards(plan, torch_dtype.itemsize, shard_bytes)
         total = sum(_numel(t.shape) for t in plan) * torch_dtype.itemsize
         _write_folder(dst, reader, shards, _config(arch, shape, dtype), torch_dtype, start(total),
-                      tokenizer_files(resolved))
+                      tokenizer_files(resolved, run))
     finally:
         reader.close()
     return {"src": str(step), "dst": str(dst), "arch": hf_config(arch, shape)["architectures"][0],

@@ -111,11 +111,18 @@ def test_tokenizer_files_are_copied_when_the_data_names_one(llama_run, tmp_path)
     (tok / "tokenizer_config.json").write_text("{}")
     run = tmp_path / "copy"
     subprocess.run(["cp", "-r", str(llama_run), str(run)], check=True)
-    doc = json.loads((run / "resolved.json").read_text())
-    doc["spec"]["data"]["tokenizer"] = str(tok)
-    (run / "resolved.json").write_text(json.dumps(doc))
+    (run / "data.json").write_text(json.dumps({"tokenizer": {"path": str(tok / "tokenizer.json"), "sha256": "x"}}))
+    export_hf(run, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors",
+                                                                    "tokenizer.json", "tokenizer_config.json"]
     from hpc.ckpt.hf import tokenizer_files
 
+    doc = json.loads((run / "resolved.json").read_text())
+    assert tokenizer_files(doc) == []  # synthetic data: no tokenizer
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "manifest.json").write_text(json.dumps({"tokenizer": {"path": str(tok)}}))
+    doc["spec"]["data"]["source"] = str(prepared)
     assert [p.name for p in tokenizer_files(doc)] == ["tokenizer.json", "tokenizer_config.json"]
 
 
