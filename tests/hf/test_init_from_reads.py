@@ -90,3 +90,22 @@ def test_read_plan_of_rank_127_of_128(tmp_path):
         row = 2 * (t.shape[1] if len(t.shape) > 1 else 1)
         assert t.offset <= r.offset and r.offset + r.length <= t.offset + t.shape[0] * row, name
     assert sum(r.length for r in plan.values()) <= source.nbytes / 128 * 1.05
+
+
+def test_dryrun_reports_this_ranks_reads(tmp_path):
+    from hpc.cli import load_job
+    from hpc.dryrun import dryrun, format_dryrun
+
+    from tests.conftest import REPO
+
+    shape = LLAMA_PRESETS["llama3.2-1b"]
+    path = sparse_safetensors(tmp_path / "model.safetensors", shape)
+    spec, site, launch = load_job(str(REPO / "jobs" / "tiny-llama.toml"), "dgx-h100",
+                                  ["model.size='llama3.2-1b'", "job.nodes=16", "job.tasks_per_node=8",
+                                   "train.global_batch=128", "train.micro_batch=1", "parallel.strategy='hsdp'",
+                                   f"checkpoint.init_from={str(path)!r}"])
+    result = dryrun(spec, site, launch, rank=127)
+    reads = result.init_from
+    assert reads["kind"] == "safetensors" and reads["source_bytes"] == shape.n_params * 2
+    assert reads["source_bytes"] / 8 <= reads["bytes"] <= reads["source_bytes"] / 8 * 1.05  # sharded over a node
+    assert "this rank reads" in format_dryrun(result)
