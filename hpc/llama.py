@@ -106,34 +106,29 @@ class LlamaShape:
         return 6.0 * non_embedding + 12.0 * self.n_layers * self.d_model * self.seq_len
 
 
-def _preset(n_layers: int, d: int, heads: int, kv: int, multiple_of: int, multiplier: float, seq_len: int,
-            vocab: int, **rest: tp.Any) -> LlamaShape:
-    return LlamaShape(n_layers, d, heads, kv, swiglu_hidden(d, multiple_of, multiplier), seq_len, vocab, **rest)
-
-
 LLAMA3 = dict(rope_theta=500000.0)
 LLAMA31 = dict(rope_theta=500000.0, rope_factor=8.0)
-# the published shapes (params.json of each release); seq_len is the training context
-LLAMA_PRESETS: dict[str, LlamaShape] = {
-    "tiny": _preset(2, 64, 4, 2, 32, 0.0, 64, 256),
-    "small": _preset(4, 256, 8, 4, 64, 0.0, 256, 8192),
-    "llama2-7b": _preset(32, 4096, 32, 32, 256, 0.0, 4096, 32000),
-    "llama2-13b": _preset(40, 5120, 40, 40, 256, 0.0, 4096, 32000),
-    "llama2-70b": _preset(80, 8192, 64, 8, 4096, 1.3, 4096, 32000),
-    "llama3-8b": _preset(32, 4096, 32, 8, 1024, 1.3, 8192, 128256, **LLAMA3),
-    "llama3-70b": _preset(80, 8192, 64, 8, 4096, 1.3, 8192, 128256, **LLAMA3),
-    "llama3.1-8b": _preset(32, 4096, 32, 8, 1024, 1.3, 8192, 128256, **LLAMA31),
-    "llama3.1-70b": _preset(80, 8192, 64, 8, 4096, 1.3, 8192, 128256, **LLAMA31),
-    "llama3.1-405b": _preset(126, 16384, 128, 8, 4096, 1.2, 8192, 128256, **LLAMA31),
-    "llama3.2-1b": _preset(16, 2048, 32, 8, 256, 1.5, 8192, 128256, tied=True, rope_theta=500000.0,
-                           rope_factor=32.0),
-    "llama3.2-3b": _preset(28, 3072, 24, 8, 256, 1.0, 8192, 128256, tied=True, rope_theta=500000.0,
-                           rope_factor=32.0),
+LLAMA32 = dict(tied=True, rope_theta=500000.0, rope_factor=32.0)
+# name: (layers, dim, heads, kv heads, multiple_of, ffn_dim_multiplier, seq_len, vocab, the rest): the
+# published shapes (params.json of each release); seq_len is the training context
+PRESET_ARGS: dict[str, tuple[int, int, int, int, int, float, int, int, dict[str, tp.Any]]] = {
+    "tiny": (2, 64, 4, 2, 32, 0.0, 64, 256, {}),
+    "small": (4, 256, 8, 4, 64, 0.0, 256, 8192, {}),
+    "llama2-7b": (32, 4096, 32, 32, 256, 0.0, 4096, 32000, {}),
+    "llama2-13b": (40, 5120, 40, 40, 256, 0.0, 4096, 32000, {}),
+    "llama2-70b": (80, 8192, 64, 8, 4096, 1.3, 4096, 32000, {}),
+    "llama3-8b": (32, 4096, 32, 8, 1024, 1.3, 8192, 128256, LLAMA3),
+    "llama3-70b": (80, 8192, 64, 8, 4096, 1.3, 8192, 128256, LLAMA3),
+    "llama3.1-8b": (32, 4096, 32, 8, 1024, 1.3, 8192, 128256, LLAMA31),
+    "llama3.1-70b": (80, 8192, 64, 8, 4096, 1.3, 8192, 128256, LLAMA31),
+    "llama3.1-405b": (126, 16384, 128, 8, 4096, 1.2, 8192, 128256, LLAMA31),
+    "llama3.2-1b": (16, 2048, 32, 8, 256, 1.5, 8192, 128256, LLAMA32),
+    "llama3.2-3b": (28, 3072, 24, 8, 256, 1.0, 8192, 128256, LLAMA32),
 }
-PRESET_MULTIPLES = {"tiny": (32, 0.0), "small": (64, 0.0), "llama2-7b": (256, 0.0), "llama2-13b": (256, 0.0),
-                    "llama2-70b": (4096, 1.3), "llama3-8b": (1024, 1.3), "llama3-70b": (4096, 1.3),
-                    "llama3.1-8b": (1024, 1.3), "llama3.1-70b": (4096, 1.3), "llama3.1-405b": (4096, 1.2),
-                    "llama3.2-1b": (256, 1.5), "llama3.2-3b": (256, 1.0)}
+LLAMA_PRESETS: dict[str, LlamaShape] = {
+    name: LlamaShape(n, d, h, kv, swiglu_hidden(d, multiple, mult), seq, vocab, **rest)
+    for name, (n, d, h, kv, multiple, mult, seq, vocab, rest) in PRESET_ARGS.items()}
+PRESET_MULTIPLES = {name: (args[4], args[5]) for name, args in PRESET_ARGS.items()}
 
 
 def llama_shape(model: Model) -> LlamaShape:
