@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from hpc.config import ConfigError
-from hpc.llama import LLAMA_PRESETS, LlamaShape, hf_names, llama_activations, swiglu_hidden
-from hpc.models import model_facts
-from hpc.spec import spec_from_dict
+from hpc.core.config import ConfigError
+from hpc.core.models.llama import LLAMA_PRESETS, LlamaShape, hf_names, llama_activations, swiglu_hidden
+from hpc.core.models import model_facts
+from hpc.core.spec import spec_from_dict
 
 PUBLISHED = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
              "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3.1-405b": 405_853_388_800,
@@ -41,10 +41,10 @@ def test_swiglu_width_follows_metas_rounding():
 
 def test_spec_fields_replace_the_presets():
     s = model_facts(model(size="tiny", dim=96, n_heads=6, n_kv_heads=3, n_layers=3, ffn_dim=200,
-                          rope_theta=1e6, tie_embeddings=True)).llama
+                          rope_theta=1e6, tie_embeddings=True)).shape
     assert (s.d_model, s.n_heads, s.n_kv_heads, s.n_layers, s.ffn_dim, s.rope_theta, s.tied) == \
         (96, 6, 3, 3, 200, 1e6, True)
-    assert model_facts(model(size="llama3.2-1b")).llama.tied  # the preset is tied
+    assert model_facts(model(size="llama3.2-1b")).shape.tied  # the preset is tied
 
 
 def test_flops_per_token_counts_the_head_and_attention():
@@ -90,7 +90,7 @@ def measured_held(shape, micro_batch, mode):
     torch = pytest.importorskip("torch")
     import torch.nn.functional as F
 
-    from trainer.llama import Llama
+    from trainer.models.llama import Llama
 
     torch.manual_seed(0)
     net = Llama(shape)
@@ -131,7 +131,7 @@ def test_built_model_matches_its_facts(size):
     net = build_model(spec, "meta")
     facts = model_facts(spec)
     assert [tuple(p.shape) for p in net.parameters()] == list(facts.param_shapes)
-    assert [n for n, _ in net.named_parameters()] == list(hf_names(facts.llama))
+    assert [n for n, _ in net.named_parameters()] == list(hf_names(facts.shape))
     assert max(sum(p.numel() for p in m.parameters(recurse=False)) for m in net.modules()) == \
         facts.largest_module_params
 
@@ -168,11 +168,11 @@ def test_the_tiny_llama_job_plans_on_the_local_site():
 
 def test_meta_build_materializes_with_the_weight_init_scheme():
     torch = pytest.importorskip("torch")
-    from trainer.llama import rope_frequencies
+    from trainer.models.llama import rope_frequencies
     from trainer.model import WeightInit, build_model
 
     spec = model(size="tiny", rope_factor=8.0, rope_original_seq_len=16)
-    shape = model_facts(spec).llama
+    shape = model_facts(spec).shape
     states = []
     for _ in range(2):
         net = build_model(spec, "meta")
@@ -187,7 +187,7 @@ def test_meta_build_materializes_with_the_weight_init_scheme():
 
 def test_llama3_scaling_divides_only_the_long_wavelengths():
     torch = pytest.importorskip("torch")
-    from trainer.llama import rope_frequencies
+    from trainer.models.llama import rope_frequencies
 
     plain = rope_frequencies(LlamaShape(1, 128, 1, 1, 8, 8, 8, rope_theta=500000.0))
     scaled = rope_frequencies(LlamaShape(1, 128, 1, 1, 8, 8, 8, rope_theta=500000.0, rope_factor=8.0))

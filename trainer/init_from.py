@@ -33,7 +33,7 @@ from torch import nn
 from hpc.ckpt.entries import Scratch
 from hpc.ckpt.init_source import InitSource, open_source
 from hpc.ckpt.torch_zip import read_exact
-from hpc.models import model_facts
+from hpc.core.models import model_facts
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -167,8 +167,7 @@ def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
         return None
     tic = time.perf_counter()
     facts = model_facts(spec.model)
-    arch, shape = ("llama", facts.llama) if facts.llama is not None else ("gpt", facts.gpt)
-    source = open_source(path, arch, shape)
+    source = open_source(path, facts.family, facts.shape)
     read = LOADERS[source.kind](model, source)
     report = {"init_from": str(source.step or source.path), "kind": source.kind, "bytes_read": read,
               "source_bytes": source.nbytes, "seconds": time.perf_counter() - tic}

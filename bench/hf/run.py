@@ -51,7 +51,7 @@ EXPORT = r"""
 import json, sys, time
 import torch
 from hpc.ckpt.hf import export_hf
-import hpc.ckpt.dcp, hpc.spec, hpc.runs, hpc.models  # imported before the clock, as bench/convert does
+import hpc.ckpt.dcp, hpc.core.spec, hpc.core.runs, hpc.core.models  # imported before the clock, as bench/convert does
 rchar0 = int(dict(l.split(": ") for l in open("/proc/self/io").read().splitlines())["rchar"])
 t = time.perf_counter()
 export_hf(sys.argv[1], sys.argv[2])
@@ -96,9 +96,10 @@ def spec_sets(cfg: dict, init_from: Path) -> list[str]:
 
 
 def make_run(root: Path, name: str, sets: list[str], ranks: int) -> Path:
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
 
     spec = load_spec(REPO / "jobs" / "tiny-llama.toml", [*sets, f"job.tasks_per_node={ranks}", "job.nodes=1"])
     site = load_site("local")
@@ -155,8 +156,8 @@ def dcp_run(root: Path, cfg: dict) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from hpc.llama import LlamaShape
-    from trainer.llama import Llama
+    from hpc.core.models.llama import LlamaShape
+    from trainer.models.llama import Llama
 
     run = make_run(root, "export", spec_sets(cfg, root / "unused"), 1)
     shape = LlamaShape(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"],

@@ -2,10 +2,10 @@
 
 The export reads a run's step folder (DCP; a run folder means its newest committed step), the
 run's ``resolved.json`` for the model (family and shapes), and writes what ``from_pretrained``
-loads with no missing or unexpected keys: ``config.json`` (``hpc.hf.hf_config``), safetensors
+loads with no missing or unexpected keys: ``config.json`` (``hpc.core.hf.hf_config``), safetensors
 shards of at most ``shard_bytes`` (``model.safetensors`` alone, or ``model-0000i-of-0000n`` with
 ``model.safetensors.index.json``), in fp32 or bf16, and the tokenizer's files when the run's data
-names a tokenizer. Tensors go through ``hpc.hf.tensor_plan`` one at a time through one reusable
+names a tokenizer. Tensors go through ``hpc.core.hf.tensor_plan`` one at a time through one reusable
 buffer, so memory stays at about the largest tensor, as the other conversions.
 """
 
@@ -23,8 +23,8 @@ from hpc.ckpt.entries import Progress, Reader, Scratch
 from hpc.ckpt.outputs import check_destination, fsync_file, staged
 from hpc.ckpt.safetensors import INDEX_FILE, ST_DTYPES
 from hpc.ckpt.torch_zip import byte_view
-from hpc.errors import CheckpointError, ConfigError
-from hpc.hf import CONFIG_FILE, HfTensor, hf_config, tensor_plan
+from hpc.core.errors import CheckpointError, ConfigError
+from hpc.core.hf import CONFIG_FILE, HfTensor, hf_config, tensor_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -55,7 +55,7 @@ def mapped(t: HfTensor, value: torch.Tensor | None, dtype: torch.dtype, out: tor
 
 def run_of(path: Path) -> tuple[Path, Path]:
     """(run folder, step folder) of a run folder (its newest committed step) or a step folder."""
-    from hpc.runs import RunDir
+    from hpc.core.runs import RunDir
 
     path = path.resolve()
     if (path / ".metadata").exists() and path.parent.name == "checkpoints":
@@ -71,9 +71,9 @@ def run_of(path: Path) -> tuple[Path, Path]:
 
 def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
     """(arch, shape, resolved.json) of a run: the model the export describes."""
-    from hpc.config import load_json_bounded
-    from hpc.models import model_facts
-    from hpc.spec import spec_from_dict
+    from hpc.core.config import load_json_bounded
+    from hpc.core.models import model_facts
+    from hpc.core.spec import spec_from_dict
 
     where = run / "resolved.json"
     try:
@@ -82,12 +82,11 @@ def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
     except (OSError, KeyError, TypeError) as exc:
         raise CheckpointError([f"{where}: cannot read the run's spec ({exc})"]) from None
     facts = model_facts(spec.model)
-    if facts.llama is not None:
-        return "llama", facts.llama, resolved
-    if facts.gpt is not None:
-        return "gpt", facts.gpt, resolved
-    raise ConfigError([f"{run}: model.arch = {spec.model.arch!r}; only the built-in 'llama' and 'gpt' export to "
-                       "Hugging Face (a user model has no known Hugging Face class)"])
+    try:
+        tensor_plan(facts.family, facts.shape)
+    except ConfigError as exc:
+        raise ConfigError([f"{run}: {exc.messages[0]}"]) from None
+    return facts.family, facts.shape, resolved
 
 
 def tokenizer_files(resolved: dict[str, tp.Any], run: Path | None = None) -> list[Path]:

@@ -3,7 +3,7 @@
 A source is one of:
 
 - a Hugging Face folder (``config.json`` beside ``model.safetensors`` or shards with
-  ``model.safetensors.index.json``): names mapped by ``hpc.hf.tensor_plan`` (the Llama family), and
+  ``model.safetensors.index.json``): names mapped by ``hpc.core.hf.tensor_plan`` (the Llama family), and
   its ``config.json`` must describe the run's model (torchtune's checkpointer refuses the same);
 - an hpcx run folder (its newest committed step) or step folder (DCP): the ``model.*`` entries;
 - one ``.safetensors`` file (hpcx's, ``model.``-prefixed or not, or Hugging Face's names) or one
@@ -24,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-from hpc.errors import CheckpointError
-from hpc.hf import CONFIG_FILE, hf_config, read_config, tensor_plan
+from hpc.core.errors import CheckpointError
+from hpc.core.hf import CONFIG_FILE, hf_config, read_config, spec_fields, tensor_plan
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-COMPARED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "rms_norm_eps", "rope_theta", "tie_word_embeddings")
+IGNORED = ("seq_len",)  # the context a fine-tune trains at is its own choice
 
 
 @dataclass(frozen=True)
@@ -70,11 +69,11 @@ def expected(arch: str, shape: tp.Any) -> dict[str, tuple[int, ...]]:
             if t.source}
 
 
-def hf_to_hpcx(arch: str, shape: tp.Any) -> dict[str, str]:
-    """Hugging Face name → hpcx parameter name, for families whose layouts are the same (the Llama)."""
-    if arch != "llama":
-        return {}
-    return {t.name: t.source for t in tensor_plan(arch, shape)}
+def hf_to_hpcx(family: str, shape: tp.Any) -> dict[str, str]:
+    """Hugging Face name → hpcx parameter name, for families whose tensors are Hugging Face's as they
+    are (the Llama; GPT-2's are transposed and have biases hpcx's GPT lacks)."""
+    plan = tensor_plan(family, shape)
+    return {t.name: t.source for t in plan} if all(t.op == "copy" for t in plan) else {}
 
 
 # ---------------------------------------------------------------- reading headers
@@ -187,34 +186,28 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
     config = path / CONFIG_FILE if path.is_dir() else None
     if config is None or not config.is_file():
         return []
-    if arch != "llama":  # nothing else would match: one line, not one per tensor
+    if not hf_to_hpcx(arch, shape):  # nothing would match: one line, not one per tensor
         raise CheckpointError([f"`checkpoint.init_from`: {path} is a Hugging Face folder; hpcx reads those for "
                                f"arch = 'llama', not {arch!r} (GPT-2 has biases and Conv1D layouts hpcx's GPT does not)"])
-    from hpc.hf import spec_fields
+    theirs = spec_fields(config, read_config(config))  # refuses what hpcx does not implement
+    ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
+    from hpc.core.models import family
 
-    doc = read_config(config)
-    spec_fields(config, doc)  # refuses what hpcx's Llama does not implement
-    ours = hf_config(arch, shape)
-    theirs = {**doc, "rope_theta": doc.get("rope_theta", (doc.get("rope_parameters") or {}).get("rope_theta", 10000.0))}
-    theirs.setdefault("num_key_value_heads", doc.get("num_attention_heads"))
-    theirs.setdefault("tie_word_embeddings", False)
-    return [f"`checkpoint.init_from`: {config}: {key} = {theirs.get(key)!r}, the run's model has {ours[key]!r}"
-            for key in COMPARED if theirs.get(key) != ours[key]]
+    names = {"arch": "architectures", **{o: t for t, o in family(arch).HF_KEYS}}
+    return [f"`checkpoint.init_from`: {config}: {names.get(key, key)} = {theirs.get(key)!r}, the run's model has "
+            f"{ours[key]!r}" for key in ours if key not in IGNORED and theirs.get(key) != ours[key]]
 
 
 def init_from_problems(spec: tp.Any) -> list[str]:
     """Login-node check of ``spec.checkpoint.init_from`` against ``spec.model`` (headers only)."""
-    from hpc.models import model_facts
+    from hpc.core.errors import ConfigError
+    from hpc.core.models import model_facts
 
     if not spec.checkpoint.init_from:
         return []
     facts = model_facts(spec.model)
-    arch, shape = ("llama", facts.llama) if facts.llama is not None else ("gpt", facts.gpt)
-    if shape is None:
-        return [f"`checkpoint.init_from` is set but model.arch = {spec.model.arch!r}: hpcx maps weights onto the "
-                "built-in 'llama' and 'gpt' only"]
     try:
-        open_source(spec.checkpoint.init_from, arch, shape)
-    except CheckpointError as exc:
-        return list(exc.messages)
+        open_source(spec.checkpoint.init_from, facts.family, facts.shape)
+    except (CheckpointError, ConfigError) as exc:
+        return [m if m.startswith("`checkpoint.init_from`") else f"`checkpoint.init_from`: {m}" for m in exc.messages]
     return []

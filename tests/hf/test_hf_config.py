@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError
-from hpc.hf import hf_config
-from hpc.llama import LLAMA_PRESETS, LlamaShape
-from hpc.models import model_facts
-from hpc.spec import spec_from_dict
+from hpc.core.config import ConfigError
+from hpc.core.hf import hf_config
+from hpc.core.models.llama import LLAMA_PRESETS, LlamaShape
+from hpc.core.models import model_facts
+from hpc.core.spec import spec_from_dict
 
 from tests.conftest import REPO, hpcx
 
@@ -37,7 +37,7 @@ def spec(path: Path, **model):
 def test_every_shape_comes_from_the_config(tmp_path, shape):
     s = spec(folder(tmp_path, hf_config("llama", shape)))
     facts = model_facts(s.model)
-    assert s.model.arch == "llama" and facts.llama == shape and facts.n_params == shape.n_params
+    assert s.model.arch == "llama" and facts.shape == shape and facts.n_params == shape.n_params
     assert s.model.hf_config == str(tmp_path / "m")
 
 
@@ -50,7 +50,7 @@ def test_a_config_saved_by_transformers_5_gives_the_same_shape_and_count(tmp_pat
                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
     cfg.save_pretrained(tmp_path / "m")
     facts = model_facts(spec(tmp_path / "m").model)
-    assert facts.llama == SHAPE
+    assert facts.shape == SHAPE
     torch = pytest.importorskip("torch")
     with torch.device("meta"):
         assert transformers.LlamaForCausalLM(cfg).num_parameters() == facts.n_params
@@ -94,7 +94,7 @@ def test_a_missing_or_broken_config_is_one_line(tmp_path):
 
 def test_the_login_node_reads_it_without_torch(tmp_path):
     path = folder(tmp_path, hf_config("llama", LLAMA_PRESETS["llama3-8b"]))
-    code = ("import sys; from hpc.spec import spec_from_dict; from hpc.models import model_facts; "
+    code = ("import sys; from hpc.core.spec import spec_from_dict; from hpc.core.models import model_facts; "
             f"s = spec_from_dict({{'model': {{'hf_config': {str(path)!r}}}}}); "
             "print(model_facts(s.model).n_params, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)

@@ -14,11 +14,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hpc.ckpt.hf import hf_tensors  # noqa: E402
-from hpc.hf import hf_config  # noqa: E402
-from hpc.llama import LlamaShape  # noqa: E402
-from hpc.models import GPTShape  # noqa: E402
-from trainer.llama import Llama  # noqa: E402
-from trainer.model import GPT  # noqa: E402
+from hpc.core.hf import hf_config  # noqa: E402
+from hpc.core.models.llama import LlamaShape  # noqa: E402
+from hpc.core.models.gpt import GPTShape  # noqa: E402
+from trainer.models.llama import Llama  # noqa: E402
+from trainer.models.gpt import GPT  # noqa: E402
 
 LLAMAS = [LlamaShape(2, 64, 4, 2, 160, 32, 300),  # grouped-query attention
           LlamaShape(3, 48, 6, 6, 96, 40, 200, tied=True, rope_theta=500000.0),  # tied, multi-head

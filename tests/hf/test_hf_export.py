@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from hpc.ckpt.dcp import DcpReader  # noqa: E402
 from hpc.ckpt.hf import export_hf  # noqa: E402
-from hpc.models import model_facts  # noqa: E402
+from hpc.core.models import model_facts  # noqa: E402
 from trainer.model import build_model  # noqa: E402
 from trainer.run import load_run  # noqa: E402
 
@@ -148,7 +148,7 @@ MEMORY_CHILD = r"""
 import json, sys
 import torch
 from hpc.ckpt.hf import export_hf
-import hpc.ckpt.dcp, hpc.spec, hpc.runs, hpc.models
+import hpc.ckpt.dcp, hpc.core.spec, hpc.core.runs, hpc.core.models
 def hwm():
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 before = hwm()
@@ -161,12 +161,12 @@ print(json.dumps({"growth": hwm() - before}))
 def test_export_memory_stays_at_about_the_largest_tensor(tmp_path, dtype):
     import torch.distributed.checkpoint as dcp
 
-    from trainer.llama import Llama
+    from trainer.models.llama import Llama
 
     sets = ["model.arch='llama'", "model.size='small'", "model.dim=512", "model.n_layers=12", "model.vocab_size=16384"]
     run = make_run(tmp_path, "big", "none", 1, sets)
     spec = load_run(run).spec
-    shape = model_facts(spec.model).llama
+    shape = model_facts(spec.model).shape
     dcp.save({"model": Llama(shape).state_dict()}, checkpoint_id=str(run / "checkpoints" / "step-0000001"),
              no_dist=True)
     total, largest = shape.n_params * 4, shape.largest_module_params * 4  # 207 MB, the embedding's 32 MB

@@ -191,7 +191,7 @@ def test_submit_refuses_before_anything_is_submitted(tmp_path):
 
 
 def test_the_spec_records_the_path_absolute(tmp_path, monkeypatch):
-    from hpc.spec import load_spec
+    from hpc.core.spec import load_spec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "job.toml").write_text('[checkpoint]\ninit_from = "weights"\n')

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hpc.ckpt.init_source import open_source  # noqa: E402
-from hpc.hf import tensor_plan  # noqa: E402
-from hpc.llama import LLAMA_PRESETS  # noqa: E402
+from hpc.core.hf import tensor_plan  # noqa: E402
+from hpc.core.models.llama import LLAMA_PRESETS  # noqa: E402
 
 from tests.hf.hf_helpers import LLAMA, hf_folder  # noqa: E402
 from tests.trainer.trainer_testlib import make_run, torchrun  # noqa: E402
@@ -65,7 +65,7 @@ def sparse_safetensors(path, shape, dtype="BF16", itemsize=2):
 
 def test_read_plan_of_rank_127_of_128(tmp_path):
     from hpc.cli import load_job
-    from hpc.fake_pg import fake_process_group
+    from hpc.dryrun.fake_pg import fake_process_group
     from trainer.init_from import read_plan
     from trainer.train import build_parallel_model
 
