@@ -76,6 +76,7 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 def named_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(bare-model name, parameter) of every parameter, each once (a tied matrix under its first name)."""
     return [(clean_name(n), p) for n, p in model.named_parameters()]
 
 

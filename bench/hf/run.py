@@ -73,6 +73,7 @@ elapsed = time.perf_counter() - t
 
 
 def child(code: str, *args: str) -> dict:
+    """Run ``code`` in a fresh interpreter; its last stdout line as JSON."""
     out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, check=False)
     if out.returncode:
@@ -81,6 +82,7 @@ def child(code: str, *args: str) -> dict:
 
 
 def config(args: argparse.Namespace) -> dict:
+    """The LlamaConfig fields of the benchmark's model (head size 64, two queries per kv head)."""
     ffn = 256 * -(-int(8 * args.dim / 3) // 256)
     return dict(hidden_size=args.dim, intermediate_size=ffn, num_hidden_layers=args.layers,
                 num_attention_heads=args.dim // 64, num_key_value_heads=args.dim // 128, vocab_size=args.vocab,
@@ -88,6 +90,7 @@ def config(args: argparse.Namespace) -> dict:
 
 
 def spec_sets(cfg: dict, init_from: Path) -> list[str]:
+    """``--set`` overrides of jobs/tiny-llama.toml that describe the same model."""
     return ["model.arch='llama'", "model.size='small'", f"model.dim={cfg['hidden_size']}",
             f"model.n_layers={cfg['num_hidden_layers']}", f"model.n_heads={cfg['num_attention_heads']}",
             f"model.n_kv_heads={cfg['num_key_value_heads']}", f"model.ffn_dim={cfg['intermediate_size']}",
@@ -96,6 +99,7 @@ def spec_sets(cfg: dict, init_from: Path) -> list[str]:
 
 
 def make_run(root: Path, name: str, sets: list[str], ranks: int) -> Path:
+    """A run folder with resolved.json, as ``hpcx submit`` writes it (local site)."""
     from hpc.core.resolve import resolved_document
     from hpc.plan.resolve import resolve
     from hpc.core.site import load_site
@@ -110,6 +114,7 @@ def make_run(root: Path, name: str, sets: list[str], ranks: int) -> Path:
 
 
 def hf_folder(path: Path, cfg: dict) -> int:
+    """A random LlamaForCausalLM saved in bf16 at ``path``; the safetensors bytes."""
     import torch
     import transformers
 
@@ -120,6 +125,7 @@ def hf_folder(path: Path, cfg: dict) -> int:
 
 
 def init_ranks(root: Path, hf: Path, cfg: dict, ranks: int) -> list[dict]:
+    """``ranks`` gloo ranks loading ``hf`` through init_from (bench/hf/worker.py); each rank's report."""
     run = make_run(root, f"init-{ranks}", spec_sets(cfg, hf), ranks)
     out = root / f"init-{ranks}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
@@ -132,6 +138,7 @@ def init_ranks(root: Path, hf: Path, cfg: dict, ranks: int) -> list[dict]:
 
 
 def bench_init(root: Path, args: argparse.Namespace) -> None:
+    """init_from at each rank count against from_pretrained, as a table."""
     cfg = config(args)
     hf = root / "hf"
     size = hf_folder(hf, cfg)
@@ -170,6 +177,7 @@ def dcp_run(root: Path, cfg: dict) -> Path:
 
 
 def dd(path: Path, src: Path, nbytes: int) -> float:
+    """Seconds dd takes to write ``nbytes`` of ``src`` to ``path`` with fdatasync."""
     t = time.perf_counter()
     subprocess.run(["dd", f"if={src}", f"of={path}", "bs=1M", f"count={-(-nbytes // MB)}", "conv=fdatasync"],
                    capture_output=True, check=True)
@@ -179,6 +187,7 @@ def dd(path: Path, src: Path, nbytes: int) -> float:
 
 
 def bench_export(root: Path, args: argparse.Namespace) -> None:
+    """--to hf and safetensors.save_file against dd, then one profiled export."""
     run = dcp_run(root, config(args))
     step = run / "checkpoints" / "step-0000001"
     nbytes = sum(f.stat().st_size for f in step.glob("*.distcp"))
@@ -218,6 +227,7 @@ def profile(run: Path, dst: Path) -> None:
 
 
 def main() -> None:
+    """Parse the options and run the parts asked for in a temporary folder."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)

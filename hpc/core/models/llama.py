@@ -193,6 +193,7 @@ def problems(model: Model) -> list[str]:
 
 
 def code_notice(model: Model) -> str | None:
+    """Built in: nothing of the user's is imported."""
     return None
 
 
