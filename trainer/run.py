@@ -35,7 +35,7 @@ def load_run(run_dir: str | Path) -> Run:
     if doc.get("version") not in (1, RESOLVED_VERSION):
         raise ValueError(f"{resolved}: version {doc.get('version')!r}, this trainer reads versions "
                          f"1 to {RESOLVED_VERSION}")
-    spec = spec_from_dict(doc["spec"], str(resolved))
+    spec = spec_from_dict(doc["spec"], str(resolved), read_hf_config=False)
     site_doc = dict(doc["site"])
     name, source = site_doc.pop("name"), site_doc.pop("source", "")
     site = parse_site(site_doc, name, source or str(resolved))

@@ -24,6 +24,7 @@ from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_ena
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
 from trainer.evaluate import build_eval
+from trainer.init_from import start_weights
 from trainer.loop import Trainer, TrainState, train
 from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, build_model, local_numel, model_blocks
@@ -52,7 +53,7 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
         device = join_job(run, env, launch)
         trainer, state = build_trainer(dataclasses.replace(run, launch=launch), env.rank, device, preemption)
         trainer.resilience = guard
-        result = train(trainer, resume(trainer, state))
+        result = train(trainer, start_weights(trainer, resume(trainer, state), run.spec))
     except BaseException as exc:
         log.exception("training failed on rank %d", env.rank)
         guard.failed(exc)  # rank 0: ledger line; one requeue unless cancelled or no progress

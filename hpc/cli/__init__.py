@@ -83,6 +83,7 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
     from hpc.login.render import user_code_notice
 
     spec, site, launch = load_job(job, site_name, overrides)
+    check_init_from(spec)
     warn_passthrough(spec)
     if user_code_notice(spec):
         click.echo(f"note: {user_code_notice(spec)}", err=True)
@@ -102,6 +103,17 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
         if as_json:
             echo_json(final)
         sys.exit(0 if final["state"] in ("COMPLETED", "FINISHED") else 1)
+
+
+def check_init_from(spec: tp.Any) -> None:
+    """``checkpoint.init_from`` against the model, from headers (imports torch only when it is set)."""
+    if spec.checkpoint.init_from:
+        from hpc.ckpt.init_source import init_from_problems
+        from hpc.core.errors import CheckpointError
+
+        problems = init_from_problems(spec)
+        if problems:
+            raise CheckpointError(problems)
 
 
 def warn_passthrough(spec: tp.Any) -> None:
@@ -357,6 +369,7 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
     Exit status 1 when dryrun and plan differ by more than 1%.
     """
     spec, site, launch = load_job(job, site_name, overrides)
+    check_init_from(spec)
     if rank >= launch.world_size:
         raise ConfigError([f"--rank {rank}: {spec.source} runs {launch.nodes} node(s) × {launch.tasks_per_node} "
                            f"ranks = {launch.world_size} ranks, expected 0..{launch.world_size - 1}"])

@@ -141,17 +141,23 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
 @ckpt_group.command("convert")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--to", "to", required=True, type=click.Choice(["torch", "safetensors", "dcp"]),
+@click.option("--to", "to", required=True, type=click.Choice(["torch", "safetensors", "dcp", "hf"]),
               help="Output format. Every direction is streamed: memory holds about the largest tensor "
-                   "(a legacy non-zip torch source is the exception: it is loaded whole).")
+                   "(a legacy non-zip torch source is the exception: it is loaded whole). hf: SRC is a run "
+                   "or step folder of the built-in llama or gpt; DST a folder transformers' from_pretrained "
+                   "loads (config.json, safetensors shards + index, the tokenizer's files when the run's "
+                   "data names one).")
 @click.option("--model-only", is_flag=True, help="Only the model's weights (a plain model.state_dict()).")
-@click.option("--shard-size", default="5GiB", show_default=True, metavar="SIZE",
-              help="safetensors: largest shard; bigger outputs become a folder of shards plus "
-                   "model.safetensors.index.json.")
+@click.option("--shard-size", default=None, metavar="SIZE",
+              help="safetensors (default 5GiB) and hf (default 5GB): largest shard; bigger outputs become a "
+                   "folder of shards plus model.safetensors.index.json.")
+@click.option("--dtype", default="fp32", show_default=True, type=click.Choice(["fp32", "bf16"]),
+              help="hf: the dtype of the weights written.")
 @click.option("--digest", is_flag=True,
               help="dcp: also write the shard's SHA-256 beside it (as training saves do), for verify and inspect "
                    "--deep to check later. Costs a hash of every byte (half the throughput on a busy 2-core machine).")
-def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str, digest: bool) -> None:
+def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str | None, dtype: str,
+                digest: bool) -> None:
     """Convert SRC (DCP folder, torch.save file or safetensors) to DST in another format.
 
     DST must not exist; it appears only when complete. For safetensors, a DST ending in
@@ -159,13 +165,24 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str, 
     """
     from hpc.ckpt.convert import convert_checkpoint
 
-    shard_bytes = parse_size(shard_size)
+    shard_bytes = parse_size(shard_size or ("5GB" if to == "hf" else "5GiB"))
+    if to == "hf":
+        return _export_hf(src, dst, dtype, shard_bytes)
     with cleanup_on_sigterm(), Progress(to) as bar:
         summary = convert_checkpoint(src, dst, to, model_only=model_only, shard_bytes=shard_bytes, digest=digest,
                                      start=bar.start)
     note = "" if summary["streamed"] else " (source not streamed: held in memory)"
     click.echo(f"wrote {summary['dst']} ({summary['to']}, {summary['keys']} entries, "
                f"{human(summary['bytes'])}){note}")
+
+
+def _export_hf(src: str, dst: str, dtype: str, shard_bytes: int) -> None:
+    from hpc.ckpt.hf import export_hf
+
+    with cleanup_on_sigterm(), Progress("hf") as bar:
+        summary = export_hf(src, dst, dtype=dtype, shard_bytes=shard_bytes, start=bar.start)
+    click.echo(f"wrote {summary['dst']} ({summary['arch']}, {summary['tensors']} tensors in {summary['files']} "
+               f"file(s), {summary['dtype']}, {human(summary['bytes'])}) from {summary['src']}")
 
 
 @ckpt_group.command("verify")

@@ -7,6 +7,7 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
+import os
 import re
 import typing as tp
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ from hpc import schedulers
 from hpc.core import validate as v
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.models.gpt import preset_counts
+from hpc.core.models.llama import preset_counts as llama_preset_counts
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
@@ -53,8 +55,10 @@ class Model:
     arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module: dotted "
                       "Python identifiers, not a module of the standard library; `render` and `submit` say which "
                       "file will be imported.")
+    arch: str = field("gpt", doc="`gpt` or `llama` (built in) or `package.module:function` returning an "
+                      "nn.Module.")
     size: str = field("tiny", doc="Preset of the built-in GPT, with its real parameter count: "
-                      f"{preset_counts()}.")
+                      f"{preset_counts()}; of `arch = \"llama\"`: {llama_preset_counts()}.")
     dim: int = field(0, doc="Width (d_model) of the built-in GPT (0: the preset's); for a user model with "
                      "`n_params`, its width.", minimum=0)
     n_layers: int = field(0, doc="Transformer blocks of the built-in GPT (0: the preset's); for a user model "
@@ -78,6 +82,29 @@ class Model:
                                       "(they are written to resolved.json).", factory=dict)
     activation_gb: float = field(0.0, doc="Measured activation memory per micro-batch sample in GB, for "
                                  "the planner on user models (0: unknown).", minimum=0)
+    hf_config: str = field("", doc="A Hugging Face model folder (or its `config.json`): sets `arch` and every "
+                           "shape field from it on the login node (`LlamaForCausalLM` only); a spec value that "
+                           "contradicts it is an error. Relative to the current folder; recorded absolute.",
+                           max_len=v.PATH_MAX)
+    n_kv_heads: int = field(0, doc="Llama: key/value heads of grouped-query attention (0: the preset's); must "
+                            "divide `n_heads`.", minimum=0)
+    ffn_dim: int = field(0, doc="Llama: the SwiGLU MLP's hidden width (0: from `multiple_of` and "
+                         "`ffn_dim_multiplier`, as Meta's code computes it).", minimum=0)
+    multiple_of: int = field(0, doc="Llama: the MLP width is rounded up to a multiple of this (0: the preset's).",
+                             minimum=0)
+    ffn_dim_multiplier: float = field(0.0, doc="Llama: factor on 8/3·dim before rounding (0: the preset's).",
+                                      minimum=0)
+    rope_theta: float = field(0.0, doc="Llama: rotary embedding base (0: the preset's; 10000 for Llama 2, "
+                              "500000 for Llama 3).", minimum=0, maximum=1e12)
+    rope_factor: float = field(0.0, doc="Llama 3.1+: rotary frequency scaling factor (0: the preset's; 1: no "
+                               "scaling).", minimum=0)
+    rope_low_freq_factor: float = field(0.0, doc="Llama 3.1+: low-frequency factor of the scaling (0: 1).",
+                                        minimum=0)
+    rope_high_freq_factor: float = field(0.0, doc="Llama 3.1+: high-frequency factor of the scaling (0: 4).",
+                                         minimum=0)
+    rope_original_seq_len: int = field(0, doc="Llama 3.1+: the context the scaling starts from (0: 8192).",
+                                       minimum=0)
+    norm_eps: float = field(0.0, doc="Llama: RMSNorm epsilon (0: the preset's, 1e-5).", minimum=0)
 
 
 @dataclass
@@ -170,6 +197,13 @@ class Checkpoint:
                       minimum=2)
     async_save: bool = field(False, doc="Save in the background on a separate process group.")
     resume: bool = field(True, doc="Resume from the newest committed checkpoint of the run folder.")
+    init_from: str = field("", doc="Start from these weights (model only: step 0, a fresh optimizer and "
+                           "schedule): a Hugging Face folder (`config.json` + `model.safetensors` or shards with "
+                           "`model.safetensors.index.json`), an hpcx run or step folder (DCP), or one "
+                           "`.safetensors`/`torch.save` file. Used only while the run has no checkpoint of its "
+                           "own (a requeued fine-tune resumes from its own newest step). Names, shapes and dtypes "
+                           "are checked at submit and dryrun from the headers; each rank reads only its shard's "
+                           "bytes. Relative to the current folder; recorded absolute.", max_len=v.PATH_MAX)
 
 
 @dataclass
@@ -208,9 +242,16 @@ SECTIONS = {"job": Job, "model": Model, "data": Data, "train": Train, "parallel"
             "checkpoint": Checkpoint, "env": Env}
 
 
-def spec_from_dict(doc: dict, source: str = "<spec>") -> JobSpec:
-    """Build and self-check a JobSpec; raises ConfigError listing every problem."""
+def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = True) -> JobSpec:
+    """Build and self-check a JobSpec; raises ConfigError listing every problem. With ``read_hf_config``
+    a ``model.hf_config`` fills the model's fields from its config.json (a run's resolved.json has
+    them already, so the job and the export do not read it again)."""
     errors: list[str] = []
+    if read_hf_config and isinstance(doc.get("model"), dict) and doc["model"].get("hf_config"):
+        from hpc.core.hf import apply_hf_config
+
+        doc = {**doc, "model": dict(doc["model"])}
+        errors += apply_hf_config(doc["model"])
     sections = build_document(SECTIONS, doc, errors)
     spec = JobSpec(source=source, **sections)
     errors += _check_env(doc.get("env"))
@@ -282,6 +323,9 @@ def resolve_paths(spec: JobSpec) -> list[str]:
             errors += exc.messages
     from hpc.core.models import model_facts
 
+    if spec.checkpoint.init_from:
+        spec.checkpoint.init_from = str(Path(os.path.expandvars(os.path.expanduser(spec.checkpoint.init_from)))
+                                        .absolute())
     facts = model_facts(spec.model)
     problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
                                                      facts.vocab_size)

@@ -128,11 +128,11 @@ def check_model_arch(arch: str) -> list[str]:
     label = f"`model.arch` = {shown(arch)!r}"
     module, colon, function = arch.partition(":")
     if not colon or ":" in function:
-        return [f"{label}: expected 'gpt' or 'package.module:function' (one `:` between the module and the function)"]
+        return [f"{label}: expected 'gpt', 'llama' or 'package.module:function' (one `:` between the module and the function)"]
     parts = [("the module path", p) for p in module.split(".")] + [("the function", function)]
     bad = next(((where, why) for where, p in parts if (why := _identifier_problem(p))), None)
     if bad:
-        return [f"{label}: {bad[0]} holds {bad[1]}: expected 'gpt' or 'package.module:function' "
+        return [f"{label}: {bad[0]} holds {bad[1]}: expected 'gpt', 'llama' or 'package.module:function' "
                 "(dotted Python identifiers)"]
     top = module.split(".")[0]
     if top in NOT_MODEL_MODULES:

@@ -14,7 +14,9 @@ needed. What it reports is read off the real objects:
   layout (FSDP2 reduce-scatters into it; DDP's buckets are views of whole gradients), optimizer
   state from the real AdamW state after one step on meta tensors (fused AdamW has no meta kernel,
   so that one step runs unfused: same state tensors);
-- the DCP local save plan of this rank (``torch.distributed.checkpoint``'s own planner).
+- the DCP local save plan of this rank (``torch.distributed.checkpoint``'s own planner);
+- with ``checkpoint.init_from``, what this rank will read of it (``trainer.init_from.read_plan``:
+  its shard's byte ranges of a safetensors source).
 
 Beside them, ``hpcx plan``'s figures for the same layout (``hpc.plan.memory.model_states``); a
 difference of more than 1% is a problem (``hpcx dryrun`` exits 1). The plan gives the fullest
@@ -81,6 +83,7 @@ class DryRun:
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     problems: list[str] = field(default_factory=list)
+    init_from: dict[str, tp.Any] | None = None  # this rank's reads of checkpoint.init_from
 
     def to_dict(self) -> dict[str, tp.Any]:
         return asdict(self)
@@ -101,12 +104,14 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
         measured, short = rank_bytes(model, optimizer)
         checkpoint = checkpoint_plan(model, optimizer, spec, launch, rank)
         mesh_doc = mesh_report(mesh, launch, rank)
+        reads = init_reads(model, spec)
     result = DryRun(job=spec.job.name, site=site.name, model=model_facts(spec.model).label, rank=rank,
                     world_size=launch.world_size, tasks_per_node=launch.tasks_per_node,
                     layout=launch.dims.describe(), dims=launch.dims.to_dict(), mesh=mesh_doc, units=units,
                     n_params=sum(p.numel() for p in model.parameters()), measured=measured,
                     planned=None, where=_where(spec, site, launch), short_shards=short, checkpoint=checkpoint,
                     plan_init=None, plan_staging=None)
+    result.init_from = reads
     add_plan(result, spec, launch)
     result.seconds = time.perf_counter() - started
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -114,6 +119,20 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
 
 
 # ---------------------------------------------------------------- measuring the real objects
+
+
+def init_reads(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None:
+    """What this rank reads of ``checkpoint.init_from`` (headers only; byte ranges for safetensors)."""
+    if not spec.checkpoint.init_from:
+        return None
+    from hpc.ckpt.init_source import open_source
+    from trainer.init_from import read_plan
+
+    facts = model_facts(spec.model)
+    source = open_source(spec.checkpoint.init_from, facts.family, facts.shape)
+    reads = sum(r.length for r in read_plan(model, source)) if source.kind == "safetensors" else None
+    return {"path": str(source.step or source.path), "kind": source.kind, "bytes": reads,
+            "source_bytes": source.nbytes}
 
 
 def step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -292,6 +311,12 @@ def format_dryrun(r: DryRun) -> str:
     lines.append(f"checkpoint (DCP local plan of this rank): {c['tensors']} tensors ({c['shards']} DTensor shards), "
                  f"{_gb(c['bytes'])}, {c['other_items']} other items; replicated items are written by one rank "
                  "(DCP's global plan)")
+    if r.init_from is not None:
+        i = r.init_from
+        reads = (f"this rank reads {_gb(i['bytes'])} of {_gb(i['source_bytes'])} "
+                 f"({i['bytes'] / max(1, i['source_bytes']):.1%}), its shard's byte ranges" if i["bytes"] is not None
+                 else "read through DCP's load planner (the stored chunks this rank's shard overlaps)")
+        lines.append(f"init_from {i['path']} ({i['kind']}): {reads}")
     lines.append(f"took {r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB")
     if r.problems:
         lines += ["", f"dryrun and plan differ by more than {TOLERANCE:.0%}:"] + [f"  {p}" for p in r.problems]

@@ -12,7 +12,7 @@ import importlib
 from types import ModuleType
 
 # arch -> the module building that family; any other arch is a user model (``pkg.mod:function``)
-FAMILIES = {"gpt": "trainer.models.gpt"}
+FAMILIES = {"gpt": "trainer.models.gpt", "llama": "trainer.models.llama"}
 
 
 def family(arch: str) -> ModuleType:

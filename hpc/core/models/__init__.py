@@ -11,7 +11,8 @@ here and one in ``trainer/models/``, and a line in ``FAMILIES``; each module her
 - ``code_notice(model)``: what running it imports (user code), or None;
 - ``COUNTED_BY_BUILDING``: whether a login node learns its size only by building it (``--count-params``).
 
-Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``) and ``user`` (``arch = "pkg.mod:function"``,
+Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``), ``llama`` (the built-in Llama, ``arch =
+"llama"``) and ``user`` (``arch = "pkg.mod:function"``,
 every arch no other family names).
 """
 
@@ -74,7 +75,7 @@ class Counted:
 
 
 # arch -> the module describing that family; any other arch is a user model (``pkg.mod:function``)
-FAMILIES = {"gpt": "hpc.core.models.gpt"}
+FAMILIES = {"gpt": "hpc.core.models.gpt", "llama": "hpc.core.models.llama"}
 USER = "user"
 
 
@@ -95,8 +96,11 @@ def model_facts(model: Model, counted: Counted | None = None) -> ModelFacts:
 
 
 def model_problems(model: Model) -> list[str]:
-    """What is wrong with ``spec.model`` for its family (checked at load, on the login node)."""
-    return family(model.arch).problems(model)
+    """What is wrong with ``spec.model`` for its family (checked at load, on the login node); the
+    Llama's own fields set on another family are refused first."""
+    from hpc.core.models.llama import foreign_field_problems
+
+    return foreign_field_problems(model) or family(model.arch).problems(model)
 
 
 def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,

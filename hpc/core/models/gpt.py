@@ -206,3 +206,46 @@ def _shape_problems(shape: GPTShape) -> list[str]:
         return [f"`model.dim` = {shape.d_model} is not divisible by `model.n_heads` = {shape.n_heads} "
                 f"(head size {shape.d_model / shape.n_heads:g})"]
     return []
+
+
+# ---------------------------------------------------------------- Hugging Face: GPT2LMHeadModel
+
+
+def hf_config(s: GPTShape) -> dict[str, tp.Any]:
+    """``config.json`` of the ``GPT2LMHeadModel`` that computes what this GPT computes (fp32 weights)."""
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": s.vocab_size,
+            "n_positions": s.seq_len, "n_embd": s.d_model, "n_layer": s.n_layers, "n_head": s.n_heads,
+            "n_inner": 4 * s.d_model, "activation_function": "gelu",  # exact erf GELU, as hpcx's F.gelu
+            "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "layer_norm_epsilon": 1e-5,
+            "scale_attn_weights": True, "tie_word_embeddings": s.tied, "torch_dtype": "float32"}
+
+
+def hf_tensor_plan(s: GPTShape) -> list[tp.Any]:
+    """Every ``GPT2LMHeadModel`` tensor: GPT-2's ``Conv1D`` stores ``[in, out]`` (transposed), and its
+    biases, which hpcx's GPT does not have, are zeros."""
+    d, v = s.d_model, s.vocab_size
+    plan = [_hf("transformer.wte.weight", "tok_emb.weight", "copy", (v, d)),
+            _hf("transformer.wpe.weight", "pos_emb.weight", "copy", (s.seq_len, d))]
+    for i in range(s.n_layers):
+        for ours, hf, d_in, d_out in (("ln1", "ln_1", d, 0), ("attn.qkv", "attn.c_attn", d, 3 * d),
+                                      ("attn.proj", "attn.c_proj", d, d), ("ln2", "ln_2", d, 0),
+                                      ("mlp.fc", "mlp.c_fc", d, 4 * d), ("mlp.proj", "mlp.c_proj", 4 * d, d)):
+            plan += _hf_layer(f"blocks.{i}.{ours}", f"transformer.h.{i}.{hf}", d_in, d_out)
+    plan += _hf_layer("ln_f", "transformer.ln_f", d, 0)
+    if not s.tied:
+        plan.append(_hf("lm_head.weight", "head.weight", "copy", (v, d)))
+    return plan
+
+
+def _hf(name: str, source: str, op: str, shape: tuple[int, ...]) -> tp.Any:
+    from hpc.core.hf import HfTensor
+
+    return HfTensor(name, source, op, shape)
+
+
+def _hf_layer(ours: str, hf: str, d_in: int, d_out: int) -> list[tp.Any]:
+    """A LayerNorm (``d_out`` 0: weight and bias copied) or a Conv1D (weight transposed, zero bias)."""
+    if not d_out:
+        return [_hf(f"{hf}.{p}", f"{ours}.{p}", "copy", (d_in,)) for p in ("weight", "bias")]
+    return [_hf(f"{hf}.weight", f"{ours}.weight", "transpose", (d_in, d_out)),
+            _hf(f"{hf}.bias", "", "zeros", (d_out,))]

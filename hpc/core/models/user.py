@@ -38,7 +38,7 @@ def problems(model: Model) -> list[str]:
     from hpc.core.validate import check_model_arch
 
     if not USER_ARCH.match(model.arch) or check_model_arch(model.arch):
-        return check_model_arch(model.arch) or [f"`model.arch` = {model.arch!r}: expected 'gpt' or "
+        return check_model_arch(model.arch) or [f"`model.arch` = {model.arch!r}: expected 'gpt', 'llama' or "
                                                 "'package.module:function'"]
     errors = [f"`model.{key}` must be set for the user model {model.arch!r} (0 means the preset's, and a user "
               f"model has none)" for key in ("seq_len", "vocab_size") if not getattr(model, key)]

@@ -1,0 +1,252 @@
+"""Hugging Face checkpoints: ``hpcx ckpt convert RUN|STEP OUT --to hf`` and the tensors it maps.
+
+The export reads a run's step folder (DCP; a run folder means its newest committed step), the
+run's ``resolved.json`` for the model (family and shapes), and writes what ``from_pretrained``
+loads with no missing or unexpected keys: ``config.json`` (``hpc.core.hf.hf_config``), safetensors
+shards of at most ``shard_bytes`` (``model.safetensors`` alone, or ``model-0000i-of-0000n`` with
+``model.safetensors.index.json``), in fp32 or bf16, and the tokenizer's files when the run's data
+names a tokenizer. Tensors go through ``hpc.core.hf.tensor_plan`` one at a time through one reusable
+buffer, so memory stays at about the largest tensor, as the other conversions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import typing as tp
+from pathlib import Path
+
+import torch
+
+from hpc.ckpt.entries import Progress, Reader, Scratch
+from hpc.ckpt.outputs import check_destination, fsync_file, staged
+from hpc.ckpt.safetensors import INDEX_FILE, ST_DTYPES
+from hpc.ckpt.torch_zip import byte_view
+from hpc.core.errors import CheckpointError, ConfigError
+from hpc.core.hf import CONFIG_FILE, HfTensor, hf_config, tensor_plan
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def hf_tensors(state: tp.Mapping[str, torch.Tensor], arch: str, shape: tp.Any,
+               dtype: torch.dtype = torch.float32) -> tp.Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every tensor of the model, from an hpcx state dict."""
+    for t in tensor_plan(arch, shape):
+        yield t.name, mapped(t, state[t.source] if t.source else None, dtype)
+
+
+def mapped(t: HfTensor, value: torch.Tensor | None, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``value`` (hpcx's tensor) as Hugging Face's ``t``, in ``dtype``, into ``out`` when given."""
+    out = torch.empty(t.shape, dtype=dtype) if out is None else out
+    if t.op == "zeros":
+        return out.zero_()
+    assert value is not None
+    src = value.t() if t.op == "transpose" else value
+    if tuple(src.shape) != t.shape:
+        raise CheckpointError([f"{t.source}: shape {tuple(value.shape)}, the model's {t.name} needs {t.shape}"])
+    return out.copy_(src)
+
+
+# ---------------------------------------------------------------- the run's model
+
+
+def run_of(path: Path) -> tuple[Path, Path]:
+    """(run folder, step folder) of a run folder (its newest committed step) or a step folder."""
+    from hpc.core.runs import RunDir
+
+    path = path.resolve()
+    if (path / ".metadata").exists() and path.parent.name == "checkpoints":
+        return path.parent.parent, path
+    steps = sorted(p for p in (path / "checkpoints").glob("step-*") if (p / ".metadata").exists())
+    if not steps:
+        raise CheckpointError([f"{path}: neither a step folder (checkpoints/step-N with .metadata) nor a run "
+                               f"folder with a committed checkpoint"])
+    if not (path / RunDir.RESOLVED).exists():
+        raise CheckpointError([f"{path}: no resolved.json; --to hf needs the run's model"])
+    return path, steps[-1]
+
+
+def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
+    """(arch, shape, resolved.json) of a run: the model the export describes."""
+    from hpc.core.config import load_json_bounded
+    from hpc.core.models import model_facts
+    from hpc.core.spec import spec_from_dict
+
+    where = run / "resolved.json"
+    try:
+        resolved = load_json_bounded(where.read_bytes(), str(where), CheckpointError)
+        spec = spec_from_dict(resolved["spec"], str(where), read_hf_config=False)
+    except (OSError, KeyError, TypeError) as exc:
+        raise CheckpointError([f"{where}: cannot read the run's spec ({exc})"]) from None
+    facts = model_facts(spec.model)
+    try:
+        tensor_plan(facts.family, facts.shape)
+    except ConfigError as exc:
+        raise ConfigError([f"{run}: {exc.messages[0]}"]) from None
+    return facts.family, facts.shape, resolved
+
+
+def tokenizer_files(resolved: dict[str, tp.Any], run: Path | None = None) -> list[Path]:
+    """The tokenizer files of the run's data, when it names a tokenizer: the ``tokenizer.path`` of
+    ``RUN/data.json`` (what the run trained on) or of the manifest of a prepared ``data.source``
+    folder, else a ``data.tokenizer`` path; a ``tokenizer.json`` brings the files beside it. None
+    named: nothing (the export then has no tokenizer)."""
+    named = _tokenizer_path(resolved, run)
+    if named is None:
+        return []
+    folder = named if named.is_dir() else named.parent
+    files = [folder / f for f in TOKENIZER_FILES if (folder / f).is_file()]
+    return files if named.is_dir() or named in files else [named, *files]
+
+
+def _tokenizer_path(resolved: dict[str, tp.Any], run: Path | None) -> Path | None:
+    data = resolved.get("spec", {}).get("data", {})
+    data = data if isinstance(data, dict) else {}
+    docs = [run / "data.json"] if run is not None else []
+    if isinstance(data.get("source"), str):
+        docs.append(Path(data["source"]) / "manifest.json")
+    for doc in docs:
+        try:
+            tok = json.loads(doc.read_text(encoding="utf-8")).get("tokenizer")
+        except (OSError, ValueError, AttributeError):
+            continue
+        path = tok.get("path") if isinstance(tok, dict) else tok
+        if isinstance(path, str) and Path(path).exists():
+            return Path(path)
+    name = data.get("tokenizer")
+    return Path(name) if isinstance(name, str) and name and Path(name).exists() else None
+
+
+# ---------------------------------------------------------------- export
+
+
+def _missing(reader: Reader, plan: list[HfTensor]) -> list[str]:
+    """Every planned source the checkpoint lacks or holds in another shape, one line each."""
+    out = []
+    for t in plan:
+        if not t.source:
+            continue
+        e = reader.entries.get(f"model.{t.source}")
+        want = t.shape[::-1] if t.op == "transpose" else t.shape
+        if e is None or not e.is_tensor:
+            out.append(f"{getattr(reader, 'path', '?')}: no tensor model.{t.source} (for {t.name})")
+        elif e.shape != want:
+            out.append(f"{getattr(reader, 'path', '?')}: model.{t.source} is {list(e.shape)}, the run's model "
+                       f"has {list(want)}")
+    return out
+
+
+def hf_shards(plan: list[HfTensor], itemsize: int, shard_bytes: int) -> list[list[HfTensor]]:
+    """The plan cut into files of at most ``shard_bytes`` (a larger tensor gets a file of its own)."""
+    shards: list[list[HfTensor]] = [[]]
+    size = 0
+    for t in plan:
+        n = _numel(t.shape) * itemsize
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    return shards
+
+
+def _numel(shape: tp.Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _write_shard(path: Path, reader: Reader, shard: list[HfTensor], dtype: torch.dtype, progress: Progress,
+                 scratch: tuple[Scratch, Scratch]) -> None:
+    """One safetensors file: the header, then each tensor read, mapped and written in turn."""
+    header: dict[str, tp.Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in shard:
+        n = _numel(t.shape) * dtype.itemsize
+        header[t.name] = {"dtype": ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for t in shard:
+            data = _tensor(reader, t, dtype, scratch)
+            if data.numel():
+                f.write(byte_view(data))
+            progress(data.numel() * dtype.itemsize)
+        fsync_file(f)
+
+
+def _tensor(reader: Reader, t: HfTensor, dtype: torch.dtype, scratch: tuple[Scratch, Scratch]) -> torch.Tensor:
+    """Hugging Face's tensor ``t``: read straight into the output buffer when no change is needed."""
+    out = scratch[1].view(dtype, t.shape)
+    if t.op == "zeros":
+        return out.zero_()
+    e = reader.entries[f"model.{t.source}"]
+    if t.op == "copy" and e.dtype == dtype:
+        reader.read_into(e.key, out)
+        return out
+    src = scratch[0].view(e.dtype, e.shape)
+    reader.read_into(e.key, src)
+    return mapped(t, src, dtype, out)
+
+
+def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_bytes: int = 5 * 10**9,
+              start: tp.Callable[[int], Progress] = lambda total: (lambda n: None)) -> dict[str, tp.Any]:
+    """``hpcx ckpt convert SRC DST --to hf``: a Hugging Face folder of the run's model at ``dst``."""
+    from hpc.ckpt.dcp import DcpReader
+
+    if dtype not in DTYPES:
+        raise ConfigError([f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}"])
+    src, dst = Path(src), Path(dst)
+    check_destination(dst)
+    run, step = run_of(src)
+    arch, shape, resolved = run_model(run)
+    plan, torch_dtype = tensor_plan(arch, shape), DTYPES[dtype]
+    reader = DcpReader(step)
+    try:
+        problems = _missing(reader, plan)
+        if problems:
+            raise CheckpointError(problems)
+        shards = hf_shards(plan, torch_dtype.itemsize, shard_bytes)
+        total = sum(_numel(t.shape) for t in plan) * torch_dtype.itemsize
+        _write_folder(dst, reader, shards, _config(arch, shape, dtype), torch_dtype, start(total),
+                      tokenizer_files(resolved, run))
+    finally:
+        reader.close()
+    return {"src": str(step), "dst": str(dst), "arch": hf_config(arch, shape)["architectures"][0],
+            "tensors": len(plan), "files": len(shards), "bytes": total, "dtype": dtype}
+
+
+def _config(arch: str, shape: tp.Any, dtype: str) -> dict[str, tp.Any]:
+    config = hf_config(arch, shape)
+    config["torch_dtype"] = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    return config
+
+
+def _write_folder(dst: Path, reader: Reader, shards: list[list[HfTensor]], config: dict[str, tp.Any],
+                  dtype: torch.dtype, progress: Progress, tokenizer: list[Path]) -> None:
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    scratch = (Scratch(), Scratch())
+    with staged(dst, folder=True) as tmp:
+        _write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+        for name, shard in zip(names, shards):
+            _write_shard(tmp / name, reader, shard, dtype, progress, scratch)
+        if len(shards) > 1:
+            weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
+            total = sum(_numel(t.shape) for shard in shards for t in shard) * dtype.itemsize
+            _write_text(tmp / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                                     indent=2) + "\n")
+        for f in tokenizer:
+            shutil.copyfile(f, tmp / f.name)
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        fsync_file(f)  # type: ignore[arg-type]

@@ -1,0 +1,213 @@
+"""What ``checkpoint.init_from`` names, read from headers alone: which tensor of it feeds which parameter.
+
+A source is one of:
+
+- a Hugging Face folder (``config.json`` beside ``model.safetensors`` or shards with
+  ``model.safetensors.index.json``): names mapped by ``hpc.core.hf.tensor_plan`` (the Llama family), and
+  its ``config.json`` must describe the run's model (torchtune's checkpointer refuses the same);
+- an hpcx run folder (its newest committed step) or step folder (DCP): the ``model.*`` entries;
+- one ``.safetensors`` file (hpcx's, ``model.``-prefixed or not, or Hugging Face's names) or one
+  ``torch.save`` file (a plain ``state_dict()`` or hpcx's export).
+
+Every file is opened through hpc/ckpt's hardened readers (headers, index and DCP metadata checked,
+nothing unpickled outside the allow-list) and nothing but headers is read. ``open_source`` returns
+an ``InitSource`` (for each parameter: the source's name, dtype, shape and, for safetensors, the
+file and byte offset its data starts at) or raises ``CheckpointError`` with one line per problem:
+every missing parameter, shape mismatch, non-floating dtype and unmatched tensor at once.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from hpc.core.errors import CheckpointError
+from hpc.core.hf import CONFIG_FILE, hf_config, read_config, spec_fields, tensor_plan
+
+FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+IGNORED = ("seq_len",)  # the context a fine-tune trains at is its own choice
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """One tensor of the source, as its header describes it."""
+
+    key: str  # its name in the source (a reader key for dcp/torch)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path | None = None  # safetensors: the file and the absolute byte offset of its data
+    offset: int = 0
+
+
+@dataclass
+class InitSource:
+    """A checked source: ``tensors`` maps each of the model's parameter names to its source tensor."""
+
+    path: Path
+    kind: str  # "safetensors" (HF folder or one file), "dcp" or "torch"
+    tensors: dict[str, SourceTensor] = field(default_factory=dict)
+    step: Path | None = None  # dcp: the step folder read
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.dtype.itemsize * _numel(t.shape) for t in self.tensors.values())
+
+
+def _numel(shape: tp.Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def expected(arch: str, shape: tp.Any) -> dict[str, tuple[int, ...]]:
+    """The model's parameter names and shapes (hpcx's layout), from the family's tensor plan."""
+    return {t.source: (t.shape[::-1] if t.op == "transpose" else t.shape) for t in tensor_plan(arch, shape)
+            if t.source}
+
+
+def hf_to_hpcx(family: str, shape: tp.Any) -> dict[str, str]:
+    """Hugging Face name → hpcx parameter name, for families whose tensors are Hugging Face's as they
+    are (the Llama; GPT-2's are transposed and have biases hpcx's GPT lacks)."""
+    plan = tensor_plan(family, shape)
+    return {t.name: t.source for t in plan} if all(t.op == "copy" for t in plan) else {}
+
+
+# ---------------------------------------------------------------- reading headers
+
+
+def _safetensors(path: Path) -> dict[str, SourceTensor]:
+    from hpc.ckpt.safetensors import _headers
+
+    out = {}
+    for h in _headers(path):
+        out.update({n: SourceTensor(n, t.dtype, t.shape, h.file, h.data_start + t.begin) for n, t in h.tensors.items()})
+    return out
+
+
+def _reader_tensors(reader: tp.Any) -> dict[str, SourceTensor]:
+    return {k: SourceTensor(k, e.dtype, e.shape) for k, e in reader.entries.items() if e.is_tensor}
+
+
+def _dcp_step(path: Path) -> Path:
+    """A step folder (``.metadata``), or a run folder's newest committed step."""
+    if (path / ".metadata").exists():
+        return path
+    steps = sorted(p for p in (path / "checkpoints").glob("step-*") if (p / ".metadata").exists())
+    if not steps:
+        raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: a folder with neither safetensors, a DCP "
+                               ".metadata nor a run's committed checkpoint"])
+    return steps[-1]
+
+
+def read_source(path: Path) -> tuple[str, dict[str, SourceTensor], Path | None]:
+    """(kind, the source's tensors by their own names, the DCP step folder) from headers alone."""
+    from hpc.ckpt.convert import detect_format
+
+    if path.is_dir() and not (path / ".metadata").exists() and (path / "checkpoints").is_dir():
+        kind = "dcp"
+    else:
+        kind = detect_format(path) if path.exists() else ""
+    if not kind:
+        raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: no such file or folder"])
+    if kind == "safetensors":
+        return kind, _safetensors(path), None
+    if kind == "dcp":
+        from hpc.ckpt.dcp import DcpReader
+
+        step = _dcp_step(path)
+        reader = DcpReader(step)
+        reader.close()
+        return kind, _reader_tensors(reader), step
+    from hpc.ckpt.torchsave import TorchReader
+
+    reader = TorchReader(path)
+    try:
+        return kind, _reader_tensors(reader), None
+    finally:
+        reader.close()
+
+
+def _name_map(kind: str, names: tp.Iterable[str], arch: str, shape: tp.Any) -> dict[str, str]:
+    """Source name → parameter name: of the candidate namings (hpcx's, ``model.``-prefixed, Hugging
+    Face's), the one that matches the most names."""
+    names = list(names)
+    ours = expected(arch, shape)
+    candidates = [{n: n for n in names if n in ours},
+                  {n: n[len("model."):] for n in names if n.startswith("model.") and n[len("model."):] in ours}]
+    if kind != "dcp":
+        hf = hf_to_hpcx(arch, shape)
+        candidates.append({n: hf[n] for n in names if n in hf})
+    return max(candidates, key=len)
+
+
+# ---------------------------------------------------------------- checking
+
+
+def open_source(path: str | Path, arch: str, shape: tp.Any) -> InitSource:
+    """The checked source for a model of ``arch`` and ``shape``; CheckpointError listing every problem."""
+    path = Path(path)
+    problems = _config_problems(path, arch, shape)
+    kind, tensors, step = read_source(path)
+    mapping = _name_map(kind, tensors, arch, shape)
+    ours = expected(arch, shape)
+    source = InitSource(path, "safetensors" if kind == "safetensors" else kind, step=step)
+    for name, param in mapping.items():
+        source.tensors[param] = tensors[name]
+    problems += _tensor_problems(path, source, ours, set(tensors) - set(mapping), arch, shape)
+    if problems:
+        raise CheckpointError(problems)
+    return source
+
+
+def _tensor_problems(path: Path, source: InitSource, ours: dict[str, tuple[int, ...]], unmatched: set[str],
+                     arch: str, shape: tp.Any) -> list[str]:
+    where = f"`checkpoint.init_from`: {path}"
+    out = [f"{where}: no tensor for the model's {name} {list(want)}" for name, want in ours.items()
+           if name not in source.tensors]
+    for name, t in source.tensors.items():
+        if t.shape != ours[name]:
+            out.append(f"{where}: {t.key} is {list(t.shape)}, the model's {name} is {list(ours[name])}")
+        if t.dtype not in FLOATS:
+            out.append(f"{where}: {t.key} is {str(t.dtype).removeprefix('torch.')}, expected floating point")
+    tied_extra = {"lm_head.weight", "model.head.weight", "head.weight"} if getattr(shape, "tied", False) else set()
+    prefix_ok = source.kind == "dcp"  # a DCP step holds optimizer state and more beside model.*
+    out += [f"{where}: {name} matches no parameter of the model" for name in sorted(unmatched)
+            if name not in tied_extra and not (prefix_ok and not name.startswith("model."))
+            and not name.endswith("rotary_emb.inv_freq")]
+    return out
+
+
+def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
+    """A Hugging Face folder's ``config.json`` must describe the run's model, value for value."""
+    config = path / CONFIG_FILE if path.is_dir() else None
+    if config is None or not config.is_file():
+        return []
+    if not hf_to_hpcx(arch, shape):  # nothing would match: one line, not one per tensor
+        raise CheckpointError([f"`checkpoint.init_from`: {path} is a Hugging Face folder; hpcx reads those for "
+                               f"arch = 'llama', not {arch!r} (GPT-2 has biases and Conv1D layouts hpcx's GPT does not)"])
+    theirs = spec_fields(config, read_config(config))  # refuses what hpcx does not implement
+    ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
+    from hpc.core.models import family
+
+    names = {"arch": "architectures", **{o: t for t, o in family(arch).HF_KEYS}}
+    return [f"`checkpoint.init_from`: {config}: {names.get(key, key)} = {theirs.get(key)!r}, the run's model has "
+            f"{ours[key]!r}" for key in ours if key not in IGNORED and theirs.get(key) != ours[key]]
+
+
+def init_from_problems(spec: tp.Any) -> list[str]:
+    """Login-node check of ``spec.checkpoint.init_from`` against ``spec.model`` (headers only)."""
+    from hpc.core.errors import ConfigError
+    from hpc.core.models import model_facts
+
+    if not spec.checkpoint.init_from:
+        return []
+    facts = model_facts(spec.model)
+    try:
+        open_source(spec.checkpoint.init_from, facts.family, facts.shape)
+    except (CheckpointError, ConfigError) as exc:
+        return [m if m.startswith("`checkpoint.init_from`") else f"`checkpoint.init_from`: {m}" for m in exc.messages]
+    return []

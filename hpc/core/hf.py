@@ -1,0 +1,115 @@
+"""Hugging Face's side of a model, without torch: ``config.json`` both ways, and the tensor mapping.
+
+Each built-in family that maps onto a ``transformers`` class gives, in ``hpc.core.models.<family>``:
+``hf_config(shape)`` (its ``config.json``), ``hf_tensor_plan(shape)`` (for every Hugging Face
+tensor, the hpcx parameter it comes from and how: copied, transposed or zeros) and, when hpcx reads
+that class's configs, ``hf_spec_fields(path, doc)`` with ``HF_KEYS`` (config key → ``[model]``
+field). This module asks them:
+
+- ``hf_config(family, shape)`` / ``tensor_plan(family, shape)``: for the export (``hpc.ckpt.hf``)
+  and ``checkpoint.init_from`` (``hpc.ckpt.init_source``), so the two agree;
+- ``apply_hf_config(model_doc)``: ``model.hf_config = "PATH"`` fills the spec's ``[model]`` from a
+  ``config.json`` (``ARCHITECTURES`` says which family reads which class), one line per
+  contradiction, naming both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.core.errors import ConfigError
+
+CONFIG_FILE = "config.json"
+MAX_CONFIG_BYTES = 1 << 20
+ARCHITECTURES = {"LlamaForCausalLM": "llama"}  # the transformers classes whose configs hpcx reads
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """One tensor of the Hugging Face checkpoint and where it comes from in hpcx's model."""
+
+    name: str  # Hugging Face's name
+    source: str  # hpcx's parameter name ("" for zeros)
+    op: str  # "copy", "transpose" (2-D) or "zeros"
+    shape: tuple[int, ...]  # Hugging Face's shape
+
+
+def _mapping(family: str) -> tp.Any:
+    """The family module, when it maps onto a transformers class; ConfigError otherwise."""
+    from hpc.core.models import FAMILIES, family as family_module
+
+    module = family_module(family) if family in FAMILIES else None
+    if module is None or not hasattr(module, "hf_tensor_plan"):
+        mapped = ", ".join(repr(f) for f in FAMILIES if hasattr(family_module(f), "hf_tensor_plan"))
+        raise ConfigError([f"model.arch = {family!r}: only the built-in {mapped} map onto Hugging Face models "
+                           "(a user model has no known transformers class)"])
+    return module
+
+
+def hf_config(family: str, shape: tp.Any) -> dict[str, tp.Any]:
+    """``config.json`` of an hpcx model of ``family`` (fp32 weights)."""
+    return _mapping(family).hf_config(shape)
+
+
+def tensor_plan(family: str, shape: tp.Any) -> list[HfTensor]:
+    """Every Hugging Face tensor of the model, in hpcx's parameter order."""
+    return _mapping(family).hf_tensor_plan(shape)
+
+
+def spec_fields(path: Path, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """The ``[model]`` fields a ``config.json`` sets (``arch`` included); ConfigError for a class hpcx
+    does not implement (``architectures``, or ``model_type`` where a bare config names none)."""
+    archs = doc.get("architectures") or [a for a, f in ARCHITECTURES.items() if f == doc.get("model_type")]
+    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+        raise ConfigError([f"`model.hf_config`: {path}: architectures = {archs!r}; hpcx implements "
+                           f"{list(ARCHITECTURES)!r} only"])
+    return {"arch": ARCHITECTURES[archs[0]], **_mapping(ARCHITECTURES[archs[0]]).hf_spec_fields(path, doc)}
+
+
+# ---------------------------------------------------------------- config.json → spec fields
+
+def config_path(path: str) -> Path:
+    """The ``config.json`` that ``model.hf_config`` names (a folder holding one, or the file), absolute."""
+    p = Path(os.path.expandvars(os.path.expanduser(path))).absolute()
+    return p / CONFIG_FILE if p.is_dir() else p
+
+
+def read_config(path: Path) -> dict[str, tp.Any]:
+    """A ``config.json``, bounded; ConfigError naming the file when it is not a JSON object."""
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise ConfigError([f"{path}: {path.stat().st_size} bytes; a config.json is under 1 MiB"])
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError([f"`model.hf_config`: {path}: cannot read ({exc.strerror})"]) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError([f"`model.hf_config`: {path}: not JSON ({exc})"]) from None
+    if not isinstance(doc, dict):
+        raise ConfigError([f"`model.hf_config`: {path}: expected a JSON object"])
+    return doc
+
+
+def apply_hf_config(model_doc: dict[str, tp.Any]) -> list[str]:
+    """Fill a spec's ``[model]`` table from its ``hf_config`` in place (the path made absolute); one
+    line per value of the spec that contradicts the file. Nothing to do without ``hf_config``."""
+    raw = model_doc.get("hf_config")
+    if not isinstance(raw, str) or not raw:
+        return []
+    path = config_path(raw)
+    fields = spec_fields(path, read_config(path))
+    keys = {"arch": "architectures", **{ours: theirs for theirs, ours in _mapping(fields["arch"]).HF_KEYS}}
+    errors = [f"`model.{key}` = {model_doc[key]!r} contradicts {path}: {keys.get(key, key)} = {value!r}"
+              for key, value in fields.items() if key in model_doc and not _same(model_doc[key], value)]
+    model_doc.update(fields)
+    model_doc["hf_config"] = str(path.parent if path.name == CONFIG_FILE else path)
+    return errors
+
+
+def _same(a: tp.Any, b: tp.Any) -> bool:
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b

@@ -1,0 +1,184 @@
+"""``checkpoint.init_from``: a fresh run's model weights from a pretrained source, each rank its own shard.
+
+Applied once, after the model is built and materialized (``WeightInit``) and after the resume
+decision: only when the run starts at step 0 (no checkpoint of its own, or ``checkpoint.resume =
+false``), so a requeued fine-tune resumes from its own newest step and never reads the pretrained
+weights again. The optimizer and schedule stay fresh; the weights are copied in place (bf16 or fp16
+files become the fp32 master weights by the copy; a tied matrix is one parameter and stays tied).
+
+How each rank reads (``hpc.ckpt.init_source.InitSource`` says where every tensor is):
+
+- safetensors (a Hugging Face folder or one file): a parameter sharded on dim 0 (FSDP2 / HSDP:
+  ``Shard(0)`` on the shard dimension, ``Replicate`` across replicas) needs rows ``[a, b)`` of its
+  tensor, which a row-major file holds as one contiguous byte range; the rank reads exactly that
+  range (``read_plan``) into one reusable buffer and copies it into its local shard. Bytes read per
+  rank ≈ model bytes / shard degree; memory ≈ its shard + one tensor's shard in the file's dtype.
+  Whole replicas (ddp, none) read whole tensors, one at a time.
+- DCP (an hpcx run or step folder): torch's own DCP load of the ``model`` entries through hpc/ckpt's
+  checked reader (``trainer.checkpoint``), which reads only the stored chunks each rank's shard overlaps.
+- one ``torch.save`` file: each tensor read whole through the checked reader, then sliced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hpc.ckpt.entries import Scratch
+from hpc.ckpt.init_source import InitSource, open_source
+from hpc.ckpt.torch_zip import read_exact
+from hpc.core.models import model_facts
+
+log = logging.getLogger("hpcx.trainer")
+
+
+@dataclass(frozen=True)
+class Read:
+    """One byte range a rank reads: rows ``[start, stop)`` of parameter ``name``'s source tensor."""
+
+    name: str
+    file: Path
+    offset: int
+    length: int
+    start: int
+    stop: int
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name in the bare model (activation checkpointing and DDP add segments)."""
+    return name.replace("_checkpoint_wrapped_module.", "").removeprefix("module.")
+
+
+def local_rows(param: torch.Tensor) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of dim 0 this rank holds: all of them for a plain tensor; for a DTensor,
+    ``torch.chunk``'s split along each mesh dimension that shards dim 0 (as ``trainer.model.local_slice``)."""
+    from torch.distributed.tensor import DTensor
+
+    rows = param.shape[0] if param.ndim else 1
+    if not isinstance(param, DTensor):
+        return 0, rows
+    start, stop = 0, rows
+    coordinate = param.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(param.placements):
+        if placement.is_shard():
+            if placement.dim != 0:
+                raise RuntimeError(f"init_from reads row ranges; a parameter is sharded on dim {placement.dim}")
+            chunk = -(-(stop - start) // param.device_mesh.size(mesh_dim))
+            first = start + coordinate[mesh_dim] * chunk
+            start, stop = min(first, stop), min(first + chunk, stop)
+    return start, stop
+
+
+def named_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(bare-model name, parameter) of every parameter, each once (a tied matrix under its first name)."""
+    return [(clean_name(n), p) for n, p in model.named_parameters()]
+
+
+def read_plan(model: nn.Module, source: InitSource) -> list[Read]:
+    """The byte ranges this rank reads from a safetensors source, one per parameter (meta models too:
+    the plan depends only on shapes and this rank's mesh coordinate)."""
+    plan = []
+    for name, param in named_params(model):
+        t = source.tensors[name]
+        start, stop = local_rows(param)
+        row = t.dtype.itemsize * (_numel(t.shape[1:]) if len(t.shape) > 1 else 1)
+        plan.append(Read(name, t.file, t.offset + start * row, (stop - start) * row, start, stop))
+    return plan
+
+
+def _numel(shape: tp.Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def load_safetensors(model: nn.Module, source: InitSource) -> int:
+    """Each parameter's rows from its file's byte range; the bytes read."""
+    files: dict[Path, tp.BinaryIO] = {}
+    scratch, done = Scratch(), 0
+    params = dict(named_params(model))
+    try:
+        for r in read_plan(model, source):
+            local = _local(params[r.name])
+            t = source.tensors[r.name]
+            buf = scratch.view(t.dtype, (r.stop - r.start, *t.shape[1:]) if t.shape else ())
+            if r.length:
+                f = files.get(r.file) or files.setdefault(r.file, open(r.file, "rb", buffering=0))
+                read_exact(f, r.offset, buf, str(r.file))
+            with torch.no_grad():
+                local.copy_(buf.view(local.shape))
+            done += r.length
+    finally:
+        for f in files.values():
+            f.close()
+    return done
+
+
+def load_torch_file(model: nn.Module, source: InitSource) -> int:
+    """Each tensor read whole from a ``torch.save`` file (checked reader), this rank's rows copied."""
+    from hpc.ckpt.torchsave import TorchReader
+
+    reader, done = TorchReader(source.path), 0
+    try:
+        for name, param in named_params(model):
+            t = source.tensors[name]
+            start, stop = local_rows(param)
+            full = reader.read(t.key)
+            with torch.no_grad():
+                _local(param).copy_(full[start:stop] if full.ndim else full)
+            done += full.numel() * full.element_size()
+    finally:
+        reader.close()
+    return done
+
+
+def load_dcp(model: nn.Module, source: InitSource) -> int:
+    """The ``model`` entries of a DCP step through torch's planner (collective; resharded as needed)."""
+    from hpc.ckpt.dcp import DcpReader
+    from trainer.checkpoint import _load_modules
+
+    reader = DcpReader(source.step)
+    try:
+        _load_modules(reader, model, None)
+    finally:
+        reader.close()
+    return sum(_local(p).numel() * source.tensors[n].dtype.itemsize for n, p in named_params(model))
+
+
+LOADERS = {"safetensors": load_safetensors, "torch": load_torch_file, "dcp": load_dcp}
+
+
+def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
+    """Load ``spec.checkpoint.init_from`` into ``model`` (every rank); what was read, or None when unset."""
+    path = spec.checkpoint.init_from
+    if not path:
+        return None
+    tic = time.perf_counter()
+    facts = model_facts(spec.model)
+    source = open_source(path, facts.family, facts.shape)
+    read = LOADERS[source.kind](model, source)
+    report = {"init_from": str(source.step or source.path), "kind": source.kind, "bytes_read": read,
+              "source_bytes": source.nbytes, "seconds": time.perf_counter() - tic}
+    log.info("init_from %s (%s): read %d of %d bytes on this rank in %.2f s", report["init_from"], source.kind,
+             read, source.nbytes, report["seconds"])
+    return report
+
+
+def start_weights(trainer: tp.Any, state: tp.Any, spec: tp.Any) -> tp.Any:
+    """After the resume decision: at step 0, the weights of ``checkpoint.init_from``; ``state`` as it is."""
+    if state.step == 0 and spec.checkpoint.init_from:
+        trainer.init_report = initial_weights(trainer.model, spec)
+    return state
