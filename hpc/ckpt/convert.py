@@ -20,6 +20,7 @@ import torch
 from hpc.ckpt.dcp import DcpReader, write_dcp
 from hpc.ckpt.digests import check_digests, recorded_digest
 from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, jsonable
+from hpc.ckpt.files import file_kind, open_regular
 from hpc.ckpt.outputs import check_destination
 from hpc.ckpt.safe_pickle import METADATA_FILE
 from hpc.ckpt.safetensors import INDEX_FILE, SafetensorsReader, check_safetensors_target, write_safetensors
@@ -45,10 +46,10 @@ def detect_format(path: str | Path) -> str:
         if (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")):
             return "safetensors"
         raise CheckpointError([f"{path}: a folder with neither a DCP .metadata nor .safetensors files"])
-    if not path.exists():
-        raise CheckpointError([f"{path}: no such file or folder"])
+    if file_kind(path) in ("missing", "a dangling symlink"):
+        raise CheckpointError([f"{path}: no such file or folder" + (" (a dangling symlink)" if path.is_symlink() else "")])
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "a checkpoint (a DCP folder, a torch.save file or a safetensors file)") as f:
             head, size = f.read(9), f.seek(0, 2)
     except OSError as exc:
         raise CheckpointError([f"{path}: cannot read ({exc.strerror})"]) from None

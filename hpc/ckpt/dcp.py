@@ -26,7 +26,8 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from hpc import compat
 from hpc.ckpt.digests import HashingWriter, write_digest
 from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, checked_paths, default_paths, dims, load_error,
-                              raise_problems, tensor_entry)
+                              checked_object, raise_problems, short_repr, tensor_entry)
+from hpc.ckpt.files import not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.safe_pickle import METADATA_FILE, load_dcp_metadata
 from hpc.ckpt.torch_write import Sink, Stored, TorchWriter
@@ -132,8 +133,8 @@ def _storage_record_problems(where: Path, metadata: dcp_md.Metadata) -> list[str
                             "expected FileSystemWriter's _StorageInfo")
             continue
         name = info.relative_path
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or "\0" in name:
-            problems.append(f"{where}: {index.fqn!r} points outside the folder ({name!r})")
+        if (why := relative_name_problem(name)) is not None:
+            problems.append(f"{where}: {index.fqn!r} {why} ({short_repr(name)})")
         elif dims((info.offset, info.length)) is None:
             problems.append(f"{where}: {index.fqn!r} has byte range offset={info.offset!r} length={info.length!r}, "
                             "expected non-negative integers")
@@ -153,7 +154,24 @@ def _unindexed(where: Path, metadata: dcp_md.Metadata) -> list[str]:
                         if math.prod(c.sizes) and (key, tuple(c.offsets)) not in stored]
         elif (key, None) not in stored:
             missing.append(repr(key))
-    return [f"{where}: no storage record for {k}" for k in missing]
+    return [f"{where}: no storage record for {k}" for k in missing] + _unbacked(where, metadata)
+
+
+def _unbacked(where: Path, metadata: dcp_md.Metadata) -> list[str]:
+    """Chunks that declare more bytes than their stored item holds: a blob of a tensor holds at
+    least the tensor's bytes, so such a chunk is a lie, refused before anything allocates it."""
+    problems, stored = [], {(i.fqn, index_offsets(i)): info for i, info in metadata.storage_data.items()}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, dcp_md.TensorStorageMetadata):
+            continue
+        for c in md.chunks:
+            need = math.prod(c.sizes) * md.properties.dtype.itemsize
+            info = stored.get((key, tuple(c.offsets))) if need else None
+            if info is not None and need > info.length:
+                problems.append(f"{where}: entry {key!r} chunk at {list(c.offsets)} declares {list(c.sizes)} "
+                                f"{str(md.properties.dtype).removeprefix('torch.')}, {need} bytes, but its stored "
+                                f"item holds {info.length} bytes")
+    return problems
 
 
 def _file_problems(path: Path, metadata: dcp_md.Metadata) -> list[str]:
@@ -164,8 +182,9 @@ def _file_problems(path: Path, metadata: dcp_md.Metadata) -> list[str]:
     problems = []
     for name, items in sorted(per_file.items()):
         file, end = path / name, max(e for _, e, _ in items)
-        if not file.is_file():
-            problems.append(f"{file}: missing; .metadata expects a shard file of at least {end} bytes")
+        kind = not_regular(file, f"a shard file of at least {end} bytes (.metadata lists it)")
+        if kind:
+            problems.append(kind)
             continue
         if file.stat().st_size < end:
             problems.append(f"{file}: truncated to {file.stat().st_size} bytes; .metadata expects at least {end}")
@@ -223,7 +242,7 @@ class DcpReader:
     def _file(self, info: tp.Any) -> tp.BinaryIO:
         f = self.files.get(info.relative_path)
         if f is None:
-            f = self.files[info.relative_path] = open(self.path / info.relative_path, "rb", buffering=0)
+            f = self.files[info.relative_path] = open_regular(self.path / info.relative_path, "a DCP shard file")
         return f
 
     def _where(self, info: tp.Any) -> str:
@@ -251,7 +270,8 @@ class DcpReader:
                                    f"{str(self.entries[key].dtype).removeprefix('torch.')}{list(chunk.sizes)}"])
 
     def _object(self, info: tp.Any) -> tp.Any:
-        return load_object(FileSlice(self._file(info), info.offset, info.length), self._where(info))
+        where = self._where(info)
+        return checked_object(load_object(FileSlice(self._file(info), info.offset, info.length), where), where)
 
     def read(self, key: str) -> tp.Any:
         """The whole value of ``key``; a sharded tensor is assembled chunk by chunk into one buffer."""

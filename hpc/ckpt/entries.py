@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import typing as tp
 
 import torch
@@ -104,13 +105,15 @@ def checked_paths(paths: tp.Any, source: str) -> dict[str, Path_]:
         return {}
     if not isinstance(paths, dict):
         raise CheckpointError([f"{source}: is a {type(paths).__name__}, expected a mapping of keys to object paths"])
+    if len(paths) > MAX_VALUES:
+        raise CheckpointError([f"{source}: {len(paths)} object paths, more than the {MAX_VALUES} hpcx reads"])
     out = {}
     for key, path in paths.items():
         ok = isinstance(key, str) and isinstance(path, (list, tuple)) and len(path) > 0 and all(
             isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < MAX_LIST_INDEX)
             for p in path)
         if not ok:
-            raise CheckpointError([f"{source}: object path of {key!r} is {path!r}, expected a list of keys "
+            raise CheckpointError([f"{source}: object path of {short_repr(key)} is {short_repr(path)}, expected a list of keys "
                                    "and list indices"])
         out[key] = tuple(path)
     return out
@@ -172,6 +175,90 @@ def jsonable(value: tp.Any) -> tp.Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+MAX_DEPTH = 64  # containers in a state dict nest a few levels; DCP's flattening recurses per level
+MAX_VALUES = 1 << 20  # values of an object counted along every path (a shared container once per path)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 3, 60, 60, 6, 6
+
+
+def short_repr(value: tp.Any) -> str:
+    """``repr`` bounded in depth and length: safe on a value nested 200,000 deep or containing itself."""
+    try:
+        return _SHORT.repr(value)
+    except Exception:  # noqa: BLE001  (a hostile __repr__ of an allow-listed type)
+        return f"<{type(value).__name__}>"
+
+
+def _children(node: tp.Any) -> tp.Iterator[tuple[tp.Any, tp.Any]] | None:
+    """(label, child) pairs of a container, None for a leaf."""
+    if isinstance(node, dict):
+        return iter(node.items())
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return enumerate(node)
+    return None
+
+
+def graph_problem(obj: tp.Any, max_depth: int = MAX_DEPTH, max_values: int = MAX_VALUES) -> str | None:
+    """Why the object graph ``obj`` is no state dict, or None: a container that contains itself,
+    nesting deeper than ``max_depth``, or more than ``max_values`` values counted along every path
+    (what flattening, printing or comparing it would visit). Work is bounded by the distinct
+    containers (each is walked once; a shared one adds its memoized count), never by paths."""
+    if _children(obj) is None:
+        return None
+    done: dict[int, int] = {}
+    stack: list[list[tp.Any]] = [[obj, _children(obj), 1, "<root>"]]
+    on_path = {id(obj)}
+    while stack:
+        frame = stack[-1]
+        label, child = next(frame[1], (None, _END))
+        if child is _END:
+            stack.pop()
+            on_path.discard(id(frame[0]))
+            done[id(frame[0])] = frame[2]
+            if stack:
+                stack[-1][2] += frame[2]
+            if frame[2] > max_values:
+                return f"holds more than {max_values} values counted along every path (shared containers)"
+            continue
+        found = _visit(child, label, stack, on_path, done, max_depth)
+        if isinstance(found, str):
+            return found
+        frame[2] += found
+    return None
+
+
+_END = object()
+
+
+def _visit(child: tp.Any, label: tp.Any, stack: list, on_path: set, done: dict, max_depth: int) -> int | str:
+    """One edge of ``graph_problem``'s walk: the count it adds now, or the problem it found."""
+    it = _children(child)
+    if it is None:
+        return 1
+    if id(child) in on_path:
+        return f"contains itself at {_where(stack, label)}"
+    if id(child) in done:
+        return done[id(child)]
+    if len(stack) >= max_depth:
+        return f"nests deeper than {max_depth} levels (at {_where(stack, label)})"
+    on_path.add(id(child))
+    stack.append([child, it, 1, label])
+    return 0
+
+
+def _where(stack: list, label: tp.Any) -> str:
+    parts = [str(f[3])[:40] for f in stack[1:]] + [str(label)[:40]]
+    return ".".join(parts if len(parts) <= 6 else parts[:3] + ["..."] + parts[-2:])
+
+
+def checked_object(value: tp.Any, where: str) -> tp.Any:
+    """``value`` when its object graph is a bounded tree (``graph_problem``), else CheckpointError."""
+    problem = graph_problem(value)
+    if problem:
+        raise CheckpointError([f"{where}: the stored object {problem}; refused"])
+    return value
 
 
 def load_error(exc: BaseException) -> str:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, checked_paths, default_paths, dims,
-                              jsonable, load_error, raise_problems, tensor_entry)
+from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, checked_object, checked_paths,
+                              default_paths, dims, jsonable, load_error, raise_problems, tensor_entry)
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_zip import byte_view, read_exact
 from hpc.errors import CheckpointError
@@ -317,6 +317,7 @@ class SafetensorsReader:
         except Exception as exc:
             raise CheckpointError([f"{self.path}: refused the non-tensor entries in its metadata "
                                    f"({load_error(exc)})"]) from None
+        checked_object(objects, f"{self.path}: __metadata__ {META_OBJECTS}")
         if not isinstance(objects, dict) or not all(isinstance(k, str) for k in objects):
             raise CheckpointError([f"{self.path}: __metadata__ {META_OBJECTS} holds a {type(objects).__name__}, "
                                    "expected a dict of entries"])

@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import pickle
 import typing as tp
+import zipfile
 from pathlib import Path
 
 import torch
 
 from hpc import compat
-from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, load_error, tensor_entry, unflatten
+from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, graph_problem, load_error, raise_problems,
+                              tensor_entry, unflatten)
+from hpc.ckpt.files import open_regular
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_write import Stored, TorchWriter
 from hpc.ckpt.torch_zip import TorchZip, Unsupported
 from hpc.errors import CheckpointError
 
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"  # pickle protocol 2 + the 10-byte magic number of torch < 1.6 files
+MAX_UNBACKED = 64 << 20  # bytes that stride-0 / overlapping views may add over their storages, file-wide
 
 
 class TorchReader:
@@ -39,34 +43,75 @@ class TorchReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.zip: TorchZip | None = None
-        self.streamed, self.fallback_reason = True, ""
-        with open(self.path, "rb") as f:
-            is_zip = f.read(4) == b"PK\x03\x04"
-        self.file = open(self.path, "rb", buffering=0)
+        self.streamed, self.fallback_reason, self.flat = True, "", {}
+        self.file = open_regular(self.path, "a torch.save file")
+        try:
+            obj = self._load()
+            if not isinstance(obj, dict) or (problem := graph_problem(obj)):
+                what = f"holds a {type(obj).__name__}" if not isinstance(obj, dict) else f"data.pkl {problem}"
+                raise CheckpointError([f"{self.path}: {what}, expected a state dict"])
+            self.flat, self.paths = self._flatten(obj if isinstance(obj.get("model"), dict) else {"model": obj})
+            raise_problems(self._unbacked())
+        except BaseException:
+            self.close()
+            raise
+        self.entries = {k: tensor_entry(k, v.dtype, v.shape) if isinstance(v, torch.Tensor) else Entry(k, None, None, 0)
+                        for k, v in self.flat.items()}
+        self.meta = {k[len("meta."):]: v for k, v in self.flat.items() if k.startswith("meta.")}
+
+    def _load(self) -> tp.Any:
+        """The unpickled object: tensors as placeholders (``TorchZip``), or loaded by the fallback."""
+        is_zip = self.file.read(4) == b"PK\x03\x04"
         try:
             if not is_zip:
                 raise Unsupported("not a zip (legacy torch.save format)")
             self.zip = TorchZip(self.file, str(self.path))
-            obj = self.zip.obj
+            return self.zip.obj
         except Unsupported as exc:
             self.streamed, self.fallback_reason, self.zip = False, str(exc), None
-            obj = self._torch_load(is_zip)
-        except BaseException:
-            self.file.close()
-            raise
-        if not isinstance(obj, dict):
-            self.close()
-            raise CheckpointError([f"{self.path}: holds a {type(obj).__name__}, expected a state dict"])
-        if not isinstance(obj.get("model"), dict):
-            obj = {"model": obj}  # a plain model.state_dict()
+            if is_zip and (packed := self._compressed()):
+                raise CheckpointError([f"{self.path}: record {packed[0]} is compressed, in a layout hpcx does not "
+                                       f"stream ({exc}); torch.load(mmap=True) would map its compressed bytes as "
+                                       "tensor data"]) from None
+            return self._torch_load(is_zip)
+
+    def _compressed(self) -> list[str]:
+        self.file.seek(0)
         try:
-            self.flat, self.paths = compat.flatten_state_dict(obj)
+            return [i.filename for i in zipfile.ZipFile(self.file).infolist() if i.compress_type != zipfile.ZIP_STORED]
+        except zipfile.BadZipFile:
+            return []
+
+    def _flatten(self, obj: dict) -> tuple[dict, dict]:
+        try:
+            return compat.flatten_state_dict(obj)
         except (ValueError, TypeError, KeyError) as exc:
-            self.close()
             raise CheckpointError([f"{self.path}: its keys do not flatten to a state dict ({exc})"]) from None
-        self.entries = {k: tensor_entry(k, v.dtype, v.shape) if isinstance(v, torch.Tensor) else Entry(k, None, None, 0)
-                        for k, v in self.flat.items()}
-        self.meta = {k[len("meta."):]: v for k, v in self.flat.items() if k.startswith("meta.")}
+
+    def _backed(self, value: torch.Tensor) -> int:
+        """Bytes the file holds for the storage under tensor ``value``."""
+        ref = self.zip.ref(value) if self.zip is not None else None
+        if ref is not None:
+            return self.zip.records[f"data/{ref.storage.key}"].file_size  # type: ignore[union-attr]
+        try:
+            return value.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):  # sparse & co.: loaded whole by torch already
+            return value.numel() * value.element_size()
+
+    def _unbacked(self) -> list[str]:
+        """Tensors whose views (stride 0, overlapping) hold more elements than the file stores for
+        them, past ``MAX_UNBACKED`` bytes in all: reading them would allocate what the file does not hold."""
+        excess = {}
+        for key, value in self.flat.items():
+            if isinstance(value, torch.Tensor):
+                need, held = value.numel() * value.element_size(), self._backed(value)
+                if need > held:
+                    excess[key] = (need, held, tuple(value.shape), tuple(value.stride()))
+        if sum(n - h for n, h, _, _ in excess.values()) <= MAX_UNBACKED:
+            return []
+        return [f"{self.path}: tensor {key!r} is a view of shape {list(shape)} stride {list(stride)}, {need} bytes, "
+                f"over a storage record of {held} bytes (a stride-0 or overlapping view); refused before "
+                "allocating it" for key, (need, held, shape, stride) in excess.items()]
 
     def _torch_load(self, is_zip: bool) -> tp.Any:
         try:
