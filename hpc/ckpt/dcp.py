@@ -226,7 +226,7 @@ class DcpReader:
                        if isinstance(md, dcp_md.TensorStorageMetadata) for c in md.chunks}
         self.entries = {k: self._entry(k, md) for k, md in self.metadata.state_dict_metadata.items()}
         source = f"{self.path / METADATA_FILE} planner_data"
-        self.paths = {**default_paths(self.entries), **checked_paths(self.metadata.planner_data, source)}
+        self.paths = default_paths(checked_paths(self.metadata.planner_data, source))
         self.files: dict[str, tp.BinaryIO] = {}
         self.meta = self._read_meta()
 

@@ -24,7 +24,7 @@ Progress = tp.Callable[[int], None]
 MAX_LISTED = 8  # problems listed before "... and N more"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
     """One key of a checkpoint: a tensor (dtype and shape set) or a Python object."""
 
@@ -40,10 +40,8 @@ class Entry:
 
 def tensor_entry(key: str, dtype: torch.dtype, shape: tp.Sequence[int]) -> Entry:
     """The entry of a tensor of ``dtype`` and ``shape``."""
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    return Entry(key, dtype, tuple(int(s) for s in shape), numel * dtype.itemsize)
+    shape = shape if type(shape) is tuple else tuple(int(s) for s in shape)  # share a checked tuple
+    return Entry(key, dtype, shape, math.prod(shape) * dtype.itemsize)
 
 
 class Reader(tp.Protocol):
@@ -119,9 +117,20 @@ def checked_paths(paths: tp.Any, source: str) -> dict[str, Path_]:
     return out
 
 
-def default_paths(keys: tp.Iterable[str]) -> dict[str, Path_]:
-    """Object paths for keys with no recorded ones: split on the first dot only."""
-    return {k: tuple(k.split(".", 1)) if "." in k else (k,) for k in keys}
+class Paths(dict):
+    """Recorded object paths; a key without one gets the default, split on its first dot only
+    (computed when asked for, so a million entries cost no million tuples)."""
+
+    def __missing__(self, key: str) -> Path_:
+        return tuple(key.split(".", 1)) if "." in key else (key,)
+
+    def get(self, key: str, default: tp.Any = None) -> tp.Any:  # type: ignore[override]
+        return self[key] if isinstance(key, str) else default
+
+
+def default_paths(recorded: dict[str, Path_] | None = None) -> Paths:
+    """Object paths: the ``recorded`` ones, else (for any other key) split on the first dot only."""
+    return Paths(recorded or {})
 
 
 def unflatten(flat: dict[str, tp.Any], paths: dict[str, Path_], source: str = "checkpoint") -> dict[str, tp.Any]:

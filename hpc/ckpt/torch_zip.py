@@ -123,7 +123,9 @@ class _Refs:
         ref = TensorRef(storage, dtype, off, size_t, stride_t)
         if dtype.itemsize != storage.dtype.itemsize and storage.dtype != torch.uint8:
             raise Unsupported(f"tensor of {dtype} over a {storage.dtype} storage")
-        placeholder = torch.empty_strided(size_t, stride_t, dtype=dtype, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32: "ComplexHalf support is experimental"
+            placeholder = torch.empty_strided(size_t, stride_t, dtype=dtype, device="meta")
         self.by_id[id(placeholder)] = ref
         return placeholder
 
