@@ -64,17 +64,17 @@ def dcp_problems(path: str | Path, metadata: dcp_md.Metadata | None = None) -> l
 def _entry_problems(where: Path, key: tp.Any, md: tp.Any) -> list[str]:
     """A state-dict entry: a tensor with a dtype, a size and chunks that tile it, or bytes."""
     if not isinstance(key, str):
-        return [f"{where}: entry key {key!r} is not a string"]
+        return [f"{where}: entry key {short_repr(key)} is not a string"]
     if isinstance(md, dcp_md.BytesStorageMetadata):
         return []
     if not isinstance(md, dcp_md.TensorStorageMetadata):
         return [f"{where}: entry {key!r} is a {type(md).__name__}, expected tensor or bytes metadata"]
     dtype = getattr(md.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype):
-        return [f"{where}: entry {key!r} has dtype {dtype!r}, expected a torch dtype"]
+        return [f"{where}: entry {key!r} has dtype {short_repr(dtype)}, expected a torch dtype"]
     size = dims(md.size)
     if size is None:
-        return [f"{where}: entry {key!r} has size {md.size!r}, expected non-negative integers"]
+        return [f"{where}: entry {key!r} has size {short_repr(md.size)}, expected non-negative integers"]
     if not isinstance(md.chunks, (list, tuple)) or (not md.chunks and math.prod(size)):
         return [f"{where}: entry {key!r} has no chunks"]
     for chunk in md.chunks:
@@ -90,7 +90,7 @@ def _chunk_problem(size: tuple[int, ...], chunk: tp.Any) -> str | None:
         return f"has a chunk of type {type(chunk).__name__}"
     offsets, sizes = dims(chunk.offsets), dims(chunk.sizes)
     if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
-        return (f"has a chunk at {chunk.offsets!r} of {chunk.sizes!r}, expected {len(size)} non-negative "
+        return (f"has a chunk at {short_repr(chunk.offsets)} of {short_repr(chunk.sizes)}, expected {len(size)} non-negative "
                 "offsets and sizes")
     if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
         return f"has a chunk at {list(offsets)} of {list(sizes)} reaching outside its size {list(size)}"
@@ -126,7 +126,7 @@ def _storage_record_problems(where: Path, metadata: dcp_md.Metadata) -> list[str
     info_type, problems = compat.storage_info_type(), []
     for index, info in metadata.storage_data.items():
         if not isinstance(index, dcp_md.MetadataIndex) or not isinstance(index.fqn, str):
-            problems.append(f"{where}: storage record key {index!r} is not a MetadataIndex")
+            problems.append(f"{where}: storage record key {short_repr(index)} is not a MetadataIndex")
             continue
         if not isinstance(info, info_type):
             problems.append(f"{where}: storage record for {index.fqn!r} is a {type(info).__name__}, "
@@ -136,10 +136,10 @@ def _storage_record_problems(where: Path, metadata: dcp_md.Metadata) -> list[str
         if (why := relative_name_problem(name)) is not None:
             problems.append(f"{where}: {index.fqn!r} {why} ({short_repr(name)})")
         elif dims((info.offset, info.length)) is None:
-            problems.append(f"{where}: {index.fqn!r} has byte range offset={info.offset!r} length={info.length!r}, "
+            problems.append(f"{where}: {index.fqn!r} has byte range offset={short_repr(info.offset)} length={short_repr(info.length)}, "
                             "expected non-negative integers")
         elif info.transform_descriptors:
-            problems.append(f"{where}: {index.fqn!r} uses stream transforms {info.transform_descriptors}, "
+            problems.append(f"{where}: {index.fqn!r} uses stream transforms {short_repr(info.transform_descriptors)}, "
                             "which hpcx does not read")
     return problems
 

@@ -21,6 +21,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from hpc import compat
+from hpc.ckpt.entries import short_repr
 from hpc.ckpt.files import file_kind, open_regular
 from hpc.errors import CheckpointError
 
@@ -59,7 +60,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise RefusedGlobal(f"{module}.{name}")
 
     def persistent_load(self, pid: tp.Any) -> tp.Any:
-        raise RefusedGlobal(f"persistent id {pid!r}")
+        raise RefusedGlobal(f"persistent id {short_repr(pid)}")
 
 
 def loads_metadata(data: bytes, source: str = "<bytes>") -> dcp_md.Metadata:

@@ -45,6 +45,7 @@ import zlib
 import torch
 
 from hpc import compat
+from hpc.ckpt.entries import short_repr
 from hpc.errors import CheckpointError
 
 MAX_PICKLE = 256 * 2**20  # a state dict's data.pkl is small; refuse absurd ones rather than read them
@@ -135,7 +136,7 @@ class _Refs:
 
     def v3(self, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):  # noqa: ANN
         if not isinstance(dtype, torch.dtype):
-            raise Unsupported(f"tensor dtype {dtype!r}")
+            raise Unsupported(f"tensor dtype {short_repr(dtype)}")
         return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
 
     def parameter(self, data, requires_grad, backward_hooks):  # noqa: ANN
@@ -188,10 +189,10 @@ class TensorUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: tp.Any) -> tp.Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")
                 and isinstance(pid[1], _StorageType) and isinstance(pid[4], int)):
-            raise Unsupported(f"persistent id {pid!r:.80}")
+            raise Unsupported(f"persistent id {short_repr(pid)}")
         key = pid[2].decode() if isinstance(pid[2], bytes) else pid[2]
         if not isinstance(key, str):
-            raise Unsupported(f"storage key {key!r}")
+            raise Unsupported(f"storage key {short_repr(key)}")
         return StorageRef(key, pid[1].dtype, pid[4])
 
 
