@@ -63,19 +63,25 @@ def self_dict() -> bytes:
 
 def mutual() -> bytes:
     """Two lists that contain each other: ``a = [b]``, ``b = [a]``."""
-    return EMPTY_LIST + put(0) + EMPTY_LIST + put(1) + get(0) + APPEND + APPEND + get(1)
+    return EMPTY_LIST + put(0) + EMPTY_LIST + put(1) + get(0) + APPEND + APPEND
 
 
 def dag(levels: int, width: int = 2, dicts: bool = False) -> bytes:
     """Level i holds ``width`` references to level i-1: ``width ** levels`` leaves along every path,
     ``levels + 1`` distinct containers."""
-    out = EMPTY_LIST + integer(7) + APPEND + put(0)
+    # every level is pushed first (and memoized), the leaf [7] last; then each level takes the one
+    # above it on the stack, and ``width - 1`` more references to it from the memo (no POP opcode:
+    # torch's weights-only unpickler has none)
+    if dicts:
+        out = b"".join(EMPTY_DICT + put(i) + text("k0") for i in range(levels, 0, -1))
+    else:
+        out = b"".join(EMPTY_LIST + put(i) for i in range(levels, 0, -1))
+    out += EMPTY_LIST + put(0) + integer(7) + APPEND
     for i in range(1, levels + 1):
         if dicts:
-            out += EMPTY_DICT + MARK + b"".join(text(f"k{j}") + get(i - 1) for j in range(width)) + SETITEMS
+            out += SETITEM + b"".join(text(f"k{j}") + get(i - 1) + SETITEM for j in range(1, width))
         else:
-            out += EMPTY_LIST + MARK + get(i - 1) * width + APPENDS
-        out += put(i)
+            out += APPEND + (get(i - 1) + APPEND) * (width - 1)
     return out
 
 
