@@ -79,11 +79,15 @@ def inspect_cmd(path: str, deep: bool, as_json: bool) -> None:
 def echo_json_streamed(obj: tp.Any) -> None:
     """``echo_json``'s output, written a piece at a time: a header of a million tensors never
     becomes one string of a hundred megabytes."""
-    out = click.get_text_stream("stdout")
+    batch: list[str] = []
+    size = 0
     for chunk in json.JSONEncoder(indent=2, sort_keys=True, default=str).iterencode(obj):
-        out.write(chunk)
-    out.write("\n")
-    out.flush()
+        batch.append(chunk)
+        size += len(chunk)
+        if size > 1 << 20:
+            click.echo("".join(batch), nl=False)
+            batch, size = [], 0
+    click.echo("".join(batch))
 
 
 def _print_inspect(info: dict, deep: bool) -> None:
