@@ -98,9 +98,13 @@ class TensorRef:
         return contiguous
 
 
-class _StorageType:
+class StorageType:
+    """A storage class a pickle names (``torch.FloatStorage`` & co.), reduced to its dtype."""
+
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
+
+
 
 
 class _Refs:
@@ -171,8 +175,8 @@ class TensorUnpickler(pickle.Unpickler):
             compat.REBUILD_PARAMETER: refs.parameter,
             ("collections", "OrderedDict"): collections.OrderedDict,
             ("torch", "Size"): torch.Size,
-            ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
-            ("torch", "UntypedStorage"): _StorageType(torch.uint8),
+            ("torch.storage", "UntypedStorage"): StorageType(torch.uint8),
+            ("torch", "UntypedStorage"): StorageType(torch.uint8),
         }
 
     def find_class(self, module: str, name: str) -> tp.Any:
@@ -183,12 +187,12 @@ class TensorUnpickler(pickle.Unpickler):
             if isinstance(value, torch.dtype):
                 return value
             if name in _legacy_storage_dtypes():
-                return _StorageType(_legacy_storage_dtypes()[name])  # torch.FloatStorage & co.
+                return StorageType(_legacy_storage_dtypes()[name])  # torch.FloatStorage & co.
         raise Unsupported(f"pickle global {module}.{name}")
 
     def persistent_load(self, pid: tp.Any) -> tp.Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")
-                and isinstance(pid[1], _StorageType) and isinstance(pid[4], int)):
+                and isinstance(pid[1], StorageType) and isinstance(pid[4], int)):
             raise Unsupported(f"persistent id {short_repr(pid)}")
         key = pid[2].decode() if isinstance(pid[2], bytes) else pid[2]
         if not isinstance(key, str):

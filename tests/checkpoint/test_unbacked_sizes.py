@@ -173,3 +173,41 @@ def test_honest_views_still_convert_to_what_torch_load_gives(tmp_path: Path, sta
 def test_a_safetensors_header_declaring_terabytes(tmp_path: Path, header: dict, expect: str) -> None:
     src = mf.write_st(tmp_path / "x.safetensors", header, b"\0" * 16)
     refused_everywhere(tmp_path, src, expect)
+
+
+def legacy_lie(tmp_path: Path, numel: int, width: int = 9) -> Path:
+    """A legacy (torch < 1.6) file whose main pickle declares ``numel`` elements for the storage of
+    ``w`` (10 floats are stored): ``torch.load`` allocates what the pickle declares first."""
+    torch.save({"w": torch.arange(10.0), "v": torch.ones(3, dtype=torch.int64)}, tmp_path / "old.pt",
+               _use_new_zipfile_serialization=False)
+    data = (tmp_path / "old.pt").read_bytes()
+    at = data.find(b"X\x03\x00\x00\x00cpuq\x06K\nN")  # BININT1 10, then the view metadata None
+    assert at > 0
+    long1 = b"\x8a" + bytes([width]) + numel.to_bytes(width, "little", signed=True)
+    return hs.write(tmp_path / "lie.pt", data[:at + 10] + long1 + data[at + 12:])
+
+
+@pytest.mark.parametrize("numel,expect", [
+    (10**12, "declares storages of 4000000000024 bytes in all; the file holds"),
+    (2**29, "declares storages of 2147483672 bytes"),
+    (-5, "declares a storage of -5 elements"),
+    (2**62, "bytes in all"),
+])
+def test_a_legacy_file_declaring_storages_it_does_not_hold(tmp_path: Path, numel: int, expect: str) -> None:
+    src = legacy_lie(tmp_path, numel)
+    (tmp_path / "old.pt").unlink()
+    refused_everywhere(tmp_path, src, "lie.pt", expect)
+
+
+def test_the_legacy_lie_under_a_capped_address_space(tmp_path: Path) -> None:
+    src = legacy_lie(tmp_path, 2**29)  # 2 GiB: overcommit would let torch.load allocate it
+    for args in (("inspect", src), ("convert", src, tmp_path / "o.st", "--to", "safetensors")):
+        code, out = hs.limited_cli(*args, limit=1536 << 20)
+        assert code == 2, out
+        hs.one_error_line(out, "2147483672 bytes")
+
+
+def test_an_honest_legacy_file_still_converts(tmp_path: Path) -> None:
+    legacy_lie(tmp_path, 10)  # the same bytes as torch wrote them
+    assert cli("convert", tmp_path / "lie.pt", tmp_path / "o.pt", "--to", "torch")[0] == 0
+    assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["model"]["w"], torch.arange(10.0))
