@@ -31,7 +31,7 @@ from hpc.ckpt.files import not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.safe_pickle import METADATA_FILE, load_dcp_metadata
 from hpc.ckpt.torch_write import Sink, Stored, TorchWriter
-from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported
+from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported, zip_load_problems
 from hpc.errors import CheckpointError
 
 SHARD_FILE = "__0_0.distcp"
@@ -201,6 +201,8 @@ def _file_problems(path: Path, metadata: dcp_md.Metadata) -> list[str]:
 def load_object(f: tp.BinaryIO, where: str) -> tp.Any:
     """``torch.load(weights_only=True)`` of one stored item; CheckpointError naming ``where`` when
     it is refused (a global outside torch's allow-list) or unreadable."""
+    raise_problems(zip_load_problems(f, where))
+    f.seek(0)
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -33,7 +33,7 @@ from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, chec
                               tensor_entry)
 from hpc.ckpt.files import file_kind, not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
-from hpc.ckpt.torch_zip import byte_view, read_exact
+from hpc.ckpt.torch_zip import byte_view, read_exact, zip_load_problems
 from hpc.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -385,14 +385,19 @@ class SafetensorsReader:
         blob = st_meta.get(META_OBJECTS)
         if not blob:
             return {}
+        where = f"{self.path}: __metadata__ {META_OBJECTS}"
         try:
-            objects = torch.load(io.BytesIO(base64.b64decode(blob, validate=True)), weights_only=True)
+            data = io.BytesIO(base64.b64decode(blob, validate=True))
         except (binascii.Error, ValueError) as exc:
-            raise CheckpointError([f"{self.path}: __metadata__ {META_OBJECTS} is not base64 ({exc})"]) from None
+            raise CheckpointError([f"{where} is not base64 ({exc})"]) from None
+        raise_problems(zip_load_problems(data, where))
+        data.seek(0)
+        try:
+            objects = torch.load(data, weights_only=True)
         except Exception as exc:
             raise CheckpointError([f"{self.path}: refused the non-tensor entries in its metadata "
                                    f"({load_error(exc)})"]) from None
-        checked_object(objects, f"{self.path}: __metadata__ {META_OBJECTS}")
+        checked_object(objects, where)
         if not isinstance(objects, dict) or not all(isinstance(k, str) for k in objects):
             raise CheckpointError([f"{self.path}: __metadata__ {META_OBJECTS} holds a {type(objects).__name__}, "
                                    "expected a dict of entries"])

@@ -370,6 +370,81 @@ def inflate(f: tp.BinaryIO, pos: int, stored: int, first: int, view: memoryview,
     return done, crc
 
 
+class _Stub:
+    """Whatever a scanned pickle builds, inert: calls, items and state go nowhere."""
+
+    def __call__(self, *args: tp.Any, **kwargs: tp.Any) -> "_Stub":
+        return _Stub()
+
+    def __setitem__(self, key: tp.Any, value: tp.Any) -> None:
+        pass
+
+    def __setstate__(self, state: tp.Any) -> None:
+        pass
+
+    def append(self, value: tp.Any) -> None:
+        pass
+
+    def extend(self, values: tp.Any) -> None:
+        pass
+
+
+class StorageScan(pickle.Unpickler):
+    """Reads a pickle only to list the storages it declares (zip and legacy persistent ids); every
+    global is an inert stub, so nothing runs and nothing is allocated."""
+
+    def __init__(self, f: tp.BinaryIO):
+        super().__init__(f)
+        self.storages: dict[tp.Any, int] = {}  # storage key -> declared bytes
+        self.negative: list[int] = []
+
+    def find_class(self, module: str, name: str) -> tp.Any:
+        dtype = _legacy_storage_dtypes().get(name) if module == "torch" else None
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            dtype = torch.uint8
+        return StorageType(dtype) if dtype is not None else _Stub()
+
+    def persistent_load(self, pid: tp.Any) -> tp.Any:
+        if isinstance(pid, tuple) and len(pid) in (5, 6) and isinstance(pid[1], StorageType) \
+                and isinstance(pid[4], int) and not isinstance(pid[4], bool):
+            key = pid[2].decode(errors="replace") if isinstance(pid[2], bytes) else str(pid[2])
+            if pid[4] < 0:
+                self.negative.append(pid[4])
+            self.storages[key] = max(self.storages.get(key, 0), pid[4] * pid[1].dtype.itemsize)
+        return _Stub()
+
+
+def zip_load_problems(f: tp.BinaryIO, source: str, base: int = 0, length: int | None = None) -> list[str]:
+    """What ``torch.load`` of the archive at ``[base, base+length)`` would allocate but the file does
+    not hold: it allocates each storage its data.pkl declares, then reads the record (inflating a
+    deflated one whole). Empty when every record holds its declared bytes (or this is no archive)."""
+    f.seek(0, 2)
+    length = f.tell() - base if length is None else length
+    try:
+        z = zipfile.ZipFile(FileSlice(f, base, length))  # type: ignore[arg-type]
+        infos = {i.filename: i for i in z.infolist()}
+        pkl = [n for n in infos if n.count("/") == 1 and n.endswith("/data.pkl")]
+        if len(pkl) != 1 or infos[pkl[0]].file_size > MAX_PICKLE:
+            return []
+        scan = StorageScan(io.BytesIO(z.read(pkl[0])))
+        scan.load()
+    except Exception:  # noqa: BLE001  (not a readable archive or pickle: torch.load says why)
+        return []
+    root = pkl[0][: -len("data.pkl")]
+    if scan.negative:
+        return [f"{source}: data.pkl declares a storage of {scan.negative[0]} elements"]
+    problems = []
+    for key, nbytes in scan.storages.items():
+        info = infos.get(f"{root}data/{key}")
+        if info is not None and nbytes > info.file_size:
+            problems.append(f"{source}: record {root}data/{key} holds {info.file_size} bytes; data.pkl declares "
+                            f"{nbytes}; refused before torch.load allocates them")
+        elif info is not None and info.file_size > info.compress_size * MAX_DEFLATE_RATIO + 64:
+            problems.append(f"{source}: record {root}data/{key} declares {info.file_size} bytes from "
+                            f"{info.compress_size} compressed ones, more than deflate can expand")
+    return problems
+
+
 class FileSlice(io.RawIOBase):
     """A read-only, seekable window ``[offset, offset+length)`` of an open file (for ``zipfile``
     and ``torch.load``)."""

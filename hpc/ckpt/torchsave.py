@@ -23,7 +23,7 @@ from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, graph_problem, l
 from hpc.ckpt.files import open_regular
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_write import Stored, TorchWriter
-from hpc.ckpt.torch_zip import StorageType, TorchZip, Unsupported, _legacy_storage_dtypes
+from hpc.ckpt.torch_zip import StorageScan, TorchZip, Unsupported, zip_load_problems
 from hpc.errors import CheckpointError
 
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"  # pickle protocol 2 + the 10-byte magic number of torch < 1.6 files
@@ -116,6 +116,8 @@ class TorchReader:
                 "allocating it" for key, (need, held, shape, stride) in excess.items()]
 
     def _torch_load(self, is_zip: bool) -> tp.Any:
+        if is_zip:
+            raise_problems(zip_load_problems(self.file, str(self.path)))
         try:
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=is_zip)
         except pickle.UnpicklingError as exc:
@@ -149,46 +151,6 @@ class TorchReader:
         self.file.close()
 
 
-class _Stub:
-    """Whatever a legacy pickle builds, inert: calls, items and state go nowhere."""
-
-    def __call__(self, *args: tp.Any, **kwargs: tp.Any) -> "_Stub":
-        return _Stub()
-
-    def __setitem__(self, key: tp.Any, value: tp.Any) -> None:
-        pass
-
-    def __setstate__(self, state: tp.Any) -> None:
-        pass
-
-    def append(self, value: tp.Any) -> None:
-        pass
-
-    def extend(self, values: tp.Any) -> None:
-        pass
-
-
-class _LegacyScan(pickle.Unpickler):
-    """Reads a legacy file's main pickle only to list the storages it declares; runs nothing."""
-
-    def __init__(self, f: tp.BinaryIO):
-        super().__init__(f)
-        self.storages: dict[tp.Any, int] = {}  # root key -> declared bytes
-        self.negative: list[int] = []
-
-    def find_class(self, module: str, name: str) -> tp.Any:
-        dtype = _legacy_storage_dtypes().get(name) if module == "torch" else None
-        return StorageType(dtype) if dtype is not None else _Stub()
-
-    def persistent_load(self, pid: tp.Any) -> tp.Any:
-        if isinstance(pid, tuple) and len(pid) == 6 and isinstance(pid[1], StorageType) and isinstance(pid[4], int):
-            key = pid[2] if isinstance(pid[2], (str, bytes, int)) else repr(pid[2])
-            if pid[4] < 0:
-                self.negative.append(pid[4])
-            self.storages[key] = max(self.storages.get(key, 0), pid[4] * pid[1].dtype.itemsize)
-        return _Stub()
-
-
 def legacy_problems(f: tp.BinaryIO, source: str) -> list[str]:
     """A legacy (torch < 1.6) file's storages against its size: ``torch.load`` allocates every
     storage its pickle declares before reading a byte of it, so a declared size the file cannot
@@ -198,7 +160,7 @@ def legacy_problems(f: tp.BinaryIO, source: str) -> list[str]:
     try:
         for _ in range(3):  # magic number, protocol version, system info
             pickle.Unpickler(f).load()
-        scan = _LegacyScan(f)
+        scan = StorageScan(f)
         scan.load()
     except Exception as exc:  # noqa: BLE001  (garbled: torch.load reports it below)
         return [] if not isinstance(exc, RecursionError) else [f"{source}: legacy pickle nests too deep"]

@@ -211,3 +211,46 @@ def test_an_honest_legacy_file_still_converts(tmp_path: Path) -> None:
     legacy_lie(tmp_path, 10)  # the same bytes as torch wrote them
     assert cli("convert", tmp_path / "lie.pt", tmp_path / "o.pt", "--to", "torch")[0] == 0
     assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["model"]["w"], torch.arange(10.0))
+
+
+# ---------------------------------------------------------------- what torch.load would allocate
+
+
+def lying_archive(obj: dict, numel: int) -> bytes:
+    """``torch.save(obj)`` (one float32 tensor of 10 elements inside) whose data.pkl declares
+    ``numel`` elements for that storage; the record still holds 40 bytes."""
+    import zipfile
+
+    data = hs.torch_bytes(obj)
+    with zipfile.ZipFile(hs.io.BytesIO(data)) as z:
+        pkl, record = z.read("archive/data.pkl"), z.read("archive/data/0")
+    at = pkl.find(b"K\n", pkl.find(b"cpu"))  # BININT1 10: the storage's numel
+    lie = pkl[:at] + b"\x8a\x09" + numel.to_bytes(9, "little", signed=True) + pkl[at + 2:]
+    return hs.torch_archive(lie, {"0": record})
+
+
+@pytest.mark.parametrize("numel", [10**12, 2**29, -1])
+def test_a_dcp_object_item_whose_pickle_declares_more_than_its_record(tmp_path: Path, numel: int) -> None:
+    src = mf.dcp_save(tmp_path / "c", {"model": {"w": torch.ones(2)}, "train": {"step": 1, "extra": [0]}})
+    mf.replace_item(src, "train.extra", lying_archive({"t": torch.arange(10.0)}, numel))
+    expect = ("holds 40 bytes", str(4 * numel)) if numel > 0 else ()
+    refused_everywhere(tmp_path, src, "item 'train.extra'", *expect)
+    if numel == 2**29:
+        code, out = hs.limited_cli("convert", src, tmp_path / "o.pt", "--to", "torch", limit=1536 << 20)
+        assert code == 2, out
+        hs.one_error_line(out, "data.pkl declares 2147483648; refused before torch.load allocates them")
+
+
+def test_a_torch_file_left_to_torch_load_whose_pickle_declares_more_than_its_record(tmp_path: Path) -> None:
+    """torch.device is on torch's own list, not hpcx's: the file goes to torch.load, checked first."""
+    src = hs.write(tmp_path / "d.pt", lying_archive({"t": torch.arange(10.0), "dev": torch.device("cpu")}, 2**29))
+    refused_everywhere(tmp_path, src, "d.pt: record archive/data/0 holds 40 bytes; data.pkl declares 2147483648")
+
+
+def test_safetensors_stored_objects_whose_pickle_declares_more_than_its_record(tmp_path: Path) -> None:
+    import base64
+
+    blob = lying_archive({"train.t": torch.arange(10.0)}, 2**29)
+    src = mf.valid_st(tmp_path / "x.safetensors", {"w": torch.ones(2)},
+                      {"hpcx.layout": "full", "hpcx.objects": base64.b64encode(blob).decode()})
+    refused_everywhere(tmp_path, src, "hpcx.objects: record archive/data/0 holds 40 bytes")
