@@ -47,7 +47,8 @@ def detect_format(path: str | Path) -> str:
             return "safetensors"
         raise CheckpointError([f"{path}: a folder with neither a DCP .metadata nor .safetensors files"])
     if file_kind(path) in ("missing", "a dangling symlink"):
-        raise CheckpointError([f"{path}: no such file or folder" + (" (a dangling symlink)" if path.is_symlink() else "")])
+        dangling = " (a dangling symlink)" if path.is_symlink() else ""
+        raise CheckpointError([f"{path}: no such file or folder{dangling}"])
     try:
         with open_regular(path, "a checkpoint (a DCP folder, a torch.save file or a safetensors file)") as f:
             head, size = f.read(9), f.seek(0, 2)
@@ -79,9 +80,10 @@ def open_checkpoint(path: str | Path) -> Reader:
 # ---------------------------------------------------------------- inspect
 
 CHECKED = {
-    "dcp": ".metadata (allow-list, entries, chunks tile every tensor, storage records, file sizes) and every "
-           "item's zip directory and pickle against its chunk; no tensor data",
-    "torch": "zip directory, data.pkl (allow-list) and every tensor record inside the file; no tensor data",
+    "dcp": ".metadata (allow-list, entries, chunks tile every tensor and fit their items, storage records, "
+           "file sizes and kinds) and every item's zip directory and pickle against its chunk; no tensor data",
+    "torch": "zip directory (stored or deflated records), data.pkl (allow-list, a bounded tree) and every tensor "
+             "record inside the file, no view larger than its storage; no tensor data",
     "safetensors": "header (types, offsets against dtype x shape, file size, no gap or overlap) and index; "
                    "no tensor data",
 }
@@ -295,7 +297,7 @@ def _compare_slice(x: torch.Tensor, y: torch.Tensor, atol: float) -> tuple[str |
         return None if torch.equal(_bytes(x), _bytes(y)) else _first_bit_difference(x, y, "bytes differ")
     if x.is_floating_point() or x.is_complex():
         return _float_distance(cx, cy, atol) or (_first_bit_difference(x, y) if atol == 0 else None)
-    over = (x != y) if atol == 0 or x.dtype == torch.bool else _int_over(x, y, atol)
+    over = (x != y) if atol == 0 else _int_over(x, y, atol)
     index = over.nonzero()
     return None if not len(index) else (f"{index.numel()} elements differ by more than {atol:g}", int(index[0]))
 
@@ -312,8 +314,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _first_bit_difference(x: torch.Tensor, y: torch.Tensor,
-                          what: str = "bits differ between equal values (-0.0 vs 0.0 or NaN payloads)") -> tuple[str, int]:
+EQUAL_BUT_BITS = "bits differ between equal values (-0.0 vs 0.0 or NaN payloads)"
+
+
+def _first_bit_difference(x: torch.Tensor, y: torch.Tensor, what: str = EQUAL_BUT_BITS) -> tuple[str, int]:
     """Where the bytes of two same-shaped tensors first differ (-0.0 vs 0.0, NaN payloads, or
     dtypes without arithmetic)."""
     bx = _bytes(x).reshape(x.numel(), -1)

@@ -90,7 +90,8 @@ def _chunk_problem(size: tuple[int, ...], chunk: tp.Any) -> str | None:
         return f"has a chunk of type {type(chunk).__name__}"
     offsets, sizes = dims(chunk.offsets), dims(chunk.sizes)
     if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
-        return (f"has a chunk at {short_repr(chunk.offsets)} of {short_repr(chunk.sizes)}, expected {len(size)} non-negative "
+        return (f"has a chunk at {short_repr(chunk.offsets)} of {short_repr(chunk.sizes)}, expected {len(size)} "
+                "non-negative "
                 "offsets and sizes")
     if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
         return f"has a chunk at {list(offsets)} of {list(sizes)} reaching outside its size {list(size)}"
@@ -136,7 +137,8 @@ def _storage_record_problems(where: Path, metadata: dcp_md.Metadata) -> list[str
         if (why := relative_name_problem(name)) is not None:
             problems.append(f"{where}: {index.fqn!r} {why} ({short_repr(name)})")
         elif dims((info.offset, info.length)) is None:
-            problems.append(f"{where}: {index.fqn!r} has byte range offset={short_repr(info.offset)} length={short_repr(info.length)}, "
+            problems.append(f"{where}: {index.fqn!r} has byte range offset={short_repr(info.offset)} "
+                            f"length={short_repr(info.length)}, "
                             "expected non-negative integers")
         elif info.transform_descriptors:
             problems.append(f"{where}: {index.fqn!r} uses stream transforms {short_repr(info.transform_descriptors)}, "

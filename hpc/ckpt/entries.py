@@ -111,7 +111,8 @@ def checked_paths(paths: tp.Any, source: str) -> dict[str, Path_]:
             isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < MAX_LIST_INDEX)
             for p in path)
         if not ok:
-            raise CheckpointError([f"{source}: object path of {short_repr(key)} is {short_repr(path)}, expected a list of keys "
+            raise CheckpointError([f"{source}: object path of {short_repr(key)} is {short_repr(path)}, expected a "
+                                   "list of keys "
                                    "and list indices"])
         out[key] = tuple(path)
     return out

@@ -313,7 +313,8 @@ def _headers(path: Path) -> list[StHeader]:
     if file_kind(path / INDEX_FILE) != "missing":
         weight_map = _index(path)
         names = sorted(set(weight_map.values()))
-        raise_problems([p for n in names if (p := not_regular(path / n, f"a safetensors shard ({INDEX_FILE} lists it)"))])
+        expected = f"a safetensors shard ({INDEX_FILE} lists it)"
+        raise_problems([p for n in names if (p := not_regular(path / n, expected))])
         headers = [read_header(path / n) for n in names]
         raise_problems(_index_problems(path, weight_map, headers))
         return headers
@@ -354,7 +355,8 @@ class SafetensorsReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.headers = _headers(self.path)
-        self.shard_of = {name: i for i, h in enumerate(self.headers) for name in h.tensors} if len(self.headers) > 1 else {}
+        several = len(self.headers) > 1  # one file: no name -> shard map at all
+        self.shard_of = {name: i for i, h in enumerate(self.headers) for name in h.tensors} if several else {}
         st_meta: dict[str, str] = {}
         for header in self.headers:
             st_meta.update(header.metadata)

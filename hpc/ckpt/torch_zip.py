@@ -105,8 +105,6 @@ class StorageType:
         self.dtype = dtype
 
 
-
-
 class _Refs:
     """Collects the TensorRefs created while unpickling; stands in each tensor by a meta tensor."""
 
@@ -253,8 +251,8 @@ class TorchZip:
             self.offsets[name] = self._local_header(name, info)
         start = self.offsets[name]
         if start + info.compress_size > self.length:
-            raise CheckpointError([f"{self.source}: record {self.root}{name} ends at byte {start + info.compress_size}, "
-                               f"past the end ({self.length}); truncated"])
+            raise CheckpointError([f"{self.source}: record {self.root}{name} ends at byte "
+                                   f"{start + info.compress_size}, past the end ({self.length}); truncated"])
         return self.base + start, info.compress_size
 
     def _local_header(self, name: str, info: zipfile.ZipInfo) -> int:

@@ -69,7 +69,8 @@ def test_the_issue_case_refused_by_every_command_under_a_capped_address_space(tm
     good = mf.dcp_save(tmp_path / "good", {"model": {"w": torch.arange(10.0)}})
     for args in (("inspect", src), ("inspect", src, "--deep"), ("convert", src, tmp_path / "o.pt", "--to", "torch"),
                  ("convert", src, tmp_path / "o.dcp", "--to", "dcp"),
-                 ("convert", src, tmp_path / "o.st", "--to", "safetensors"), ("verify", src, good), ("verify", good, src)):
+                 ("convert", src, tmp_path / "o.st", "--to", "safetensors"), ("verify", src, good),
+                 ("verify", good, src)):
         code, out = hs.limited_cli(*args, limit=2 << 30)
         assert code == 2, (args, out)
         hs.one_error_line(out, "'model.w'", "4000000000000 bytes")
@@ -121,7 +122,8 @@ def views() -> dict[str, dict[str, torch.Tensor]]:
         "bool-expanded": {"w": torch.tensor([True]).expand(2**30)},
         "many-small-adding-up": {f"w{i}": torch.zeros(1).expand(2**20) for i in range(40)},
         "beside-an-honest-tensor": {"ok": torch.arange(5.0), "w": torch.zeros(2).as_strided((2**30,), (0,))},
-        "nested-in-optim": {"model": {"ok": torch.ones(2)}, "optim": {"state": {"0": {"exp_avg": torch.zeros(1).expand(2**28)}}}},
+        "nested-in-optim": {"model": {"ok": torch.ones(2)},
+                            "optim": {"state": {"0": {"exp_avg": torch.zeros(1).expand(2**28)}}}},
     }
 
 
