@@ -91,29 +91,34 @@ class TorchReader:
             raise CheckpointError([f"{self.path}: its keys do not flatten to a state dict ({exc})"]) from None
 
     def _backed(self, value: torch.Tensor) -> int:
-        """Bytes the file holds for the storage under tensor ``value``."""
+        """Bytes the file holds for the storage under tensor ``value`` (0 for a sparse one: its dense
+        form, what a conversion writes, is all unbacked)."""
         ref = self.zip.ref(value) if self.zip is not None else None
         if ref is not None:
             return self.zip.records[f"data/{ref.storage.key}"].file_size  # type: ignore[union-attr]
-        try:
-            return value.untyped_storage().nbytes()
-        except (RuntimeError, NotImplementedError):  # sparse & co.: loaded whole by torch already
-            return value.numel() * value.element_size()
+        if value.layout != torch.strided:
+            return 0
+        return value.untyped_storage().nbytes()
 
     def _unbacked(self) -> list[str]:
-        """Tensors whose views (stride 0, overlapping) hold more elements than the file stores for
-        them, past ``MAX_UNBACKED`` bytes in all: reading them would allocate what the file does not hold."""
-        excess = {}
+        """Tensors whose views (stride 0, overlapping, sparse) hold more elements than the file stores
+        for them, past ``MAX_UNBACKED`` bytes in all: reading them would allocate what the file does
+        not hold. Quantized tensors, which no other format holds, are refused too."""
+        excess, problems = {}, []
         for key, value in self.flat.items():
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and value.is_quantized:
+                problems.append(f"{self.path}: tensor {key!r} is quantized ({value.dtype}); hpcx converts plain "
+                                "tensors only (dequantize it first)")
+            elif isinstance(value, torch.Tensor):
                 need, held = value.numel() * value.element_size(), self._backed(value)
                 if need > held:
-                    excess[key] = (need, held, tuple(value.shape), tuple(value.stride()))
-        if sum(n - h for n, h, _, _ in excess.values()) <= MAX_UNBACKED:
-            return []
-        return [f"{self.path}: tensor {key!r} is a view of shape {list(shape)} stride {list(stride)}, {need} bytes, "
-                f"over a storage record of {held} bytes (a stride-0 or overlapping view); refused before "
-                "allocating it" for key, (need, held, shape, stride) in excess.items()]
+                    excess[key] = (need, held, value)
+        if sum(n - h for n, h, _ in excess.values()) <= MAX_UNBACKED:
+            return problems
+        return problems + [f"{self.path}: tensor {key!r} is {_view(value)}, {need} bytes, over "
+                           + (f"a storage record of {held} bytes" if value.layout == torch.strided else
+                              "only its stored values and indices")
+                           + "; refused before allocating it" for key, (need, held, value) in excess.items()]
 
     def _torch_load(self, is_zip: bool) -> tp.Any:
         if is_zip:
@@ -131,8 +136,11 @@ class TorchReader:
 
     def read(self, key: str) -> tp.Any:
         ref = self._ref(key)
+        value = self.flat[key]
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            return value.to_dense()  # bounded by _unbacked; what every other format holds
         try:
-            return self.zip.read(ref) if ref is not None else self.flat[key]  # type: ignore[union-attr]
+            return self.zip.read(ref) if ref is not None else value  # type: ignore[union-attr]
         except OSError as exc:
             raise CheckpointError([f"{self.path}: cannot read {key!r} ({describe(exc)})"]) from None
 
@@ -149,6 +157,13 @@ class TorchReader:
     def close(self) -> None:
         self.flat = {}
         self.file.close()
+
+
+def _view(t: torch.Tensor) -> str:
+    """``a view of shape [..] stride [..] (a stride-0 or overlapping view)`` or ``a sparse_coo tensor of shape [..]``."""
+    if t.layout != torch.strided:
+        return f"a {str(t.layout).removeprefix('torch.')} tensor of shape {list(t.shape)}"
+    return f"a view of shape {list(t.shape)} stride {list(t.stride())} (a stride-0 or overlapping view)"
 
 
 def legacy_problems(f: tp.BinaryIO, source: str) -> list[str]:

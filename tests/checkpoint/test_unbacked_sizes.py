@@ -256,3 +256,30 @@ def test_safetensors_stored_objects_whose_pickle_declares_more_than_its_record(t
     src = mf.valid_st(tmp_path / "x.safetensors", {"w": torch.ones(2)},
                       {"hpcx.layout": "full", "hpcx.objects": base64.b64encode(blob).decode()})
     refused_everywhere(tmp_path, src, "hpcx.objects: record archive/data/0 holds 40 bytes")
+
+
+# ---------------------------------------------------------------- sparse and quantized (torch.load's layouts)
+
+
+def test_a_sparse_tensor_of_a_terabyte_is_refused_and_a_small_one_converts_dense(tmp_path: Path) -> None:
+    torch.save({"s": torch.sparse_coo_tensor([[0]], [1.0], (10**12,))}, tmp_path / "big.pt")
+    refused_everywhere(tmp_path, tmp_path / "big.pt", "big.pt: tensor 'model.s' is a sparse_coo tensor of shape",
+                       "only its stored values and indices")
+    (tmp_path / "big.pt").unlink()
+    small = torch.sparse_coo_tensor([[0, 3]], [1.0, 2.0], (5,))
+    torch.save({"s": small}, tmp_path / "sp.pt")
+    for to, dst in (("torch", "o.pt"), ("dcp", "o.dcp"), ("safetensors", "o.st")):
+        assert cli("convert", tmp_path / "sp.pt", tmp_path / dst, "--to", to)[0] == 0
+        code, out = cli("verify", tmp_path / "sp.pt", tmp_path / dst)
+        assert code == 0, out
+    assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["model"]["s"], small.to_dense())
+
+
+def test_a_quantized_tensor_is_one_line(tmp_path: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    torch.save({"q": q}, tmp_path / "q.pt")
+    refused_everywhere(tmp_path, tmp_path / "q.pt", "tensor 'model.q' is quantized (torch.qint8)")
