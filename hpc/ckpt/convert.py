@@ -143,7 +143,7 @@ def _read_everything(reader: Reader, progress: Progress) -> dict[str, int]:
         if not e.is_tensor:
             reader.read(key)
             continue
-        data = scratch.view(e.dtype, e.shape)
+        data = scratch.view(e.dtype, e.shape, f"{getattr(reader, 'path', '?')}: tensor {key!r}")
         reader.read_into(key, data)
         bad = nonfinite_count(data)
         if bad:
@@ -379,7 +379,8 @@ def _compare_all(ra: Reader, rb: Reader, keys: list[str], atol: float, progress:
     for key in keys:
         ea, eb = ra.entries[key], rb.entries[key]
         if ea.is_tensor and eb.is_tensor and (ea.dtype, ea.shape) == (eb.dtype, eb.shape):
-            va, vb = scratch_a.view(ea.dtype, ea.shape), scratch_b.view(eb.dtype, eb.shape)
+            what = f"{getattr(ra, 'path', '?')}: tensor {key!r}"
+            va, vb = scratch_a.view(ea.dtype, ea.shape, what), scratch_b.view(eb.dtype, eb.shape, what)
             ra.read_into(key, va)
             rb.read_into(key, vb)
         else:

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from hpc import compat
 from hpc.ckpt.digests import HashingWriter, write_digest
-from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, checked_paths, default_paths, dims, load_error,
-                              checked_object, raise_problems, short_repr, tensor_entry)
+from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, allocate, checked_object, checked_paths, default_paths,
+                              dims, load_error, raise_problems, short_repr, tensor_entry)
 from hpc.ckpt.files import not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.safe_pickle import METADATA_FILE, load_dcp_metadata
@@ -282,7 +282,7 @@ class DcpReader:
         entry = self.entries[key]
         if not entry.is_tensor:
             return self._object(self.storage[(key, None)])
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out = allocate(entry.shape, entry.dtype, f"{self.path}: tensor {key!r}")
         self.read_into(key, out)
         return out
 
@@ -393,7 +393,8 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
     offset = f.tell()
     if entry.is_tensor:
         writer = TorchWriter(f, Stored(entry.key, entry.dtype, entry.shape), crc32=False)
-        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch)
+        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch,
+                              source=str(getattr(reader, "path", "")))
         writer.finish()
         zeros = [0] * len(entry.shape)
         md: tp.Any = dcp_md.TensorStorageMetadata(

@@ -65,6 +65,16 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def allocate(shape: tp.Sequence[int], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
+    """``torch.empty(shape, dtype)``; CheckpointError (one line, naming ``what``) when the memory is not
+    there: a tensor the file does hold (a sparse file, a huge checkpoint) may still not fit in RAM."""
+    try:
+        return torch.empty(tuple(shape), dtype=dtype)
+    except RuntimeError:
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise CheckpointError([f"{what}: cannot allocate the {nbytes} bytes it takes; not enough memory"]) from None
+
+
 class Scratch:
     """One reusable buffer, grown to the largest tensor a conversion copies.
 
@@ -76,12 +86,13 @@ class Scratch:
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
 
-    def view(self, dtype: torch.dtype, shape: tp.Sequence[int]) -> torch.Tensor:
-        """A contiguous tensor of ``dtype`` and ``shape`` at the start of the buffer (contents undefined)."""
+    def view(self, dtype: torch.dtype, shape: tp.Sequence[int], what: str = "a tensor") -> torch.Tensor:
+        """A contiguous tensor of ``dtype`` and ``shape`` at the start of the buffer (contents undefined);
+        CheckpointError naming ``what`` when it cannot grow that far."""
         nbytes = math.prod(shape) * dtype.itemsize
         if self.buf.numel() < nbytes:
             self.buf = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.buf = allocate((nbytes,), torch.uint8, what)
         return self.buf[:nbytes].view(dtype).view(tuple(shape))
 
 

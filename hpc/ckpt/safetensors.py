@@ -28,8 +28,8 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, checked_object, checked_paths,
-                              default_paths, dims, jsonable, load_error, raise_problems, short_repr,
+from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, allocate, checked_object,
+                              checked_paths, default_paths, dims, jsonable, load_error, raise_problems, short_repr,
                               tensor_entry)
 from hpc.ckpt.files import file_kind, not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
@@ -409,7 +409,7 @@ class SafetensorsReader:
         if key in self.objects:
             return self.objects[key]
         entry = self.entries[key]
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out = allocate(entry.shape, entry.dtype, f"{self.path}: tensor {key!r}")
         self.read_into(key, out)
         return out
 
@@ -452,7 +452,7 @@ def _st_write(path: Path, reader: Reader, names: dict[str, str], metadata: dict[
         f.write(struct.pack("<Q", len(raw)) + raw)
         for key in names.values():
             e = reader.entries[key]
-            data = scratch.view(e.dtype, e.shape)
+            data = scratch.view(e.dtype, e.shape, f"{getattr(reader, 'path', '?')}: tensor {key!r}")
             reader.read_into(key, data)
             if e.nbytes:
                 f.write(byte_view(data))

@@ -45,7 +45,7 @@ import zlib
 import torch
 
 from hpc import compat
-from hpc.ckpt.entries import short_repr
+from hpc.ckpt.entries import allocate, short_repr
 from hpc.errors import CheckpointError
 
 MAX_PICKLE = 256 * 2**20  # a state dict's data.pkl is small; refuse absurd ones rather than read them
@@ -321,7 +321,7 @@ class TorchZip:
         if ref.numel == 0:
             return torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype)
         pos, nbytes = self._check(ref)
-        buf = torch.empty(nbytes // ref.dtype.itemsize, dtype=ref.dtype)
+        buf = allocate((nbytes // ref.dtype.itemsize,), ref.dtype)
         self._fill(f"data/{ref.storage.key}", ref.span()[0] * ref.dtype.itemsize, byte_view(buf))
         return buf if ref.is_contiguous() and buf.shape == ref.size else buf.as_strided(ref.size, ref.stride)
 

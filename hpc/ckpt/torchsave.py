@@ -200,7 +200,8 @@ def write_torch(reader: Reader, dst: Path, keys: list[str], *, model_only: bool,
     obj = nested.get("model", {}) if model_only else nested
     with staged(dst) as tmp, open(tmp, "wb") as f:
         writer = TorchWriter(f, obj)
-        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch, progress)
+        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch, progress,
+                              str(getattr(reader, "path", "")))
         writer.finish()
         del writer
         fsync_file(f)

@@ -283,3 +283,25 @@ def test_a_quantized_tensor_is_one_line(tmp_path: Path) -> None:
         q = torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
     torch.save({"q": q}, tmp_path / "q.pt")
     refused_everywhere(tmp_path, tmp_path / "q.pt", "tensor 'model.q' is quantized (torch.qint8)")
+
+
+def test_a_tensor_the_file_holds_but_memory_cannot_is_one_line(tmp_path: Path) -> None:
+    """A sparse file of a terabyte backs its header by size; allocating it fails: one line, not a traceback."""
+    import json
+    import struct
+
+    n = 2**38
+    raw = json.dumps({"w": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}).encode()
+    raw += b" " * (-len(raw) % 8)
+    src = tmp_path / "huge.safetensors"
+    with open(src, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + 4 * n)  # a hole: no block is written
+    assert cli("inspect", src)[0] == 0  # the structure is honest
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for args in (("inspect", src, "--deep"), ("convert", src, tmp_path / "o.pt", "--to", "torch"),
+                 ("convert", src, tmp_path / "o.dcp", "--to", "dcp"), ("verify", src, src)):
+        code, out = hs.limited_cli(*args, limit=2 << 30)  # fails to allocate whatever the overcommit policy
+        assert code == 2, out
+        hs.one_error_line(out, "huge.safetensors: tensor 'model.w': cannot allocate the 1099511627776 bytes")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
