@@ -2,7 +2,8 @@
 bounded number of bytes per entry to open, inspect (text and --json) and convert, measured as the
 peak RSS of a child process above its own RSS after importing torch and hpcx (resource.getrusage).
 Measured here, 100,000 entries: ~1,510 bytes per entry to inspect before (issue 24 saw ~2.4 KB at
-10⁶ entries), ~790 after. The bound is generous; it checks memory, never time."""
+10⁶ entries; here 10⁶ took ~1,470), ~790 after (~750 at 10⁶). The bound is generous; it checks
+memory, never time."""
 
 from __future__ import annotations
 
