@@ -36,6 +36,7 @@ from hpc.errors import CheckpointError
 
 SHARD_FILE = "__0_0.distcp"
 MAX_COVERAGE_CELLS = 1 << 22  # a finer chunk grid is checked by volume only
+MAX_CHUNKS = 1 << 20  # chunks of one tensor: one per rank that holds a piece of it
 
 
 def index_offsets(index: tp.Any) -> tuple | None:
@@ -77,6 +78,9 @@ def _entry_problems(where: Path, key: tp.Any, md: tp.Any) -> list[str]:
         return [f"{where}: entry {key!r} has size {short_repr(md.size)}, expected non-negative integers"]
     if not isinstance(md.chunks, (list, tuple)) or (not md.chunks and math.prod(size)):
         return [f"{where}: entry {key!r} has no chunks"]
+    if len(md.chunks) > MAX_CHUNKS:
+        return [f"{where}: entry {key!r} has {len(md.chunks)} chunks, more than the {MAX_CHUNKS} a save of "
+                "any world size writes"]
     for chunk in md.chunks:
         problem = _chunk_problem(size, chunk)
         if problem:

@@ -136,3 +136,17 @@ def test_honest_nesting_and_sharing_still_convert(tmp_path: Path) -> None:
         code, out = cli("verify", tmp_path / "s.pt", tmp_path / dst)
         assert code == 0, out
     assert torch.load(tmp_path / "o.pt", weights_only=True)["train"]["nested"] == state["train"]["nested"]
+
+
+def test_a_metadata_chunk_list_of_one_shared_chunk_is_refused_by_its_length(tmp_path: Path, monkeypatch) -> None:
+    """A .metadata whose chunk list repeats one memoized chunk millions of times (a few bytes each):
+    bounded by the number of chunks, not walked."""
+    import hpc.ckpt.dcp as dcp_module
+
+    monkeypatch.setattr(dcp_module, "MAX_CHUNKS", 1000)
+    src = mf.dcp_save(tmp_path / "c", {"model": {"w": torch.ones(4)}})
+    md = mf.read_metadata(src)
+    entry = md.state_dict_metadata["model.w"]
+    entry.chunks = [entry.chunks[0]] * 5000
+    mf.write_metadata(src, md)
+    refused_everywhere(tmp_path, src, "entry 'model.w' has 5000 chunks, more than the 1000")
