@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from hpc.ckpt.files import file_kind, open_regular
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 SUFFIX = ".sha256"
 CHUNK = 8 << 20

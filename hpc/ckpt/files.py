@@ -16,7 +16,7 @@ import stat
 import typing as tp
 from pathlib import Path, PurePosixPath
 
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from hpc import compat
 from hpc.ckpt.entries import short_repr
 from hpc.ckpt.files import file_kind, open_regular
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
 MAX_METADATA = 1 << 30  # a .metadata of a million tensors is ~200 MB; refuse reading more than this

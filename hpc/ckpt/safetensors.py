@@ -34,7 +34,7 @@ from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, allo
 from hpc.ckpt.files import file_kind, not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_zip import byte_view, read_exact, zip_load_problems
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000  # what safetensors itself accepts

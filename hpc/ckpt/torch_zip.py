@@ -46,7 +46,7 @@ import torch
 
 from hpc import compat
 from hpc.ckpt.entries import allocate, short_repr
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 MAX_PICKLE = 256 * 2**20  # a state dict's data.pkl is small; refuse absurd ones rather than read them
 MAX_DEFLATE_RATIO = 1032  # deflate's largest expansion: one 258-byte match per 2 bits

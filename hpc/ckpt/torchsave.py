@@ -24,7 +24,7 @@ from hpc.ckpt.files import open_regular
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_write import Stored, TorchWriter
 from hpc.ckpt.torch_zip import StorageScan, TorchZip, Unsupported, zip_load_problems
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"  # pickle protocol 2 + the 10-byte magic number of torch < 1.6 files
 MAX_UNBACKED = 64 << 20  # bytes that stride-0 / overlapping views may add over their storages, file-wide

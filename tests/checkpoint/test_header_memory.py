@@ -22,11 +22,11 @@ BOUND = 1200  # bytes of peak RSS per header entry
 CHILD = r"""
 import os, resource, sys
 import torch
-import hpc.ckpt.cli, hpc.ckpt.convert
+import hpc.cli.ckpt, hpc.ckpt.convert
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 sys.stdout = open(os.devnull, "w")
 try:
-    hpc.ckpt.cli.ckpt_group.main(sys.argv[2:], standalone_mode=False)
+    hpc.cli.ckpt.ckpt_group.main(sys.argv[2:], standalone_mode=False)
 finally:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print((peak - base) * 1024 / int(sys.argv[1]), file=sys.stderr)

@@ -19,7 +19,7 @@ import hostile as hs  # noqa: E402
 import malformed as mf  # noqa: E402
 from ckpt_helpers import cli, refused_everywhere  # noqa: E402
 
-from hpc.errors import CheckpointError  # noqa: E402
+from hpc.core.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 
 

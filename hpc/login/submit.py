@@ -1,0 +1,248 @@
+"""Submission and following: the I/O edge around the pure render.
+
+``submit`` creates the run folder, writes the spec, the resolved plan and the
+rendered script, and hands ``TrainTask(run_dir)`` to the site's scheduler
+(``hpc.schedulers``: submitit's Slurm or local executor). ``status``/``cancel``
+need none of the spec machinery, so it is imported only to submit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+import sys
+import time
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.login import roots
+from hpc.core import runs
+from hpc import schedulers
+from hpc.core.config import ConfigError
+from hpc.core.errors import UserError
+from hpc.schedulers.base import QUERY_TIMEOUT_S, read_result, result_path
+from hpc.core.validate import expand_run_root
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
+
+
+@dataclass
+class Submitted:
+    run_dir: Path
+    job_id: str
+    scheduler: str
+    warning: str | None = None  # the run root could not be recorded in the index (hpc/roots.py)
+
+
+def run_root(spec: JobSpec, site: SiteProfile) -> Path:
+    """The spec's `job.run_root` when set, else the site's."""
+    if spec.job.run_root:
+        return expand_run_root(spec.job.run_root, f"{spec.source}: `job.run_root` = {spec.job.run_root!r}")
+    return site.run_root()
+
+
+def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
+           overrides: tp.Sequence[str] = ()) -> Submitted:
+    """Create the run folder and submit; returns as soon as the scheduler has the job.
+
+    A file that cannot be written (a full disk, a quota) leaves nothing behind: the run folder is
+    removed, a job already handed to the scheduler is cancelled, and the ConfigError says which.
+    """
+    from trainer.task import TrainTask  # no torch at import time
+
+    group = site.storage.group_readable
+    sched = schedulers.get(site.scheduler.kind)
+    with runs.private_umask(group):
+        run_dir = runs.new_run_dir(run_root(spec, site), spec.job.name, group)
+        rd = runs.RunDir(run_dir)
+        try:
+            write_run_files(spec, site, launch, rd, spec_path, overrides)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
+                               "submitted and the folder was removed"]) from None
+        job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), TrainTask(str(run_dir)), run_dir)
+        try:
+            record_job(rd, job, site, sched)
+        except OSError as exc:
+            job.cancel(check=False)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
+                               "cancelled and the run folder removed"]) from None
+    return Submitted(run_dir, str(job.job_id), site.scheduler.kind, roots.remember_or_warn(run_dir.parent))
+
+
+def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.RunDir, spec_path: Path,
+                    overrides: tp.Sequence[str]) -> None:
+    """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
+    try:
+        shutil.copyfile(spec_path, rd.spec)
+    except FileNotFoundError:
+        pass  # the spec was deleted since it was read: resolved.json has it all
+    from hpc.core.resolve import resolved_document
+
+    doc = resolved_document(spec, site, launch, str(rd.path))
+    doc["overrides"] = list(overrides)
+    runs.write_json(rd.resolved, doc)
+    text = schedulers.get(site.scheduler.kind).render(spec, site, launch, str(rd.path), sys.executable)
+    runs.write_atomic(rd.render, text)
+
+
+def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile, sched: schedulers.Scheduler) -> None:
+    """job.json and the first state line: what status, logs and cancel find the job by (with what the
+    scheduler records to recognise its job later, e.g. the local controller's identity)."""
+    info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
+            "submitted_at": time.time(), "python": sys.executable, **sched.job_record(str(job.job_id))}
+    runs.write_json(rd.job, info)
+    runs.append_jsonl(rd.states, {"state": "SUBMITTED", "time": time.time()})
+
+
+# States nothing comes back from (a requeue passes through REQUEUED/PREEMPTED/FAILED, never these):
+# once recorded, the scheduler is not asked again, so `hpcx status` over many old runs stays fast.
+FINAL = ("COMPLETED", "CANCELLED")
+
+
+def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
+    """Submit; if the scheduler refuses (bad partition, account, QOS …), remove the run folder
+    and say why in one line: no half-made run is left behind."""
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
+            return executor.submit(task)
+    except OSError as exc:  # submitit writes its pickles and script into the run folder, then runs sbatch
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ours = str(exc.filename or run_dir).startswith(str(run_dir))
+        what = "write the job's files" if ours else f"run {exc.filename}"
+        raise ConfigError([f"{run_dir}: cannot {what} ({exc.strerror or exc}): nothing was submitted and the "
+                           "folder was removed"]) from None
+    except (FailedJobError, FailedSubmissionError) as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None
+
+
+def job_state(run_dir: Path, timeout: float = QUERY_TIMEOUT_S) -> schedulers.JobState:
+    """The scheduler's current state; records it in states.jsonl when it changed."""
+    return job_states([run_dir], timeout)[run_dir]
+
+
+def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> dict[Path, schedulers.JobState]:
+    """The current state of each run, asking each scheduler once for all of its runs (within
+    ``timeout`` seconds; UNKNOWN with the reason when it does not answer); a state that changed is
+    recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
+    out: dict[Path, schedulers.JobState] = {}
+    asked: dict[str, dict[str, Path]] = {}
+    for run_dir in run_dirs:
+        info, seen = runs.RunDir(run_dir).read_job(), runs.RunDir(run_dir).read_states()
+        if not info:
+            out[run_dir] = schedulers.JobState("NOT SUBMITTED")
+        elif seen and seen[-1].get("state", "").startswith(FINAL):
+            out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
+        else:
+            asked.setdefault(info["scheduler"], {})[str(info["job_id"])] = run_dir
+    for kind, jobs in asked.items():
+        for job_id, state in schedulers.get(kind).states(jobs, timeout).items():
+            out[jobs[job_id]] = state
+            _record(jobs[job_id], state)
+    return out
+
+
+# The job writes these itself (rank 0 at each start, whoever requeues: hpc.core.requeue.record_state), in
+# order; a poll can lag behind them (sacct still says RUNNING of the incarnation just requeued), so
+# polls never add them and the history shows each start and requeue exactly once.
+JOB_RECORDED = ("RUNNING", "REQUEUED")
+
+
+def _record(run_dir: Path, state: schedulers.JobState) -> None:
+    rd = runs.RunDir(run_dir)
+    seen = rd.read_states()
+    if state.state in ("UNKNOWN", *JOB_RECORDED):
+        return
+    if not seen or seen[-1].get("state") != state.state:
+        runs.append_jsonl(rd.states, {"state": state.state, "nodes": state.nodes, "time": time.time()})
+
+
+def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str, tp.Any]:
+    """Everything `hpcx status RUN` shows, as plain data (``state``: already asked, else asked now)."""
+    rd = runs.RunDir(run_dir)
+    info = rd.read_job()
+    state = state or job_state(run_dir)
+    ledger = rd.read_ledger()
+    launch = rd.read_resolved().get("launch", {})
+    starts = [e for e in ledger if e.get("event") == "start"]
+    last = rd.last_metrics() or {}
+    return {
+        "run_dir": str(run_dir),
+        "job_id": info.get("job_id"),
+        "scheduler": info.get("scheduler"),
+        "state": state.state,
+        "state_words": state.words,
+        "nodes": state.nodes,
+        "states": [s["state"] for s in rd.read_states()],
+        "step": last.get("step"),
+        "loss": last.get("loss"),
+        "restarts": max(0, len(starts) - 1),
+        "strategy": launch.get("strategy"),
+        "world_size": launch.get("world_size"),
+        "ledger": ledger_summary(ledger),
+    }
+
+
+def ledger_summary(ledger: list[dict]) -> dict[str, tp.Any]:
+    """Goodput figures from the ledger's start/stop lines."""
+    stops = [e for e in ledger if e.get("event") == "stop"]
+    return {
+        "starts": sum(1 for e in ledger if e.get("event") == "start"),
+        "steps_recomputed": sum(e.get("steps_recomputed", 0) for e in ledger if e.get("event") == "start"),
+        "save_s": round(sum(e.get("save_s", 0.0) for e in stops), 3),
+        "restore_s": round(sum(e.get("restore_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
+        "queue_wait_s": round(sum(e.get("queue_wait_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
+    }
+
+
+def result(run_dir: Path) -> tuple[str, object] | None:
+    """Rank 0's return value (or its error) once the job has ended."""
+    rd = runs.RunDir(run_dir)
+    path = result_path(rd.submitit, str(rd.read_job().get("job_id")))
+    return read_result(path) if path.exists() else None
+
+
+def wait(run_dir: Path, on_poll: tp.Callable[[dict], None], poll_s: float = 2.0,
+         timeout_s: float | None = None) -> dict[str, tp.Any]:
+    """Poll until the job reaches a terminal state; ``on_poll`` gets each summary."""
+    start = time.time()
+    while True:
+        info = summary(run_dir)
+        on_poll(info)
+        if info["state"] in schedulers.TERMINAL:
+            return info
+        if timeout_s is not None and time.time() - start > timeout_s:
+            return info
+        time.sleep(poll_s)
+
+
+def cancel(run_dir: Path) -> str:
+    """Cancel the run's job: its ranks get SIGTERM and stop at the next step boundary, writing the
+    ledger's stop line and no new checkpoint. What was done, for people; UserError when there is
+    nothing to cancel (never submitted, already ended) or the scheduler refused."""
+    rd = runs.RunDir(run_dir)
+    info = rd.read_job()
+    if not info:
+        raise UserError([f"{run_dir}: no job.json: this run was never submitted"])
+    state = job_state(run_dir)
+    job = f"job {info['job_id']}"
+    if state.done:
+        step = (rd.last_metrics() or {}).get("step")
+        at = f" at step {step}" if step is not None else ""
+        raise UserError([f"{rd.name}: {job} already ended ({state.state}{at}): nothing to cancel"])
+    if not schedulers.get(info["scheduler"]).cancel(str(info["job_id"]), run_dir):
+        after = job_state(run_dir).state
+        raise UserError([f"{rd.name}: {job} could not be cancelled (the scheduler refused; it is {after} now)"])
+    return (f"cancelled {rd.name} ({job}, was {state.state}): its ranks stop at their next step boundary "
+            "without saving")

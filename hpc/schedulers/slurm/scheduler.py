@@ -1,0 +1,369 @@
+"""Slurm: sbatch parameters and script, sacct/squeue/scontrol, scancel, and the job side's requeue.
+
+``render`` returns byte for byte the script submitit writes for the same parameters (it calls
+submitit's own script builder, through ``hpc.compat``), so ``hpcx render`` shows exactly what
+``hpcx submit`` sends. Commands run as argument lists (never through a shell) with a timeout.
+
+The script fails the way a cluster needs: ``srun --kill-on-bad-exit=1`` ends every task as soon as
+one fails (instead of leaving the others blocked in a collective until its timeout), and the check
+after srun (``python -m hpc.requeue``) then decides the one requeue, whichever rank died and however
+(see ``hpc.core.requeue``). The batch shell and each task ignore USR2 until the trainer's handler takes it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import shlex
+import socket
+import time
+import typing as tp
+from pathlib import Path
+
+from hpc.core.errors import UserError
+from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv, Scheduler,
+                                 task_command, try_command, unknown, wait_since_last_stop)
+from hpc.schedulers.slurm import ranks
+from hpc.schedulers.slurm.options import check_sbatch, directive_value
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
+
+log = logging.getLogger("hpcx.trainer")
+REQUEUE_ATTEMPTS = 3
+REQUEUED_STATES = ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING", "CONFIGURING")
+CHECK_ENV = "HPCX_REQUEUE_CHECK"  # exported by the script: the check after srun decides failure requeues
+SRUN_ARGS = ["--kill-on-bad-exit=1"]
+
+
+# ---------------------------------------------------------------- parameters and script (pure)
+
+
+def setup_lines(spec: JobSpec, site: SiteProfile) -> list[str]:
+    """Shell lines run by the batch script before srun; every value is shell-quoted.
+
+    First the USR2 trap (a USR2 sent to the batch shell, e.g. ``scancel --full --signal=USR2``, would
+    end it and with it the job; srun still forwards the signals it gets to the tasks) and the note that
+    the check after srun decides failure requeues. The site's NCCL values are defaults (a value the
+    user exported, e.g. NCCL_DEBUG, wins); the spec's ``env.set`` values are explicit for this job and
+    always set.
+    """
+    lines = ["trap '' USR2  # the batch shell outlives a USR2; each task holds it until the trainer's handler "
+             "takes it (srun line)",
+             f"export {CHECK_ENV}=after-srun  # a failed srun is requeued (once) by the check after it"]
+    lines += [f"[ -n \"${{{name}+x}}\" ] || export {name}={shlex.quote(value)}"
+              for name, value in sorted(site.nccl.items()) if name not in spec.env.set]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.set.items())]
+    if spec.env.passthrough:
+        names = " ".join(spec.env.passthrough)
+        lines.insert(0, f"# passed by name from the submitting shell (values never written): {names}")
+    return lines
+
+
+def teardown_lines(run_dir: str, python: str) -> list[str]:
+    """After srun: its status is the job's; a failure goes to the requeue check (``hpc.core.requeue``)."""
+    check = shlex.join([python, "-m", "hpc.requeue", run_dir])
+    return ["hpcx_srun_status=$?  # srun ends as soon as any task fails (--kill-on-bad-exit=1)",
+            f'[ "$hpcx_srun_status" -eq 0 ] || {check} "$hpcx_srun_status"',
+            'exit "$hpcx_srun_status"', ""]  # "": the script ends with a newline
+
+
+def gpu_parameters(site: SiteProfile, launch: Launch) -> dict[str, tp.Any]:
+    if not launch.gpus_per_node:
+        return {}
+    if site.scheduler.gpu_directive == "gres":
+        return {"gres": f"gpu:{launch.gpus_per_node}"}
+    return {"gpus_per_node": launch.gpus_per_node}
+
+
+def sbatch_extras(table: dict[str, tp.Any]) -> dict[str, tp.Any]:
+    """A site's [scheduler.sbatch] as submitit's additional_parameters: `true` is a bare flag, `false`
+    leaves the option out, strings are prepared for sbatch's directive parser."""
+    return {key: directive_value(value) if isinstance(value, str) else value
+            for key, value in table.items() if value is not False}
+
+
+def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> dict[str, tp.Any]:
+    """Keyword arguments of submitit's SlurmExecutor for this launch (``run_dir`` and ``python``: for
+    the check after srun); every string that lands on an ``#SBATCH`` line goes through
+    ``directive_value`` so that sbatch reads back exactly the value."""
+    params: dict[str, tp.Any] = {
+        "job_name": directive_value(spec.job.name),
+        "nodes": launch.nodes,
+        "ntasks_per_node": launch.tasks_per_node,
+        "cpus_per_task": launch.cpus_per_task,
+        "time": spec.job.time_limit_min,
+        "signal_delay_s": launch.signal_lead_s,
+        "stderr_to_stdout": False,
+        "srun_args": list(SRUN_ARGS),
+        "additional_parameters": {"requeue": True, **sbatch_extras(site.scheduler.sbatch)},
+    }
+    for key in ("partition", "account", "qos"):
+        if getattr(launch, key):
+            params[key] = directive_value(getattr(launch, key))
+    params.update(gpu_parameters(site, launch))
+    params["setup"] = setup_lines(spec, site)
+    params["teardown"] = teardown_lines(run_dir, python)
+    return params
+
+
+def render_sbatch(params: dict[str, tp.Any], python: str, folder: str) -> str:
+    """The sbatch script submitit will write for these parameters."""
+    from hpc.compat import make_sbatch_string
+
+    return make_sbatch_string(command=task_command(python, folder), folder=folder, **params)
+
+
+# ---------------------------------------------------------------- scontrol output
+
+
+def parse_scontrol(text: str) -> dict[str, str]:
+    """One record of ``scontrol -o show job|node`` as a dict (values without spaces are enough here)."""
+    return dict(tok.split("=", 1) for tok in text.split() if "=" in tok)
+
+
+def scontrol_seconds(stamp: str) -> float | None:
+    """``2026-11-29T18:37:30`` (the controller's local time) as epoch seconds; None for Unknown/None."""
+    try:
+        return datetime.datetime.fromisoformat(stamp).timestamp()
+    except (TypeError, ValueError):
+        return None
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol -o show job JOB`` as a dict; empty when it fails."""
+    ok, out = try_command(["scontrol", "-o", "show", "job", job_id])
+    return parse_scontrol(out) if ok else {}
+
+
+# ---------------------------------------------------------------- state queries
+
+# Whether the controller listens, asked before squeue/scontrol: with slurmctld down they retry for
+# MessageTimeout and more (18 s measured on the sandbox); a TCP connect says it in milliseconds.
+PROBE_S = 0.5
+SLURM_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf", "/usr/local/etc/slurm.conf",
+               "/run/slurm/conf/slurm.conf")
+
+
+def _sacct(ids: list[str], timeout: float) -> tuple[dict[str, JobState] | None, str]:
+    ok, out = try_command(["sacct", "-j", ",".join(ids), "-X", "-n", "-P",
+                           "--format=JobID,State,NodeList,ExitCode"], timeout)
+    if not ok:
+        return None, out
+    found: dict[str, JobState] = {}
+    for line in out.strip().splitlines():  # with requeues an id repeats; its last line is current
+        fields = line.split("|")
+        job = fields[0].split("_")[0].split(".")[0]
+        state = fields[1].split()[0] if len(fields) > 1 and fields[1] else "UNKNOWN"
+        found[job] = JobState(state, fields[2] if len(fields) > 2 else "", "sacct",
+                              {"exit_code": fields[3] if len(fields) > 3 else ""})
+    return found, ""
+
+
+def _squeue(ids: list[str], timeout: float) -> tuple[dict[str, JobState] | None, str]:
+    ok, out = try_command(["squeue", "-h", "-j", ",".join(ids), "-o", "%i|%T|%N"], timeout)
+    if not ok:
+        return None, out
+    found = {}
+    for line in out.strip().splitlines():
+        job, state, nodes = (line.split("|") + ["", ""])[:3]
+        found[job] = JobState(state, nodes, "squeue")
+    return found, ""
+
+
+def _scontrol(ids: list[str], timeout: float) -> tuple[dict[str, JobState] | None, str]:
+    """One ``scontrol -o show job`` (every job the controller still remembers), filtered to ``ids``."""
+    ok, out = try_command(["scontrol", "-o", "show", "job"], timeout)
+    if not ok:
+        return None, out
+    found, wanted = {}, set(ids)
+    for line in out.splitlines():
+        fields = parse_scontrol(line)
+        if fields.get("JobId") in wanted:
+            found[fields["JobId"]] = JobState(fields.get("JobState", "UNKNOWN"), fields.get("NodeList", ""),
+                                              "scontrol", {"restarts": fields.get("Restarts", "0")})
+    return found, ""
+
+
+def slurm_conf() -> Path | None:
+    """The slurm.conf this machine's commands read (``$SLURM_CONF``, else the usual places)."""
+    for candidate in [os.environ.get("SLURM_CONF", ""), *SLURM_CONFS]:
+        if candidate and Path(candidate).is_file():
+            return Path(candidate)
+    return None
+
+
+def controller_addresses(text: str) -> list[tuple[str, int]]:
+    """(host, port) of each slurmctld in a slurm.conf (``SlurmctldHost=name(addr)`` lines, or the old
+    ``ControlMachine``/``ControlAddr``); ``SlurmctldPort`` may be a range: its first port."""
+    settings: dict[str, list[str]] = {}
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].strip()
+        key, sep, value = line.partition("=")
+        if sep:
+            settings.setdefault(key.strip().lower(), []).append(value.strip())
+    port = int(re.split(r"[-,]", settings.get("slurmctldport", ["6817"])[-1])[0] or 6817)
+    hosts = [re.sub(r"^[^(]*\((.*)\)$", r"\1", h) for h in settings.get("slurmctldhost", [])]
+    if not hosts:
+        hosts = settings.get("controladdr", []) or settings.get("controlmachine", [])
+    return [(h, port) for h in hosts if h]
+
+
+def controller_down(timeout: float) -> str:
+    """Why slurmctld cannot be reached (a TCP connect to each controller fails within ``timeout``), or
+    "" when one answers or this machine's slurm.conf does not say where it is."""
+    conf = slurm_conf()
+    try:
+        addresses = controller_addresses(conf.read_text(errors="replace")) if conf else []
+    except (OSError, ValueError):
+        return ""
+    why = ""
+    for host, port in addresses:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            return ""
+        except OSError as exc:
+            why = f"slurmctld at {host}:{port}: {exc.strerror or exc}"
+    return why
+
+
+class SlurmScheduler(Scheduler):
+    """sbatch through submitit; sacct where accounting works, else squeue (queued/running), else
+    scontrol (recently ended): one batched call each, the second and third only for jobs still unknown,
+    all within one timeout, and squeue/scontrol only when the controller listens."""
+
+    kind = "slurm"
+    multi_node = True
+
+    @staticmethod
+    def section_problems(section: tp.Any) -> list[str]:
+        return check_sbatch(section.sbatch)
+
+    def site_problems(self, site: SiteProfile) -> list[str]:
+        if site.node.gpus and site.scheduler.gpu_directive == "none":
+            return [f"`scheduler.gpu_directive` = 'none' but `node.gpus` = {site.node.gpus}: "
+                    "expected 'gpus-per-node' or 'gres' on a GPU site"]
+        return []
+
+    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
+        import sys
+
+        from hpc.schedulers.slurm.executor import SlurmExecutor
+
+        executor = SlurmExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
+        executor.update_parameters(**slurm_parameters(spec, site, launch, str(Path(folder).parent), sys.executable))
+        return executor
+
+    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
+        return render_sbatch(slurm_parameters(spec, site, launch, run_dir, python), python,
+                             f"{run_dir}/{SUBMITIT_DIR}")
+
+    def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
+        deadline = time.monotonic() + timeout
+        found: dict[str, JobState] = {}
+        answered, why = False, ""
+        for query in (_sacct, _squeue, _scontrol):
+            missing = [j for j in jobs if j not in found]
+            left = deadline - time.monotonic()
+            if not missing:
+                break
+            if left <= 0:
+                why = f"no answer within {timeout:g} s"
+                break
+            if query is not _sacct and (down := controller_down(min(left, PROBE_S))):
+                why = down
+                break
+            answer, why = query(missing, left)
+            if answer is not None:
+                answered = True
+                found.update(answer)
+        rest = unknown([j for j in jobs if j not in found], "" if answered else UNREACHABLE)
+        for state in rest.values():
+            state.detail["why"] = why
+        return {j: found.get(j) or rest[j] for j in jobs}
+
+    def cancel(self, job_id: str, run_dir: Path) -> bool:
+        return try_command(["scancel", job_id])[0]
+
+    def signal(self, job_id: str, signal_name: str, run_dir: Path) -> list[str]:
+        """``scancel --signal=SIG JOB``: without ``--batch``/``--full`` it signals every job step but not
+        the batch step, which is right: the srun tasks (the trainer ranks) must get it, and the batch
+        shell must not (bash dies of USR2, which would end the job)."""
+        cmd = ["scancel", f"--signal={signal_name}", job_id]
+        ok, why = try_command(cmd)
+        if not ok:
+            raise UserError([f"{' '.join(cmd)} failed: {why}"])
+        return [f"the steps of job {job_id} (scancel --signal={signal_name})"]
+
+    def restarts(self, job_id: str) -> int:
+        return int(show_job(job_id).get("Restarts", "0") or 0)
+
+
+class SlurmJobSide(JobSide):
+    """Inside a Slurm job: ``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``, ``scontrol requeue``."""
+
+    kind = "slurm"
+
+    @classmethod
+    def started_this_task(cls, env: tp.Mapping[str, str]) -> bool:
+        """submitit's Slurm executor, or a task of a plain ``srun`` (a Slurm step, no torchrun); inside a job."""
+        executor = env.get("SUBMITIT_EXECUTOR", "")
+        if not executor and env.get("SLURM_STEP_ID") and "RANK" not in env:
+            executor = "slurm"
+        return executor == "slurm" and bool(env.get("SLURM_JOB_ID"))
+
+    @staticmethod
+    def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
+        return ranks.rank_env(env)
+
+    def job_id(self) -> str | None:
+        return os.environ.get("SLURM_JOB_ID")
+
+    def restart_count(self) -> int:
+        return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+    def requeue(self) -> str | None:
+        """``scontrol requeue JOB`` if this incarnation of the job is still the running one.
+
+        A job that is not RUNNING is being cancelled, timed out or already requeued (by Slurm on a node
+        failure, say); a restart count different from ours means another incarnation: never requeue then.
+        """
+        job = self.job_id() or ""
+        fields = show_job(job)
+        state = fields.get("JobState", "UNKNOWN")
+        if state != "RUNNING":
+            return f"job {job} is {state}, not RUNNING (cancelled, ending or already requeued)"
+        ours = str(self.restart_count())
+        if fields.get("Restarts", "0") != ours:
+            return f"job {job} was already restarted (Restarts={fields.get('Restarts')}, this run is {ours})"
+        why = ""
+        for attempt in range(REQUEUE_ATTEMPTS):
+            ok, why = try_command(["scontrol", "requeue", job], timeout=60)
+            now = show_job(job)
+            # a busy controller may answer with an error although the requeue went through
+            if ok or now.get("JobState") in REQUEUED_STATES or now.get("Restarts", ours) != ours:
+                log.warning("requeued job %s (scontrol requeue)", job)
+                return None
+            if now.get("JobState") != "RUNNING":
+                break
+            time.sleep(2.0 * (attempt + 1))
+        return f"scontrol requeue {job} failed: {why}"
+
+    def incarnation(self, restart: int) -> str:
+        return f"{self.job_id()}.{self.restart_count()}"
+
+    @property
+    def decides_failures(self) -> bool:
+        return os.environ.get(CHECK_ENV) == "after-srun"
+
+    def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
+        """``StartTime - SubmitTime`` of ``scontrol show job`` (Slurm resets SubmitTime on a requeue)."""
+        fields = show_job(self.job_id() or "")
+        start, submit = scontrol_seconds(fields.get("StartTime", "")), scontrol_seconds(fields.get("SubmitTime", ""))
+        if start is not None and submit is not None:
+            return max(0.0, start - submit), "scontrol"
+        return wait_since_last_stop(run_dir, ledger)
