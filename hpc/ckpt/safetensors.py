@@ -379,9 +379,10 @@ class SafetensorsReader:
         if key not in st_meta:
             return default
         try:
-            return json.loads(st_meta[key], parse_constant=_no_constant)
+            value = json.loads(st_meta[key], parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:
             raise CheckpointError([f"{self.path}: __metadata__ {key} is not JSON ({exc})"]) from None
+        return checked_object(value, f"{self.path}: __metadata__ {key}")  # printed and compared later
 
     def _objects(self, st_meta: dict[str, str]) -> dict[str, tp.Any]:
         blob = st_meta.get(META_OBJECTS)

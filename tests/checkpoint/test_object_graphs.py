@@ -150,3 +150,11 @@ def test_a_metadata_chunk_list_of_one_shared_chunk_is_refused_by_its_length(tmp_
     entry.chunks = [entry.chunks[0]] * 5000
     mf.write_metadata(src, md)
     refused_everywhere(tmp_path, src, "entry 'model.w' has 5000 chunks, more than the 1000")
+
+
+@pytest.mark.parametrize("depth", [70, 900, 5000])
+def test_safetensors_json_metadata_nested_deep(tmp_path: Path, depth: int) -> None:
+    """hpcx.meta is JSON inside a header string: nested deep, it would recurse when printed."""
+    meta = "[" * depth + "]" * depth
+    src = mf.valid_st(tmp_path / "x.safetensors", {"w": torch.ones(2)}, {"hpcx.meta": '{"a": ' + meta + "}"})
+    refused_everywhere(tmp_path, src, "__metadata__ hpcx.meta")
