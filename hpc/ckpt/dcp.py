@@ -192,8 +192,12 @@ def _file_problems(path: Path, metadata: dcp_md.Metadata) -> list[str]:
         if kind:
             problems.append(kind)
             continue
-        if file.stat().st_size < end:
-            problems.append(f"{file}: truncated to {file.stat().st_size} bytes; .metadata expects at least {end}")
+        size = file.stat().st_size
+        if size < end:
+            cut = sorted(k for b, e, k in items if e > size)
+            more = f" and {len(cut) - 1} more" if len(cut) > 1 else ""
+            problems.append(f"{file}: truncated to {size} bytes; .metadata expects at least {end} (item "
+                            f"{cut[0]!r}{more} past the end)")
         items.sort()
         for (b0, e0, k0), (b1, _, k1) in zip(items, items[1:]):
             if b1 < e0:

@@ -245,3 +245,12 @@ def test_to_dcp_model_only_writes_model_keys_that_load_checkpoint_reads(tmp: Pat
     assert "under their model. keys" in " ".join(help_text.split())
     doc = (Path(__file__).resolve().parents[2] / "docs" / "checkpoints.md").read_text()
     assert "--to dcp --model-only" in doc
+
+
+def test_verify_of_a_truncated_shard_names_the_items_cut_off(tmp: Path) -> None:
+    good = mf.dcp_save(tmp / "good", many(15))
+    torn = mf.dcp_save(tmp / "torn", many(15, offset=0.5))
+    file, offset, _ = mf.item_bytes(torn, "model.t14")
+    mf.truncate(file, offset + 10)
+    out = assert_refused(("verify", good, torn), "truncated to", "past the end")
+    assert "'model.t14'" in out or "more past the end" in out, out
