@@ -4,7 +4,7 @@ Three formats share one flat view (``entries.Entry``, keyed like DCP's flattened
 dict): DCP folders (``dcp``), safetensors files or shard sets (``safetensors``) and single
 ``torch.save`` files (``torchsave``). Imports point one way::
 
-    cli ──► convert ──► dcp, safetensors, torchsave ──► entries, outputs, torch_zip, safe_pickle
+    cli ──► convert ──► dcp, safetensors, torchsave ──► entries, outputs, torch_zip, safe_pickle, files
                                                    └──► hpc.compat, hpc.core.errors
 
 Nothing here imports ``trainer`` (the trainer imports this package for its DCP reader and

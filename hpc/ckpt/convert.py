@@ -20,6 +20,7 @@ import torch
 from hpc.ckpt.dcp import DcpReader, write_dcp
 from hpc.ckpt.digests import check_digests, recorded_digest
 from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, jsonable
+from hpc.ckpt.files import file_kind, open_regular
 from hpc.ckpt.outputs import check_destination
 from hpc.ckpt.safe_pickle import METADATA_FILE
 from hpc.ckpt.safetensors import INDEX_FILE, SafetensorsReader, check_safetensors_target, write_safetensors
@@ -45,10 +46,11 @@ def detect_format(path: str | Path) -> str:
         if (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")):
             return "safetensors"
         raise CheckpointError([f"{path}: a folder with neither a DCP .metadata nor .safetensors files"])
-    if not path.exists():
-        raise CheckpointError([f"{path}: no such file or folder"])
+    if file_kind(path) in ("missing", "a dangling symlink"):
+        dangling = " (a dangling symlink)" if path.is_symlink() else ""
+        raise CheckpointError([f"{path}: no such file or folder{dangling}"])
     try:
-        with open(path, "rb") as f:
+        with open_regular(path, "a checkpoint (a DCP folder, a torch.save file or a safetensors file)") as f:
             head, size = f.read(9), f.seek(0, 2)
     except OSError as exc:
         raise CheckpointError([f"{path}: cannot read ({exc.strerror})"]) from None
@@ -78,9 +80,10 @@ def open_checkpoint(path: str | Path) -> Reader:
 # ---------------------------------------------------------------- inspect
 
 CHECKED = {
-    "dcp": ".metadata (allow-list, entries, chunks tile every tensor, storage records, file sizes) and every "
-           "item's zip directory and pickle against its chunk; no tensor data",
-    "torch": "zip directory, data.pkl (allow-list) and every tensor record inside the file; no tensor data",
+    "dcp": ".metadata (allow-list, entries, chunks tile every tensor and fit their items, storage records, "
+           "file sizes and kinds) and every item's zip directory and pickle against its chunk; no tensor data",
+    "torch": "zip directory (stored or deflated records), data.pkl (allow-list, a bounded tree) and every tensor "
+             "record inside the file, no view larger than its storage; no tensor data",
     "safetensors": "header (types, offsets against dtype x shape, file size, no gap or overlap) and index; "
                    "no tensor data",
 }
@@ -109,8 +112,9 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, start: Start = _
 def _summary(path: str | Path, reader: Reader) -> dict[str, tp.Any]:
     train = {k[len("train."):]: reader.read(k) for k in reader.entries
              if k.startswith("train.") and not reader.entries[k].is_tensor}
-    tensors = [{"key": e.key, "dtype": str(e.dtype).removeprefix("torch."), "shape": list(e.shape),
-                "bytes": e.nbytes} for e in reader.entries.values() if e.is_tensor]
+    names: dict[tp.Any, str] = {}  # one dtype string per dtype, not per tensor (headers of a million tensors)
+    tensors = [{"key": e.key, "dtype": names.setdefault(e.dtype, str(e.dtype).removeprefix("torch.")),
+                "shape": list(e.shape), "bytes": e.nbytes} for e in reader.entries.values() if e.is_tensor]
     return {"path": str(path), "format": reader.format, "complete": True,
             "step": reader.meta.get("step", train.get("step")),
             "tokens_seen": reader.meta.get("tokens_seen", train.get("tokens_seen")),
@@ -139,14 +143,45 @@ def _read_everything(reader: Reader, progress: Progress) -> dict[str, int]:
         if not e.is_tensor:
             reader.read(key)
             continue
-        data = scratch.view(e.dtype, e.shape)
+        data = scratch.view(e.dtype, e.shape, f"{getattr(reader, 'path', '?')}: tensor {key!r}")
         reader.read_into(key, data)
-        if (data.is_floating_point() or data.is_complex()) and data.numel():
-            bad = int((~torch.isfinite(data)).sum())
-            if bad:
-                nonfinite[key] = bad
+        bad = nonfinite_count(data)
+        if bad:
+            nonfinite[key] = bad
         progress(e.nbytes)
     return nonfinite
+
+
+NATIVE_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def computable(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` in a dtype that CPU kernels compute on (fp8 widened to float32, complex32 to complex64),
+    or None where no arithmetic is defined (packed float4, bit types): those compare by bytes only."""
+    if t.dtype == torch.complex32:
+        return t.to(torch.complex64)
+    if str(t.dtype).startswith("torch.bits"):
+        return None
+    if t.is_complex() or not t.is_floating_point() or t.dtype in NATIVE_FLOATS:
+        return t
+    try:
+        return t.float()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def nonfinite_count(t: torch.Tensor) -> int:
+    """NaN and ±Inf elements of a floating or complex tensor (0 for other dtypes and for formats
+    that have neither, such as packed float4), counted a slice at a time."""
+    if not (t.is_floating_point() or t.is_complex()) or not t.numel():
+        return 0
+    flat, bad = t.reshape(-1), 0
+    for first in range(0, flat.numel(), COMPARE_ELEMENTS):
+        part = computable(flat[first:first + COMPARE_ELEMENTS])
+        if part is None:
+            return 0
+        bad += int((~torch.isfinite(part)).sum())
+    return bad
 
 
 # ---------------------------------------------------------------- convert
@@ -255,23 +290,39 @@ def _dtype(t: torch.Tensor) -> str:
 
 def _compare_slice(x: torch.Tensor, y: torch.Tensor, atol: float) -> tuple[str | float, int] | None:
     """None when the slices match; else (what differs, index) or (largest distance, its index)."""
-    if atol == 0:
-        if not x.numel() or torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
-            return None
-        if x.is_floating_point() or x.is_complex():
-            return _float_distance(x, y, 0.0) or _first_bit_difference(x, y)
-    elif x.is_floating_point() or x.is_complex():
-        return _float_distance(x, y, atol)
-    d = (x != y).long() if x.dtype == torch.bool else (x.long() - y.long()).abs()
-    over = (d > atol).nonzero()
-    return None if not len(over) else (f"{over.numel()} elements differ by more than {atol:g}", int(over[0]))
+    if atol == 0 and (not x.numel() or torch.equal(_bytes(x), _bytes(y))):
+        return None
+    cx, cy = computable(x), computable(y)
+    if cx is None or cy is None:  # no arithmetic: the first element whose bytes differ
+        return None if torch.equal(_bytes(x), _bytes(y)) else _first_bit_difference(x, y, "bytes differ")
+    if x.is_floating_point() or x.is_complex():
+        return _float_distance(cx, cy, atol) or (_first_bit_difference(x, y) if atol == 0 else None)
+    over = (x != y) if atol == 0 else _int_over(x, y, atol)
+    index = over.nonzero()
+    return None if not len(index) else (f"{index.numel()} elements differ by more than {atol:g}", int(index[0]))
 
 
-def _first_bit_difference(x: torch.Tensor, y: torch.Tensor) -> tuple[str, int]:
-    """Equal values with different bits (-0.0 vs 0.0, NaN payloads): where."""
-    bx = x.contiguous().view(torch.uint8).reshape(x.numel(), -1)
-    by = y.contiguous().view(torch.uint8).reshape(y.numel(), -1)
-    return "bits differ between equal values (-0.0 vs 0.0 or NaN payloads)", int((bx != by).any(dim=1).nonzero()[0])
+def _int_over(x: torch.Tensor, y: torch.Tensor, atol: float) -> torch.Tensor:
+    """Where integers (any width, signed or not) differ by more than ``atol``, exactly: the
+    wrapped 64-bit difference is exact below 2^62, and doubles tell the larger ones apart."""
+    near = (x.long() - y.long()).abs().double()
+    far = (x.double() - y.double()).abs() > 2.0**62
+    return (x != y) & (far | (near > atol))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+EQUAL_BUT_BITS = "bits differ between equal values (-0.0 vs 0.0 or NaN payloads)"
+
+
+def _first_bit_difference(x: torch.Tensor, y: torch.Tensor, what: str = EQUAL_BUT_BITS) -> tuple[str, int]:
+    """Where the bytes of two same-shaped tensors first differ (-0.0 vs 0.0, NaN payloads, or
+    dtypes without arithmetic)."""
+    bx = _bytes(x).reshape(x.numel(), -1)
+    by = _bytes(y).reshape(y.numel(), -1)
+    return what, int((bx != by).any(dim=1).nonzero()[0])
 
 
 def _float_distance(x: torch.Tensor, y: torch.Tensor, atol: float) -> tuple[str | float, int] | None:
@@ -306,22 +357,39 @@ def verify_checkpoints(a: str | Path, b: str | Path, *, atol: float = 0.0, model
         ra.close()
         raise
     try:
+        for r in (ra, rb):
+            if isinstance(r, DcpReader):
+                r.check_items()  # a torn item is an error (exit 2) whatever else differs
         digests = {"a": _digests(ra, check=True), "b": _digests(rb, check=True)}
         ka, kb = (set(selected_keys(r, model_only)) for r in (ra, rb))
         diffs = [f"{k}: only in A" for k in sorted(ka - kb)] + [f"{k}: only in B" for k in sorted(kb - ka)]
-        progress = start(sum(ra.entries[k].nbytes for k in ka & kb))
-        for key in sorted(ka & kb):
-            if len(diffs) >= limit:
-                break
-            problem = compare_values(ra.read(key), rb.read(key), atol)
-            if problem:
-                diffs.append(f"{key}: {problem}")
-            progress(ra.entries[key].nbytes)
+        diffs += _compare_all(ra, rb, sorted(ka & kb), atol, start(sum(ra.entries[k].nbytes for k in ka & kb)))
         return {"a": str(a), "b": str(b), "equal": not diffs, "compared": len(ka & kb), "atol": atol,
-                "differences": diffs[:limit], "more": len(diffs) > limit, "digests": digests}
+                "differences": diffs[:limit], "more": len(diffs) > limit, "total_differences": len(diffs),
+                "digests": digests}
     finally:
         ra.close()
         rb.close()
+
+
+def _compare_all(ra: Reader, rb: Reader, keys: list[str], atol: float, progress: Progress) -> list[str]:
+    """Every key compared (never stopping at the first differences, so a torn item later on is still
+    read and reported as the error it is); what differs, key by key."""
+    diffs, scratch_a, scratch_b = [], Scratch(), Scratch()
+    for key in keys:
+        ea, eb = ra.entries[key], rb.entries[key]
+        if ea.is_tensor and eb.is_tensor and (ea.dtype, ea.shape) == (eb.dtype, eb.shape):
+            what = f"{getattr(ra, 'path', '?')}: tensor {key!r}"
+            va, vb = scratch_a.view(ea.dtype, ea.shape, what), scratch_b.view(eb.dtype, eb.shape, what)
+            ra.read_into(key, va)
+            rb.read_into(key, vb)
+        else:
+            va, vb = ra.read(key), rb.read(key)
+        problem = compare_values(va, vb, atol)
+        if problem:
+            diffs.append(f"{key}: {problem}")
+        progress(ea.nbytes)
+    return diffs
 
 
 def largest(entries: tp.Iterable[Entry]) -> int:

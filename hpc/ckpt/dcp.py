@@ -25,16 +25,18 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from hpc import compat
 from hpc.ckpt.digests import HashingWriter, write_digest
-from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, checked_paths, default_paths, dims, load_error,
-                              raise_problems, tensor_entry)
+from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, allocate, checked_object, checked_paths, default_paths,
+                              dims, load_error, raise_problems, short_repr, tensor_entry)
+from hpc.ckpt.files import not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.safe_pickle import METADATA_FILE, load_dcp_metadata
 from hpc.ckpt.torch_write import Sink, Stored, TorchWriter
-from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported
+from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported, zip_load_problems
 from hpc.core.errors import CheckpointError
 
 SHARD_FILE = "__0_0.distcp"
 MAX_COVERAGE_CELLS = 1 << 22  # a finer chunk grid is checked by volume only
+MAX_CHUNKS = 1 << 20  # chunks of one tensor: one per rank that holds a piece of it
 
 
 def index_offsets(index: tp.Any) -> tuple | None:
@@ -63,19 +65,22 @@ def dcp_problems(path: str | Path, metadata: dcp_md.Metadata | None = None) -> l
 def _entry_problems(where: Path, key: tp.Any, md: tp.Any) -> list[str]:
     """A state-dict entry: a tensor with a dtype, a size and chunks that tile it, or bytes."""
     if not isinstance(key, str):
-        return [f"{where}: entry key {key!r} is not a string"]
+        return [f"{where}: entry key {short_repr(key)} is not a string"]
     if isinstance(md, dcp_md.BytesStorageMetadata):
         return []
     if not isinstance(md, dcp_md.TensorStorageMetadata):
         return [f"{where}: entry {key!r} is a {type(md).__name__}, expected tensor or bytes metadata"]
     dtype = getattr(md.properties, "dtype", None)
     if not isinstance(dtype, torch.dtype):
-        return [f"{where}: entry {key!r} has dtype {dtype!r}, expected a torch dtype"]
+        return [f"{where}: entry {key!r} has dtype {short_repr(dtype)}, expected a torch dtype"]
     size = dims(md.size)
     if size is None:
-        return [f"{where}: entry {key!r} has size {md.size!r}, expected non-negative integers"]
+        return [f"{where}: entry {key!r} has size {short_repr(md.size)}, expected non-negative integers"]
     if not isinstance(md.chunks, (list, tuple)) or (not md.chunks and math.prod(size)):
         return [f"{where}: entry {key!r} has no chunks"]
+    if len(md.chunks) > MAX_CHUNKS:
+        return [f"{where}: entry {key!r} has {len(md.chunks)} chunks, more than the {MAX_CHUNKS} a save of "
+                "any world size writes"]
     for chunk in md.chunks:
         problem = _chunk_problem(size, chunk)
         if problem:
@@ -89,7 +94,8 @@ def _chunk_problem(size: tuple[int, ...], chunk: tp.Any) -> str | None:
         return f"has a chunk of type {type(chunk).__name__}"
     offsets, sizes = dims(chunk.offsets), dims(chunk.sizes)
     if offsets is None or sizes is None or len(offsets) != len(size) or len(sizes) != len(size):
-        return (f"has a chunk at {chunk.offsets!r} of {chunk.sizes!r}, expected {len(size)} non-negative "
+        return (f"has a chunk at {short_repr(chunk.offsets)} of {short_repr(chunk.sizes)}, expected {len(size)} "
+                "non-negative "
                 "offsets and sizes")
     if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
         return f"has a chunk at {list(offsets)} of {list(sizes)} reaching outside its size {list(size)}"
@@ -125,20 +131,21 @@ def _storage_record_problems(where: Path, metadata: dcp_md.Metadata) -> list[str
     info_type, problems = compat.storage_info_type(), []
     for index, info in metadata.storage_data.items():
         if not isinstance(index, dcp_md.MetadataIndex) or not isinstance(index.fqn, str):
-            problems.append(f"{where}: storage record key {index!r} is not a MetadataIndex")
+            problems.append(f"{where}: storage record key {short_repr(index)} is not a MetadataIndex")
             continue
         if not isinstance(info, info_type):
             problems.append(f"{where}: storage record for {index.fqn!r} is a {type(info).__name__}, "
                             "expected FileSystemWriter's _StorageInfo")
             continue
         name = info.relative_path
-        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..") or "\0" in name:
-            problems.append(f"{where}: {index.fqn!r} points outside the folder ({name!r})")
+        if (why := relative_name_problem(name)) is not None:
+            problems.append(f"{where}: {index.fqn!r} {why} ({short_repr(name)})")
         elif dims((info.offset, info.length)) is None:
-            problems.append(f"{where}: {index.fqn!r} has byte range offset={info.offset!r} length={info.length!r}, "
+            problems.append(f"{where}: {index.fqn!r} has byte range offset={short_repr(info.offset)} "
+                            f"length={short_repr(info.length)}, "
                             "expected non-negative integers")
         elif info.transform_descriptors:
-            problems.append(f"{where}: {index.fqn!r} uses stream transforms {info.transform_descriptors}, "
+            problems.append(f"{where}: {index.fqn!r} uses stream transforms {short_repr(info.transform_descriptors)}, "
                             "which hpcx does not read")
     return problems
 
@@ -153,7 +160,24 @@ def _unindexed(where: Path, metadata: dcp_md.Metadata) -> list[str]:
                         if math.prod(c.sizes) and (key, tuple(c.offsets)) not in stored]
         elif (key, None) not in stored:
             missing.append(repr(key))
-    return [f"{where}: no storage record for {k}" for k in missing]
+    return [f"{where}: no storage record for {k}" for k in missing] + _unbacked(where, metadata)
+
+
+def _unbacked(where: Path, metadata: dcp_md.Metadata) -> list[str]:
+    """Chunks that declare more bytes than their stored item holds: a blob of a tensor holds at
+    least the tensor's bytes, so such a chunk is a lie, refused before anything allocates it."""
+    problems, stored = [], {(i.fqn, index_offsets(i)): info for i, info in metadata.storage_data.items()}
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, dcp_md.TensorStorageMetadata):
+            continue
+        for c in md.chunks:
+            need = math.prod(c.sizes) * md.properties.dtype.itemsize
+            info = stored.get((key, tuple(c.offsets))) if need else None
+            if info is not None and need > info.length:
+                problems.append(f"{where}: entry {key!r} chunk at {list(c.offsets)} declares {list(c.sizes)} "
+                                f"{str(md.properties.dtype).removeprefix('torch.')}, {need} bytes, but its stored "
+                                f"item holds {info.length} bytes")
+    return problems
 
 
 def _file_problems(path: Path, metadata: dcp_md.Metadata) -> list[str]:
@@ -164,11 +188,16 @@ def _file_problems(path: Path, metadata: dcp_md.Metadata) -> list[str]:
     problems = []
     for name, items in sorted(per_file.items()):
         file, end = path / name, max(e for _, e, _ in items)
-        if not file.is_file():
-            problems.append(f"{file}: missing; .metadata expects a shard file of at least {end} bytes")
+        kind = not_regular(file, f"a shard file of at least {end} bytes (.metadata lists it)")
+        if kind:
+            problems.append(kind)
             continue
-        if file.stat().st_size < end:
-            problems.append(f"{file}: truncated to {file.stat().st_size} bytes; .metadata expects at least {end}")
+        size = file.stat().st_size
+        if size < end:
+            cut = sorted(k for b, e, k in items if e > size)
+            more = f" and {len(cut) - 1} more" if len(cut) > 1 else ""
+            problems.append(f"{file}: truncated to {size} bytes; .metadata expects at least {end} (item "
+                            f"{cut[0]!r}{more} past the end)")
         items.sort()
         for (b0, e0, k0), (b1, _, k1) in zip(items, items[1:]):
             if b1 < e0:
@@ -182,6 +211,8 @@ def _file_problems(path: Path, metadata: dcp_md.Metadata) -> list[str]:
 def load_object(f: tp.BinaryIO, where: str) -> tp.Any:
     """``torch.load(weights_only=True)`` of one stored item; CheckpointError naming ``where`` when
     it is refused (a global outside torch's allow-list) or unreadable."""
+    raise_problems(zip_load_problems(f, where))
+    f.seek(0)
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -207,7 +238,7 @@ class DcpReader:
                        if isinstance(md, dcp_md.TensorStorageMetadata) for c in md.chunks}
         self.entries = {k: self._entry(k, md) for k, md in self.metadata.state_dict_metadata.items()}
         source = f"{self.path / METADATA_FILE} planner_data"
-        self.paths = {**default_paths(self.entries), **checked_paths(self.metadata.planner_data, source)}
+        self.paths = default_paths(checked_paths(self.metadata.planner_data, source))
         self.files: dict[str, tp.BinaryIO] = {}
         self.meta = self._read_meta()
 
@@ -223,7 +254,7 @@ class DcpReader:
     def _file(self, info: tp.Any) -> tp.BinaryIO:
         f = self.files.get(info.relative_path)
         if f is None:
-            f = self.files[info.relative_path] = open(self.path / info.relative_path, "rb", buffering=0)
+            f = self.files[info.relative_path] = open_regular(self.path / info.relative_path, "a DCP shard file")
         return f
 
     def _where(self, info: tp.Any) -> str:
@@ -251,14 +282,15 @@ class DcpReader:
                                    f"{str(self.entries[key].dtype).removeprefix('torch.')}{list(chunk.sizes)}"])
 
     def _object(self, info: tp.Any) -> tp.Any:
-        return load_object(FileSlice(self._file(info), info.offset, info.length), self._where(info))
+        where = self._where(info)
+        return checked_object(load_object(FileSlice(self._file(info), info.offset, info.length), where), where)
 
     def read(self, key: str) -> tp.Any:
         """The whole value of ``key``; a sharded tensor is assembled chunk by chunk into one buffer."""
         entry = self.entries[key]
         if not entry.is_tensor:
             return self._object(self.storage[(key, None)])
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out = allocate(entry.shape, entry.dtype, f"{self.path}: tensor {key!r}")
         self.read_into(key, out)
         return out
 
@@ -369,7 +401,8 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
     offset = f.tell()
     if entry.is_tensor:
         writer = TorchWriter(f, Stored(entry.key, entry.dtype, entry.shape), crc32=False)
-        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch)
+        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch,
+                              source=str(getattr(reader, "path", "")))
         writer.finish()
         zeros = [0] * len(entry.shape)
         md: tp.Any = dcp_md.TensorStorageMetadata(

@@ -21,6 +21,7 @@ import typing as tp
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from hpc.ckpt.files import file_kind, open_regular
 from hpc.core.errors import CheckpointError
 
 SUFFIX = ".sha256"
@@ -32,7 +33,7 @@ def file_digest(path: Path) -> str:
     """The hex SHA-256 of a file, read in chunks into one buffer."""
     h, buf = hashlib.sha256(), bytearray(CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, "a shard file") as f:
         while n := f.readinto(view):
             h.update(view[:n])
     return h.hexdigest()
@@ -98,10 +99,12 @@ def write_digest(path: Path, hexdigest: str | None = None) -> Path:
 def recorded_digest(path: Path) -> str | None:
     """The digest recorded for ``path`` (None when there is no ``.sha256`` beside it)."""
     side = digest_path(path)
-    if not side.is_file():
+    kind = file_kind(side)
+    if kind == "missing":
         return None
     try:
-        m = LINE.match(side.read_text(encoding="ascii"))
+        with open_regular(side, f"a sha256sum line for {path.name}") as f:
+            m = LINE.match(f.read(4096).decode("ascii"))
     except (OSError, UnicodeDecodeError):
         m = None
     if not m or m.group("name") != path.name:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import typing as tp
 
 import torch
@@ -23,7 +24,7 @@ Progress = tp.Callable[[int], None]
 MAX_LISTED = 8  # problems listed before "... and N more"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Entry:
     """One key of a checkpoint: a tensor (dtype and shape set) or a Python object."""
 
@@ -39,10 +40,8 @@ class Entry:
 
 def tensor_entry(key: str, dtype: torch.dtype, shape: tp.Sequence[int]) -> Entry:
     """The entry of a tensor of ``dtype`` and ``shape``."""
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    return Entry(key, dtype, tuple(int(s) for s in shape), numel * dtype.itemsize)
+    shape = shape if type(shape) is tuple else tuple(int(s) for s in shape)  # share a checked tuple
+    return Entry(key, dtype, shape, math.prod(shape) * dtype.itemsize)
 
 
 class Reader(tp.Protocol):
@@ -66,6 +65,16 @@ def owned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def allocate(shape: tp.Sequence[int], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
+    """``torch.empty(shape, dtype)``; CheckpointError (one line, naming ``what``) when the memory is not
+    there: a tensor the file does hold (a sparse file, a huge checkpoint) may still not fit in RAM."""
+    try:
+        return torch.empty(tuple(shape), dtype=dtype)
+    except RuntimeError:
+        nbytes = math.prod(shape) * dtype.itemsize
+        raise CheckpointError([f"{what}: cannot allocate the {nbytes} bytes it takes; not enough memory"]) from None
+
+
 class Scratch:
     """One reusable buffer, grown to the largest tensor a conversion copies.
 
@@ -77,12 +86,13 @@ class Scratch:
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.uint8)
 
-    def view(self, dtype: torch.dtype, shape: tp.Sequence[int]) -> torch.Tensor:
-        """A contiguous tensor of ``dtype`` and ``shape`` at the start of the buffer (contents undefined)."""
+    def view(self, dtype: torch.dtype, shape: tp.Sequence[int], what: str = "a tensor") -> torch.Tensor:
+        """A contiguous tensor of ``dtype`` and ``shape`` at the start of the buffer (contents undefined);
+        CheckpointError naming ``what`` when it cannot grow that far."""
         nbytes = math.prod(shape) * dtype.itemsize
         if self.buf.numel() < nbytes:
             self.buf = torch.empty(0, dtype=torch.uint8)  # free the old one before allocating
-            self.buf = torch.empty(nbytes, dtype=torch.uint8)
+            self.buf = allocate((nbytes,), torch.uint8, what)
         return self.buf[:nbytes].view(dtype).view(tuple(shape))
 
 
@@ -104,21 +114,35 @@ def checked_paths(paths: tp.Any, source: str) -> dict[str, Path_]:
         return {}
     if not isinstance(paths, dict):
         raise CheckpointError([f"{source}: is a {type(paths).__name__}, expected a mapping of keys to object paths"])
+    if len(paths) > MAX_VALUES:
+        raise CheckpointError([f"{source}: {len(paths)} object paths, more than the {MAX_VALUES} hpcx reads"])
     out = {}
     for key, path in paths.items():
         ok = isinstance(key, str) and isinstance(path, (list, tuple)) and len(path) > 0 and all(
             isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p < MAX_LIST_INDEX)
             for p in path)
         if not ok:
-            raise CheckpointError([f"{source}: object path of {key!r} is {path!r}, expected a list of keys "
+            raise CheckpointError([f"{source}: object path of {short_repr(key)} is {short_repr(path)}, expected a "
+                                   "list of keys "
                                    "and list indices"])
         out[key] = tuple(path)
     return out
 
 
-def default_paths(keys: tp.Iterable[str]) -> dict[str, Path_]:
-    """Object paths for keys with no recorded ones: split on the first dot only."""
-    return {k: tuple(k.split(".", 1)) if "." in k else (k,) for k in keys}
+class Paths(dict):
+    """Recorded object paths; a key without one gets the default, split on its first dot only
+    (computed when asked for, so a million entries cost no million tuples)."""
+
+    def __missing__(self, key: str) -> Path_:
+        return tuple(key.split(".", 1)) if "." in key else (key,)
+
+    def get(self, key: str, default: tp.Any = None) -> tp.Any:  # type: ignore[override]
+        return self[key] if isinstance(key, str) else default
+
+
+def default_paths(recorded: dict[str, Path_] | None = None) -> Paths:
+    """Object paths: the ``recorded`` ones, else (for any other key) split on the first dot only."""
+    return Paths(recorded or {})
 
 
 def unflatten(flat: dict[str, tp.Any], paths: dict[str, Path_], source: str = "checkpoint") -> dict[str, tp.Any]:
@@ -172,6 +196,90 @@ def jsonable(value: tp.Any) -> tp.Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+MAX_DEPTH = 64  # containers in a state dict nest a few levels; DCP's flattening recurses per level
+MAX_VALUES = 1 << 20  # values of an object counted along every path (a shared container once per path)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 3, 60, 60, 6, 6
+
+
+def short_repr(value: tp.Any) -> str:
+    """``repr`` bounded in depth and length: safe on a value nested 200,000 deep or containing itself."""
+    try:
+        return _SHORT.repr(value)
+    except Exception:  # noqa: BLE001  (a hostile __repr__ of an allow-listed type)
+        return f"<{type(value).__name__}>"
+
+
+def _children(node: tp.Any) -> tp.Iterator[tuple[tp.Any, tp.Any]] | None:
+    """(label, child) pairs of a container, None for a leaf."""
+    if isinstance(node, dict):
+        return iter(node.items())
+    if isinstance(node, (list, tuple, set, frozenset)):
+        return enumerate(node)
+    return None
+
+
+def graph_problem(obj: tp.Any, max_depth: int = MAX_DEPTH, max_values: int = MAX_VALUES) -> str | None:
+    """Why the object graph ``obj`` is no state dict, or None: a container that contains itself,
+    nesting deeper than ``max_depth``, or more than ``max_values`` values counted along every path
+    (what flattening, printing or comparing it would visit). Work is bounded by the distinct
+    containers (each is walked once; a shared one adds its memoized count), never by paths."""
+    if _children(obj) is None:
+        return None
+    done: dict[int, int] = {}
+    stack: list[list[tp.Any]] = [[obj, _children(obj), 1, "<root>"]]
+    on_path = {id(obj)}
+    while stack:
+        frame = stack[-1]
+        label, child = next(frame[1], (None, _END))
+        if child is _END:
+            stack.pop()
+            on_path.discard(id(frame[0]))
+            done[id(frame[0])] = frame[2]
+            if stack:
+                stack[-1][2] += frame[2]
+            if frame[2] > max_values:
+                return f"holds more than {max_values} values counted along every path (shared containers)"
+            continue
+        found = _visit(child, label, stack, on_path, done, max_depth)
+        if isinstance(found, str):
+            return found
+        frame[2] += found
+    return None
+
+
+_END = object()
+
+
+def _visit(child: tp.Any, label: tp.Any, stack: list, on_path: set, done: dict, max_depth: int) -> int | str:
+    """One edge of ``graph_problem``'s walk: the count it adds now, or the problem it found."""
+    it = _children(child)
+    if it is None:
+        return 1
+    if id(child) in on_path:
+        return f"contains itself at {_where(stack, label)}"
+    if id(child) in done:
+        return done[id(child)]
+    if len(stack) >= max_depth:
+        return f"nests deeper than {max_depth} levels (at {_where(stack, label)})"
+    on_path.add(id(child))
+    stack.append([child, it, 1, label])
+    return 0
+
+
+def _where(stack: list, label: tp.Any) -> str:
+    parts = [str(f[3])[:40] for f in stack[1:]] + [str(label)[:40]]
+    return ".".join(parts if len(parts) <= 6 else parts[:3] + ["..."] + parts[-2:])
+
+
+def checked_object(value: tp.Any, where: str) -> tp.Any:
+    """``value`` when its object graph is a bounded tree (``graph_problem``), else CheckpointError."""
+    problem = graph_problem(value)
+    if problem:
+        raise CheckpointError([f"{where}: the stored object {problem}; refused"])
+    return value
 
 
 def load_error(exc: BaseException) -> str:

@@ -11,6 +11,7 @@ before it is looked up, so nothing outside the list is ever called.
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
 import typing as tp
@@ -20,9 +21,12 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from hpc import compat
+from hpc.ckpt.entries import short_repr
+from hpc.ckpt.files import file_kind, open_regular
 from hpc.core.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
+MAX_METADATA = 1 << 30  # a .metadata of a million tensors is ~200 MB; refuse reading more than this
 
 _METADATA_CLASSES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                      "TensorProperties", "MetadataIndex", "StorageMeta")
@@ -56,7 +60,7 @@ class MetadataUnpickler(pickle.Unpickler):
         raise RefusedGlobal(f"{module}.{name}")
 
     def persistent_load(self, pid: tp.Any) -> tp.Any:
-        raise RefusedGlobal(f"persistent id {pid!r}")
+        raise RefusedGlobal(f"persistent id {short_repr(pid)}")
 
 
 def loads_metadata(data: bytes, source: str = "<bytes>") -> dcp_md.Metadata:
@@ -81,7 +85,14 @@ def load_dcp_metadata(checkpoint_dir: str | Path) -> dcp_md.Metadata:
     path = Path(checkpoint_dir) / METADATA_FILE
     if not Path(checkpoint_dir).is_dir():
         raise CheckpointError([f"{checkpoint_dir}: no such checkpoint folder"])
-    if not path.is_file():
+    kind = file_kind(path)
+    if kind == "missing":
         raise CheckpointError([f"{path}: missing; a DCP checkpoint is committed only by its .metadata "
                            "(the save did not finish)"])
-    return loads_metadata(path.read_bytes(), str(path))
+    with open_regular(path, "DCP's .metadata pickle") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_METADATA:
+            raise CheckpointError([f"{path}: {size} bytes, larger than the {MAX_METADATA} a DCP .metadata "
+                                   "may be here"])
+        data = f.readall()
+    return loads_metadata(data, str(path))

@@ -20,16 +20,20 @@ import dataclasses
 import io
 import json
 import math
+import os
+import re
 import struct
 import typing as tp
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
-from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, checked_paths, default_paths, dims,
-                              jsonable, load_error, raise_problems, tensor_entry)
+from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, allocate, checked_object,
+                              checked_paths, default_paths, dims, jsonable, load_error, raise_problems, short_repr,
+                              tensor_entry)
+from hpc.ckpt.files import file_kind, not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
-from hpc.ckpt.torch_zip import byte_view, read_exact
+from hpc.ckpt.torch_zip import byte_view, read_exact, zip_load_problems
 from hpc.core.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,8 +41,11 @@ MAX_HEADER = 100_000_000  # what safetensors itself accepts
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
              torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
-             torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+             torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+             torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.complex64: "C64"}
+# the dtypes safetensors' own torch API maps (safetensors.torch._TYPES, 0.8); tests compare the two
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+ST_NAME_STRINGS = {k: k for k in ST_NAMES}  # one string object per dtype name, shared by every entry
 META_LAYOUT, META_OBJECTS, META_PATHS, META_HPCX = "hpcx.layout", "hpcx.objects", "hpcx.paths", "hpcx.meta"
 JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
               bool: "a boolean", type(None): "null"}
@@ -46,10 +53,10 @@ JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number
 
 def json_type(value: tp.Any) -> str:
     """``a list``, ``an object``, ``null``...: what a JSON value is, for messages."""
-    return JSON_TYPES.get(type(value), type(value).__name__)
+    return "an object" if isinstance(value, RawEntry) else JSON_TYPES.get(type(value), type(value).__name__)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class StTensor:
     """One checked header entry: bytes ``[begin, end)`` of the data section."""
 
@@ -57,7 +64,10 @@ class StTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     begin: int
-    end: int
+
+    @property
+    def end(self) -> int:
+        return self.begin + math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclasses.dataclass
@@ -76,7 +86,10 @@ class StHeader:
 def read_header(file: Path) -> StHeader:
     """The checked header of one safetensors file; CheckpointError listing every problem."""
     size, raw = _header_bytes(file)
-    header = _parse_json(file, raw)
+    length, text = len(raw), _decode(file, raw)
+    del raw  # a header may be 100 MB: hold its text once, not twice
+    header = _parse_json(file, text)
+    del text
     metadata = _metadata(file, header.pop("__metadata__", {}))
     problems, tensors = [], {}
     for name, info in header.items():
@@ -84,14 +97,14 @@ def read_header(file: Path) -> StHeader:
         if t is not None:
             tensors[name] = t
     if not problems:
-        problems += _layout_problems(file, list(tensors.values()), size - 8 - len(raw))
+        problems += _layout_problems(file, list(tensors.values()), size - 8 - length)
     raise_problems(problems)
-    return StHeader(file, tensors, metadata, 8 + len(raw))
+    return StHeader(file, tensors, metadata, 8 + length)
 
 
 def _header_bytes(file: Path) -> tuple[int, bytes]:
     try:
-        with open(file, "rb") as f:
+        with open_regular(file, "a safetensors file") as f:
             size = f.seek(0, 2)
             f.seek(0)
             if size < 8:
@@ -111,12 +124,65 @@ def _header_bytes(file: Path) -> tuple[int, bytes]:
 
 
 def _no_duplicates(pairs: list[tuple[str, tp.Any]]) -> dict[str, tp.Any]:
-    out: dict[str, tp.Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"{key!r} appears twice")
-        out[key] = value
+    out = dict(pairs)
+    if len(out) != len(pairs):  # rare: find the key that appears twice
+        seen: set[str] = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"{key!r} appears twice")
     return out
+
+
+ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
+
+
+class RawEntry(tuple):
+    """A well-typed header entry as the JSON parser makes it: (dtype, shape, data_offsets), the
+    last two already tuples of non-negative ints. A third of a dict's memory, for headers of a
+    million tensors; anything less regular stays a dict and is reported by ``_entry``."""
+
+    __slots__ = ()
+
+    def as_dict(self) -> dict[str, tp.Any]:
+        return {"dtype": self[0], "shape": list(self[1]), "data_offsets": list(self[2])}
+
+
+def _header_object(pairs: list[tuple[str, tp.Any]]) -> tp.Any:
+    """``object_pairs_hook``: a well-typed entry becomes a ``RawEntry``; other objects dicts, refusing
+    duplicate keys."""
+    if len(pairs) == 3:
+        d = dict(pairs)
+        if d.keys() == ENTRY_KEYS and isinstance(d["dtype"], str):
+            shape, offsets = dims(d["shape"]), dims(d["data_offsets"])
+            if shape is not None and offsets is not None:
+                return RawEntry((ST_NAME_STRINGS.get(d["dtype"], d["dtype"]), shape, offsets))
+    return _no_duplicates(pairs)
+
+
+def _plain(value: tp.Any) -> tp.Any:
+    return value.as_dict() if isinstance(value, RawEntry) else value
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_INNERMOST = re.compile(r"\[\]|\{\}")
+
+
+def too_deep(text: str, limit: int) -> bool:
+    """Whether JSON ``text`` nests brackets deeper than ``limit``, in a few passes of C-speed regular
+    expressions (strings removed, then the innermost pairs ``limit`` times): no Python loop per
+    character, so a header of a million tensors is checked in well under a second."""
+    rest = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))
+    passes = 0
+    while rest and passes < limit:
+        rest, removed = _INNERMOST.subn("", rest)
+        if not removed:
+            break
+        passes += 1
+    depth = deepest = 0
+    for c in rest:  # only what nests deeper than ``passes`` levels (or unbalanced brackets) is left
+        depth = depth + 1 if c in "[{" else max(0, depth - 1)
+        deepest = max(deepest, depth)
+    return deepest > 0 and deepest + passes > limit
 
 
 MAX_HEADER_DEPTH = 8  # a safetensors header is an object of objects (and one of strings)
@@ -126,18 +192,19 @@ def _no_constant(name: str) -> tp.Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _parse_json(file: Path, raw: bytes) -> dict:
-    from hpc.core.config import JSON_SYNTAX, nesting_error
-
+def _decode(file: Path, raw: bytes) -> str:
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise CheckpointError([f"{file}: header is not UTF-8 text; not a safetensors file"]) from None
-    if deep := nesting_error(text, JSON_SYNTAX, MAX_HEADER_DEPTH):  # a header is 2 levels; refuse long before recursion
-        raise CheckpointError([f"{file}: header nested deeper than {MAX_HEADER_DEPTH} levels (line {deep[0]}, "
-                               f"column {deep[1]}); not a safetensors header"])
+
+
+def _parse_json(file: Path, text: str) -> dict:
+    if too_deep(text, MAX_HEADER_DEPTH):  # a header is 2 levels; refuse long before recursion
+        raise CheckpointError([f"{file}: header nested deeper than {MAX_HEADER_DEPTH} levels; "
+                               "not a safetensors header"])
     try:
-        header = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        header = _plain(json.loads(text, object_pairs_hook=_header_object, parse_constant=_no_constant))
     except (ValueError, RecursionError) as exc:
         raise CheckpointError([f"{file}: header is not valid JSON ({str(exc).splitlines()[0]})"]) from None
     if not isinstance(header, dict):
@@ -146,6 +213,7 @@ def _parse_json(file: Path, raw: bytes) -> dict:
 
 
 def _metadata(file: Path, metadata: tp.Any) -> dict[str, str]:
+    metadata = _plain(metadata)
     if not isinstance(metadata, dict):
         raise CheckpointError([f"{file}: __metadata__ is {json_type(metadata)}, expected an object of strings"])
     bad = [k for k, v in metadata.items() if not isinstance(v, str)]
@@ -157,21 +225,26 @@ def _metadata(file: Path, metadata: tp.Any) -> dict[str, str]:
 
 def _entry(file: Path, name: str, info: tp.Any, problems: list[str]) -> StTensor | None:
     """One header entry checked on its own: types, dtype x shape against its offsets."""
+    if isinstance(info, RawEntry):
+        dtype, shape, offsets = info
+        raw_shape, raw_offsets = list(shape), list(offsets)
+    elif not isinstance(info, dict):
+        problems.append(f"{file}: tensor {name!r} is {json_type(info)}, expected an object with dtype, shape "
+                        "and data_offsets")
+        return None
+    elif missing := [k for k in ("dtype", "shape", "data_offsets") if k not in info]:
+        problems.append(f"{file}: tensor {name!r} has no {' or '.join(missing)}")
+        return None
+    else:
+        dtype, raw_shape, raw_offsets = info["dtype"], info["shape"], info["data_offsets"]
+        shape, offsets = dims(raw_shape), dims(raw_offsets)
     where = f"{file}: tensor {name!r}"
-    if not isinstance(info, dict):
-        problems.append(f"{where} is {json_type(info)}, expected an object with dtype, shape and data_offsets")
-        return None
-    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
-    if missing:
-        problems.append(f"{where} has no {' or '.join(missing)}")
-        return None
-    dtype, shape, offsets = info["dtype"], dims(info["shape"]), dims(info["data_offsets"])
     if not isinstance(dtype, str) or dtype not in ST_NAMES:
-        problems.append(f"{where} has dtype {dtype!r}, expected one of {', '.join(ST_NAMES)}")
+        problems.append(f"{where} has dtype {short_repr(dtype)}, expected one of {', '.join(ST_NAMES)}")
     elif shape is None:
-        problems.append(f"{where} has shape {info['shape']!r}, expected a list of non-negative integers")
+        problems.append(f"{where} has shape {short_repr(raw_shape)}, expected a list of non-negative integers")
     elif offsets is None or len(offsets) != 2:
-        problems.append(f"{where} has data_offsets {info['data_offsets']!r}, expected [begin, end]: two "
+        problems.append(f"{where} has data_offsets {short_repr(raw_offsets)}, expected [begin, end]: two "
                         "non-negative integers")
     elif offsets[0] > offsets[1]:
         problems.append(f"{where} has data_offsets {list(offsets)}: begin is after end")
@@ -180,7 +253,7 @@ def _entry(file: Path, name: str, info: tp.Any, problems: list[str]) -> StTensor
         problems.append(f"{where} is {dtype}{list(shape)}, {need} bytes, but its data_offsets {list(offsets)} "
                         f"span {offsets[1] - offsets[0]}")
     else:
-        return StTensor(name, ST_NAMES[dtype], shape, offsets[0], offsets[1])
+        return StTensor(name, ST_NAMES[dtype], shape, offsets[0])
     return None
 
 
@@ -211,7 +284,11 @@ def _index(path: Path) -> dict[str, str]:
     """The index's weight_map (tensor -> shard file name), checked."""
     index = path / INDEX_FILE
     try:
-        doc = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_no_duplicates,
+        with open_regular(index, "a JSON safetensors index") as f:
+            if os.fstat(f.fileno()).st_size > MAX_HEADER:
+                raise CheckpointError([f"{index}: larger than {MAX_HEADER} bytes; not a safetensors index"])
+            raw = f.readall()
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates,
                          parse_constant=_no_constant)
     except OSError as exc:
         raise CheckpointError([f"{index}: cannot read ({describe(exc)})"]) from None
@@ -223,25 +300,21 @@ def _index(path: Path) -> dict[str, str]:
         raise CheckpointError([f"{index}: has {what}, expected an object with a weight_map of tensor -> file"])
     problems = [f"{index}: weight_map[{k!r}] is {json_type(v)}, expected a file name"
                 for k, v in weight_map.items() if not isinstance(v, str)]
-    problems += [f"{index}: weight_map[{k!r}] = {v!r} points outside the folder"
-                 for k, v in weight_map.items() if isinstance(v, str) and not _plain_name(v)]
+    problems += [f"{index}: weight_map[{k!r}] = {v!r} {why}" for k, v in weight_map.items()
+                 if isinstance(v, str) and (why := relative_name_problem(v))]
     raise_problems(problems)
-    return weight_map
-
-
-def _plain_name(name: str) -> bool:
-    return Path(name).name == name and name not in ("", ".", "..") and "\0" not in name
+    return {k: PurePosixPath(v).as_posix() for k, v in weight_map.items()}
 
 
 def _headers(path: Path) -> list[StHeader]:
     """Every file's checked header: one file, the shards an index names, or a folder's one file."""
-    if path.is_file():
+    if not path.is_dir():
         return [read_header(path)]
-    if (path / INDEX_FILE).is_file():
+    if file_kind(path / INDEX_FILE) != "missing":
         weight_map = _index(path)
         names = sorted(set(weight_map.values()))
-        missing = [f"{path / n}: missing; {INDEX_FILE} lists it" for n in names if not (path / n).is_file()]
-        raise_problems(missing)
+        expected = f"a safetensors shard ({INDEX_FILE} lists it)"
+        raise_problems([p for n in names if (p := not_regular(path / n, expected))])
         headers = [read_header(path / n) for n in names]
         raise_problems(_index_problems(path, weight_map, headers))
         return headers
@@ -256,7 +329,7 @@ def _index_problems(path: Path, weight_map: dict[str, str], headers: list[StHead
     held: dict[str, list[str]] = {}
     for h in headers:
         for name in h.tensors:
-            held.setdefault(name, []).append(h.file.name)
+            held.setdefault(name, []).append(h.file.relative_to(path).as_posix())
     index, problems = path / INDEX_FILE, []
     for name, file in weight_map.items():
         where = held.get(name, [])
@@ -281,18 +354,22 @@ class SafetensorsReader:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self.where: dict[str, tuple[StHeader, StTensor]] = {}
+        self.headers = _headers(self.path)
+        several = len(self.headers) > 1  # one file: no name -> shard map at all
+        self.shard_of = {name: i for i, h in enumerate(self.headers) for name in h.tensors} if several else {}
         st_meta: dict[str, str] = {}
-        for header in _headers(self.path):
+        for header in self.headers:
             st_meta.update(header.metadata)
-            self.where.update({name: (header, t) for name, t in header.tensors.items()})
         self.prefix = "" if st_meta.get(META_LAYOUT) == "full" else "model."
         self.objects = self._objects(st_meta)
-        self.entries = {self.prefix + n: tensor_entry(self.prefix + n, t.dtype, t.shape)
-                        for n, (_, t) in self.where.items()}
+        self.entries = {}
+        for header in self.headers:
+            for n, t in header.tensors.items():
+                key = self.prefix + n if self.prefix else n
+                self.entries[key] = tensor_entry(key, t.dtype, t.shape)
         self.entries.update({k: Entry(k, None, None, 0) for k in self.objects})
-        self.paths = {**default_paths(self.entries),
-                      **checked_paths(self._json(st_meta, META_PATHS, {}), f"{self.path} __metadata__ {META_PATHS}")}
+        self.paths = default_paths(checked_paths(self._json(st_meta, META_PATHS, {}),
+                                                 f"{self.path} __metadata__ {META_PATHS}"))
         self.meta = self._json(st_meta, META_HPCX, {})
         if not isinstance(self.meta, dict):
             raise CheckpointError([f"{self.path}: __metadata__ {META_HPCX} is {json_type(self.meta)}, expected an object"])
@@ -302,21 +379,28 @@ class SafetensorsReader:
         if key not in st_meta:
             return default
         try:
-            return json.loads(st_meta[key], parse_constant=_no_constant)
+            value = json.loads(st_meta[key], parse_constant=_no_constant)
         except (ValueError, RecursionError) as exc:
             raise CheckpointError([f"{self.path}: __metadata__ {key} is not JSON ({exc})"]) from None
+        return checked_object(value, f"{self.path}: __metadata__ {key}")  # printed and compared later
 
     def _objects(self, st_meta: dict[str, str]) -> dict[str, tp.Any]:
         blob = st_meta.get(META_OBJECTS)
         if not blob:
             return {}
+        where = f"{self.path}: __metadata__ {META_OBJECTS}"
         try:
-            objects = torch.load(io.BytesIO(base64.b64decode(blob, validate=True)), weights_only=True)
+            data = io.BytesIO(base64.b64decode(blob, validate=True))
         except (binascii.Error, ValueError) as exc:
-            raise CheckpointError([f"{self.path}: __metadata__ {META_OBJECTS} is not base64 ({exc})"]) from None
+            raise CheckpointError([f"{where} is not base64 ({exc})"]) from None
+        raise_problems(zip_load_problems(data, where))
+        data.seek(0)
+        try:
+            objects = torch.load(data, weights_only=True)
         except Exception as exc:
             raise CheckpointError([f"{self.path}: refused the non-tensor entries in its metadata "
                                    f"({load_error(exc)})"]) from None
+        checked_object(objects, where)
         if not isinstance(objects, dict) or not all(isinstance(k, str) for k in objects):
             raise CheckpointError([f"{self.path}: __metadata__ {META_OBJECTS} holds a {type(objects).__name__}, "
                                    "expected a dict of entries"])
@@ -326,19 +410,21 @@ class SafetensorsReader:
         if key in self.objects:
             return self.objects[key]
         entry = self.entries[key]
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        out = allocate(entry.shape, entry.dtype, f"{self.path}: tensor {key!r}")
         self.read_into(key, out)
         return out
 
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Fill the contiguous ``out`` with tensor ``key``; CheckpointError if the file ends early."""
-        header, t = self.where[key[len(self.prefix):]]
+        name = key[len(self.prefix):]
+        header = self.headers[self.shard_of.get(name, 0)]
+        t = header.tensors[name]
         if t.end == t.begin:
             return
         f = self.files.get(header.file)
         try:
             if f is None:
-                f = self.files[header.file] = open(header.file, "rb", buffering=0)
+                f = self.files[header.file] = open_regular(header.file, "a safetensors file")
             read_exact(f, header.data_start + t.begin, out, str(header.file))
         except OSError as exc:
             raise CheckpointError([f"{header.file}: cannot read tensor {t.name!r} ({describe(exc)})"]) from None
@@ -367,7 +453,7 @@ def _st_write(path: Path, reader: Reader, names: dict[str, str], metadata: dict[
         f.write(struct.pack("<Q", len(raw)) + raw)
         for key in names.values():
             e = reader.entries[key]
-            data = scratch.view(e.dtype, e.shape)
+            data = scratch.view(e.dtype, e.shape, f"{getattr(reader, 'path', '?')}: tensor {key!r}")
             reader.read_into(key, data)
             if e.nbytes:
                 f.write(byte_view(data))

@@ -159,13 +159,15 @@ class TorchWriter:
         self.sink.check()
 
     def write_storages(self, fill: tp.Callable[[Stored, torch.Tensor], None], scratch: Scratch,
-                       progress: tp.Callable[[int], None] = lambda n: None) -> None:
+                       progress: tp.Callable[[int], None] = lambda n: None, source: str = "") -> None:
         """Every storage record in archive order; ``fill(stored, out)`` fills ``out`` (a view of
-        ``scratch`` of the stored dtype and shape) with a placeholder's bytes."""
+        ``scratch`` of the stored dtype and shape) with a placeholder's bytes (``source`` names
+        where they come from, for messages)."""
         for index, storage in enumerate(self.storages):
             data = storage.data
             if data is None:
-                data = scratch.view(storage.stored.dtype, storage.stored.shape)
+                where = f"{source}: tensor {storage.stored.key!r}" if source else f"tensor {storage.stored.key!r}"
+                data = scratch.view(storage.stored.dtype, storage.stored.shape, where)
                 fill(storage.stored, data)
             self.write(index, data)
             progress(storage.stored.nbytes)

@@ -14,9 +14,13 @@ request straight from its record into a fresh buffer (``read``) or into an
 existing tensor (``readinto``), so memory holds one tensor at a time.
 
 Record bytes are read by offset, never through ``zipfile``'s readers: like
-``torch.load``, this does not check the records' CRC32 (hpcx writes DCP shards
-with CRC32 off; see docs/checkpoints.md). Every record a tensor needs is
-checked to lie inside the archive before any data is read.
+``torch.load``, this does not check a stored record's CRC32 (hpcx writes DCP
+shards with CRC32 off; see docs/checkpoints.md). A record that was deflated
+(an archive re-zipped by a zip tool) is inflated a chunk at a time, and its
+size and CRC32 are checked over the whole record; other methods, encryption,
+a local header that disagrees with the directory, or a declared size deflate
+cannot reach are refused. Every record a tensor needs is checked to lie
+inside the archive before any data is read.
 
 ``Unsupported`` means "a layout this reader does not handle" (legacy non-zip
 files, big-endian data, quantized/sparse tensors, a global outside the list):
@@ -36,13 +40,18 @@ import sys
 import typing as tp
 import warnings
 import zipfile
+import zlib
 
 import torch
 
 from hpc import compat
+from hpc.ckpt.entries import allocate, short_repr
 from hpc.core.errors import CheckpointError
 
 MAX_PICKLE = 256 * 2**20  # a state dict's data.pkl is small; refuse absurd ones rather than read them
+MAX_DEFLATE_RATIO = 1032  # deflate's largest expansion: one 258-byte match per 2 bits
+ZIP_METHODS = {zipfile.ZIP_BZIP2: "bzip2", zipfile.ZIP_LZMA: "lzma", 93: "zstandard", 1: "shrink", 6: "implode",
+               9: "deflate64", 98: "PPMd"}
 
 
 class Unsupported(Exception):
@@ -89,7 +98,9 @@ class TensorRef:
         return contiguous
 
 
-class _StorageType:
+class StorageType:
+    """A storage class a pickle names (``torch.FloatStorage`` & co.), reduced to its dtype."""
+
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
@@ -115,7 +126,9 @@ class _Refs:
         ref = TensorRef(storage, dtype, off, size_t, stride_t)
         if dtype.itemsize != storage.dtype.itemsize and storage.dtype != torch.uint8:
             raise Unsupported(f"tensor of {dtype} over a {storage.dtype} storage")
-        placeholder = torch.empty_strided(size_t, stride_t, dtype=dtype, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex32: "ComplexHalf support is experimental"
+            placeholder = torch.empty_strided(size_t, stride_t, dtype=dtype, device="meta")
         self.by_id[id(placeholder)] = ref
         return placeholder
 
@@ -125,7 +138,7 @@ class _Refs:
 
     def v3(self, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):  # noqa: ANN
         if not isinstance(dtype, torch.dtype):
-            raise Unsupported(f"tensor dtype {dtype!r}")
+            raise Unsupported(f"tensor dtype {short_repr(dtype)}")
         return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
 
     def parameter(self, data, requires_grad, backward_hooks):  # noqa: ANN
@@ -160,8 +173,8 @@ class TensorUnpickler(pickle.Unpickler):
             compat.REBUILD_PARAMETER: refs.parameter,
             ("collections", "OrderedDict"): collections.OrderedDict,
             ("torch", "Size"): torch.Size,
-            ("torch.storage", "UntypedStorage"): _StorageType(torch.uint8),
-            ("torch", "UntypedStorage"): _StorageType(torch.uint8),
+            ("torch.storage", "UntypedStorage"): StorageType(torch.uint8),
+            ("torch", "UntypedStorage"): StorageType(torch.uint8),
         }
 
     def find_class(self, module: str, name: str) -> tp.Any:
@@ -172,16 +185,16 @@ class TensorUnpickler(pickle.Unpickler):
             if isinstance(value, torch.dtype):
                 return value
             if name in _legacy_storage_dtypes():
-                return _StorageType(_legacy_storage_dtypes()[name])  # torch.FloatStorage & co.
+                return StorageType(_legacy_storage_dtypes()[name])  # torch.FloatStorage & co.
         raise Unsupported(f"pickle global {module}.{name}")
 
     def persistent_load(self, pid: tp.Any) -> tp.Any:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] in ("storage", b"storage")
-                and isinstance(pid[1], _StorageType) and isinstance(pid[4], int)):
-            raise Unsupported(f"persistent id {pid!r:.80}")
+                and isinstance(pid[1], StorageType) and isinstance(pid[4], int)):
+            raise Unsupported(f"persistent id {short_repr(pid)}")
         key = pid[2].decode() if isinstance(pid[2], bytes) else pid[2]
         if not isinstance(key, str):
-            raise Unsupported(f"storage key {key!r}")
+            raise Unsupported(f"storage key {short_repr(key)}")
         return StorageRef(key, pid[1].dtype, pid[4])
 
 
@@ -230,39 +243,58 @@ class TorchZip:
         return self.refs.get(id(placeholder))
 
     def _data_offset(self, name: str) -> tuple[int, int]:
-        """(absolute file offset of the record's bytes, record size)."""
+        """(absolute file offset of the record's bytes, bytes stored: compressed ones when deflated)."""
         info = self.records.get(name)
         if info is None:
             raise CheckpointError([f"{self.source}: record {self.root}{name} is missing"])
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise Unsupported(f"compressed record {name}")
         if name not in self.offsets:
-            self.f.seek(self.base + info.header_offset)
-            head = self.f.read(30)
-            if len(head) != 30 or head[:4] != b"PK\x03\x04":
-                raise CheckpointError([f"{self.source}: record {self.root}{name} has no local header "
-                                   f"at byte {info.header_offset} (damaged)"])
-            n, m = struct.unpack("<HH", head[26:30])
-            self.offsets[name] = info.header_offset + 30 + n + m
+            self.offsets[name] = self._local_header(name, info)
         start = self.offsets[name]
-        if start + info.file_size > self.length:
-            raise CheckpointError([f"{self.source}: record {self.root}{name} ends at byte {start + info.file_size}, "
-                               f"past the end ({self.length}); truncated"])
-        return self.base + start, info.file_size
+        if start + info.compress_size > self.length:
+            raise CheckpointError([f"{self.source}: record {self.root}{name} ends at byte "
+                                   f"{start + info.compress_size}, past the end ({self.length}); truncated"])
+        return self.base + start, info.compress_size
+
+    def _local_header(self, name: str, info: zipfile.ZipInfo) -> int:
+        """Where the record's bytes start, after checking how they are stored (stored or deflated,
+        not encrypted, the same method in the local header as in the directory, a possible ratio)."""
+        where = f"{self.source}: record {self.root}{name}"
+        if info.flag_bits & 0x1:
+            raise CheckpointError([f"{where} is encrypted; a torch.save archive never is"])
+        method = info.compress_type
+        if method not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise CheckpointError([f"{where} is compressed with {ZIP_METHODS.get(method, 'method')} ({method}); hpcx "
+                                   "reads stored and deflated records only (torch.save writes stored ones)"])
+        if method == zipfile.ZIP_STORED and info.compress_size != info.file_size:
+            raise CheckpointError([f"{where} is stored with {info.compress_size} bytes but declares {info.file_size}"])
+        if method == zipfile.ZIP_DEFLATED and info.file_size > info.compress_size * MAX_DEFLATE_RATIO + 64:
+            raise CheckpointError([f"{where} declares {info.file_size} bytes from {info.compress_size} deflated ones, "
+                                   f"more than deflate can expand ({MAX_DEFLATE_RATIO}x); the directory lies"])
+        self.f.seek(self.base + info.header_offset)
+        head = self.f.read(30)
+        if len(head) != 30 or head[:4] != b"PK\x03\x04":
+            raise CheckpointError([f"{where} has no local header at byte {info.header_offset} (damaged)"])
+        (local_method,) = struct.unpack("<H", head[8:10])
+        if local_method != method:
+            raise CheckpointError([f"{where}: its local header says compression method {local_method}, the "
+                                   f"directory says {method} (damaged or forged)"])
+        n, m = struct.unpack("<HH", head[26:30])
+        return info.header_offset + 30 + n + m
 
     def _record_bytes(self, name: str, limit: int) -> bytes:
-        pos, size = self._data_offset(name)
+        self._data_offset(name)
+        size = self.records[name].file_size
         if size > limit:
             raise CheckpointError([f"{self.source}: record {self.root}{name} is implausibly large ({size} bytes)"])
-        self.f.seek(pos)
-        data = self.f.read(size)
-        if len(data) != size:
-            raise CheckpointError([f"{self.source}: record {self.root}{name} is truncated"])
-        return data
+        data = bytearray(size)
+        self._fill(name, 0, memoryview(data))
+        return bytes(data)
 
     def _check(self, ref: TensorRef) -> tuple[int, int]:
-        """(absolute offset of the view's first byte, byte count of its span); CheckpointError if out of range."""
-        pos, size = self._data_offset(f"data/{ref.storage.key}")
+        """(absolute offset of the view's first byte, byte count of its span); CheckpointError if out of range.
+        For a deflated record the offset is inside its inflated bytes (read through ``_fill``)."""
+        pos, _ = self._data_offset(f"data/{ref.storage.key}")
+        size = self.records[f"data/{ref.storage.key}"].file_size
         isz = ref.dtype.itemsize
         expected = ref.storage.numel * ref.storage.dtype.itemsize
         first, end = ref.span()
@@ -271,13 +303,26 @@ class TorchZip:
                                f"the pickle expects {expected} (view up to byte {end * isz})"])
         return pos + first * isz, (end - first) * isz
 
+    def _fill(self, name: str, first: int, view: memoryview) -> None:
+        """Bytes ``[first, first+len(view))`` of record ``name`` into ``view``: read in place when stored,
+        inflated (bounded memory, size and CRC-32 checked over the whole record) when deflated."""
+        info = self.records[name]
+        pos, stored = self._data_offset(name)
+        if info.compress_type == zipfile.ZIP_STORED:
+            read_exact(self.f, pos + first, view, self.source)
+            return
+        got, crc = inflate(self.f, pos, stored, first, view, info.file_size)
+        if got != info.file_size or crc != info.CRC:
+            raise CheckpointError([f"{self.source}: record {self.root}{name} inflates to {got} bytes with CRC-32 "
+                                   f"{crc:08x}; its directory says {info.file_size} bytes, {info.CRC:08x} (corrupt)"])
+
     def read(self, ref: TensorRef) -> torch.Tensor:
         """A fresh tensor equal to what ``torch.load`` gives (same dtype, shape, stride and bytes)."""
         if ref.numel == 0:
             return torch.empty_strided(ref.size, ref.stride, dtype=ref.dtype)
         pos, nbytes = self._check(ref)
-        buf = torch.empty(nbytes // ref.dtype.itemsize, dtype=ref.dtype)
-        read_exact(self.f, pos, buf, self.source)
+        buf = allocate((nbytes // ref.dtype.itemsize,), ref.dtype)
+        self._fill(f"data/{ref.storage.key}", ref.span()[0] * ref.dtype.itemsize, byte_view(buf))
         return buf if ref.is_contiguous() and buf.shape == ref.size else buf.as_strided(ref.size, ref.stride)
 
     def readinto(self, ref: TensorRef, out: torch.Tensor) -> bool:
@@ -286,9 +331,116 @@ class TorchZip:
                 and tuple(out.shape) == ref.size and out.device.type == "cpu"):
             return False
         if ref.numel:
-            pos, _ = self._check(ref)
-            read_exact(self.f, pos, out, self.source)
+            self._check(ref)
+            self._fill(f"data/{ref.storage.key}", ref.span()[0] * ref.dtype.itemsize, byte_view(out))
         return True
+
+    def compressed(self) -> list[str]:
+        """Names of the records that are not stored as is."""
+        return [n for n, i in self.records.items() if i.compress_type != zipfile.ZIP_STORED]
+
+
+INFLATE_CHUNK = 1 << 20
+
+
+def inflate(f: tp.BinaryIO, pos: int, stored: int, first: int, view: memoryview, limit: int) -> tuple[int, int]:
+    """Inflate the raw deflate stream of ``stored`` bytes at ``pos`` of ``f``, copying its bytes
+    ``[first, first+len(view))`` into ``view``; (bytes it inflated to, their CRC-32). Memory stays at
+    one chunk; it stops past ``limit`` bytes (the size the directory declares)."""
+    d, crc, done, taken = zlib.decompressobj(-15), 0, 0, 0
+    while not d.eof and done <= limit:
+        data = d.unconsumed_tail
+        if not data and taken < stored:
+            f.seek(pos + taken)
+            data = f.read(min(INFLATE_CHUNK, stored - taken))
+            taken += len(data)
+        try:
+            out = d.decompress(data, INFLATE_CHUNK)
+        except zlib.error:
+            break
+        if not out and not data:
+            break
+        crc = zlib.crc32(out, crc)
+        lo, hi = max(done, first), min(done + len(out), first + len(view))
+        if lo < hi:
+            view[lo - first:hi - first] = out[lo - done:hi - done]
+        done += len(out)
+    return done, crc
+
+
+class _Stub:
+    """Whatever a scanned pickle builds, inert: calls, items and state go nowhere."""
+
+    def __call__(self, *args: tp.Any, **kwargs: tp.Any) -> "_Stub":
+        return _Stub()
+
+    def __setitem__(self, key: tp.Any, value: tp.Any) -> None:
+        pass
+
+    def __setstate__(self, state: tp.Any) -> None:
+        pass
+
+    def append(self, value: tp.Any) -> None:
+        pass
+
+    def extend(self, values: tp.Any) -> None:
+        pass
+
+
+class StorageScan(pickle.Unpickler):
+    """Reads a pickle only to list the storages it declares (zip and legacy persistent ids); every
+    global is an inert stub, so nothing runs and nothing is allocated."""
+
+    def __init__(self, f: tp.BinaryIO):
+        super().__init__(f)
+        self.storages: dict[tp.Any, int] = {}  # storage key -> declared bytes
+        self.negative: list[int] = []
+
+    def find_class(self, module: str, name: str) -> tp.Any:
+        dtype = _legacy_storage_dtypes().get(name) if module == "torch" else None
+        if module in ("torch", "torch.storage") and name == "UntypedStorage":
+            dtype = torch.uint8
+        return StorageType(dtype) if dtype is not None else _Stub()
+
+    def persistent_load(self, pid: tp.Any) -> tp.Any:
+        if isinstance(pid, tuple) and len(pid) in (5, 6) and isinstance(pid[1], StorageType) \
+                and isinstance(pid[4], int) and not isinstance(pid[4], bool):
+            key = pid[2].decode(errors="replace") if isinstance(pid[2], bytes) else str(pid[2])
+            if pid[4] < 0:
+                self.negative.append(pid[4])
+            self.storages[key] = max(self.storages.get(key, 0), pid[4] * pid[1].dtype.itemsize)
+        return _Stub()
+
+
+def zip_load_problems(f: tp.BinaryIO, source: str, base: int = 0, length: int | None = None) -> list[str]:
+    """What ``torch.load`` of the archive at ``[base, base+length)`` would allocate but the file does
+    not hold: it allocates each storage its data.pkl declares, then reads the record (inflating a
+    deflated one whole). Empty when every record holds its declared bytes (or this is no archive)."""
+    f.seek(0, 2)
+    length = f.tell() - base if length is None else length
+    try:
+        z = zipfile.ZipFile(FileSlice(f, base, length))  # type: ignore[arg-type]
+        infos = {i.filename: i for i in z.infolist()}
+        pkl = [n for n in infos if n.count("/") == 1 and n.endswith("/data.pkl")]
+        if len(pkl) != 1 or infos[pkl[0]].file_size > MAX_PICKLE:
+            return []
+        scan = StorageScan(io.BytesIO(z.read(pkl[0])))
+        scan.load()
+    except Exception:  # noqa: BLE001  (not a readable archive or pickle: torch.load says why)
+        return []
+    root = pkl[0][: -len("data.pkl")]
+    if scan.negative:
+        return [f"{source}: data.pkl declares a storage of {scan.negative[0]} elements"]
+    problems = []
+    for key, nbytes in scan.storages.items():
+        info = infos.get(f"{root}data/{key}")
+        if info is not None and nbytes > info.file_size:
+            problems.append(f"{source}: record {root}data/{key} holds {info.file_size} bytes; data.pkl declares "
+                            f"{nbytes}; refused before torch.load allocates them")
+        elif info is not None and info.file_size > info.compress_size * MAX_DEFLATE_RATIO + 64:
+            problems.append(f"{source}: record {root}data/{key} declares {info.file_size} bytes from "
+                            f"{info.compress_size} compressed ones, more than deflate can expand")
+    return problems
 
 
 class FileSlice(io.RawIOBase):
@@ -328,9 +480,10 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
-def read_exact(f: tp.BinaryIO, pos: int, out: torch.Tensor, source: str) -> None:
-    """Fill the contiguous tensor ``out`` with the bytes at ``pos`` of ``f``; CheckpointError if the file ends."""
-    view = byte_view(out)
+def read_exact(f: tp.BinaryIO, pos: int, out: torch.Tensor | memoryview, source: str) -> None:
+    """Fill the contiguous tensor (or byte view) ``out`` with the bytes at ``pos`` of ``f``; CheckpointError
+    if the file ends."""
+    view = out if isinstance(out, memoryview) else byte_view(out)
     f.seek(pos)
     done = 0
     while done < len(view):

@@ -10,6 +10,7 @@ behind. ``verify`` exits 1 when the checkpoints differ.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -70,9 +71,23 @@ def inspect_cmd(path: str, deep: bool, as_json: bool) -> None:
     with Progress("inspect") as bar:
         info = inspect_checkpoint(path, deep=deep, start=bar.start)
     if as_json:
-        echo_json(info)
+        echo_json_streamed(info)
     else:
         _print_inspect(info, deep)
+
+
+def echo_json_streamed(obj: tp.Any) -> None:
+    """``echo_json``'s output, written a piece at a time: a header of a million tensors never
+    becomes one string of a hundred megabytes."""
+    batch: list[str] = []
+    size = 0
+    for chunk in json.JSONEncoder(indent=2, sort_keys=True, default=str).iterencode(obj):
+        batch.append(chunk)
+        size += len(chunk)
+        if size > 1 << 20:
+            click.echo("".join(batch), nl=False)
+            batch, size = [], 0
+    click.echo("".join(batch))
 
 
 def _print_inspect(info: dict, deep: bool) -> None:
@@ -90,8 +105,9 @@ def _print_inspect(info: dict, deep: bool) -> None:
     click.echo(f"{'tensors:':13} {len(info['tensors'])}, {human(info['total_bytes'])} ({info['total_bytes']} bytes)")
     click.echo(f"{'objects:':13} {len(info['objects'])}")
     width = max((len(t["key"]) for t in info["tensors"]), default=0)
+    dwidth = max((len(t["dtype"]) for t in info["tensors"]), default=9)
     for t in info["tensors"]:
-        click.echo(f"  {t['key']:{width}}  {t['dtype']:9} {str(t['shape']):20} {human(t['bytes'])}")
+        click.echo(f"  {t['key']:{width}}  {t['dtype']:{dwidth}} {str(t['shape']):20} {human(t['bytes'])}")
 
 
 class Progress:
@@ -147,7 +163,10 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
                    "or step folder of the built-in llama or gpt; DST a folder transformers' from_pretrained "
                    "loads (config.json, safetensors shards + index, the tokenizer's files when the run's "
                    "data names one).")
-@click.option("--model-only", is_flag=True, help="Only the model's weights (a plain model.state_dict()).")
+@click.option("--model-only", is_flag=True,
+              help="Only the model's weights: a plain model.state_dict() (torch), plain FQN keys (safetensors), "
+                   "or a DCP folder of the model.* entries under their model. keys (dcp; load_checkpoint reads "
+                   "it into a model).")
 @click.option("--shard-size", default=None, metavar="SIZE",
               help="safetensors (default 5GiB) and hf (default 5GB): largest shard; bigger outputs become a "
                    "folder of shards plus model.safetensors.index.json.")
@@ -197,7 +216,8 @@ def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> 
 
     Bit-exact by default. With --atol, NaN must be at the same places in both, infinities equal,
     and every other pair within the tolerance. SHA-256 digests recorded beside a DCP folder's
-    shards are checked first: a shard that no longer matches is an error (exit 2).
+    shards are checked first: a shard that no longer matches is an error (exit 2). Every entry is
+    read, however many differ: a torn or lying entry is an error (exit 2), never a difference.
     """
     from hpc.ckpt.convert import verify_checkpoints
 
@@ -209,7 +229,9 @@ def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> 
         exact = "bit-exact" if atol == 0 else f"within atol={atol}"
         click.echo(f"equal: {result['compared']} entries, {exact}")
     else:
-        click.echo(f"differ ({'first ' if result['more'] else ''}{len(result['differences'])} shown):")
+        shown = len(result["differences"])
+        click.echo(f"differ (first {shown} of {result['total_differences']} shown):" if result["more"]
+                   else f"differ ({shown} shown):")
         for line in result["differences"]:
             click.echo(f"  {line}")
     if not result["equal"]:

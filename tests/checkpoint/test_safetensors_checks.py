@@ -223,15 +223,33 @@ def test_a_shard_tensor_the_index_does_not_list_and_one_in_two_shards(tmp_path: 
     refused_everywhere(tmp_path, src, "tensor 'a' is in s1.safetensors and s2.safetensors")
 
 
-@pytest.mark.parametrize("name", ["../outside.safetensors", "ABS", "sub/x.safetensors", "..", ".", "",
-                                  "s1.safetensors/../../outside.safetensors"])
-def test_index_naming_a_file_outside_its_folder_is_reported_as_traversal(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name,expect", [
+    ("../outside.safetensors", "points outside the folder"), ("ABS", "points outside the folder"),
+    ("..", "points outside the folder"), ("s1.safetensors/../../outside.safetensors", "points outside the folder"),
+    ("sub/../../outside.safetensors", "points outside the folder"), (".", "is not a file name"),
+    ("", "is not a file name"), ("sub/", "names a folder"),
+])
+def test_index_naming_a_file_outside_its_folder_is_reported_as_traversal(tmp_path: Path, name: str,
+                                                                         expect: str) -> None:
     mf.valid_st(tmp_path / "outside.safetensors", {"b": torch.zeros(3)})  # exists: not "missing"
     (tmp_path / "st" / "sub").mkdir(parents=True)
     mf.valid_st(tmp_path / "st" / "sub" / "x.safetensors", {"b": torch.zeros(3)})
     name = str(tmp_path / "outside.safetensors") if name == "ABS" else name
     src = mf.st_index(tmp_path / "st", {"a": "s1.safetensors", "b": name}, {"s1.safetensors": {"a": torch.ones(2)}})
-    refused_everywhere(tmp_path, src, "points outside the folder")
+    refused_everywhere(tmp_path, src, expect)
+
+
+@pytest.mark.parametrize("name", ["sub/x.safetensors", "./sub/x.safetensors", "sub//x.safetensors",
+                                  "sub/./x.safetensors"])
+def test_index_naming_a_shard_in_a_subfolder_is_read(tmp_path: Path, name: str) -> None:
+    """A subfolder is inside the folder (issue 24: it was reported as "outside the folder")."""
+    (tmp_path / "st" / "sub").mkdir(parents=True)
+    mf.valid_st(tmp_path / "st" / "sub" / "x.safetensors", {"b": torch.arange(3.0)})
+    src = mf.st_index(tmp_path / "st", {"a": "s1.safetensors", "b": name}, {"s1.safetensors": {"a": torch.ones(2)}})
+    code, out = cli("convert", src, tmp_path / "o.pt", "--to", "torch")
+    assert code == 0, out
+    assert torch.equal(torch.load(tmp_path / "o.pt", weights_only=True)["model"]["b"], torch.arange(3.0))
+    assert cli("inspect", src, "--deep")[0] == 0
 
 
 BAD_INDEX = {
