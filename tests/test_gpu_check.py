@@ -182,3 +182,71 @@ def test_the_gpu_parts_run_folders_resolve_for_a_one_gpu_site(tmp_path, monkeypa
         assert (launch["backend"], launch["strategy"], launch["world_size"]) == ("nccl", "fsdp", 1)
     assert [json.loads((r / "resolved.json").read_text())["launch"]["cpu_offload"] for r in runs[2:]] == \
         [False, True, False, True]
+
+
+NOT_WRITTEN = "site draft: not written (no throughput run measured an MFU): "
+
+
+def test_the_cuda_absent_run_with_a_site_draft_says_so_and_writes_none(bare_python, tmp_path):
+    scratch, cwd = tmp_path / "tmp", tmp_path / "cwd"
+    scratch.mkdir()
+    cwd.mkdir()
+    before = checkout_files()
+    out = subprocess.run([str(bare_python), str(CHECK), "--budget-s", "60", "--only", "staging",
+                          "--site-draft", "site.toml"], capture_output=True, text=True, cwd=cwd,
+                         env=bare_env(scratch), timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[0] == CUDA_ABSENT
+    assert f"{NOT_WRITTEN}site.toml" in out.stdout.splitlines()
+    assert list(scratch.iterdir()) == [] and list(cwd.iterdir()) == []
+    assert checkout_files() == before
+
+
+H200 = {"cuda": True, "torch": "2.x", "count": 1, "name": "NVIDIA H200", "memory_gb": 150.04, "peak_tflops": 989.0}
+
+
+def test_the_parent_writes_the_site_draft_from_the_throughput_row(tmp_path):
+    from hpc.core.site_draft import load_draft
+
+    check = load_check()
+    source = "bench/gpu_check on one NVIDIA H200, 2026-12-01: GPT 350m FSDP2 bf16+AC+compile, micro 8 x 2048"
+    rows = [check.row("throughput", "MFU", "41.2%", "ok"),
+            {**check.row("throughput", "MFU on the planner's basis", "41.2%", "ok"), "mfu": 0.41234,
+             "mfu_source": source}]
+    path = tmp_path / "h200.toml"
+    line, failed = check.write_site_draft(path, rows, H200)
+    drafted = load_draft(path)
+    assert not failed and line == f"site draft: {path}: node.mfu = 0.412 ({source})"
+    assert (drafted.node.mfu, drafted.node.mfu_source) == (0.412, source)
+    assert (drafted.node.gpus, drafted.node.gpu_model, drafted.node.gpu_peak_tflops) == (1, "NVIDIA H200", 989.0)
+    assert drafted.node.gpu_memory_gb == 150.0 and drafted.scheduler.kind == "local"
+    text = path.read_text()
+    line, failed = check.write_site_draft(path, rows, H200)  # never over a file
+    assert failed and "exists" in line and path.read_text() == text
+    assert check.main(["--site-draft", str(path)]) == 2  # refused before any part runs
+    for rows_, info in ((rows[:1], H200), (rows, {"cuda": False})):
+        assert check.write_site_draft(tmp_path / "none.toml", rows_, info) == (f"{NOT_WRITTEN}{tmp_path / 'none.toml'}",
+                                                                                False)
+    assert not (tmp_path / "none.toml").exists()
+
+
+def test_the_planner_basis_mfu_in_a_draft_reproduces_the_measured_step(tmp_path, monkeypatch):
+    """The throughput part's planner-basis row, written as a draft: the planner with that draft's node.mfu
+    predicts the measured step for the throughput run (one GPU, no communication)."""
+    import torch
+
+    from hpc.core.models import model_facts
+    from hpc.core.site_draft import load_draft
+    from hpc.plan import compute_seconds, setup_of
+
+    check = load_check()
+    monkeypatch.setattr(check, "site_doc", lambda ctx: {**GPU_SITE, "storage": {"run_root": str(tmp_path)}})
+    run = check.make_run(check.Ctx(tmp_path, torch.device("cpu"), float("inf")), "throughput", check.THROUGHPUT)
+    measured = check.planner_row(run, 0.2)
+    assert 0 < measured["mfu"] < 1 and measured["status"] == "ok"
+    assert measured["mfu_source"].startswith("bench/gpu_check on one NVIDIA H200, ")
+    assert measured["mfu_source"].endswith(": GPT 350m FSDP2 bf16+AC+compile, micro 8 x 2048, step 200.0 ms")
+    check.write_site_draft(tmp_path / "draft.toml", [measured], H200)
+    draft, spec = load_draft(tmp_path / "draft.toml"), check.resolved(run)[1]
+    compute = compute_seconds(model_facts(spec.model), setup_of(spec, draft, 1), draft, draft.node.mfu)
+    assert compute == pytest.approx(0.2, rel=3e-3)

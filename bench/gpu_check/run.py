@@ -1,6 +1,7 @@
 """The GPU check: what one GPU must prove in at most 8 minutes, from a bare checkout.
 
     python bench/gpu_check/run.py [--budget-s 420] [--only throughput,resume,staging,strategies,offload,pytest]
+                                  [--site-draft FILE]
 
 Needs torch (and CUDA for most parts) and nothing else: it puts the repository root on ``sys.path``
 itself (no install step, no submitit), downloads nothing, and prints one table. Parts:
@@ -8,7 +9,9 @@ itself (no install step, no submitit), downloads nothing, and prints one table. 
 1. ``throughput``: FSDP2 + bf16 + activation checkpointing + compile, GPT 350m, world size 1 on
    NCCL: tokens/s, MFU, peak memory against the planner; the steady steps again under
    ``torch.cuda.set_sync_debug_mode("error")`` (no hidden host sync); one flight-recorder dump
-   that holds entries.
+   that holds entries. The MFU also on the planner's basis: the planner's compute time at MFU 1
+   over the measured median step (one GPU, no communication, activation checkpointing's recompute
+   counted as the planner counts it).
 2. ``resume``: FSDP2 with async saves, ``python -m trainer`` preempted by USR2, resumed by a fresh
    process: the losses and grad norms after the resume, and the final model and optimizer state,
    equal an uninterrupted run's bit for bit (dropout on, so the device RNG counts).
@@ -23,6 +26,12 @@ itself (no install step, no submitit), downloads nothing, and prints one table. 
    pure Python), made here with ``python -m pip install --target .gpu_check_deps pytest submitit click``
    (check that no torch or numpy landed in it); children get it on ``PYTHONPATH``.
 
+With ``--site-draft FILE`` (a new file; an existing one is refused before anything runs) the parent
+writes, after the parts, this machine as a one-GPU local site profile draft whose ``node.mfu`` is the
+throughput part's MFU on the planner's basis, with ``node.mfu_source`` saying where it came from
+(``hpc.core.site_draft``); where no throughput run measured one (CUDA absent, the part skipped or
+failed, the GPU's peak unknown) it says so and writes nothing.
+
 What needs 2 GPUs or 2 nodes is listed as unchecked. Where CUDA is absent it says so in one line,
 runs the CPU-possible parts (resume, staging, strategies on gloo) and exits 0 unless one failed.
 
@@ -30,7 +39,7 @@ Every part runs in a child process of its own session, under a deadline; on over
 process group is killed, so no child keeps the GPU while the next part runs. The remaining budget
 is checked before each part and inside it. Everything is written into one temporary folder
 (run folders, compile caches, TMPDIR, logs) that is removed at the end whatever happens; no
-bytecode is written into the checkout.
+bytecode is written into the checkout; the requested site draft is the one file left behind.
 """
 
 from __future__ import annotations
@@ -245,6 +254,46 @@ def planned(only: list[str], info: dict, budget: Budget, tmp: Path) -> list[dict
     return rows
 
 
+def one_device_doc(gpu: dict | None) -> dict:
+    """This machine as a one-device local site without storage: ``gpu`` (the probe's name, memory_gb and
+    peak_tflops) on NCCL, or, with none, gloo."""
+    node: dict = {"gpus": 0, "cpus": os.cpu_count() or 1, "intra_link": "none"}
+    if gpu:
+        node.update(gpus=1, gpu_model=gpu["name"], gpu_memory_gb=round(gpu["memory_gb"], 1),
+                    gpu_peak_tflops=gpu["peak_tflops"])
+    return {"scheduler": {"kind": "local", "gpu_directive": "none"}, "node": node, "network": {"fabric": "none"}}
+
+
+def draft_refused(path: Path | None) -> str | None:
+    """Why ``--site-draft`` cannot be written there (checked before the parts run); None when it can."""
+    if path is None:
+        return None
+    if path.exists():
+        return f"site draft: {path}: exists; a site draft is never written over a file (choose a new name)"
+    if not path.parent.is_dir():
+        return f"site draft: {path}: its folder {path.parent} does not exist"
+    return None
+
+
+def write_site_draft(path: Path, rows: list[dict], info: dict) -> tuple[str, bool]:
+    """This machine's site draft with the throughput part's planner-basis MFU (``hpc.core.site_draft``):
+    the line saying what was written, or why nothing was, and whether that is a failure."""
+    from hpc.core.config import ConfigError
+    from hpc.core.site import parse_site
+    from hpc.core.site_draft import write_draft
+
+    measured = [r for r in rows if r["part"] == "throughput" and r.get("mfu")]
+    if not measured or not info.get("cuda"):
+        return f"site draft: not written (no throughput run measured an MFU): {path}", False
+    try:
+        site = parse_site(one_device_doc(info), "gpu-check", "<gpu_check>")
+        drafted = write_draft(path, site, measured[-1]["mfu"], measured[-1]["mfu_source"])
+    except (ConfigError, OSError) as exc:
+        why = "; ".join(exc.messages) if isinstance(exc, ConfigError) else str(exc)
+        return f"site draft: not written ({why}): {path}", True
+    return f"site draft: {path}: node.mfu = {drafted.node.mfu} ({drafted.node.mfu_source})", False
+
+
 def table(rows: list[dict]) -> str:
     """The rows as one aligned text table."""
     head = {"part": "part", "item": "item", "result": "result", "status": "status"}
@@ -262,6 +311,9 @@ def main(argv: list[str]) -> int:
     if unknown:
         print(f"unknown parts {sorted(unknown)}: expected some of {', '.join(p.name for p in PARTS)}")
         return 2
+    if draft_refused(args.site_draft):
+        print(draft_refused(args.site_draft))
+        return 2
     budget, start = Budget(args.budget_s), time.monotonic()
     become_subreaper()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # so that the finally below still runs
@@ -277,8 +329,11 @@ def main(argv: list[str]) -> int:
             stop_part(proc, set())
         shutil.rmtree(tmp, ignore_errors=True)
     print(table(rows))
+    line, draft_failed = write_site_draft(args.site_draft, rows, info) if args.site_draft else ("", False)
+    if line:
+        print(line)
     print(f"wall {time.monotonic() - start:.0f} s of a {args.budget_s:.0f} s budget")
-    return 1 if any(r["status"] in ("FAILED", "MISSED") for r in rows) else 0
+    return 1 if draft_failed or any(r["status"] in ("FAILED", "MISSED") for r in rows) else 0
 
 
 def describe(info: dict, budget_s: float) -> str:
@@ -291,6 +346,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=420.0, help="the whole check's deadline")
     parser.add_argument("--only", default=",".join(p.name for p in PARTS), help="comma-separated parts")
+    parser.add_argument("--site-draft", type=Path, default=None, metavar="FILE",
+                        help="write this machine's site profile draft with the measured node.mfu here (a new file)")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # a child: run this part
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -338,10 +395,16 @@ def part_probe(ctx: Ctx) -> list[dict]:
 
     info: dict = {"cuda": torch.cuda.is_available(), "torch": torch.__version__, "count": 0}
     if info["cuda"]:
-        props = torch.cuda.get_device_properties(0)
-        info.update(name=props.name, memory_gb=props.total_memory / 1e9, count=torch.cuda.device_count(),
-                    peak_tflops=peak_tflops(props.name))
+        info.update(device_facts(), count=torch.cuda.device_count())
     return [row("probe", "device", json.dumps(info), "ok")]
+
+
+def device_facts() -> dict:
+    """GPU 0's name, memory (GB) and dense bf16 peak, as the probe reports them and ``one_device_doc`` reads them."""
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "memory_gb": props.total_memory / 1e9, "peak_tflops": peak_tflops(props.name)}
 
 
 def peak_tflops(name: str) -> float:
@@ -353,16 +416,9 @@ def peak_tflops(name: str) -> float:
 
 
 def site_doc(ctx: Ctx) -> dict:
-    """This machine as a one-device local site (one GPU: NCCL; none: gloo)."""
-    import torch
-
-    node: dict = {"gpus": 0, "cpus": os.cpu_count() or 1, "intra_link": "none"}
-    if ctx.device.type == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        node.update(gpus=1, gpu_model=props.name, gpu_memory_gb=round(props.total_memory / 1e9, 1),
-                    gpu_peak_tflops=peak_tflops(props.name))
-    return {"scheduler": {"kind": "local", "gpu_directive": "none"}, "node": node, "network": {"fabric": "none"},
-            "storage": {"run_root": str(ctx.out)}}
+    """This machine as a one-device local site (one GPU: NCCL; none: gloo), its runs in the part's folder."""
+    doc = one_device_doc(device_facts() if ctx.device.type == "cuda" else None)
+    return {**doc, "storage": {"run_root": str(ctx.out)}}
 
 
 def make_run(ctx: Ctx, name: str, overrides: list[str]) -> Path:
@@ -436,6 +492,7 @@ def part_throughput(ctx: Ctx) -> list[dict]:
         ctx.check("the compile steps")
     seconds = timed_steps(ctx, t, batches, 8)
     rows = rate_rows(t, run_dir, seconds)
+    rows.append(planner_row(run_dir, statistics.median(seconds)))
     rows.append(sync_row(ctx, t, batches))
     rows.append(flight_recorder_row())
     return rows
@@ -477,16 +534,42 @@ def rate_rows(t, run_dir: Path, seconds: list[float]) -> list[dict]:
     return rows
 
 
-def predicted_gb(run_dir: Path) -> float | None:
-    """The planner's per-rank estimate (without headroom) for the strategy this run uses; at world size 1
-    the planner has only the ``none`` row, which holds what FSDP holds there (the whole model)."""
+def resolved(run_dir: Path) -> tuple[dict, object, object]:
+    """The run folder's resolved document, its spec and its site (JobSpec, SiteProfile)."""
     from hpc.core.site import parse_site
     from hpc.core.spec import spec_from_dict
-    from hpc.plan import plan_job
 
     doc = json.loads((run_dir / "resolved.json").read_text())
     site = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}
-    plan = plan_job(spec_from_dict(doc["spec"]), parse_site(site, "gpu-check", "<gpu_check>"))
+    return doc, spec_from_dict(doc["spec"]), parse_site(site, "gpu-check", "<gpu_check>")
+
+
+def planner_row(run_dir: Path, step_s: float) -> dict:
+    """The MFU on the planner's basis: its compute time at MFU 1 over the measured median step (one GPU, no
+    communication, the recompute counted as it counts it); with ``mfu`` and ``mfu_source`` for ``--site-draft``."""
+    from hpc.core.models import model_facts
+    from hpc.plan import compute_seconds, setup_of
+
+    _, spec, site = resolved(run_dir)
+    at_peak = compute_seconds(model_facts(spec.model), setup_of(spec, site, 1), site, 1.0)
+    item = "MFU on the planner's basis (--site-draft)"
+    if not at_peak or step_s <= 0:
+        return row("throughput", item, "unknown (GPU peak not in the table)", "ok")
+    mfu = at_peak / step_s
+    source = (f"bench/gpu_check on one {site.node.gpu_model}, {time.strftime('%Y-%m-%d')}: GPT {spec.model.size} "
+              f"FSDP2 bf16+AC+compile, micro {spec.train.micro_batch} x {spec.model.seq_len}, "
+              f"step {step_s * 1e3:.1f} ms")
+    return {**row("throughput", item, f"{100 * mfu:.1f}% (the planner's compute at MFU 1 / the measured step, "
+                  "recompute counted)", "ok"), "mfu": mfu, "mfu_source": source}
+
+
+def predicted_gb(run_dir: Path) -> float | None:
+    """The planner's per-rank estimate (without headroom) for the strategy this run uses; at world size 1
+    the planner has only the ``none`` row, which holds what FSDP holds there (the whole model)."""
+    from hpc.plan import plan_job
+
+    doc, spec, site = resolved(run_dir)
+    plan = plan_job(spec, site)
     wanted = (doc["launch"]["strategy"], "none") if doc["launch"]["world_size"] == 1 else (doc["launch"]["strategy"],)
     found = [r for name in wanted for r in plan.rows if r.dims.strategy == name and r.memory]
     return found[0].memory.total if found else None
