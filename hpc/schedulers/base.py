@@ -129,6 +129,11 @@ def result_path(submitit_dir: Path, job_id: str) -> Path:
     return submitit_dir / f"{job_id}_0_result.pkl"
 
 
+def batch_log(submitit_dir: Path, job_id: str) -> Path:
+    """The batch script's stderr (shared with task 0's): where srun says which task ended how."""
+    return submitit_dir / f"{job_id}_0_log.err"
+
+
 class Scheduler(abc.ABC):
     """The login side of one scheduler kind."""
 
@@ -204,3 +209,16 @@ class JobSide(abc.ABC):
     @abc.abstractmethod
     def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
         """(seconds this incarnation waited in the queue, where that figure came from)."""
+
+    def seconds_left(self) -> float | None:
+        """Seconds until this job's time limit; None when there is none or nobody can tell."""
+        return None
+
+    def await_time_limit(self) -> None:
+        """After a stop at the time-limit signal that was not requeued: return once the job may end.
+        A scheduler that records TIMEOUT only when the limit itself ends the job holds until then."""
+
+    def task_ends(self, run_dir: Path) -> list[dict]:
+        """The scheduler's account of this start's tasks that ended badly, in order (``ranks``, ``host``,
+        ``what``, ``signal`` or ``exit_code``, ``first``: before the rest were ended); [] when it has none."""
+        return []

@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import time
 import typing as tp
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from hpc.errors import UserError
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, Scheduler,
-                                 task_command, try_command, unknown)
+                                 batch_log, task_command, try_command, unknown)
 from hpc.validate import directive_value
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -53,7 +54,9 @@ def setup_lines(spec: JobSpec, site: SiteProfile) -> list[str]:
     """
     lines = ["trap '' USR2  # the batch shell outlives a USR2; each task holds it until the trainer's handler "
              "takes it (srun line)",
-             f"export {CHECK_ENV}=after-srun  # a failed srun is requeued (once) by the check after it"]
+             f"export {CHECK_ENV}=after-srun  # a failed srun is requeued (once) by the check after it",
+             f'echo "{START_MARK} ${{SLURM_JOB_ID}}.${{SLURM_RESTART_COUNT:-0}}" >&2  # where srun\'s account of '
+             "this start begins in the batch log"]
     lines += [f"[ -n \"${{{name}+x}}\" ] || export {name}={shlex.quote(value)}"
               for name, value in sorted(site.nccl.items()) if name not in spec.env.set]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.set.items())]
@@ -155,6 +158,75 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
         raise ValueError(f"node {node_id} is not among the {len(counts)} nodes of SLURM_STEP_TASKS_PER_NODE="
                          f"{tasks_per_node!r}")
     return counts[node_id]
+
+
+# ---------------------------------------------------------------- srun's account of a failed step (pure)
+
+# The batch shell writes this line to its stderr at each start (setup_lines), so that the check after
+# srun reads only what srun said in this start (the batch log is appended to across requeues).
+START_MARK = "hpcx: start of job"
+BATCH_LOG_TAIL = 4 << 20  # bytes read from the batch log's end (task 0's tracebacks share the file)
+SRUN_TASK = re.compile(r"^srun: error: (?P<host>[^:\s]+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$")
+SRUN_ENDS_STEP = re.compile(r"^srun: .*Terminating (StepId|job step)|^slurmstepd\S*: error: \*\*\* STEP .* CANCELLED")
+
+
+def start_mark(job_id: str, restart: int) -> str:
+    """The line that opens the batch log's part for one start (``JOB.RESTART``)."""
+    return f"{START_MARK} {job_id}.{restart}"
+
+
+def this_start(text: str, job_id: str, restart: int) -> str:
+    """The part of the batch log between this start's mark and the next start's (all of it when there
+    is no mark: a script of an older hpcx)."""
+    mark = start_mark(job_id, restart)
+    lines = text.splitlines()
+    opened = [i for i, line in enumerate(lines) if line.strip() == mark]
+    if not opened:
+        return "\n".join(lines)
+    part = lines[opened[-1] + 1:]
+    end = next((i for i, line in enumerate(part) if line.startswith(START_MARK)), len(part))
+    return "\n".join(part[:end])
+
+
+def srun_task_ends(text: str) -> list[dict[str, tp.Any]]:
+    """srun's lines about tasks that ended badly, in order: ranks, host, what srun said, the signal
+    (``SIGKILL`` for "Killed") or the exit code, and ``first``: said before srun began to end the step
+    (the tasks that failed on their own; the rest were ended by srun, or failed for their peer)."""
+    ends, first = [], True
+    for line in text.splitlines():
+        if SRUN_ENDS_STEP.search(line):
+            first = False
+            continue
+        match = SRUN_TASK.match(line)
+        if match is None:
+            continue
+        what = match.group("what")
+        ends.append({"ranks": task_ranks(match.group("tasks")), "host": match.group("host"), "what": what,
+                     **task_end(what), "first": first})
+    return ends
+
+
+def task_ranks(text: str) -> list[int]:
+    """``0,2-3`` → [0, 2, 3]."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (high.isdigit() or not high):
+            ranks += range(int(low), int(high or low) + 1)
+    return ranks
+
+
+def task_end(what: str) -> dict[str, tp.Any]:
+    """{"signal": "SIGKILL"} for srun's "Killed" (strsignal's words), {"exit_code": N} for "Exited with
+    exit code N", {} otherwise."""
+    code = re.fullmatch(r"Exited with exit code (\d+)", what)
+    if code:
+        return {"exit_code": int(code.group(1))}
+    words = what.removesuffix(" (core dumped)")
+    for sig in signal.Signals:
+        if signal.strsignal(sig) == words:
+            return {"signal": sig.name}
+    return {}
 
 
 # ---------------------------------------------------------------- scontrol output
@@ -372,6 +444,33 @@ class SlurmJobSide(JobSide):
 
     def incarnation(self, restart: int) -> str:
         return f"{self.job_id()}.{self.restart_count()}"
+
+    def seconds_left(self) -> float | None:
+        """``EndTime`` of ``scontrol show job`` (start + time limit) minus now."""
+        end = scontrol_seconds(show_job(self.job_id() or "").get("EndTime", ""))
+        return None if end is None else end - time.time()
+
+    def await_time_limit(self) -> None:
+        """Hold (signals only set flags) until Slurm ends the job at its limit: its state is then TIMEOUT,
+        not COMPLETED (the work is not done) nor FAILED (nothing failed). Bounded: the limit plus 2 min."""
+        left = self.seconds_left()
+        if left is None:
+            return
+        log.warning("no requeue left: holding %.0f s until the time limit ends the job (state TIMEOUT)", left)
+        deadline = time.monotonic() + max(0.0, left) + 120
+        while time.monotonic() < deadline:
+            time.sleep(2.0)
+
+    def task_ends(self, run_dir: Path) -> list[dict]:
+        """srun's lines about this start's tasks in the batch log (``srun_task_ends``), read from its end."""
+        path = batch_log(Path(run_dir) / SUBMITIT_DIR, self.job_id() or "")
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - BATCH_LOG_TAIL))
+                text = f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return []
+        return srun_task_ends(this_start(text, self.job_id() or "", self.restart_count()))
 
     @property
     def decides_failures(self) -> bool:
