@@ -188,8 +188,7 @@ def status(ref: str | None, as_json: bool) -> None:
     from hpc import runs, submit as sub
 
     targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:LIST_RUNS]
-    states = sub.job_states(targets, sub.QUERY_TIMEOUT_S if ref else LIST_TIMEOUT_S)
-    infos = [sub.summary(r, states[r]) for r in targets]
+    infos = sub.summaries(targets, sub.QUERY_TIMEOUT_S if ref else LIST_TIMEOUT_S)
     if as_json:
         echo_json(infos[0] if ref else infos)
         return
@@ -203,7 +202,8 @@ def format_status(info: dict) -> str:
     return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
             f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
-               f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else ""))
+               f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
+            + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else ""))
 
 
 @cli.command()

@@ -224,29 +224,82 @@ class RunDir:
 
 
 def is_run_dir(path: Path) -> bool:
-    return RunDir(path).exists()
+    """Whether ``path`` holds a ``resolved.json`` (False, never an error, when it cannot be looked into)."""
+    try:
+        return RunDir(path).exists()
+    except OSError:
+        return False
+
+
+def owner_of(path: Path) -> int | None:
+    """The uid that owns ``path``; None when it cannot be looked at."""
+    try:
+        return path.stat().st_uid
+    except OSError:
+        return None
+
+
+def is_mine(path: Path) -> bool:
+    """Whether the caller owns ``path``. A run root may be shared by many users (a project's scratch
+    folder): names and job ids resolve only to the caller's own runs, and the list shows only those."""
+    return owner_of(path) == os.getuid()
 
 
 def find_run(ref: str, roots: tp.Sequence[Path]) -> Path:
-    """A run folder from a path, a folder name under a run root, or a job id."""
+    """A run folder from a path, a folder name under a run root, or a job id; by name or job id only the
+    caller's own runs (another user's of the same name is refused, saying whose it is)."""
     path = Path(ref).expanduser()
     if is_run_dir(path):
         return path.resolve()
+    others = []
     for root in roots:
         if is_run_dir(root / ref):
-            return (root / ref).resolve()
+            if is_mine(root / ref):
+                return (root / ref).resolve()
+            others.append(root / ref)
     if ref.isdigit():
         for run in list_runs(roots):
-            if str(RunDir(run).read_job().get("job_id")) == ref:
+            if str(_job_id(run)) == ref:
                 return run
     where = ", ".join(str(r) for r in roots)
+    if others:
+        raise ConfigError([f"{ref}: {others[0]} is a run of {user_name(owner_of(others[0]))}, not yours: hpcx "
+                           "finds only your own runs by name or job id (give the folder's path to read it)"])
     raise ConfigError([f"{ref}: not a run folder, run name or job id (looked in {where})"])
 
 
+def _job_id(run: Path) -> tp.Any:
+    try:
+        return RunDir(run).read_job().get("job_id")
+    except (ConfigError, OSError):
+        return None
+
+
+def user_name(uid: int | None) -> str:
+    """``user alice (uid 1001)``, or the uid alone when the system does not know the name."""
+    import pwd
+
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})" if uid is not None else "another user"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def list_runs(roots: tp.Sequence[Path]) -> list[Path]:
-    """Run folders under the roots, newest first."""
-    runs = []
+    """The caller's run folders under the roots, newest first. Other users' folders are skipped (by
+    owner, before anything is read), and so is anything that cannot be read: never an error."""
+    found: list[tuple[float, Path]] = []
     for root in roots:
-        if root.is_dir():
-            runs += [p for p in root.iterdir() if is_run_dir(p)]
-    return sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True)
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            continue
+        uid = os.getuid()
+        for entry in entries:
+            try:
+                st = entry.stat()
+            except OSError:
+                continue
+            if st.st_uid == uid and entry.is_dir() and is_run_dir(Path(entry.path)):
+                found.append((st.st_mtime, Path(entry.path)))
+    return [p for _, p in sorted(found, key=lambda t: t[0], reverse=True)]

@@ -55,6 +55,10 @@ class JobState:
         """The state for people: ``unknown (scheduler unreachable)`` when nobody could say."""
         if self.state == "UNKNOWN" and self.detail.get("reason"):
             return f"unknown ({self.detail['reason']})"
+        if self.detail.get("recorded"):
+            return f"{self.state} (recorded in the run folder; {self.detail.get('reason') or UNREACHABLE})"
+        if self.detail.get("reason"):
+            return f"{self.state} ({self.detail['reason']})"
         return self.state
 
 
