@@ -20,7 +20,32 @@ from hpc.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_
 from hpc.config import ConfigError
 from hpc.validate import shown
 
-@click.group(cls=ErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(ErrorsGroup):
+    """A group whose commands that live in their own modules (``lazy``: name -> (module, attribute)) are
+    imported only when named or listed: `hpcx status` does not import the planner or the checkpoint tools."""
+
+    def __init__(self, *args: tp.Any, lazy: dict[str, tuple[str, str]] | None = None, **kwargs: tp.Any):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy and name not in self.commands:
+            import importlib
+
+            module, attribute = self.lazy[name]
+            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        return super().get_command(ctx, name)
+
+
+# Commands in their own modules (each torch-free at import).
+LAZY = {"plan": ("hpc.plan_cli", "plan_command"), "ckpt": ("hpc.ckpt.cli", "ckpt_group"),
+        "scale": ("hpc.scale_cli", "scale_group")}
+
+
+@click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcx")
 def cli() -> None:
     """hpcx: train PyTorch models on many GPUs and nodes through Slurm.
@@ -298,7 +323,7 @@ def drill(ref: str, at_step: str | None, as_json: bool) -> None:
     click.echo(f"drilled job {done['job_id']}{at}: sent {done['signal']} to {', '.join(done['targets'])}")
 
 
-@cli.group()
+@cli.group(cls=LazyGroup, lazy={"detect": ("hpc.plan_cli", "detect_command")})
 def site() -> None:
     """Site profiles: list, show, detect."""
 
@@ -388,21 +413,6 @@ def site_show(name: str, as_json: bool) -> None:
                 click.echo(f"  {key} = {json.dumps(value)}")
         else:
             click.echo(f"{section} = {json.dumps(values)}")
-
-
-def _register_commands() -> None:
-    """Commands that live in their own modules (each torch-free at import)."""
-    from hpc.ckpt.cli import ckpt_group
-    from hpc.plan_cli import detect_command, plan_command
-    from hpc.scale_cli import scale_group
-
-    cli.add_command(plan_command, "plan")
-    cli.add_command(ckpt_group, "ckpt")
-    cli.add_command(scale_group, "scale")
-    site.add_command(detect_command, "detect")
-
-
-_register_commands()
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ REPEATING = ("ImportError", "SyntaxError", "NameError", "AttributeError", "TypeE
 TRANSIENT = ("ConnectionError", "TimeoutError", "MemoryError", "OutOfMemoryError", "DistError", "DistNetworkError",
              "DistStoreError", "DistBackendError", "BrokenPipeError", "InterruptedError", "ChildProcessError")
 # What a rank says when a peer vanished under a collective (gloo, NCCL, the TCP store).
-ECHO = re.compile(r"connection (reset|closed|refused)|reset by peer|closed by peer|broken pipe|"
+ECHO = re.compile(r"connection (reset|closed)|reset by peer|closed by peer|broken pipe|"
                   r"ncclRemoteError|remote process exited|socket timeout|Timed out waiting|"
                   r"communicator was aborted|ProcessGroupNCCL.*(abort|timeout)|recvBytes|sendBytes", re.I)
 
@@ -149,13 +149,14 @@ def failure_error(reports: tp.Sequence[dict], first: tp.Sequence[dict], died: li
     """The one line that says what failed: a repeating start-up error first, then the Python error of a
     rank srun names, then srun's words for a task ended by a signal, then any rank's own error."""
     own = own_failures(reports)
-    for candidates in ([r for r in reports if r.get("repeats")], [r for r in own if r.get("rank") in died],
-                       [] if died else own):
+    dead = [r for r in reports if r.get("rank") in died and not r.get("terminated")]  # said why before dying
+    for candidates in ([r for r in reports if r.get("repeats")], dead, [] if died else own):
         if candidates:
             return str(candidates[0].get("error") or "")
     if first:
         e = first[0]
-        echoes = sorted({r["rank"] for r in reports if "rank" in r and r["rank"] not in died})
+        echoes = sorted({r["rank"] for r in reports if "rank" in r and r["rank"] not in died
+                         and is_echo(str(r.get("error", "")))})
         lost = f"; {ranks_words(echoes)} then lost their connection to it" if echoes else ""
         how = f"was killed by {e['signal']}" if "signal" in e else f"ended ({e.get('what', '')})"
         return f"{ranks_words(e.get('ranks', []))} on {e.get('host', '?')} {how} (srun: {e.get('what', '')}){lost}"

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import time
 import typing as tp
@@ -59,6 +58,8 @@ def run_dir_name(job_name: str, stamp: str, token: str) -> str:
 
 def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
     """A fresh, never reused run folder under ``root``."""
+    import secrets  # here, not at the top: `hpcx status` imports this module and never makes a folder
+
     run = root / run_dir_name(name, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
     dir_mode = modes(group_readable)[1]
     try:
@@ -253,9 +254,10 @@ def find_run(ref: str, roots: tp.Sequence[Path]) -> Path:
         return path.resolve()
     others = []
     for root in roots:
-        if is_run_dir(root / ref):
-            if is_mine(root / ref):
+        if is_mine(root / ref):
+            if is_run_dir(root / ref):
                 return (root / ref).resolve()
+        elif owner_of(root / ref) is not None and (root / ref).is_dir():  # another user's (maybe unreadable)
             others.append(root / ref)
     if ref.isdigit():
         for run in list_runs(roots):
@@ -263,7 +265,7 @@ def find_run(ref: str, roots: tp.Sequence[Path]) -> Path:
                 return run
     where = ", ".join(str(r) for r in roots)
     if others:
-        raise ConfigError([f"{ref}: {others[0]} is a run of {user_name(owner_of(others[0]))}, not yours: hpcx "
+        raise ConfigError([f"{ref}: {others[0]} belongs to {user_name(owner_of(others[0]))}, not to you: hpcx "
                            "finds only your own runs by name or job id (give the folder's path to read it)"])
     raise ConfigError([f"{ref}: not a run folder, run name or job id (looked in {where})"])
 

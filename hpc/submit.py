@@ -282,7 +282,7 @@ def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str
         "states": [s.get("state", "?") for s in rd.read_states()],
         "step": last.get("step"),
         "loss": last.get("loss"),
-        "restarts": max(0, len(starts) - 1),
+        "restarts": max(len(starts) - 1, sum(1 for e in stops if e.get("requeued")), 0),  # a start may die unlogged
         "strategy": launch.get("strategy"),
         "world_size": launch.get("world_size"),
         "ledger": ledger_summary(ledger),

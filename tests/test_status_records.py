@@ -184,7 +184,7 @@ def test_the_list_and_the_lookups_see_only_the_callers_runs(tmp_path, other_uid)
     assert runs.find_run("990000", [root]) == mine  # its job id
     with pytest.raises(ConfigError, match="not a run folder, run name or job id"):
         runs.find_run("777001", [root])  # the other user's job id resolves to nothing
-    with pytest.raises(ConfigError, match=f"is a run of uid {other_uid}, not yours"):
+    with pytest.raises(ConfigError, match=f"belongs to uid {other_uid}, not to you"):
         runs.find_run(theirs.name, [root])
     assert runs.find_run(str(theirs), [root]) == theirs.resolve()  # a path is the caller's explicit choice
 

@@ -19,7 +19,6 @@ one line in ``hpc.schedulers.KINDS``. Everything here is torch-free; submitit is
 from __future__ import annotations
 
 import abc
-import pickle
 import shlex
 import shutil
 import subprocess
@@ -94,6 +93,8 @@ def read_result(path: Path) -> tuple[str, object]:
 
     It is a file the job (this user's own code) wrote into a 0700 folder.
     """
+    import pickle  # only a finished local job's state needs it, never the list of Slurm runs
+
     try:
         with open(path, "rb") as f:
             return pickle.load(f)

@@ -12,13 +12,10 @@ after srun (``python -m hpc.requeue``) then decides the one requeue, whichever r
 
 from __future__ import annotations
 
-import datetime
-import logging
 import os
 import re
 import shlex
 import signal
-import socket
 import time
 import typing as tp
 from pathlib import Path
@@ -33,7 +30,14 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.site import SiteProfile
     from hpc.spec import JobSpec
 
-log = logging.getLogger("hpcx.trainer")
+
+
+def _log() -> tp.Any:
+    """The trainer's logger (the job side logs; `hpcx status` does not import logging for it)."""
+    import logging
+
+    return logging.getLogger("hpcx.trainer")
+
 REQUEUE_ATTEMPTS = 3
 REQUEUED_STATES = ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING", "CONFIGURING")
 CHECK_ENV = "HPCX_REQUEUE_CHECK"  # exported by the script: the check after srun decides failure requeues
@@ -239,6 +243,8 @@ def parse_scontrol(text: str) -> dict[str, str]:
 
 def scontrol_seconds(stamp: str) -> float | None:
     """``2026-11-29T18:37:30`` (the controller's local time) as epoch seconds; None for Unknown/None."""
+    import datetime  # imported here: status, which asks only sacct/squeue, never needs it
+
     try:
         return datetime.datetime.fromisoformat(stamp).timestamp()
     except (TypeError, ValueError):
@@ -327,6 +333,8 @@ def controller_addresses(text: str) -> list[tuple[str, int]]:
 def controller_down(timeout: float) -> str:
     """Why slurmctld cannot be reached (a TCP connect to each controller fails within ``timeout``), or
     "" when one answers or this machine's slurm.conf does not say where it is."""
+    import socket
+
     conf = slurm_conf()
     try:
         addresses = controller_addresses(conf.read_text(errors="replace")) if conf else []
@@ -435,7 +443,7 @@ class SlurmJobSide(JobSide):
             now = show_job(job)
             # a busy controller may answer with an error although the requeue went through
             if ok or now.get("JobState") in REQUEUED_STATES or now.get("Restarts", ours) != ours:
-                log.warning("requeued job %s (scontrol requeue)", job)
+                _log().warning("requeued job %s (scontrol requeue)", job)
                 return None
             if now.get("JobState") != "RUNNING":
                 break
@@ -456,7 +464,7 @@ class SlurmJobSide(JobSide):
         left = self.seconds_left()
         if left is None:
             return
-        log.warning("no requeue left: holding %.0f s until the time limit ends the job (state TIMEOUT)", left)
+        _log().warning("no requeue left: holding %.0f s until the time limit ends the job (state TIMEOUT)", left)
         deadline = time.monotonic() + max(0.0, left) + 120
         while time.monotonic() < deadline:
             time.sleep(2.0)

@@ -130,6 +130,19 @@ def test_a_rank_that_raised_first_is_named_with_its_own_error(run_dir, slurm_sid
     assert line["error"] == "ValueError: bad batch at step 28"
 
 
+def test_every_rank_failing_alike_is_named_by_the_first_that_srun_saw_end(run_dir, slurm_side):
+    """Seen on the sandbox: every rank's model build raised ConnectionRefusedError; rank 3 exited first."""
+    write_ledger(run_dir, [start(0)])
+    write_batch_log(run_dir, batch_log((1, srun_says("n2: task 3: Exited with exit code 1",
+                                                     "n1: tasks 0-1: Exited with exit code 1"))))
+    refused = "ConnectionRefusedError: [Errno 111] Connection refused: tokenizer service at 10.200.0.1:9"
+    for rank in range(4):
+        report(run_dir, rank, refused, step=0, phase="build", repeats=False)
+    line = requeue.after_srun(run_dir, 1, slurm_side)
+    assert line["failed_ranks"] == [3] and line["error"] == refused and line["exit_code"] == 1
+    assert (run_dir / "requeue" / f"{JOB}.1.requeued").exists()  # a refused connection may not repeat
+
+
 def test_without_srun_lines_the_ranks_that_failed_on_their_own_are_named(run_dir, slurm_side):
     write_ledger(run_dir, [start(0)])  # a batch script of an older hpcx: no mark, and srun said nothing
     report(run_dir, 2, CONNECTION_RESET)
@@ -198,6 +211,7 @@ class OutOfMemoryError(RuntimeError):
     (ImportError("x"), "join", 0, False),
     (DistNetworkError("The client socket has timed out"), "join", 0, False),
     (ConnectionResetError("Connection reset by peer"), "build", 0, False),
+    (ConnectionRefusedError(111, "Connection refused"), "build", 0, False),
     (TimeoutError("store"), "build", 0, False),
     (RuntimeError("NCCL error: unhandled system error"), "build", 0, False),
     (RuntimeError(CONNECTION_RESET), "train", 0, False),
