@@ -212,8 +212,11 @@ def status(ref: str | None, as_json: bool) -> None:
     """
     from hpc import runs, submit as sub
 
-    targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:LIST_RUNS]
-    infos = sub.summaries(targets, sub.QUERY_TIMEOUT_S if ref else LIST_TIMEOUT_S)
+    if ref:  # one run: a folder that lies about itself is an error line; in the list it is a row
+        target = runs.find_run(ref, run_roots())
+        infos = [sub.summary(target, sub.job_states([target], sub.QUERY_TIMEOUT_S)[target])]
+    else:
+        infos = sub.summaries(runs.list_runs(run_roots())[:LIST_RUNS], LIST_TIMEOUT_S)
     if as_json:
         echo_json(infos[0] if ref else infos)
         return

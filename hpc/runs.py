@@ -112,6 +112,30 @@ def read_json(path: Path) -> dict:
         return {}
 
 
+def torn_json(path: Path) -> bool:
+    """Whether a JSON file looks cut short (a writer killed mid-write, or one that wrote in place): empty,
+    NULs only, or valid JSON up to where it stops. A file that says something else (nested too deep,
+    extra data, not JSON) is not torn: it is reported."""
+    from hpc.config import JSON_SYNTAX, nesting_error
+    from hpc.validate import MAX_DEPTH
+
+    try:
+        body = path.read_text(encoding="utf-8", errors="replace").strip(" \t\r\n\0")
+    except OSError:
+        return False
+    if not body:
+        return True
+    if nesting_error(body, JSON_SYNTAX, MAX_DEPTH):
+        return False
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as exc:
+        return exc.pos >= len(body) or exc.msg.startswith("Unterminated string")
+    except (RecursionError, ValueError):
+        return False
+    return False
+
+
 def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
     """The last complete JSON line of a file, read from its end (metrics files grow to many MB)."""
     try:

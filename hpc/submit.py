@@ -130,28 +130,35 @@ def job_state(run_dir: Path, timeout: float = QUERY_TIMEOUT_S) -> schedulers.Job
     return job_states([run_dir], timeout)[run_dir]
 
 
-def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> dict[Path, schedulers.JobState]:
+def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
+               tolerant: bool = False) -> dict[Path, schedulers.JobState]:
     """The current state of each run, asking each scheduler once for all of its runs (within
     ``timeout`` seconds; UNKNOWN with the reason when it does not answer); a state that changed is
     recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
     out: dict[Path, schedulers.JobState] = {}
     asked: dict[str, dict[str, Path]] = {}
+    same_id: list[tuple[str, str, Path]] = []  # a job id two run folders share (another cluster, a reused pid)
     for run_dir in run_dirs:
         try:
             info, seen = job_info(runs.RunDir(run_dir)), runs.RunDir(run_dir).read_states()
         except (OSError, ConfigError) as exc:
+            if not tolerant and isinstance(exc, ConfigError):
+                raise
             out[run_dir] = unreadable(exc)
             continue
         if not info:
             out[run_dir] = not_submitted(runs.RunDir(run_dir))
         elif seen and seen[-1].get("state", "").startswith(FINAL):
             out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
+        elif str(info["job_id"]) in asked.get(info["scheduler"], {}):
+            same_id.append((info["scheduler"], str(info["job_id"]), run_dir))
         else:
             asked.setdefault(info["scheduler"], {})[str(info["job_id"])] = run_dir
-    for kind, jobs in asked.items():
-        for job_id, state in _ask(kind, jobs, timeout).items():
-            out[jobs[job_id]] = recorded_if_unreachable(jobs[job_id], state)
-            _record(jobs[job_id], state)
+    answers = {kind: _ask(kind, jobs, timeout) for kind, jobs in asked.items()}
+    for kind, job_id, run_dir in [(k, j, r) for k, jobs in asked.items() for j, r in jobs.items()] + same_id:
+        state = answers[kind][job_id]
+        out[run_dir] = recorded_if_unreachable(run_dir, state)
+        _record(run_dir, state)
     return out
 
 
@@ -163,7 +170,7 @@ def unreadable(exc: Exception) -> schedulers.JobState:
 def summaries(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, tp.Any]]:
     """``summary`` of each run, states asked in one batch; a run folder that cannot be read is a row
     that says so, never an error."""
-    states = job_states(run_dirs, timeout)
+    states = job_states(run_dirs, timeout, tolerant=True)
     out = []
     for run_dir in run_dirs:
         try:
@@ -193,7 +200,9 @@ def job_info(rd: runs.RunDir) -> dict[str, tp.Any]:
     submitit's files already carry (``submitit/<id>_submitted.pkl``); {} when neither says."""
     try:
         info = rd.read_job()
-    except (ConfigError, OSError):
+    except ConfigError:
+        if not runs.torn_json(rd.job):  # hostile, not half-written: say so
+            raise
         info = {}
     if info.get("job_id") and info.get("scheduler"):
         return info

@@ -234,3 +234,33 @@ def test_a_run_whose_files_cannot_be_read_is_a_row_saying_so(tmp_path, monkeypat
     rows = submit.summaries([good, bad], timeout=5)
     assert rows[0]["state"] == "UNKNOWN" and rows[1]["state"] == "UNREADABLE"
     assert rows[1]["state_words"] == "UNREADABLE (Permission denied)"
+
+
+def test_two_runs_with_the_same_job_id_both_get_a_state(down):
+    """Job ids repeat across clusters (and local pids are reused): every listed run gets its row."""
+    first, second = fake_runs(down, 2)
+    (second / "job.json").write_text((first / "job.json").read_text())
+    ledger(second, {"event": "start"}, {**STOP, "reason": "failed", "requeued": False})
+    states = submit.job_states([first, second], timeout=10)
+    assert states[first].state == "UNKNOWN" and states[second].state == "FAILED"
+    assert [r["state"] for r in submit.summaries([first, second], timeout=10)] == ["UNKNOWN", "FAILED"]
+
+
+@pytest.mark.parametrize("text,torn", [
+    ("", True), ("\0\0\0\0", True), ('{"job_id": "12', True), ('{"job_id": "12", "sched', True),
+    ('{"job_id": ', True), ('{"job_id": "12", "scheduler": "slurm"', True), ('{"job_id": 12}', False),
+    ('{"job_id": 12} trailing', False), ('{"job_id": ' * 5000, False), ("not json at all", False),
+])
+def test_what_counts_as_a_half_written_json_file(tmp_path, text, torn):
+    (tmp_path / "job.json").write_text(text)
+    assert runs.torn_json(tmp_path / "job.json") is torn
+
+
+def test_a_hostile_job_json_is_a_row_in_the_list_and_an_error_for_the_run(tmp_path, monkeypatch):
+    (good, odd) = fake_runs(tmp_path / "runs", 2)
+    (odd / "job.json").write_text('{"job_id": ' * 5000)
+    monkeypatch.setenv("SLURM_CONF", str(bogus_conf(tmp_path)))
+    rows = submit.summaries([good, odd], timeout=5)
+    assert [r["state"] for r in rows] == ["UNKNOWN", "UNREADABLE"] and "nested deeper" in rows[1]["state_words"]
+    with pytest.raises(ConfigError, match="nested deeper than 32 levels"):
+        submit.job_states([odd])

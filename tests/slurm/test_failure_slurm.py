@@ -32,7 +32,9 @@ def task_pid(job_id: str, rank: int) -> int | None:
             cmd = (entry / "cmdline").read_text()
         except OSError:
             continue
-        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_PROCID") == str(rank) and "trainer.entry" in cmd:
+        argv0 = os.path.basename(cmd.split("\0", 1)[0])
+        if (env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_PROCID") == str(rank) and "trainer.entry" in cmd
+                and argv0.startswith("python")):  # the task's interpreter, not srun (its env has SLURM_PROCID=0)
             return int(entry.name)
     return None
 
