@@ -11,7 +11,11 @@ SLURM_CONF: the shared sandbox keeps running), each on its own copy of the run r
 states.jsonl are reset before every call (a call records the states it learns, and runs recorded as
 ended are not asked again).
 
-    python bench/cli_latency/run.py [--runs 15] [--run-folders 100]
+hpcx runs as installed: with its bytecode cached (pip compiles it at install), also where the shell sets
+PYTHONDONTWRITEBYTECODE (the warm-up run writes it); `--no-bytecode` keeps that setting, and every
+command then compiles hpc/ from source.
+
+    python bench/cli_latency/run.py [--runs 15] [--run-folders 100] [--no-bytecode]
 """
 
 from __future__ import annotations
@@ -107,11 +111,21 @@ def commands(tmp: Path, root: Path) -> dict[str, Command]:
     }
 
 
+BYTECODE = [True]  # False with --no-bytecode
+
+
+def environment(env: dict[str, str]) -> dict[str, str]:
+    full = {**os.environ, **env}
+    if BYTECODE[0]:
+        full.pop("PYTHONDONTWRITEBYTECODE", None)
+    return full
+
+
 def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None) -> float:
     if reset is not None:
         reset_live(reset)
     start = time.perf_counter()
-    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env={**os.environ, **env})
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=environment(env))
     return time.perf_counter() - start
 
 
@@ -119,7 +133,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--run-folders", type=int, default=100)
+    parser.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE if set")
     args = parser.parse_args()
+    BYTECODE[0] = not args.no_bytecode
     with tempfile.TemporaryDirectory(prefix="hpcx-cli-bench-") as folder:
         tmp = Path(folder)
         root = tmp / "runs"
@@ -139,9 +155,11 @@ def main() -> None:
         for name in ("status, up", "status, down"):
             cmd, env, reset = cmds[name]
             reset_live(reset)
-            shown[name] = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}).stdout
+            shown[name] = subprocess.run(cmd, capture_output=True, text=True, env=environment(env)).stdout
     base = statistics.median(samples["python -c pass"])
-    print(f"load average {os.getloadavg()[0]:.2f}; status lists 20 of {args.run_folders} run folders")
+    bytecode = "cached" if BYTECODE[0] or not os.environ.get("PYTHONDONTWRITEBYTECODE") else "compiled every run"
+    print(f"load average {os.getloadavg()[0]:.2f}; status lists 20 of {args.run_folders} run folders; "
+          f"bytecode {bytecode}")
     print(f"{'command':16} {'median s':>9} {'- base s':>9} {'ratio':>6}  goal: ≤ base + 0.300 s")
     for name, values in samples.items():
         med = statistics.median(values)

@@ -306,6 +306,35 @@ def _scontrol(ids: list[str], timeout: float) -> tuple[dict[str, JobState] | Non
     return found, ""
 
 
+def _in_background(query: tp.Callable, ids: list[str], timeout: float) -> tp.Callable[[float], tuple]:
+    """Start ``query(ids, timeout)`` in a thread; the function returned waits for its answer until a
+    deadline (``time.monotonic()``), then says it had none."""
+    import threading
+
+    box: dict[str, tuple] = {}
+    thread = threading.Thread(target=lambda: box.update(answer=query(ids, timeout)), daemon=True)
+    thread.start()
+
+    def result(deadline: float) -> tuple:
+        thread.join(max(0.0, deadline - time.monotonic()) + 1.0)  # the query's own timeout ends it by then
+        return box.get("answer", (None, f"no answer within {timeout:g} s"))
+
+    return result
+
+
+def _ask_controller(query: tp.Callable, ids: list[str], deadline: float, timeout: float,
+                    probed: bool = False) -> tuple:
+    """``query`` (squeue, scontrol) when time is left and the controller listens (``probed``: it
+    answered a moment ago), else (None, why)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None, f"no answer within {timeout:g} s"
+    down = "" if probed else controller_down(min(left, PROBE_S))
+    if down:
+        return None, down
+    return query(ids, max(0.1, deadline - time.monotonic()))
+
+
 def slurm_conf() -> Path | None:
     """The slurm.conf this machine's commands read (``$SLURM_CONF``, else the usual places)."""
     for candidate in [os.environ.get("SLURM_CONF", ""), *SLURM_CONFS]:
@@ -352,8 +381,9 @@ def controller_down(timeout: float) -> str:
 
 class SlurmScheduler(Scheduler):
     """sbatch through submitit; sacct where accounting works, else squeue (queued/running), else
-    scontrol (recently ended): one batched call each, the second and third only for jobs still unknown,
-    all within one timeout, and squeue/scontrol only when the controller listens."""
+    scontrol (recently ended): one batched call each, sacct and squeue at once (sacct's answer wins),
+    scontrol only for jobs still unknown, all within one timeout, and squeue/scontrol only when the
+    controller listens."""
 
     kind = "slurm"
     multi_node = True
@@ -373,23 +403,16 @@ class SlurmScheduler(Scheduler):
 
     def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
         deadline = time.monotonic() + timeout
-        found: dict[str, JobState] = {}
-        answered, why = False, ""
-        for query in (_sacct, _squeue, _scontrol):
-            missing = [j for j in jobs if j not in found]
-            left = deadline - time.monotonic()
-            if not missing:
-                break
-            if left <= 0:
-                why = f"no answer within {timeout:g} s"
-                break
-            if query is not _sacct and (down := controller_down(min(left, PROBE_S))):
-                why = down
-                break
-            answer, why = query(missing, left)
-            if answer is not None:
-                answered = True
-                found.update(answer)
+        ids = list(jobs)
+        accounting = _in_background(_sacct, ids, timeout)  # the slow one (slurmdbd): overlapped with squeue
+        queue, why = _ask_controller(_squeue, ids, deadline, timeout)
+        acct, why_acct = accounting(deadline)
+        found = {**(queue or {}), **(acct or {})}  # accounting wins where both know a job
+        answered, missing = acct is not None or queue is not None, [j for j in ids if j not in found]
+        if missing and queue is not None:  # recently ended jobs that accounting does not have (yet)
+            more, why = _ask_controller(_scontrol, missing, deadline, timeout, probed=True)
+            answered, found = answered or more is not None, {**found, **(more or {})}
+        why = why or why_acct
         rest = unknown([j for j in jobs if j not in found], "" if answered else UNREACHABLE)
         for state in rest.values():
             state.detail["why"] = why
