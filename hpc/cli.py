@@ -150,16 +150,18 @@ def follow(run_dir: Path, quiet: bool = False) -> dict:
         last.update(info)
 
     final = sub.wait(run_dir, show)
-    final["result"] = describe_result(sub.result(run_dir))
+    final["result"] = describe_result(sub.result(run_dir), final.get("last_stop"))
     if not quiet:
         click.echo(f"result: {format_result(final['result'])}")
     return final
 
 
-def describe_result(outcome: tuple | None) -> tp.Any:
-    """Rank 0's summary dict, or a line saying why there is none."""
+def describe_result(outcome: tuple | None, last_stop: dict | None = None) -> tp.Any:
+    """Rank 0's summary dict, or a line saying why there is none (with the ledger's last stop: a time
+    limit, a preemption or a failure, in words)."""
     if outcome is None:
-        return "no result (the job did not finish its work)"
+        why = f": {last_stop['words']}" if last_stop and last_stop.get("words") else ""
+        return f"no result (the job did not finish its work{why})"
     kind, value = outcome
     if kind == "success":
         return value

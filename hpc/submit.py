@@ -148,7 +148,7 @@ def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
             continue
         if not info:
             out[run_dir] = not_submitted(runs.RunDir(run_dir))
-        elif seen and seen[-1].get("state", "").startswith(FINAL):
+        elif seen and (seen[-1].get("state", "").startswith(FINAL) or settled(runs.RunDir(run_dir), seen[-1])):
             out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
         elif str(info["job_id"]) in asked.get(info["scheduler"], {}):
             same_id.append((info["scheduler"], str(info["job_id"]), run_dir))
@@ -230,6 +230,16 @@ def not_submitted(rd: runs.RunDir) -> schedulers.JobState:
 # How a stop line that was not requeued ends the job, as the scheduler would say it.
 STOP_STATES = {"completed": "COMPLETED", "terminated": "CANCELLED", "failed": "FAILED", "time_limit": "TIMEOUT",
                "preempted": "FAILED"}
+
+
+def settled(rd: runs.RunDir, last: dict) -> bool:
+    """An ended state (FAILED, TIMEOUT …) a poll recorded that nothing comes back from: the ledger's
+    last line is a stop that was not requeued. Such runs are not asked about again either."""
+    state = str(last.get("state", "")).split(" ")[0]
+    try:
+        return state in schedulers.TERMINAL and recorded_end(rd) is not None
+    except OSError:
+        return False
 
 
 def recorded_if_unreachable(run_dir: Path, state: schedulers.JobState) -> schedulers.JobState:

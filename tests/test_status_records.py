@@ -264,3 +264,23 @@ def test_a_hostile_job_json_is_a_row_in_the_list_and_an_error_for_the_run(tmp_pa
     assert [r["state"] for r in rows] == ["UNKNOWN", "UNREADABLE"] and "nested deeper" in rows[1]["state_words"]
     with pytest.raises(ConfigError, match="nested deeper than 32 levels"):
         submit.job_states([odd])
+
+
+def test_an_end_the_ledger_confirms_is_not_asked_again(tmp_path, monkeypatch):
+    """FAILED or TIMEOUT recorded by a poll, and a last stop line that was not requeued: final, like
+    COMPLETED; after a requeued stop (or none) the scheduler is asked."""
+    settled_, requeued, killed = fake_runs(tmp_path / "runs", 3)
+    for run, stop in ((settled_, {"requeued": False}), (requeued, {"requeued": True}), (killed, None)):
+        (run / "states.jsonl").write_text("".join(json.dumps({"state": s}) + "\n" for s in ("RUNNING", "FAILED")))
+        ledger(run, {"event": "start"}, *([{**STOP, "reason": "failed", **stop}] if stop else []))
+    asked = {}
+
+    class Answer:
+        def states(self, jobs, timeout):
+            asked.update(jobs)
+            return {j: submit.schedulers.JobState("PENDING", "", "fake") for j in jobs}
+
+    monkeypatch.setattr(submit.schedulers, "get", lambda kind: Answer())
+    states = submit.job_states([settled_, requeued, killed])
+    assert states[settled_].state == "FAILED" and states[settled_].source == "states.jsonl"
+    assert set(asked.values()) == {requeued, killed}

@@ -354,3 +354,27 @@ def test_saves_are_recorded_as_they_happen(run_dir, monkeypatch):
         guard._record_saves(step)
     assert json.loads((run_dir / "requeue" / "777.0.saves.json").read_text()) == {"saves": 3, "save_s": 1.5,
                                                                                 "last_step": 15}
+
+
+def test_a_run_folder_the_trainer_cannot_read_is_reported_as_repeating(run_dir, slurm_side, monkeypatch):
+    from trainer.resilience import report_unloadable
+
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # as the rendered script exports it
+
+    report_unloadable(run_dir, 2, ConfigError(["resolved.json: `train.steps` = 0: expected at least 1"]))
+    (found,) = requeue.failure_reports(run_dir, f"{JOB}.1")
+    assert found["rank"] == 2 and found["phase"] == "load" and found["repeats"] is True
+    write_ledger(run_dir, [])
+    line = requeue.after_srun(run_dir, 1, slurm_side)
+    assert not line["requeued"] and "while reading the run folder" in line["not_requeued"]
+    assert line["error"].startswith("ConfigError: resolved.json")
+
+
+def test_the_result_line_says_how_the_job_stopped_when_there_is_none():
+    from hpc.cli import describe_result
+    from hpc.submit import stop_summary
+
+    stop = stop_summary({"reason": "time_limit", "step": 40, "requeued": False, "not_requeued": "max reached"})
+    assert describe_result(None, stop) == ("no result (the job did not finish its work: time limit at step 40 "
+                                           "(not requeued: max reached))")
+    assert describe_result(None) == "no result (the job did not finish its work)"
