@@ -32,6 +32,7 @@ class LazyGroup(ErrorsGroup):
         return sorted({*super().list_commands(ctx), *self.lazy})
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        """The command ``name``, importing its module the first time it is asked for."""
         if name in self.lazy and name not in self.commands:
             import importlib
 

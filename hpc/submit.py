@@ -163,6 +163,7 @@ def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
 
 
 def unreadable(exc: Exception) -> schedulers.JobState:
+    """UNREADABLE, with why (the one-line ConfigError, or the OS's words)."""
     why = exc.messages[0] if isinstance(exc, ConfigError) else (getattr(exc, "strerror", None) or str(exc))
     return schedulers.JobState("UNREADABLE", detail={"reason": why})
 
@@ -181,6 +182,7 @@ def summaries(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> 
 
 
 def unreadable_summary(run_dir: Path, state: schedulers.JobState) -> dict[str, tp.Any]:
+    """The row of a run whose files cannot be read: every key ``summary`` has, nothing known."""
     return {"run_dir": str(run_dir), "job_id": None, "scheduler": None, "state": state.state,
             "state_words": state.words, "nodes": "", "states": [], "step": None, "loss": None, "restarts": 0,
             "strategy": None, "world_size": None, "ledger": ledger_summary([]), "last_stop": None}
