@@ -324,8 +324,9 @@ def list_runs(roots: tp.Sequence[Path]) -> list[Path]:
         for entry in entries:
             try:
                 st = entry.stat()
+                mine = st.st_uid == uid and entry.is_dir()
             except OSError:
                 continue
-            if st.st_uid == uid and entry.is_dir() and is_run_dir(Path(entry.path)):
+            if mine and is_run_dir(Path(entry.path)):
                 found.append((st.st_mtime, Path(entry.path)))
     return [p for _, p in sorted(found, key=lambda t: t[0], reverse=True)]
