@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.config import ConfigError, load_json_bounded
+from hpc.validate import MAX_DEPTH
 from hpc.schedulers.base import SUBMITIT_DIR
 
 
@@ -105,11 +106,34 @@ def append_jsonl(path: Path, obj: tp.Any) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """A run-folder JSON file ({} when absent); a torn or hostile one is a one-line ConfigError."""
+    """A run-folder JSON file ({} when absent); a torn or hostile one is a one-line ConfigError.
+
+    Parsed first as it is (the C parser stops at its recursion limit with an error, never a crash), then
+    its depth checked on the result: ten times cheaper than ``load_json_bounded``'s scan, which only
+    runs to word the error (`hpcx status` reads a resolved.json per run listed)."""
     try:
-        return load_json_bounded(path.read_text(encoding="utf-8", errors="replace"), str(path))
+        text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return {}
+    try:
+        value = json.loads(text)
+        if not deeper_than(value, MAX_DEPTH):
+            return value
+    except (ValueError, RecursionError):
+        pass
+    return load_json_bounded(text, str(path))
+
+
+def deeper_than(value: tp.Any, limit: int) -> bool:
+    """Whether parsed JSON nests lists and objects more than ``limit`` deep (iteratively)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return False
 
 
 def torn_json(path: Path) -> bool:
@@ -117,7 +141,6 @@ def torn_json(path: Path) -> bool:
     NULs only, or valid JSON up to where it stops. A file that says something else (nested too deep,
     extra data, not JSON) is not torn: it is reported."""
     from hpc.config import JSON_SYNTAX, nesting_error
-    from hpc.validate import MAX_DEPTH
 
     try:
         body = path.read_text(encoding="utf-8", errors="replace").strip(" \t\r\n\0")

@@ -284,3 +284,16 @@ def test_an_end_the_ledger_confirms_is_not_asked_again(tmp_path, monkeypatch):
     states = submit.job_states([settled_, requeued, killed])
     assert states[settled_].state == "FAILED" and states[settled_].source == "states.jsonl"
     assert set(asked.values()) == {requeued, killed}
+
+
+@pytest.mark.parametrize("text,ok", [
+    (json.dumps({"a": [[1]], "b": {"c": {}}}), True), ("[" * 32 + "]" * 32, True), ("[" * 33 + "]" * 33, False),
+    ("[" * 100000, False), ('{"a": ' * 40 + "1" + "}" * 40, False), ('{"a": 1} x', False),
+])
+def test_run_folder_json_is_read_fast_and_still_bounded(tmp_path, text, ok):
+    (tmp_path / "f.json").write_text(text)
+    if ok:
+        assert runs.read_json(tmp_path / "f.json") == json.loads(text)
+    else:
+        with pytest.raises(ConfigError, match="f.json: (JSON nested deeper than 32 levels|not valid JSON)"):
+            runs.read_json(tmp_path / "f.json")
