@@ -297,3 +297,42 @@ def test_run_folder_json_is_read_fast_and_still_bounded(tmp_path, text, ok):
     else:
         with pytest.raises(ConfigError, match="f.json: (JSON nested deeper than 32 levels|not valid JSON)"):
             runs.read_json(tmp_path / "f.json")
+
+
+def slurm_shims(tmp_path: Path, sacct: str, squeue: str) -> Path:
+    """sacct, squeue and scontrol stand-ins (scontrol leaves a mark when it runs)."""
+    shims = tmp_path / "bin"
+    shims.mkdir()
+    for tool, body in (("sacct", sacct), ("squeue", squeue), ("scontrol", f"touch {tmp_path}/scontrol-ran")):
+        (shims / tool).write_text(f"#!/bin/sh\n{body}\n")
+        (shims / tool).chmod(0o755)
+    return shims
+
+
+@pytest.fixture
+def controller_up(monkeypatch):
+    from hpc.schedulers import slurm
+
+    monkeypatch.setattr(slurm, "controller_down", lambda timeout: "")
+
+
+def test_jobs_squeue_has_running_do_not_wait_for_accounting(tmp_path, monkeypatch, controller_up):
+    from hpc.schedulers.slurm import SlurmScheduler
+
+    shims = slurm_shims(tmp_path, "sleep 20", "printf '71|RUNNING|n1\\n72|PENDING|\\n'")
+    monkeypatch.setenv("PATH", f"{shims}:{os.environ['PATH']}")
+    start = time.monotonic()
+    states = SlurmScheduler().states({"71": tmp_path, "72": tmp_path}, timeout=15)
+    assert {j: s.state for j, s in states.items()} == {"71": "RUNNING", "72": "PENDING"}
+    assert time.monotonic() - start < 10  # sacct (20 s) was not waited for
+
+
+def test_accounting_wins_and_scontrol_is_left_alone_when_accounting_answers(tmp_path, monkeypatch, controller_up):
+    from hpc.schedulers.slurm import SlurmScheduler
+
+    shims = slurm_shims(tmp_path, "printf '71|TIMEOUT|n1|0:0\\n'", "printf '71|COMPLETING|n1\\n'")
+    monkeypatch.setenv("PATH", f"{shims}:{os.environ['PATH']}")
+    states = SlurmScheduler().states({"71": tmp_path, "73": tmp_path}, timeout=15)
+    assert states["71"].state == "TIMEOUT" and states["71"].source == "sacct"
+    assert states["73"].state == "UNKNOWN" and not states["73"].detail.get("reason")  # answered: not known
+    assert not (tmp_path / "scontrol-ran").exists()

@@ -49,6 +49,7 @@ def recent_slurm_jobs(count: int) -> list[str]:
 def make_run_root(root: Path, count: int, live: int) -> None:
     """``count`` run folders; the newest ``live`` are not recorded as ended (status asks about them)."""
     real = recent_slurm_jobs(live)
+    resolved = resolved_text()
     metrics = "".join(json.dumps({"step": s, "loss": 2.0, "tokens_per_s": 1e5, "step_time_s": 0.1}) + "\n"
                       for s in range(1, 5001))
     for i in range(count):
@@ -56,13 +57,24 @@ def make_run_root(root: Path, count: int, live: int) -> None:
         (run / "logs").mkdir(parents=True)
         newest = i >= count - live
         job = real[i - (count - live)] if newest and i - (count - live) < len(real) else str(900000 + i)
-        (run / "resolved.json").write_text(json.dumps({"launch": {"world_size": 16, "strategy": "fsdp"}}))
+        (run / "resolved.json").write_text(resolved)
         (run / "job.json").write_text(json.dumps({"job_id": job, "scheduler": "slurm", "submitted_at": 1.0}))
         reset_states(run, ended=not newest)
         (run / "metrics.jsonl").write_text(metrics)
         (run / "ledger.jsonl").write_text(json.dumps({"event": "start", "step": 0, "restore_s": 0.0}) + "\n")
         stamp = time.time() - (count - i)
         os.utime(run, (stamp, stamp))
+
+
+def resolved_text() -> str:
+    """A real resolved.json (the sandbox's tiny HSDP job, ~3 KB): what status reads of every run it lists."""
+    sys.path.insert(0, str(REPO))
+    from hpc.resolve import resolve, resolved_document
+    from hpc.site import load_site
+    from hpc.spec import load_spec
+
+    spec, site = load_spec(str(REPO / "jobs/tiny-hsdp-2node.toml")), load_site("sandbox")
+    return json.dumps(resolved_document(spec, site, resolve(spec, site), "/runs/RUN"), indent=2, sort_keys=True)
 
 
 def reset_states(run: Path, ended: bool) -> None:

@@ -359,6 +359,20 @@ def controller_addresses(text: str) -> list[tuple[str, int]]:
     return [(h, port) for h in hosts if h]
 
 
+def _connect(socket: tp.Any, host: str, port: int, timeout: float) -> None:
+    """A TCP connect and close; an address literal skips the resolver (getaddrinfo costs ms under load)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect((host, port))
+        return
+    socket.create_connection((host, port), timeout=timeout).close()
+
+
 def controller_down(timeout: float) -> str:
     """Why slurmctld cannot be reached (a TCP connect to each controller fails within ``timeout``), or
     "" when one answers or this machine's slurm.conf does not say where it is."""
@@ -372,7 +386,7 @@ def controller_down(timeout: float) -> str:
     why = ""
     for host, port in addresses:
         try:
-            socket.create_connection((host, port), timeout=timeout).close()
+            _connect(socket, host, port, timeout)
             return ""
         except OSError as exc:
             why = f"slurmctld at {host}:{port}: {exc.strerror or exc}"
@@ -381,8 +395,9 @@ def controller_down(timeout: float) -> str:
 
 class SlurmScheduler(Scheduler):
     """sbatch through submitit; sacct where accounting works, else squeue (queued/running), else
-    scontrol (recently ended): one batched call each, sacct and squeue at once (sacct's answer wins),
-    scontrol only for jobs still unknown, all within one timeout, and squeue/scontrol only when the
+    scontrol (recently ended): one batched call each, sacct and squeue at once (sacct's answer wins;
+    when squeue has every job queued or running, sacct is not waited for), scontrol only without
+    accounting for jobs still unknown, all within one timeout, and squeue/scontrol only when the
     controller listens."""
 
     kind = "slurm"
@@ -406,10 +421,12 @@ class SlurmScheduler(Scheduler):
         ids = list(jobs)
         accounting = _in_background(_sacct, ids, timeout)  # the slow one (slurmdbd): overlapped with squeue
         queue, why = _ask_controller(_squeue, ids, deadline, timeout)
+        if queue is not None and all(j in queue and not queue[j].done for j in ids):
+            return queue  # every job is queued or running: the controller's word is current; no need to wait
         acct, why_acct = accounting(deadline)
         found = {**(queue or {}), **(acct or {})}  # accounting wins where both know a job
         answered, missing = acct is not None or queue is not None, [j for j in ids if j not in found]
-        if missing and queue is not None:  # recently ended jobs that accounting does not have (yet)
+        if missing and queue is not None and acct is None:  # no accounting: recently ended jobs
             more, why = _ask_controller(_scontrol, missing, deadline, timeout, probed=True)
             answered, found = answered or more is not None, {**found, **(more or {})}
         why = why or why_acct
