@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.schedulers.local import LocalScheduler, controller_alive, pid_identity
+from hpc.schedulers.local.scheduler import LocalScheduler, controller_alive, pid_identity
 from tests.conftest import REPO, hpcx
 
 

@@ -122,7 +122,7 @@ def test_login_commands_never_import_torch(args):
 
 
 def test_run_folder_modes(tmp_path: Path):
-    from hpc.runs import new_run_dir, private_umask
+    from hpc.core.runs import new_run_dir, private_umask
 
     for group, dir_mode, file_mode in ((False, 0o700, 0o600), (True, 0o750, 0o640)):
         with private_umask(group):

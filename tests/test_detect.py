@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from hpc.config import tomllib
+from hpc.core.config import tomllib
 
 import pytest
 
-from hpc.detect import (Host, SlurmNode, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo,
+from hpc.schedulers.slurm.detect import (Host, SlurmNode, draft_site, parse_query_gpu, parse_scontrol_nodes, parse_topo,
                         render_toml)
-from hpc.site import parse_site
+from hpc.core.site import parse_site
 
 from tests.conftest import RECORDED, hpcx
 
@@ -288,8 +288,8 @@ def test_m_output_without_nvlink_says_so():
 
 
 def test_draft_without_slurm_is_a_local_gpu_site_that_resolves():
-    from hpc.resolve import resolve
-    from hpc.spec import spec_from_dict
+    from hpc.plan.resolve import resolve
+    from hpc.core.spec import spec_from_dict
 
     topo = parse_topo((DATA / H100).read_text())
     query = parse_query_gpu((DATA / QUERY).read_text())

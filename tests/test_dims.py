@@ -1,4 +1,4 @@
-"""The parallel layout is decided once (hpc.dims.parallel_dims): every consumer — resolve and render,
+"""The parallel layout is decided once (hpc.core.dims.parallel_dims): every consumer — resolve and render,
 the planner, the trainer's launch refit, its device mesh, and checkpoint inference — agrees with it."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import math
 import pytest
 import torch
 
-from hpc.dims import ParallelDims, dims_from_mesh, parallel_dims
-from hpc.memory import GB
-from hpc.models import model_facts
+from hpc.core.dims import ParallelDims, dims_from_mesh, parallel_dims
+from hpc.plan.memory import GB
+from hpc.core.models import model_facts
 from hpc.plan import choose, evaluate, setup_of
-from hpc.render import render_summary
-from hpc.resolve import resolve
-from hpc.site import load_site
-from hpc.spec import spec_from_dict
+from hpc.login.render import render_summary
+from hpc.plan.resolve import resolve
+from hpc.core.site import load_site
+from hpc.core.spec import spec_from_dict
 
 # (strategy, sharding, nodes, tasks_per_node, shard_size) -> expected (dp_replicate, dp_shard, mesh shape)
 CASES = [
@@ -99,7 +99,7 @@ def test_the_value_checks_its_own_arithmetic(fields, message):
 
 
 def test_hsdp_no_shard_is_refused_at_load():
-    from hpc.config import ConfigError
+    from hpc.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="would shard nothing"):
         resolve(_spec("hsdp", "no_shard", 2, 2, 0), load_site("sandbox"))
@@ -111,7 +111,7 @@ def test_hsdp_no_shard_is_refused_at_load():
 @pytest.fixture
 def fake_world():
     """A fake process group (torch's test backend: collectives are no-ops) at a given world size."""
-    from hpc.fake_pg import fake_process_group
+    from hpc.dryrun.fake_pg import fake_process_group
 
     with contextlib.ExitStack() as stack:
         yield lambda world, rank=0: stack.enter_context(fake_process_group(world, rank))
@@ -124,7 +124,7 @@ def test_trainer_mesh_refit_and_checkpoint_inference_agree(strategy, sharding, n
     from trainer.model import WeightInit, build_model, model_blocks
     from trainer.parallelize import build_mesh, parallelize
     from trainer.run import Run
-    from hpc.resolve import launch_parallel
+    from hpc.core.resolve import launch_parallel
     from trainer.train import fit_launch
 
     world = nodes * tpn
@@ -166,7 +166,7 @@ def test_checkpoint_inference_of_meshes():
     ("sandbox", "none", 1, 0, None),
 ])
 def test_one_process_strategies_take_one_task_per_node(site_name, strategy, tasks, gpus, directive):
-    from hpc.render import render
+    from hpc.login.render import render
 
     site = load_site(site_name)
     spec = spec_from_dict({"parallel": {"strategy": strategy}, "train": {"global_batch": 64, "micro_batch": 8}})

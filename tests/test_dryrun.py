@@ -11,7 +11,7 @@ Classes of defect, each with cases of its own:
   imported) is not one line with exit 2; a real disagreement is not exit 1;
 - dryrun imports a GPU library, or a second world in the same process sees the first one's mesh.
 
-Each case builds one fake world in this process and tears it down (``hpc.fake_pg``).
+Each case builds one fake world in this process and tears it down (``hpc.dryrun.fake_pg``).
 """
 
 from __future__ import annotations
@@ -262,10 +262,10 @@ def _user_job(tmp_path):
 
 def test_a_fused_adamw_gets_its_state_on_meta():
     """Fused AdamW has no meta kernel: the dry step runs it unfused (same state) and restores the flag."""
-    from hpc.dims import parallel_dims
+    from hpc.core.dims import parallel_dims
     from hpc.dryrun import rank_bytes, step_on_meta
-    from hpc.fake_pg import fake_process_group
-    from hpc.spec import Model, Parallel
+    from hpc.dryrun.fake_pg import fake_process_group
+    from hpc.core.spec import Model, Parallel
     from trainer.model import build_model, model_blocks
     from trainer.parallelize import build_mesh, parallelize
 

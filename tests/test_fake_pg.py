@@ -1,4 +1,4 @@
-"""The private torch APIs behind ``hpc.fake_pg``: if a torch upgrade moves one, this fails and says which."""
+"""The private torch APIs behind ``hpc.dryrun.fake_pg``: if a torch upgrade moves one, this fails and says which."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from hpc.fake_pg import clear_sharding_cache, fake_process_group, fake_store  # noqa: E402
+from hpc.dryrun.fake_pg import clear_sharding_cache, fake_process_group, fake_store  # noqa: E402
 
 
 def test_fake_store_is_where_hpc_fake_pg_looks():

@@ -19,13 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from hpc import roots, validate
-from hpc.config import ConfigError, load_json_bounded
-from hpc.render import render
-from hpc.schedulers.slurm import setup_lines, slurm_parameters
-from hpc.resolve import resolve
-from hpc.site import load_site, parse_site
-from hpc.spec import load_spec
+from hpc.login import roots
+from hpc.core import validate
+from hpc.schedulers.slurm import limits as slurm_limits
+from hpc.schedulers.slurm import options as slurm_options
+from hpc.core.config import ConfigError, load_json_bounded
+from hpc.login.render import render
+from hpc.schedulers.slurm.scheduler import setup_lines, slurm_parameters
+from hpc.plan.resolve import resolve
+from hpc.core.site import load_site, parse_site
+from hpc.core.spec import load_spec
 from tests.conftest import REPO, hpcx
 
 JOB = REPO / "jobs/tiny-ddp.toml"
@@ -336,9 +339,9 @@ def test_file_size_limit_at_submit_leaves_nothing(limit: int, tmp_path: Path):
 
 
 def test_write_atomic_leaves_no_temp_file_when_the_disk_fills(tmp_path: Path):
-    from hpc import runs
+    from hpc.core import runs
 
-    script = ("import resource, sys; from pathlib import Path; from hpc import runs\n"
+    script = ("import resource, sys; from pathlib import Path; from hpc.core import runs\n"
               "resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))\n"
               "try:\n    runs.write_atomic(Path(sys.argv[1]), 'x' * 1000)\nexcept OSError as e:\n    print(e.errno)\n")
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "f.txt")], capture_output=True, text=True,
@@ -373,7 +376,7 @@ def test_bounded_json_loader():
 
 
 def test_bounded_json_loader_takes_the_callers_error_kind():
-    from hpc.errors import CheckpointError
+    from hpc.core.errors import CheckpointError
 
     header = b'{"__metadata__": ' + b"[" * 1000 + b"]" * 1000 + b"}"
     with pytest.raises(CheckpointError):
@@ -381,7 +384,7 @@ def test_bounded_json_loader_takes_the_callers_error_kind():
 
 
 def test_toml_nesting_scanner_skips_strings_and_comments():
-    from hpc.config import TOML_SYNTAX, nesting_error
+    from hpc.core.config import TOML_SYNTAX, nesting_error
 
     deep = "[" * 40
     for text in (f'a = "{deep}"', f"a = '{deep}'", f'a = """\n{deep}\n"""', f"a = '''{deep}'''", f"# {deep}",
@@ -391,17 +394,17 @@ def test_toml_nesting_scanner_skips_strings_and_comments():
 
 
 def test_sbatch_abbreviation_rule_is_prefix_based():
-    assert validate.check_sbatch_key("k", "exclusive") == []
-    assert validate.check_sbatch_key("k", "gres-flags") == []
-    assert validate.check_sbatch_key("k", "time-min") == []
+    assert slurm_options.check_sbatch_key("k", "exclusive") == []
+    assert slurm_options.check_sbatch_key("k", "gres-flags") == []
+    assert slurm_options.check_sbatch_key("k", "time-min") == []
     for key in ("outp", "ou", "e", "ex", "job", "t", "no-re", "sig", "part", "acc", "gpus-per"):
-        assert validate.check_sbatch_key("k", key), key
+        assert slurm_options.check_sbatch_key("k", key), key
 
 
 def test_slurm_parameters_pass_bounds_through(tmp_path: Path):
     site = load_site(str(site_with(tmp_path, "")))
-    spec = load_spec(JOB, ["job.nodes=1", f"job.time_limit_min={validate.SLURM_TIME_MAX_MIN}",
-                           f"job.signal_lead_s={validate.SLURM_SIGNAL_MAX}"])
+    spec = load_spec(JOB, ["job.nodes=1", f"job.time_limit_min={slurm_limits.SLURM_TIME_MAX_MIN}",
+                           f"job.signal_lead_s={slurm_limits.SLURM_SIGNAL_MAX}"])
     params = slurm_parameters(spec, site, resolve(spec, site), str(tmp_path / "run"), "/venv/bin/python")
     assert (params["time"], params["signal_delay_s"]) == (35_791_393, 65_535)
 

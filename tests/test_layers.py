@@ -1,5 +1,11 @@
 """The direction of imports drawn in docs/design.md: checked on the source, every import statement
-(module level and inside functions), so a new dependency that breaks the layering fails here."""
+(module level and inside functions), so a new dependency that breaks the layering fails here.
+
+The rules: ``hpc.core`` imports no torch, no login tool and no scheduler implementation (only the
+registry ``hpc.schedulers`` and its interface ``hpc.schedulers.base``); the trainer imports from hpc
+only the core, ``hpc.ckpt``, ``hpc.compat`` and the registry; nothing outside ``hpc/schedulers/<kind>/``
+names Slurm (its variables, ``#SBATCH``, its commands, its package); no ``arch == "gpt"`` outside the
+GPT family's modules."""
 
 from __future__ import annotations
 
@@ -11,16 +17,24 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # importer module -> trainer modules it may import (hpc/ never imports the trainer otherwise)
-TRAINER_ALLOWED = {"hpc.submit": {"trainer.task"},
+TRAINER_ALLOWED = {"hpc.login.submit": {"trainer.task"},
                    # `hpcx dryrun` runs the trainer's own construction (it imports torch, unlike render/plan)
                    "hpc.dryrun": {"trainer.model", "trainer.optim", "trainer.train", "trainer.parallelize",
                                   "trainer.checkpoint"},
                    # `hpcx plan --count-params` builds a user model on the meta device to count it
-                   "hpc.plan_cli": {"trainer.count"}}
+                   "hpc.cli.plan": {"trainer.count"}}
 # modules that import nothing else from hpc (the bottom of the graph)
-LEAVES = ("hpc.errors", "hpc.dims")
-# `hpcx site detect` reads `scontrol show node` of the node it runs on to draft a profile
-DRAFTING_A_SITE = ("detect.py", "plan_cli.py")
+LEAVES = ("hpc.core.errors", "hpc.core.dims")
+# what the core may import from hpc: itself, and the scheduler registry with its interface
+CORE_MAY_IMPORT = ("hpc.core", "hpc.schedulers", "hpc.schedulers.base")
+# what the trainer may import from hpc
+TRAINER_MAY_IMPORT = ("hpc.core", "hpc.ckpt", "hpc.compat", "hpc.schedulers", "hpc.schedulers.base")
+# the one module outside hpc/schedulers/<kind>/ that names a kind's package: `python -m hpc.requeue`, the
+# entry point the rendered sbatch script (and its goldens) runs, calls Slurm's check after srun
+NAMES_SLURM_FOR_ITS_SCRIPT = ("hpc/requeue/__main__.py",)
+# `hpcx site detect` (a command of hpc.cli.plan) runs Slurm's detection, which drafts a Slurm site
+DETECTION = {"hpc/cli/plan.py": "hpc.schedulers.slurm.detect"}
+KIND_PACKAGES = ("slurm", "local")
 
 
 def module_name(path: Path) -> str:
@@ -57,13 +71,95 @@ def test_the_bottom_of_the_graph_imports_nothing_from_hpc(name):
     assert not {m for m in imports(path) if m.startswith("hpc")}
 
 
+def _names_from_hpc(path: Path) -> set[str]:
+    """The hpc modules (and names in them) that ``path`` imports, ``from hpc import x`` read as ``hpc.x``."""
+    return {m for m in imports(path) if m.startswith("hpc.")}
+
+
+def _allowed(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+CORE_MODULES = [(m, p) for m, p in HPC_MODULES if m.startswith("hpc.core")]
+TRAINER_MODULES = sorted((module_name(p), p) for p in (REPO / "trainer").rglob("*.py"))
+
+
+@pytest.mark.parametrize("name,path", CORE_MODULES, ids=[m for m, _ in CORE_MODULES])
+def test_the_core_imports_no_torch_no_login_tool_and_no_scheduler_implementation(name, path):
+    used = imports(path)
+    assert not {m for m in used if m == "torch" or m.startswith("torch.")}, f"{name} imports torch"
+    # `from hpc.schedulers import X` names X of the registry; a kind's package is not allowed
+    wrong = {m for m in _names_from_hpc(path) if not _allowed(m, CORE_MAY_IMPORT)
+             or any(_allowed(m, (f"hpc.schedulers.{k}",)) for k in KIND_PACKAGES)}
+    wrong -= {"hpc.schedulers"}
+    assert not wrong, f"{name} imports {sorted(wrong)}: the core imports only itself and hpc.schedulers (see docs/design.md)"
+
+
+@pytest.mark.parametrize("name,path", TRAINER_MODULES, ids=[m for m, _ in TRAINER_MODULES])
+def test_the_trainer_imports_from_hpc_only_the_core_ckpt_compat_and_the_scheduler_registry(name, path):
+    wrong = {m for m in _names_from_hpc(path) if not _allowed(m, TRAINER_MAY_IMPORT)
+             or any(_allowed(m, (f"hpc.schedulers.{k}",)) for k in KIND_PACKAGES)}
+    if "hpc" in imports(path):  # `from hpc import schedulers` and the like
+        wrong |= {m for m in imports(path) if m.startswith("hpc.") and m.count(".") == 1
+                  and not _allowed(m, TRAINER_MAY_IMPORT)}
+    assert not wrong, f"{name} imports {sorted(wrong)}: the trainer imports only {', '.join(TRAINER_MAY_IMPORT)}"
+
+
+def _outside_the_kinds() -> list[Path]:
+    """hpc/ and trainer/ sources outside hpc/schedulers/<kind>/."""
+    kinds = [REPO / "hpc" / "schedulers" / k for k in KIND_PACKAGES]
+    return [p for p in list((REPO / "hpc").rglob("*.py")) + list((REPO / "trainer").rglob("*.py"))
+            if not any(k in p.parents for k in kinds)]
+
+
+def _string_constants(path: Path) -> list[tuple[int, str]]:
+    """Every string literal that is not prose: docstrings and config field docs (``doc=``) may mention Slurm."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    prose = {id(node.body[0].value) for node in ast.walk(tree)
+             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+             and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    prose |= {id(part) for node in ast.walk(tree) if isinstance(node, ast.keyword) and node.arg == "doc"
+              for part in ast.walk(node.value)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose]
+
+
+def test_only_the_slurm_package_names_slurm():
+    """Slurm's variables (``SLURM_*``), ``#SBATCH`` lines and its package stay in hpc/schedulers/slurm/;
+    everything else asks the registry by kind (the registry names each kind's module once, in KINDS)."""
+    offenders = []
+    for path in _outside_the_kinds():
+        rel = str(path.relative_to(REPO))
+        for line, text in _string_constants(path):
+            if "SLURM_" in text or "#SBATCH" in text:
+                offenders.append(f"{rel}:{line} {text[:40]!r}")
+        if rel in NAMES_SLURM_FOR_ITS_SCRIPT:
+            continue
+        kinds = {m for m in imports(path) if any(_allowed(m, (f"hpc.schedulers.{k}",)) for k in KIND_PACKAGES)
+                 and not (rel in DETECTION and _allowed(m, (DETECTION[rel],)))}
+        offenders += [f"{rel} imports {m}" for m in sorted(kinds)]
+    assert offenders == []
+
+
+def test_no_module_outside_the_gpt_family_branches_on_gpt():
+    """A model family is one module each side (hpc/core/models/<family>.py, trainer/models/<family>.py)."""
+    offenders = []
+    family = {REPO / "hpc/core/models/gpt.py", REPO / "trainer/models/gpt.py"}
+    for path in list((REPO / "hpc").rglob("*.py")) + list((REPO / "trainer").rglob("*.py")):
+        if path in family:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value == "gpt"
+                                                     for c in [node.left, *node.comparators]):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert offenders == []
+
+
 def test_schedulers_are_the_only_modules_that_run_slurm_commands():
-    """Slurm knowledge lives in hpc/schedulers/slurm.py; nothing else calls its commands."""
+    """Slurm knowledge lives in hpc/schedulers/slurm/; nothing else calls its commands."""
     commands = ("sbatch", "scancel", "scontrol", "sacct", "squeue", "srun")
     offenders = []
-    for path in list((REPO / "hpc").rglob("*.py")) + list((REPO / "trainer").rglob("*.py")):
-        if path.parent.name == "schedulers" or path.name in DRAFTING_A_SITE:
-            continue
+    for path in _outside_the_kinds():
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             # a command line is an argument list whose first item names the command
             if isinstance(node, (ast.List, ast.Tuple)) and node.elts and isinstance(node.elts[0], ast.Constant) \

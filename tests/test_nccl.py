@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpc import nccl
-from hpc.site import load_site
+from hpc.login import nccl
+from hpc.core.site import load_site
 
 from tests.conftest import RECORDED
 

@@ -113,7 +113,7 @@ def test_repository_reads_nothing_beside_itself():
 
 
 def test_every_package_is_listed_in_pyproject():
-    from hpc.config import tomllib
+    from hpc.core.config import tomllib
 
     listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(REPO).parts) for top in ("hpc", "trainer")
@@ -160,7 +160,7 @@ def test_every_module_level_import_is_a_declared_dependency():
 def test_bundled_gpu_sites_never_pin_one_interface_name():
     """NCCL_SOCKET_IFNAME=eth0 fails bootstrap on hosts whose Ethernet is ens*/enp*: bundled profiles
     exclude (^lo,docker) instead of naming an interface."""
-    from hpc.site import load_site
+    from hpc.core.site import load_site
 
     for name in BUNDLED:
         value = load_site(name).nccl.get("NCCL_SOCKET_IFNAME")

@@ -7,15 +7,15 @@ import re
 
 import pytest
 
-from hpc.comm import Group, Link, group_link, ring_bytes, ring_seconds, step_comm
-from hpc.config import ConfigError
-from hpc.memory import GB, Config, model_states
-from hpc.models import gpt_facts
-from hpc.models import gpt_shape
-from hpc.dims import ParallelDims, parallel_dims
+from hpc.plan.comm import Group, Link, group_link, ring_bytes, ring_seconds, step_comm
+from hpc.core.config import ConfigError
+from hpc.plan.memory import GB, Config, model_states
+from hpc.core.models.gpt import gpt_facts
+from hpc.core.models.gpt import gpt_shape
+from hpc.core.dims import ParallelDims, parallel_dims
 from hpc.plan import Choice, choose, format_plan, plan_job
-from hpc.site import load_site, parse_site
-from hpc.spec import spec_from_dict
+from hpc.core.site import load_site, parse_site
+from hpc.core.spec import spec_from_dict
 
 from tests.conftest import REPO, hpcx
 
@@ -189,8 +189,8 @@ def test_explicit_strategy_is_respected():
 
 
 def test_shipped_job_resolves_to_the_plan():
-    from hpc.resolve import resolve
-    from hpc.spec import load_spec
+    from hpc.plan.resolve import resolve
+    from hpc.core.spec import load_spec
 
     s = load_spec(REPO / "jobs" / "gpt-13b-auto.toml")
     launch = resolve(s, load_site("dgx-h100"))
@@ -216,8 +216,8 @@ def test_user_model_activations_unknown():
 
 
 def test_gpt_activations_unknown_only_for_user_models():
-    from hpc.memory import estimate
-    from hpc.models import ModelFacts
+    from hpc.plan.memory import estimate
+    from hpc.core.models import ModelFacts
 
     facts = ModelFacts("user", 1000, 100, 100, 4, None, seq_len=8, vocab_size=16)
     mem = estimate(facts, Config(parallel_dims("ddp", "full_shard", 1), False, "none", False, 1), 1)

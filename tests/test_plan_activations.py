@@ -16,9 +16,10 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn.functional as F  # noqa: E402
 
-from hpc.memory import compute_bytes, gpt_activations  # noqa: E402
-from hpc.models import GPTShape  # noqa: E402
-from trainer.model import GPT  # noqa: E402
+from hpc.core.models import compute_bytes  # noqa: E402
+from hpc.core.models.gpt import gpt_activations  # noqa: E402
+from hpc.core.models.gpt import GPTShape  # noqa: E402
+from trainer.models.gpt import GPT  # noqa: E402
 
 # (shape, micro_batch): widths, vocabularies and sequence lengths that differ from each other
 SHAPES = [(GPTShape(3, 96, 4, 80, 300), 3), (GPTShape(2, 128, 8, 64, 2000), 2),

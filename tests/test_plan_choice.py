@@ -8,14 +8,14 @@ import re
 
 import pytest
 
-from hpc.comm import HOST_LINK_GBS, Comm, Part
-from hpc.memory import GB, HOST_USABLE
+from hpc.plan.comm import HOST_LINK_GBS, Comm, Part
+from hpc.plan.memory import GB, HOST_USABLE
 from hpc.plan import TIE, choose, format_plan, plan_job
 from hpc.plan.explain import _versus
 from hpc.plan.rows import SIMPLICITY_TEXT, cost, fitting, measure
 from hpc.plan.timing import exposed_seconds, phases
-from hpc.render import render_summary
-from hpc.resolve import resolve
+from hpc.login.render import render_summary
+from hpc.plan.resolve import resolve
 
 from tests.test_plan import NVSWITCH_8X80, ONE_24GB, PCIE_4X24, PCIE_4X80, SCENARIOS, site, spec
 

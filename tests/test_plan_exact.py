@@ -2,7 +2,7 @@
 
 For the tiny and the small built-in GPT, under ddp, fsdp (each sharding) and hsdp, on 2 and 4
 CPU ranks (gloo): the sum of each rank's local parameter, gradient and AdamW moment tensors
-after one optimizer step is within 1% of ``hpc.memory.model_states``. Uses the trainer's own
+after one optimizer step is within 1% of ``hpc.plan.memory.model_states``. Uses the trainer's own
 ``build_model``, ``parallelize`` and ``build_optimizer``. One process group per world size
 runs every case, to stay well under a minute on two cores.
 """
@@ -18,10 +18,10 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from hpc.memory import Config, model_states  # noqa: E402
-from hpc.models import gpt_shape  # noqa: E402
-from hpc.dims import ParallelDims, parallel_dims  # noqa: E402
-from hpc.spec import spec_from_dict  # noqa: E402
+from hpc.plan.memory import Config, model_states  # noqa: E402
+from hpc.core.models.gpt import gpt_shape  # noqa: E402
+from hpc.core.dims import ParallelDims, parallel_dims  # noqa: E402
+from hpc.core.spec import spec_from_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

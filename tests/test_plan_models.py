@@ -9,10 +9,11 @@ import textwrap
 
 import pytest
 
-from hpc.config import ConfigError
-from hpc.models import GPT_PRESETS, GPTShape, count_text, model_facts, spec_shape
+from hpc.core.config import ConfigError
+from hpc.core.models import count_text, model_facts
+from hpc.core.models.gpt import GPT_PRESETS, GPTShape, spec_shape
 from hpc.plan import choose, format_plan, plan_job
-from hpc.spec import spec_from_dict
+from hpc.core.spec import spec_from_dict
 
 from tests.conftest import REPO, hpcx
 from tests.test_plan import NVSWITCH_8X80, ONE_24GB, site

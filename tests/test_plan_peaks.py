@@ -1,4 +1,4 @@
-"""The planner's start-up and checkpoint-staging terms (``hpc.memory.init_bytes``, ``staging_bytes``),
+"""The planner's start-up and checkpoint-staging terms (``hpc.plan.memory.init_bytes``, ``staging_bytes``),
 and per-tensor shard padding (``sharded_numel``): a plan that says "fits" must start and save.
 
 Classes: the init peak (device) by hand for each kind of layout; the staging peak (host) by hand,
@@ -14,13 +14,13 @@ import math
 
 import pytest
 
-from hpc.dims import parallel_dims
-from hpc.memory import GB, Config, Memory, estimate, init_bytes, sharded_numel, staging_bytes
-from hpc.models import GPT_PRESETS, gpt_facts, gpt_shape
+from hpc.core.dims import parallel_dims
+from hpc.plan.memory import GB, Config, Memory, estimate, init_bytes, sharded_numel, staging_bytes
+from hpc.core.models.gpt import GPT_PRESETS, gpt_facts, gpt_shape
 from hpc.plan import format_plan, plan_job
 from hpc.plan.rows import Row
-from hpc.site import load_site, parse_site
-from hpc.spec import spec_from_dict
+from hpc.core.site import load_site, parse_site
+from hpc.core.spec import spec_from_dict
 
 from tests.conftest import REPO, hpcx
 

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError
-from hpc.errors import UserError
-from hpc.render import render, render_summary
-from hpc.schedulers.slurm import slurm_parameters
-from hpc.resolve import resolve
-from hpc.site import list_sites, load_site
-from hpc.spec import load_spec
+from hpc.core.config import ConfigError
+from hpc.core.errors import UserError
+from hpc.login.render import render, render_summary
+from hpc.schedulers.slurm.scheduler import slurm_parameters
+from hpc.plan.resolve import resolve
+from hpc.core.site import list_sites, load_site
+from hpc.core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDENS = Path(__file__).parent / "goldens"
@@ -175,8 +175,8 @@ def test_executors_submit_exactly_what_render_shows(tmp_path: Path, job: str, si
 
 
 def test_local_gpu_site_hands_its_gpus_to_the_tasks(monkeypatch):
-    from hpc.schedulers.local import local_parameters
-    from hpc.site import parse_site
+    from hpc.schedulers.local.scheduler import local_parameters
+    from hpc.core.site import parse_site
 
     site = parse_site({"scheduler": {"kind": "local", "gpu_directive": "none"},
                        "node": {"gpus": 2, "gpu_memory_gb": 24, "cpus": 8, "intra_link": "pcie"}}, "ws", "<ws>")

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hpc import runs, scale
-from hpc.config import ConfigError
-from hpc.scale_cli import scale_group
-from hpc.site import load_site
-from hpc.spec import load_spec
+from hpc.core import runs
+from hpc import scale
+from hpc.core.config import ConfigError
+from hpc.cli.scale import scale_group
+from hpc.core.site import load_site
+from hpc.core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "tests" / "data" / "tiny-scale.toml"
@@ -196,7 +197,7 @@ def test_parse_nodes():
 
 
 def test_start_study_keeps_going_when_one_submission_fails(tmp_path, monkeypatch):
-    from hpc import submit as sub
+    from hpc.login import submit as sub
 
     def fake_submit(spec, site, launch, spec_path, overrides):
         if spec.job.nodes == 2:
@@ -302,7 +303,7 @@ def test_no_torch_or_matplotlib_at_import():
     import subprocess
     import sys
 
-    code = ("import sys, hpc.scale, hpc.scale_cli, hpc.nccl; "
+    code = ("import sys, hpc.scale, hpc.cli.scale, hpc.login.nccl; "
             "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from hpc.schedulers.base import UNREACHABLE
-from hpc.schedulers.slurm import SlurmScheduler, controller_addresses, expand_hostlist, tasks_on_node
+from hpc.schedulers.slurm.ranks import expand_hostlist, tasks_on_node
+from hpc.schedulers.slurm.scheduler import SlurmScheduler, controller_addresses
 from tests.conftest import REPO
 
 
@@ -155,7 +156,7 @@ def test_recorded_final_states_are_not_asked_again(tmp_path):
 def test_a_lagging_poll_does_not_repeat_what_the_job_recorded(tmp_path):
     """The job records each start (RUNNING) and each requeue (REQUEUED) itself; a poll that still sees
     the requeued incarnation RUNNING, then REQUEUED, must not add them again."""
-    from hpc import submit
+    from hpc.login import submit
     from hpc.schedulers import JobState
 
     run = fake_runs(tmp_path / "runs", 1)[0]

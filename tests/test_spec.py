@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc.config import ConfigError, apply_overrides, parse_override
-from hpc.resolve import resolve
-from hpc.site import choose_site, list_sites, load_site
-from hpc.spec import load_spec, looks_secret, spec_from_dict
+from hpc.core.config import ConfigError, apply_overrides, parse_override
+from hpc.plan.resolve import resolve
+from hpc.core.site import choose_site, list_sites, load_site
+from hpc.core.spec import load_spec, looks_secret, spec_from_dict
 
 CORPUS = Path(__file__).parent / "corpus"
 REPO = Path(__file__).resolve().parents[1]
@@ -186,8 +186,8 @@ def test_example_jobs_load(path: Path):
 def test_defaults_are_documented():
     import dataclasses
 
-    from hpc.site import SECTIONS as SITE_SECTIONS
-    from hpc.spec import SECTIONS
+    from hpc.core.site import SECTIONS as SITE_SECTIONS
+    from hpc.core.spec import SECTIONS
 
     for cls in list(SECTIONS.values()) + list(SITE_SECTIONS.values()):
         for f in dataclasses.fields(cls):

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc import runs, submit
-from hpc.config import ConfigError
+from hpc.core import runs
+from hpc.core.config import ConfigError
+from hpc.login import submit
 from hpc.schedulers.base import UNREACHABLE
 from tests.conftest import REPO
 from tests.test_slurm_vars import bogus_conf, fake_runs, site_path_with
@@ -311,13 +312,13 @@ def slurm_shims(tmp_path: Path, sacct: str, squeue: str) -> Path:
 
 @pytest.fixture
 def controller_up(monkeypatch):
-    from hpc.schedulers import slurm
+    from hpc.schedulers.slurm import scheduler as slurm
 
     monkeypatch.setattr(slurm, "controller_down", lambda timeout: "")
 
 
 def test_jobs_squeue_has_running_do_not_wait_for_accounting(tmp_path, monkeypatch, controller_up):
-    from hpc.schedulers.slurm import SlurmScheduler
+    from hpc.schedulers.slurm.scheduler import SlurmScheduler
 
     shims = slurm_shims(tmp_path, "sleep 20", "printf '71|RUNNING|n1\\n72|PENDING|\\n'")
     monkeypatch.setenv("PATH", f"{shims}:{os.environ['PATH']}")
@@ -328,7 +329,7 @@ def test_jobs_squeue_has_running_do_not_wait_for_accounting(tmp_path, monkeypatc
 
 
 def test_accounting_wins_and_scontrol_is_left_alone_when_accounting_answers(tmp_path, monkeypatch, controller_up):
-    from hpc.schedulers.slurm import SlurmScheduler
+    from hpc.schedulers.slurm.scheduler import SlurmScheduler
 
     shims = slurm_shims(tmp_path, "printf '71|TIMEOUT|n1|0:0\\n'", "printf '71|COMPLETING|n1\\n'")
     monkeypatch.setenv("PATH", f"{shims}:{os.environ['PATH']}")

@@ -56,8 +56,8 @@ from hpc.ckpt.dcp import DcpReader, dcp_problems, index_offsets
 from hpc.ckpt.digests import write_digest
 from hpc.ckpt.entries import unflatten
 from hpc.ckpt.outputs import fsync_dir
-from hpc.dims import ParallelDims, dims_from_mesh
-from hpc.errors import CheckpointError, UserError
+from hpc.core.dims import ParallelDims, dims_from_mesh
+from hpc.core.errors import CheckpointError, UserError
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")
@@ -113,7 +113,7 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 
 
 def infer_dims(model: nn.Module) -> ParallelDims:
-    """The layout the module shows: a DDP wrapper, or its parameters' device mesh (``hpc.dims``
+    """The layout the module shows: a DDP wrapper, or its parameters' device mesh (``hpc.core.dims``
     names the dimensions; a (world, 1) mesh is fsdp no_shard), or neither."""
     from torch.distributed.tensor import DTensor
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from hpc.errors import UserError
-from hpc.models import Counted
-from hpc.spec import Model as ModelSpec
+from hpc.core.errors import UserError
+from hpc.core.models import Counted
+from hpc.core.spec import Model as ModelSpec
 from trainer.model import build_model, model_blocks
 
 

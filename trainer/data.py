@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from hpc.spec import Data
+from hpc.core.spec import Data
 
 SYNTHETIC_SAMPLES = 1 << 40  # effectively endless; synthetic sample g is random tokens seeded from g
 

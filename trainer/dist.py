@@ -1,4 +1,4 @@
-"""Distributed setup and teardown, from submitit/Slurm, torchrun, a plain srun, or nothing.
+"""Distributed setup and teardown, from submitit, torchrun, a scheduler's own task (a plain srun), or nothing.
 
 Order inside a rank: ``detect_rank_env`` → ``apply_job_env`` → ``device_for`` (and, on NCCL,
 ``apply_nccl_trace``) → ``init_distributed`` (our own store rendezvous that names missing ranks, then
@@ -15,87 +15,32 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import socket
 import typing as tp
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hpc import runs
+from hpc import schedulers
+from hpc.core import runs
+from hpc.schedulers import RankEnv, rendezvous_port
 
 log = logging.getLogger("hpcx.trainer")
-PORT_BASE = 20000
-PORT_SPAN = 20000
-
-
-@dataclass
-class RankEnv:
-    """Where this process sits in the job, and how to reach rank 0."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-    hostname: str = field(default_factory=socket.gethostname)
-    local_world_size: int = 1
-    launcher: str = "single"  # "submitit", "torchrun", "srun" or "single"
-    agent_store: bool = False  # torchrun's agent already hosts the TCPStore at master_port
-
-    @property
-    def is_rank0(self) -> bool:
-        return self.rank == 0
-
-
-def rendezvous_port(job_id: str) -> int:
-    """A port from the job id, so two jobs sharing a node do not collide: 20000 + digits % 20000."""
-    digits = re.sub(r"\D", "", job_id)
-    return PORT_BASE + (int(digits) % PORT_SPAN if digits else 0)
 
 
 def detect_rank_env() -> RankEnv:
-    """submitit (``SUBMITIT_EXECUTOR`` set), else torchrun's variables, else a task of a plain srun
-    (Slurm's step variables), else one process. The batch step of a Slurm job (no ``SLURM_STEP_ID``)
-    is one process: it has ``SLURM_PROCID=0`` and the job's ``SLURM_NTASKS`` but no other tasks."""
+    """submitit (``SUBMITIT_EXECUTOR`` set), else torchrun's variables, else a task a scheduler started
+    itself (``hpc.schedulers.rank_env``: a task of a plain srun), else one process."""
     if os.environ.get("SUBMITIT_EXECUTOR"):
         return _submitit_env()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _torchrun_env()
-    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
-        return srun_env(os.environ)
+    started = schedulers.rank_env(os.environ)
+    if started is not None:
+        return started
     return RankEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=0)
-
-
-SRUN_VARIABLES = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_NODELIST",
-                  "SLURM_STEP_TASKS_PER_NODE", "SLURM_JOB_ID")
-
-
-def srun_env(env: tp.Mapping[str, str]) -> RankEnv:
-    """A task of ``srun python -m trainer RUN``: rank, local rank and world from the step's variables,
-    rank 0's host from the step's node list (``MASTER_ADDR``/``MASTER_PORT`` win when set). Raises
-    RuntimeError naming what is missing or malformed rather than guessing rank 0 of 1."""
-    from hpc.schedulers.slurm import expand_hostlist, tasks_on_node
-
-    missing = [name for name in SRUN_VARIABLES if not env.get(name)]
-    if missing:
-        raise RuntimeError(f"started by srun (SLURM_STEP_ID is set) without {', '.join(missing)}: cannot tell this "
-                           "task's rank; run it through `hpcx submit`, torchrun, or a Slurm that sets them")
-    try:
-        hosts = expand_hostlist(env["SLURM_STEP_NODELIST"])
-        local_world = tasks_on_node(env["SLURM_STEP_TASKS_PER_NODE"], int(env["SLURM_NODEID"]))
-        rank, local_rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_LOCALID"]), int(env["SLURM_STEP_NUM_TASKS"])
-    except ValueError as exc:
-        raise RuntimeError(f"srun task: Slurm's step variables do not parse: {exc}") from None
-    if not (0 <= rank < world and 0 <= local_rank < local_world and hosts):
-        raise RuntimeError(f"srun task: SLURM_PROCID={rank}, SLURM_LOCALID={local_rank} do not fit "
-                           f"SLURM_STEP_NUM_TASKS={world} and {local_world} tasks on this node")
-    port = rendezvous_port(env["SLURM_JOB_ID"] + env.get("SLURM_STEP_ID", ""))
-    return RankEnv(rank=rank, local_rank=local_rank, world_size=world, master_addr=env.get("MASTER_ADDR", hosts[0]),
-                   master_port=int(env.get("MASTER_PORT", port)), local_world_size=local_world, launcher="srun")
 
 
 def _submitit_env() -> RankEnv:

@@ -2,7 +2,7 @@
 
 Everything that survives a requeue is in ``TrainState``; everything the loop
 uses is in ``Trainer`` (built by ``trainer.train.build_trainer``). The single
-seam for checkpoints and preemption is ``step_boundary``.
+seam for checkpoints and preemption is ``step_boundary``, typed by ``trainer.boundary``.
 
 Host syncs: a step reads no device value except at its boundary (the preemption vote,
 ``trainer.resilience``) and, every ``train.log_every`` steps, one transfer of the mean loss and
@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hpc.dims import ParallelDims
+from hpc.core.dims import ParallelDims
+from trainer.boundary import StepBoundary
 from trainer.data import GlobalSampler
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
 from trainer.optim import clip_grad_norm
@@ -78,7 +79,7 @@ class Trainer:
     scaler: tp.Any = None  # a GradScaler for fp16
     preemption: PreemptionFlag | None = None
     warmup_metrics_steps: int = 2
-    resilience: tp.Any = None  # a trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
+    resilience: StepBoundary | None = None  # trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
     clock: PhaseClock = field(default_factory=PhaseClock)
 
     @property

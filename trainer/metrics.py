@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hpc.runs import RunDir
+from hpc.core.runs import RunDir
 
 log = logging.getLogger("hpcx.trainer")
 

@@ -1,11 +1,8 @@
-"""The model: the built-in GPT, or a user's ``package.module:function``; and how its weights are made.
+"""The model, whatever its family: built by its family (``trainer.models``), its blocks, its FSDP
+units; and how its weights are made.
 
-Built-in GPT, from ``hpc.models.gpt_shape`` so the planner's counts hold by
-construction: token + learned position embeddings, ``n_layers`` pre-LN blocks
-(LayerNorm → causal SDPA attention → LayerNorm → 4× GELU MLP), a final
-LayerNorm and an output head (tied to the token embedding when the shape says
-so). Linear layers have no bias; LayerNorms have weight and bias. GPT-2 initialisation: N(0, 0.02), the two residual
-projections of each block N(0, 0.02/sqrt(2·layers)), LayerNorms ones/zeros.
+Families: the built-in GPT (``trainer.models.gpt``) and a user's ``package.module:function``
+(``trainer.models.user``).
 
 Initial weights (``WeightInit``)
 --------------------------------
@@ -35,143 +32,28 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
-import math
 import typing as tp
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from hpc.errors import ConfigError, UserError
-from hpc.models import GPTShape, model_facts
-from hpc.spec import Model as ModelSpec
+from hpc.core.errors import ConfigError, UserError
+from hpc.core.spec import Model as ModelSpec
+from trainer import models
 
 DEFAULT_BLOCKS = "blocks"
-GPT2_STD = 0.02
-
-
-class Linear(nn.Linear):
-    """A bias-free linear layer initialised N(0, std) as GPT-2 does (torch's default is kaiming-uniform)."""
-
-    def __init__(self, d_in: int, d_out: int, std: float = GPT2_STD):
-        self.std = std  # set first: nn.Linear.__init__ calls reset_parameters
-        super().__init__(d_in, d_out, bias=False)
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.std)
-
-
-class Embedding(nn.Embedding):
-    """An embedding initialised N(0, 0.02) (torch's default is N(0, 1))."""
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=GPT2_STD)
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, dropout: float, residual_std: float):
-        super().__init__()
-        self.n_heads = n_heads
-        self.dropout = dropout
-        self.qkv = Linear(d_model, 3 * d_model)
-        self.proj = Linear(d_model, d_model, residual_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, d))
-
-
-class MLP(nn.Module):
-    def __init__(self, d_model: int, residual_std: float):
-        super().__init__()
-        self.fc = Linear(d_model, 4 * d_model)
-        self.proj = Linear(4 * d_model, d_model, residual_std)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """One pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, d_model: int, n_heads: int, dropout: float, residual_std: float):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, dropout, residual_std)
-        self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = MLP(d_model, residual_std)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
-
-
-class GPT(nn.Module):
-    """The built-in GPT; ``GPT(shape).num_params() == shape.n_params``."""
-
-    def __init__(self, shape: GPTShape, dropout: float = 0.0):
-        super().__init__()
-        self.shape = shape
-        residual_std = GPT2_STD / math.sqrt(2 * max(1, shape.n_layers))
-        self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
-        self.pos_emb = Embedding(shape.seq_len, shape.d_model)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(shape.d_model, shape.n_heads, dropout, residual_std)
-                                    for _ in range(shape.n_layers))
-        self.ln_f = nn.LayerNorm(shape.d_model)
-        self.head = Linear(shape.d_model, shape.vocab_size)
-        if shape.tied:  # one matrix for both; parameters() lists it once, under tok_emb
-            self.head.weight = self.tok_emb.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-    def fsdp_units(self) -> list[list[nn.Module]]:
-        """The modules outside the blocks, as FSDP units in forward order: embeddings, final norm + head.
-        A tied head shares its matrix with the token embedding, which one parameter cannot be in two
-        units: then they all stay in the root unit."""
-        if self.shape.tied:
-            return []
-        return [[self.tok_emb, self.pos_emb], [self.ln_f, self.head]]
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
 
 def build_model(spec: ModelSpec, device: str | torch.device) -> nn.Module:
-    """The model of ``spec`` in fp32, built under ``torch.device(device)``: on ``meta`` nothing is
-    allocated (the trainer; ``WeightInit`` materializes it later), elsewhere each module's
-    constructor initialises it from the current torch RNG."""
-    shape = model_facts(spec).gpt
+    """The model of ``spec`` in fp32, built by its family (``trainer.models``) under
+    ``torch.device(device)``: on ``meta`` nothing is allocated (the trainer; ``WeightInit``
+    materializes it later), elsewhere each module's constructor initialises it from the current torch RNG."""
     with torch.device(device):
-        if shape is not None:
-            return GPT(shape, spec.dropout)
-        model = _user_function(spec.arch)(**spec.kwargs)
+        model = models.family(spec.arch).build(spec)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"`model.arch` = {spec.arch!r} returned {type(model).__name__}, expected an nn.Module")
     return model
-
-
-def _user_function(arch: str) -> tp.Callable[..., tp.Any]:
-    module_name, function_name = arch.split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"`model.arch` = {arch!r}: cannot import {module_name!r} here: {exc}") from exc
-    if not callable(getattr(module, function_name, None)):
-        raise ConfigError(f"`model.arch` = {arch!r}: module {module_name!r} has no function {function_name!r}")
-    return getattr(module, function_name)
 
 
 def model_blocks(model: nn.Module, path: str = "") -> nn.ModuleList:

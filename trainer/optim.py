@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from hpc import compat
-from hpc.spec import Train
+from hpc.core.spec import Train
 
 log = logging.getLogger("hpcx.trainer")
 

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from hpc.dims import ParallelDims
-from hpc.spec import Parallel, compute_precision
+from hpc.core.dims import ParallelDims
+from hpc.core.spec import Parallel, compute_precision
 from trainer.model import WeightInit, outer_units
 
 log = logging.getLogger("hpcx.trainer")
@@ -69,7 +69,8 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
                 mesh: DeviceMesh | None, device: torch.device, init: WeightInit | None = None) -> nn.Module:
     """Activation checkpointing, compile, FSDP, the weights (``init``), then DDP/DataParallel; the
     model to train. The model may be on the meta device (give ``init``) or already on ``device``.
-    ``mixed_precision = "auto"`` not yet decided for a site is decided by ``device`` (bf16 on CUDA)."""
+    The trainer passes ``launch.parallel``, decided at resolve; only a caller that passes a spec's own
+    ``[parallel]`` (tests, benches) leaves ``mixed_precision = "auto"``, read as ``compute_precision`` on ``device``."""
     if parallel.mixed_precision == "auto":
         parallel = dataclasses.replace(parallel, mixed_precision=compute_precision("auto", device.type == "cuda"))
     if parallel.activation_checkpointing:
@@ -103,10 +104,11 @@ def apply_ac(blocks: nn.ModuleList) -> None:
     The wrapper inserts ``_checkpoint_wrapped_module`` into parameter names; the
     ``torch.distributed.checkpoint.state_dict`` helpers strip it, so checkpoints do not depend on it.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from hpc.compat import checkpoint_wrapper  # torch's private wrapper, reached in one place
 
+    wrap = checkpoint_wrapper()
     for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block)
+        blocks[i] = wrap(block)
 
 
 def apply_compile(blocks: nn.ModuleList) -> None:

@@ -14,7 +14,7 @@ step); both delegate here when ``run_rank`` attached a ``Resilience`` to the tra
   the loop stops. After the first step the collective timeout is shortened (``CollectiveTimeouts``;
   saves keep the long one).
 - Stop (after the process group is down): rank 0 writes the ledger's stop line and, after a
-  preemption, takes the incarnation's one requeue (``hpc.requeue``): ``scontrol requeue`` on Slurm,
+  preemption, takes the incarnation's one requeue (``hpc.core.requeue``): ``scontrol requeue`` on Slurm,
   exit status 144 under submitit's local controller, nothing under torchrun or one process (run the
   same command again to resume).
 - Failure: every rank that failed on its own (not as the echo of another's SIGTERM) reports it in
@@ -38,13 +38,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc import requeue as policy_
-from hpc import runs, schedulers
-from hpc.failures import record_saves, repeat_reason, would_repeat
-from hpc.requeue import requeue_verdict
-from hpc.schedulers.base import JobSide
-from hpc.schedulers.local import process_start_time, wait_since_last_stop
-from hpc.spec import Checkpoint
+from hpc.core import requeue as policy_
+from hpc.core import runs
+from hpc.core.failures import record_saves, repeat_reason, would_repeat
+from hpc import schedulers
+from hpc.core.requeue import requeue_verdict
+from hpc.core.procs import process_start_time
+from hpc.schedulers.base import JobSide, wait_since_last_stop
+from hpc.core.spec import Checkpoint
+from trainer.boundary import LoopView, P, Progress
 from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir,
                                 wait_pending)
 from trainer.dist import CollectiveTimeouts
@@ -57,7 +59,8 @@ TIME_LIMIT_SLACK_S = 90  # Slurm may send the signal up to 60 s before its lead 
 
 @dataclass
 class Resilience:
-    """One rank's checkpoint/preemption state; rank 0 also keeps the ledger and requeues."""
+    """One rank's checkpoint/preemption state; rank 0 also keeps the ledger and requeues. The loop's
+    ``trainer.boundary.StepBoundary``."""
 
     run_dir: Path
     policy: Checkpoint
@@ -75,13 +78,13 @@ class Resilience:
     saves: int = 0
     reason: str | None = None  # completed | preempted | terminated, once the loop has stopped
     signal_lead_s: int = 0  # how long before the time limit the scheduler sends the preemption signal
-    phase: str = "load"  # where this rank is (hpc.failures.PHASES): a failure's report says it
+    phase: str = "load"  # where this rank is (hpc.core.failures.PHASES): a failure's report says it
     vote: BoundaryVote = field(default_factory=BoundaryVote)
     boundaries: int = 0  # step boundaries seen by this incarnation
 
     # ------------------------------------------------------------ resume
 
-    def resume(self, t: tp.Any, state: tp.Any) -> tp.Any:
+    def resume(self, t: LoopView, state: P) -> P:
         """Load the newest committed checkpoint into ``t`` and ``state`` (collective); write the start line."""
         tic = time.perf_counter()
         path = self._agreed_start(t.device)
@@ -121,7 +124,7 @@ class Resilience:
 
     # ------------------------------------------------------------ step boundary
 
-    def boundary(self, t: tp.Any, state: tp.Any) -> bool:
+    def boundary(self, t: LoopView, state: Progress) -> bool:
         """Save when due; True when the loop must stop (preemption or SIGTERM agreed). Collective."""
         self.step = state.step
         self.boundaries += 1
@@ -156,7 +159,7 @@ class Resilience:
         preempted, terminated, minutes_due = self.vote.exchange([*flags, int(due)], last=last)
         return bool(preempted), bool(terminated), bool(minutes_due)
 
-    def _save(self, t: tp.Any, state: tp.Any) -> None:
+    def _save(self, t: LoopView, state: Progress) -> None:
         self._timed(lambda: save_checkpoint(self.run_dir, state.step, t.model, t.optimizer, t.scheduler,
                                             state.state_dict(), keep=self.policy.keep,
                                             async_save=self.policy.async_save, dims=t.dims))
@@ -238,7 +241,7 @@ class Resilience:
             self._leave_for_requeue()
 
     def _report(self, error: str, terminated: bool, repeats: bool = False) -> None:
-        """This rank's failure report for whoever writes the stop line (``hpc.requeue``): where it
+        """This rank's failure report for whoever writes the stop line (``hpc.core.requeue``): where it
         failed (``phase``) and whether a restart would fail the same way (``repeats``)."""
         if self.side is None:
             return

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpc.dims import ParallelDims, parallel_dims
-from hpc.models import model_facts
-from hpc.resolve import Launch, launch_parallel
-from hpc.spec import JobSpec
+from hpc.core.dims import ParallelDims
+from hpc.core.models import model_facts
+from hpc.core.resolve import Launch, refit
+from hpc.core.spec import JobSpec
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, shutdown, write_mesh, write_world)
@@ -117,22 +117,16 @@ def dist_initialized(env: RankEnv, launch: Launch) -> bool:
 
 
 def fit_launch(run: Run, world_size: int, local_world: int) -> Launch:
-    """The resolved launch, recomputed when started at another world size (e.g. ``torchrun
-    --nproc_per_node=4`` on a folder resolved for 2); states the numbers when they do not fit."""
-    launch, spec = run.launch, run.spec
+    """The resolved launch, refitted when started at another world size (e.g. ``torchrun
+    --nproc_per_node=4`` on a folder resolved for 2) by resolve's own checks (``hpc.core.resolve.refit``),
+    which state the numbers when they do not fit."""
+    launch = run.launch
     if world_size == launch.world_size:
         return launch
-    per_step = world_size * spec.train.micro_batch
-    if spec.train.global_batch % per_step:
-        raise ValueError(f"train.global_batch = {spec.train.global_batch} is not divisible by world_size × "
-                         f"micro_batch = {world_size} × {spec.train.micro_batch} = {per_step}")
-    if world_size % local_world:
-        raise ValueError(f"{world_size} ranks do not divide into nodes of {local_world}")
-    dims = parallel_dims(launch.dims.strategy, launch.dims.sharding, world_size, local_world, spec.parallel.shard_size)
+    fitted = refit(run.spec, run.site, launch, world_size, local_world)
     log.warning("run folder resolved for %d ranks, started with %d: %s, grad_accum=%d",
-                launch.world_size, world_size, dims.describe(), spec.train.global_batch // per_step)
-    return dataclasses.replace(launch, nodes=world_size // local_world, tasks_per_node=local_world, dims=dims,
-                               grad_accum=spec.train.global_batch // per_step)
+                launch.world_size, world_size, fitted.dims.describe(), fitted.grad_accum)
+    return fitted
 
 
 def build_trainer(run: Run, rank: int, device: torch.device,
@@ -142,7 +136,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     model, mesh = build_parallel_model(spec, launch, device)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
-    parallel = launch_parallel(spec, launch)
+    parallel = launch.parallel  # decided once, at resolve (hpc.core.resolve.launch_for)
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
     optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)
@@ -173,7 +167,7 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device,
     blocks = model_blocks(model, spec.model.blocks)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
-    model = parallelize(model, blocks, launch_parallel(spec, launch), launch.dims, mesh, device, init)
+    model = parallelize(model, blocks, launch.parallel, launch.dims, mesh, device, init)
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",

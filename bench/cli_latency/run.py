@@ -69,9 +69,10 @@ def make_run_root(root: Path, count: int, live: int) -> None:
 def resolved_text() -> str:
     """A real resolved.json (the sandbox's tiny HSDP job, ~3 KB): what status reads of every run it lists."""
     sys.path.insert(0, str(REPO))
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
+    from hpc.plan.resolve import resolve
 
     spec, site = load_spec(str(REPO / "jobs/tiny-hsdp-2node.toml")), load_site("sandbox")
     return json.dumps(resolved_document(spec, site, resolve(spec, site), "/runs/RUN"), indent=2, sort_keys=True)

@@ -33,9 +33,10 @@ def build(root: Path, args: argparse.Namespace):
     """A trainer (strategy none) of the overhead bench's model, data and learning rate."""
     import torch
 
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
     from trainer.run import load_run
     from trainer.train import build_trainer
 
@@ -92,7 +93,7 @@ def adam_on_tiny_grads(trainer):
     """A fresh fused AdamW (the trainer's) over the model, gradients 1e-20: ``exp_avg_sq`` ≈ 5e-42."""
     import torch
 
-    from hpc.spec import Train
+    from hpc.core.spec import Train
     from trainer.optim import build_optimizer
 
     optimizer = build_optimizer(trainer.model, Train())

@@ -66,9 +66,10 @@ class Check:
 
     def make_run(self, name: str, overrides: list[str]) -> Path:
         """A run folder resolved exactly as ``hpcx submit`` would, for this one-GPU machine."""
-        from hpc.resolve import resolve, resolved_document
-        from hpc.site import parse_site
-        from hpc.spec import load_spec
+        from hpc.core.resolve import resolved_document
+        from hpc.plan.resolve import resolve
+        from hpc.core.site import parse_site
+        from hpc.core.spec import load_spec
 
         spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
             "model.seq_len=2048", f"train.steps={self.steps}", "train.warmup_steps=5",
@@ -115,8 +116,8 @@ def steady(run_dir: Path) -> list[dict]:
 def predicted_gb(run_dir: Path) -> float | None:
     """The planner's per-rank estimate (without headroom) for the strategy this run uses."""
     from hpc.plan import plan_job
-    from hpc.site import parse_site
-    from hpc.spec import spec_from_dict
+    from hpc.core.site import parse_site
+    from hpc.core.spec import spec_from_dict
 
     doc = json.loads((run_dir / "resolved.json").read_text())
     site = {k: v for k, v in doc["site"].items() if k in ("scheduler", "node", "network", "storage", "nccl")}

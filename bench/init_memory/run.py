@@ -52,7 +52,7 @@ def worker(rank: int, world: int, port: int, size: str, old: bool, out: str) -> 
     import torch.distributed as dist
 
     from hpc.cli import load_job
-    from hpc.resolve import launch_parallel
+    from hpc.core.resolve import launch_parallel
     from trainer.model import build_model, local_numel, model_blocks
     from trainer.parallelize import build_mesh, parallelize
     from trainer.train import build_parallel_model
@@ -103,7 +103,7 @@ def measure(size: str, world: int, old: bool) -> list[dict]:
 
 
 def report(size: str, world: int, records: list[dict], label: str) -> None:
-    from hpc.models import GPT_PRESETS
+    from hpc.core.models.gpt import GPT_PRESETS
 
     module = 4 * GPT_PRESETS[size].largest_module_params
     for rank, r in enumerate(records):

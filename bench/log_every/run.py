@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make_run(root: Path, name: str, log_every: int, ranks: int, args: argparse.Namespace) -> Path:
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
 
     spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
         f"model.size={args.size!r}", f"model.seq_len={args.seq_len}", f"train.steps={args.warmup + args.steps}",
@@ -101,7 +102,7 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         os._exit(0)
-    from hpc.spec import Train
+    from hpc.core.spec import Train
 
     default = Train().log_every
     ranks = 1 if args.strategy == "none" else 2

@@ -21,8 +21,8 @@ import time
 def model(size: str, fsdp: bool):
     import torch
 
-    from hpc.models import gpt_shape
-    from trainer.model import GPT
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.models.gpt import GPT
 
     torch.manual_seed(0)
     gpt = GPT(gpt_shape(size))
@@ -43,7 +43,7 @@ def model(size: str, fsdp: bool):
 def compare(size: str, fsdp: bool, steps: int) -> str:
     import torch
 
-    from hpc.spec import Train
+    from hpc.core.spec import Train
     from trainer.optim import build_optimizer
 
     models = {name: model(size, fsdp) for name in ("multi-tensor", "fused")}

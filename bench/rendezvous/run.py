@@ -55,7 +55,8 @@ class Counting:
 def one_world(world: int, reps: int) -> str:
     import torch.distributed as dist
 
-    from trainer.dist import RankEnv, _rendezvous
+    from hpc.schedulers.base import RankEnv
+    from trainer.dist import _rendezvous
 
     master = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=60), wait_for_workers=False)
     shared = dist.PrefixStore("hpcx/0", master)

@@ -60,9 +60,10 @@ STRATEGIES = {"none": ("none", []), "ddp": ("ddp", []), "fsdp": ("fsdp", []),
 
 def make_run(root: Path, name: str, strategy: str, ranks: int, args: argparse.Namespace) -> Path:
     """A run folder resolved as ``hpcx submit`` would, with the spec's default ``log_every``."""
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import load_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
 
     kind, extra = STRATEGIES[strategy]
     spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [
@@ -176,8 +177,9 @@ def hand_model(run, rank: int):
     units; the output side stays gathered after forward, as backward needs it first), then the root."""
     import torch
 
-    from hpc.models import gpt_shape
-    from trainer.model import GPT, WeightInit
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.model import WeightInit
+    from trainer.models.gpt import GPT
 
     spec, dims = run.spec, run.launch.dims
     model = GPT(gpt_shape(spec.model.size, spec.model.seq_len), spec.model.dropout)
@@ -204,7 +206,7 @@ def hand_batches(run, rank: int, steps: int) -> list:
     """This rank's micro-batch of every step, the samples the trainer's sampler picks, built beforehand."""
     import torch
 
-    from hpc.models import model_facts
+    from hpc.core.models import model_facts
     from trainer.data import GlobalSampler, build_dataset, shuffle_enabled
 
     spec, facts = run.spec, model_facts(run.spec.model)
@@ -328,7 +330,7 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         os._exit(0)
-    from hpc.spec import Train
+    from hpc.core.spec import Train
 
     print(f"GPT {args.size}, seq_len {args.seq_len}, global batch {args.global_batch}, lr {args.lr}, {args.steps} "
           f"steps of each loop, interleaved, after {args.warmup} warm-up steps, log_every {Train().log_every} "

@@ -5,10 +5,10 @@ dict): DCP folders (``dcp``), safetensors files or shard sets (``safetensors``) 
 ``torch.save`` files (``torchsave``). Imports point one way::
 
     cli ──► convert ──► dcp, safetensors, torchsave ──► entries, outputs, torch_zip, safe_pickle
-                                                   └──► hpc.compat, hpc.errors
+                                                   └──► hpc.compat, hpc.core.errors
 
 Nothing here imports ``trainer`` (the trainer imports this package for its DCP reader and
-allow-list unpickler), and importing ``hpc.ckpt`` or ``hpc.ckpt.cli`` does not import torch:
+allow-list unpickler), and importing ``hpc.ckpt`` or ``hpc.cli.ckpt`` does not import torch:
 every other module of the package does, so the CLI imports them inside its commands.
-A checkpoint that is missing, torn, corrupt or lying raises ``hpc.errors.CheckpointError``.
+A checkpoint that is missing, torn, corrupt or lying raises ``hpc.core.errors.CheckpointError``.
 """

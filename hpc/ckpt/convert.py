@@ -24,7 +24,7 @@ from hpc.ckpt.outputs import check_destination
 from hpc.ckpt.safe_pickle import METADATA_FILE
 from hpc.ckpt.safetensors import INDEX_FILE, SafetensorsReader, check_safetensors_target, write_safetensors
 from hpc.ckpt.torchsave import LEGACY_TORCH_MAGIC, TorchReader, write_torch
-from hpc.errors import CheckpointError, ConfigError
+from hpc.core.errors import CheckpointError, ConfigError
 
 TARGETS = ("torch", "safetensors", "dcp")
 DEFAULT_SHARD_BYTES = 5 * 2**30  # 5 GiB, the usual safetensors shard size

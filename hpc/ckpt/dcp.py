@@ -31,7 +31,7 @@ from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.safe_pickle import METADATA_FILE, load_dcp_metadata
 from hpc.ckpt.torch_write import Sink, Stored, TorchWriter
 from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 SHARD_FILE = "__0_0.distcp"
 MAX_COVERAGE_CELLS = 1 << 22  # a finer chunk grid is checked by volume only

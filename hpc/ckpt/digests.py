@@ -21,7 +21,7 @@ import typing as tp
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 SUFFIX = ".sha256"
 CHUNK = 8 << 20

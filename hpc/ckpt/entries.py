@@ -16,7 +16,7 @@ import typing as tp
 
 import torch
 
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 Path_ = tuple  # object path: tuple of str keys and int list indices
 Progress = tp.Callable[[int], None]

@@ -19,8 +19,8 @@ import typing as tp
 from contextlib import contextmanager
 from pathlib import Path
 
-from hpc.errors import CheckpointError, UserError
-from hpc.procs import pid_alive
+from hpc.core.errors import CheckpointError, UserError
+from hpc.core.procs import pid_alive
 
 PARTIAL = re.compile(r"^\.(?P<name>.+)\.partial-(?:(?P<host>.+)-)?(?P<pid>\d+)$")
 

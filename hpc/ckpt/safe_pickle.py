@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from hpc import compat
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
 

@@ -30,7 +30,7 @@ from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, chec
                               jsonable, load_error, raise_problems, tensor_entry)
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_zip import byte_view, read_exact
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000  # what safetensors itself accepts
@@ -127,7 +127,7 @@ def _no_constant(name: str) -> tp.Any:
 
 
 def _parse_json(file: Path, raw: bytes) -> dict:
-    from hpc.config import JSON_SYNTAX, nesting_error
+    from hpc.core.config import JSON_SYNTAX, nesting_error
 
     try:
         text = raw.decode("utf-8")

@@ -40,7 +40,7 @@ import zipfile
 import torch
 
 from hpc import compat
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 MAX_PICKLE = 256 * 2**20  # a state dict's data.pkl is small; refuse absurd ones rather than read them
 

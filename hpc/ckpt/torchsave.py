@@ -21,7 +21,7 @@ from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, load_error, tenso
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_write import Stored, TorchWriter
 from hpc.ckpt.torch_zip import TorchZip, Unsupported
-from hpc.errors import CheckpointError
+from hpc.core.errors import CheckpointError
 
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"  # pickle protocol 2 + the 10-byte magic number of torch < 1.6 files
 

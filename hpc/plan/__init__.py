@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc.config import ConfigError
-from hpc.dims import ParallelDims, parallel_dims, tasks_per_node
-from hpc.memory import peaks_note
-from hpc.models import ModelFacts, model_facts
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.core.config import ConfigError
+from hpc.core.dims import ParallelDims, parallel_dims, tasks_per_node
+from hpc.plan.memory import peaks_note
+from hpc.core.models import ModelFacts, model_facts
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec
 
 from hpc.plan.explain import advise, plan_notes, recommend, unknown_model
 from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candidates, compute_seconds, evaluate,

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hpc.comm import HOST_LINK_GBS
-from hpc.dims import parallel_dims
-from hpc.memory import FRAGMENTATION, GB
-from hpc.models import ModelFacts, count_text
-from hpc.site import SiteProfile
+from hpc.plan.comm import HOST_LINK_GBS
+from hpc.core.dims import parallel_dims
+from hpc.plan.memory import FRAGMENTATION, GB
+from hpc.core.models import ModelFacts, count_text
+from hpc.core.site import SiteProfile
 
 from hpc.plan.rows import (SIMPLICITY_TEXT, TIE, Candidate, Plan, Row, Setup, comm_cost, cost, evaluate, fitting,
                            measure, pick, simplicity, tied)

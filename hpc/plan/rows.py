@@ -6,12 +6,12 @@ from __future__ import annotations
 import typing as tp
 from dataclasses import dataclass, field
 
-from hpc.comm import Comm, step_comm
-from hpc.dims import ParallelDims, parallel_dims
-from hpc.memory import HOST_USABLE, Config, Memory, estimate, headroom_gb
-from hpc.models import ModelFacts
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec, compute_precision
+from hpc.plan.comm import Comm, step_comm
+from hpc.core.dims import ParallelDims, parallel_dims
+from hpc.plan.memory import HOST_USABLE, Config, Memory, estimate, headroom_gb
+from hpc.core.models import ModelFacts
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec, compute_precision
 
 from hpc.plan.timing import StepTime, host_step_seconds, step_time
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpc.comm import Comm, Part
+from hpc.plan.comm import Comm, Part
 
 CPU_ADAM_PARAMS_PER_CORE_S = 1e8  # torch AdamW on the host, parameters per second per core (assumed)
 

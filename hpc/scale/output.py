@@ -8,8 +8,8 @@ import io
 import typing as tp
 from pathlib import Path
 
-from hpc import runs
-from hpc.errors import UserError
+from hpc.core import runs
+from hpc.core.errors import UserError
 from hpc.scale.predict import ASSUMED_MFU
 from hpc.scale.report import SPLIT_KEYS
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import typing as tp
 from dataclasses import dataclass, replace
 
-from hpc.models import model_facts
+from hpc.core.models import model_facts
 from hpc.plan import MFU_DEFAULT as ASSUMED_MFU  # compute estimate when nothing was measured
-from hpc.resolve import tasks_per_node
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec
+from hpc.core.resolve import tasks_per_node
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec
 
 from hpc.scale.study import point_batch
 
@@ -34,8 +34,8 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
     planner's pieces: its strategy choice, the α-β ``step_comm`` and compute at ASSUMED_MFU of the site's
     peak (None where unknown). Step time is compute + communication (no overlap: a lower bound on throughput)."""
     from hpc import plan
-    from hpc.comm import step_comm
-    from hpc.memory import Config
+    from hpc.plan.comm import step_comm
+    from hpc.plan.memory import Config
 
     facts, setup, t = model_facts(spec.model), plan.setup_of(spec, site, nodes), spec.train
     if facts.n_params is None or t.global_batch % (setup.world * t.micro_batch):

@@ -14,11 +14,12 @@ import typing as tp
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hpc import nccl, runs
-from hpc.config import ConfigError
-from hpc.resolve import tasks_per_node
-from hpc.site import SiteProfile, load_site, parse_site
-from hpc.spec import JobSpec, load_spec
+from hpc.login import nccl
+from hpc.core import runs
+from hpc.core.config import ConfigError
+from hpc.core.resolve import tasks_per_node
+from hpc.core.site import SiteProfile, load_site, parse_site
+from hpc.core.spec import JobSpec, load_spec
 
 from hpc.scale.predict import Anchor, Prediction, predict, predicted_step
 from hpc.scale import study as studies
@@ -225,10 +226,10 @@ def _share(p: Prediction) -> float | None:
 
 def bucket_advice(spec: JobSpec, site: SiteProfile, nodes: int) -> list[str]:
     """DDP: the latency term is one α per ring step per bucket; bigger buckets mean fewer calls."""
-    from hpc.comm import Group, group_link
-    from hpc.memory import DDP_BUCKET_BYTES, REDUCE_BYTES
+    from hpc.plan.comm import Group, group_link
+    from hpc.plan.memory import DDP_BUCKET_BYTES, REDUCE_BYTES
 
-    from hpc.models import model_facts
+    from hpc.core.models import model_facts
 
     facts, tpn = model_facts(spec.model), tasks_per_node(spec, site)
     world = nodes * tpn

@@ -18,12 +18,13 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc import runs
-from hpc.config import ConfigError
-from hpc.resolve import resolve, tasks_per_node
-from hpc.site import SiteProfile
-from hpc.spec import JobSpec, load_spec
-from hpc.validate import INT32_MAX
+from hpc.core import runs
+from hpc.core.config import ConfigError
+from hpc.core.resolve import tasks_per_node
+from hpc.plan.resolve import resolve
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec, load_spec
+from hpc.core.validate import INT32_MAX
 
 STUDY_FILE = "study.json"  # the points, each with its run folder
 STUDY_SPEC = "spec.toml"  # the study's copy of the spec
@@ -112,7 +113,7 @@ def new_study_dir(root: Path, name: str, group_readable: bool) -> Path:
 def start_study(spec_path: Path, site: SiteProfile, overrides: tp.Sequence[str], nodes: tp.Sequence[int],
                 mode: str = "weak", steps: int | None = None) -> Path:
     """Check every point, create the study folder, submit one job per point; returns at once."""
-    from hpc import submit as sub
+    from hpc.login import submit as sub
 
     if mode not in MODES:
         raise ConfigError([f"--mode {mode!r}: expected weak or strong"])
@@ -136,7 +137,7 @@ def start_study(spec_path: Path, site: SiteProfile, overrides: tp.Sequence[str],
 
 def submit_point(study_dir: Path, study: dict, point: dict, site: SiteProfile) -> None:
     """Submit one point and record its run folder (or why it failed) in study.json at once."""
-    from hpc import submit as sub
+    from hpc.login import submit as sub
 
     all_overrides = [*study["overrides"], *point["overrides"]]
     try:
@@ -158,7 +159,7 @@ def read_study(path: Path) -> dict:
 
 def point_state(point: dict) -> str:
     """The scheduler's state of a point's job (SUBMIT FAILED when it never reached the scheduler)."""
-    from hpc import submit as sub
+    from hpc.login import submit as sub
 
     if not point.get("run_dir"):
         return "SUBMIT FAILED"

@@ -5,7 +5,7 @@ state of many jobs in one bounded query; cancel; sending the preemption signal (
 often the scheduler restarted a job.
 
 Job side (``JobSide``, inside a running task): this job's id and restart count; asking for the one
-requeue (``hpc.requeue`` makes sure it is one) and leaving the way that scheduler restarts a job; how
+requeue (``hpc.core.requeue`` makes sure it is one) and leaving the way that scheduler restarts a job; how
 long this incarnation waited in the queue.
 
 Every task runs ``task_command``: the preemption signal and SIGTERM are held from the task's start
@@ -19,7 +19,9 @@ one line in ``hpc.schedulers.KINDS``. Everything here is torch-free; submitit is
 from __future__ import annotations
 
 import abc
+import re
 import shlex
+import socket
 import shutil
 import subprocess
 import typing as tp
@@ -27,10 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.resolve import Launch
-    from hpc.site import SiteProfile
-    from hpc.spec import JobSpec
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
 
+PORT_BASE = 20000
+PORT_SPAN = 20000
 SUBMITIT_DIR = "submitit"  # under the run folder: submitit's pickles and per-task stdout/stderr
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED"}
@@ -59,6 +63,32 @@ class JobState:
         if self.detail.get("reason"):
             return f"{self.state} ({self.detail['reason']})"
         return self.state
+
+
+@dataclass
+class RankEnv:
+    """Where this process sits in the job, and how to reach rank 0 (``JobSide.rank_env`` of the scheduler
+    that started it, or the trainer's own reading of submitit and torchrun)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    hostname: str = field(default_factory=socket.gethostname)
+    local_world_size: int = 1
+    launcher: str = "single"  # "submitit", "torchrun", "srun" or "single"
+    agent_store: bool = False  # torchrun's agent already hosts the TCPStore at master_port
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def rendezvous_port(job_id: str) -> int:
+    """A port from the job id, so two jobs sharing a node do not collide: 20000 + digits % 20000."""
+    digits = re.sub(r"\D", "", job_id)
+    return PORT_BASE + (int(digits) % PORT_SPAN if digits else 0)
 
 
 def unknown(jobs: tp.Iterable[str], reason: str = "") -> dict[str, JobState]:
@@ -177,11 +207,30 @@ class Scheduler(abc.ABC):
         """How many times the scheduler restarted (requeued) the job."""
         return 0
 
+    @staticmethod
+    def section_problems(section: tp.Any) -> list[str]:
+        """This kind's rules on the options it owns in a site's ``[scheduler]`` section (well-typed)."""
+        return []
+
+    def site_problems(self, site: SiteProfile) -> list[str]:
+        """This kind's cross-checks of a well-typed site profile of its kind."""
+        return []
+
 
 class JobSide(abc.ABC):
     """The side of one scheduler kind that runs inside a job's task."""
 
     kind: str = ""
+
+    @classmethod
+    def started_this_task(cls, env: tp.Mapping[str, str]) -> bool:
+        """Whether this kind started the process with environment ``env`` (submitit names its executor)."""
+        return env.get("SUBMITIT_EXECUTOR") == cls.kind
+
+    @staticmethod
+    def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
+        """This task's rank when this kind started it itself, without submitit or torchrun; else None."""
+        return None
 
     @abc.abstractmethod
     def job_id(self) -> str | None:
@@ -199,13 +248,13 @@ class JobSide(abc.ABC):
     @property
     def decides_failures(self) -> bool:
         """Whether something outside the ranks decides the requeue after a failure (the batch
-        script's check after srun); then a failing rank only reports (``hpc.requeue``)."""
+        script's check after srun); then a failing rank only reports (``hpc.core.requeue``)."""
         return False
 
     @abc.abstractmethod
     def requeue(self) -> str | None:
         """Ask the scheduler for a requeue of this job; None when granted, else why not. Call it
-        through ``hpc.requeue.request``, which makes it the only one of this incarnation."""
+        through ``hpc.core.requeue.request``, which makes it the only one of this incarnation."""
 
     def leave_for_requeue(self) -> None:
         """After a granted requeue and the stop line: leave the way this scheduler restarts a job
@@ -227,3 +276,22 @@ class JobSide(abc.ABC):
         """The scheduler's account of this start's tasks that ended badly, in order (``ranks``, ``host``,
         ``what``, ``signal`` or ``exit_code``, ``first``: before the rest were ended); [] when it has none."""
         return []
+
+
+def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
+    """This process's start minus the previous stop (after a requeue) or ``job.json``'s ``submitted_at``
+    (first start); unknown when the previous incarnation died without a stop line. What a scheduler
+    that cannot tell its queue wait answers (``JobSide.queue_wait``), and the trainer without one."""
+    if ledger and ledger[-1].get("event") == "start":
+        return None, "unknown"
+    if ledger and ledger[-1].get("event") == "stop":
+        reference, source = ledger[-1].get("time"), "ledger"
+    else:
+        from hpc.core.runs import RunDir
+
+        reference, source = RunDir(run_dir).read_job().get("submitted_at"), "job.json"
+    if reference is None:
+        return None, "unknown"
+    from hpc.core.procs import process_start_time
+
+    return max(0.0, process_start_time() - float(reference)), source

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hpc.models import GPTShape
-from trainer.model import GPT
+from hpc.core.models.gpt import GPTShape
+from trainer.models.gpt import GPT
 
 HERE = Path(__file__).resolve().parent
 SHAPE = GPTShape(n_layers=2, d_model=32, n_heads=4, seq_len=16, vocab_size=64)
@@ -95,7 +95,7 @@ def cli(*args: object) -> tuple[int, str]:
     """``hpcx ckpt ARGS`` in-process: (exit code, stdout + stderr); a traceback fails the test."""
     from click.testing import CliRunner
 
-    from hpc.ckpt.cli import ckpt_group
+    from hpc.cli.ckpt import ckpt_group
 
     result = CliRunner().invoke(ckpt_group, [str(a) for a in args])
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import SHAPE, build, train_step  # noqa: E402
 
-from hpc.ckpt.cli import ckpt_group  # noqa: E402
-from hpc.errors import CheckpointError  # noqa: E402
+from hpc.cli.ckpt import ckpt_group  # noqa: E402
+from hpc.core.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from trainer.model import GPT  # noqa: E402
+from trainer.models.gpt import GPT  # noqa: E402
 
 
 def cli(*args: str) -> tuple[int, str]:
@@ -177,7 +177,7 @@ def test_existing_destination_is_refused(saved, tmp_path: Path) -> None:
 
 
 def test_cli_module_does_not_import_torch() -> None:
-    code = "import sys, hpc.ckpt, hpc.ckpt.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, hpc.ckpt, hpc.cli.ckpt; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

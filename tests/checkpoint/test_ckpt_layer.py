@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import HERE, build, launch, read_json, train_step  # noqa: E402
 
 from hpc.ckpt.digests import check_digests  # noqa: E402
-from hpc.errors import CheckpointError  # noqa: E402
+from hpc.core.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir  # noqa: E402
 from hpc.ckpt.convert import verify_checkpoints  # noqa: E402
 

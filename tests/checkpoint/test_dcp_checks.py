@@ -19,7 +19,7 @@ from ckpt_helpers import cli, refused_everywhere  # noqa: E402
 
 from hpc import compat  # noqa: E402
 from hpc.ckpt.dcp import DcpReader, dcp_problems  # noqa: E402
-from hpc.errors import CheckpointError  # noqa: E402
+from hpc.core.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 
 W = torch.arange(24, dtype=torch.float32).view(4, 6)

@@ -24,7 +24,7 @@ from ckpt_helpers import assert_refused, cli  # noqa: E402
 
 from hpc.ckpt.convert import convert_checkpoint  # noqa: E402
 from hpc.ckpt.outputs import stale_partials  # noqa: E402
-from hpc.errors import CheckpointError  # noqa: E402
+from hpc.core.errors import CheckpointError  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TARGETS = [("dcp", "out.dcp"), ("safetensors", "out.safetensors"), ("safetensors", "out-folder"), ("torch", "out.pt")]
@@ -73,7 +73,7 @@ WRITE_LIMITED = r"""
 import resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), int(sys.argv[1])))
-from hpc.ckpt.cli import ckpt_group
+from hpc.cli.ckpt import ckpt_group
 ckpt_group(sys.argv[2:], prog_name="hpcx ckpt")
 """
 
@@ -99,7 +99,7 @@ def slow(self, key, out):
     time.sleep(0.5)
     read_into(self, key, out)
 dcp.DcpReader.read_into = slow
-from hpc.ckpt.cli import ckpt_group
+from hpc.cli.ckpt import ckpt_group
 ckpt_group(sys.argv[1:], prog_name="hpcx ckpt")
 """
 

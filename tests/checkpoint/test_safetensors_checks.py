@@ -19,7 +19,7 @@ import malformed as mf  # noqa: E402
 from ckpt_helpers import assert_refused, cli, refused_everywhere  # noqa: E402
 
 from hpc.ckpt.safetensors import SafetensorsReader  # noqa: E402
-from hpc.errors import CheckpointError  # noqa: E402
+from hpc.core.errors import CheckpointError  # noqa: E402
 
 F4 = b"\x00\x00\x80\x3f" * 4  # four float32 ones
 

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import build, train_step  # noqa: E402
 
-from hpc.errors import CheckpointError  # noqa: E402
+from hpc.core.errors import CheckpointError  # noqa: E402
 from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
 from hpc.ckpt.torchsave import TorchReader  # noqa: E402
 

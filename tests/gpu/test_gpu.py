@@ -30,9 +30,10 @@ def gpu_site(gpus: int) -> dict:
 
 
 def gpu_run(root: Path, name: str, gpus: int, overrides: list[str]) -> Path:
-    from hpc.resolve import resolve, resolved_document
-    from hpc.site import parse_site
-    from hpc.spec import load_spec
+    from hpc.core.resolve import resolved_document
+    from hpc.plan.resolve import resolve
+    from hpc.core.site import parse_site
+    from hpc.core.spec import load_spec
 
     spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", ["train.steps=6", "train.log_every=1", *overrides])
     site = parse_site(gpu_site(gpus), "gpu-test", "<gpu-test>")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc import runs
+from hpc.core import runs
 from tests.conftest import REPO, hpcx
 
 TINY_SEQ, TINY_VOCAB = 64, 256

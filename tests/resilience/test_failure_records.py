@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from hpc import failures, requeue, runs
-from hpc.errors import ConfigError, UserError
-from hpc.schedulers.local import LocalJobSide
-from hpc.schedulers.slurm import SlurmJobSide, srun_task_ends, start_mark, task_end, task_ranks, this_start
-from hpc.spec import Checkpoint
+from hpc.core import failures, requeue, runs
+from hpc.core.errors import ConfigError, UserError
+from hpc.core.spec import Checkpoint
+from hpc.schedulers.local.scheduler import LocalJobSide
+from hpc.schedulers.slurm.requeue import after_srun
+from hpc.schedulers.slurm.scheduler import (SlurmJobSide, srun_task_ends, start_mark, task_end, task_ranks,
+                                           this_start)
 from tests.resilience.test_requeue import JOB, start, write_ledger, write_spec
 
 CONNECTION_RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
@@ -111,7 +113,7 @@ def test_the_rank_that_died_is_named_with_its_signal_not_the_survivors(run_dir, 
                                                      *(f"n1: task {r}: Terminated" for r in survivors)))))
     for rank in survivors[:2]:  # the survivors' collectives fail: they report a peer's loss
         report(run_dir, rank, CONNECTION_RESET if rank % 2 else CONNECTION_CLOSED, saves=3, save_s=1.5)
-    line = requeue.after_srun(run_dir, 143, slurm_side)
+    line = after_srun(run_dir, 143, slurm_side)
     assert line["failed_ranks"] == [dead] and line["signal"] == signal
     assert line["reported_ranks"] == sorted(survivors[:2])
     assert f"rank {dead} on {host} was killed by {signal}" in line["error"]
@@ -125,7 +127,7 @@ def test_a_rank_that_raised_first_is_named_with_its_own_error(run_dir, slurm_sid
                                                      "n1: task 0: Terminated"))))
     report(run_dir, 0, CONNECTION_CLOSED)
     report(run_dir, 1, "ValueError: bad batch at step 28")
-    line = requeue.after_srun(run_dir, 1, slurm_side)
+    line = after_srun(run_dir, 1, slurm_side)
     assert line["failed_ranks"] == [1] and line["exit_code"] == 1 and "signal" not in line
     assert line["error"] == "ValueError: bad batch at step 28"
 
@@ -138,7 +140,7 @@ def test_every_rank_failing_alike_is_named_by_the_first_that_srun_saw_end(run_di
     refused = "ConnectionRefusedError: [Errno 111] Connection refused: tokenizer service at 10.200.0.1:9"
     for rank in range(4):
         report(run_dir, rank, refused, step=0, phase="build", repeats=False)
-    line = requeue.after_srun(run_dir, 1, slurm_side)
+    line = after_srun(run_dir, 1, slurm_side)
     assert line["failed_ranks"] == [3] and line["error"] == refused and line["exit_code"] == 1
     assert (run_dir / "requeue" / f"{JOB}.1.requeued").exists()  # a refused connection may not repeat
 
@@ -148,7 +150,7 @@ def test_without_srun_lines_the_ranks_that_failed_on_their_own_are_named(run_dir
     report(run_dir, 2, CONNECTION_RESET)
     report(run_dir, 1, "RuntimeError: CUDA error: an illegal memory access")
     requeue.report_failure(run_dir, f"{JOB}.1", 3, step=28, error="KeyError: 'x'", terminated=True)
-    line = requeue.after_srun(run_dir, 1, slurm_side)
+    line = after_srun(run_dir, 1, slurm_side)
     assert line["failed_ranks"] == [1] and line["reported_ranks"] == [1, 2, 3]
     assert line["error"] == "RuntimeError: CUDA error: an illegal memory access"
 
@@ -170,7 +172,7 @@ def test_srun_killed_counts_the_saves_the_run_folder_holds(run_dir, slurm_side, 
     write_ledger(run_dir, [start(0)])
     failures.record_saves(run_dir, f"{JOB}.1", 5, 2.5, 25)
     commit(run_dir, *committed)
-    line = requeue.after_srun(run_dir, 137, slurm_side)
+    line = after_srun(run_dir, 137, slurm_side)
     assert line["saves"] == expected and line["save_s"] == 2.5
     assert "srun ended with status 137 (SIGKILL)" in line["error"] and line["failed_ranks"] == []
 
@@ -180,7 +182,7 @@ def test_rank_0s_report_counts_when_it_has_one(run_dir, slurm_side):
     failures.record_saves(run_dir, f"{JOB}.1", 2, 1.0, 10)
     commit(run_dir, 5, 10)
     report(run_dir, 0, "ValueError: x", saves=3, save_s=1.7)
-    line = requeue.after_srun(run_dir, 1, slurm_side)
+    line = after_srun(run_dir, 1, slurm_side)
     assert (line["saves"], line["save_s"]) == (3, 1.7)
     assert failures.saves_of(run_dir, "nothing.0") == (0, 0.0)
 
@@ -230,7 +232,7 @@ def test_a_repeating_failure_is_one_line_and_never_requeued_by_the_check(run_dir
                                                      "n1: task 0: Terminated"))))
     report(run_dir, 0, CONNECTION_CLOSED, step=0, phase="train", repeats=False)
     report(run_dir, 1, "ModuleNotFoundError: No module named 'mymodels'", step=0, phase="build", repeats=True)
-    line = requeue.after_srun(run_dir, 1, slurm_side)
+    line = after_srun(run_dir, 1, slurm_side)
     assert not line["requeued"] and line["error"] == "ModuleNotFoundError: No module named 'mymodels'"
     assert line["not_requeued"] == ("ModuleNotFoundError on rank 1 while building the model, before the first "
                                     "step: it would fail the same way on a restart")
@@ -240,7 +242,7 @@ def test_a_repeating_failure_is_one_line_and_never_requeued_by_the_check(run_dir
 def test_a_transient_start_up_failure_is_still_requeued(run_dir, slurm_side):
     write_ledger(run_dir, [start(0)])
     report(run_dir, 0, "DistNetworkError: The client socket has timed out", step=0, phase="join", repeats=False)
-    line = requeue.after_srun(run_dir, 1, slurm_side)
+    line = after_srun(run_dir, 1, slurm_side)
     assert (run_dir / "requeue" / f"{JOB}.1.requeued").exists()  # the policy allowed it: the claim was taken
     assert "would fail the same way" not in line.get("not_requeued", "")
 
@@ -342,7 +344,7 @@ def test_a_preemption_with_no_requeue_left_still_fails(run_dir):
 
 def test_the_check_leaves_a_time_limit_stop_to_rank_0(run_dir, slurm_side):
     write_ledger(run_dir, [start(0), {"event": "stop", "reason": "time_limit", "step": 9, "job_id": JOB}])
-    assert requeue.after_srun(run_dir, 1, slurm_side) is None
+    assert after_srun(run_dir, 1, slurm_side) is None
 
 
 def test_saves_are_recorded_as_they_happen(run_dir, monkeypatch):
@@ -365,14 +367,14 @@ def test_a_run_folder_the_trainer_cannot_read_is_reported_as_repeating(run_dir, 
     (found,) = requeue.failure_reports(run_dir, f"{JOB}.1")
     assert found["rank"] == 2 and found["phase"] == "load" and found["repeats"] is True
     write_ledger(run_dir, [])
-    line = requeue.after_srun(run_dir, 1, slurm_side)
+    line = after_srun(run_dir, 1, slurm_side)
     assert not line["requeued"] and "while reading the run folder" in line["not_requeued"]
     assert line["error"].startswith("ConfigError: resolved.json")
 
 
 def test_the_result_line_says_how_the_job_stopped_when_there_is_none():
     from hpc.cli import describe_result
-    from hpc.submit import stop_summary
+    from hpc.login.submit import stop_summary
 
     stop = stop_summary({"reason": "time_limit", "step": 40, "requeued": False, "not_requeued": "max reached"})
     assert describe_result(None, stop) == ("no result (the job did not finish its work: time limit at step 40 "

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from hpc.drill import parse_step
-from hpc.schedulers.local import task_pids as local_task_pids
-from hpc.config import ConfigError
-from hpc.spec import Checkpoint
+from hpc.login.drill import parse_step
+from hpc.schedulers.local.scheduler import task_pids as local_task_pids
+from hpc.core.config import ConfigError
+from hpc.core.spec import Checkpoint
 from tests.conftest import hpcx
 from trainer.preemption import PreemptionFlag
-from hpc.schedulers.local import LocalJobSide
-from hpc.schedulers.slurm import parse_scontrol, scontrol_seconds
+from hpc.schedulers.local.scheduler import LocalJobSide
+from hpc.schedulers.slurm.scheduler import parse_scontrol, scontrol_seconds
 from trainer.resilience import Resilience, requeue_verdict, set_aside_untrusted, steps_recomputed
 
 START = {"event": "start", "step": 0}

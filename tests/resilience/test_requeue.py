@@ -1,4 +1,4 @@
-"""The one requeue per start of a job (``hpc.requeue``): claims, failure reports, and the batch script's
+"""The one requeue per start of a job (``hpc.core.requeue``): claims, failure reports, and the batch script's
 check after srun deciding from the run folder. Real files, real processes; the granted ``scontrol
 requeue`` itself is exercised on the sandbox (tests/slurm/test_failure_slurm.py)."""
 
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc import requeue, runs
-from hpc.schedulers.local import LocalJobSide
-from hpc.schedulers.slurm import SlurmJobSide
+from hpc.core import requeue, runs
+from hpc.schedulers.local.scheduler import LocalJobSide
+from hpc.schedulers.slurm.requeue import after_srun
+from hpc.schedulers.slurm.scheduler import SlurmJobSide
 
 JOB = "424242"
 
@@ -83,14 +84,14 @@ def test_nothing_to_decide_after_srun_when_rank_0_recorded_the_stop(run_dir, slu
     for reason in ("completed", "preempted", "terminated"):
         write_ledger(run_dir, [start(0, 0), {"event": "stop", "reason": "preempted", "step": 5}, start(5),
                                {"event": "stop", "reason": reason, "step": 9, "job_id": JOB}])
-        assert requeue.after_srun(run_dir, 1, slurm_env) is None
+        assert after_srun(run_dir, 1, slurm_env) is None
         assert len(runs.RunDir(run_dir).read_ledger()) == 4
 
 
 def test_rank_0_killed_without_a_word_is_recorded_from_the_metrics(run_dir, slurm_env):
     write_ledger(run_dir, [start(0, 0), {"event": "stop", "reason": "preempted", "step": 10}, start(10)])
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 18)))
-    line = requeue.after_srun(run_dir, 137, slurm_env)
+    line = after_srun(run_dir, 137, slurm_env)
     assert line["reason"] == "failed" and line["step"] == 17 and line["by"] == "batch script"
     assert "status 137" in line["error"] and "no rank reported" in line["error"]
     assert line["failed_ranks"] == [] and line["started"] is True and line["slurm_restart_count"] == 1
@@ -106,7 +107,7 @@ def test_the_first_rank_to_fail_names_the_failure(run_dir, slurm_env):
     requeue.report_failure(run_dir, f"{JOB}.1", 0, step=12, error="RuntimeError: Connection reset by peer",
                            save_s=4.5, saves=2)
     requeue.report_failure(run_dir, f"{JOB}.0", 1, step=3, error="from an earlier start")
-    line = requeue.after_srun(run_dir, 1, slurm_env)
+    line = after_srun(run_dir, 1, slurm_env)
     assert line["error"] == "CUDA error: an illegal memory access" and line["failed_ranks"] == [3]
     assert line["reported_ranks"] == [0, 3]  # rank 0 only lost its connection to rank 3: not a failed rank
     assert line["step"] == 12 and line["srun_status"] == 1
@@ -124,7 +125,7 @@ def test_the_check_applies_the_same_policy_as_rank_0(run_dir, slurm_env, ledger,
     write_ledger(run_dir, ledger)
     if "without progress" in words:
         requeue.report_failure(run_dir, f"{JOB}.1", 2, step=4, error="ValueError: bad batch")
-    line = requeue.after_srun(run_dir, 1, slurm_env)
+    line = after_srun(run_dir, 1, slurm_env)
     assert not line["requeued"] and words in line["not_requeued"]
     assert not (run_dir / "requeue" / f"{JOB}.1.requeued").exists()  # refused before claiming
 
@@ -132,7 +133,7 @@ def test_the_check_applies_the_same_policy_as_rank_0(run_dir, slurm_env, ledger,
 def test_a_start_that_never_wrote_its_start_line_is_still_recorded_and_counted(run_dir, slurm_env, monkeypatch):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     write_ledger(run_dir, [start(0, 0), {"event": "stop", "reason": "preempted", "step": 6, "job_id": JOB}])
-    line = requeue.after_srun(run_dir, 1, SlurmJobSide())
+    line = after_srun(run_dir, 1, SlurmJobSide())
     assert line["started"] is False and line["step"] == 6
     assert line["not_requeued"].startswith("job.max_requeues = 3 reached (3 restarts")
 

@@ -105,7 +105,7 @@ def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float =
 
 
 def workers(agent_pid: int) -> list[int]:
-    from hpc.schedulers.local import task_pids as local_task_pids
+    from hpc.schedulers.local.scheduler import task_pids as local_task_pids
 
     return local_task_pids(agent_pid)
 

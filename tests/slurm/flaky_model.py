@@ -7,8 +7,8 @@ import os
 
 
 def build(fail_rank: int = 1, fail_after: int = 8, **_: object):
-    from hpc.models import gpt_shape
-    from trainer.model import GPT
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.models.gpt import GPT
 
     model = GPT(gpt_shape("tiny"))
     first_start = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 
 def build(out_dir: str, **_: object):
-    from hpc.models import gpt_shape
-    from trainer.model import GPT
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.models.gpt import GPT
 
     secret = os.environ.get("HF_TOKEN")
     record = {

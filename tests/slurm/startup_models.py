@@ -23,8 +23,8 @@ def no_reset_parameters(**_: object):
         def forward(self, x):
             return x * self.gain
 
-    from hpc.models import gpt_shape
-    from trainer.model import GPT
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.models.gpt import GPT
 
     model = GPT(gpt_shape("tiny"))
     model.extra = Scale()
@@ -35,7 +35,7 @@ def refused_once(**_: object):
     """A data service that refuses the first start's connection (ConnectionRefusedError), then works."""
     if os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
         raise ConnectionRefusedError(111, "Connection refused: tokenizer service at 10.200.0.1:9")
-    from hpc.models import gpt_shape
-    from trainer.model import GPT
+    from hpc.core.models.gpt import gpt_shape
+    from trainer.models.gpt import GPT
 
     return GPT(gpt_shape("tiny"))

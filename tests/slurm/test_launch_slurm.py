@@ -7,10 +7,11 @@ import subprocess
 import sys
 import time
 
-from hpc.resolve import resolve, resolved_document
-from hpc.runs import new_run_dir
-from hpc.site import load_site
-from hpc.spec import load_spec
+from hpc.core.resolve import resolved_document
+from hpc.plan.resolve import resolve
+from hpc.core.runs import new_run_dir
+from hpc.core.site import load_site
+from hpc.core.spec import load_spec
 from tests.conftest import REPO
 
 

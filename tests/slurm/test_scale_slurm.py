@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from hpc import runs, scale
-from hpc.site import load_site
+from hpc.core import runs
+from hpc import scale
+from hpc.core.site import load_site
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6

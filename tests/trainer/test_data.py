@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hpc.spec import Data
+from hpc.core.spec import Data
 from trainer.data import GlobalSampler, SyntheticTokens, TokenFile, build_loader
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hpc.resolve import resolve, resolved_document
-from hpc.site import load_site
-from hpc.spec import load_spec
-from trainer.dist import rendezvous_port
+from hpc.core.resolve import resolved_document
+from hpc.plan.resolve import resolve
+from hpc.core.site import load_site
+from hpc.core.spec import load_spec
+from hpc.schedulers.base import rendezvous_port
 from trainer.metrics import PHASES
 from trainer_testlib import REPO, TINY, child_env, make_run, torchrun
 
@@ -151,7 +152,7 @@ def recorded_env(name: str) -> dict[str, str]:
 
 
 def test_a_plain_srun_task_reads_slurms_step_variables():
-    from trainer.dist import srun_env
+    from hpc.schedulers.slurm.ranks import srun_env
 
     first, last = srun_env(recorded_env("srun-task0")), srun_env(recorded_env("srun-task3"))
     assert (first.rank, first.local_rank, first.world_size, first.local_world_size) == (0, 0, 4, 2)
@@ -161,7 +162,7 @@ def test_a_plain_srun_task_reads_slurms_step_variables():
 
 
 def test_srun_variables_that_are_missing_or_do_not_fit_are_refused():
-    from trainer.dist import srun_env
+    from hpc.schedulers.slurm.ranks import srun_env
 
     env = recorded_env("srun-task3")
     for missing in ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_STEP_TASKS_PER_NODE"):

@@ -19,9 +19,10 @@ import pytest
 import torch
 from torch import nn
 
-from hpc.dims import parallel_dims
-from hpc.spec import Model
-from trainer.model import GPT, WeightInit, build_model, model_blocks, module_seed
+from hpc.core.dims import parallel_dims
+from hpc.core.spec import Model
+from trainer.model import WeightInit, build_model, model_blocks, module_seed
+from trainer.models.gpt import GPT
 from trainer_testlib import make_run, torchrun
 
 GPT_UNEVEN = ["model.seq_len=30", "model.vocab_size=250"]  # pos_emb and head rows split 8/8/8/6 over 4
@@ -101,9 +102,9 @@ def reference_gpt() -> dict[str, torch.Tensor]:
     ("hsdp", "full_shard", 32, 13), ("fsdp", "full_shard", 128, 100), ("hsdp", "shard_grad_op", 128, 127),
     ("fsdp", "no_shard", 8, 5)])
 def test_each_rank_holds_the_slice_of_the_single_process_state(reference_gpt, strategy, sharding, world, rank):
-    from hpc.fake_pg import fake_process_group
+    from hpc.dryrun.fake_pg import fake_process_group
     from trainer.parallelize import build_mesh, parallelize
-    from hpc.spec import Parallel
+    from hpc.core.spec import Parallel
 
     dims = parallel_dims(strategy, sharding, world, 8)
     with fake_process_group(world, rank):
@@ -167,7 +168,7 @@ def test_module_seed_is_a_stable_hash_of_seed_and_name():
 
 def test_names_are_taken_before_wrappers_rename_modules():
     """checkpoint_wrapper inserts ``_checkpoint_wrapped_module``: the seeds still follow the bare names."""
-    from hpc.spec import Parallel
+    from hpc.core.spec import Parallel
     from trainer.parallelize import parallelize
 
     def init(ac: bool) -> dict[str, torch.Tensor]:
@@ -185,7 +186,7 @@ def test_names_are_taken_before_wrappers_rename_modules():
 
 
 def test_a_module_without_reset_parameters_is_named():
-    from hpc.errors import UserError
+    from hpc.core.errors import UserError
 
     model = _nan_filled(build_model(Model(arch="init_models:make_without_reset", seq_len=16, vocab_size=250), "meta"))
     with pytest.raises(UserError, match=r"module 'trunk.layers.1.extra' \(NoReset\) owns w but has no "
@@ -194,7 +195,7 @@ def test_a_module_without_reset_parameters_is_named():
 
 
 def test_a_parameter_at_the_root_needs_the_root_to_reset_it():
-    from hpc.errors import UserError
+    from hpc.core.errors import UserError
 
     model = nn.Module()
     with torch.device("meta"):
@@ -208,11 +209,11 @@ def test_a_parameter_at_the_root_needs_the_root_to_reset_it():
 def test_a_tied_head_stays_tied_after_materialization(strategy, world):
     """``to_empty`` gives each module its own tensor; the head tied to the token embedding must share
     it again, or the model silently trains an untied head and counts its parameters twice."""
-    from hpc.fake_pg import fake_process_group
-    from hpc.models import gpt_shape
-    from hpc.resolve import resolve
-    from hpc.site import load_site
-    from hpc.spec import spec_from_dict
+    from hpc.dryrun.fake_pg import fake_process_group
+    from hpc.core.models.gpt import gpt_shape
+    from hpc.plan.resolve import resolve
+    from hpc.core.site import load_site
+    from hpc.core.spec import spec_from_dict
     from trainer.train import build_parallel_model
 
     spec = spec_from_dict({"model": {"size": "tiny", "tie_embeddings": True},

@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from hpc.errors import ConfigError
-from hpc.models import GPT_PRESETS, gpt_shape
-from hpc.spec import Model
-from trainer.model import GPT, build_model, model_blocks
+from hpc.core.errors import ConfigError
+from hpc.core.models.gpt import GPT_PRESETS, gpt_shape
+from hpc.core.spec import Model
+from trainer.model import build_model, model_blocks
+from trainer.models.gpt import GPT
 
 
 @pytest.mark.parametrize("size", list(GPT_PRESETS))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hpc.spec import Train
+from hpc.core.spec import Train
 from trainer.optim import build_optimizer, build_scheduler, clip_grad_norm, fused_supported, grad_norm, lr_factor
 
 

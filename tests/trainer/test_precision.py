@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpc.config import ConfigError
+from hpc.core.config import ConfigError
 from hpc.plan import plan_job
-from hpc.resolve import resolve
-from hpc.site import load_site
-from hpc.spec import Parallel, compute_precision, load_spec, spec_from_dict
+from hpc.plan.resolve import resolve
+from hpc.core.site import load_site
+from hpc.core.spec import Parallel, compute_precision, load_spec, spec_from_dict
 from trainer.run import Run
-from hpc.resolve import launch_parallel
+from hpc.core.resolve import launch_parallel
 from trainer.train import build_trainer
 from trainer_testlib import TINY, make_run
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.dist import RankEnv, _rendezvous, bound_device
+from hpc.schedulers.base import RankEnv
+from trainer.dist import _rendezvous, bound_device
 
 
 class CountingStore(dist.Store):

@@ -8,9 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpc.resolve import resolve, resolved_document
-from hpc.site import load_site
-from hpc.spec import load_spec
+from hpc.core.resolve import resolved_document
+from hpc.plan.resolve import resolve
+from hpc.core.site import load_site
+from hpc.core.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "jobs" / "tiny-ddp.toml"

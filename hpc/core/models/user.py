@@ -1,0 +1,100 @@
+"""User models (``arch = "pkg.mod:function"``), torch-free: what the spec states about them.
+
+``seq_len`` and ``vocab_size`` are required; ``n_params`` with ``n_layers`` and ``dim`` make one
+plannable; without them the parameter count is unknown to a login node (``hpcx plan --count-params``
+builds it on the meta device, ``trainer.count``). The trainer side is ``trainer.models.user``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import typing as tp
+
+from hpc.core.models import Counted, ModelFacts, count_text
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.spec import Model
+
+COUNTED_BY_BUILDING = True
+GB = 1e9
+USER_ARCH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:function
+
+
+def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
+    """The user model's counted numbers, else the stated ones, else unknown."""
+    if counted is not None:
+        return _counted_facts(model, counted)
+    if model.n_params:
+        return _stated_facts(model)
+    return ModelFacts(label=f"{model.arch} (parameters unknown)", n_params=None, unit_params=None,
+                      root_params=None, n_units=0, flops_per_token=None, seq_len=model.seq_len,
+                      vocab_size=model.vocab_size, activation_gb_per_sample=model.activation_gb, source="unknown")
+
+
+def problems(model: Model) -> list[str]:
+    """A ``package.module:function`` arch, the context and vocabulary set, a stated count that fits."""
+    if not USER_ARCH.match(model.arch):
+        return [f"`model.arch` = {model.arch!r}: expected 'gpt' or 'package.module:function'"]
+    errors = [f"`model.{key}` must be set for the user model {model.arch!r} (0 means the preset's, and a user "
+              f"model has none)" for key in ("seq_len", "vocab_size") if not getattr(model, key)]
+    return errors + _stated_problems(model)
+
+
+def code_notice(model: Model) -> str | None:
+    """What a `module:function` model means: that code is imported and called in every task."""
+    module, function = model.arch.split(":", 1)
+    kwargs = ", ".join(model.kwargs) or "no kwargs"
+    return (f"user code: every task will import the Python module {module!r} and call {function}({kwargs}) "
+            "(model.arch); it runs with your permissions, so check it is the code you mean")
+
+
+def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,
+                     dropout: float = 0.0, autocast: bool = False) -> float | None:
+    """The measured figure the spec states (``model.activation_gb``), else None."""
+    if facts.activation_gb_per_sample:
+        return facts.activation_gb_per_sample * GB * micro_batch
+    return None
+
+
+def _attention_flops(model: Model, n_layers: int) -> float:
+    return 12.0 * n_layers * model.dim * model.seq_len if model.dim else 0.0
+
+
+def _stated_facts(model: Model) -> ModelFacts:
+    """A user model's stated ``n_params``, ``n_layers`` and ``dim``: the embedding (and an untied head)
+    are vocab_size × dim each, the blocks share the rest evenly."""
+    n, embed = model.n_params, model.vocab_size * model.dim
+    root = embed * (1 if model.tie_embeddings else 2)
+    matmul = n - (0 if model.tie_embeddings else embed)
+    return ModelFacts(label=f"{model.arch} ({count_text(n)} params, stated)", n_params=n,
+                      unit_params=math.ceil((n - root) / model.n_layers), root_params=root,
+                      n_units=model.n_layers, flops_per_token=6.0 * matmul + _attention_flops(model, model.n_layers),
+                      seq_len=model.seq_len, vocab_size=model.vocab_size,
+                      activation_gb_per_sample=model.activation_gb, source="stated in the spec")
+
+
+def _counted_facts(model: Model, c: Counted) -> ModelFacts:
+    return ModelFacts(label=f"{model.arch} ({count_text(c.n_params)} params, counted)", n_params=c.n_params,
+                      unit_params=c.unit_params, root_params=c.n_params - c.unit_params * c.n_units,
+                      n_units=c.n_units,
+                      flops_per_token=6.0 * (c.n_params - c.embedding_params) + _attention_flops(model, c.n_units),
+                      seq_len=model.seq_len, vocab_size=model.vocab_size,
+                      activation_gb_per_sample=model.activation_gb, source="counted on the meta device")
+
+
+def _stated_problems(model: Model) -> list[str]:
+    """A stated parameter count needs the number of blocks and the width (FSDP unit sizes, FLOPs)."""
+    if not model.n_params:
+        return []
+    missing = [f"`model.{k}`" for k in ("n_layers", "dim") if not getattr(model, k)]
+    if missing:
+        return [f"`model.n_params` = {model.n_params} is set for {model.arch!r} but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not: the planner needs the number of blocks and the "
+                "width to size the FSDP units"]
+    root = model.vocab_size * model.dim * (1 if model.tie_embeddings else 2)
+    if model.n_params <= root:
+        return [f"`model.n_params` = {model.n_params} is not more than the embedding"
+                f"{'' if model.tie_embeddings else ' and head'} alone (vocab_size {model.vocab_size} × dim "
+                f"{model.dim}{'' if model.tie_embeddings else ' × 2'} = {root})"]
+    return []

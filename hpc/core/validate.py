@@ -1,0 +1,362 @@
+"""Input policy: what a well-typed value may hold before it reaches a job script, a terminal or a job.
+
+``hpc.core.config`` checks shapes and types; this module decides the rest, in one place: printable text and
+its length, environment-variable names, credential-looking names and values, the bounds of numbers,
+run roots and data files (a scheduler's own options are checked by its package, e.g.
+``hpc.schedulers.slurm.options``). Every check returns one-line messages (``[]`` when the value is fine) naming the key and what was
+expected; the callers prefix the file. Torch-free and cheap: it runs on login nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import typing as tp
+import unicodedata
+from pathlib import Path
+
+from hpc.core.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------- bounds
+
+INT32_MAX = 2**31 - 1  # default bound of integer fields: Slurm parses counts as C int, c10d ranks are int32
+INT64_MAX = 2**63 - 1  # integers in model.kwargs (what torch takes as a size or an index)
+FLOAT_MAX = 1e9  # default bound of float fields: GB, GB/s, µs, minutes, rates; keeps products finite
+SEED_MAX = 2**32 - 1  # the trainer mixes the seed into torch.Generator seeds (< 2**64) with step and sample
+TEXT_MAX = 1024  # Slurm refuses names, comments, partitions … longer than 1024 bytes
+NAME_MAX = 128  # job.name: shown by squeue/sacct and part of the run folder's name
+PATH_MAX = 4096  # Linux PATH_MAX
+CONFIG_MAX_BYTES = 1 << 20  # a spec or site profile is a few KB; anything bigger is a mistake
+MAX_DEPTH = 32  # nesting of TOML tables/arrays and JSON headers; deeper input is refused, never recursed
+
+# ------------------------------------------------------------------------------------------------ text
+
+_CHAR_NAMES = {"\n": "newline", "\r": "carriage return", "\x00": "NUL", "\x1b": "escape", "\t": "tab",
+               "\b": "backspace", "\a": "bell", "\v": "vertical tab", "\f": "form feed", "\x7f": "delete"}
+_LEGACY = ("\n", "\r", "\x00", "\x1b")  # named without a code point, as they always were
+
+
+def char_label(ch: str) -> str:
+    """'a backspace character (U+0008)', 'a U+2028 LINE SEPARATOR character' …"""
+    code = f"U+{ord(ch):04X}"
+    if ch in _LEGACY:
+        name = _CHAR_NAMES[ch]
+        return f"{'an' if name[0] in 'aeiou' else 'a'} {name} character"
+    if ch in _CHAR_NAMES:
+        return f"a {_CHAR_NAMES[ch]} character ({code})"
+    name = unicodedata.name(ch, "")
+    return f"a {code} {name} character" if name else f"a {code} control character"
+
+
+def first_unprintable(text: str) -> str | None:
+    """The first character a terminal or sbatch would act on: controls (C0, DEL, C1), format characters
+    (bidi overrides, zero-width), line/paragraph separators, unassigned and private-use code points."""
+    if text.isprintable():  # fast path, in C; the ordinary space counts as printable
+        return None
+    return next(ch for ch in text if not ch.isprintable())
+
+
+def check_text(path: str, text: str, max_len: int = TEXT_MAX) -> list[str]:
+    """Printable and bounded: every string that reaches a job script or a terminal."""
+    if len(text) > max_len:
+        return [f"`{path}` is {len(text)} characters long: expected at most {max_len}"]
+    ch = first_unprintable(text)
+    if ch is not None:
+        return [f"`{path}` contains {char_label(ch)}, which is not allowed in values that reach the job script"]
+    return []
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` safe to print: unprintable characters escaped as in repr, long text cut."""
+    out = "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text[:limit])
+    return out + (f"… ({len(text)} characters)" if len(text) > limit else "")
+
+
+def check_job_name(name: str) -> list[str]:
+    """Slurm shows it and the run folder starts with it: not empty, not an option, not a hidden file."""
+    if not name.strip():
+        return [f"`job.name` = {name!r}: expected a name (letters, digits, `-_.`), not an empty one"]
+    if name.startswith("-"):
+        return [f"`job.name` = {shown(name)!r}: expected a name that does not start with `-` "
+                "(the run folder would be read as an option)"]
+    if name != name.strip():
+        return [f"`job.name` = {shown(name)!r}: expected no leading or trailing spaces"]
+    return []
+
+
+def check_world(nodes: int, tasks_per_node: int) -> list[str]:
+    """Ranks are 32-bit ints in torch.distributed (and Slurm task ids): the product must fit."""
+    world = nodes * tasks_per_node
+    if world > INT32_MAX:
+        return [f"`job.nodes` × tasks per node = {nodes} × {tasks_per_node} = {world} ranks: expected at "
+                f"most {INT32_MAX} (torch.distributed ranks are 32-bit)"]
+    return []
+
+
+# ------------------------------------------------------------------------------------------- env names
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# What a site's [nccl] table may set: the collective libraries and torch's own switches
+# (PYTORCH_CUDA_ALLOC_CONF, TORCH_NCCL_*, GLOO_SOCKET_IFNAME …), never the loader or the shell.
+NCCL_PREFIXES = ("NCCL_", "TORCH_", "PYTORCH_", "GLOO_", "UCX_", "FI_")
+
+
+def check_env_name(path: str, name: str) -> list[str]:
+    """A valid shell variable name: anything else would be spliced into the script's export lines."""
+    if ENV_NAME.match(name):
+        return []
+    return [f"`{path}`: variable name {shown(name)!r}: expected letters, digits and underscores, "
+            "not starting with a digit"]
+
+
+def check_nccl(table: dict[str, tp.Any]) -> list[str]:
+    """A site's [nccl] table: valid names with a known prefix, nothing that looks like a credential."""
+    errors = []
+    for key, value in table.items():
+        path = f"nccl.{shown(key)}"
+        bad = check_env_name(path, key)
+        if bad:
+            errors += bad
+        elif not key.startswith(NCCL_PREFIXES):
+            named = ", ".join(p + "*" for p in NCCL_PREFIXES[:-1]) + f" or {NCCL_PREFIXES[-1]}*"
+            errors.append(f"`{path}`: expected an {named} variable")
+        elif looks_secret(key):
+            errors.append(f"`{path}` looks like a secret: a site profile's [nccl] values are written into "
+                          "every job script; export it in the submitting shell instead")
+        elif isinstance(value, str) and (kind := secret_value_kind(value)):
+            errors.append(f"`{path}` holds what looks like {kind}: a site profile's [nccl] values are "
+                          "written into every job script")
+    return errors
+
+
+# --------------------------------------------------------------------------------------------- secrets
+
+# Words that make a name a credential wherever they stand (also glued: DB_PASSWD, APIKEY, MY_CREDENTIALS).
+_SECRET_PARTS = ("SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "APIKEY", "ACCESSKEY",
+                 "PRIVATEKEY", "AUTHTOKEN", "ACCESSTOKEN", "BEARER")
+# Words that make a name a credential as its last word: HF_TOKEN2, GITHUB_PAT, MYSQL_PWD, CI_JOB_JWT_V2.
+# (Not anywhere: pad_token_id, num_key_value_heads and SSH_AUTH_SOCK are not credentials.)
+_SECRET_LAST = {"TOKEN", "KEY", "PAT", "JWT", "PEM", "PWD", "PASS", "DSN", "COOKIE", "AUTH", "CREDS", "OTP"}
+# Pairs of adjacent words that are credentials anywhere in a name: AWS_ACCESS_KEY_ID, API_KEY_FILE.
+_SECRET_PAIRS = {("API", "KEY"), ("ACCESS", "KEY"), ("PRIVATE", "KEY"), ("SECRET", "KEY"), ("SIGNING", "KEY"),
+                 ("KEY", "ID"), ("ACCESS", "TOKEN"), ("AUTH", "TOKEN"), ("REFRESH", "TOKEN"),
+                 ("SESSION", "TOKEN"), ("ID", "TOKEN"), ("CLIENT", "SECRET")}
+# A URL to a database or broker usually carries its password: DATABASE_URL, REDIS_URL, MONGODB_URI.
+_STORE_WORDS = {"DATABASE", "DB", "POSTGRES", "POSTGRESQL", "PG", "MYSQL", "MARIADB", "MONGO", "MONGODB",
+                "REDIS", "AMQP", "RABBITMQ", "BROKER", "SQLALCHEMY", "JDBC"}
+_NOT_SECRET = {"PWD"}  # the shell's working directory
+
+
+def _words(name: str) -> list[str]:
+    """HF_TOKEN2 -> [HF, TOKEN]; hfToken -> [HF, TOKEN]; CI_JOB_JWT_V2 -> [CI, JOB, JWT]."""
+    spaced = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name)
+    words = [re.sub(r"\d+$", "", w) for w in re.split(r"[^A-Za-z0-9]+", spaced.upper())]
+    words = [w for w in words if w]
+    while len(words) > 1 and re.fullmatch(r"V", words[-1]):  # a trailing version word (_V2)
+        words.pop()
+    return words
+
+
+def looks_secret(name: str) -> bool:
+    """True for names (environment variables, kwargs keys) that look like credentials."""
+    if name.upper() in _NOT_SECRET:
+        return False
+    glued = re.sub(r"[^A-Z]", "", name.upper())
+    if any(part in glued for part in _SECRET_PARTS):
+        return True
+    words = _words(name)
+    if not words:
+        return False
+    if words[-1] in _SECRET_LAST or any(pair in _SECRET_PAIRS for pair in zip(words, words[1:])):
+        return True
+    return bool(_STORE_WORDS & set(words)) and bool({"URL", "URI", "DSN"} & set(words))
+
+
+_SECRET_VALUES = [
+    ("GitHub token", re.compile(r"\b(gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{30,})")),
+    ("GitLab token", re.compile(r"\bglpat-[A-Za-z0-9_-]{20,}")),
+    ("Hugging Face token", re.compile(r"\bhf_[A-Za-z0-9]{30,}")),
+    ("AWS access key", re.compile(r"\b(AKIA|ASIA)[0-9A-Z]{16}\b")),
+    ("Slack token", re.compile(r"\bxox[abprs]-[A-Za-z0-9-]{10,}")),
+    ("API key", re.compile(r"\bsk-[A-Za-z0-9_-]{20,}")),
+    ("JSON web token", re.compile(r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.")),
+    ("private key", re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY")),
+    ("URL with a password", re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]+:[^/\s@]+@")),
+]
+
+
+def secret_value_kind(value: str) -> str | None:
+    """'a GitHub token', 'an AWS access key' … when a value has the shape of a credential."""
+    kind = next((kind for kind, pattern in _SECRET_VALUES if pattern.search(value)), None)
+    return kind and f"{'an' if kind[0] in 'AEIOU' else 'a'} {kind}"
+
+
+def hides_value(path: str) -> bool:
+    """Whether a message about ``path`` (``env.set.HF_TOKEN``) must not print its value."""
+    return any(looks_secret(part) for part in re.split(r"[.\[\]]", path) if part)
+
+
+def unset_passthrough(names: tp.Sequence[str], environ: tp.Mapping[str, str] = os.environ) -> list[str]:
+    """``env.passthrough`` names the submitting shell does not set: the job will not see them."""
+    return [name for name in names if name not in environ]
+
+
+# ----------------------------------------------------------------------------------------------- paths
+
+_VAR = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def check_run_root(path: str, value: str) -> list[str]:
+    """What can be said of a run root before expanding it."""
+    if not value.strip():
+        return [f"`{path}` = {value!r}: expected a folder, e.g. \"$HOME/hpcx-runs\""]
+    if not value.startswith(("/", "~", "$")):
+        return [f"`{path}` = {shown(value)!r}: expected an absolute path (or one starting with ~ or $VAR), "
+                "so that every command and every node finds the same folder"]
+    problem = slurm_path_problem(value)
+    return [f"`{path}` = {shown(value)!r}: {problem}"] if problem else []
+
+
+def slurm_path_problem(value: str) -> str | None:
+    """Why Slurm would not write its log files where hpcx looks for them, or None."""
+    if "%" in value:
+        return ("expected a path without `%`: Slurm reads %u, %j … in --output/--error as file-name "
+                "patterns (use $USER and friends, which hpcx expands)")
+    if "\\" in value:
+        return "expected a path without `\\`: Slurm then stops expanding the log file names"
+    return None
+
+
+def check_run_dir_option(run_dir: str | None) -> None:
+    """``hpcx render --run-dir``: it lands in ``--output``/``--error`` like a run root."""
+    if run_dir is None:
+        return
+    errors = check_text("--run-dir", run_dir, PATH_MAX)
+    problem = None if errors else slurm_path_problem(run_dir)
+    if errors or problem:
+        raise ConfigError(errors or [f"--run-dir {shown(run_dir)!r}: {problem}"])
+
+
+def expand_path(value: str, where: str) -> Path:
+    """``~`` and ``$VAR``/``${VAR}`` expanded, absolute and safe for Slurm's log paths.
+
+    ``where`` names the file and key for the message (``FILE: `storage.run_root` = '…'``).
+    Raises ConfigError for an unset variable, an unknown ``~user`` or a relative result.
+    """
+    missing = [m.group(1) if m.group(1) is not None else m.group(2) for m in _VAR.finditer(value)
+               if (m.group(1) if m.group(1) is not None else m.group(2)) not in os.environ]
+    if missing:
+        raise ConfigError([f"{where}: ${missing[0]} is not set in this shell: set it, or write the path out"])
+    text = os.path.expanduser(_VAR.sub(lambda m: os.environ[m.group(1) or m.group(2)], value))
+    if not os.path.isabs(text):
+        raise ConfigError([f"{where}: expands to {shown(text)!r}: expected an absolute path"])
+    bad = first_unprintable(text)
+    if bad is not None or len(text) > PATH_MAX:
+        what = f"{char_label(bad)}" if bad is not None else f"{len(text)} characters"
+        raise ConfigError([f"{where}: expands to a path with {what}: expected at most {PATH_MAX} "
+                           "printable characters"])
+    return Path(os.path.normpath(text))
+
+
+def expand_run_root(value: str, where: str) -> Path:
+    """A run root expanded (``expand_path``) and still free of Slurm's file-name patterns."""
+    path = expand_path(value, where)
+    problem = slurm_path_problem(str(path))
+    if problem:
+        raise ConfigError([f"{where}: expands to {shown(str(path))!r}: {problem}"])
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+TOKEN_BYTES = {"uint16": 2, "uint32": 4}
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 64 * 1024  # at most 4 MiB read to find the largest token id
+
+
+def check_data_source(source: str, dtype: str, seq_len: int, vocab: int) -> tuple[list[str], str]:
+    """(problems, absolute path) for ``data.source`` on the login node; ``synthetic`` passes as is.
+
+    A token file must be a readable regular file whose size is a whole number of ``dtype`` tokens and
+    at least one sample (``seq_len + 1`` tokens); when ``vocab`` is known, a sample of the file spread
+    over its length (the whole file up to 4 MiB) must hold no token id at or above it.
+    """
+    if source == "synthetic":
+        return [], source
+    if source.strip().lower() == "synthetic":
+        return [f"`data.source` = {source!r}: expected 'synthetic' (lower case) or a path to a token file"], source
+    if not source.strip():
+        return [f"`data.source` = {source!r}: expected 'synthetic' or a path to a token file"], source
+    try:
+        path = expand_path(source if source.startswith(("/", "~", "$")) else os.path.join(os.getcwd(), source),
+                           f"`data.source` = {shown(source)!r}")
+    except ConfigError as exc:
+        return [m for m in exc.messages], source
+    return _check_token_file(f"`data.source` = {shown(source)!r}", path, dtype, seq_len, vocab), str(path)
+
+
+def _check_token_file(label: str, path: Path, dtype: str, seq_len: int, vocab: int) -> list[str]:
+    try:
+        mode = os.stat(path).st_mode  # before open: opening a socket fails, a FIFO blocks
+        if not stat.S_ISREG(mode):
+            return [f"{label}: {file_kind(mode)}: expected a regular file of {dtype} tokens"]
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return [f"{label}: no such file"]
+    except OSError as exc:
+        return [f"{label}: cannot open: {exc.strerror}"]
+    info = os.fstat(fd)  # the file may have been replaced since the stat
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        return [f"{label}: {file_kind(info.st_mode)}: expected a regular file of {dtype} tokens"]
+    with os.fdopen(fd, "rb") as f:
+        return _check_tokens(label, f, info.st_size, dtype, seq_len, vocab)
+
+
+def _check_tokens(label: str, f: tp.BinaryIO, size: int, dtype: str, seq_len: int, vocab: int) -> list[str]:
+    width = TOKEN_BYTES[dtype]
+    if size == 0:
+        return [f"{label}: the file is empty: expected {dtype} tokens"]
+    if size % width:
+        return [f"{label}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes each): "
+                "expected a flat token file (is `data.dtype` right?)"]
+    if seq_len and size // width < seq_len + 1:
+        return [f"{label}: {size // width} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"]
+    try:
+        largest, offset = largest_token(f, size, width)
+    except OSError as exc:
+        return [f"{label}: cannot read: {exc.strerror}"]
+    if vocab and largest >= vocab:
+        return [f"{label}: token id {largest} at byte {offset} is not below the model's vocabulary of "
+                f"{vocab}: expected ids < {vocab} (is `data.dtype` or `model.vocab_size` right?)"]
+    return []
+
+
+def largest_token(f: tp.BinaryIO, size: int, width: int) -> tuple[int, int]:
+    """(largest token id, its byte offset) over 64 blocks of 64 KiB spread evenly from the first
+    byte to the last: the whole file up to 4 MiB."""
+    block = SAMPLE_BLOCK_BYTES
+    if size <= SAMPLE_BLOCKS * block:
+        starts = list(range(0, size, block))
+    else:
+        span = size - block
+        starts = sorted({(k * span // (SAMPLE_BLOCKS - 1)) // width * width for k in range(SAMPLE_BLOCKS)})
+    best, where = -1, 0
+    for start in starts:
+        f.seek(start)
+        data = f.read(block)
+        tokens = memoryview(data[:len(data) - len(data) % width]).cast("H" if width == 2 else "I")
+        top = max(tokens, default=-1)
+        if top > best:
+            best, where = top, start + width * tokens.tolist().index(top)
+    return best, where
+
+
+def file_kind(mode: int) -> str:
+    """'a directory', 'a FIFO' … for a message about a file that is not a regular one."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"

@@ -1,0 +1,354 @@
+"""``hpcx dryrun``: the real trainer construction for one rank, at the job's full world size, on one CPU.
+
+The same code the job runs — spec, site, launch (``hpc.core.resolve``), the device mesh, the model
+built on the meta device and ``parallelize``-d (``trainer.train.build_parallel_model``), the
+optimizer (``trainer.optim.build_optimizer``) and the checkpoint state (``trainer.checkpoint``)
+— runs in this process as rank R of a W-rank job on torch's fake process group (``hpc.dryrun.fake_pg``):
+collectives return at once, nothing is allocated (every tensor is on the meta device), no GPU is
+needed. What it reports is read off the real objects:
+
+- the mesh: its dimensions, this rank's coordinate, and which nodes each group spans;
+- the FSDP units (``trainer.parallelize.fsdp_units``) with their parameters and this rank's shard;
+- bytes per rank of parameters, gradients and optimizer state: parameters from the sharded
+  DTensors' storage (FSDP2 pads each shard to the first rank's chunk), gradients in the same
+  layout (FSDP2 reduce-scatters into it; DDP's buckets are views of whole gradients), optimizer
+  state from the real AdamW state after one step on meta tensors (fused AdamW has no meta kernel,
+  so that one step runs unfused: same state tensors);
+- the DCP local save plan of this rank (``torch.distributed.checkpoint``'s own planner).
+
+Beside them, ``hpcx plan``'s figures for the same layout (``hpc.plan.memory.model_states``); a
+difference of more than 1% is a problem (``hpcx dryrun`` exits 1). The plan gives the fullest
+rank; on a rank whose shards are shorter (dimensions that do not divide by the shard count),
+only a measurement above the plan counts.
+
+Unlike ``render`` and ``plan``, this module imports torch (and the trainer), and nothing that
+needs a GPU.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+import typing as tp
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from hpc.dryrun.fake_pg import fake_process_group
+from hpc.plan.memory import Config, init_bytes, model_states, staging_bytes
+from hpc.core.models import model_facts
+from hpc.core.resolve import Launch, launch_parallel
+from hpc.core.site import SiteProfile
+from hpc.core.spec import JobSpec
+
+TOLERANCE = 0.01
+STATES = ("params", "grads", "optimizer")
+
+
+@dataclass
+class Unit:
+    """One FSDP unit: its modules, parameters, this rank's shard and whether it reshards after forward."""
+
+    modules: list[str]
+    params: int
+    shard_bytes: int
+    reshard_after_forward: bool | None  # None: the root (FSDP2 keeps it gathered)
+
+
+@dataclass
+class DryRun:
+    """What ``hpcx dryrun`` found for one rank (bytes are per rank)."""
+
+    job: str
+    site: str
+    model: str
+    rank: int
+    world_size: int
+    tasks_per_node: int
+    layout: str
+    dims: dict[str, tp.Any]
+    mesh: dict[str, tp.Any]
+    units: list[Unit]
+    n_params: int
+    measured: dict[str, int]
+    planned: dict[str, int] | None
+    where: str
+    short_shards: bool
+    checkpoint: dict[str, tp.Any]
+    plan_init: int | None
+    plan_staging: int | None
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, tp.Any]:
+        return asdict(self)
+
+
+def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> DryRun:
+    """Build ``spec`` as rank ``rank`` of ``launch`` on the fake process group and measure it."""
+    from trainer.model import model_blocks
+    from trainer.optim import build_optimizer
+    from trainer.train import build_parallel_model
+
+    started = time.perf_counter()
+    with fake_process_group(launch.world_size, rank):
+        model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False)
+        optimizer = build_optimizer(model, spec.train)
+        step_on_meta(model, optimizer)
+        units = unit_report(model, model_blocks(model, spec.model.blocks), launch.dims.reshard_after_forward)
+        measured, short = rank_bytes(model, optimizer)
+        checkpoint = checkpoint_plan(model, optimizer, spec, launch, rank)
+        mesh_doc = mesh_report(mesh, launch, rank)
+    result = DryRun(job=spec.job.name, site=site.name, model=model_facts(spec.model).label, rank=rank,
+                    world_size=launch.world_size, tasks_per_node=launch.tasks_per_node,
+                    layout=launch.dims.describe(), dims=launch.dims.to_dict(), mesh=mesh_doc, units=units,
+                    n_params=sum(p.numel() for p in model.parameters()), measured=measured,
+                    planned=None, where=_where(spec, site, launch), short_shards=short, checkpoint=checkpoint,
+                    plan_init=None, plan_staging=None)
+    add_plan(result, spec, launch)
+    result.seconds = time.perf_counter() - started
+    result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+# ---------------------------------------------------------------- measuring the real objects
+
+
+def step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One optimizer step on zero meta gradients, so the optimizer creates its state as it will in
+    the job (AdamW creates it lazily, shaped like each parameter's local shard)."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    fused = [g for g in optimizer.param_groups if g.get("fused")]
+    for group in fused:
+        group["fused"] = False  # no meta kernel for fused AdamW; the state it creates is the same
+    try:
+        optimizer.step()
+    finally:
+        for group in fused:
+            group["fused"] = True
+        optimizer.zero_grad(set_to_none=True)
+
+
+def local_bytes(t: torch.Tensor) -> tuple[int, int]:
+    """(bytes this rank stores for ``t``, bytes of its visible local part). A DTensor's local shard
+    is a view into FSDP2's padded storage, so the two differ on ranks with a shorter chunk."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        n = t.numel() * t.element_size()
+        return n, n
+    local = t.to_local()
+    visible = local.numel() * local.element_size()
+    return max(visible, local.untyped_storage().nbytes()), visible
+
+
+def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, int], bool]:
+    """({params, grads, optimizer: bytes on this rank}, whether some shard is shorter than its storage)."""
+    params = grads = 0
+    short = False
+    with torch.no_grad():
+        for p in model.parameters():
+            stored, visible = local_bytes(p)
+            params += stored
+            grads += stored if p.requires_grad else 0
+            short |= visible < stored
+        states = sum(local_bytes(v)[0] for state in optimizer.state.values() for v in state.values()
+                     if isinstance(v, torch.Tensor))
+    return {"params": params, "grads": grads, "optimizer": states}, short
+
+
+def unit_report(model: nn.Module, blocks: nn.ModuleList, reshard_after_forward: bool) -> list[Unit]:
+    """The FSDP units ``apply_fsdp`` made, in its order (none when the layout is not FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainer.parallelize import fsdp_units, unit_reshard
+
+    if not isinstance(model, FSDPModule):
+        return []
+    names = {m: n for n, m in model.named_modules()}
+    groups = fsdp_units(model, blocks)
+    flags = unit_reshard(len(blocks), len(groups) - 1, reshard_after_forward) + [None]
+    claimed: set[int] = set()
+    units = []
+    for group, flag in zip(groups, flags):
+        own = [p for m in group for p in m.parameters() if id(p) not in claimed]
+        claimed |= {id(p) for p in own}
+        units.append(Unit([names[m] or "(root)" for m in group], sum(p.numel() for p in own),
+                          sum(local_bytes(p)[0] for p in own), flag))
+    return units
+
+
+def checkpoint_plan(model: nn.Module, optimizer: torch.optim.Optimizer, spec: JobSpec, launch: Launch,
+                    rank: int) -> dict[str, tp.Any]:
+    """This rank's DCP local save plan for the trainer's checkpoint state: tensors, shards, bytes."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from trainer.checkpoint import build_state
+    from trainer.optim import build_scheduler
+
+    state = build_state(model, optimizer, build_scheduler(optimizer, spec.train), 0, {"step": 0}, launch.dims)
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state, None, is_coordinator=rank == 0)
+    items = planner.create_local_plan().items
+    tensors = [i for i in items if i.tensor_data is not None]
+    nbytes = sum(_numel(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize for i in tensors)
+    return {"tensors": len(tensors), "shards": sum(i.type.name == "SHARD" for i in tensors),
+            "bytes": nbytes, "other_items": len(items) - len(tensors)}
+
+
+def _numel(sizes: tp.Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def mesh_report(mesh: tp.Any, launch: Launch, rank: int) -> dict[str, tp.Any]:
+    """The mesh's dimensions, this rank's coordinate, and for each dimension its groups' spread over nodes."""
+    from trainer.parallelize import mesh_groups
+
+    tpn = launch.tasks_per_node
+    doc: dict[str, tp.Any] = {"node": rank // tpn, "local_rank": rank % tpn, "shape": None, "names": None,
+                              "coordinate": None, "dims": {}}
+    if mesh is None:
+        return doc
+    doc.update(shape=list(mesh.mesh.shape), names=list(mesh.mesh_dim_names), coordinate=list(mesh.get_coordinate()))
+    for name, groups in mesh_groups(mesh).items():
+        mine = next(g for g in groups if rank in g)
+        doc["dims"][name] = {"groups": len(groups), "size": len(mine), "mine": mine,
+                             "nodes_of_mine": sorted({r // tpn for r in mine}),
+                             "max_nodes_per_group": max(len({r // tpn for r in g}) for g in groups)}
+    return doc
+
+
+def _where(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
+    if launch.dims.fsdp_enabled and launch_parallel(spec, launch).cpu_offload:
+        return "host (cpu_offload)"
+    return "GPU" if site.node.gpus else "host (CPU site)"
+
+
+# ---------------------------------------------------------------- beside the plan
+
+
+def add_plan(result: DryRun, spec: JobSpec, launch: Launch) -> None:
+    """``hpcx plan``'s figures for this layout, and every difference over TOLERANCE as a problem."""
+    facts = model_facts(spec.model)
+    if facts.n_params is None:
+        return  # a user model: the planner cannot count it without torch; nothing to compare
+    parallel = launch_parallel(spec, launch)
+    offload = launch.dims.fsdp_enabled and parallel.cpu_offload
+    cfg = Config(launch.dims, offload, parallel.mixed_precision, parallel.activation_checkpointing,
+                 spec.train.micro_batch, spec.model.dropout, spec.checkpoint.async_save)
+    states = model_states(facts.n_params, cfg, facts.param_shapes)
+    result.planned = {k: int(v) for k, v in zip(STATES, states)}
+    result.plan_init, result.plan_staging = int(init_bytes(facts, cfg)), int(staging_bytes(facts, cfg))
+    if result.n_params != facts.n_params:
+        result.problems.append(f"the built model has {result.n_params:,} parameters, the planner counts "
+                               f"{facts.n_params:,}")
+    for what in STATES:
+        got, want = result.measured[what], result.planned[what]
+        off = (got - want) / want if want else float(got != 0)
+        if abs(off) > TOLERANCE and not (result.short_shards and off < 0):
+            result.problems.append(f"{what}: dryrun {_gb(got)} vs plan {_gb(want)} per rank ({off:+.1%})")
+
+
+# ---------------------------------------------------------------- words
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n < 1e10 else f"{n / 1e9:.1f} GB"
+
+
+def _count(n: int) -> str:
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def format_dryrun(r: DryRun) -> str:
+    """The report as text: who, mesh, units, bytes beside the plan, checkpoint, cost."""
+    lines = [f"dryrun {r.job}: {r.model} ({_count(r.n_params)} params) on {r.site} as rank {r.rank} of "
+             f"{r.world_size} (node {r.mesh['node']}, local rank {r.mesh['local_rank']}); one CPU process on "
+             "torch's fake process group, every tensor on the meta device",
+             f"layout: {r.layout}"]
+    lines += _mesh_lines(r) + _unit_lines(r) + _bytes_lines(r)
+    c = r.checkpoint
+    lines.append(f"checkpoint (DCP local plan of this rank): {c['tensors']} tensors ({c['shards']} DTensor shards), "
+                 f"{_gb(c['bytes'])}, {c['other_items']} other items; replicated items are written by one rank "
+                 "(DCP's global plan)")
+    lines.append(f"took {r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB")
+    if r.problems:
+        lines += ["", f"dryrun and plan differ by more than {TOLERANCE:.0%}:"] + [f"  {p}" for p in r.problems]
+    return "\n".join(lines)
+
+
+def _mesh_lines(r: DryRun) -> list[str]:
+    m, tpn = r.mesh, r.tasks_per_node
+    nodes = [f"nodes: {r.world_size // tpn} × {tpn} ranks (node k holds ranks {tpn}k..{tpn}k+{tpn - 1}); this "
+             f"rank's node {m['node']} holds {_ranks(list(range(m['node'] * tpn, (m['node'] + 1) * tpn)))}"]
+    if m["shape"] is None:
+        group = "the default group of all ranks" if r.world_size > 1 else "no process group in the job"
+        return nodes + [f"mesh: none ({r.dims['strategy']} uses {group})"]
+    dims = " × ".join(f"{n}={s}" for n, s in zip(m["names"], m["shape"]))
+    lines = nodes + [f"mesh: ({dims}); this rank's coordinate {tuple(m['coordinate'])}"]
+    for name, d in m["dims"].items():
+        spread = "each inside one node" if d["max_nodes_per_group"] == 1 else \
+            f"each across up to {d['max_nodes_per_group']} nodes"
+        groups = f"{d['groups']} group{'s' if d['groups'] > 1 else ''}"
+        lines.append(f"  {name}: {groups} of {d['size']} ranks, {spread}; this rank's: "
+                     f"{_ranks(d['mine'])} on node(s) {_ranks(d['nodes_of_mine'])}")
+    return lines
+
+
+def _ranks(xs: list[int]) -> str:
+    if len(xs) > 2 and xs == list(range(xs[0], xs[-1] + 1)):
+        return f"{xs[0]}..{xs[-1]}"
+    return ", ".join(map(str, xs)) if len(xs) <= 8 else f"{', '.join(map(str, xs[:4]))}, ... {xs[-1]} ({len(xs)})"
+
+
+def _unit_lines(r: DryRun) -> list[str]:
+    if not r.units:
+        return [f"FSDP units: none ({r.dims['strategy']}: every rank holds the whole model"
+                + ("; the DDP wrapper needs real tensors and is not built in a dry run)" if r.dims["strategy"] == "ddp"
+                   else ")")]
+    lines = [f"FSDP units: {len(r.units)} (parameters; this rank's shard, fp32; reshard after forward)"]
+    i = 0
+    while i < len(r.units):
+        j = i
+        while j + 1 < len(r.units) and _same_kind(r.units[i], r.units[j + 1]):
+            j += 1
+        u = r.units[i]
+        name = ", ".join(u.modules) if i == j else f"{u.modules[0]} … {r.units[j].modules[0]} ({j - i + 1} units, each)"
+        flag = "root: kept gathered" if u.reshard_after_forward is None else \
+            ("yes" if u.reshard_after_forward else "no")
+        lines.append(f"  {name}: {_count(u.params)} params; {_gb(u.shard_bytes)}; {flag}")
+        i = j + 1
+    return lines
+
+
+def _same_kind(a: Unit, b: Unit) -> bool:
+    return (len(a.modules) == len(b.modules) == 1 and (a.params, a.shard_bytes, a.reshard_after_forward) ==
+            (b.params, b.shard_bytes, b.reshard_after_forward) and a.modules[0].rsplit(".", 1)[0] ==
+            b.modules[0].rsplit(".", 1)[0])
+
+
+def _bytes_lines(r: DryRun) -> list[str]:
+    head = f"per rank, on the {r.where}"
+    if r.planned is None:
+        return [f"{head} (hpcx plan cannot count a user model's parameters: nothing to compare)"] + \
+            [f"  {what:<12}{_gb(r.measured[what]):>12}" for what in STATES]
+    lines = [head, f"  {'':<12}{'dryrun':>12}{'plan':>12}{'diff':>9}"]
+    for what in STATES:
+        got, want = r.measured[what], r.planned[what]
+        off = (got - want) / want if want else 0.0
+        lines.append(f"  {what:<12}{_gb(got):>12}{_gb(want):>12}{off:>+9.2%}")
+    if r.short_shards:
+        lines.append("  (this rank holds shorter shards than the first ranks; the plan gives the fullest rank)")
+    lines.append(f"  plan's start-up peak (init) {_gb(r.plan_init or 0)}; checkpoint staging on the host "
+                 f"{_gb(r.plan_staging or 0)} per rank")
+    return lines

@@ -1,0 +1,384 @@
+"""Submission and following: the I/O edge around the pure render.
+
+``submit`` creates the run folder, writes the spec, the resolved plan and the
+rendered script, and hands ``TrainTask(run_dir)`` to the site's scheduler
+(``hpc.schedulers``: submitit's Slurm or local executor). ``status``/``cancel``
+need none of the spec machinery, so it is imported only to submit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import shutil
+import sys
+import time
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.login import roots
+from hpc.core import runs
+from hpc import schedulers
+from hpc.core.config import ConfigError
+from hpc.core.errors import UserError
+from hpc.schedulers.base import QUERY_TIMEOUT_S, read_result, result_path
+from hpc.core.validate import expand_run_root
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
+
+
+@dataclass
+class Submitted:
+    run_dir: Path
+    job_id: str
+    scheduler: str
+    warning: str | None = None  # the run root could not be recorded in the index (hpc/roots.py)
+
+
+def run_root(spec: JobSpec, site: SiteProfile) -> Path:
+    """The spec's `job.run_root` when set, else the site's."""
+    if spec.job.run_root:
+        return expand_run_root(spec.job.run_root, f"{spec.source}: `job.run_root` = {spec.job.run_root!r}")
+    return site.run_root()
+
+
+def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
+           overrides: tp.Sequence[str] = ()) -> Submitted:
+    """Create the run folder and submit; returns as soon as the scheduler has the job.
+
+    A file that cannot be written (a full disk, a quota) leaves nothing behind: the run folder is
+    removed, a job already handed to the scheduler is cancelled, and the ConfigError says which.
+    """
+    from trainer.task import TrainTask  # no torch at import time
+
+    group = site.storage.group_readable
+    sched = schedulers.get(site.scheduler.kind)
+    with runs.private_umask(group):
+        run_dir = runs.new_run_dir(run_root(spec, site), spec.job.name, group)
+        rd = runs.RunDir(run_dir)
+        try:
+            write_run_files(spec, site, launch, rd, spec_path, overrides)
+        except OSError as exc:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
+                               "submitted and the folder was removed"]) from None
+        job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), TrainTask(str(run_dir)), run_dir)
+        try:
+            record_job(rd, job, site, sched)
+        except OSError as exc:
+            job.cancel(check=False)
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise ConfigError([f"{run_dir}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
+                               "cancelled and the run folder removed"]) from None
+    return Submitted(run_dir, str(job.job_id), site.scheduler.kind, roots.remember_or_warn(run_dir.parent))
+
+
+def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.RunDir, spec_path: Path,
+                    overrides: tp.Sequence[str]) -> None:
+    """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
+    try:
+        shutil.copyfile(spec_path, rd.spec)
+    except FileNotFoundError:
+        pass  # the spec was deleted since it was read: resolved.json has it all
+    from hpc.core.resolve import resolved_document
+
+    doc = resolved_document(spec, site, launch, str(rd.path))
+    doc["overrides"] = list(overrides)
+    runs.write_json(rd.resolved, doc)
+    text = schedulers.get(site.scheduler.kind).render(spec, site, launch, str(rd.path), sys.executable)
+    runs.write_atomic(rd.render, text)
+
+
+def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile, sched: schedulers.Scheduler) -> None:
+    """job.json and the first state line: what status, logs and cancel find the job by (with what the
+    scheduler records to recognise its job later, e.g. the local controller's identity)."""
+    info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
+            "submitted_at": time.time(), "python": sys.executable, **sched.job_record(str(job.job_id))}
+    runs.write_json(rd.job, info)
+    runs.append_jsonl(rd.states, {"state": "SUBMITTED", "time": time.time()})
+
+
+# States nothing comes back from (a requeue passes through REQUEUED/PREEMPTED/FAILED, never these):
+# once recorded, the scheduler is not asked again, so `hpcx status` over many old runs stays fast.
+FINAL = ("COMPLETED", "CANCELLED")
+
+
+def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
+    """Submit; if the scheduler refuses (bad partition, account, QOS …), remove the run folder
+    and say why in one line: no half-made run is left behind."""
+    from submitit.core.utils import FailedJobError, FailedSubmissionError
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
+            return executor.submit(task)
+    except OSError as exc:  # submitit writes its pickles and script into the run folder, then runs sbatch
+        shutil.rmtree(run_dir, ignore_errors=True)
+        ours = str(exc.filename or run_dir).startswith(str(run_dir))
+        what = "write the job's files" if ours else f"run {exc.filename}"
+        raise ConfigError([f"{run_dir}: cannot {what} ({exc.strerror or exc}): nothing was submitted and the "
+                           "folder was removed"]) from None
+    except (FailedJobError, FailedSubmissionError) as exc:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None
+
+
+def job_state(run_dir: Path, timeout: float = QUERY_TIMEOUT_S) -> schedulers.JobState:
+    """The scheduler's current state; records it in states.jsonl when it changed."""
+    return job_states([run_dir], timeout)[run_dir]
+
+
+def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
+               tolerant: bool = False) -> dict[Path, schedulers.JobState]:
+    """The current state of each run, asking each scheduler once for all of its runs (within
+    ``timeout`` seconds; UNKNOWN with the reason when it does not answer); a state that changed is
+    recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
+    out: dict[Path, schedulers.JobState] = {}
+    asked: dict[str, dict[str, Path]] = {}
+    same_id: list[tuple[str, str, Path]] = []  # a job id two run folders share (another cluster, a reused pid)
+    for run_dir in run_dirs:
+        try:
+            info, seen = job_info(runs.RunDir(run_dir)), runs.RunDir(run_dir).read_states()
+        except (OSError, ConfigError) as exc:
+            if not tolerant and isinstance(exc, ConfigError):
+                raise
+            out[run_dir] = unreadable(exc)
+            continue
+        if not info:
+            out[run_dir] = not_submitted(runs.RunDir(run_dir))
+        elif seen and (seen[-1].get("state", "").startswith(FINAL) or settled(runs.RunDir(run_dir), seen[-1])):
+            out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
+        elif str(info["job_id"]) in asked.get(info["scheduler"], {}):
+            same_id.append((info["scheduler"], str(info["job_id"]), run_dir))
+        else:
+            asked.setdefault(info["scheduler"], {})[str(info["job_id"])] = run_dir
+    answers = {kind: _ask(kind, jobs, timeout) for kind, jobs in asked.items()}
+    for kind, job_id, run_dir in [(k, j, r) for k, jobs in asked.items() for j, r in jobs.items()] + same_id:
+        state = answers[kind][job_id]
+        out[run_dir] = recorded_if_unreachable(run_dir, state)
+        _record(run_dir, state)
+    return out
+
+
+def unreadable(exc: Exception) -> schedulers.JobState:
+    """UNREADABLE, with why (the one-line ConfigError, or the OS's words)."""
+    why = exc.messages[0] if isinstance(exc, ConfigError) else (getattr(exc, "strerror", None) or str(exc))
+    return schedulers.JobState("UNREADABLE", detail={"reason": why})
+
+
+def summaries(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, tp.Any]]:
+    """``summary`` of each run, states asked in one batch; a run folder that cannot be read is a row
+    that says so, never an error."""
+    states = job_states(run_dirs, timeout, tolerant=True)
+    out = []
+    for run_dir in run_dirs:
+        try:
+            out.append(summary(run_dir, states[run_dir]))
+        except (OSError, ConfigError) as exc:
+            out.append(unreadable_summary(run_dir, unreadable(exc)))
+    return out
+
+
+def unreadable_summary(run_dir: Path, state: schedulers.JobState) -> dict[str, tp.Any]:
+    """The row of a run whose files cannot be read: every key ``summary`` has, nothing known."""
+    return {"run_dir": str(run_dir), "job_id": None, "scheduler": None, "state": state.state,
+            "state_words": state.words, "nodes": "", "states": [], "step": None, "loss": None, "restarts": 0,
+            "strategy": None, "world_size": None, "ledger": ledger_summary([]), "last_stop": None}
+
+
+def _ask(kind: str, jobs: dict[str, Path], timeout: float) -> dict[str, schedulers.JobState]:
+    if kind not in schedulers.KINDS:  # a job.json of another hpcx, or hand-edited
+        return schedulers.base.unknown(jobs, f"scheduler {kind!r} is not one hpcx knows")
+    return schedulers.get(kind).states(jobs, timeout)
+
+
+SUBMIT_GRACE_S = 300.0  # a run folder without job.json younger than this is still being submitted
+
+
+def job_info(rd: runs.RunDir) -> dict[str, tp.Any]:
+    """``job.json`` with a job id and a scheduler; while it is not written yet (or torn), the job id
+    submitit's files already carry (``submitit/<id>_submitted.pkl``); {} when neither says."""
+    try:
+        info = rd.read_job()
+    except ConfigError:
+        if not runs.torn_json(rd.job):  # hostile, not half-written: say so
+            raise
+        info = {}
+    if info.get("job_id") and info.get("scheduler"):
+        return info
+    try:
+        ids = sorted({p.name.split("_", 1)[0] for p in rd.submitit.glob("*_submitted.pkl")
+                      if p.name.split("_", 1)[0].isdigit()})
+        kind = rd.read_resolved().get("site", {}).get("scheduler", {}).get("kind") if ids else None
+    except (ConfigError, OSError):
+        return {}
+    return {"job_id": ids[-1], "scheduler": kind, "from": "submitit"} if ids and kind else {}
+
+
+def not_submitted(rd: runs.RunDir) -> schedulers.JobState:
+    """SUBMITTING while a young run folder waits for its job.json (``hpcx submit`` writes it once the
+    scheduler took the job), else NOT SUBMITTED."""
+    try:
+        age = time.time() - rd.resolved.stat().st_mtime
+    except OSError:
+        age = SUBMIT_GRACE_S
+    if age < SUBMIT_GRACE_S:
+        return schedulers.JobState("SUBMITTING", detail={"reason": "no job.json yet"})
+    return schedulers.JobState("NOT SUBMITTED")
+
+
+# How a stop line that was not requeued ends the job, as the scheduler would say it.
+STOP_STATES = {"completed": "COMPLETED", "terminated": "CANCELLED", "failed": "FAILED", "time_limit": "TIMEOUT",
+               "preempted": "FAILED"}
+
+
+def settled(rd: runs.RunDir, last: dict) -> bool:
+    """An ended state (FAILED, TIMEOUT …) a poll recorded that nothing comes back from: the ledger's
+    last line is a stop that was not requeued. Such runs are not asked about again either."""
+    state = str(last.get("state", "")).split(" ")[0]
+    try:
+        return state in schedulers.TERMINAL and recorded_end(rd) is not None
+    except OSError:
+        return False
+
+
+def recorded_if_unreachable(run_dir: Path, state: schedulers.JobState) -> schedulers.JobState:
+    """``state``, or, when the scheduler did not answer, how the run's own records say it ended."""
+    if state.state != "UNKNOWN" or state.detail.get("reason") != schedulers.base.UNREACHABLE:
+        return state
+    ended = recorded_end(runs.RunDir(run_dir))
+    if ended is None:
+        return state
+    return schedulers.JobState(ended, state.nodes, "run folder", {**state.detail, "recorded": True})
+
+
+def recorded_end(rd: runs.RunDir) -> str | None:
+    """How the run ended by its ledger (a last stop line that was not requeued) or, without a ledger,
+    by the last ended state a poll recorded; None when the records say it may still run."""
+    ledger = rd.read_ledger()
+    last = ledger[-1] if ledger else {}
+    if last.get("event") == "stop":
+        return None if last.get("requeued") else STOP_STATES.get(str(last.get("reason")))
+    if ledger:
+        return None  # started and not stopped: running, or killed without a word
+    seen = [s.get("state", "") for s in rd.read_states()]
+    ended = [s for s in seen if s.split()[0] in schedulers.TERMINAL] if seen else []
+    return ended[-1].split()[0] if ended and ended[-1] == seen[-1] else None
+
+
+# The job writes these itself (rank 0 at each start, whoever requeues: hpc.core.requeue.record_state), in
+# order; a poll can lag behind them (sacct still says RUNNING of the incarnation just requeued), so
+# polls never add them and the history shows each start and requeue exactly once.
+JOB_RECORDED = ("RUNNING", "REQUEUED")
+
+
+def _record(run_dir: Path, state: schedulers.JobState) -> None:
+    rd = runs.RunDir(run_dir)
+    seen = rd.read_states()
+    if state.state in ("UNKNOWN", *JOB_RECORDED):
+        return
+    if not seen or seen[-1].get("state") != state.state:
+        runs.append_jsonl(rd.states, {"state": state.state, "nodes": state.nodes, "time": time.time()})
+
+
+def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str, tp.Any]:
+    """Everything `hpcx status RUN` shows, as plain data (``state``: already asked, else asked now)."""
+    rd = runs.RunDir(run_dir)
+    info = job_info(rd)
+    state = state or job_state(run_dir)
+    ledger = rd.read_ledger()
+    launch = rd.read_resolved().get("launch", {})
+    starts = [e for e in ledger if e.get("event") == "start"]
+    stops = [e for e in ledger if e.get("event") == "stop"]
+    last = rd.last_metrics() or {}
+    return {
+        "run_dir": str(run_dir),
+        "job_id": info.get("job_id"),
+        "scheduler": info.get("scheduler"),
+        "state": state.state,
+        "state_words": state.words,
+        "nodes": state.nodes,
+        "states": [s.get("state", "?") for s in rd.read_states()],
+        "step": last.get("step"),
+        "loss": last.get("loss"),
+        "restarts": max(len(starts) - 1, sum(1 for e in stops if e.get("requeued")), 0),  # a start may die unlogged
+        "strategy": launch.get("strategy"),
+        "world_size": launch.get("world_size"),
+        "ledger": ledger_summary(ledger),
+        "last_stop": stop_summary(stops[-1]) if stops else None,
+    }
+
+
+STOP_WORDS = {"completed": "completed", "preempted": "preempted", "time_limit": "time limit",
+              "terminated": "cancelled", "failed": "failed"}
+
+
+def stop_summary(stop: dict) -> dict[str, tp.Any]:
+    """The ledger's last stop line as status shows it: why, where, requeued or why not, what failed."""
+    keys = ("reason", "step", "requeued", "not_requeued", "error", "failed_ranks", "signal", "by")
+    found = {k: stop[k] for k in keys if k in stop}
+    reason = str(stop.get("reason", "?"))
+    words = f"{STOP_WORDS.get(reason, reason)} at step {stop.get('step', '?')}"
+    if reason == "failed" and stop.get("error"):
+        words += f": {str(stop['error']).splitlines()[0][:200]}"
+    if reason not in ("completed", "terminated"):
+        words += " (requeued)" if stop.get("requeued") else f" (not requeued: {stop.get('not_requeued', '?')})"
+    return {**found, "words": words}
+
+
+def ledger_summary(ledger: list[dict]) -> dict[str, tp.Any]:
+    """Goodput figures from the ledger's start/stop lines."""
+    stops = [e for e in ledger if e.get("event") == "stop"]
+    return {
+        "starts": sum(1 for e in ledger if e.get("event") == "start"),
+        "steps_recomputed": sum(e.get("steps_recomputed", 0) for e in ledger if e.get("event") == "start"),
+        "save_s": round(sum(e.get("save_s", 0.0) for e in stops), 3),
+        "restore_s": round(sum(e.get("restore_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
+        "queue_wait_s": round(sum(e.get("queue_wait_s", 0.0) for e in ledger if e.get("event") == "start"), 3),
+    }
+
+
+def result(run_dir: Path) -> tuple[str, object] | None:
+    """Rank 0's return value (or its error) once the job has ended."""
+    rd = runs.RunDir(run_dir)
+    path = result_path(rd.submitit, str(rd.read_job().get("job_id")))
+    return read_result(path) if path.exists() else None
+
+
+def wait(run_dir: Path, on_poll: tp.Callable[[dict], None], poll_s: float = 2.0,
+         timeout_s: float | None = None) -> dict[str, tp.Any]:
+    """Poll until the job reaches a terminal state; ``on_poll`` gets each summary."""
+    start = time.time()
+    while True:
+        info = summary(run_dir)
+        on_poll(info)
+        if info["state"] in schedulers.TERMINAL:
+            return info
+        if timeout_s is not None and time.time() - start > timeout_s:
+            return info
+        time.sleep(poll_s)
+
+
+def cancel(run_dir: Path) -> str:
+    """Cancel the run's job: its ranks get SIGTERM and stop at the next step boundary, writing the
+    ledger's stop line and no new checkpoint. What was done, for people; UserError when there is
+    nothing to cancel (never submitted, already ended) or the scheduler refused."""
+    rd = runs.RunDir(run_dir)
+    info = job_info(rd)
+    if not info:
+        raise UserError([f"{run_dir}: no job.json: this run was never submitted"])
+    state = job_state(run_dir)
+    job = f"job {info['job_id']}"
+    if state.done:
+        step = (rd.last_metrics() or {}).get("step")
+        at = f" at step {step}" if step is not None else ""
+        raise UserError([f"{rd.name}: {job} already ended ({state.state}{at}): nothing to cancel"])
+    if not schedulers.get(info["scheduler"]).cancel(str(info["job_id"]), run_dir):
+        after = job_state(run_dir).state
+        raise UserError([f"{rd.name}: {job} could not be cancelled (the scheduler refused; it is {after} now)"])
+    return (f"cancelled {rd.name} ({job}, was {state.state}): its ranks stop at their next step boundary "
+            "without saving")

@@ -1,0 +1,193 @@
+"""Per-rank memory of one training configuration, from shapes alone (no torch).
+
+What is modelled, and why (see docs/planner.md for the derivations):
+
+- Model states (ZeRO accounting, AdamW): parameters are *stored* in fp32 under every
+  strategy: DDP and ``none`` keep fp32 weights and get bf16/fp16 compute from autocast;
+  FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` keeps the sharded parameters in fp32
+  and casts each unit to bf16 when it all-gathers it. Those fp32 parameters are the master
+  copy, so there is no separate master term: 4 (params) + 4 (fp32 grads) + 8 (two fp32
+  Adam moments) = 16 bytes per parameter, divided by the shard degree. FSDP2 stores
+  parameters sharded for every sharding; ``shard_grad_op`` pays for it in ``buffers``,
+  where the whole unsharded compute copy is held from forward to backward.
+- Buffers: what exists only during a step (FSDP units gathered and prefetched, unsharded
+  unit gradients before the reduce-scatter, DDP's gradient buckets, autocast's low-precision
+  weight copies).
+- Activations: each model family's own (``hpc.core.models``; the built-in GPT's is Korthikanti et
+  al. 2022 accounting with fused SDPA attention, with and without per-block checkpointing).
+- Start-up and checkpoint peaks (separate terms, beside the training total): ``init_bytes``
+  while the trainer materializes the model (``trainer.model.WeightInit``), ``staging_bytes``
+  for the host copy checkpoint saves keep.
+"""
+
+from __future__ import annotations
+
+import math
+import typing as tp
+from dataclasses import dataclass
+
+from hpc.core.dims import ParallelDims
+from hpc.core import models
+from hpc.core.models import ModelFacts, compute_bytes
+
+GB = 1e9
+PARAM_BYTES = 4  # stored parameters: fp32 under every strategy (see module docstring)
+GRAD_BYTES = 4  # gradients on the stored parameters: fp32
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+REDUCE_BYTES = 4  # reduce_dtype = fp32 for every reduction
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb = 25
+CONTEXT_GB = 2.0  # CUDA context (~0.5-1 GB) + NCCL communicator buffers (~1 GB), per GPU
+FRAGMENTATION = 0.10  # caching-allocator fragmentation, as a fraction of the estimate
+CPU_PROCESS_GB = 0.5  # a Python process with torch imported, per rank, on CPU sites
+HOST_USABLE = 0.8  # share of a node's RAM the planner lets offloaded states use
+
+
+@dataclass(frozen=True)
+class Config:
+    """One candidate's shape: how the states are split and what each step runs."""
+
+    dims: ParallelDims  # how the ranks split the model
+    offload: bool
+    mixed_precision: str
+    checkpointing: bool
+    micro_batch: int
+    dropout: float = 0.0
+    async_save: bool = False  # checkpoint.async_save: saves keep a host copy of the states
+
+
+@dataclass
+class Memory:
+    """Bytes per rank, in GB. ``activations`` is None when unknown."""
+
+    params: float
+    grads: float
+    optimizer: float
+    buffers: float
+    activations: float | None
+    host_per_node: float = 0.0  # offloaded states on the host, all ranks of a node
+    notes: tuple[str, ...] = ()
+    init: float = 0.0  # start-up peak on the device while the weights are materialized (init_bytes)
+    staging: float = 0.0  # host memory per rank that checkpoint saves keep (staging_bytes)
+    staging_per_node: float = 0.0  # the same for all ranks of a node
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers + (self.activations or 0.0)
+
+
+def headroom_gb(total_gb: float, gpu: bool) -> float:
+    """CUDA context and NCCL buffers (a process's own footprint on CPU sites) plus fragmentation."""
+    return (CONTEXT_GB if gpu else CPU_PROCESS_GB) + FRAGMENTATION * total_gb
+
+
+def sharded_numel(n_params: int, shard: int, shapes: tp.Sequence[tuple[int, ...]] = ()) -> int:
+    """Parameter elements one rank stores when each tensor is split on dim 0 into ``shard`` chunks
+    (FSDP2): every rank's storage is padded to the first chunk, ceil(dim0 / shard) rows, so a tensor
+    whose dim 0 does not divide (a small model on many ranks) costs more than its share. Without
+    ``shapes``, ceil(n_params / shard)."""
+    if not shapes:
+        return math.ceil(n_params / shard)
+    return sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for s in shapes if s)
+
+
+def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]] = ()) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes resident per rank after an optimizer step (on the fullest
+    rank: with uneven dim-0 splits, later ranks hold shorter shards)."""
+    per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
+    return per_rank * PARAM_BYTES, per_rank * GRAD_BYTES, per_rank * ADAM_BYTES
+
+
+def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
+    """Transient per-step memory on the device, with a note per term."""
+    n, unit, root = facts.n_params or 0, facts.unit_params or 0, facts.root_params or 0
+    c = compute_bytes(cfg.mixed_precision)
+    if not cfg.dims.fsdp_enabled:
+        return _replica_buffers(n if facts.matmul_params is None else facts.matmul_params, c, cfg)
+    extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
+    grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
+    if cfg.dims.reshard_after_forward:
+        gathered = root * c + 2 * unit * c  # root stays gathered; current unit + the prefetched next
+        note = f"root + 2 blocks gathered in {_dtype(c)}"
+    else:  # shard_grad_op / no_shard: every unit stays unsharded from forward to backward
+        gathered = n * c
+        note = f"all parameters unsharded in {_dtype(c)} from forward to backward"
+    return gathered + grads, [note, "one block's unsharded gradients before the reduce-scatter"]
+
+
+def _replica_buffers(matmul: int, c: int, cfg: Config) -> tuple[float, list[str]]:
+    """Autocast's bf16/fp16 copies of the matmul weights (cached from forward to backward)."""
+    total, notes = 0.0, []
+    if c < PARAM_BYTES:
+        total += matmul * c
+        notes.append(f"autocast {_dtype(c)} weight copies held from forward to backward")
+    if cfg.dims.ddp_enabled:
+        # the trainer sets gradient_as_bucket_view=True: the buckets are the gradients, no second copy
+        notes.append("DDP buckets are views of the gradients (gradient_as_bucket_view)")
+    return total, notes
+
+
+def _dtype(c: int) -> str:
+    return "fp32" if c == 4 else "bf16/fp16"
+
+
+def activation_bytes(facts: ModelFacts, cfg: Config) -> float | None:
+    """Activation bytes of one micro-batch at its peak, from the model's family (``hpc.core.models``);
+    None when unknown."""
+    return models.activation_bytes(facts, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision, cfg.dropout,
+                                   autocast=not cfg.dims.fsdp_enabled)
+
+
+def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | None:
+    """Per-rank memory of ``cfg``; None when the parameter count is unknown."""
+    if facts.n_params is None:
+        return None
+    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes)
+    init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
+    buffers, notes = buffer_bytes(facts, cfg)
+    act = activation_bytes(facts, cfg)
+    host = 0.0
+    if cfg.offload:
+        host = (params + grads + opt) * tasks_per_node / GB
+        params = grads = opt = 0.0
+        notes.append("parameters, gradients and Adam state on the host; the optimizer steps on the CPU")
+    if act is None:
+        notes.append("activations unknown: set model.activation_gb (measured GB per sample)")
+    return Memory(params / GB, grads / GB, opt / GB, buffers / GB, None if act is None else act / GB,
+                  host_per_node=host, notes=tuple(notes), init=init / GB, staging=staging / GB,
+                  staging_per_node=staging * tasks_per_node / GB)
+
+
+# ---- start-up and checkpoint peaks (kept apart from the training terms above; docs/planner.md)
+
+
+def init_bytes(facts: ModelFacts, cfg: Config) -> float:
+    """Device bytes per rank while the trainer materializes a model built on the meta device
+    (``trainer.model.WeightInit``): the rank's fp32 parameters (its shard under FSDP, on the host
+    under offload) plus, under FSDP, the largest module's full fp32 tensors, which are computed
+    whole and sliced (whole replicas are initialised in place). Gradients and optimizer state do
+    not exist yet."""
+    params = 0 if cfg.offload else sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
+    module = (facts.largest_module_params or 0) if cfg.dims.fsdp_enabled else 0
+    return (params + module) * PARAM_BYTES
+
+
+def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
+    """Host bytes per rank that checkpoint saves hold. Async saves copy the rank's parameters and
+    optimizer state into host buffers kept from one save to the next (``ReusedStager``, pinned on
+    CUDA); a synchronous save copies one tensor at a time to the host (about the largest module's
+    share)."""
+    per_rank = sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
+    if cfg.async_save:
+        return per_rank * (PARAM_BYTES + ADAM_BYTES)
+    return math.ceil((facts.largest_module_params or 0) / cfg.dims.dp_shard) * PARAM_BYTES
+
+
+def peaks_note(facts: ModelFacts, async_save: bool, gpu: bool) -> str:
+    """One line for ``hpcx plan`` saying what the init and staging figures count."""
+    module = f"{facts.largest_module_params:,}" if facts.largest_module_params else "?"
+    staging = ("async checkpoint saves keep a host copy of each rank's params + optimizer state"
+               if async_save else "synchronous saves copy one tensor at a time to the host")
+    where = "host/node (with offloaded states)" if gpu else "+headroom (host memory is the rank's memory)"
+    return (f"init = the rank's fp32 parameters (+ under fsdp/hsdp the largest module's full fp32 tensors, "
+            f"{module} params) while the weights are materialized; +headroom covers the larger of total and init; "
+            f"{staging}, counted in {where}")

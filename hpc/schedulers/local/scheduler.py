@@ -1,0 +1,207 @@
+"""This machine, no scheduler: submitit's local executor.
+
+A local job is submitit's controller process (its pid is the job id); the controller starts one
+task process per rank and restarts them all when a task exits with submitit's requeue status (``hpc.compat.local_requeue_exit_code``). ``job.json``
+also records the controller's identity (boot and start time), so that a pid the kernel has given to
+another process since is never taken for the job (nor signalled). When the controller is gone, the
+ledger (a stop after SIGTERM: cancelled) and the result pickle say how the job ended.
+
+On a GPU site the controller is told how many GPUs the tasks share (submitit otherwise exports
+``CUDA_VISIBLE_DEVICES=""``); GPUs this shell was limited to (``CUDA_VISIBLE_DEVICES``) are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal as signals
+import time
+import typing as tp
+from pathlib import Path
+
+from hpc import compat
+from hpc.core.errors import UserError
+from hpc.core.procs import pid_alive
+from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
+                                 result_path, task_command, wait_since_last_stop)
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.resolve import Launch
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
+
+
+
+def job_environment(spec: JobSpec, site: SiteProfile) -> dict[str, str]:
+    """Variables exported in every task: the site's NCCL settings, then the spec's `env.set`."""
+    env = dict(site.nccl)
+    env.update(spec.env.set)
+    return dict(sorted(env.items()))
+
+
+def local_parameters(spec: JobSpec, launch: Launch, visible: str | None = None) -> dict[str, tp.Any]:
+    """Keyword arguments of submitit's LocalExecutor for this launch; on a GPU site also the GPUs the
+    tasks get (``visible``: this shell's ``CUDA_VISIBLE_DEVICES``, kept when it names GPU indices)."""
+    params: dict[str, tp.Any] = {
+        "tasks_per_node": launch.tasks_per_node,
+        "timeout_min": spec.job.time_limit_min,
+        "signal_delay_s": launch.signal_lead_s,
+    }
+    if launch.gpus_per_node:
+        params["gpus_per_node"] = launch.gpus_per_node
+        params.update(visible_gpus(visible, launch.gpus_per_node))
+    return params
+
+
+def visible_gpus(visible: str | None, wanted: int) -> dict[str, tp.Any]:
+    """``{"visible_gpus": [...]}`` from a ``CUDA_VISIBLE_DEVICES`` value (empty dict when unset);
+    UserError when it cannot give ``wanted`` GPUs by index."""
+    if visible is None:
+        return {}
+    names = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(n.isdigit() for n in names):
+        raise UserError([f"CUDA_VISIBLE_DEVICES={visible!r}: submitit's local executor hands GPUs out by index; "
+                         "export indices (e.g. 0,1) or unset it"])
+    if len(names) < wanted:
+        raise UserError([f"the site runs {wanted} GPU task(s) on this machine but CUDA_VISIBLE_DEVICES={visible!r} "
+                         f"leaves {len(names)} GPU(s) visible"])
+    return {"visible_gpus": [int(n) for n in names]}
+
+
+def pid_identity(pid: int) -> str | None:
+    """What tells this process from a later one with the same pid: boot id and start time (clock
+    ticks since boot, /proc/PID/stat field 22); None when the process is gone or /proc says nothing."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            start = f.read().rsplit(")", 1)[1].split()[19]
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except (OSError, IndexError):
+        return None
+    return f"{boot}:{start}"
+
+
+def controller_alive(job_id: str, run_dir: Path) -> bool:
+    """The job's controller still runs: its pid is alive and, when ``job.json`` recorded the
+    controller's identity, it is still that process (pids are reused)."""
+    from hpc.core.runs import RunDir
+
+    pid = int(job_id)
+    recorded = RunDir(run_dir).read_job().get("pid_identity")
+    if not pid_alive(pid):
+        return False
+    return recorded is None or pid_identity(pid) == recorded
+
+
+def task_pids(controller_pid: int) -> list[int]:
+    """The processes whose parent is the local controller (its task processes)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text(encoding="ascii", errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == str(controller_pid) and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def local_state(job_id: str, run_dir: Path) -> JobState:
+    """RUNNING while the controller lives; then CANCELLED when the ledger's last stop followed a
+    SIGTERM (``hpcx cancel``), else the result pickle tells COMPLETED or FAILED."""
+    from hpc.core.runs import RunDir
+
+    if controller_alive(job_id, run_dir):
+        return JobState("RUNNING", "localhost", "process")
+    stops = [e for e in RunDir(run_dir).read_ledger() if e.get("event") == "stop"]
+    if stops and stops[-1].get("reason") == "terminated" and str(stops[-1].get("job_id")) == str(job_id):
+        return JobState("CANCELLED", "localhost", "ledger")
+    result = result_path(Path(run_dir) / SUBMITIT_DIR, job_id)
+    if not result.exists():
+        return JobState("FAILED", "localhost", "process", {"reason": "no result written"})
+    outcome = read_result(result)
+    return JobState("COMPLETED" if outcome[0] == "success" else "FAILED", "localhost", "result")
+
+
+class LocalScheduler(Scheduler):
+    """submitit's ``LocalExecutor`` on this machine."""
+
+    kind = "local"
+
+    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
+        from hpc.schedulers.local.executor import LocalExecutor
+
+        # LocalExecutor directly: AutoExecutor does not pass signal_delay_s through to it
+        executor = LocalExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
+        executor.update_parameters(**local_parameters(spec, launch, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        return executor
+
+    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
+        folder = f"{run_dir}/{SUBMITIT_DIR}"
+        params = {"executor": "local", "folder": folder,
+                  **local_parameters(spec, launch, os.environ.get("CUDA_VISIBLE_DEVICES")),
+                  "environment": job_environment(spec, site), "command": task_command(python, folder)}
+        return json.dumps(params, indent=2, sort_keys=True) + "\n"
+
+    def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
+        return {job: local_state(job, run_dir) for job, run_dir in jobs.items()}
+
+    def job_record(self, job_id: str) -> dict[str, tp.Any]:
+        return {"pid_identity": pid_identity(int(job_id))}
+
+    def cancel(self, job_id: str, run_dir: Path) -> bool:
+        """SIGTERM to the controller, which forwards it to the tasks and waits for them: the ranks stop
+        at their next step boundary. Never sent to a pid that is no longer the job's controller."""
+        if not controller_alive(job_id, run_dir):
+            return False
+        try:
+            os.kill(int(job_id), signals.SIGTERM)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def signal(self, job_id: str, signal_name: str, run_dir: Path) -> list[str]:
+        """Straight to the task processes, the children of the controller (the controller itself has
+        no handler for the preemption signal and would die of it)."""
+        if not controller_alive(job_id, run_dir):
+            raise UserError([f"local job {job_id} has ended (its controller is gone)"])
+        pids = task_pids(int(job_id))
+        if not pids:
+            raise UserError([f"local job {job_id}: no task processes found under its controller"])
+        for pid in pids:
+            try:
+                os.kill(pid, signals.Signals["SIG" + signal_name])
+            except ProcessLookupError:
+                continue
+        return [f"task pid {pid}" for pid in pids]
+
+
+class LocalJobSide(JobSide):
+    """Inside a task of submitit's local controller: a requeue is leaving with submitit's requeue status (``hpc.compat.local_requeue_exit_code``)."""
+
+    kind = "local"
+
+    def job_id(self) -> str | None:
+        return os.environ.get("SUBMITIT_LOCAL_JOB_ID")
+
+    def requeue(self) -> str | None:
+        return None  # granted: the task leaves with LOCAL_REQUEUE_EXIT after the stop line
+
+    def leave_for_requeue(self) -> None:
+        import logging
+        import sys
+
+        log = logging.getLogger("hpcx.trainer")
+        code = compat.local_requeue_exit_code()  # the status submitit's controller restarts the tasks on
+        log.warning("requeue: leaving with exit status %d; submitit's local controller restarts the tasks", code)
+        for handler in log.handlers:
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
+        return wait_since_last_stop(run_dir, ledger)

@@ -1,0 +1,125 @@
+"""The built-in GPT's trainer side: its ``nn.Module`` from ``hpc.core.models.gpt``'s shape, so the
+planner's counts hold by construction.
+
+Token + learned position embeddings, ``n_layers`` pre-LN blocks (LayerNorm → causal SDPA attention →
+LayerNorm → 4× GELU MLP), a final LayerNorm and an output head (tied to the token embedding when the
+shape says so). Linear layers have no bias; LayerNorms have weight and bias. GPT-2 initialisation
+(each module's ``reset_parameters``): N(0, 0.02), the two residual projections of each block
+N(0, 0.02/sqrt(2·layers)), LayerNorms ones/zeros. Its FSDP units outside the blocks: ``GPT.fsdp_units``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hpc.core.models import model_facts
+from hpc.core.models.gpt import GPTShape
+from hpc.core.spec import Model as ModelSpec
+
+GPT2_STD = 0.02
+
+
+def build(spec: ModelSpec) -> nn.Module:
+    """The GPT of ``spec`` (under the caller's ``torch.device``)."""
+    return GPT(model_facts(spec).shape, spec.dropout)
+
+
+class Linear(nn.Linear):
+    """A bias-free linear layer initialised N(0, std) as GPT-2 does (torch's default is kaiming-uniform)."""
+
+    def __init__(self, d_in: int, d_out: int, std: float = GPT2_STD):
+        self.std = std  # set first: nn.Linear.__init__ calls reset_parameters
+        super().__init__(d_in, d_out, bias=False)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=self.std)
+
+
+class Embedding(nn.Embedding):
+    """An embedding initialised N(0, 0.02) (torch's default is N(0, 1))."""
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, mean=0.0, std=GPT2_STD)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float, residual_std: float):
+        super().__init__()
+        self.n_heads = n_heads
+        self.dropout = dropout
+        self.qkv = Linear(d_model, 3 * d_model)
+        self.proj = Linear(d_model, d_model, residual_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, residual_std: float):
+        super().__init__()
+        self.fc = Linear(d_model, 4 * d_model)
+        self.proj = Linear(4 * d_model, d_model, residual_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """One pre-LN transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, d_model: int, n_heads: int, dropout: float, residual_std: float):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads, dropout, residual_std)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, residual_std)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """The built-in GPT; ``GPT(shape).num_params() == shape.n_params``."""
+
+    def __init__(self, shape: GPTShape, dropout: float = 0.0):
+        super().__init__()
+        self.shape = shape
+        residual_std = GPT2_STD / math.sqrt(2 * max(1, shape.n_layers))
+        self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
+        self.pos_emb = Embedding(shape.seq_len, shape.d_model)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(shape.d_model, shape.n_heads, dropout, residual_std)
+                                    for _ in range(shape.n_layers))
+        self.ln_f = nn.LayerNorm(shape.d_model)
+        self.head = Linear(shape.d_model, shape.vocab_size)
+        if shape.tied:  # one matrix for both; parameters() lists it once, under tok_emb
+            self.head.weight = self.tok_emb.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def fsdp_units(self) -> list[list[nn.Module]]:
+        """The modules outside the blocks, as FSDP units in forward order: embeddings, final norm + head.
+        A tied head shares its matrix with the token embedding, which one parameter cannot be in two
+        units: then they all stay in the root unit."""
+        if self.shape.tied:
+            return []
+        return [[self.tok_emb, self.pos_emb], [self.ln_f, self.head]]
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
