@@ -127,35 +127,39 @@ def newest_committed_step(run_dir: Path) -> int | None:
 
 def failure_account(reports: tp.Sequence[dict], task_ends: tp.Sequence[dict], status: int) -> dict[str, tp.Any]:
     """The stop line's ``failed_ranks``, ``reported_ranks``, ``error`` (and ``signal``, ``exit_code``
-    when srun said) from the ranks' reports and srun's account of the tasks (``task_ends``: what
-    ``JobSide.task_ends`` gives). The ranks srun names first are the ones that failed on their own;
-    ranks that only lost a peer are never named as failed."""
+    when srun said how those ranks ended) from the ranks' reports and srun's account of the tasks
+    (``task_ends``: what ``JobSide.task_ends`` gives). Ranks that only lost a peer are never named.
+
+    A rank that reported an error of its own failed, whoever srun saw end first (a rank that raised may
+    take longer to exit than the peer whose collective broke: seen on the sandbox); among several, those
+    srun names first. Without such a report, the ranks srun names first, less those that only reported a
+    lost peer: a rank killed by a signal reports nothing."""
     first = [e for e in task_ends if e.get("first")]
     died = sorted({r for e in first for r in e.get("ranks", [])})
-    own = own_failures(reports)
-    failed = died or sorted({r["rank"] for r in own if "rank" in r}) or sorted({r["rank"] for r in reports
-                                                                                if "rank" in r})
-    out: dict[str, tp.Any] = {"failed_ranks": failed, "reported_ranks": sorted({r["rank"] for r in reports
-                                                                                 if "rank" in r})}
+    own = sorted({r["rank"] for r in own_failures(reports) if "rank" in r})
+    echoing = {r["rank"] for r in reports if "rank" in r and r["rank"] not in own}
+    failed = ([r for r in died if r in own] or own) if own else ([r for r in died if r not in echoing] or died)
+    out: dict[str, tp.Any] = {"failed_ranks": failed or sorted({r["rank"] for r in reports if "rank" in r}),
+                              "reported_ranks": sorted({r["rank"] for r in reports if "rank" in r})}
+    named = [e for e in first if set(e.get("ranks", [])) & set(failed)]
     for key in ("signal", "exit_code"):
-        value = next((e[key] for e in first if key in e), None)
+        value = next((e[key] for e in named if key in e), None)
         if value is not None:
             out[key] = value
-    out["error"] = failure_error(reports, first, died, status)[:300]
+    out["error"] = failure_error(reports, named, failed, status)[:300]
     return out
 
 
-def failure_error(reports: tp.Sequence[dict], first: tp.Sequence[dict], died: list[int], status: int) -> str:
-    """The one line that says what failed: a repeating start-up error first, then the Python error of a
-    rank srun names, then srun's words for a task ended by a signal, then any rank's own error."""
+def failure_error(reports: tp.Sequence[dict], named: tp.Sequence[dict], failed: list[int], status: int) -> str:
+    """The one line that says what failed: a repeating start-up error first, then the earliest error of
+    a failed rank, then srun's words for a failed rank ended by a signal, then any rank's error."""
     own = own_failures(reports)
-    dead = [r for r in reports if r.get("rank") in died and not r.get("terminated")]  # said why before dying
-    for candidates in ([r for r in reports if r.get("repeats")], dead, [] if died else own):
+    for candidates in ([r for r in reports if r.get("repeats")], [r for r in own if r.get("rank") in failed]):
         if candidates:
             return str(candidates[0].get("error") or "")
-    if first:
-        e = first[0]
-        echoes = sorted({r["rank"] for r in reports if "rank" in r and r["rank"] not in died
+    if named:
+        e = named[0]
+        echoes = sorted({r["rank"] for r in reports if "rank" in r and r["rank"] not in failed
                          and is_echo(str(r.get("error", "")))})
         lost = f"; {ranks_words(echoes)} then lost their connection to it" if echoes else ""
         how = f"was killed by {e['signal']}" if "signal" in e else f"ended ({e.get('what', '')})"

@@ -145,6 +145,20 @@ def test_every_rank_failing_alike_is_named_by_the_first_that_srun_saw_end(run_di
     assert (run_dir / "requeue" / f"{JOB}.1.requeued").exists()  # a refused connection may not repeat
 
 
+def test_a_rank_that_raised_is_named_although_a_peer_exited_first(run_dir, slurm_side):
+    """Seen on the sandbox: rank 1 raised (its own error) but rank 3, whose collective broke, exited first."""
+    write_ledger(run_dir, [start(0)])
+    write_batch_log(run_dir, batch_log((1, srun_says("n2: task 3: Exited with exit code 1",
+                                                     "n1: tasks 0-1: Terminated", "n2: task 2: Exited with exit code 1"))))
+    report(run_dir, 1, "RuntimeError: flaky rank 1: injected failure in forward call 14", step=13)
+    report(run_dir, 3, CONNECTION_CLOSED, step=13)
+    report(run_dir, 0, CONNECTION_CLOSED, step=13)
+    line = after_srun(run_dir, 143, slurm_side)
+    assert line["failed_ranks"] == [1] and line["reported_ranks"] == [0, 1, 3]
+    assert line["error"] == "RuntimeError: flaky rank 1: injected failure in forward call 14"
+    assert "exit_code" not in line and "signal" not in line  # srun's first line was about rank 3
+
+
 def test_without_srun_lines_the_ranks_that_failed_on_their_own_are_named(run_dir, slurm_side):
     write_ledger(run_dir, [start(0)])  # a batch script of an older hpcx: no mark, and srun said nothing
     report(run_dir, 2, CONNECTION_RESET)
