@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 import typing as tp
 
 log = logging.getLogger("hpcx.trainer")
@@ -38,6 +39,7 @@ class PreemptionFlag:
 
     def __init__(self) -> None:
         self.requested = False  # the preemption signal: save, stop, requeue
+        self.requested_at: float | None = None  # when it first came (a time limit's warning, or not)
         self.terminated = False  # SIGTERM: stop without saving, never requeue
         self._previous_term: tp.Callable | None = None
         self._vote: BoundaryVote | None = None
@@ -54,7 +56,9 @@ class PreemptionFlag:
         release_signals()
         return self
 
-    def _handle(self, signum: int, frame: tp.Any) -> None:  # a handler only sets the flag
+    def _handle(self, signum: int, frame: tp.Any) -> None:  # a handler only sets the flag (and its time)
+        if not self.requested:
+            self.requested_at = time.time()
         self.requested = True
 
     def _terminate(self, signum: int, frame: tp.Any) -> None:

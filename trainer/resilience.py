@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from hpc.core import requeue as policy_
 from hpc.core import runs
+from hpc.core.failures import record_saves, repeat_reason, would_repeat
 from hpc import schedulers
 from hpc.core.requeue import requeue_verdict
 from hpc.core.procs import process_start_time
@@ -53,6 +54,7 @@ from trainer.preemption import BoundaryVote, PreemptionFlag
 
 log = logging.getLogger("hpcx.trainer")
 SIGTERM_NOT_REQUEUED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
+TIME_LIMIT_SLACK_S = 90  # Slurm may send the signal up to 60 s before its lead (sbatch(1)); 30 s more of slack
 
 
 @dataclass
@@ -75,6 +77,8 @@ class Resilience:
     save_s: float = 0.0
     saves: int = 0
     reason: str | None = None  # completed | preempted | terminated, once the loop has stopped
+    signal_lead_s: int = 0  # how long before the time limit the scheduler sends the preemption signal
+    phase: str = "load"  # where this rank is (hpc.core.failures.PHASES): a failure's report says it
     vote: BoundaryVote = field(default_factory=BoundaryVote)
     boundaries: int = 0  # step boundaries seen by this incarnation
 
@@ -162,6 +166,16 @@ class Resilience:
         self.saves += 1
         self.last_saved_step = state.step
         self.last_save_clock = time.monotonic()
+        self._record_saves(state.step)
+
+    def _record_saves(self, step: int) -> None:
+        """Rank 0: this start's saves so far, in the run folder (the check after srun counts them)."""
+        if self.rank != 0 or self.side is None:
+            return
+        try:
+            record_saves(self.run_dir, self.side.incarnation(self.restart), self.saves, self.save_s, step)
+        except OSError as exc:
+            log.warning("could not record the saves of this start: %s", exc)
 
     def _timed(self, work: tp.Callable[[], tp.Any]) -> None:
         tic = time.perf_counter()
@@ -173,19 +187,35 @@ class Resilience:
 
     def stopped(self) -> None:
         """After the loop and the process-group teardown: rank 0 records the stop and, after a
-        preemption, requeues (may end the process with submitit's local requeue status). Raises RuntimeError
-        when a preempted job cannot be requeued, so that it does not look completed."""
+        preemption or the time-limit signal, requeues (may end the process with submitit's local requeue
+        status). A preempted job that cannot be requeued raises RuntimeError, so that it does not look
+        completed; at the time limit without a requeue left the job is held until the limit ends it."""
         if self.rank != 0:
             return
         reason = self.reason or "completed"
-        why_not = {"preempted": self._requeue, "terminated": lambda: SIGTERM_NOT_REQUEUED}.get(reason, lambda: None)()
+        if reason == "preempted" and self._at_time_limit():
+            reason = "time_limit"
+        why_not = {"preempted": self._requeue, "time_limit": lambda: self._requeue(reason="time_limit"),
+                   "terminated": lambda: SIGTERM_NOT_REQUEUED}.get(reason, lambda: None)()
         self._record_stop(reason, why_not)
-        if reason != "preempted":
+        if reason not in ("preempted", "time_limit"):
             return
         if why_not is None:
             self._leave_for_requeue()
+        elif reason == "time_limit" and self.side is not None:
+            self.side.await_time_limit()
         elif self.side is not None:  # a scheduler's job that stops unfinished must not look completed
             raise RuntimeError(f"preempted at step {self.step} (checkpoint saved) and not requeued: {why_not}")
+
+    def _at_time_limit(self) -> bool:
+        """Whether the preemption signal was the scheduler's warning of the time limit: it came at most
+        the signal lead (plus Slurm's 60 s leeway and 30 s of slack) before the job's end."""
+        left = self.side.seconds_left() if self.side is not None else None
+        if left is None:
+            return False
+        since = time.time() - (self.preemption.requested_at if self.preemption and self.preemption.requested_at
+                               else time.time())
+        return left + since <= self.signal_lead_s + TIME_LIMIT_SLACK_S
 
     def failed(self, exc: BaseException) -> None:
         """From the exception handler of ``run_rank``, on every rank: report the failure (unless it is
@@ -193,15 +223,16 @@ class Resilience:
         records it and requeues unless this is a cancel, the budget is spent, or there was no progress."""
         terminated = self.preemption is not None and self.preemption.terminated
         error = f"{type(exc).__name__}: {exc}"
+        repeats = not terminated and would_repeat(exc, self.phase, self.boundaries)
         if self.rank == 0 or not terminated:
-            self._report(error, terminated)
+            self._report(error, terminated, repeats)
         if self.rank != 0 or (self.side is not None and self.side.decides_failures):
             return
         try:
             if not isinstance(exc, Exception):  # KeyboardInterrupt (Ctrl-C), SystemExit
                 why_not = f"{type(exc).__name__} is a cancel or an exit, not a failure"
             else:
-                why_not = self._requeue(reason="failed")
+                why_not = self._repeating() or self._requeue(reason="failed")
             self._record_stop("terminated" if terminated else "failed", why_not, error=error)
         except Exception:  # never mask the original failure
             log.exception("could not record the failure in %s", runs.RunDir.LEDGER)
@@ -209,16 +240,26 @@ class Resilience:
         if why_not is None:
             self._leave_for_requeue()
 
-    def _report(self, error: str, terminated: bool) -> None:
-        """This rank's failure report for whoever writes the stop line (``hpc.core.requeue``)."""
+    def _report(self, error: str, terminated: bool, repeats: bool = False) -> None:
+        """This rank's failure report for whoever writes the stop line (``hpc.core.requeue``): where it
+        failed (``phase``) and whether a restart would fail the same way (``repeats``)."""
         if self.side is None:
             return
         try:
             policy_.report_failure(self.run_dir, self.side.incarnation(self.restart), self.rank, step=self.step,
                                    error=error.splitlines()[0][:300] if error else "", terminated=terminated,
-                                   host=os.uname().nodename, save_s=round(self.save_s, 3), saves=self.saves)
+                                   host=os.uname().nodename, save_s=round(self.save_s, 3), saves=self.saves,
+                                   phase=self.phase, repeats=repeats)
         except OSError as exc:
             log.warning("could not write the failure report: %s", exc)
+
+    def _repeating(self) -> str | None:
+        """Why not to requeue when this or another rank failed in a way a restart repeats, else None."""
+        if self.side is None:
+            return None
+        reports = policy_.failure_reports(self.run_dir, self.side.incarnation(self.restart))
+        repeating = [r for r in reports if r.get("repeats")]
+        return repeat_reason(repeating[0]) if repeating else None
 
     def _requeue(self, reason: str = "preempted") -> str | None:
         """Ask for this incarnation's one requeue; None when granted, else why not."""
@@ -253,7 +294,24 @@ def resilience_for(run: tp.Any, rank: int, preemption: PreemptionFlag | None) ->
     parallel = run.spec.parallel
     return Resilience(run_dir=run.run_dir, policy=run.spec.checkpoint, max_requeues=run.spec.job.max_requeues,
                       seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side(),
-                      timeouts=CollectiveTimeouts(parallel.timeout_s, parallel.step_timeout_s))
+                      timeouts=CollectiveTimeouts(parallel.timeout_s, parallel.step_timeout_s),
+                      signal_lead_s=run.launch.signal_lead_s)
+
+
+def report_unloadable(run_dir: Path, rank: int, exc: Exception) -> None:
+    """A rank that cannot read its run folder (``resolved.json`` torn, or of a spec this trainer refuses)
+    reports it, phase "load", for whoever writes the stop line; such a failure repeats on a restart."""
+    side = schedulers.job_side()
+    if side is None:
+        return
+    try:
+        restart = sum(1 for e in runs.RunDir(run_dir).read_ledger() if e.get("event") == "start")
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        policy_.report_failure(run_dir, side.incarnation(restart), rank, step=0, error=error, terminated=False,
+                               host=os.uname().nodename, save_s=0.0, saves=0, phase="load",
+                               repeats=would_repeat(exc, "load", 0))
+    except (OSError, runs.ConfigError) as err:
+        log.warning("could not write the failure report: %s", err)
 
 
 # ---------------------------------------------------------------- pure decisions and records

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import os
 import typing as tp
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from trainer.model import WeightInit, build_model, local_numel, model_blocks
 from trainer.optim import build_optimizer, build_scheduler, open_host_groups
 from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
-from trainer.resilience import resilience_for
+from trainer.resilience import report_unloadable, resilience_for
 from trainer.run import Run, load_run
 from trainer.tokens import record_data
 
@@ -40,20 +41,25 @@ log = logging.getLogger("hpcx.trainer")
 
 def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str, tp.Any] | None:
     """Train this rank of the run in ``run_dir``; the summary on rank 0, None elsewhere."""
-    run = load_run(run_dir)
     env = detect_rank_env()
-    setup_logging(run.logs_dir, env.rank)
-    apply_job_env(run.site.nccl, run.spec.env.set)
-    launch = fit_launch(run, env.world_size, env.local_world_size)
-    set_cpu_threads(launch)
-    log.info("rank %d/%d on %s via %s: %s, grad_accum=%d", env.rank, env.world_size, env.hostname,
-             env.launcher, launch.dims.describe(), launch.grad_accum)
-    guard = resilience_for(run, env.rank, preemption)
+    run = load_or_report(run_dir, env.rank)
+    guard = resilience_for(run, env.rank, preemption)  # phase "load" until the job is joined
     try:
+        setup_logging(run.logs_dir, env.rank)
+        apply_job_env(run.site.nccl, run.spec.env.set)
+        launch = fit_launch(run, env.world_size, env.local_world_size)
+        set_cpu_threads(launch)
+        log.info("rank %d/%d on %s via %s: %s, grad_accum=%d", env.rank, env.world_size, env.hostname,
+                 env.launcher, launch.dims.describe(), launch.grad_accum)
+        guard.phase = "join"
         device = join_job(run, env, launch)
+        guard.phase = "build"
         trainer, state = build_trainer(dataclasses.replace(run, launch=launch), env.rank, device, preemption)
         trainer.resilience = guard
-        result = train(trainer, start_weights(trainer, resume(trainer, state), run.spec))
+        guard.phase = "resume"
+        state = start_weights(trainer, resume(trainer, state), run.spec)
+        guard.phase = "train"
+        result = train(trainer, state)
     except BaseException as exc:
         log.exception("training failed on rank %d", env.rank)
         guard.failed(exc)  # rank 0: ledger line; one requeue unless cancelled or no progress
@@ -63,6 +69,16 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
     guard.stopped()  # rank 0: ledger line; after a preemption, the one requeue
     flush_logging()
     return result if env.is_rank0 else None
+
+
+def load_or_report(run_dir: str, rank: int) -> Run:
+    """``load_run``; a run folder this trainer cannot read is reported (``hpc.requeue``) as a failure
+    that would repeat, so that the check after srun does not requeue it."""
+    try:
+        return load_run(run_dir)
+    except Exception as exc:
+        report_unloadable(Path(run_dir), rank, exc)
+        raise
 
 
 def resume(trainer: Trainer, state: TrainState) -> TrainState:

@@ -11,7 +11,11 @@ SLURM_CONF: the shared sandbox keeps running), each on its own copy of the run r
 states.jsonl are reset before every call (a call records the states it learns, and runs recorded as
 ended are not asked again).
 
-    python bench/cli_latency/run.py [--runs 15] [--run-folders 100]
+hpcx runs as installed: with its bytecode cached (pip compiles it at install), also where the shell sets
+PYTHONDONTWRITEBYTECODE (the warm-up run writes it); `--no-bytecode` keeps that setting, and every
+command then compiles hpc/ from source.
+
+    python bench/cli_latency/run.py [--runs 15] [--run-folders 100] [--no-bytecode]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def recent_slurm_jobs(count: int) -> list[str]:
 def make_run_root(root: Path, count: int, live: int) -> None:
     """``count`` run folders; the newest ``live`` are not recorded as ended (status asks about them)."""
     real = recent_slurm_jobs(live)
+    resolved = resolved_text()
     metrics = "".join(json.dumps({"step": s, "loss": 2.0, "tokens_per_s": 1e5, "step_time_s": 0.1}) + "\n"
                       for s in range(1, 5001))
     for i in range(count):
@@ -52,13 +57,25 @@ def make_run_root(root: Path, count: int, live: int) -> None:
         (run / "logs").mkdir(parents=True)
         newest = i >= count - live
         job = real[i - (count - live)] if newest and i - (count - live) < len(real) else str(900000 + i)
-        (run / "resolved.json").write_text(json.dumps({"launch": {"world_size": 16, "strategy": "fsdp"}}))
+        (run / "resolved.json").write_text(resolved)
         (run / "job.json").write_text(json.dumps({"job_id": job, "scheduler": "slurm", "submitted_at": 1.0}))
         reset_states(run, ended=not newest)
         (run / "metrics.jsonl").write_text(metrics)
         (run / "ledger.jsonl").write_text(json.dumps({"event": "start", "step": 0, "restore_s": 0.0}) + "\n")
         stamp = time.time() - (count - i)
         os.utime(run, (stamp, stamp))
+
+
+def resolved_text() -> str:
+    """A real resolved.json (the sandbox's tiny HSDP job, ~3 KB): what status reads of every run it lists."""
+    sys.path.insert(0, str(REPO))
+    from hpc.core.resolve import resolved_document
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
+    from hpc.plan.resolve import resolve
+
+    spec, site = load_spec(str(REPO / "jobs/tiny-hsdp-2node.toml")), load_site("sandbox")
+    return json.dumps(resolved_document(spec, site, resolve(spec, site), "/runs/RUN"), indent=2, sort_keys=True)
 
 
 def reset_states(run: Path, ended: bool) -> None:
@@ -107,11 +124,21 @@ def commands(tmp: Path, root: Path) -> dict[str, Command]:
     }
 
 
+BYTECODE = [True]  # False with --no-bytecode
+
+
+def environment(env: dict[str, str]) -> dict[str, str]:
+    full = {**os.environ, **env}
+    if BYTECODE[0]:
+        full.pop("PYTHONDONTWRITEBYTECODE", None)
+    return full
+
+
 def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None) -> float:
     if reset is not None:
         reset_live(reset)
     start = time.perf_counter()
-    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env={**os.environ, **env})
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=environment(env))
     return time.perf_counter() - start
 
 
@@ -119,7 +146,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--run-folders", type=int, default=100)
+    parser.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE if set")
     args = parser.parse_args()
+    BYTECODE[0] = not args.no_bytecode
     with tempfile.TemporaryDirectory(prefix="hpcx-cli-bench-") as folder:
         tmp = Path(folder)
         root = tmp / "runs"
@@ -139,9 +168,11 @@ def main() -> None:
         for name in ("status, up", "status, down"):
             cmd, env, reset = cmds[name]
             reset_live(reset)
-            shown[name] = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}).stdout
+            shown[name] = subprocess.run(cmd, capture_output=True, text=True, env=environment(env)).stdout
     base = statistics.median(samples["python -c pass"])
-    print(f"load average {os.getloadavg()[0]:.2f}; status lists 20 of {args.run_folders} run folders")
+    bytecode = "cached" if BYTECODE[0] or not os.environ.get("PYTHONDONTWRITEBYTECODE") else "compiled every run"
+    print(f"load average {os.getloadavg()[0]:.2f}; status lists 20 of {args.run_folders} run folders; "
+          f"bytecode {bytecode}")
     print(f"{'command':16} {'median s':>9} {'- base s':>9} {'ratio':>6}  goal: ≤ base + 0.300 s")
     for name, values in samples.items():
         med = statistics.median(values)

@@ -20,7 +20,34 @@ from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option, set_option, s
 from hpc.core.config import ConfigError
 from hpc.core.validate import shown
 
-@click.group(cls=ErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]})
+class LazyGroup(ErrorsGroup):
+    """A group whose commands that live in their own modules (``lazy``: name -> (module, attribute)) are
+    imported only when named or listed: `hpcx status` does not import the planner or the checkpoint tools."""
+
+    def __init__(self, *args: tp.Any, lazy: dict[str, tuple[str, str]] | None = None, **kwargs: tp.Any):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        """The command ``name``, importing its module the first time it is asked for."""
+        if name in self.lazy and name not in self.commands:
+            import importlib
+
+            module, attribute = self.lazy[name]
+            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        return super().get_command(ctx, name)
+
+
+# Commands in their own modules (each torch-free at import).
+LAZY = {"plan": ("hpc.cli.plan", "plan_command"), "ckpt": ("hpc.cli.ckpt", "ckpt_group"),
+        "scale": ("hpc.cli.scale", "scale_group"), "data": ("hpc.cli.data", "data_group"),
+        "plot": ("hpc.cli.plot", "plot_command")}
+
+
+@click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hpcx")
 def cli() -> None:
     """hpcx: train PyTorch models on many GPUs and nodes through Slurm.
@@ -145,16 +172,18 @@ def follow(run_dir: Path, quiet: bool = False) -> dict:
         last.update(info)
 
     final = sub.wait(run_dir, show)
-    final["result"] = describe_result(sub.result(run_dir))
+    final["result"] = describe_result(sub.result(run_dir), final.get("last_stop"))
     if not quiet:
         click.echo(f"result: {format_result(final['result'])}")
     return final
 
 
-def describe_result(outcome: tuple | None) -> tp.Any:
-    """Rank 0's summary dict, or a line saying why there is none."""
+def describe_result(outcome: tuple | None, last_stop: dict | None = None) -> tp.Any:
+    """Rank 0's summary dict, or a line saying why there is none (with the ledger's last stop: a time
+    limit, a preemption or a failure, in words)."""
     if outcome is None:
-        return "no result (the job did not finish its work)"
+        why = f": {last_stop['words']}" if last_stop and last_stop.get("words") else ""
+        return f"no result (the job did not finish its work{why})"
     kind, value = outcome
     if kind == "success":
         return value
@@ -208,11 +237,13 @@ def status(ref: str | None, as_json: bool) -> None:
     scheduler does not answer shows "unknown (scheduler unreachable)".
     """
     from hpc.core import runs
-
     from hpc.login import submit as sub
-    targets = [runs.find_run(ref, run_roots())] if ref else runs.list_runs(run_roots())[:LIST_RUNS]
-    states = sub.job_states(targets, sub.QUERY_TIMEOUT_S if ref else LIST_TIMEOUT_S)
-    infos = [sub.summary(r, states[r]) for r in targets]
+
+    if ref:  # one run: a folder that lies about itself is an error line; in the list it is a row
+        target = runs.find_run(ref, run_roots())
+        infos = [sub.summary(target, sub.job_states([target], sub.QUERY_TIMEOUT_S)[target])]
+    else:
+        infos = sub.summaries(runs.list_runs(run_roots())[:LIST_RUNS], LIST_TIMEOUT_S)
     if as_json:
         echo_json(infos[0] if ref else infos)
         return
@@ -228,7 +259,8 @@ def format_status(info: dict) -> str:
             + (f"  eval loss {info['eval_loss']:.4f} (perplexity {info['eval_perplexity']:.2f})"
                if info.get("eval_loss") is not None else "")
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
-               f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else ""))
+               f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
+            + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else ""))
 
 
 @cli.command()
@@ -325,7 +357,7 @@ def drill(ref: str, at_step: str | None, as_json: bool) -> None:
     click.echo(f"drilled job {done['job_id']}{at}: sent {done['signal']} to {', '.join(done['targets'])}")
 
 
-@cli.group()
+@cli.group(cls=LazyGroup, lazy={"detect": ("hpc.cli.plan", "detect_command")})
 def site() -> None:
     """Site profiles: list, show, detect."""
 
@@ -416,25 +448,6 @@ def site_show(name: str, as_json: bool) -> None:
                 click.echo(f"  {key} = {json.dumps(value)}")
         else:
             click.echo(f"{section} = {json.dumps(values)}")
-
-
-def _register_commands() -> None:
-    """Commands that live in their own modules (each torch-free at import)."""
-    from hpc.cli.ckpt import ckpt_group
-    from hpc.cli.data import data_group
-    from hpc.cli.plot import plot_command
-    from hpc.cli.plan import detect_command, plan_command
-    from hpc.cli.scale import scale_group
-
-    cli.add_command(plan_command, "plan")
-    cli.add_command(ckpt_group, "ckpt")
-    cli.add_command(scale_group, "scale")
-    cli.add_command(data_group, "data")
-    cli.add_command(plot_command, "plot")
-    site.add_command(detect_command, "detect")
-
-
-_register_commands()
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -263,12 +264,19 @@ def untouched(errors: tp.Sequence[str], paths: tp.Iterable[str]) -> bool:
     return not any(named.search(e) for e in errors)
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, tp.Any]:
+    """``typing.get_type_hints`` of a section class, evaluated once per process (several profiles share
+    the classes; `hpcx status` loads every site profile)."""
+    return tp.get_type_hints(cls)
+
+
 def build_section(cls: type, table: tp.Any, prefix: str, errors: list[str]) -> tp.Any:
     """Instantiate one dataclass section from a TOML table, appending problems to ``errors``."""
     if not isinstance(table, dict):
         errors.append(f"`{prefix}` = {describe(table, prefix)}: expected a table [{prefix}]")
         return cls()
-    hints = tp.get_type_hints(cls)
+    hints = type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in table.items():

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import time
 import typing as tp
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.core.config import ConfigError, load_json_bounded
+from hpc.core.validate import MAX_DEPTH
 from hpc.schedulers.base import SUBMITIT_DIR
 
 
@@ -60,6 +60,8 @@ def run_dir_name(job_name: str, stamp: str, token: str) -> str:
 
 def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
     """A fresh, never reused run folder under ``root``."""
+    import secrets  # here, not at the top: `hpcx status` imports this module and never makes a folder
+
     run = root / run_dir_name(name, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
     dir_mode = modes(group_readable)[1]
     try:
@@ -105,11 +107,57 @@ def append_jsonl(path: Path, obj: tp.Any) -> None:
 
 
 def read_json(path: Path) -> dict:
-    """A run-folder JSON file ({} when absent); a torn or hostile one is a one-line ConfigError."""
+    """A run-folder JSON file ({} when absent); a torn or hostile one is a one-line ConfigError.
+
+    Parsed first as it is (the C parser stops at its recursion limit with an error, never a crash), then
+    its depth checked on the result: ten times cheaper than ``load_json_bounded``'s scan, which only
+    runs to word the error (`hpcx status` reads a resolved.json per run listed)."""
     try:
-        return load_json_bounded(path.read_text(encoding="utf-8", errors="replace"), str(path))
+        text = path.read_text(encoding="utf-8", errors="replace")
     except FileNotFoundError:
         return {}
+    try:
+        value = json.loads(text)
+        if not deeper_than(value, MAX_DEPTH):
+            return value
+    except (ValueError, RecursionError):
+        pass
+    return load_json_bounded(text, str(path))
+
+
+def deeper_than(value: tp.Any, limit: int) -> bool:
+    """Whether parsed JSON nests lists and objects more than ``limit`` deep (iteratively)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                return True
+            stack += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return False
+
+
+def torn_json(path: Path) -> bool:
+    """Whether a JSON file looks cut short (a writer killed mid-write, or one that wrote in place): empty,
+    NULs only, or valid JSON up to where it stops. A file that says something else (nested too deep,
+    extra data, not JSON) is not torn: it is reported."""
+    from hpc.core.config import JSON_SYNTAX, nesting_error
+
+    try:
+        body = path.read_text(encoding="utf-8", errors="replace").strip(" \t\r\n\0")
+    except OSError:
+        return False
+    if not body:
+        return True
+    if nesting_error(body, JSON_SYNTAX, MAX_DEPTH):
+        return False
+    try:
+        json.loads(body)
+    except json.JSONDecodeError as exc:
+        return exc.pos >= len(body) or exc.msg.startswith("Unterminated string")
+    except (RecursionError, ValueError):
+        return False
+    return False
 
 
 def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
@@ -260,29 +308,84 @@ class RunDir:
 
 
 def is_run_dir(path: Path) -> bool:
-    return RunDir(path).exists()
+    """Whether ``path`` holds a ``resolved.json`` (False, never an error, when it cannot be looked into)."""
+    try:
+        return RunDir(path).exists()
+    except OSError:
+        return False
+
+
+def owner_of(path: Path) -> int | None:
+    """The uid that owns ``path``; None when it cannot be looked at."""
+    try:
+        return path.stat().st_uid
+    except OSError:
+        return None
+
+
+def is_mine(path: Path) -> bool:
+    """Whether the caller owns ``path``. A run root may be shared by many users (a project's scratch
+    folder): names and job ids resolve only to the caller's own runs, and the list shows only those."""
+    return owner_of(path) == os.getuid()
 
 
 def find_run(ref: str, roots: tp.Sequence[Path]) -> Path:
-    """A run folder from a path, a folder name under a run root, or a job id."""
+    """A run folder from a path, a folder name under a run root, or a job id; by name or job id only the
+    caller's own runs (another user's of the same name is refused, saying whose it is)."""
     path = Path(ref).expanduser()
     if is_run_dir(path):
         return path.resolve()
+    others = []
     for root in roots:
-        if is_run_dir(root / ref):
-            return (root / ref).resolve()
+        if is_mine(root / ref):
+            if is_run_dir(root / ref):
+                return (root / ref).resolve()
+        elif owner_of(root / ref) is not None and (root / ref).is_dir():  # another user's (maybe unreadable)
+            others.append(root / ref)
     if ref.isdigit():
         for run in list_runs(roots):
-            if str(RunDir(run).read_job().get("job_id")) == ref:
+            if str(_job_id(run)) == ref:
                 return run
     where = ", ".join(str(r) for r in roots)
+    if others:
+        raise ConfigError([f"{ref}: {others[0]} belongs to {user_name(owner_of(others[0]))}, not to you: hpcx "
+                           "finds only your own runs by name or job id (give the folder's path to read it)"])
     raise ConfigError([f"{ref}: not a run folder, run name or job id (looked in {where})"])
 
 
+def _job_id(run: Path) -> tp.Any:
+    try:
+        return RunDir(run).read_job().get("job_id")
+    except (ConfigError, OSError):
+        return None
+
+
+def user_name(uid: int | None) -> str:
+    """``user alice (uid 1001)``, or the uid alone when the system does not know the name."""
+    import pwd
+
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})" if uid is not None else "another user"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def list_runs(roots: tp.Sequence[Path]) -> list[Path]:
-    """Run folders under the roots, newest first."""
-    runs = []
+    """The caller's run folders under the roots, newest first. Other users' folders are skipped (by
+    owner, before anything is read), and so is anything that cannot be read: never an error."""
+    found: list[tuple[float, Path]] = []
     for root in roots:
-        if root.is_dir():
-            runs += [p for p in root.iterdir() if is_run_dir(p)]
-    return sorted(runs, key=lambda p: p.stat().st_mtime, reverse=True)
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            continue
+        uid = os.getuid()
+        for entry in entries:
+            try:
+                st = entry.stat()
+                mine = st.st_uid == uid and entry.is_dir()
+            except OSError:
+                continue
+            if mine and is_run_dir(Path(entry.path)):
+                found.append((st.st_mtime, Path(entry.path)))
+    return [p for _, p in sorted(found, key=lambda t: t[0], reverse=True)]

@@ -132,25 +132,142 @@ def job_state(run_dir: Path, timeout: float = QUERY_TIMEOUT_S) -> schedulers.Job
     return job_states([run_dir], timeout)[run_dir]
 
 
-def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> dict[Path, schedulers.JobState]:
+def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
+               tolerant: bool = False) -> dict[Path, schedulers.JobState]:
     """The current state of each run, asking each scheduler once for all of its runs (within
     ``timeout`` seconds; UNKNOWN with the reason when it does not answer); a state that changed is
     recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
     out: dict[Path, schedulers.JobState] = {}
     asked: dict[str, dict[str, Path]] = {}
+    same_id: list[tuple[str, str, Path]] = []  # a job id two run folders share (another cluster, a reused pid)
     for run_dir in run_dirs:
-        info, seen = runs.RunDir(run_dir).read_job(), runs.RunDir(run_dir).read_states()
+        try:
+            info, seen = job_info(runs.RunDir(run_dir)), runs.RunDir(run_dir).read_states()
+        except (OSError, ConfigError) as exc:
+            if not tolerant and isinstance(exc, ConfigError):
+                raise
+            out[run_dir] = unreadable(exc)
+            continue
         if not info:
-            out[run_dir] = schedulers.JobState("NOT SUBMITTED")
-        elif seen and seen[-1].get("state", "").startswith(FINAL):
+            out[run_dir] = not_submitted(runs.RunDir(run_dir))
+        elif seen and (seen[-1].get("state", "").startswith(FINAL) or settled(runs.RunDir(run_dir), seen[-1])):
             out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
+        elif str(info["job_id"]) in asked.get(info["scheduler"], {}):
+            same_id.append((info["scheduler"], str(info["job_id"]), run_dir))
         else:
             asked.setdefault(info["scheduler"], {})[str(info["job_id"])] = run_dir
-    for kind, jobs in asked.items():
-        for job_id, state in schedulers.get(kind).states(jobs, timeout).items():
-            out[jobs[job_id]] = state
-            _record(jobs[job_id], state)
+    answers = {kind: _ask(kind, jobs, timeout) for kind, jobs in asked.items()}
+    for kind, job_id, run_dir in [(k, j, r) for k, jobs in asked.items() for j, r in jobs.items()] + same_id:
+        state = answers[kind][job_id]
+        out[run_dir] = recorded_if_unreachable(run_dir, state)
+        _record(run_dir, state)
     return out
+
+
+def unreadable(exc: Exception) -> schedulers.JobState:
+    """UNREADABLE, with why (the one-line ConfigError, or the OS's words)."""
+    why = exc.messages[0] if isinstance(exc, ConfigError) else (getattr(exc, "strerror", None) or str(exc))
+    return schedulers.JobState("UNREADABLE", detail={"reason": why})
+
+
+def summaries(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, tp.Any]]:
+    """``summary`` of each run, states asked in one batch; a run folder that cannot be read is a row
+    that says so, never an error."""
+    states = job_states(run_dirs, timeout, tolerant=True)
+    out = []
+    for run_dir in run_dirs:
+        try:
+            out.append(summary(run_dir, states[run_dir]))
+        except (OSError, ConfigError) as exc:
+            out.append(unreadable_summary(run_dir, unreadable(exc)))
+    return out
+
+
+def unreadable_summary(run_dir: Path, state: schedulers.JobState) -> dict[str, tp.Any]:
+    """The row of a run whose files cannot be read: every key ``summary`` has, nothing known."""
+    return {"run_dir": str(run_dir), "job_id": None, "scheduler": None, "state": state.state,
+            "state_words": state.words, "nodes": "", "states": [], "step": None, "loss": None, "restarts": 0,
+            "strategy": None, "world_size": None, "ledger": ledger_summary([]), "last_stop": None}
+
+
+def _ask(kind: str, jobs: dict[str, Path], timeout: float) -> dict[str, schedulers.JobState]:
+    if kind not in schedulers.KINDS:  # a job.json of another hpcx, or hand-edited
+        return schedulers.base.unknown(jobs, f"scheduler {kind!r} is not one hpcx knows")
+    return schedulers.get(kind).states(jobs, timeout)
+
+
+SUBMIT_GRACE_S = 300.0  # a run folder without job.json younger than this is still being submitted
+
+
+def job_info(rd: runs.RunDir) -> dict[str, tp.Any]:
+    """``job.json`` with a job id and a scheduler; while it is not written yet (or torn), the job id
+    submitit's files already carry (``submitit/<id>_submitted.pkl``); {} when neither says."""
+    try:
+        info = rd.read_job()
+    except ConfigError:
+        if not runs.torn_json(rd.job):  # hostile, not half-written: say so
+            raise
+        info = {}
+    if info.get("job_id") and info.get("scheduler"):
+        return info
+    try:
+        ids = sorted({p.name.split("_", 1)[0] for p in rd.submitit.glob("*_submitted.pkl")
+                      if p.name.split("_", 1)[0].isdigit()})
+        kind = rd.read_resolved().get("site", {}).get("scheduler", {}).get("kind") if ids else None
+    except (ConfigError, OSError):
+        return {}
+    return {"job_id": ids[-1], "scheduler": kind, "from": "submitit"} if ids and kind else {}
+
+
+def not_submitted(rd: runs.RunDir) -> schedulers.JobState:
+    """SUBMITTING while a young run folder waits for its job.json (``hpcx submit`` writes it once the
+    scheduler took the job), else NOT SUBMITTED."""
+    try:
+        age = time.time() - rd.resolved.stat().st_mtime
+    except OSError:
+        age = SUBMIT_GRACE_S
+    if age < SUBMIT_GRACE_S:
+        return schedulers.JobState("SUBMITTING", detail={"reason": "no job.json yet"})
+    return schedulers.JobState("NOT SUBMITTED")
+
+
+# How a stop line that was not requeued ends the job, as the scheduler would say it.
+STOP_STATES = {"completed": "COMPLETED", "terminated": "CANCELLED", "failed": "FAILED", "time_limit": "TIMEOUT",
+               "preempted": "FAILED"}
+
+
+def settled(rd: runs.RunDir, last: dict) -> bool:
+    """An ended state (FAILED, TIMEOUT …) a poll recorded that nothing comes back from: the ledger's
+    last line is a stop that was not requeued. Such runs are not asked about again either."""
+    state = str(last.get("state", "")).split(" ")[0]
+    try:
+        return state in schedulers.TERMINAL and recorded_end(rd) is not None
+    except OSError:
+        return False
+
+
+def recorded_if_unreachable(run_dir: Path, state: schedulers.JobState) -> schedulers.JobState:
+    """``state``, or, when the scheduler did not answer, how the run's own records say it ended."""
+    if state.state != "UNKNOWN" or state.detail.get("reason") != schedulers.base.UNREACHABLE:
+        return state
+    ended = recorded_end(runs.RunDir(run_dir))
+    if ended is None:
+        return state
+    return schedulers.JobState(ended, state.nodes, "run folder", {**state.detail, "recorded": True})
+
+
+def recorded_end(rd: runs.RunDir) -> str | None:
+    """How the run ended by its ledger (a last stop line that was not requeued) or, without a ledger,
+    by the last ended state a poll recorded; None when the records say it may still run."""
+    ledger = rd.read_ledger()
+    last = ledger[-1] if ledger else {}
+    if last.get("event") == "stop":
+        return None if last.get("requeued") else STOP_STATES.get(str(last.get("reason")))
+    if ledger:
+        return None  # started and not stopped: running, or killed without a word
+    seen = [s.get("state", "") for s in rd.read_states()]
+    ended = [s for s in seen if s.split()[0] in schedulers.TERMINAL] if seen else []
+    return ended[-1].split()[0] if ended and ended[-1] == seen[-1] else None
 
 
 # The job writes these itself (rank 0 at each start, whoever requeues: hpc.core.requeue.record_state), in
@@ -171,11 +288,12 @@ def _record(run_dir: Path, state: schedulers.JobState) -> None:
 def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str, tp.Any]:
     """Everything `hpcx status RUN` shows, as plain data (``state``: already asked, else asked now)."""
     rd = runs.RunDir(run_dir)
-    info = rd.read_job()
+    info = job_info(rd)
     state = state or job_state(run_dir)
     ledger = rd.read_ledger()
     launch = rd.read_resolved().get("launch", {})
     starts = [e for e in ledger if e.get("event") == "start"]
+    stops = [e for e in ledger if e.get("event") == "stop"]
     last = rd.last_train_metrics() or {}
     evaluated = rd.last_eval() or {}
     return {
@@ -185,16 +303,34 @@ def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str
         "state": state.state,
         "state_words": state.words,
         "nodes": state.nodes,
-        "states": [s["state"] for s in rd.read_states()],
+        "states": [s.get("state", "?") for s in rd.read_states()],
         "step": last.get("step"),
         "loss": last.get("loss"),
         "eval_loss": evaluated.get("eval_loss"),
         "eval_perplexity": evaluated.get("eval_perplexity"),
-        "restarts": max(0, len(starts) - 1),
+        "restarts": max(len(starts) - 1, sum(1 for e in stops if e.get("requeued")), 0),  # a start may die unlogged
         "strategy": launch.get("strategy"),
         "world_size": launch.get("world_size"),
         "ledger": ledger_summary(ledger),
+        "last_stop": stop_summary(stops[-1]) if stops else None,
     }
+
+
+STOP_WORDS = {"completed": "completed", "preempted": "preempted", "time_limit": "time limit",
+              "terminated": "cancelled", "failed": "failed"}
+
+
+def stop_summary(stop: dict) -> dict[str, tp.Any]:
+    """The ledger's last stop line as status shows it: why, where, requeued or why not, what failed."""
+    keys = ("reason", "step", "requeued", "not_requeued", "error", "failed_ranks", "signal", "by")
+    found = {k: stop[k] for k in keys if k in stop}
+    reason = str(stop.get("reason", "?"))
+    words = f"{STOP_WORDS.get(reason, reason)} at step {stop.get('step', '?')}"
+    if reason == "failed" and stop.get("error"):
+        words += f": {str(stop['error']).splitlines()[0][:200]}"
+    if reason not in ("completed", "terminated"):
+        words += " (requeued)" if stop.get("requeued") else f" (not requeued: {stop.get('not_requeued', '?')})"
+    return {**found, "words": words}
 
 
 def ledger_summary(ledger: list[dict]) -> dict[str, tp.Any]:
@@ -235,7 +371,7 @@ def cancel(run_dir: Path) -> str:
     ledger's stop line and no new checkpoint. What was done, for people; UserError when there is
     nothing to cancel (never submitted, already ended) or the scheduler refused."""
     rd = runs.RunDir(run_dir)
-    info = rd.read_job()
+    info = job_info(rd)
     if not info:
         raise UserError([f"{run_dir}: no job.json: this run was never submitted"])
     state = job_state(run_dir)

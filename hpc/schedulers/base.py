@@ -19,7 +19,6 @@ one line in ``hpc.schedulers.KINDS``. Everything here is torch-free; submitit is
 from __future__ import annotations
 
 import abc
-import pickle
 import re
 import shlex
 import socket
@@ -59,6 +58,10 @@ class JobState:
         """The state for people: ``unknown (scheduler unreachable)`` when nobody could say."""
         if self.state == "UNKNOWN" and self.detail.get("reason"):
             return f"unknown ({self.detail['reason']})"
+        if self.detail.get("recorded"):
+            return f"{self.state} (recorded in the run folder; {self.detail.get('reason') or UNREACHABLE})"
+        if self.detail.get("reason"):
+            return f"{self.state} ({self.detail['reason']})"
         return self.state
 
 
@@ -120,6 +123,8 @@ def read_result(path: Path) -> tuple[str, object]:
 
     It is a file the job (this user's own code) wrote into a 0700 folder.
     """
+    import pickle  # only a finished local job's state needs it, never the list of Slurm runs
+
     try:
         with open(path, "rb") as f:
             return pickle.load(f)
@@ -157,6 +162,11 @@ class TaskCommand:
 def result_path(submitit_dir: Path, job_id: str) -> Path:
     """Where submitit leaves rank 0's result (or error) of a job."""
     return submitit_dir / f"{job_id}_0_result.pkl"
+
+
+def batch_log(submitit_dir: Path, job_id: str) -> Path:
+    """The batch script's stderr (shared with task 0's): where srun says which task ended how."""
+    return submitit_dir / f"{job_id}_0_log.err"
 
 
 class Scheduler(abc.ABC):
@@ -262,6 +272,19 @@ class JobSide(abc.ABC):
     @abc.abstractmethod
     def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
         """(seconds this incarnation waited in the queue, where that figure came from)."""
+
+    def seconds_left(self) -> float | None:
+        """Seconds until this job's time limit; None when there is none or nobody can tell."""
+        return None
+
+    def await_time_limit(self) -> None:
+        """After a stop at the time-limit signal that was not requeued: return once the job may end.
+        A scheduler that records TIMEOUT only when the limit itself ends the job holds until then."""
+
+    def task_ends(self, run_dir: Path) -> list[dict]:
+        """The scheduler's account of this start's tasks that ended badly, in order (``ranks``, ``host``,
+        ``what``, ``signal`` or ``exit_code``, ``first``: before the rest were ended); [] when it has none."""
+        return []
 
 
 def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:

@@ -108,7 +108,8 @@ def test_the_first_rank_to_fail_names_the_failure(run_dir, slurm_env):
                            save_s=4.5, saves=2)
     requeue.report_failure(run_dir, f"{JOB}.0", 1, step=3, error="from an earlier start")
     line = after_srun(run_dir, 1, slurm_env)
-    assert line["error"] == "CUDA error: an illegal memory access" and line["failed_ranks"] == [0, 3]
+    assert line["error"] == "CUDA error: an illegal memory access" and line["failed_ranks"] == [3]
+    assert line["reported_ranks"] == [0, 3]  # rank 0 only lost its connection to rank 3: not a failed rank
     assert line["step"] == 12 and line["srun_status"] == 1
 
 

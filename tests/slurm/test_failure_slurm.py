@@ -32,7 +32,9 @@ def task_pid(job_id: str, rank: int) -> int | None:
             cmd = (entry / "cmdline").read_text()
         except OSError:
             continue
-        if env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_PROCID") == str(rank) and "trainer.entry" in cmd:
+        argv0 = os.path.basename(cmd.split("\0", 1)[0])
+        if (env.get("SLURM_JOB_ID") == job_id and env.get("SLURM_PROCID") == str(rank) and "trainer.entry" in cmd
+                and argv0.startswith("python")):  # the task's interpreter, not srun (its env has SLURM_PROCID=0)
             return int(entry.name)
     return None
 
@@ -59,7 +61,8 @@ def test_rank_0_killed_without_a_word_is_requeued_once_by_the_batch_script(sandb
     assert final["state"] == "COMPLETED", (folder / "logs" / "rank-0.log").read_text()[-3000:]
     start0, stop0, start1, stop1 = ledger(folder)
     assert stop0["by"] == "batch script" and stop0["reason"] == "failed" and stop0["requeued"]
-    assert 0 not in stop0["failed_ranks"]  # the others may report their peer's loss; rank 0 said nothing
+    assert stop0["failed_ranks"] == [0] and stop0["signal"] == "SIGKILL"  # from srun, not the survivors' reports
+    assert "rank 0 on n1 was killed by SIGKILL" in stop0["error"] and stop0["saves"] >= 1
     assert stop0["srun_status"] != 0 and stop0["step"] >= 7
     assert start1["slurm_restart_count"] == 1 and start1["step"] % 5 == 0 and 5 <= start1["step"] <= stop0["step"]
     assert stop1["reason"] == "completed" and stop1["step"] == 30

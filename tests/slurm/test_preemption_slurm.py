@@ -93,7 +93,7 @@ def test_time_limit_signal_from_slurm_saves_requeues_and_resumes(tokens):
     wait_state(folder, TERMINAL, timeout=120)
 
     start0, stop0, start1 = ledger(folder)[:3]
-    assert stop0["reason"] == "preempted" and stop0["requeued"] and stop0["step"] > 0
+    assert stop0["reason"] == "time_limit" and stop0["requeued"] and stop0["step"] > 0  # not a preemption
     assert stop0["time"] - start0["time"] > 15, "the signal came at start-up: sbatch's 60 s leeway"
     assert start1["step"] == stop0["step"] and start1["checkpoint"] == f"step-{stop0['step']:07d}"
     assert start1["slurm_restart_count"] == 1 and start1["steps_recomputed"] == 0

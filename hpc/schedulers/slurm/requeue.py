@@ -12,6 +12,7 @@ import sys
 import typing as tp
 from pathlib import Path
 
+from hpc.core import failures
 from hpc.core.requeue import failure_reports, request, requeue_verdict, stop_line
 from hpc.core.runs import RunDir, append_jsonl
 
@@ -31,25 +32,44 @@ def started_here(ledger: list[dict], side: JobSide) -> int | None:
 
 def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] | None:
     """srun ended with ``status`` ≠ 0: write the stop line no rank wrote and take the one requeue unless
-    the policy says no; the line written, or None when rank 0 had recorded this incarnation's stop."""
+    the policy says no; the line written, or None when rank 0 had recorded this incarnation's stop.
+
+    Who failed and how comes from srun's account of the tasks (``JobSide.task_ends``: the rank that died
+    and its signal, not the survivors that lost their connection) and the ranks' reports; the saves this
+    start committed from the run folder (``hpc.core.failures.saves_of``), not from a process that is gone."""
     rd = RunDir(run_dir)
     ledger = rd.read_ledger()
     mine = started_here(ledger, side)
     if mine is not None and any(e.get("event") == "stop" for e in ledger[mine + 1:]):
-        return None  # a clean stop (completed, preempted, terminated): rank 0 decided
+        return None  # a clean stop (completed, preempted, time limit, terminated): rank 0 decided
     incarnation = side.incarnation(sum(1 for e in ledger if e.get("event") == "start") - (mine is not None))
     reports = failure_reports(run_dir, incarnation)
     step = _failed_step(rd, ledger, mine, reports)
-    first = reports[0] if reports else {}
-    error = first.get("error") or (f"srun exited with status {status} and no rank reported a Python error: a task "
-                                   "was killed (out of memory, SIGKILL, the NCCL watchdog) or could not start")
+    account = failures.failure_account(reports, _task_ends(side, run_dir), status)
+    saves, save_s = _saves(run_dir, incarnation, reports)
     spec = rd.read_resolved().get("spec", {})
-    why_not = _policy(spec, ledger, step, side) or request(side, run_dir, incarnation, "batch script", "failed")
-    line = stop_line(step, "failed", why_not, side, "batch script", error=error[:300], srun_status=status,
-                     failed_ranks=sorted({r["rank"] for r in reports if "rank" in r}), started=mine is not None,
-                     save_s=first.get("save_s", 0.0), saves=first.get("saves", 0))
+    why_not = _policy(spec, ledger, step, side, reports) or request(side, run_dir, incarnation, "batch script",
+                                                                     "failed")
+    line = stop_line(step, "failed", why_not, side, "batch script", srun_status=status, started=mine is not None,
+                     save_s=save_s, saves=saves, **account)
     append_jsonl(rd.ledger, line)
     return line
+
+
+def _task_ends(side: JobSide, run_dir: Path) -> list[dict]:
+    try:
+        return side.task_ends(run_dir)
+    except (OSError, ValueError):  # the account is a help; the stop line is written without it
+        return []
+
+
+def _saves(run_dir: Path, incarnation: str, reports: list[dict]) -> tuple[int, float]:
+    """(saves, seconds) of this start: rank 0's report when it wrote one, else the run folder's record."""
+    recorded = failures.saves_of(run_dir, incarnation)
+    rank0 = next((r for r in reports if r.get("rank") == 0), None)
+    if rank0 is not None and int(rank0.get("saves") or 0) >= recorded[0]:
+        return int(rank0.get("saves") or 0), float(rank0.get("save_s") or 0.0)
+    return recorded
 
 
 def _failed_step(rd: RunDir, ledger: list[dict], mine: int | None, reports: list[dict]) -> int:
@@ -62,7 +82,10 @@ def _failed_step(rd: RunDir, ledger: list[dict], mine: int | None, reports: list
     return max(int(start or 0), int((last or {}).get("step") or 0))
 
 
-def _policy(spec: dict, ledger: list[dict], step: int, side: JobSide) -> str | None:
+def _policy(spec: dict, ledger: list[dict], step: int, side: JobSide, reports: list[dict]) -> str | None:
+    repeating = [r for r in reports if r.get("repeats")]
+    if repeating:
+        return failures.repeat_reason(repeating[0])
     if not spec.get("checkpoint", {}).get("resume", True):
         return "checkpoint.resume = false: a restart would start over"
     return requeue_verdict(ledger, "failed", step, int(spec.get("job", {}).get("max_requeues", 0)),

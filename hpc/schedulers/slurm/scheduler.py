@@ -12,20 +12,18 @@ after srun (``python -m hpc.requeue``) then decides the one requeue, whichever r
 
 from __future__ import annotations
 
-import datetime
 import functools
-import logging
 import os
 import re
 import shlex
-import socket
+import signal
 import time
 import typing as tp
 from pathlib import Path
 
 from hpc.core.errors import UserError
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv, Scheduler,
-                                 task_command, try_command, unknown, wait_since_last_stop)
+                                 batch_log, task_command, try_command, unknown, wait_since_last_stop)
 from hpc.schedulers.slurm import ranks
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
 
@@ -34,7 +32,14 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.site import SiteProfile
     from hpc.core.spec import JobSpec
 
-log = logging.getLogger("hpcx.trainer")
+
+def _log() -> tp.Any:
+    """The trainer's logger (the job side logs; `hpcx status` does not import logging for it)."""
+    import logging
+
+    return logging.getLogger("hpcx.trainer")
+
+
 REQUEUE_ATTEMPTS = 3
 REQUEUED_STATES = ("REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "PENDING", "CONFIGURING")
 CHECK_ENV = "HPCX_REQUEUE_CHECK"  # exported by the script: the check after srun decides failure requeues
@@ -55,7 +60,9 @@ def setup_lines(spec: JobSpec, site: SiteProfile) -> list[str]:
     """
     lines = ["trap '' USR2  # the batch shell outlives a USR2; each task holds it until the trainer's handler "
              "takes it (srun line)",
-             f"export {CHECK_ENV}=after-srun  # a failed srun is requeued (once) by the check after it"]
+             f"export {CHECK_ENV}=after-srun  # a failed srun is requeued (once) by the check after it",
+             f'echo "{START_MARK} ${{SLURM_JOB_ID}}.${{SLURM_RESTART_COUNT:-0}}" >&2  # where srun\'s account of '
+             "this start begins in the batch log"]
     lines += [f"[ -n \"${{{name}+x}}\" ] || export {name}={shlex.quote(value)}"
               for name, value in sorted(site.nccl.items()) if name not in spec.env.set]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(spec.env.set.items())]
@@ -136,6 +143,75 @@ def owned_options() -> frozenset[str]:
     return frozenset(found)
 
 
+# ---------------------------------------------------------------- srun's account of a failed step (pure)
+
+# The batch shell writes this line to its stderr at each start (setup_lines), so that the check after
+# srun reads only what srun said in this start (the batch log is appended to across requeues).
+START_MARK = "hpcx: start of job"
+BATCH_LOG_TAIL = 4 << 20  # bytes read from the batch log's end (task 0's tracebacks share the file)
+SRUN_TASK = re.compile(r"^srun: error: (?P<host>[^:\s]+): tasks? (?P<tasks>[\d,\-]+): (?P<what>.+?)\s*$")
+SRUN_ENDS_STEP = re.compile(r"^srun: .*Terminating (StepId|job step)|^slurmstepd\S*: error: \*\*\* STEP .* CANCELLED")
+
+
+def start_mark(job_id: str, restart: int) -> str:
+    """The line that opens the batch log's part for one start (``JOB.RESTART``)."""
+    return f"{START_MARK} {job_id}.{restart}"
+
+
+def this_start(text: str, job_id: str, restart: int) -> str:
+    """The part of the batch log between this start's mark and the next start's (all of it when there
+    is no mark: a script of an older hpcx)."""
+    mark = start_mark(job_id, restart)
+    lines = text.splitlines()
+    opened = [i for i, line in enumerate(lines) if line.strip() == mark]
+    if not opened:
+        return "\n".join(lines)
+    part = lines[opened[-1] + 1:]
+    end = next((i for i, line in enumerate(part) if line.startswith(START_MARK)), len(part))
+    return "\n".join(part[:end])
+
+
+def srun_task_ends(text: str) -> list[dict[str, tp.Any]]:
+    """srun's lines about tasks that ended badly, in order: ranks, host, what srun said, the signal
+    (``SIGKILL`` for "Killed") or the exit code, and ``first``: said before srun began to end the step
+    (the tasks that failed on their own; the rest were ended by srun, or failed for their peer)."""
+    ends, first = [], True
+    for line in text.splitlines():
+        if SRUN_ENDS_STEP.search(line):
+            first = False
+            continue
+        match = SRUN_TASK.match(line)
+        if match is None:
+            continue
+        what = match.group("what")
+        ends.append({"ranks": task_ranks(match.group("tasks")), "host": match.group("host"), "what": what,
+                     **task_end(what), "first": first})
+    return ends
+
+
+def task_ranks(text: str) -> list[int]:
+    """``0,2-3`` → [0, 2, 3]."""
+    ranks: list[int] = []
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        if low.isdigit() and (high.isdigit() or not high):
+            ranks += range(int(low), int(high or low) + 1)
+    return ranks
+
+
+def task_end(what: str) -> dict[str, tp.Any]:
+    """{"signal": "SIGKILL"} for srun's "Killed" (strsignal's words), {"exit_code": N} for "Exited with
+    exit code N", {} otherwise."""
+    code = re.fullmatch(r"Exited with exit code (\d+)", what)
+    if code:
+        return {"exit_code": int(code.group(1))}
+    words = what.removesuffix(" (core dumped)")
+    for sig in signal.Signals:
+        if signal.strsignal(sig) == words:
+            return {"signal": sig.name}
+    return {}
+
+
 # ---------------------------------------------------------------- scontrol output
 
 
@@ -146,6 +222,8 @@ def parse_scontrol(text: str) -> dict[str, str]:
 
 def scontrol_seconds(stamp: str) -> float | None:
     """``2026-11-29T18:37:30`` (the controller's local time) as epoch seconds; None for Unknown/None."""
+    import datetime  # imported here: status, which asks only sacct/squeue, never needs it
+
     try:
         return datetime.datetime.fromisoformat(stamp).timestamp()
     except (TypeError, ValueError):
@@ -207,6 +285,35 @@ def _scontrol(ids: list[str], timeout: float) -> tuple[dict[str, JobState] | Non
     return found, ""
 
 
+def _in_background(query: tp.Callable, ids: list[str], timeout: float) -> tp.Callable[[float], tuple]:
+    """Start ``query(ids, timeout)`` in a thread; the function returned waits for its answer until a
+    deadline (``time.monotonic()``), then says it had none."""
+    import threading
+
+    box: dict[str, tuple] = {}
+    thread = threading.Thread(target=lambda: box.update(answer=query(ids, timeout)), daemon=True)
+    thread.start()
+
+    def result(deadline: float) -> tuple:
+        thread.join(max(0.0, deadline - time.monotonic()) + 1.0)  # the query's own timeout ends it by then
+        return box.get("answer", (None, f"no answer within {timeout:g} s"))
+
+    return result
+
+
+def _ask_controller(query: tp.Callable, ids: list[str], deadline: float, timeout: float,
+                    probed: bool = False) -> tuple:
+    """``query`` (squeue, scontrol) when time is left and the controller listens (``probed``: it
+    answered a moment ago), else (None, why)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return None, f"no answer within {timeout:g} s"
+    down = "" if probed else controller_down(min(left, PROBE_S))
+    if down:
+        return None, down
+    return query(ids, max(0.1, deadline - time.monotonic()))
+
+
 def slurm_conf() -> Path | None:
     """The slurm.conf this machine's commands read (``$SLURM_CONF``, else the usual places)."""
     for candidate in [os.environ.get("SLURM_CONF", ""), *SLURM_CONFS]:
@@ -231,9 +338,25 @@ def controller_addresses(text: str) -> list[tuple[str, int]]:
     return [(h, port) for h in hosts if h]
 
 
+def _connect(socket: tp.Any, host: str, port: int, timeout: float) -> None:
+    """A TCP connect and close; an address literal skips the resolver (getaddrinfo costs ms under load)."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            socket.inet_pton(family, host)
+        except OSError:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect((host, port))
+        return
+    socket.create_connection((host, port), timeout=timeout).close()
+
+
 def controller_down(timeout: float) -> str:
     """Why slurmctld cannot be reached (a TCP connect to each controller fails within ``timeout``), or
     "" when one answers or this machine's slurm.conf does not say where it is."""
+    import socket
+
     conf = slurm_conf()
     try:
         addresses = controller_addresses(conf.read_text(errors="replace")) if conf else []
@@ -242,7 +365,7 @@ def controller_down(timeout: float) -> str:
     why = ""
     for host, port in addresses:
         try:
-            socket.create_connection((host, port), timeout=timeout).close()
+            _connect(socket, host, port, timeout)
             return ""
         except OSError as exc:
             why = f"slurmctld at {host}:{port}: {exc.strerror or exc}"
@@ -251,8 +374,10 @@ def controller_down(timeout: float) -> str:
 
 class SlurmScheduler(Scheduler):
     """sbatch through submitit; sacct where accounting works, else squeue (queued/running), else
-    scontrol (recently ended): one batched call each, the second and third only for jobs still unknown,
-    all within one timeout, and squeue/scontrol only when the controller listens."""
+    scontrol (recently ended): one batched call each, sacct and squeue at once (sacct's answer wins;
+    when squeue has every job queued or running, sacct is not waited for), scontrol only without
+    accounting for jobs still unknown, all within one timeout, and squeue/scontrol only when the
+    controller listens."""
 
     kind = "slurm"
     multi_node = True
@@ -283,23 +408,18 @@ class SlurmScheduler(Scheduler):
 
     def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
         deadline = time.monotonic() + timeout
-        found: dict[str, JobState] = {}
-        answered, why = False, ""
-        for query in (_sacct, _squeue, _scontrol):
-            missing = [j for j in jobs if j not in found]
-            left = deadline - time.monotonic()
-            if not missing:
-                break
-            if left <= 0:
-                why = f"no answer within {timeout:g} s"
-                break
-            if query is not _sacct and (down := controller_down(min(left, PROBE_S))):
-                why = down
-                break
-            answer, why = query(missing, left)
-            if answer is not None:
-                answered = True
-                found.update(answer)
+        ids = list(jobs)
+        accounting = _in_background(_sacct, ids, timeout)  # the slow one (slurmdbd): overlapped with squeue
+        queue, why = _ask_controller(_squeue, ids, deadline, timeout)
+        if queue is not None and all(j in queue and not queue[j].done for j in ids):
+            return queue  # every job is queued or running: the controller's word is current; no need to wait
+        acct, why_acct = accounting(deadline)
+        found = {**(queue or {}), **(acct or {})}  # accounting wins where both know a job
+        answered, missing = acct is not None or queue is not None, [j for j in ids if j not in found]
+        if missing and queue is not None and acct is None:  # no accounting: recently ended jobs
+            more, why = _ask_controller(_scontrol, missing, deadline, timeout, probed=True)
+            answered, found = answered or more is not None, {**found, **(more or {})}
+        why = why or why_acct
         rest = unknown([j for j in jobs if j not in found], "" if answered else UNREACHABLE)
         for state in rest.values():
             state.detail["why"] = why
@@ -370,7 +490,7 @@ class SlurmJobSide(JobSide):
             now = show_job(job)
             # a busy controller may answer with an error although the requeue went through
             if ok or now.get("JobState") in REQUEUED_STATES or now.get("Restarts", ours) != ours:
-                log.warning("requeued job %s (scontrol requeue)", job)
+                _log().warning("requeued job %s (scontrol requeue)", job)
                 return None
             if now.get("JobState") != "RUNNING":
                 break
@@ -379,6 +499,33 @@ class SlurmJobSide(JobSide):
 
     def incarnation(self, restart: int) -> str:
         return f"{self.job_id()}.{self.restart_count()}"
+
+    def seconds_left(self) -> float | None:
+        """``EndTime`` of ``scontrol show job`` (start + time limit) minus now."""
+        end = scontrol_seconds(show_job(self.job_id() or "").get("EndTime", ""))
+        return None if end is None else end - time.time()
+
+    def await_time_limit(self) -> None:
+        """Hold (signals only set flags) until Slurm ends the job at its limit: its state is then TIMEOUT,
+        not COMPLETED (the work is not done) nor FAILED (nothing failed). Bounded: the limit plus 2 min."""
+        left = self.seconds_left()
+        if left is None:
+            return
+        _log().warning("no requeue left: holding %.0f s until the time limit ends the job (state TIMEOUT)", left)
+        deadline = time.monotonic() + max(0.0, left) + 120
+        while time.monotonic() < deadline:
+            time.sleep(2.0)
+
+    def task_ends(self, run_dir: Path) -> list[dict]:
+        """srun's lines about this start's tasks in the batch log (``srun_task_ends``), read from its end."""
+        path = batch_log(Path(run_dir) / SUBMITIT_DIR, self.job_id() or "")
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - BATCH_LOG_TAIL))
+                text = f.read().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return []
+        return srun_task_ends(this_start(text, self.job_id() or "", self.restart_count()))
 
     @property
     def decides_failures(self) -> bool:

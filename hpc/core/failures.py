@@ -1,0 +1,188 @@
+"""What a start's failure was, judged from the run folder alone: would it repeat, who died, how many saves.
+
+Three questions the stop line of a failed start must answer without asking a process that is gone:
+
+- **Would it fail again?** A failure before the first step of a start, outside joining the job, whose
+  exception class says it comes from the code or the inputs (an import error, a config error found in
+  the job, a user model without ``reset_parameters``, a type error in the first forward) repeats on every
+  restart: it is never requeued (``would_repeat``). A connection error, a timeout, an out-of-memory or
+  a node failure may not repeat, and joining the job (the rendezvous) never counts as deterministic.
+- **Which rank failed on its own, and which only lost a peer?** A rank whose collective failed because
+  another rank vanished reports "Connection reset by peer" and the like (``is_echo``); that is not the
+  failure, only its echo.
+- **How many checkpoints did this start commit?** Rank 0 keeps ``RUN/requeue/<incarnation>.saves.json``
+  up to date after each save (``record_saves``); ``saves_of`` reads it back and counts only saves whose
+  folder is committed (a newer committed step means an older one was committed and rotated away).
+
+Torch-free: exceptions are judged by the names of their classes, so torch's need not be imported.
+"""
+
+from __future__ import annotations
+
+import re
+import typing as tp
+from pathlib import Path
+
+from hpc.core import runs
+
+# Where a rank can be when it fails (``trainer.train.run_rank`` sets them in order).
+PHASES = ("load", "join", "build", "resume", "train")
+# Failing here before the first step repeats: the code and the inputs are the same on every restart.
+REPEATING_PHASES = ("load", "build", "resume", "train")
+# Exception classes (or their bases, by name) that come from the code or the inputs.
+REPEATING = ("ImportError", "SyntaxError", "NameError", "AttributeError", "TypeError", "ValueError", "LookupError",
+             "NotImplementedError", "AssertionError", "ArithmeticError", "RecursionError", "UnicodeError",
+             "FileNotFoundError", "IsADirectoryError", "NotADirectoryError", "PermissionError", "UserError")
+# ... unless a base says the machine or the network is to blame (checked first).
+TRANSIENT = ("ConnectionError", "TimeoutError", "MemoryError", "OutOfMemoryError", "DistError", "DistNetworkError",
+             "DistStoreError", "DistBackendError", "BrokenPipeError", "InterruptedError", "ChildProcessError")
+# What a rank says when a peer vanished under a collective (gloo, NCCL, the TCP store).
+ECHO = re.compile(r"connection (reset|closed)|reset by peer|closed by peer|broken pipe|"
+                  r"ncclRemoteError|remote process exited|socket timeout|Timed out waiting|"
+                  r"communicator was aborted|ProcessGroupNCCL.*(abort|timeout)|recvBytes|sendBytes", re.I)
+
+
+def class_names(exc: BaseException) -> list[str]:
+    """The names of the exception's class and of every base, most specific first."""
+    return [c.__name__ for c in type(exc).__mro__]
+
+
+def would_repeat(exc: BaseException, phase: str, steps_done: int) -> bool:
+    """True when a restart would fail the same way: before this start's first step, in a phase other
+    than joining the job, with an exception class from the code or the inputs (``REPEATING``) and none
+    that blames the machine or the network (``TRANSIENT``)."""
+    if steps_done > 0 or phase not in REPEATING_PHASES:
+        return False
+    names = class_names(exc)
+    if any(n in TRANSIENT for n in names):
+        return False
+    return any(n in REPEATING for n in names) and not is_echo(str(exc))
+
+
+def repeat_reason(report: dict) -> str:
+    """The ``not_requeued`` words for a failure that would repeat (``report``: a rank's failure report)."""
+    error = str(report.get("error", "")).split(":", 1)[0] or "an error"
+    return (f"{error} on rank {report.get('rank', '?')} while {phase_words(report.get('phase', ''))}, before the "
+            "first step: it would fail the same way on a restart")
+
+
+def phase_words(phase: str) -> str:
+    return {"load": "reading the run folder", "join": "joining the job", "build": "building the model",
+            "resume": "resuming", "train": "running the first step"}.get(phase, phase or "starting")
+
+
+def is_echo(error: str) -> bool:
+    """True when a rank's error only says that a peer went away (the failure happened elsewhere)."""
+    return bool(ECHO.search(error or ""))
+
+
+def own_failures(reports: tp.Sequence[dict]) -> list[dict]:
+    """The reports of ranks that failed on their own: not a peer's echo, not a SIGTERM's."""
+    return [r for r in reports if not r.get("terminated") and not is_echo(str(r.get("error", "")))]
+
+
+# ---------------------------------------------------------------- saves of one start, in the run folder
+
+
+def saves_path(run_dir: Path, incarnation: str) -> Path:
+    return runs.RunDir(run_dir).requeue / f"{incarnation}.saves.json"
+
+
+def record_saves(run_dir: Path, incarnation: str, saves: int, save_s: float, last_step: int) -> None:
+    """Rank 0, after each save of this start: how many so far, their time, the newest step."""
+    folder = runs.RunDir(run_dir).requeue
+    folder.mkdir(exist_ok=True)
+    runs.write_json(saves_path(run_dir, incarnation), {"saves": saves, "save_s": round(save_s, 3),
+                                                       "last_step": last_step})
+
+
+def saves_of(run_dir: Path, incarnation: str) -> tuple[int, float]:
+    """(saves committed by this start, seconds they took) from the run folder; (0, 0.0) when unknown.
+    The newest save counts only when its folder is committed (an async save may have been in flight)."""
+    try:
+        record = runs.read_json(saves_path(run_dir, incarnation))
+    except (runs.ConfigError, OSError):
+        return 0, 0.0
+    saves, last = record.get("saves"), record.get("last_step")
+    if not isinstance(saves, int) or not isinstance(last, int):
+        return 0, 0.0
+    newest = newest_committed_step(run_dir)
+    committed = saves if newest is not None and newest >= last else max(0, saves - 1)
+    return committed, float(record.get("save_s") or 0.0)
+
+
+def newest_committed_step(run_dir: Path) -> int | None:
+    """The largest N of ``checkpoints/step-N`` holding ``.metadata`` (without trusting it further)."""
+    folder = runs.RunDir(run_dir).checkpoints
+    try:
+        steps = [int(p.name[5:]) for p in folder.iterdir()
+                 if p.name.startswith("step-") and p.name[5:].isdigit() and (p / ".metadata").is_file()]
+    except OSError:
+        return None
+    return max(steps, default=None)
+
+
+# ---------------------------------------------------------------- the account of a failed start (pure)
+
+
+def failure_account(reports: tp.Sequence[dict], task_ends: tp.Sequence[dict], status: int) -> dict[str, tp.Any]:
+    """The stop line's ``failed_ranks``, ``reported_ranks``, ``error`` (and ``signal``, ``exit_code``
+    when srun said how those ranks ended) from the ranks' reports and srun's account of the tasks
+    (``task_ends``: what ``JobSide.task_ends`` gives). Ranks that only lost a peer are never named.
+
+    A rank that reported an error of its own failed, whoever srun saw end first (a rank that raised may
+    take longer to exit than the peer whose collective broke: seen on the sandbox); among several, those
+    srun names first. Without such a report, the ranks srun names first, less those that only reported a
+    lost peer: a rank killed by a signal reports nothing."""
+    first = [e for e in task_ends if e.get("first")]
+    died = sorted({r for e in first for r in e.get("ranks", [])})
+    own = sorted({r["rank"] for r in own_failures(reports) if "rank" in r})
+    echoing = {r["rank"] for r in reports if "rank" in r and r["rank"] not in own}
+    failed = ([r for r in died if r in own] or own) if own else ([r for r in died if r not in echoing] or died)
+    out: dict[str, tp.Any] = {"failed_ranks": failed or sorted({r["rank"] for r in reports if "rank" in r}),
+                              "reported_ranks": sorted({r["rank"] for r in reports if "rank" in r})}
+    named = [e for e in first if set(e.get("ranks", [])) & set(failed)]
+    for key in ("signal", "exit_code"):
+        value = next((e[key] for e in named if key in e), None)
+        if value is not None:
+            out[key] = value
+    out["error"] = failure_error(reports, named, failed, status)[:300]
+    return out
+
+
+def failure_error(reports: tp.Sequence[dict], named: tp.Sequence[dict], failed: list[int], status: int) -> str:
+    """The one line that says what failed: a repeating start-up error first, then the earliest error of
+    a failed rank, then srun's words for a failed rank ended by a signal, then any rank's error."""
+    own = own_failures(reports)
+    for candidates in ([r for r in reports if r.get("repeats")], [r for r in own if r.get("rank") in failed]):
+        if candidates:
+            return str(candidates[0].get("error") or "")
+    if named:
+        e = named[0]
+        echoes = sorted({r["rank"] for r in reports if "rank" in r and r["rank"] not in failed
+                         and is_echo(str(r.get("error", "")))})
+        lost = f"; {ranks_words(echoes)} then lost their connection to it" if echoes else ""
+        how = f"was killed by {e['signal']}" if "signal" in e else f"ended ({e.get('what', '')})"
+        return f"{ranks_words(e.get('ranks', []))} on {e.get('host', '?')} {how} (srun: {e.get('what', '')}){lost}"
+    if reports:
+        return str(reports[0].get("error") or "")
+    return srun_words(status)
+
+
+def ranks_words(ranks: tp.Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(str(r) for r in ranks)
+
+
+def srun_words(status: int) -> str:
+    """Why srun ended when no task said anything (srun itself killed, or a task that never started)."""
+    import signal
+
+    if status > 128:
+        try:
+            name = signal.Signals(status - 128).name
+        except ValueError:
+            name = f"signal {status - 128}"
+        return (f"srun ended with status {status} ({name}) and no rank reported a Python error: srun itself "
+                "was killed, or a task was (out of memory, SIGKILL, the NCCL watchdog)")
+    return (f"srun exited with status {status} and no rank reported a Python error: a task was killed "
+            "(out of memory, SIGKILL, the NCCL watchdog) or could not start")
