@@ -9,6 +9,9 @@ Classes of defect, each with cases of its own:
   resharding, the checkpoint plan) or fails on a shipped example;
 - bad input (a rank outside the job, a job that does not resolve, a user model that cannot be
   imported) is not one line with exit 2; a real disagreement is not exit 1;
+- a user model the job could not start (its function raises, no ModuleList at ``model.blocks``, modules
+  without ``reset_parameters()``, a forward the loss cannot use: ``tests/trainer/dryrun_models.py``)
+  passes dryrun, or is not one line naming the file with exit 2;
 - dryrun imports a GPU library, or a second world in the same process sees the first one's mesh.
 
 Each case builds one fake world in this process and tears it down (``hpc.dryrun.fake_pg``).
@@ -281,3 +284,75 @@ def test_a_fused_adamw_gets_its_state_on_meta():
     assert optimizer.param_groups[0]["fused"] is True and len(optimizer.state) == len(list(model.parameters()))
     assert all(p.grad is None for p in model.parameters())
     assert 2 * measured["params"] <= measured["optimizer"] <= 2 * measured["params"] + 4 * len(optimizer.state)
+
+
+# ---------------------------------------------------------------- what the job would hit before step 1 (issue 20)
+
+
+def _startup(tmp_path, monkeypatch, name, *sets):
+    """``hpcx dryrun`` (in process) of the tiny job with ``model.arch = "dryrun_models:NAME"``."""
+    from click.testing import CliRunner
+
+    from hpc.cli import cli
+
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "trainer"))  # dryrun_models.py
+    job = tmp_path / "startup.toml"
+    job.write_text((JOBS / "tiny-ddp.toml").read_text().replace(
+        'arch = "gpt"\nsize = "tiny"', f'arch = "dryrun_models:{name}"\nseq_len = 16\nvocab_size = 64'))
+    out = CliRunner().invoke(cli, ["dryrun", str(job), "--set", "parallel.strategy='fsdp'", *sets])
+    return job, out
+
+
+def _one_error(job, out) -> str:
+    assert out.exit_code == 2, out.output
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {job}: "), out.stderr
+    assert "Traceback" not in out.stderr
+    return lines[0]
+
+
+def test_a_good_user_model_passes_with_its_forward_checked(tmp_path, monkeypatch):
+    _, out = _startup(tmp_path, monkeypatch, "good")
+    assert out.exit_code == 0, out.output
+    assert "forward (user model, on the meta device): a [2, 8] meta batch gives logits [2, 8, 64]" in out.stdout
+
+
+@pytest.mark.parametrize("name,words", [
+    ("absent", "module 'dryrun_models' has no function 'absent'"),
+    ("NOT_A_FUNCTION", "module 'dryrun_models' has no function 'NOT_A_FUNCTION'"),
+    ("needs_width", "needs_width() (with `model.kwargs`) raised TypeError: needs_width() missing 1 required "
+                    "positional argument: 'width'"),
+    ("sequential_blocks", "`model.blocks` = 'blocks' is a Sequential, expected nn.ModuleList"),
+    ("hf_output", "its forward on a [2, 8] batch of token ids returned Output (not a tensor), expected a tensor "
+                  "of logits [batch, seq, vocab] = [2, 8, 64]: return its .logits"),
+    ("last_only", "returned a tensor of shape [2, 64], expected a tensor of logits [batch, seq, vocab]"),
+])
+def test_a_user_model_the_job_cannot_start_is_one_line_and_exit_2(tmp_path, monkeypatch, name, words):
+    job, out = _startup(tmp_path, monkeypatch, name)
+    assert words in _one_error(job, out)
+
+
+def test_a_module_import_error_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    job, out = _startup(tmp_path, monkeypatch, "good", "--set", "model.arch='dryrun_models_absent_hpcx:make'")
+    assert "cannot import 'dryrun_models_absent_hpcx' here" in _one_error(job, out)
+
+
+def test_modules_without_reset_parameters_are_named_with_their_classes(tmp_path, monkeypatch):
+    """The job's WeightInit would refuse them after 20 s on the nodes; dryrun names them all at once."""
+    job, out = _startup(tmp_path, monkeypatch, "no_reset")
+    line = _one_error(job, out)
+    assert "blocks.{0..2}.norm (RMSNorm), rotary (Rotary) own parameters or buffers but define no " \
+           "reset_parameters()" in line
+    assert "Linear" not in line and "embed" not in line
+
+
+def test_collapsed_paths():
+    from hpc.dryrun.startup import collapsed
+
+    assert collapsed([("model.layers.0.input_layernorm", "LlamaRMSNorm")]) == \
+        ["model.layers.0.input_layernorm (LlamaRMSNorm)"]
+    items = [(f"model.layers.{i}.{n}", "LlamaRMSNorm") for i in range(32) for n in ("a", "b")]
+    assert collapsed(items + [("model.norm", "LlamaRMSNorm"), ("(root)", "M")]) == [
+        "model.layers.{0..31}.a (LlamaRMSNorm)", "model.layers.{0..31}.b (LlamaRMSNorm)", "model.norm (LlamaRMSNorm)",
+        "(root) (M)"]
+    assert collapsed([("h.1.n", "N"), ("h.3.n", "N")]) == ["h.{1,3}.n (N)"]

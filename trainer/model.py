@@ -129,6 +129,13 @@ def kept_ties(model: nn.Module) -> tp.Iterator[None]:
             setattr(module, name, getattr(first[0], first[1]))
 
 
+def missing_resets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module ``WeightInit`` would refuse: it owns parameters or buffers and
+    has no callable ``reset_parameters()`` (``hpcx dryrun`` reports them on the login node)."""
+    return [(name, module) for name, module in model.named_modules()
+            if next(_own_tensors(module), None) is not None and not callable(getattr(module, "reset_parameters", None))]
+
+
 def _own_tensors(module: nn.Module) -> tp.Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_parameters(recurse=False)
     yield from module.named_buffers(recurse=False)

@@ -170,12 +170,13 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     return trainer, TrainState()
 
 
-def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device,
-                         materialize: bool = True) -> tuple[nn.Module, DeviceMesh | None]:
-    """(model, mesh): the model built on the meta device and parallelized there; with ``materialize``
-    each rank then allocates and initialises its part (``WeightInit``: the same full state under every
-    layout), else it stays on meta (``hpcx dryrun``). The process group must be up (a fake one will do)."""
-    model = build_model(spec.model, "meta")
+def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, materialize: bool = True,
+                         model: nn.Module | None = None) -> tuple[nn.Module, DeviceMesh | None]:
+    """(model, mesh): the model built on the meta device (or ``model``, a bare one already built there:
+    ``hpcx dryrun`` checks it first) and parallelized there; with ``materialize`` each rank then allocates
+    and initialises its part (``WeightInit``: the same full state under every layout), else it stays on
+    meta (``hpcx dryrun``). The process group must be up (a fake one will do)."""
+    model = build_model(spec.model, "meta") if model is None else model
     blocks = model_blocks(model, spec.model.blocks)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)

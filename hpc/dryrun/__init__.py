@@ -18,6 +18,11 @@ needed. What it reports is read off the real objects:
 - with ``checkpoint.init_from``, what this rank will read of it (``trainer.init_from.read_plan``:
   its shard's byte ranges of a safetensors source).
 
+Before any of it, what would fail the job before its first step and every restart the same way
+(``hpc.dryrun.startup``: a user model that does not import or build, ``model.blocks`` that is no
+ModuleList, modules without ``reset_parameters()``, a forward whose output the loss cannot use) is
+one line each, exit 2.
+
 Beside them, ``hpcx plan``'s figures for the same layout (``hpc.plan.memory.model_states``); a
 difference of more than 1% is a problem (``hpcx dryrun`` exits 1). The plan gives the fullest
 rank; on a rank whose shards are shorter (dimensions that do not divide by the shard count),
@@ -84,6 +89,7 @@ class DryRun:
     peak_rss_bytes: int = 0
     problems: list[str] = field(default_factory=list)
     init_from: dict[str, tp.Any] | None = None  # this rank's reads of checkpoint.init_from
+    forward: str | None = None  # a user model's forward on a meta batch (hpc.dryrun.startup), None for built-ins
 
     def to_dict(self) -> dict[str, tp.Any]:
         return asdict(self)
@@ -93,11 +99,13 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
     """Build ``spec`` as rank ``rank`` of ``launch`` on the fake process group and measure it."""
     from trainer.model import model_blocks
     from trainer.optim import build_optimizer
+    from hpc.dryrun.startup import checked_model
     from trainer.train import build_parallel_model
 
     started = time.perf_counter()
+    bare, forward = checked_model(spec)  # what would fail before step 1: one line each, exit 2
     with fake_process_group(launch.world_size, rank):
-        model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False)
+        model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False, model=bare)
         optimizer = build_optimizer(model, spec.train)
         step_on_meta(model, optimizer)
         units = unit_report(model, model_blocks(model, spec.model.blocks), launch.dims.reshard_after_forward)
@@ -111,7 +119,7 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
                     n_params=sum(p.numel() for p in model.parameters()), measured=measured,
                     planned=None, where=_where(spec, site, launch), short_shards=short, checkpoint=checkpoint,
                     plan_init=None, plan_staging=None)
-    result.init_from = reads
+    result.init_from, result.forward = reads, forward
     add_plan(result, spec, launch)
     result.seconds = time.perf_counter() - started
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -317,6 +325,8 @@ def format_dryrun(r: DryRun) -> str:
                  f"({i['bytes'] / max(1, i['source_bytes']):.1%}), its shard's byte ranges" if i["bytes"] is not None
                  else "read through DCP's load planner (the stored chunks this rank's shard overlaps)")
         lines.append(f"init_from {i['path']} ({i['kind']}): {reads}")
+    if r.forward is not None:
+        lines.append(f"forward (user model, on the meta device): {r.forward}")
     lines.append(f"took {r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB")
     if r.problems:
         lines += ["", f"dryrun and plan differ by more than {TOLERANCE:.0%}:"] + [f"  {p}" for p in r.problems]
