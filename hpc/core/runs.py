@@ -160,8 +160,9 @@ def torn_json(path: Path) -> bool:
     return False
 
 
-def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
-    """The last complete JSON line of a file, read from its end (metrics files grow to many MB)."""
+def tail_lines(path: Path, chunk: int) -> tuple[int, list[bytes]] | None:
+    """(file size, the complete lines among its last ``chunk`` bytes, newest first); None when absent.
+    A line cut by the chunk's start is left out."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -170,7 +171,16 @@ def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
             lines = f.read().splitlines()
     except FileNotFoundError:
         return None
-    for line in reversed(lines[1:] if size > chunk else lines):  # the first may be cut in half
+    return size, list(reversed(lines[1:] if size > chunk else lines))
+
+
+def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
+    """The last complete JSON line of a file, read from its end (metrics files grow to many MB)."""
+    tail = tail_lines(path, chunk)
+    if tail is None:
+        return None
+    size, lines = tail
+    for line in lines:
         try:
             return json.loads(line)
         except json.JSONDecodeError:
@@ -184,16 +194,11 @@ def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
 def read_last_jsonl_with(path: Path, key: str, chunk: int = 1 << 16) -> dict | None:
     """The last complete JSON line holding ``key`` among the last ``chunk`` bytes (eval lines are
     sparse among the metrics lines: ``status`` reads no more than 64 KiB, some 200 lines, for them)."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - chunk))
-            lines = f.read().splitlines()
-    except FileNotFoundError:
+    tail = tail_lines(path, chunk)
+    if tail is None:
         return None
     needle = json.dumps(key).encode()
-    for line in reversed(lines[1:] if size > chunk else lines):
+    for line in tail[1]:
         if needle not in line:  # most lines are not the ones sought: no JSON parse for them
             continue
         try:

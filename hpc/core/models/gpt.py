@@ -162,6 +162,18 @@ class Activations:
     peak: float  # the most alive at once, during backward
 
 
+def decoder_activations(layers: int, block: float, block_input: float, head: float, logits: float,
+                        log_probs: float, loss: float, grads: float, small: float, checkpointing: bool) -> Activations:
+    """``Activations`` of a stack of ``layers`` decoder blocks from one micro-batch's parts: ``block``
+    what one block saves, ``block_input`` what it keeps under checkpointing, ``head`` the final norm's
+    and the head's inputs, the loss's ``logits``, fp32 ``log_probs`` and gradient ``loss``, ``grads``
+    the widest gradients inside one block's backward, ``small`` ids, targets and shared tables. The
+    peak is at the loss's backward or inside the last block's (recomputed first under checkpointing)."""
+    kept = layers * (block_input if checkpointing else block)
+    inner = block + grads if checkpointing else grads
+    return Activations(kept + head + logits + log_probs + small, kept + logits + max(head + loss, inner) + small)
+
+
 def gpt_activations(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
                     dropout: float = 0.0, autocast: bool = False) -> Activations:
     """The built-in GPT's activation bytes of one micro-batch.
@@ -187,12 +199,8 @@ def gpt_activations(shape: GPTShape, micro_batch: int, checkpointing: bool, mixe
     loss = tokens * shape.vocab_size * LOGIT_BYTES  # … plus its fp32 gradient in and out
     grads = tokens * d * (r + 4 * c)  # the MLP's backward: residual gradient + 4h-wide input gradient
     small = tokens * 16 + (tokens * d if dropout > 0 else 0)  # token ids and targets; embedding dropout mask
-    if checkpointing:
-        kept = shape.n_layers * tokens * d * r
-        return Activations(kept + head + logits + log_probs + small,
-                           kept + logits + max(head + loss, block + grads) + small)
-    kept = shape.n_layers * block
-    return Activations(kept + head + logits + log_probs + small, kept + logits + max(head + loss, grads) + small)
+    return decoder_activations(shape.n_layers, block, tokens * d * r, head, logits, log_probs, loss, grads, small,
+                               checkpointing)
 
 
 def gpt_activation_bytes(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,

@@ -233,7 +233,7 @@ def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     product (4·ffn_dim). The cos/sin tables (per position) are shared by every block. The peak
     follows the GPT's reasoning (``hpc.core.models.gpt.gpt_activations``).
     """
-    from hpc.core.models.gpt import LOGIT_BYTES, Activations
+    from hpc.core.models.gpt import LOGIT_BYTES, decoder_activations
 
     c, r = compute_bytes(mixed_precision), residual_bytes(mixed_precision, autocast)
     tokens, d, kv, f = micro_batch * shape.seq_len, shape.d_model, shape.kv_dim, shape.ffn_dim
@@ -247,12 +247,8 @@ def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     loss = tokens * shape.vocab_size * LOGIT_BYTES
     grads = tokens * (d * r + 3 * f * c)  # the MLP's backward: residual gradient + three ffn-wide gradients
     small = tokens * 16 + rope  # token ids and targets; cos/sin
-    if checkpointing:
-        kept = shape.n_layers * tokens * d * r
-        return Activations(kept + head + logits + log_probs + small,
-                           kept + logits + max(head + loss, block + grads) + small)
-    kept = shape.n_layers * block
-    return Activations(kept + head + logits + log_probs + small, kept + logits + max(head + loss, grads) + small)
+    return decoder_activations(shape.n_layers, block, tokens * d * r, head, logits, log_probs, loss, grads, small,
+                               checkpointing)
 
 
 # ---------------------------------------------------------------- Hugging Face names
