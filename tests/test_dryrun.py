@@ -269,6 +269,7 @@ def test_a_fused_adamw_gets_its_state_on_meta():
     from hpc.core.dims import parallel_dims
     from hpc.dryrun import rank_bytes, step_on_meta
     from hpc.dryrun.fake_pg import fake_process_group
+    from hpc.core.resolve import decide_parallel
     from hpc.core.spec import Model, Parallel
     from trainer.model import build_model, model_blocks
     from trainer.parallelize import build_mesh, parallelize
@@ -276,7 +277,7 @@ def test_a_fused_adamw_gets_its_state_on_meta():
     dims = parallel_dims("fsdp", "full_shard", 8)
     with fake_process_group(8, 3):
         model = build_model(Model(size="tiny"), "meta")
-        model = parallelize(model, model_blocks(model), Parallel(strategy="fsdp"), dims, build_mesh(dims, "cpu"),
+        model = parallelize(model, model_blocks(model), decide_parallel(Parallel(strategy="fsdp"), False), dims, build_mesh(dims, "cpu"),
                             torch.device("meta"))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         step_on_meta(model, optimizer)

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from hpc.plan.memory import Config, model_states  # noqa: E402
 from hpc.core.models.gpt import gpt_shape  # noqa: E402
 from hpc.core.dims import ParallelDims, parallel_dims  # noqa: E402
+from hpc.core.resolve import decide_parallel  # noqa: E402
 from hpc.core.spec import spec_from_dict  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -52,7 +53,8 @@ def _measure(size: str, strategy: str, sharding: str, precision: str, world: int
                                                                  "mixed_precision": precision}})
     model = build_model(spec.model, "meta")
     dims = _dims(strategy, sharding, world)
-    model = parallelize(model, model_blocks(model), spec.parallel, dims, build_mesh(dims, "cpu"), torch.device("cpu"),
+    parallel = decide_parallel(spec.parallel, False)  # `auto` on a CPU site: fp32
+    model = parallelize(model, model_blocks(model), parallel, dims, build_mesh(dims, "cpu"), torch.device("cpu"),
                         WeightInit.of(model, 0))
     optimizer = build_optimizer(model, spec.train)
     shape = gpt_shape(size)

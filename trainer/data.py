@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hpc.core.spec import Data
+from hpc.core.validate import check_batch
 
 SYNTHETIC_SAMPLES = 1 << 40  # effectively endless; synthetic sample g is random tokens seeded from g
 
@@ -79,9 +80,9 @@ class GlobalSampler:
 
     def __init__(self, num_samples: int, global_batch: int, micro_batch: int, rank: int, world_size: int,
                  seed: int, shuffle: bool):
-        if global_batch % (micro_batch * world_size):
-            raise ValueError(f"global_batch = {global_batch} is not divisible by micro_batch × world_size = "
-                             f"{micro_batch} × {world_size} = {micro_batch * world_size}")
+        problems = check_batch(global_batch, micro_batch, world_size)  # resolve's check, for direct callers
+        if problems:
+            raise ValueError(problems[0])
         self.num_samples, self.global_batch, self.micro_batch = num_samples, global_batch, micro_batch
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
         self.consumed_samples = 0

@@ -31,7 +31,6 @@ a meta model stays on meta and ddp/dp are not wrapped (``hpcx dryrun``).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 
@@ -41,7 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims
-from hpc.core.spec import Parallel, compute_precision
+from hpc.core.resolve import undecided
+from hpc.core.spec import Parallel
 from trainer.model import WeightInit, outer_units
 
 log = logging.getLogger("hpcx.trainer")
@@ -72,11 +72,10 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
                 preserve_rng: bool = True) -> nn.Module:
     """Activation checkpointing, compile, FSDP, the weights (``init``), then DDP/DataParallel; the
     model to train. The model may be on the meta device (give ``init``) or already on ``device``.
-    The trainer passes ``launch.parallel``, decided at resolve; only a caller that passes a spec's own
-    ``[parallel]`` (tests, benches) leaves ``mixed_precision = "auto"``, read as ``compute_precision`` on ``device``.
-    ``preserve_rng``: whether recomputed blocks must replay the RNG (``uses_rng``)."""
-    if parallel.mixed_precision == "auto":
-        parallel = dataclasses.replace(parallel, mixed_precision=compute_precision("auto", device.type == "cuda"))
+    ``parallel`` must be decided (``hpc.core.resolve.launch_parallel``, or ``decide_parallel`` without a
+    launch); an `auto` left in it is refused. ``preserve_rng``: whether recomputed blocks must replay the
+    RNG (``uses_rng``)."""
+    refuse_undecided(parallel)
     if dims.dp_enabled and parallel.compile:
         refuse_dp_compile(torch.cuda.device_count() if device.type == "cuda" else 0)
     if parallel.activation_checkpointing:
@@ -97,6 +96,14 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
     if dims.dp_enabled:
         return apply_dp(model, DTYPES[parallel.mixed_precision])
     return model
+
+
+def refuse_undecided(parallel: Parallel) -> None:
+    """A programming error, not the user's: ``parallelize`` never decides an `auto` itself."""
+    left = undecided(parallel)
+    if left:
+        raise ValueError(f"parallelize takes a decided Parallel, got {', '.join(left)} = 'auto': decide it "
+                         "with hpc.core.resolve.launch_parallel (decide_parallel without a launch)")
 
 
 def refuse_dp_compile(gpus: int) -> None:

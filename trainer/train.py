@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hpc.core.dims import ParallelDims
 from hpc.core.models import model_facts
-from hpc.core.resolve import Launch, refit
+from hpc.core.resolve import Launch, launch_parallel, refit
 from hpc.core.spec import JobSpec, loader_workers
 from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
@@ -181,7 +181,7 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
     rng = uses_rng(spec.model.dropout, blocks, not model_facts(spec.model).builtin)  # a user model: unknown
-    model = parallelize(model, blocks, launch.parallel, launch.dims, mesh, device, init, rng)
+    model = parallelize(model, blocks, launch_parallel(spec, launch), launch.dims, mesh, device, init, rng)
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",

@@ -15,7 +15,7 @@ from hpc.core.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, Parallel, compute_precision
-from hpc.core.validate import check_world
+from hpc.core.validate import check_batch, check_world
 
 RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
 
@@ -102,10 +102,8 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     if site.scheduler.max_nodes and spec.job.nodes > site.scheduler.max_nodes:
         errors.append(f"`job.nodes` = {spec.job.nodes} but site {site.name!r} has at most "
                       f"{site.scheduler.max_nodes} nodes")
-    per_step = world * spec.train.micro_batch
-    if spec.train.global_batch % per_step:
-        errors.append(f"`train.global_batch` = {spec.train.global_batch} is not divisible by ranks × micro_batch "
-                      f"= {spec.job.nodes} nodes × {tpn} tasks × {spec.train.micro_batch} = {per_step}")
+    errors += check_batch(spec.train.global_batch, spec.train.micro_batch, world,
+                          f"{spec.job.nodes} nodes × {tpn} tasks")
     if spec.job.cpus_per_task and spec.job.cpus_per_task * tpn > site.node.cpus:
         errors.append(f"`job.cpus_per_task` = {spec.job.cpus_per_task} × {tpn} tasks = "
                       f"{spec.job.cpus_per_task * tpn} CPUs but site {site.name!r} nodes have {site.node.cpus}")
@@ -224,14 +222,27 @@ def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir:
 
 
 def launch_parallel(spec: JobSpec, launch: Launch) -> Parallel:
-    """The spec's ``[parallel]`` with its `auto` values decided as the planner did: ``cpu_offload`` by the
-    resolved launch, ``mixed_precision`` by the site (bf16 where it has GPUs, i.e. runs NCCL). The one
-    decision: ``launch_for`` records it in ``launch.parallel``; ``decided_parallel`` reads it back."""
+    """The spec's ``[parallel]`` with its `auto` values decided as the planner did (``decide_parallel``):
+    ``cpu_offload`` by the resolved launch, ``mixed_precision`` by the site (bf16 where it has GPUs, i.e.
+    runs NCCL). ``launch_for`` records it in ``launch.parallel``; ``decided_parallel`` reads it back."""
     if launch.parallel is not None:
         return launch.parallel
-    offload = spec.parallel.cpu_offload if launch.cpu_offload is None else launch.cpu_offload
-    precision = compute_precision(spec.parallel.mixed_precision, launch.backend == "nccl")
-    return dataclasses.replace(spec.parallel, cpu_offload=offload, mixed_precision=precision)
+    return decide_parallel(spec.parallel, launch.backend == "nccl", launch.cpu_offload)
+
+
+def decide_parallel(parallel: Parallel, gpus: bool, cpu_offload: bool | None = None) -> Parallel:
+    """``parallel`` with its `auto` values decided: ``cpu_offload`` by the plan where it chose (None: the
+    spec's), ``mixed_precision`` by ``compute_precision`` for a site with or without GPUs. The one
+    decision; ``launch_parallel`` asks it for a launch, tests and benches without one ask it directly."""
+    offload = parallel.cpu_offload if cpu_offload is None else cpu_offload
+    precision = compute_precision(parallel.mixed_precision, gpus)
+    return dataclasses.replace(parallel, cpu_offload=offload, mixed_precision=precision)
+
+
+def undecided(parallel: Parallel) -> list[str]:
+    """The `auto` values ``decide_parallel`` would still decide in ``parallel`` (``cpu_offload`` is a
+    bool: a spec's value is indistinguishable from the plan's, so only precision can be told)."""
+    return ["mixed_precision"] if parallel.mixed_precision == "auto" else []
 
 
 def decided_parallel(spec: JobSpec, launch: Launch) -> Launch:

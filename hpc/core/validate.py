@@ -105,6 +105,17 @@ def check_world(nodes: int, tasks_per_node: int) -> list[str]:
     return []
 
 
+def check_batch(global_batch: int, micro_batch: int, world: int, ranks: str = "") -> list[str]:
+    """The global batch must split into whole micro batches on every rank (``ranks``: how the world is
+    counted, e.g. '2 nodes × 4 tasks'; the number by default). The one check: resolve, the sampler, the
+    planner's advice and scale prediction ask it."""
+    per_step = world * micro_batch
+    if global_batch % per_step:
+        return [f"`train.global_batch` = {global_batch} is not divisible by ranks × micro_batch "
+                f"= {ranks or world} × {micro_batch} = {per_step}"]
+    return []
+
+
 # ------------------------------------------------------------------------------------------ user code
 
 # Never a model factory: the standard library and the interpreter's own modules (`os:system`,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from hpc.core.models import ModelFacts
 from hpc.core.site import SiteProfile
+from hpc.core.validate import check_batch
 
 from hpc.plan.explain import _fit_text, _gb, secs
 from hpc.plan.rows import Row, Setup, candidates, evaluate, pick
@@ -103,7 +104,7 @@ def change_text(c: Change, setup: Setup) -> str:
     if row.step_s is not None:
         text += f", estimated step {secs(row.step_s)}"
     per_step = c.setup.world * c.setup.micro_batch
-    if setup.global_batch % per_step:
+    if check_batch(setup.global_batch, c.setup.micro_batch, c.setup.world):
         text += f" (train.global_batch {setup.global_batch} must then be a multiple of {per_step})"
     return text
 

@@ -11,6 +11,7 @@ from hpc.plan import MFU_DEFAULT as ASSUMED_MFU  # compute estimate when nothing
 from hpc.core.resolve import tasks_per_node
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
+from hpc.core.validate import check_batch
 
 from hpc.scale.study import point_batch
 
@@ -38,7 +39,7 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
     from hpc.plan.memory import Config
 
     facts, setup, t = model_facts(spec.model), plan.setup_of(spec, site, nodes), spec.train
-    if facts.n_params is None or t.global_batch % (setup.world * t.micro_batch):
+    if facts.n_params is None or check_batch(t.global_batch, t.micro_batch, setup.world):
         return {"compute_s": None, "comm_s": None, "tokens_per_s": None, "limiting_link": ""}
     choice = plan.choose(spec, site, nodes)
     cfg = Config(choice.dims, choice.cpu_offload, setup.mixed_precision,

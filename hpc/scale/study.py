@@ -24,7 +24,7 @@ from hpc.core.resolve import tasks_per_node
 from hpc.plan.resolve import resolve
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, load_spec
-from hpc.core.validate import INT32_MAX
+from hpc.core.validate import INT32_MAX, check_batch
 
 STUDY_FILE = "study.json"  # the points, each with its run folder
 STUDY_SPEC = "spec.toml"  # the study's copy of the spec
@@ -55,7 +55,7 @@ def point_batch(spec: JobSpec, site: SiteProfile, nodes: int, mode: str) -> tupl
             return None, (f"weak scaling keeps the per-rank batch, but `train.global_batch` = {g} over the spec's "
                           f"{spec.job.nodes} nodes × {tpn} tasks = {base} ranks is not a whole number")
         return g // base * ranks, None
-    if g % (ranks * micro):
+    if check_batch(g, micro, ranks):
         return None, (f"strong scaling keeps `train.global_batch` = {g}, but at {nodes} nodes it must divide by "
                       f"ranks × micro_batch = {nodes} × {tpn} × {micro} = {ranks * micro}")
     return g, None

@@ -183,6 +183,7 @@ def test_dataparallel_threads_compute_in_the_loops_dtype():
 def test_dp_with_compile_is_refused_where_several_gpus_are_visible():
     from hpc.core.config import ConfigError
     from hpc.core.dims import parallel_dims
+    from hpc.core.resolve import decide_parallel
     from hpc.core.spec import Parallel, load_spec
     from trainer.model import build_model, model_blocks
     from trainer.parallelize import parallelize
@@ -190,5 +191,5 @@ def test_dp_with_compile_is_refused_where_several_gpus_are_visible():
     spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", [])
     model = build_model(spec.model, "cpu")
     with pytest.raises(ConfigError, match="DataParallel's replicas"):
-        parallelize(model, model_blocks(model), Parallel(strategy="dp", compile=True),
+        parallelize(model, model_blocks(model), decide_parallel(Parallel(strategy="dp", compile=True), True),
                     parallel_dims("dp", "full_shard", 1, 1, 0), None, torch.device("cuda", 0))

@@ -52,7 +52,7 @@ def test_resume_at_another_world_size_continues_exactly():
 
 
 def test_sampler_checks_divisibility():
-    with pytest.raises(ValueError, match="global_batch = 10 is not divisible by micro_batch × world_size = 2 × 2 = 4"):
+    with pytest.raises(ValueError, match="`train.global_batch` = 10 is not divisible by ranks × micro_batch = 2 × 2 = 4"):
         GlobalSampler(40, 10, 2, 0, 2, 0, True)
 
 

@@ -104,14 +104,15 @@ def reference_gpt() -> dict[str, torch.Tensor]:
 def test_each_rank_holds_the_slice_of_the_single_process_state(reference_gpt, strategy, sharding, world, rank):
     from hpc.dryrun.fake_pg import fake_process_group
     from trainer.parallelize import build_mesh, parallelize
+    from hpc.core.resolve import decide_parallel
     from hpc.core.spec import Parallel
 
     dims = parallel_dims(strategy, sharding, world, 8)
     with fake_process_group(world, rank):
         model = build_model(Model(size="tiny", seq_len=30, vocab_size=250), "meta")
         init = WeightInit.of(model, 7)
-        model = parallelize(model, model_blocks(model), Parallel(strategy=strategy, sharding=sharding), dims,
-                            build_mesh(dims, "cpu"), torch.device("cpu"), init)
+        parallel = decide_parallel(Parallel(strategy=strategy, sharding=sharding), False)
+        model = parallelize(model, model_blocks(model), parallel, dims, build_mesh(dims, "cpu"), torch.device("cpu"), init)
         for name, p in model.named_parameters():
             full = reference_gpt[name]
             coordinate = p.device_mesh.get_coordinate()[-1]
@@ -168,13 +169,15 @@ def test_module_seed_is_a_stable_hash_of_seed_and_name():
 
 def test_names_are_taken_before_wrappers_rename_modules():
     """checkpoint_wrapper inserts ``_checkpoint_wrapped_module``: the seeds still follow the bare names."""
+    from hpc.core.resolve import decide_parallel
     from hpc.core.spec import Parallel
     from trainer.parallelize import parallelize
 
     def init(ac: bool) -> dict[str, torch.Tensor]:
         model = build_model(Model(size="tiny"), "meta")
         init = WeightInit.of(model, 1)
-        model = parallelize(model, model_blocks(model), Parallel(strategy="none", activation_checkpointing=ac),
+        parallel = decide_parallel(Parallel(strategy="none", activation_checkpointing=ac), False)
+        model = parallelize(model, model_blocks(model), parallel,
                             parallel_dims("none", "full_shard", 1), None, torch.device("cpu"), init)
         return {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in model.state_dict().items()}
 

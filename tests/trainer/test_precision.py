@@ -79,3 +79,19 @@ def test_an_explicit_bf16_still_casts_on_a_cpu_site(tmp_path):
     run = load_run(make_run(tmp_path, "bf16", "none", 1, ["parallel.mixed_precision='bf16'"]))
     trainer, _ = build_trainer(run, 0, torch.device("cpu"))
     assert trainer.amp_dtype == torch.bfloat16
+
+
+def test_parallelize_refuses_an_undecided_parallel():
+    """`auto` is decided once (``launch_parallel``/``decide_parallel``); parallelize never decides it again."""
+    from hpc.core.dims import parallel_dims
+    from hpc.core.resolve import decide_parallel
+    from trainer.model import build_model, model_blocks
+    from trainer.parallelize import parallelize
+
+    model = build_model(spec_from_dict({}).model, "cpu")
+    dims = parallel_dims("none", "full_shard", 1)
+    with pytest.raises(ValueError, match="mixed_precision = 'auto'.*launch_parallel"):
+        parallelize(model, model_blocks(model), Parallel(strategy="none"), dims, None, torch.device("cpu"))
+    decided = decide_parallel(Parallel(strategy="none"), False)
+    assert decided.mixed_precision == "none"
+    assert parallelize(model, model_blocks(model), decided, dims, None, torch.device("cpu")) is model
