@@ -16,7 +16,10 @@ How each rank reads (``hpc.ckpt.init_source.InitSource`` says where every tensor
   Whole replicas (ddp, none) read whole tensors, one at a time.
 - DCP (an hpcx run or step folder): torch's own DCP load of the ``model`` entries through hpc/ckpt's
   checked reader (``trainer.checkpoint``), which reads only the stored chunks each rank's shard overlaps.
-- one ``torch.save`` file: each tensor read whole through the checked reader, then sliced.
+- one ``torch.save`` file: as safetensors, this rank's rows of each tensor as one byte range of its
+  record (``load_torch_file``), where the checked reader (hpc/ckpt/torch_zip.py) finds the tensor
+  contiguous in an uncompressed record; otherwise (a transposed or other non-contiguous view, a
+  deflated record, a legacy file) the tensor is read whole through that reader, then sliced.
 """
 
 from __future__ import annotations
@@ -128,21 +131,36 @@ def load_safetensors(model: nn.Module, source: InitSource) -> int:
 
 
 def load_torch_file(model: nn.Module, source: InitSource) -> int:
-    """Each tensor read whole from a ``torch.save`` file (checked reader), this rank's rows copied."""
+    """Each parameter's rows from a ``torch.save`` file (checked reader); the bytes read.
+
+    A tensor stored contiguously in an uncompressed record is read as the one byte range of this
+    rank's rows (``TorchReader.read_rows``, after the reader's own bounds checks); any other (a
+    non-contiguous view such as a transposed tensor, a deflated record, a legacy or fallback-loaded
+    file) is read whole and sliced (``_torch_rows``)."""
     from hpc.ckpt.torchsave import TorchReader
 
-    reader, done = TorchReader(source.path), 0
+    reader, scratch, done = TorchReader(source.path), Scratch(), 0
     try:
         for name, param in named_params(model):
             t = source.tensors[name]
-            start, stop = local_rows(param)
-            full = reader.read(t.key)
+            start, stop, local = *local_rows(param), _local(param)
+            buf = scratch.view(t.dtype, (stop - start, *t.shape[1:]) if t.shape else ())
+            if reader.read_rows(t.key, start, stop, buf):
+                done += buf.numel() * buf.element_size()
+            else:
+                buf, whole = _torch_rows(reader, t.key, start, stop)
+                done += whole
             with torch.no_grad():
-                _local(param).copy_(full[start:stop] if full.ndim else full)
-            done += full.numel() * full.element_size()
+                local.copy_(buf.reshape(local.shape))
     finally:
         reader.close()
     return done
+
+
+def _torch_rows(reader: tp.Any, key: str, start: int, stop: int) -> tuple[torch.Tensor, int]:
+    """The fallback: (rows ``[start, stop)`` of tensor ``key`` read whole, the bytes read)."""
+    full = reader.read(key)
+    return (full[start:stop] if full.ndim else full), full.numel() * full.element_size()
 
 
 def load_dcp(model: nn.Module, source: InitSource) -> int:

@@ -11,7 +11,8 @@ allow-list of what a state dict of tensors needs (``_rebuild_tensor_v2/v3``,
 up — and records for every tensor its storage key, dtype, element offset, size
 and stride (``TensorRef``) without reading data. Each tensor is then read on
 request straight from its record into a fresh buffer (``read``) or into an
-existing tensor (``readinto``), so memory holds one tensor at a time.
+existing tensor (``readinto``), or only rows ``[a, b)`` of a contiguous one in a
+stored record (``readrows``), so memory holds one tensor at a time.
 
 Record bytes are read by offset, never through ``zipfile``'s readers: like
 ``torch.load``, this does not check a stored record's CRC32 (hpcx writes DCP
@@ -34,6 +35,7 @@ import collections
 import dataclasses
 import functools
 import io
+import math
 import pickle
 import struct
 import sys
@@ -333,6 +335,22 @@ class TorchZip:
         if ref.numel:
             self._check(ref)
             self._fill(f"data/{ref.storage.key}", ref.span()[0] * ref.dtype.itemsize, byte_view(out))
+        return True
+
+    def readrows(self, ref: TensorRef, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows ``[start, stop)`` of dim 0 straight into ``out`` when the view is contiguous and its
+        record stored (not deflated): one byte range, after ``_check`` of the whole view; False (nothing
+        read) otherwise, or when ``out`` is not a contiguous CPU tensor of those rows."""
+        rows, row = (ref.size[0], math.prod(ref.size[1:])) if ref.size else (1, 1)
+        info = self.records.get(f"data/{ref.storage.key}")
+        if not (0 <= start <= stop <= rows and ref.is_contiguous() and info is not None
+                and info.compress_type == zipfile.ZIP_STORED and out.is_contiguous() and out.dtype == ref.dtype
+                and out.device.type == "cpu" and out.numel() == (stop - start) * row):
+            return False
+        if out.numel():
+            self._check(ref)
+            first = (ref.span()[0] + start * row) * ref.dtype.itemsize
+            self._fill(f"data/{ref.storage.key}", first, byte_view(out))
         return True
 
     def compressed(self) -> list[str]:

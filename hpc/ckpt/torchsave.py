@@ -2,7 +2,8 @@
 
 Read with ``TorchZip`` (hpc/ckpt/torch_zip.py): ``data.pkl`` through an allow-list
 unpickler that records where each tensor's bytes are, then one tensor at a time from its
-zip record. Layouts it does not handle (legacy non-zip files, big-endian,
+zip record (or only rows ``[a, b)`` of one, ``read_rows``, when it is contiguous in a stored record:
+what ``checkpoint.init_from`` reads per rank). Layouts it does not handle (legacy non-zip files, big-endian,
 quantized/sparse tensors) fall back to ``torch.load(weights_only=True, mmap=True)``.
 Writing is streamed too: ``TorchWriter`` (hpc/ckpt/torch_write.py) pickles the nested dict from
 the entries' dtypes and shapes, then writes one tensor record at a time.
@@ -151,6 +152,16 @@ class TorchReader:
         try:
             if ref is None or not self.zip.readinto(ref, out):  # type: ignore[union-attr]
                 out.copy_(self.read(key))
+        except OSError as exc:
+            raise CheckpointError([f"{self.path}: cannot read {key!r} ({describe(exc)})"]) from None
+
+    def read_rows(self, key: str, start: int, stop: int, out: torch.Tensor) -> bool:
+        """Rows ``[start, stop)`` of tensor ``key`` into the contiguous ``out``, reading only their bytes,
+        when the file was streamed and the tensor is contiguous in a stored record (``TorchZip.readrows``);
+        False (nothing read) otherwise: the caller reads it whole."""
+        ref = self._ref(key)
+        try:
+            return ref is not None and self.zip.readrows(ref, start, stop, out)  # type: ignore[union-attr]
         except OSError as exc:
             raise CheckpointError([f"{self.path}: cannot read {key!r} ({describe(exc)})"]) from None
 

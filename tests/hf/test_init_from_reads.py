@@ -1,8 +1,10 @@
 """Each rank reads only the bytes of its own shard: measured at 2 and 4 gloo ranks (bytes read and peak
-RSS growth while loading), and the read plan of rank 127 of 128 on the fake process group."""
+RSS growth while loading) for safetensors, at 2 for a ``torch.save`` file, and the read plan of rank
+127 of 128 on the fake process group."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
@@ -44,6 +46,34 @@ def test_bytes_read_and_peak_rss_per_rank(wide, tmp_path, ranks):
         assert r["bytes_read"] <= source / ranks * 1.05, r
         assert r["rss_growth"] <= r["shard_bytes"] + largest / ranks + SLACK, r
         assert r["rss_growth"] < source / ranks + largest, r
+
+
+def test_torch_file_bytes_read_per_rank_and_bit_identical(wide, tmp_path):
+    from hpc.core.models import model_facts
+    from trainer.run import load_run
+
+    from tests.hf.hf_helpers import hf_tensors
+
+    path = tmp_path / "model.pt"
+    run = make_run(tmp_path, "pt2", "fsdp", 2, [*LLAMA, *WIDE_SETS, f"checkpoint.init_from={str(path)!r}"])
+    shape = model_facts(load_run(run).spec.model).shape
+    hf = hf_tensors(wide)
+    torch.save({n: hf[t.key] for n, t in open_source(wide, "llama", shape).tensors.items()}, path)  # hpcx names
+    del hf
+    out = tmp_path / "reports.json"
+    result = torchrun(2, ["tests/hf/init_worker.py", str(out), str(run), "digests"], timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = json.loads(out.read_text())
+    source = reports[0]["source_bytes"]
+    assert reports[0]["kind"] == "torch"
+    assert sum(r["bytes_read"] for r in reports) == source  # every byte once: no tensor fell back to a whole read
+    for r in reports:
+        assert r["bytes_read"] <= source / 2 * 1.05, r
+        assert r["rss_growth"] < source / 2 + 16384 * 512 * 4, r
+    whole = torch.load(path, weights_only=True)  # the whole-file load
+    expected = {n: hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+                for n, t in whole.items()}
+    assert reports[0]["digests"] == expected
 
 
 def sparse_safetensors(path, shape, dtype="BF16", itemsize=2):
