@@ -68,7 +68,8 @@ def test_missing_tensorboard_is_said_once(tmp_path, monkeypatch):
     handler = logging.Handler()
     handler.emit = lambda record: seen.append(record.getMessage())
     metrics.log.addHandler(handler)
-    monkeypatch.setattr(metrics.log, "level", logging.INFO)
+    level = metrics.log.level
+    metrics.log.setLevel(logging.INFO)  # setLevel, not the attribute: it clears the logger's isEnabledFor cache
     try:
         writer = metrics.MetricsWriter(tmp_path, enabled=True)
         writer.write({"step": 1, "loss": 1.0})
@@ -76,5 +77,6 @@ def test_missing_tensorboard_is_said_once(tmp_path, monkeypatch):
         metrics.MetricsWriter(tmp_path, enabled=False).close()  # other ranks open no writer and say nothing
     finally:
         metrics.log.removeHandler(handler)
+        metrics.log.setLevel(level)
     assert len([m for m in seen if "TensorBoard is not installed" in m]) == 1
     assert "pip install 'hpcx[tensorboard]'" in seen[0]
