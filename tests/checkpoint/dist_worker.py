@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -50,4 +51,10 @@ if __name__ == "__main__":
     init_from_env()
     {"save": save, "load": load}[sys.argv[1]](*sys.argv[2:])
     if dist.is_initialized():
+        dist.barrier()  # no rank tears down while a peer still has gloo work in flight
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Work done and flushed: skip native teardown, where gloo sometimes aborts ("terminate called without
+    # an active exception", exit -6), as the trainer does (trainer/__main__.py, trainer.task).
+    os._exit(0)

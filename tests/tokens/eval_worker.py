@@ -9,6 +9,7 @@ eval record. At any N the record must be the same (``trainer.evaluate``).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from types import SimpleNamespace
 
@@ -37,8 +38,12 @@ def main(data_dir: str, out: str) -> None:
         with open(out, "w") as f:
             json.dump(record, f)
     if env.world_size > 1:
+        dist.barrier()
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip native teardown, where gloo sometimes aborts (as trainer/__main__.py does)
