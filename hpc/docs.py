@@ -47,11 +47,21 @@ LIMITS = (f"Every file is a regular UTF-8 file (a byte-order mark is allowed) of
 
 
 def section_markdown(name: str, cls: type) -> str:
-    lines = [f"## `[{name}]`", "", "| key | default | meaning |", "|---|---|---|"]
+    lines = [f"## `[{name}]`", ""] + kind_note(cls) + ["| key | default | meaning |", "|---|---|---|"]
     limits = field_limits(cls)
     for key, doc, default in field_docs(cls):
         lines.append(f"| `{key}` | `{json.dumps(default)}` | {doc}{limits[key]} |")
     return "\n".join(lines) + "\n"
+
+
+def kind_note(cls: type) -> list[str]:
+    """For a section joined from scheduler kinds (``hpc.schedulers.section_class``): which kind declares which keys."""
+    owned = getattr(cls, "KIND_FIELDS", {})
+    if not owned:
+        return []
+    parts = [f"{', '.join(f'`{k}`' for k in keys)} belong to the `{kind}` kind (`hpc/schedulers/{kind}/section.py`)"
+             for kind, keys in owned.items()]
+    return ["; ".join(parts) + "; the other keys to every kind.", ""]
 
 
 def field_limits(cls: type) -> dict[str, str]:

@@ -34,8 +34,6 @@ TRAINER_MAY_IMPORT = ("hpc.core", "hpc.ckpt", "hpc.compat", "hpc.schedulers", "h
 # the one module outside hpc/schedulers/<kind>/ that names a kind's package: `python -m hpc.requeue`, the
 # entry point the rendered sbatch script (and its goldens) runs, calls Slurm's check after srun
 NAMES_SLURM_FOR_ITS_SCRIPT = ("hpc/requeue/__main__.py",)
-# `hpcx site detect` (a command of hpc.cli.plan) runs Slurm's detection, which drafts a Slurm site
-DETECTION = {"hpc/cli/plan.py": "hpc.schedulers.slurm.detect"}
 KIND_PACKAGES = ("slurm", "local")
 
 
@@ -137,8 +135,7 @@ def test_only_the_slurm_package_names_slurm():
                 offenders.append(f"{rel}:{line} {text[:40]!r}")
         if rel in NAMES_SLURM_FOR_ITS_SCRIPT:
             continue
-        kinds = {m for m in imports(path) if any(_allowed(m, (f"hpc.schedulers.{k}",)) for k in KIND_PACKAGES)
-                 and not (rel in DETECTION and _allowed(m, (DETECTION[rel],)))}
+        kinds = {m for m in imports(path) if any(_allowed(m, (f"hpc.schedulers.{k}",)) for k in KIND_PACKAGES)}
         offenders += [f"{rel} imports {m}" for m in sorted(kinds)]
     assert offenders == []
 
@@ -168,3 +165,49 @@ def test_schedulers_are_the_only_modules_that_run_slurm_commands():
                     and node.elts[0].value in commands:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno} {node.elts[0].value!r}")
     assert offenders == []
+
+
+def _identifiers(path: Path) -> list[tuple[int, str]]:
+    """Every name the code of ``path`` defines or uses (functions, classes, arguments, variables, attributes)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.append((node.lineno, node.name))
+        elif isinstance(node, ast.Name):
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute):
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.arg):
+            found.append((node.lineno, node.arg))
+    return found
+
+
+def test_no_code_outside_the_slurm_package_is_named_after_slurm():
+    """A function such as ``slurm_path_problem`` in the core is Slurm knowledge in the wrong place: it
+    moves to hpc/schedulers/slurm/ and the rest asks the registry (``hpc.schedulers.path_problem``)."""
+    offenders = [f"{p.relative_to(REPO)}:{line} {name}" for p in _outside_the_kinds()
+                 for line, name in _identifiers(p) if "slurm" in name.lower()]
+    assert offenders == []
+
+
+def _section_fields(module: str) -> set[str]:
+    import importlib
+
+    return {f.name for f in __import__("dataclasses").fields(importlib.import_module(module).Section)}
+
+
+def test_the_core_declares_no_field_of_a_kinds_scheduler_section():
+    """The fields only one kind uses (Slurm's partition, account, qos, gpu_directive, sbatch) are declared
+    in that kind's package; the core's site profile declares what every kind has. (A spec's
+    ``job.partition``/``account``/``qos`` are what a job asks of any batch scheduler, and stay.)"""
+    from hpc import schedulers
+
+    kind_fields = set().union(*(_section_fields(f"hpc.schedulers.{k}.section") for k in schedulers.SECTIONED))
+    assert {"partition", "gpu_directive", "sbatch"} <= kind_fields
+    declared = set()
+    for path in [REPO / "hpc" / "core" / "site.py"]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                declared |= {item.target.id for item in node.body
+                             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    assert "kind" in declared and not declared & kind_fields, f"hpc/core/site.py declares {sorted(declared & kind_fields)}"

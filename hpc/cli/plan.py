@@ -75,8 +75,8 @@ def detect_command(name: str, topo: str | None, query: str | None, scontrol: str
     assumed and what it could not tell. A matrix cut short, asymmetric or with unknown cells is
     refused (exit 2). Without Slurm the draft is a `local` site for this machine.
     """
-    from hpc.schedulers.slurm.detect import detect_site
+    from hpc import schedulers
 
-    click.echo(detect_site(name, topo, query, scontrol), nl=False)
+    click.echo(schedulers.detect_site(name, {"topo": topo, "query": query, "scontrol": scontrol}), nl=False)
 
 

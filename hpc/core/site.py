@@ -18,7 +18,8 @@ from pathlib import Path
 
 from hpc import schedulers
 from hpc.core import validate as v
-from hpc.core.config import ConfigError, build_document, check_table, field, read_toml, suggest, untouched
+from hpc.core.config import (ConfigError, build_document, check_table, field, read_toml, suggest, type_hints,
+                             untouched)
 
 DEFAULT_SITE = "local"
 USER_SITES = "~/.config/hpcx/sites"
@@ -26,30 +27,19 @@ SYSTEM_SITES = "/etc/hpcx/sites"
 
 
 @dataclass
-class Scheduler:
+class CommonScheduler:
+    """A site's ``[scheduler]`` section: these fields, which every kind has, then each kind's own
+    (``hpc/schedulers/<kind>/section.py``, joined by ``hpc.schedulers.section_class``)."""
+
     kind: str = field("local", doc="`slurm` submits through sbatch; `local` runs on this machine "
                       "with submitit's local executor (no Slurm).", choices=tuple(schedulers.KINDS))
-    partition: str | None = field(None, doc="Default Slurm partition (`--partition`); a spec may override.")
-    account: str | None = field(None, doc="Default Slurm account (`--account`).")
-    qos: str | None = field(None, doc="Default Slurm QOS (`--qos`).")
-    gpu_directive: str = field("gpus-per-node", doc="How this Slurm takes GPUs: `gpus-per-node` "
-                               "(`--gpus-per-node=N`), `gres` (`--gres=gpu:N`), or `none` on CPU clusters.",
-                               choices=("gpus-per-node", "gres", "none"))
-    signal_lead_s: int = field(120, doc="Seconds before the time limit at which Slurm sends USR2 "
-                               "(`--signal=USR2@LEAD`); must exceed the expected checkpoint save time.",
+    signal_lead_s: int = field(120, doc="Seconds before the time limit at which the scheduler sends USR2 "
+                               "(Slurm: `--signal=USR2@LEAD`); must exceed the expected checkpoint save time.",
                                minimum=1, maximum=schedulers.LIMITS["signal_lead_s"])
     max_nodes: int = field(0, doc="Largest job this site can run, in nodes (0: unknown).", minimum=0)
-    sbatch: dict[str, str | int | bool] = field(
-        doc="Extra sbatch options for every job, e.g. {constraint = \"h100\", exclusive = true}: long option "
-        "names without the dashes; a string or integer value, `true` for an option without a value, `false` "
-        "to leave it out. Judged by what they do: options on hpcx's own #SBATCH lines (job-name, nodes, "
-        "ntasks-per-node, cpus-per-task, time, signal, requeue, partition, account, qos, gpus-per-node, gres, "
-        "wckey …), options that move the job to another cluster (clusters), change its logs, environment, "
-        "folder or user (output, error, open-mode, export, get-user-env, chdir, uid …), add a second GPU, "
-        "CPU, task or memory count (gpus-per-task, cpus-per-gpu, mem-per-gpu, ntasks-per-core …), make "
-        "sbatch submit nothing (version, help, usage, test-only) and every abbreviation are refused, as are "
-        "options Slurm takes only one of (mem with mem-per-cpu). Values reach the `#SBATCH` line exactly "
-        "(sbatch's reading of quotes and backslashes is accounted for).", factory=dict)
+
+
+Scheduler = schedulers.section_class(CommonScheduler)
 
 
 @dataclass
@@ -113,10 +103,9 @@ class SiteProfile:
 
     @property
     def allocates_cpus(self) -> bool:
-        """Whether this site's scheduler gives each task CPUs of its own (Slurm, unless `overcommit` is
-        among its sbatch options): then a node runs at most ``node.cpus`` tasks."""
-        overcommit = any(k.replace("_", "-") == "overcommit" and x is not False for k, x in self.scheduler.sbatch.items())
-        return schedulers.get(self.scheduler.kind).allocates_cpus and not overcommit
+        """Whether this site's scheduler gives each task CPUs of its own (``Scheduler.cpus_allocated``;
+        Slurm does, unless `overcommit` is among its sbatch options): then a node runs at most ``node.cpus`` tasks."""
+        return schedulers.get(self.scheduler.kind).cpus_allocated(self.scheduler)
 
     @property
     def backend(self) -> str:
@@ -186,8 +175,9 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     errors += check_table("nccl", nccl, dict[str, str])
     errors += v.check_nccl(_printable_keys(nccl))
     sections = build_document(SECTIONS, doc, errors)
-    # fields that failed their type checks were left at their defaults: the sbatch names are read raw
-    raw = dataclasses.replace(sections["scheduler"], sbatch=_printable_keys(_raw_table(doc, "scheduler", "sbatch")))
+    # fields that failed their type checks were left at their defaults: the names in tables are read raw
+    raw = dataclasses.replace(sections["scheduler"], **{key: _printable_keys(_raw_table(doc, "scheduler", key))
+                                                        for key in _TABLE_FIELDS})
     errors += schedulers.section_problems(raw)
     errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
@@ -196,6 +186,10 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return site
+
+
+# the [scheduler] fields that are tables (Slurm's sbatch options): the kinds' rules see their names as written
+_TABLE_FIELDS = tuple(f.name for f in dataclasses.fields(Scheduler) if tp.get_origin(type_hints(Scheduler)[f.name]) is dict)
 
 
 def _raw_table(doc: dict, section: str, key: str) -> dict[str, tp.Any]:
@@ -211,12 +205,12 @@ def _printable_keys(table: tp.Any) -> dict[str, tp.Any]:
 
 
 # The fields ``cross_check_site`` reads.
-CROSS_CHECKED = ("scheduler.kind", "scheduler.gpu_directive", "node.gpus", "node.gpu_model", "node.gpu_memory_gb",
-                 "node.gpu_peak_tflops", "node.intra_link")
+CROSS_CHECKED = ("scheduler.kind", "node.gpus", "node.gpu_model", "node.gpu_memory_gb", "node.gpu_peak_tflops",
+                 "node.intra_link") + schedulers.cross_checked()
 
 
 def cross_check_site(site: SiteProfile) -> list[str]:
-    errors = schedulers.site_problems(site)  # its kind's own (Slurm: the GPU directive)
+    errors = schedulers.site_problems(site)  # its kind's own (e.g. how the kind takes GPUs)
     if site.node.gpus and not site.node.gpu_memory_gb:
         errors.append(f"`node.gpu_memory_gb` is unset but `node.gpus` = {site.node.gpus}: expected the memory per GPU")
     if site.node.gpus > 1 and site.node.intra_link == "none":

@@ -350,18 +350,15 @@ def check_run_root(path: str, value: str) -> list[str]:
     if not value.startswith(("/", "~", "$")):
         return [f"`{path}` = {shown(value)!r}: expected an absolute path (or one starting with ~ or $VAR), "
                 "so that every command and every node finds the same folder"]
-    problem = slurm_path_problem(value)
+    problem = log_path_problem(value)
     return [f"`{path}` = {shown(value)!r}: {problem}"] if problem else []
 
 
-def slurm_path_problem(value: str) -> str | None:
-    """Why Slurm would not write its log files where hpcx looks for them, or None."""
-    if "%" in value:
-        return ("expected a path without `%`: Slurm reads %u, %j … in --output/--error as file-name "
-                "patterns (use $USER and friends, which hpcx expands)")
-    if "\\" in value:
-        return "expected a path without `\\`: Slurm then stops expanding the log file names"
-    return None
+def log_path_problem(value: str) -> str | None:
+    """Why a scheduler would not write its log files under ``value`` (``hpc.schedulers.path_problem``), or None."""
+    from hpc import schedulers  # the registry imports this module's users: asked when a path is checked
+
+    return schedulers.path_problem(value)
 
 
 def check_run_dir_option(run_dir: str | None) -> None:
@@ -369,7 +366,7 @@ def check_run_dir_option(run_dir: str | None) -> None:
     if run_dir is None:
         return
     errors = check_text("--run-dir", run_dir, PATH_MAX)
-    problem = None if errors else slurm_path_problem(run_dir)
+    problem = None if errors else log_path_problem(run_dir)
     if errors or problem:
         raise ConfigError(errors or [f"--run-dir {shown(run_dir)!r}: {problem}"])
 
@@ -398,7 +395,7 @@ def expand_path(value: str, where: str) -> Path:
 def expand_run_root(value: str, where: str) -> Path:
     """A run root expanded (``expand_path``) and still free of Slurm's file-name patterns."""
     path = expand_path(value, where)
-    problem = slurm_path_problem(str(path))
+    problem = log_path_problem(str(path))
     if problem:
         raise ConfigError([f"{where}: expands to {shown(str(path))!r}: {problem}"])
     return path

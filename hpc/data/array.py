@@ -18,10 +18,9 @@ def submit_array(folder: Path, plan: dict, site_name: str | None) -> tuple[str, 
     """Submit the groups and the merge (None when every group was finished: then only the merge runs, here)."""
     from hpc import schedulers
     from hpc.core.site import choose_site, load_site
-    from hpc.core.validate import slurm_path_problem
 
     site = load_site(choose_site(site_name, None))
-    problem = slurm_path_problem(str(folder))
+    problem = schedulers.path_problem(str(folder))
     if problem:
         raise UserError([f"--out {folder}: {problem}"])
     groups = pending_groups(folder, plan)

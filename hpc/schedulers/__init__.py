@@ -3,16 +3,22 @@
 ``get(kind)`` gives the login side of a site's scheduler (``site.scheduler.kind``); ``job_side()``
 gives the side of whichever scheduler started this process, or None when none did (torchrun, or a
 plain process: nobody can requeue it); ``rank_env`` reads a task a scheduler started itself (a plain
-srun step). ``section_problems`` and ``site_problems`` are each kind's rules on a site's
-``[scheduler]`` section; ``LIMITS`` the strictest of each kind's integer limits (``<kind>/limits.py``).
+srun step). ``section_class`` builds a site's ``[scheduler]`` section from the fields every kind has
+and each kind's own (``<kind>/section.py``); ``section_problems`` and ``site_problems`` are each kind's
+rules on it; ``path_problem`` each kind's demands of a folder it writes logs to; ``LIMITS`` the
+strictest of each kind's integer limits (``<kind>/limits.py``); ``detect_site`` the first kind that
+can draft a profile of this machine (``hpcx site detect``).
 
 A kind is a package ``hpc/schedulers/<kind>/``: ``scheduler.py`` (its ``Scheduler`` and ``JobSide``),
-``executor.py`` (submitit's executor, imported only to submit), optionally ``limits.py``, and whatever
-else it needs. Adding one is that package and a line in ``KINDS``; nothing else branches on the kind.
+``executor.py`` (submitit's executor, imported only to submit), optionally ``limits.py`` and
+``section.py`` (both importing nothing heavier than ``hpc.core.config``: a profile loads them), and
+whatever else it needs. Adding one is that package and a line in ``KINDS`` (and in ``LIMITED`` or
+``SECTIONED``); nothing else branches on the kind.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import typing as tp
@@ -28,9 +34,13 @@ KINDS = {"slurm": ("hpc.schedulers.slurm.scheduler", "SlurmScheduler", "SlurmJob
          "local": ("hpc.schedulers.local.scheduler", "LocalScheduler", "LocalJobSide")}
 # kinds with integer limits on what a spec or site may ask (``<kind>/limits.py``, importing nothing)
 LIMITED = ("slurm",)
+# kinds with fields of their own in a site's [scheduler] section (``<kind>/section.py``: ``Section``, and
+# optionally ``CROSS_CHECKED``, the fields its ``site_problems`` read, and ``path_problem``)
+SECTIONED = ("slurm",)
 
-__all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "JobSide", "JobState", "RankEnv", "Scheduler", "get",
-           "job_side", "rank_env", "rendezvous_port", "section_problems", "site_problems"]
+__all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "JobSide", "JobState", "RankEnv", "Scheduler", "cross_checked",
+           "detect_site", "get", "job_side", "path_problem", "rank_env", "rendezvous_port", "section_class",
+           "section_problems", "site_problems"]
 
 
 def _limits() -> dict[str, int]:
@@ -47,6 +57,61 @@ LIMITS = _limits()
 ENV_OWNERS = {prefix: who for kind in LIMITED
               for prefix, who in getattr(importlib.import_module(f"hpc.schedulers.{kind}.limits"), "ENV_PREFIXES",
                                          {}).items()}
+
+
+def _sections() -> dict[str, tp.Any]:
+    """kind -> its ``section`` module, for the kinds in ``SECTIONED``."""
+    return {kind: importlib.import_module(f"hpc.schedulers.{kind}.section") for kind in SECTIONED}
+
+
+def section_class(common: type) -> type:
+    """A site's ``[scheduler]`` section: a dataclass with ``common``'s fields (every kind's), then each
+    kind's own ``Section`` fields in ``SECTIONED`` order. ``KIND_FIELDS`` on it says which kind declared
+    which field (for the reference docs). Two kinds declaring one name is a programming error."""
+    owners: dict[str, str] = {f.name: "" for f in dataclasses.fields(common)}
+    kind_fields: dict[str, tuple[str, ...]] = {}
+    for kind, module in _sections().items():
+        names = tuple(f.name for f in dataclasses.fields(module.Section))
+        clash = [name for name in names if name in owners]
+        if clash:
+            raise TypeError(f"hpc.schedulers.{kind}.section declares {clash}, already declared by "
+                            f"{owners[clash[0]] or common.__qualname__}")
+        owners.update(dict.fromkeys(names, kind))
+        kind_fields[kind] = names
+    # a dataclass collects fields from its bases last to first: common's come first
+    bases = tuple(module.Section for module in reversed(_sections().values())) + (common,)
+    cls = dataclasses.make_dataclass(common.__name__.removeprefix("Common"), [], bases=bases)
+    cls.__module__, cls.__doc__ = common.__module__, common.__doc__
+    cls.KIND_FIELDS = kind_fields
+    return cls
+
+
+def cross_checked() -> tuple[str, ...]:
+    """The ``[scheduler]`` fields the kinds' ``site_problems`` read."""
+    return tuple(name for module in _sections().values() for name in getattr(module, "CROSS_CHECKED", ()))
+
+
+def path_problem(value: str) -> str | None:
+    """Why some kind would misread ``value`` as a folder for its logs (Slurm: ``%`` and ``\\`` in
+    --output), or None. Checked whatever the site's kind, like ``LIMITS``: a run root that loads is one
+    every scheduler takes."""
+    for module in _sections().values():
+        problem = getattr(module, "path_problem", lambda _: None)(value)
+        if problem:
+            return problem
+    return None
+
+
+def detect_site(name: str, saved: tp.Mapping[str, str | None]) -> str:
+    """``hpcx site detect``: the draft profile (TOML) from the first kind in ``KINDS`` that can write
+    one (``Scheduler.detect``); ``saved`` names saved tool outputs by option (``topo``, ``query`` …)."""
+    for kind in KINDS:
+        draft = get(kind).detect(name, saved)
+        if draft is not None:
+            return draft
+    from hpc.core.errors import UserError
+
+    raise UserError(["hpcx site detect: no scheduler kind can draft a site profile"])
 
 
 def _load(kind: str, index: int) -> type:

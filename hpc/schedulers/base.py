@@ -221,6 +221,16 @@ class Scheduler(abc.ABC):
         """This kind's rules on the options it owns in a site's ``[scheduler]`` section (well-typed)."""
         return []
 
+    def cpus_allocated(self, section: tp.Any) -> bool:
+        """Whether a site's tasks get CPUs of their own under its ``[scheduler]`` section
+        (``allocates_cpus``, unless the section says otherwise): then a node runs at most its CPUs' tasks."""
+        return self.allocates_cpus
+
+    def detect(self, name: str, saved: tp.Mapping[str, str | None]) -> str | None:
+        """``hpcx site detect``: a draft profile named ``name`` (TOML) of this machine, or from the saved
+        tool outputs in ``saved`` (option -> path); None when this kind does not draft profiles."""
+        return None
+
     def site_problems(self, site: SiteProfile) -> list[str]:
         """This kind's cross-checks of a well-typed site profile of its kind."""
         return []

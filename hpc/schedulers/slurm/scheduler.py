@@ -26,6 +26,7 @@ from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, Job
                                  batch_log, task_command, try_command, unknown, wait_since_last_stop)
 from hpc.schedulers.slurm import ranks
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
+from hpc.schedulers.slurm.section import overcommits
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
@@ -386,6 +387,14 @@ class SlurmScheduler(Scheduler):
     @staticmethod
     def section_problems(section: tp.Any) -> list[str]:
         return check_sbatch(section.sbatch, owned_options() if section.sbatch else ())
+
+    def cpus_allocated(self, section: tp.Any) -> bool:
+        return not overcommits(section)  # --overcommit: tasks share CPUs
+
+    def detect(self, name: str, saved: tp.Mapping[str, str | None]) -> str | None:
+        from hpc.schedulers.slurm.detect import detect_site
+
+        return detect_site(name, saved.get("topo"), saved.get("query"), saved.get("scontrol"))
 
     def site_problems(self, site: SiteProfile) -> list[str]:
         if site.node.gpus and site.scheduler.gpu_directive == "none":
