@@ -54,7 +54,7 @@ from trainer.preemption import BoundaryVote, PreemptionFlag
 
 log = logging.getLogger("hpcx.trainer")
 SIGTERM_NOT_REQUEUED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
-TIME_LIMIT_SLACK_S = 90  # Slurm may send the signal up to 60 s before its lead (sbatch(1)); 30 s more of slack
+TIME_LIMIT_SLACK_S = 30  # beyond the lead and how early the scheduler may send it (JobSide.signal_early_s)
 
 
 @dataclass
@@ -209,13 +209,14 @@ class Resilience:
 
     def _at_time_limit(self) -> bool:
         """Whether the preemption signal was the scheduler's warning of the time limit: it came at most
-        the signal lead (plus Slurm's 60 s leeway and 30 s of slack) before the job's end."""
+        the signal lead (plus how early the scheduler may send it, ``JobSide.signal_early_s``: Slurm's
+        60 s, none for the local controller; and 30 s of slack) before this incarnation's end."""
         left = self.side.seconds_left() if self.side is not None else None
         if left is None:
             return False
         since = time.time() - (self.preemption.requested_at if self.preemption and self.preemption.requested_at
                                else time.time())
-        return left + since <= self.signal_lead_s + TIME_LIMIT_SLACK_S
+        return left + since <= self.signal_lead_s + self.side.signal_early_s + TIME_LIMIT_SLACK_S
 
     def failed(self, exc: BaseException) -> None:
         """From the exception handler of ``run_rank``, on every rank: report the failure (unless it is

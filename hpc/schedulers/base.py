@@ -230,6 +230,9 @@ class JobSide(abc.ABC):
     """The side of one scheduler kind that runs inside a job's task."""
 
     kind: str = ""
+    # How much earlier than its lead this scheduler may send the time-limit signal (Slurm: up to 60 s,
+    # sbatch(1)); what the trainer allows before calling a signal a preemption rather than the time limit.
+    signal_early_s: float = 0.0
 
     @classmethod
     def started_this_task(cls, env: tp.Mapping[str, str]) -> bool:
@@ -274,12 +277,13 @@ class JobSide(abc.ABC):
         """(seconds this incarnation waited in the queue, where that figure came from)."""
 
     def seconds_left(self) -> float | None:
-        """Seconds until this job's time limit; None when there is none or nobody can tell."""
+        """Seconds until this incarnation's time limit; None when there is none or nobody can tell."""
         return None
 
     def await_time_limit(self) -> None:
         """After a stop at the time-limit signal that was not requeued: return once the job may end.
-        A scheduler that records TIMEOUT only when the limit itself ends the job holds until then."""
+        A scheduler that records TIMEOUT only when the limit itself ends the job holds until then; one
+        whose state hpcx reads off the ledger (local: ``time_limit``, not requeued) returns at once."""
 
     def task_ends(self, run_dir: Path) -> list[dict]:
         """The scheduler's account of this start's tasks that ended badly, in order (``ranks``, ``host``,

@@ -451,6 +451,7 @@ class SlurmJobSide(JobSide):
     """Inside a Slurm job: ``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``, ``scontrol requeue``."""
 
     kind = "slurm"
+    signal_early_s = 60.0  # sbatch(1): "the signal may be sent up to 60 seconds earlier than specified"
 
     @classmethod
     def started_this_task(cls, env: tp.Mapping[str, str]) -> bool:
