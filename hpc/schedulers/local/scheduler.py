@@ -20,6 +20,7 @@ import typing as tp
 from pathlib import Path
 
 from hpc import compat
+from hpc.core import failures
 from hpc.core.errors import UserError
 from hpc.core.procs import pid_alive, process_start_time
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
@@ -113,7 +114,8 @@ def local_state(job_id: str, run_dir: Path) -> JobState:
     """RUNNING while the controller lives; then CANCELLED when the ledger's last stop followed a
     SIGTERM (``hpcx cancel``), TIMEOUT when it was the time limit with no requeue left (the controller
     has no such state: rank 0 stops at its signal, saves and leaves), else the result pickle tells
-    COMPLETED or FAILED."""
+    COMPLETED or FAILED. A task whose code did not load (``hpc.core.failures.loading_failure``) is never
+    retried here: the controller restarts tasks only on the trainer's requeue status; FAILED says why."""
     from hpc.core.runs import RunDir
 
     if controller_alive(job_id, run_dir):
@@ -128,7 +130,11 @@ def local_state(job_id: str, run_dir: Path) -> JobState:
     if not result.exists():
         return JobState("FAILED", "localhost", "process", {"reason": "no result written"})
     outcome = read_result(result)
-    return JobState("COMPLETED" if outcome[0] == "success" else "FAILED", "localhost", "result")
+    if outcome[0] == "success":
+        return JobState("COMPLETED", "localhost", "result")
+    loading = failures.loading_failure(str(outcome[1]))
+    why = {"reason": f"{loading['error']}, while {loading['where']}: not retried"} if loading else {}
+    return JobState("FAILED", "localhost", "result", why)
 
 
 class LocalScheduler(Scheduler):
