@@ -9,6 +9,7 @@ pickle submitit left are what the check after srun and the local state read.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -237,3 +238,49 @@ def test_a_local_job_whose_code_did_not_load_is_failed_saying_why(recorded, tmp_
     assert state.state == "FAILED" and state.words.startswith(f"FAILED ({LOADING[case][0]}")
     assert state.words.endswith("while unpickling the job's task: not retried)")
 
+
+
+# ---------------------------------------------------------------- real jobs whose task cannot be unpickled
+
+GONE_TASK = "from trainer.task import TrainTask as Real\n\n\nclass TrainTask(Real):\n    pass\n"
+SUBMIT_WITH_GONE_TASK = ("import sys; sys.path.insert(0, sys.argv[1]); import hpcx_gone_task, trainer.task; "
+                         "trainer.task.TrainTask = hpcx_gone_task.TrainTask; sys.argv = ['hpcx', *sys.argv[2:]]; "
+                         "from hpc.cli import main; main()")
+
+
+def submit_unloadable(folder: Path, job: str, *sets: str, site: str | None = None) -> Path:
+    """``hpcx submit`` whose task is of a class from a module only the submitting process can import
+    (as a user module on the login node only): every task fails while submitit unpickles it."""
+    import tempfile
+
+    from tests.conftest import REPO
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hpcx_gone_task.py").write_text(GONE_TASK)
+    args = [a for s in sets for a in ("--set", s)] + (["--site", site] if site else [])
+    with tempfile.TemporaryFile("w+") as out:  # not a pipe: a local controller would hold it open
+        code = subprocess.run([sys.executable, "-c", SUBMIT_WITH_GONE_TASK, str(folder), "submit", job, *args,
+                               "--json"], stdout=out, stderr=subprocess.STDOUT, timeout=300, cwd=REPO).returncode
+        out.seek(0)
+        text = out.read()
+    assert code == 0, text
+    return Path(json.loads(text[text.index("{"):])["run_dir"])
+
+
+def test_a_local_job_whose_task_cannot_be_unpickled_fails_once_saying_why(tmp_path, run_root):
+    from tests.conftest import REPO, hpcx
+    from tests.resilience.resilience_lib import wait_state
+
+    run = submit_unloadable(tmp_path / "login-only", str(REPO / "jobs" / "tiny-ddp.toml"),
+                            f"job.run_root={json.dumps(str(run_root))}", "job.max_requeues=3")
+    info = wait_state(run, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=120)
+    assert info["state"] == "FAILED" and info["restarts"] == 0
+    assert "ModuleNotFoundError: No module named 'hpcx_gone_task', while unpickling the job's task: not retried" \
+        in info["state_words"]
+    job = json.loads((run / "job.json").read_text())["job_id"]
+    for task in (0, 1):  # each task started once: the controller retries only the trainer's requeue status
+        log = (run / "submitit" / f"{job}_{task}_log.err").read_text()
+        assert log.count("Traceback (most recent call last):") == 1 and "hpcx_gone_task" in log
+    assert runs.RunDir(run).read_ledger() == [] and "REQUEUED" not in info["states"]
+    again = hpcx("status", str(run))  # the recorded state keeps its reason
+    assert "FAILED (ModuleNotFoundError: No module named 'hpcx_gone_task'" in again.stdout, again.stdout
