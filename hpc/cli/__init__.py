@@ -194,12 +194,14 @@ def describe_result(outcome: tuple | None, last_stop: dict | None = None) -> tp.
 
 def format_result(result: tp.Any) -> str:
     """One line for people: steps, loss from first to last, throughput, ranks and strategy."""
-    if not isinstance(result, dict) or result.get("final_loss") is None:
+    if not isinstance(result, dict) or "steps" not in result:
         return str(result)
-    losses = result.get("losses") or [result["final_loss"]]
-    rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
     stop = (" (stopped at the time limit)" if result.get("time_limit") else
             " (stopped for a preemption)" if result.get("preempted") else "")
+    if result.get("final_loss") is None:  # stopped before its first metrics line
+        return f"{result['steps']} steps{stop}, no loss logged, {result.get('world_size')} ranks, {result.get('strategy')}"
+    losses = result.get("losses") or [result["final_loss"]]
+    rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
     evaluated = (f", eval loss {result['eval_loss']:.4f} (perplexity {result['eval_perplexity']:.2f})"
                  if result.get("eval_loss") is not None else "")
     return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate} "

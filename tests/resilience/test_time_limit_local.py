@@ -67,6 +67,23 @@ def test_how_early_the_scheduler_may_signal_decides(tmp_path, left, since, early
     assert stopped_by_signal(run, FakeSide(left, early=early), since)["reason"] == reason
 
 
+@pytest.mark.parametrize("left,reason", [(2.0, "time_limit"), (-1.0, "time_limit"), (500.0, "failed")])
+def test_the_controllers_sigint_at_the_limit_is_a_time_limit(tmp_path, left, reason):
+    """No step boundary came between the controller's signal and its limit: it ends the tasks with SIGINT
+    (KeyboardInterrupt). At the limit that is the time limit, not requeued; elsewhere a cancel."""
+    from hpc.core.spec import Checkpoint
+    from trainer.resilience import LIMIT_REACHED, Resilience
+
+    run = tmp_path / "run"
+    run.mkdir()
+    side = FakeSide(left, early=0)
+    Resilience(run, Checkpoint(), 3, 0, rank=0, side=side, step=9, phase="train").failed(KeyboardInterrupt())
+    stop = runs.RunDir(run).read_ledger()[-1]
+    assert stop["reason"] == reason and not stop["requeued"] and side.asked == 0 and stop["step"] == 9
+    assert stop["not_requeued"] == (LIMIT_REACHED if reason == "time_limit" else
+                                    "KeyboardInterrupt is a cancel or an exit, not a failure")
+
+
 def write_stop(run: Path, job: str, **stop) -> None:
     (run / "ledger.jsonl").write_text(json.dumps({"event": "start", "step": 0, "job_id": job}) + "\n"
                                       + json.dumps({"event": "stop", "step": 7, "job_id": job, **stop}) + "\n")
@@ -157,3 +174,18 @@ def test_a_failure_on_a_short_limit_stays_a_failure(run_root):
     (stop,) = stops(run)
     assert stop["reason"] == "failed" and "deterministic failure" in stop["error"] and stop["step"] == 2
     assert runs.RunDir(run).read_states()[-1]["state"] == "FAILED"
+
+
+@pytest.mark.parametrize("stop,words", [
+    ({"reason": "time_limit"}, "(stopped at the time limit)"),
+    ({"reason": "preempted"}, "(stopped for a preemption)"),
+])
+def test_the_result_line_says_which_stop_it_was(stop, words):
+    from hpc.cli import describe_result, format_result
+
+    summary = {"final_loss": 2.5, "losses": [5.5, 2.5], "steps": 12, "tokens_per_s": 900.0, "world_size": 1,
+               "strategy": "none", "preempted": True}
+    line = format_result(describe_result(("success", summary), stop))
+    assert line.startswith(f"12 steps {words}, loss 5.5000 -> 2.5000") and line.endswith("1 ranks, none")
+    early = format_result(describe_result(("success", {**summary, "final_loss": None, "losses": []}), stop))
+    assert early == f"12 steps {words}, no loss logged, 1 ranks, none"  # stopped before its first log line
