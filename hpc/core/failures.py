@@ -7,6 +7,9 @@ Three questions the stop line of a failed start must answer without asking a pro
   the job, a user model without ``reset_parameters``, a type error in the first forward) repeats on every
   restart: it is never requeued (``would_repeat``). A connection error, a timeout, an out-of-memory or
   a node failure may not repeat, and joining the job (the rendezvous) never counts as deterministic.
+  A start whose code did not load (``loading_failure``: submitit unpickling the task, an import,
+  ``python -m trainer.entry`` itself) repeats too; no rank could report it, so it is told from what task
+  0 wrote to stderr.
 - **Which rank failed on its own, and which only lost a peer?** A rank whose collective failed because
   another rank vanished reports "Connection reset by peer" and the like (``is_echo``); that is not the
   failure, only its echo.
