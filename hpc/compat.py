@@ -38,6 +38,19 @@ def local_requeue_exit_code() -> int:
     return int(LOCAL_REQUEUE_RETURN_CODE)
 
 
+#: What submitit's local controller exports to itself and every task: the time limit it counts down
+#: from each start of the tasks (``submitit.local.local.start_controller``; ``Controller.timeout_s``).
+LOCAL_TIMEOUT_ENV = "SUBMITIT_LOCAL_TIMEOUT_S"
+
+
+def local_timeout_s(env: tp.Mapping[str, str]) -> float | None:
+    """The local controller's time limit in seconds, as a task sees it in ``env``; None when unset."""
+    try:
+        return float(env[LOCAL_TIMEOUT_ENV])
+    except (KeyError, ValueError):
+        return None
+
+
 # ---------------------------------------------------------------- torch.distributed.checkpoint
 
 

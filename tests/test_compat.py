@@ -96,6 +96,19 @@ def test_local_requeue_exit_code() -> None:
         assert "LOCAL_REQUEUE_RETURN_CODE" in inspect.getsource(local.Controller.run)  # what the controller checks
 
 
+def test_local_timeout_s() -> None:
+    with private_api("submitit.local.local's SUBMITIT_LOCAL_TIMEOUT_S", "hpc/schedulers/local/scheduler.py "
+                     "(LocalJobSide.seconds_left: a time limit told from a preemption on local sites)",
+                     "find how submitit's local controller now passes its time limit and update "
+                     "hpc.compat.local_timeout_s"):
+        import submitit.local.local as local
+
+        assert compat.LOCAL_TIMEOUT_ENV in inspect.getsource(local.start_controller)  # exported to the tasks
+        assert compat.LOCAL_TIMEOUT_ENV in inspect.getsource(local.Controller.__init__)  # what it counts down
+        assert compat.local_timeout_s({compat.LOCAL_TIMEOUT_ENV: "60"}) == 60.0
+        assert compat.local_timeout_s({}) is None and compat.local_timeout_s({compat.LOCAL_TIMEOUT_ENV: "x"}) is None
+
+
 def test_storage_info(tmp_path: Path) -> None:
     import torch
     import torch.distributed.checkpoint as dcp

@@ -54,7 +54,9 @@ from trainer.preemption import BoundaryVote, PreemptionFlag
 
 log = logging.getLogger("hpcx.trainer")
 SIGTERM_NOT_REQUEUED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
-TIME_LIMIT_SLACK_S = 90  # Slurm may send the signal up to 60 s before its lead (sbatch(1)); 30 s more of slack
+LIMIT_REACHED = "the time limit ended the tasks before a step boundary after its signal (nothing saved then)"
+LIMIT_REACHED_S = 5.0  # a SIGINT this close to the time limit (or past it) is the limit's
+TIME_LIMIT_SLACK_S = 30  # beyond the lead and how early the scheduler may send it (JobSide.signal_early_s)
 
 
 @dataclass
@@ -209,13 +211,20 @@ class Resilience:
 
     def _at_time_limit(self) -> bool:
         """Whether the preemption signal was the scheduler's warning of the time limit: it came at most
-        the signal lead (plus Slurm's 60 s leeway and 30 s of slack) before the job's end."""
+        the signal lead (plus how early the scheduler may send it, ``JobSide.signal_early_s``: Slurm's
+        60 s, none for the local controller; and 30 s of slack) before this incarnation's end."""
         left = self.side.seconds_left() if self.side is not None else None
         if left is None:
             return False
         since = time.time() - (self.preemption.requested_at if self.preemption and self.preemption.requested_at
                                else time.time())
-        return left + since <= self.signal_lead_s + TIME_LIMIT_SLACK_S
+        return left + since <= self.signal_lead_s + self.side.signal_early_s + TIME_LIMIT_SLACK_S
+
+    def _limit_reached(self) -> bool:
+        """Whether this start's time limit has come (a scheduler that ends the tasks with SIGINT there:
+        submitit's local controller, when no step boundary came between its signal and the limit)."""
+        left = self.side.seconds_left() if self.side is not None else None
+        return left is not None and left <= LIMIT_REACHED_S
 
     def failed(self, exc: BaseException) -> None:
         """From the exception handler of ``run_rank``, on every rank: report the failure (unless it is
@@ -229,11 +238,14 @@ class Resilience:
         if self.rank != 0 or (self.side is not None and self.side.decides_failures):
             return
         try:
-            if not isinstance(exc, Exception):  # KeyboardInterrupt (Ctrl-C), SystemExit
+            reason = "terminated" if terminated else "failed"
+            if isinstance(exc, KeyboardInterrupt) and self._limit_reached():
+                reason, why_not = "time_limit", LIMIT_REACHED
+            elif not isinstance(exc, Exception):  # KeyboardInterrupt (Ctrl-C), SystemExit
                 why_not = f"{type(exc).__name__} is a cancel or an exit, not a failure"
             else:
                 why_not = self._repeating() or self._requeue(reason="failed")
-            self._record_stop("terminated" if terminated else "failed", why_not, error=error)
+            self._record_stop(reason, why_not, error=error)
         except Exception:  # never mask the original failure
             log.exception("could not record the failure in %s", runs.RunDir.LEDGER)
             return

@@ -186,18 +186,22 @@ def describe_result(outcome: tuple | None, last_stop: dict | None = None) -> tp.
         return f"no result (the job did not finish its work{why})"
     kind, value = outcome
     if kind == "success":
-        return value
+        at_limit = isinstance(value, dict) and bool(last_stop) and last_stop.get("reason") == "time_limit"
+        return {**value, "time_limit": True} if at_limit else value
     lines = str(value).strip().splitlines()
     return "failed: " + (lines[-1] if lines else "unknown error")
 
 
 def format_result(result: tp.Any) -> str:
     """One line for people: steps, loss from first to last, throughput, ranks and strategy."""
-    if not isinstance(result, dict) or result.get("final_loss") is None:
+    if not isinstance(result, dict) or "steps" not in result:
         return str(result)
+    stop = (" (stopped at the time limit)" if result.get("time_limit") else
+            " (stopped for a preemption)" if result.get("preempted") else "")
+    if result.get("final_loss") is None:  # stopped before its first metrics line
+        return f"{result['steps']} steps{stop}, no loss logged, {result.get('world_size')} ranks, {result.get('strategy')}"
     losses = result.get("losses") or [result["final_loss"]]
     rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
-    stop = " (stopped for a preemption)" if result.get("preempted") else ""
     evaluated = (f", eval loss {result['eval_loss']:.4f} (perplexity {result['eval_perplexity']:.2f})"
                  if result.get("eval_loss") is not None else "")
     return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate} "

@@ -7,6 +7,9 @@ Three questions the stop line of a failed start must answer without asking a pro
   the job, a user model without ``reset_parameters``, a type error in the first forward) repeats on every
   restart: it is never requeued (``would_repeat``). A connection error, a timeout, an out-of-memory or
   a node failure may not repeat, and joining the job (the rendezvous) never counts as deterministic.
+  A start whose code did not load (``loading_failure``: submitit unpickling the task, an import,
+  ``python -m trainer.entry`` itself) repeats too; no rank could report it, so it is told from what task
+  0 wrote to stderr.
 - **Which rank failed on its own, and which only lost a peer?** A rank whose collective failed because
   another rank vanished reports "Connection reset by peer" and the like (``is_echo``); that is not the
   failure, only its echo.
@@ -186,3 +189,91 @@ def srun_words(status: int) -> str:
                 "was killed, or a task was (out of memory, SIGKILL, the NCCL watchdog)")
     return (f"srun exited with status {status} and no rank reported a Python error: a task was killed "
             "(out of memory, SIGKILL, the NCCL watchdog) or could not start")
+
+
+# ---------------------------------------------------------------- a start whose code did not load
+
+
+# Raised while python loads code (an import, or submitit unpickling the job's task, which imports the
+# task's module), these repeat on every restart: the same files are read again. AttributeError counts
+# only while unpickling ("Can't get attribute 'X' on <module …>": the module lacks the pickled name).
+# A torn pickle or an I/O error is not among them: that may be the file system's, once.
+LOADING_ERRORS = ("ModuleNotFoundError", "ImportError", "SyntaxError", "IndentationError", "TabError")
+TRACEBACK_HEAD = "Traceback (most recent call last):"
+RANK_PREFIX = re.compile(r"^\[(rank|default)\d+\]:\s?")  # torch's prefix on a rank's stderr lines
+EXCEPTION_LINE = re.compile(r"^(?P<cls>[A-Za-z_][\w.]*): (?P<msg>.*)$")
+UNPICKLING_FRAME = re.compile(r'File ".*submitit[/\\]core[/\\]utils\.py", line \d+, in (load|pickle_load)$')
+FILE_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
+# ``python -m MODULE`` when MODULE cannot be found prints one line, no traceback.
+MODULE_SPEC = re.compile(r"^(?P<python>\S+): Error while finding module specification for '(?P<target>[\w.]+)' "
+                         r"\((?P<cls>\w+): (?P<msg>.*)\)$")
+NO_MODULE = re.compile(r"^(?P<python>\S+): No module named (?P<target>[\w.]+)$")
+NAMED_MODULE = (re.compile(r"No module named '(?P<module>[\w.]+)'"),
+                re.compile(r"cannot import name '[\w.]+' from '(?P<module>[\w.]+)'"),
+                re.compile(r"on <module '(?P<module>[\w.]+)'"))
+
+
+def loading_failure(text: str) -> dict[str, str] | None:
+    """The error of a task whose code did not load, read from what it wrote to stderr in this start
+    (``text``), when a restart would repeat it: ``error`` (the exception's line), ``module`` (the module
+    or file it names) and ``where`` (what python was doing); None for any other failure, or none."""
+    lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
+    found = [f for f in (_last_traceback(lines), _module_spec(lines)) if f is not None]
+    return max(found, key=lambda f: f[0])[1] if found else None  # the last failure the task wrote
+
+
+def _last_traceback(lines: list[str]) -> tuple[int, dict[str, str] | None] | None:
+    """(line index, the failure when it is a loading failure, else None) of the last traceback."""
+    heads = [i for i, line in enumerate(lines) if line == TRACEBACK_HEAD]
+    if not heads:
+        return None
+    frames = list(_frames(lines, heads[-1] + 1))
+    end = heads[-1] + 1 + len(frames)
+    match = EXCEPTION_LINE.match(lines[end]) if end < len(lines) else None
+    if match is None:
+        return heads[-1], None
+    cls, msg = match.group("cls").rsplit(".", 1)[-1], match.group("msg")
+    unpickling = any(UNPICKLING_FRAME.search(f) for f in frames)
+    if cls not in LOADING_ERRORS and not (cls == "AttributeError" and unpickling):
+        return end, None
+    files = [m for m in (FILE_FRAME.match(f) for f in frames) if m]
+    module = _named_module(msg)
+    if cls in ("SyntaxError", "IndentationError", "TabError") and files:
+        module = files[-1].group("file")
+        msg = f"{msg} ({module}, line {files[-1].group('line')})"
+    where = "unpickling the job's task" if unpickling else "importing the job's code"
+    return end, {"error": f"{cls}: {msg}"[:300], "module": module, "where": where}
+
+
+def _frames(lines: list[str], start: int) -> tp.Iterator[str]:
+    """The indented lines of a traceback from ``start`` (its frames, their code, SyntaxError's caret)."""
+    for line in lines[start:]:
+        if not line.startswith((" ", "\t")):
+            return
+        yield line
+
+
+def _module_spec(lines: list[str]) -> tuple[int, dict[str, str] | None] | None:
+    """(line index, the failure) of python's own words for ``python -m MODULE`` it could not find."""
+    for i in range(len(lines) - 1, -1, -1):
+        spec, bare = MODULE_SPEC.match(lines[i]), NO_MODULE.match(lines[i])
+        if spec and spec.group("cls") in LOADING_ERRORS:
+            msg = spec.group("msg")
+            return i, {"error": f"{spec.group('cls')}: {msg}"[:300], "module": _named_module(msg) or "",
+                       "where": f"starting python -m {spec.group('target')}"}
+        if bare:
+            target = bare.group("target")
+            return i, {"error": f"ModuleNotFoundError: No module named '{target}'", "module": target,
+                       "where": f"starting python -m {target}"}
+    return None
+
+
+def _named_module(msg: str) -> str:
+    found = (p.search(msg) for p in NAMED_MODULE)
+    return next((m.group("module") for m in found if m), "")
+
+
+def loading_reason(found: dict[str, str]) -> str:
+    """The ``not_requeued`` words for a start whose code did not load (``found``: ``loading_failure``)."""
+    cls = found["error"].split(":", 1)[0]
+    return f"{cls} while {found['where']}, before the trainer started: it would fail the same way on a restart"

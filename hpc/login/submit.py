@@ -151,7 +151,8 @@ def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
         if not info:
             out[run_dir] = not_submitted(runs.RunDir(run_dir))
         elif seen and (seen[-1].get("state", "").startswith(FINAL) or settled(runs.RunDir(run_dir), seen[-1])):
-            out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl")
+            why = {"reason": seen[-1]["reason"]} if seen[-1].get("reason") else {}
+            out[run_dir] = schedulers.JobState(seen[-1]["state"], seen[-1].get("nodes", ""), "states.jsonl", why)
         elif str(info["job_id"]) in asked.get(info["scheduler"], {}):
             same_id.append((info["scheduler"], str(info["job_id"]), run_dir))
         else:
@@ -282,7 +283,8 @@ def _record(run_dir: Path, state: schedulers.JobState) -> None:
     if state.state in ("UNKNOWN", *JOB_RECORDED):
         return
     if not seen or seen[-1].get("state") != state.state:
-        runs.append_jsonl(rd.states, {"state": state.state, "nodes": state.nodes, "time": time.time()})
+        why = {"reason": state.detail["reason"]} if state.done and state.detail.get("reason") else {}
+        runs.append_jsonl(rd.states, {"state": state.state, "nodes": state.nodes, "time": time.time(), **why})
 
 
 def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str, tp.Any]:

@@ -121,15 +121,28 @@ def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool,
 def read_result(path: Path) -> tuple[str, object]:
     """submitit's result pickle: ("success", value) or ("error", traceback text).
 
-    It is a file the job (this user's own code) wrote into a 0700 folder.
+    Read with ``plain_unpickler``: both outcomes of hpcx's ``TrainTask`` are plain values (rank 0's
+    summary: numbers, strings, lists, a dict; or the traceback's text), which pickle builds from its own
+    opcodes without naming a class. A plain ``pickle.load`` would import and call whatever the file
+    names, as the user who runs ``hpcx status``; the file is the job's, but a run folder may be copied,
+    shared or written by a job gone wrong, and reading a state must not run code from it.
     """
-    import pickle  # only a finished local job's state needs it, never the list of Slurm runs
-
     try:
         with open(path, "rb") as f:
-            return pickle.load(f)
+            return plain_unpickler(f).load()
     except Exception as exc:  # noqa: BLE001 - report any unreadable result as such
         return ("error", f"unreadable result {path}: {exc}")
+
+
+def plain_unpickler(f: tp.BinaryIO) -> tp.Any:
+    """An unpickler that refuses every class and function (``find_class``): plain values only."""
+    import pickle  # only a finished local job's state needs it, never the list of Slurm runs
+
+    class Plain(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> tp.Any:
+            raise pickle.UnpicklingError(f"it names {module}.{name}; hpcx reads plain values only")
+
+    return Plain(f)
 
 
 # How a task starts: USR2 ignored by the shell at once, then, where coreutils' env can (8.31+), USR2 and
@@ -240,6 +253,9 @@ class JobSide(abc.ABC):
     """The side of one scheduler kind that runs inside a job's task."""
 
     kind: str = ""
+    # How much earlier than its lead this scheduler may send the time-limit signal (Slurm: up to 60 s,
+    # sbatch(1)); what the trainer allows before calling a signal a preemption rather than the time limit.
+    signal_early_s: float = 0.0
 
     @classmethod
     def started_this_task(cls, env: tp.Mapping[str, str]) -> bool:
@@ -284,12 +300,18 @@ class JobSide(abc.ABC):
         """(seconds this incarnation waited in the queue, where that figure came from)."""
 
     def seconds_left(self) -> float | None:
-        """Seconds until this job's time limit; None when there is none or nobody can tell."""
+        """Seconds until this incarnation's time limit; None when there is none or nobody can tell."""
         return None
 
     def await_time_limit(self) -> None:
         """After a stop at the time-limit signal that was not requeued: return once the job may end.
-        A scheduler that records TIMEOUT only when the limit itself ends the job holds until then."""
+        A scheduler that records TIMEOUT only when the limit itself ends the job holds until then; one
+        whose state hpcx reads off the ledger (local: ``time_limit``, not requeued) returns at once."""
+
+    def start_log(self, run_dir: Path) -> str:
+        """What this start's task 0 wrote to stderr, where the scheduler keeps it, for a failure no rank
+        could report (the job's code did not load: ``hpc.core.failures.loading_failure``); "" if none."""
+        return ""
 
     def task_ends(self, run_dir: Path) -> list[dict]:
         """The scheduler's account of this start's tasks that ended badly, in order (``ranks``, ``host``,

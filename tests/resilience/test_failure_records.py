@@ -293,10 +293,11 @@ def test_another_ranks_repeating_report_stops_rank_0s_requeue(run_dir, monkeypat
 
 
 class FakeSide(LocalJobSide):
-    """A job side whose time limit is ``left`` seconds away; records the waits and requeues asked."""
+    """A job side whose time limit is ``left`` seconds away and whose signal may come ``early`` seconds
+    before its lead (Slurm's 60 s by default); records the waits and requeues asked."""
 
-    def __init__(self, left: float | None):
-        self.left, self.held, self.asked = left, 0, 0
+    def __init__(self, left: float | None, early: float = 60.0):
+        self.left, self.held, self.asked, self.signal_early_s = left, 0, 0, early
 
     def job_id(self) -> str:
         return "777"

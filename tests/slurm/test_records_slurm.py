@@ -109,3 +109,25 @@ def test_a_time_limit_with_no_requeue_left_ends_as_timeout_not_failed(sandbox):
     assert (folder / "checkpoints" / f"step-{stop['step']:07d}" / ".metadata").is_file()
     assert final["last_stop"]["words"].startswith(f"time limit at step {stop['step']} (not requeued")
     assert "Traceback" not in (folder / "logs" / "rank-0.log").read_text()
+
+
+def test_a_task_that_cannot_be_unpickled_is_not_requeued(sandbox, tmp_path):
+    """The task's class lives in a module only the submitting process can import: every task fails while
+    submitit unpickles it, before the trainer runs and before any rank can report. The check after srun
+    reads task 0's traceback from this start's part of the batch log and does not requeue."""
+    from tests.resilience.test_loading_failures import submit_unloadable
+    from tests.slurm.test_failure_slurm import HSDP
+
+    folder = submit_unloadable(tmp_path / "login-only", HSDP, "job.name=records-unpickle", "train.steps=4",
+                               "job.max_requeues=3", site="sandbox")
+    final = wait_state(folder, TERMINAL, timeout=120)
+    assert final["state"] == "FAILED" and final["restarts"] == 0, final
+    (stop,) = ledger(folder)
+    assert stop["by"] == "batch script" and not stop["requeued"] and stop["started"] is False
+    assert stop["error"] == "ModuleNotFoundError: No module named 'hpcx_gone_task'"
+    assert stop["module"] == "hpcx_gone_task" and stop["srun_status"] != 0
+    assert stop["not_requeued"] == ("ModuleNotFoundError while unpickling the job's task, before the trainer "
+                                    "started: it would fail the same way on a restart")
+    assert "REQUEUED" not in states(folder) and not list((folder / "requeue").glob("*.requeued"))
+    assert sacct_state(job_of(folder)) == "FAILED"
+    assert "No module named 'hpcx_gone_task'" in hpcx("status", str(folder)).stdout

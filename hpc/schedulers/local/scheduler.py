@@ -20,8 +20,9 @@ import typing as tp
 from pathlib import Path
 
 from hpc import compat
+from hpc.core import failures
 from hpc.core.errors import UserError
-from hpc.core.procs import pid_alive
+from hpc.core.procs import pid_alive, process_start_time
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
                                  result_path, task_command, wait_since_last_stop)
 
@@ -111,19 +112,29 @@ def task_pids(controller_pid: int) -> list[int]:
 
 def local_state(job_id: str, run_dir: Path) -> JobState:
     """RUNNING while the controller lives; then CANCELLED when the ledger's last stop followed a
-    SIGTERM (``hpcx cancel``), else the result pickle tells COMPLETED or FAILED."""
+    SIGTERM (``hpcx cancel``), TIMEOUT when it was the time limit with no requeue left (the controller
+    has no such state: rank 0 stops at its signal, saves and leaves), else the result pickle tells
+    COMPLETED or FAILED. A task whose code did not load (``hpc.core.failures.loading_failure``) is never
+    retried here: the controller restarts tasks only on the trainer's requeue status; FAILED says why."""
     from hpc.core.runs import RunDir
 
     if controller_alive(job_id, run_dir):
         return JobState("RUNNING", "localhost", "process")
     stops = [e for e in RunDir(run_dir).read_ledger() if e.get("event") == "stop"]
-    if stops and stops[-1].get("reason") == "terminated" and str(stops[-1].get("job_id")) == str(job_id):
+    last = stops[-1] if stops and str(stops[-1].get("job_id")) == str(job_id) else {}
+    if last.get("reason") == "terminated":
         return JobState("CANCELLED", "localhost", "ledger")
+    if last.get("reason") == "time_limit" and not last.get("requeued"):
+        return JobState("TIMEOUT", "localhost", "ledger")
     result = result_path(Path(run_dir) / SUBMITIT_DIR, job_id)
     if not result.exists():
         return JobState("FAILED", "localhost", "process", {"reason": "no result written"})
     outcome = read_result(result)
-    return JobState("COMPLETED" if outcome[0] == "success" else "FAILED", "localhost", "result")
+    if outcome[0] == "success":
+        return JobState("COMPLETED", "localhost", "result")
+    loading = failures.loading_failure(str(outcome[1]))
+    why = {"reason": f"{loading['error']}, while {loading['where']}: not retried"} if loading else {}
+    return JobState("FAILED", "localhost", "result", why)
 
 
 class LocalScheduler(Scheduler):
@@ -189,6 +200,18 @@ class LocalJobSide(JobSide):
 
     def requeue(self) -> str | None:
         return None  # granted: the task leaves with LOCAL_REQUEUE_EXIT after the stop line
+
+    def seconds_left(self) -> float | None:
+        """The controller's time limit less the time since this task started: the controller starts
+        its clock as it starts the tasks, afresh after each requeue, and sends the preemption signal
+        ``signal_delay_s`` before the end, never earlier (its clock only runs late). The limit is the one
+        the controller counts down from (``hpc.compat.local_timeout_s``: ``job.time_limit_min``)."""
+        limit = compat.local_timeout_s(os.environ)
+        return None if limit is None else limit - (time.time() - process_start_time())
+
+    def await_time_limit(self) -> None:
+        """Return at once: the controller would end the tasks at the limit with SIGINT, as if they had
+        failed. The job ends here; ``hpcx status`` reads TIMEOUT off the ledger (``local_state``)."""
 
     def leave_for_requeue(self) -> None:
         import logging

@@ -36,7 +36,10 @@ def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] |
 
     Who failed and how comes from srun's account of the tasks (``JobSide.task_ends``: the rank that died
     and its signal, not the survivors that lost their connection) and the ranks' reports; the saves this
-    start committed from the run folder (``hpc.core.failures.saves_of``), not from a process that is gone."""
+    start committed from the run folder (``hpc.core.failures.saves_of``), not from a process that is gone.
+    A start that failed before the trainer ran (no start line, no report) because python could not load
+    the job's code (``hpc.core.failures.loading_failure``: an import or unpickling error) is not
+    requeued: it would fail the same way."""
     rd = RunDir(run_dir)
     ledger = rd.read_ledger()
     mine = started_here(ledger, side)
@@ -46,14 +49,30 @@ def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] |
     reports = failure_reports(run_dir, incarnation)
     step = _failed_step(rd, ledger, mine, reports)
     account = failures.failure_account(reports, _task_ends(side, run_dir), status)
+    loading = _loading_failure(side, run_dir) if mine is None and not reports else None
+    if loading is not None:  # the job's code did not load: its own error, not srun's words for the exit
+        account.update(error=loading["error"], module=loading["module"])
     saves, save_s = _saves(run_dir, incarnation, reports)
     spec = rd.read_resolved().get("spec", {})
-    why_not = _policy(spec, ledger, step, side, reports) or request(side, run_dir, incarnation, "batch script",
-                                                                     "failed")
+    why_not = ((failures.loading_reason(loading) if loading else _policy(spec, ledger, step, side, reports))
+               or request(side, run_dir, incarnation, "batch script", "failed"))
     line = stop_line(step, "failed", why_not, side, "batch script", srun_status=status, started=mine is not None,
                      save_s=save_s, saves=saves, **account)
     append_jsonl(rd.ledger, line)
     return line
+
+
+def _loading_failure(side: JobSide, run_dir: Path) -> dict[str, str] | None:
+    """A start that wrote no start line and whose ranks reported nothing: did python fail to load the
+    job's code (submitit unpickling the task, an import, ``python -m trainer.entry`` itself)? Read from
+    task 0's stderr in this start's part of the batch log, not from submitit's result pickle: the log
+    is marked per start (the pickle is overwritten by each start, and stale when one died without
+    writing it), it also holds what python says when it cannot start the task module at all (no pickle
+    then), and reading text runs nothing from the run folder."""
+    try:
+        return failures.loading_failure(side.start_log(run_dir))
+    except (OSError, ValueError):
+        return None
 
 
 def _task_ends(side: JobSide, run_dir: Path) -> list[dict]:

@@ -460,6 +460,7 @@ class SlurmJobSide(JobSide):
     """Inside a Slurm job: ``SLURM_JOB_ID``, ``SLURM_RESTART_COUNT``, ``scontrol requeue``."""
 
     kind = "slurm"
+    signal_early_s = 60.0  # sbatch(1): "the signal may be sent up to 60 seconds earlier than specified"
 
     @classmethod
     def started_this_task(cls, env: tp.Mapping[str, str]) -> bool:
@@ -526,15 +527,20 @@ class SlurmJobSide(JobSide):
             time.sleep(2.0)
 
     def task_ends(self, run_dir: Path) -> list[dict]:
-        """srun's lines about this start's tasks in the batch log (``srun_task_ends``), read from its end."""
+        """srun's lines about this start's tasks in the batch log (``srun_task_ends``)."""
+        return srun_task_ends(self.start_log(run_dir))
+
+    def start_log(self, run_dir: Path) -> str:
+        """This start's part of the batch log (``this_start``), read from its end: the batch shell's and
+        srun's lines, and task 0's stderr, which shares the file (``batch_log``)."""
         path = batch_log(Path(run_dir) / SUBMITIT_DIR, self.job_id() or "")
         try:
             with open(path, "rb") as f:
                 f.seek(max(0, path.stat().st_size - BATCH_LOG_TAIL))
                 text = f.read().decode("utf-8", errors="replace")
         except FileNotFoundError:
-            return []
-        return srun_task_ends(this_start(text, self.job_id() or "", self.restart_count()))
+            return ""
+        return this_start(text, self.job_id() or "", self.restart_count())
 
     @property
     def decides_failures(self) -> bool:
