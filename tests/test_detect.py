@@ -581,8 +581,8 @@ def test_detect_cli_given_a_mig_listing_exits_2_in_one_line(option):
 
 def _relabelled(name: str, gpu: int, label: str) -> str:
     """The recorded matrix with GPU<gpu>'s column header and row label edited to ``label``. No recorded `topo -m`
-    of a MIG-enabled node shows MIG devices in the matrix (those seen list whole GPUs only): this edit stands for
-    a matrix that would, so that such labels are never read as NICs or counted as GPUs."""
+    of a MIG-enabled node was found, with or without MIG devices in the matrix: this edit stands for one that
+    would have them, so that such labels are never read as NICs or counted as GPUs."""
     lines = _lines(name)
     header, end = _gpu_rows(name)
     lines[header] = lines[header].replace(f"GPU{gpu}", label, 1)

@@ -18,9 +18,10 @@ file that parses as TOML, whatever the tools printed.
 MIG: hpcx plans whole GPUs, so a MIG device is never counted as one. ``mig.mode.current`` in the
 query output puts the advice (disable MIG for training, or write the profile by hand) in the draft's
 comments; a ``nvidia-smi -L`` listing with MIG devices, or a matrix whose labels are MIG devices
-(``GPU0/1/0``, ``MIG 1g.10gb Device 0``, ``MIG-…``), is refused with that advice in one line. Real
-``topo -m`` outputs of MIG-enabled nodes seen so far list the whole GPUs only (``GPU0`` …); the
-label check keeps a MIG device from ever being read as a NIC column or row.
+(``GPU0/1/0``, ``MIG 1g.10gb Device 0``, ``MIG-…``), is refused with that advice in one line. No
+recorded ``topo -m`` of a MIG-enabled node was found (the recorded matrices label GPUs ``GPU#`` and
+NICs ``NIC#``/``mlx5_#`` only), so the topo side is a guard: a MIG label is never read as a NIC
+column or row, nor counted as a GPU.
 """
 
 from __future__ import annotations
