@@ -486,10 +486,27 @@ def test_mig_devices_are_said(enabled):
     assert query.mig == [n in enabled for n in range(8)] and len(query.names) == 8
     draft = draft_site("mig", parse_topo((DATA / H100).read_text()), query, None, Host(cpus=8, memory_gb=64.0))
     said = [u for u in draft.unknown if u.startswith("MIG is enabled on GPU")]
-    assert said == [f"MIG is enabled on GPU {', '.join(map(str, sorted(enabled)))} (mig.mode.current): a task there "
-                    "sees MIG devices (slices), not the whole GPU, and one NCCL job cannot span MIG devices; the "
-                    "profile counts whole GPUs: disable MIG (`nvidia-smi -mig 0`) on the nodes hpcx runs on"]
+    listed = sorted(enabled)
+    assert said == [f"MIG is enabled on GPU {', '.join(map(str, listed))} (mig.mode.current): hpcx plans whole GPUs "
+                    "and never counts a MIG device as one (a task there sees a slice, and one NCCL job cannot span MIG "
+                    f"devices); for training, disable MIG (`sudo nvidia-smi -i {','.join(map(str, listed))} -mig 0`) "
+                    "on the nodes hpcx runs on, or write the profile by hand (docs/site.md)"]
+    assert draft.node["gpus"] == 8  # whole GPUs, however many MIG devices they hold
     assert "# unknown: MIG is enabled on GPU" in render_toml(draft)
+
+
+def test_detect_cli_with_mig_enabled_drafts_a_loadable_profile_that_says_so(tmp_path):
+    query = tmp_path / "query.csv"
+    query.write_text(_query_with_mig({2, 5}))
+    out = detect_cli("--topo", str(DATA / H100), "--query", str(query), "--scontrol", "/dev/null")
+    assert out.returncode == 0, out.stderr
+    assert "# unknown: MIG is enabled on GPU 2, 5 (mig.mode.current): hpcx plans whole GPUs" in out.stdout
+    assert "`sudo nvidia-smi -i 2,5 -mig 0`" in out.stdout and "write the profile by hand" in out.stdout
+    draft = tmp_path / "draft.toml"
+    draft.write_text(out.stdout)
+    shown = hpcx("site", "show", str(draft), "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert '"gpus": 8' in shown.stdout
 
 
 def test_mig_column_disabled_everywhere_says_nothing():
@@ -528,3 +545,64 @@ def test_the_gpu_listing_is_named(parser, tool):
     with pytest.raises(ValueError) as info:
         parser((DATA / SMI_LIST).read_text())
     assert str(info.value) == f"this is `nvidia-smi -L` output, not `{tool}`"
+
+
+SMI_LIST_MIG = "nvidia-smi-L_1x-a100-80gb-pcie_7x-mig-1g.10gb.txt"
+MIG_ADVICE = ("MIG is enabled on GPU 0 (`nvidia-smi -L` lists MIG devices): hpcx plans whole GPUs and never counts a "
+              "MIG device as one (a task there sees a slice, and one NCCL job cannot span MIG devices); for training, "
+              "disable MIG (`sudo nvidia-smi -i 0 -mig 0`) on the nodes hpcx runs on, or write the profile by hand "
+              "(docs/site.md)")
+
+
+def test_mig_devices_of_a_gpu_listing_are_counted_apart_from_its_gpus():
+    text = (DATA / SMI_LIST_MIG).read_text()
+    assert hpc.schedulers.slurm.detect.smi_list_mig(text) == {0: 7}  # one GPU, seven 1g.10gb MIG devices
+    assert hpc.schedulers.slurm.detect.smi_list_mig((DATA / SMI_LIST).read_text()) == {}
+
+
+@pytest.mark.parametrize("parser,tool", [(parse_query_gpu, "nvidia-smi --query-gpu=name,memory.total --format=csv"),
+                                         (parse_topo, "nvidia-smi topo -m")])
+def test_a_gpu_listing_with_mig_devices_is_refused_with_what_to_do(parser, tool):
+    with pytest.raises(ValueError) as info:
+        parser((DATA / SMI_LIST_MIG).read_text())
+    assert str(info.value) == f"this is `nvidia-smi -L` output with 7 MIG devices, not `{tool}`; {MIG_ADVICE}"
+
+
+@pytest.mark.parametrize("option", ["--query", "--topo"])
+def test_detect_cli_given_a_mig_listing_exits_2_in_one_line(option):
+    other = "--topo" if option == "--query" else "--query"
+    out = detect_cli(option, str(DATA / SMI_LIST_MIG), other, str(DATA / (H100 if other == "--topo" else QUERY)),
+                     "--scontrol", "/dev/null")
+    assert out.returncode == 2 and not out.stdout
+    tool = "nvidia-smi --query-gpu=name,memory.total --format=csv" if option == "--query" else "nvidia-smi topo -m"
+    assert out.stderr.splitlines() == [f"error: {DATA / SMI_LIST_MIG}: this is `nvidia-smi -L` output with 7 MIG "
+                                       f"devices, not `{tool}`; {MIG_ADVICE}"]
+
+
+def _relabelled(name: str, gpu: int, label: str) -> str:
+    """The recorded matrix with GPU<gpu>'s column header and row label edited to ``label``. No recorded `topo -m`
+    of a MIG-enabled node was found, with or without MIG devices in the matrix: this edit stands for one that
+    would have them, so that such labels are never read as NICs or counted as GPUs."""
+    lines = _lines(name)
+    header, end = _gpu_rows(name)
+    lines[header] = lines[header].replace(f"GPU{gpu}", label, 1)
+    at = next(i for i in range(header + 1, end) if lines[i].startswith(f"GPU{gpu}\t"))
+    lines[at] = label + lines[at][len(f"GPU{gpu}"):]
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("label,parents", [("GPU7/1/0", "GPU 7"), ("MIG 1g.10gb Device 0", "this node's GPUs"),
+                                           ("MIG-c1d3d074-7dc1-5e89-8a5f-6d0b08327092", "this node's GPUs")])
+@pytest.mark.parametrize("name", [H100, A100])
+def test_a_matrix_labelling_mig_devices_is_refused(name, label, parents):
+    with pytest.raises(ValueError) as info:
+        parse_topo(_relabelled(name, 7, label))
+    message = str(info.value)
+    assert message.startswith(f"the matrix labels MIG devices ({label}) where GPUs belong; MIG is enabled on {parents} "
+                              "(`nvidia-smi topo -m`): hpcx plans whole GPUs")
+    assert "write the profile by hand" in message and "\n" not in message
+
+
+def test_recorded_matrices_have_no_mig_labels():
+    for name in (H100, H200, A100, NV18_SPACES, PCIE8, A6000, V100_PAIR, DGX1_MP):
+        hpc.schedulers.slurm.detect.check_no_mig((DATA / name).read_text().splitlines())

@@ -4,18 +4,28 @@ The machine is shared and noisy, so absolute times drift; what is printed is the
 median of N runs of each command, interleaved, and the difference and ratio to
 the interpreter's own start-up. Goal: each hpcx command ≤ python -c pass + 0.3 s.
 
-`hpcx status` (the list) is timed over a run root of 100 run folders (Slurm jobs, 5000-line
+`hpcx status` (the list) is timed over a run root of 120 run folders (Slurm jobs, 5000-line
 metrics files, the newest 20 not yet recorded as ended), twice: with the cluster up (the sandbox's
 Slurm when it answers) and down (a slurm.conf whose slurmctld and slurmdbd listen nowhere, through
 SLURM_CONF: the shared sandbox keeps running), each on its own copy of the run root, whose live runs'
 states.jsonl are reset before every call (a call records the states it learns, and runs recorded as
-ended are not asked again).
+ended are not asked again). Beside each wall time it prints the call's CPU seconds (user + system,
+sacct and squeue included): what a loaded machine stretches, so the figure to compare across loads.
 
 hpcx runs as installed: with its bytecode cached (pip compiles it at install), also where the shell sets
 PYTHONDONTWRITEBYTECODE (the warm-up run writes it); `--no-bytecode` keeps that setting, and every
 command then compiles hpc/ from source.
 
-    python bench/cli_latency/run.py [--runs 15] [--run-folders 100] [--no-bytecode]
+`--only status` times just the two status calls against the baseline. `--hpcx COMMAND` runs another
+hpcx than the installed console script, and `--compare COMMAND` times another one too, interleaved
+with this one, in rows marked `(compare)`: a before/after on the same load, e.g. (from outside the
+checkout, with OLD an older one's copy) `--compare "env PYTHONPATH=OLD .venv/bin/python -m hpc.cli"`.
+`--load N` keeps N busy processes (plain Python loops, not niced) running while it measures, to see
+a login node under load; the load average printed is the machine's at the end, and the runnable
+processes are sampled before every call, other users' included.
+
+    python bench/cli_latency/run.py [--runs 15] [--run-folders 120] [--no-bytecode] [--only status]
+                                    [--load N] [--hpcx COMMAND] [--compare COMMAND]
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -110,17 +122,18 @@ def cluster_down(tmp: Path) -> dict[str, str]:
 Command = tuple[list[str], dict[str, str], Path | None]  # argv, environment, run root to reset first
 
 
-def commands(tmp: Path, root: Path) -> dict[str, Command]:
-    hpcx = shutil.which("hpcx") or str(Path(sys.executable).with_name("hpcx"))
+def commands(tmp: Path, root: Path, hpcx_command: str | None = None) -> dict[str, Command]:
+    hpcx = shlex.split(hpcx_command) if hpcx_command else \
+        [shutil.which("hpcx") or str(Path(sys.executable).with_name("hpcx"))]
     down = tmp / "runs-down"
     shutil.copytree(root, down)
     return {
         "python -c pass": ([sys.executable, "-c", "pass"], {}, None),
-        "hpcx --help": ([hpcx, "--help"], {}, None),
-        "hpcx render": ([hpcx, "render", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", "sandbox"], {}, None),
-        "hpcx plan": ([hpcx, "plan", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100"], {}, None),
-        "status, up": ([hpcx, "status"], status_env(tmp, root, "up"), root),
-        "status, down": ([hpcx, "status"], {**status_env(tmp, down, "down"), **cluster_down(tmp)}, down),
+        "hpcx --help": ([*hpcx, "--help"], {}, None),
+        "hpcx render": ([*hpcx, "render", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", "sandbox"], {}, None),
+        "hpcx plan": ([*hpcx, "plan", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100"], {}, None),
+        "status, up": ([*hpcx, "status"], status_env(tmp, root, "up"), root),
+        "status, down": ([*hpcx, "status"], {**status_env(tmp, down, "down"), **cluster_down(tmp)}, down),
     }
 
 
@@ -134,50 +147,110 @@ def environment(env: dict[str, str]) -> dict[str, str]:
     return full
 
 
-def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None) -> float:
+CPU: dict[str, list[float]] = {}  # command -> CPU seconds (user + system) of each call, its children included
+
+
+def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None, name: str = "") -> float:
+    """Wall seconds of one call; its CPU seconds (the process and what it ran) go to CPU[name]."""
     if reset is not None:
         reset_live(reset)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=environment(env))
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    CPU.setdefault(name, []).append(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime)
+    return wall
+
+
+def busy(count: int) -> list[subprocess.Popen]:
+    """``count`` processes spinning at normal priority (the load of other users on a login node)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument("--run-folders", type=int, default=100)
+    parser.add_argument("--run-folders", type=int, default=120)
     parser.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE if set")
+    parser.add_argument("--only", choices=["status"], help="time only the status calls (and the baseline)")
+    parser.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes while measuring")
+    parser.add_argument("--hpcx", metavar="COMMAND", help="how to run hpcx (default: the installed console script), "
+                        "e.g. 'python -m hpc.cli' with PYTHONPATH set to another checkout, to compare")
+    parser.add_argument("--compare", metavar="COMMAND", help="also time the same calls through this hpcx "
+                        "(e.g. 'env PYTHONPATH=OLD python -m hpc.cli'), interleaved: '(compare)' rows")
     args = parser.parse_args()
     BYTECODE[0] = not args.no_bytecode
     with tempfile.TemporaryDirectory(prefix="hpcx-cli-bench-") as folder:
         tmp = Path(folder)
         root = tmp / "runs"
         make_run_root(root, args.run_folders, live=20)
-        cmds = commands(tmp, root)
-        samples: dict[str, list[float]] = {name: [] for name in cmds}
-        for name, (cmd, env, reset) in list(cmds.items()):  # warm the page cache; drop commands that fail here
-            try:
-                timed(cmd, env, reset)
-            except subprocess.CalledProcessError:
-                print(f"skipping {name!r}: it fails on this checkout", file=sys.stderr)
-                del cmds[name], samples[name]
-        for _ in range(args.runs):
-            for name, (cmd, env, reset) in cmds.items():  # interleaved so drift hits every command alike
-                samples[name].append(timed(cmd, env, reset))
-        shown = {}
-        for name in ("status, up", "status, down"):
-            cmd, env, reset = cmds[name]
-            reset_live(reset)
-            shown[name] = subprocess.run(cmd, capture_output=True, text=True, env=environment(env)).stdout
+        cmds = commands(tmp, root, args.hpcx)
+        if args.compare:  # the same calls through another hpcx, interleaved with these: a fair before/after
+            (tmp / "compare").mkdir()
+            other = commands(tmp / "compare", root, args.compare)
+            cmds.update({f"{k} (compare)": v for k, v in other.items() if k != "python -c pass"})
+        if args.only:
+            cmds = {k: v for k, v in cmds.items() if k == "python -c pass" or k.startswith(args.only)}
+        spinning = busy(args.load)
+        try:
+            samples, shown = measure(cmds, args.runs)
+        finally:
+            for proc in spinning:
+                proc.kill()
+                proc.wait()
+            load = os.getloadavg()
+    report(samples, shown, load, args)
+
+
+def runnable() -> int:
+    """Processes running or ready to run right now (/proc/loadavg's fourth field), this bench's call included."""
+    try:
+        return int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def measure(cmds: dict[str, Command], runs: int) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Median-ready samples of each command (interleaved), and what each status call printed; the
+    machine's runnable processes are sampled before every command (``samples["runnable"]``)."""
+    samples: dict[str, list[float]] = {name: [] for name in cmds}
+    for name, (cmd, env, reset) in list(cmds.items()):  # warm the page cache; drop commands that fail here
+        try:
+            timed(cmd, env, reset)
+        except subprocess.CalledProcessError:
+            print(f"skipping {name!r}: it fails on this checkout", file=sys.stderr)
+            del cmds[name], samples[name]
+    queue: list[float] = []
+    for _ in range(runs):
+        for name, (cmd, env, reset) in cmds.items():  # interleaved so drift hits every command alike
+            queue.append(runnable())
+            samples[name].append(timed(cmd, env, reset, name))
+    shown = {}
+    for name in [n for n in cmds if n.startswith("status")]:
+        cmd, env, reset = cmds[name]
+        reset_live(reset)
+        shown[name] = subprocess.run(cmd, capture_output=True, text=True, env=environment(env)).stdout
+    samples["runnable"] = queue
+    return samples, shown
+
+
+def report(samples: dict[str, list[float]], shown: dict[str, str], load: tuple[float, float, float],
+           args: argparse.Namespace) -> None:
+    queue = samples.pop("runnable")
     base = statistics.median(samples["python -c pass"])
     bytecode = "cached" if BYTECODE[0] or not os.environ.get("PYTHONDONTWRITEBYTECODE") else "compiled every run"
-    print(f"load average {os.getloadavg()[0]:.2f}; status lists 20 of {args.run_folders} run folders; "
-          f"bytecode {bytecode}")
-    print(f"{'command':16} {'median s':>9} {'- base s':>9} {'ratio':>6}  goal: ≤ base + 0.300 s")
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({args.load} busy processes of the bench's own); "
+          f"{os.cpu_count()} CPUs; runnable processes before each call: median {statistics.median(queue):g}, "
+          f"max {max(queue):g}; status lists 20 of {args.run_folders} run folders; bytecode {bytecode}")
+    cpu_base = statistics.median(CPU["python -c pass"])
+    print(f"{'command':26} {'median s':>9} {'- base s':>9} {'ratio':>6}  {'CPU s':>6} {'- base':>6}  "
+          "goal: ≤ base + 0.300 s")
     for name, values in samples.items():
-        med = statistics.median(values)
+        med, cpu = statistics.median(values), statistics.median(CPU[name])
         verdict = "" if name == "python -c pass" else ("ok" if med - base <= 0.3 else "OVER")
-        print(f"{name:16} {med:9.3f} {med - base:9.3f} {med / base:6.2f}  {verdict}")
+        print(f"{name:26} {med:9.3f} {med - base:9.3f} {med / base:6.2f}  {cpu:6.3f} {cpu - cpu_base:6.3f}  {verdict}")
+    print("CPU s: user + system seconds of the call and what it ran (sacct, squeue), the load-independent part")
     for name, text in shown.items():
         lines = text.splitlines()
         print(f"{name} shows: {lines[0] if lines else '(nothing)'}")

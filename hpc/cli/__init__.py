@@ -19,6 +19,7 @@ from hpc import __version__
 from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 from hpc.core.config import ConfigError
 from hpc.core.validate import shown
+from hpc.login.status import format_status  # noqa: F401 - `hpcx status`'s line, also imported from here
 
 class LazyGroup(ErrorsGroup):
     """A group whose commands that live in their own modules (``lazy``: name -> (module, attribute)) are
@@ -209,26 +210,11 @@ def format_result(result: tp.Any) -> str:
 
 
 def run_roots() -> list[Path]:
-    """Every site profile's run root. A profile that fails to load is named on stderr and its
-    ``storage.run_root`` is still searched when it can be read, so its runs never vanish silently."""
-    from hpc.core.site import find_sites, load_site, raw_run_root
+    """Every site profile's run root (``hpc.login.status.run_roots``), a profile that fails to load named
+    on stderr."""
+    from hpc.login.status import run_roots as roots
 
-    roots = []
-    for name, (path, _) in find_sites().items():
-        try:
-            roots.append(load_site(name).run_root())
-        except ConfigError as exc:
-            root = raw_run_root(path)
-            also = f"; still looking for its runs in {root}" if root else ""
-            click.echo(f"warning: site profile {path} does not load ({exc.messages[0]}){also}", err=True)
-            roots += [root] if root else []
-    from hpc.login.roots import remembered  # runs made under a spec's job.run_root, or a site given as a path
-
-    return list(dict.fromkeys(roots + remembered()))
-
-
-LIST_RUNS = 20
-LIST_TIMEOUT_S = 3.0  # the list waits this long for the scheduler, then says "unknown (scheduler unreachable)"
+    return roots(lambda message: click.echo(message, err=True))
 
 
 @cli.command()
@@ -241,30 +227,18 @@ def status(ref: str | None, as_json: bool) -> None:
     scheduler does not answer shows "unknown (scheduler unreachable)".
     """
     from hpc.core import runs
-    from hpc.login import submit as sub
+    from hpc.login import status as listing, submit as sub
 
     if ref:  # one run: a folder that lies about itself is an error line; in the list it is a row
         target = runs.find_run(ref, run_roots())
         infos = [sub.summary(target, sub.job_states([target], sub.QUERY_TIMEOUT_S)[target])]
-    else:
-        infos = sub.summaries(runs.list_runs(run_roots())[:LIST_RUNS], LIST_TIMEOUT_S)
+    else:  # the list (the console script prints a bare `hpcx status` without Click: hpc.entry)
+        infos = listing.recent(lambda message: click.echo(message, err=True))
     if as_json:
         echo_json(infos[0] if ref else infos)
         return
     for info in infos:
         click.echo(format_status(info))
-
-
-def format_status(info: dict) -> str:
-    step = info["step"] if info["step"] is not None else "-"
-    ledger = info["ledger"]
-    return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
-            f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
-            + (f"  eval loss {info['eval_loss']:.4f} (perplexity {info['eval_perplexity']:.2f})"
-               if info.get("eval_loss") is not None else "")
-            + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
-               f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
-            + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else ""))
 
 
 @cli.command()

@@ -73,7 +73,9 @@ def detect_command(name: str, topo: str | None, query: str | None, scontrol: str
 
     Runs nvidia-smi and scontrol for the files not given; says in comments what it found, what it
     assumed and what it could not tell. A matrix cut short, asymmetric or with unknown cells is
-    refused (exit 2). Without Slurm the draft is a `local` site for this machine.
+    refused (exit 2). Without Slurm the draft is a `local` site for this machine. hpcx plans whole
+    GPUs: MIG enabled (mig.mode.current) is said in the draft's comments, and MIG devices given in
+    place of GPUs (a `nvidia-smi -L` listing, a matrix labelling them) are refused (exit 2).
     """
     from hpc import schedulers
 

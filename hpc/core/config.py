@@ -10,7 +10,6 @@ fixes a file in one pass. Nothing here imports torch.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import os
@@ -71,12 +70,16 @@ def nearest(key: str, valid: tp.Sequence[str]) -> str | None:
     same = [x for x in valid if skeleton(x) == skeleton(key)]
     if same:
         return same[0]
+    import difflib  # only when a key is wrong
+
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     return close[0] if close else None
 
 
 def lookalike_note(key: str, close: str) -> str:
     """`` (`е` is U+0435 CYRILLIC SMALL LETTER IE, not `e`)`` for each non-ASCII character of ``key``."""
+    import difflib
+
     pairs = {}
     for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, key, close, autojunk=False).get_opcodes():
         for n, ch in enumerate(key[i1:i2]):

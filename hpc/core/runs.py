@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 import typing as tp
 from contextlib import contextmanager
@@ -74,6 +73,8 @@ def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
         for sub in RunDir.FOLDERS:
             (run / sub).mkdir(mode=dir_mode)
     except OSError as exc:  # out of inodes or quota: leave no half-made run
+        import shutil
+
         shutil.rmtree(run, ignore_errors=True)
         raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
     return run
@@ -160,17 +161,26 @@ def torn_json(path: Path) -> bool:
     return False
 
 
-def tail_lines(path: Path, chunk: int) -> tuple[int, list[bytes]] | None:
-    """(file size, the complete lines among its last ``chunk`` bytes, newest first); None when absent.
-    A line cut by the chunk's start is left out."""
+def tail_bytes(path: Path, chunk: int) -> tuple[int, bytes] | None:
+    """(file size, its last ``chunk`` bytes); None when absent."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             f.seek(max(0, size - chunk))
-            lines = f.read().splitlines()
+            return size, f.read()
     except FileNotFoundError:
         return None
+
+
+def tail_lines(path: Path, chunk: int, tail: tuple[int, bytes] | None = None) -> tuple[int, list[bytes]] | None:
+    """(file size, the complete lines among its last ``chunk`` bytes, newest first); None when absent.
+    A line cut by the chunk's start is left out. ``tail``: those bytes, already read (``tail_bytes``)."""
+    tail = tail or tail_bytes(path, chunk)
+    if tail is None:
+        return None
+    size, data = tail
+    lines = data.splitlines()
     return size, list(reversed(lines[1:] if size > chunk else lines))
 
 
@@ -194,11 +204,11 @@ def read_last_jsonl(path: Path, chunk: int = 8192) -> dict | None:
 def read_last_jsonl_with(path: Path, key: str, chunk: int = 1 << 16) -> dict | None:
     """The last complete JSON line holding ``key`` among the last ``chunk`` bytes (eval lines are
     sparse among the metrics lines: ``status`` reads no more than 64 KiB, some 200 lines, for them)."""
-    tail = tail_lines(path, chunk)
-    if tail is None:
-        return None
+    raw = tail_bytes(path, chunk)
     needle = json.dumps(key).encode()
-    for line in tail[1]:
+    if raw is None or needle not in raw[1]:  # the usual case for eval lines: no line to look at
+        return None
+    for line in (tail_lines(path, chunk, raw) or (0, []))[1]:
         if needle not in line:  # most lines are not the ones sought: no JSON parse for them
             continue
         try:

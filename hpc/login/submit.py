@@ -8,9 +8,6 @@ need none of the spec machinery, so it is imported only to submit.
 
 from __future__ import annotations
 
-import contextlib
-import io
-import shutil
 import sys
 import time
 import typing as tp
@@ -53,6 +50,8 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
     A file that cannot be written (a full disk, a quota) leaves nothing behind: the run folder is
     removed, a job already handed to the scheduler is cancelled, and the ConfigError says which.
     """
+    import shutil
+
     from trainer.task import TrainTask  # no torch at import time
 
     group = site.storage.group_readable
@@ -80,6 +79,8 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
 def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.RunDir, spec_path: Path,
                     overrides: tp.Sequence[str]) -> None:
     """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
+    import shutil
+
     try:
         shutil.copyfile(spec_path, rd.spec)
     except FileNotFoundError:
@@ -110,6 +111,10 @@ FINAL = ("COMPLETED", "CANCELLED")
 def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
     """Submit; if the scheduler refuses (bad partition, account, QOS …), remove the run folder
     and say why in one line: no half-made run is left behind."""
+    import contextlib
+    import io
+    import shutil
+
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
     try:
@@ -137,6 +142,57 @@ def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
     """The current state of each run, asking each scheduler once for all of its runs (within
     ``timeout`` seconds; UNKNOWN with the reason when it does not answer); a state that changed is
     recorded in the run's states.jsonl. Runs recorded COMPLETED/CANCELLED are not asked about."""
+    return ask_states(run_dirs, timeout, tolerant)()
+
+
+def ask_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
+               tolerant: bool = False) -> tp.Callable[[], dict[Path, schedulers.JobState]]:
+    """``job_states`` in two halves: the schedulers are asked now, in the background; the function
+    returned waits for their answers, records what changed and returns every run's state. What the
+    caller reads meanwhile (``hpcx status`` reads each run's files) overlaps the scheduler's answer."""
+    out, asked, same_id = _to_ask(run_dirs, tolerant)
+    # each scheduler is loaded here, so that its thread starts its commands at once
+    pending = {kind: _in_background(_asker(kind), jobs, timeout) for kind, jobs in asked.items()}
+
+    def answered() -> dict[Path, schedulers.JobState]:
+        answers = {kind: wait() for kind, wait in pending.items()}
+        for kind, job_id, run_dir in [(k, j, r) for k, jobs in asked.items() for j, r in jobs.items()] + same_id:
+            state = answers[kind][job_id]
+            out[run_dir] = recorded_if_unreachable(run_dir, state)
+            _record(run_dir, state)
+        return out
+
+    return answered
+
+
+def _in_background(ask: tp.Callable, *args: tp.Any) -> tp.Callable[[], tp.Any]:
+    """``ask(*args)`` in a thread; the function returned waits for its answer (or raises what it raised).
+    The scheduler bounds its own wait (``timeout``), so the join needs none."""
+    import threading
+
+    box: dict[str, tp.Any] = {}
+
+    def run() -> None:
+        try:
+            box["answer"] = ask(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller, raised there
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def wait() -> tp.Any:
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["answer"]
+
+    return wait
+
+
+def _to_ask(run_dirs: tp.Sequence[Path], tolerant: bool) -> tuple[dict, dict[str, dict[str, Path]], list]:
+    """(states already known from the run folders, scheduler kind -> job id -> run to ask about, runs
+    sharing an asked job id)."""
     out: dict[Path, schedulers.JobState] = {}
     asked: dict[str, dict[str, Path]] = {}
     same_id: list[tuple[str, str, Path]] = []  # a job id two run folders share (another cluster, a reused pid)
@@ -157,12 +213,7 @@ def job_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
             same_id.append((info["scheduler"], str(info["job_id"]), run_dir))
         else:
             asked.setdefault(info["scheduler"], {})[str(info["job_id"])] = run_dir
-    answers = {kind: _ask(kind, jobs, timeout) for kind, jobs in asked.items()}
-    for kind, job_id, run_dir in [(k, j, r) for k, jobs in asked.items() for j, r in jobs.items()] + same_id:
-        state = answers[kind][job_id]
-        out[run_dir] = recorded_if_unreachable(run_dir, state)
-        _record(run_dir, state)
-    return out
+    return out, asked, same_id
 
 
 def unreadable(exc: Exception) -> schedulers.JobState:
@@ -173,12 +224,21 @@ def unreadable(exc: Exception) -> schedulers.JobState:
 
 def summaries(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> list[dict[str, tp.Any]]:
     """``summary`` of each run, states asked in one batch; a run folder that cannot be read is a row
-    that says so, never an error."""
-    states = job_states(run_dirs, timeout, tolerant=True)
+    that says so, never an error. Each run's files are read while the schedulers answer."""
+    answered = ask_states(run_dirs, timeout, tolerant=True)
+    read: dict[Path, dict[str, tp.Any] | Exception] = {}
+    for run_dir in run_dirs:
+        try:
+            read[run_dir] = recorded_summary(run_dir)
+        except (OSError, ConfigError) as exc:
+            read[run_dir] = exc
+    states = answered()
     out = []
     for run_dir in run_dirs:
         try:
-            out.append(summary(run_dir, states[run_dir]))
+            if isinstance(read[run_dir], Exception):
+                raise read[run_dir]
+            out.append(with_state(run_dir, read[run_dir], states[run_dir]))
         except (OSError, ConfigError) as exc:
             out.append(unreadable_summary(run_dir, unreadable(exc)))
     return out
@@ -191,10 +251,11 @@ def unreadable_summary(run_dir: Path, state: schedulers.JobState) -> dict[str, t
             "strategy": None, "world_size": None, "ledger": ledger_summary([]), "last_stop": None}
 
 
-def _ask(kind: str, jobs: dict[str, Path], timeout: float) -> dict[str, schedulers.JobState]:
+def _asker(kind: str) -> tp.Callable[[dict[str, Path], float], dict[str, schedulers.JobState]]:
+    """What asks scheduler ``kind`` for the states of its jobs (within a timeout)."""
     if kind not in schedulers.KINDS:  # a job.json of another hpcx, or hand-edited
-        return schedulers.base.unknown(jobs, f"scheduler {kind!r} is not one hpcx knows")
-    return schedulers.get(kind).states(jobs, timeout)
+        return lambda jobs, timeout: schedulers.base.unknown(jobs, f"scheduler {kind!r} is not one hpcx knows")
+    return schedulers.get(kind).states
 
 
 SUBMIT_GRACE_S = 300.0  # a run folder without job.json younger than this is still being submitted
@@ -289,9 +350,23 @@ def _record(run_dir: Path, state: schedulers.JobState) -> None:
 
 def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str, tp.Any]:
     """Everything `hpcx status RUN` shows, as plain data (``state``: already asked, else asked now)."""
+    recorded = recorded_summary(run_dir)
+    return with_state(run_dir, recorded, state or job_state(run_dir))
+
+
+def with_state(run_dir: Path, recorded: dict[str, tp.Any], state: schedulers.JobState) -> dict[str, tp.Any]:
+    """A ``recorded_summary`` with the scheduler's state and the states recorded so far (read now: asking
+    may just have added one)."""
+    first = ("run_dir", "job_id", "scheduler")  # the keys in the order summary has always had
+    return {**{k: recorded[k] for k in first}, "state": state.state, "state_words": state.words,
+            "nodes": state.nodes, "states": [s.get("state", "?") for s in runs.RunDir(run_dir).read_states()],
+            **{k: v for k, v in recorded.items() if k not in first}}
+
+
+def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
+    """What ``summary`` shows that the run's own files say (all but the state and the states)."""
     rd = runs.RunDir(run_dir)
     info = job_info(rd)
-    state = state or job_state(run_dir)
     ledger = rd.read_ledger()
     launch = rd.read_resolved().get("launch", {})
     starts = [e for e in ledger if e.get("event") == "start"]
@@ -302,10 +377,6 @@ def summary(run_dir: Path, state: schedulers.JobState | None = None) -> dict[str
         "run_dir": str(run_dir),
         "job_id": info.get("job_id"),
         "scheduler": info.get("scheduler"),
-        "state": state.state,
-        "state_words": state.words,
-        "nodes": state.nodes,
-        "states": [s.get("state", "?") for s in rd.read_states()],
         "step": last.get("step"),
         "loss": last.get("loss"),
         "eval_loss": evaluated.get("eval_loss"),

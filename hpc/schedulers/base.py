@@ -19,11 +19,8 @@ one line in ``hpc.schedulers.KINDS``. Everything here is torch-free; submitit is
 from __future__ import annotations
 
 import abc
+import os
 import re
-import shlex
-import socket
-import shutil
-import subprocess
 import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +72,7 @@ class RankEnv:
     world_size: int
     master_addr: str
     master_port: int
-    hostname: str = field(default_factory=socket.gethostname)
+    hostname: str = field(default_factory=lambda: _hostname())
     local_world_size: int = 1
     launcher: str = "single"  # "submitit", "torchrun", "srun" or "single"
     agent_store: bool = False  # torchrun's agent already hosts the TCPStore at master_port
@@ -83,6 +80,12 @@ class RankEnv:
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
+
+
+def _hostname() -> str:
+    import socket  # here, not at the top: `hpcx status` imports this module and never builds a RankEnv
+
+    return socket.gethostname()
 
 
 def rendezvous_port(job_id: str) -> int:
@@ -96,6 +99,13 @@ def unknown(jobs: tp.Iterable[str], reason: str = "") -> dict[str, JobState]:
     return {j: JobState("UNKNOWN", source="none", detail={"reason": reason} if reason else {}) for j in jobs}
 
 
+def on_path(name: str) -> bool:
+    """Whether ``name`` is an executable file on $PATH (or, holding a slash, at that path): ``shutil.which``'s
+    test, without importing shutil (and its compression modules) before every scheduler query."""
+    paths = [name] if os.sep in name else [os.path.join(d, name) for d in os.get_exec_path() if d]
+    return any(os.path.isfile(p) and os.access(p, os.X_OK) for p in paths)
+
+
 def run_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> str | None:
     """stdout of ``cmd`` (an argument list, never a shell) when it exits 0 within ``timeout``, else None."""
     ok, out = try_command(cmd, timeout)
@@ -104,7 +114,9 @@ def run_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> str | None:
 
 def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool, str]:
     """(exited 0 within ``timeout``, its stdout — or, when it failed, why: stderr, exit status, timeout)."""
-    if shutil.which(cmd[0]) is None:
+    import subprocess
+
+    if not on_path(cmd[0]):
         return False, f"{cmd[0]}: command not found"
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
@@ -158,6 +170,8 @@ def task_command(python: str, folder: str) -> str:
     ``python -u -m trainer.entry FOLDER`` (submitit's ``_submit`` with the signals held), started so
     that a preemption signal or a SIGTERM that comes before the trainer's handler waits for it instead
     of killing the task or being dropped (``TASK_SHELL``)."""
+    import shlex
+
     return shlex.join([*TASK_WRAPPER, python, "-u", "-m", "trainer.entry", str(folder)])
 
 

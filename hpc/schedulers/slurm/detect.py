@@ -14,6 +14,14 @@ the tools cannot tell is listed in ``Draft.unknown``, and every value the draft 
 (PCIe generation, NVLink speed per link, latencies) in ``Draft.assumed``. Another tool's output
 (``rocm-smi``, ``nvidia-smi -L``) is refused naming that tool, and ``render_toml`` always writes a
 file that parses as TOML, whatever the tools printed.
+
+MIG: hpcx plans whole GPUs, so a MIG device is never counted as one. ``mig.mode.current`` in the
+query output puts the advice (disable MIG for training, or write the profile by hand) in the draft's
+comments; a ``nvidia-smi -L`` listing with MIG devices, or a matrix whose labels are MIG devices
+(``GPU0/1/0``, ``MIG 1g.10gb Device 0``, ``MIG-…``), is refused with that advice in one line. No
+recorded ``topo -m`` of a MIG-enabled node was found (the recorded matrices label GPUs ``GPU#`` and
+NICs ``NIC#``/``mlx5_#`` only), so the topo side is a guard: a MIG label is never read as a NIC
+column or row, nor counted as a GPU.
 """
 
 from __future__ import annotations
@@ -103,16 +111,49 @@ def _valid_cell(value: str, legend: Legend) -> bool:
 ROCM_SMI = re.compile(r"ROCm System Management Interface|End of ROCm SMI Log|(Weight|Hops) between two GPUs|"
                       r"Link Type between two GPUs|\[Model : Revision\]|\[0x[0-9a-f]{4} : 0x[0-9a-f]{2}\]|AMD Instinct")
 SMI_LIST = re.compile(r"^\s*(GPU \d+: .*\(UUID: GPU-|MIG \S+\s+Device\s+\d+: \(UUID: MIG-)", re.M)
+SMI_LIST_LINE = re.compile(r"^\s*(?:GPU (\d+): |(MIG) \S+\s+Device\s+\d+: )")
+# A MIG device where a matrix has a GPU or NIC label: GPU0/1/0 (GPU/GI/CI), `MIG 1g.10gb Device 0`, a MIG- UUID.
+MIG_LABEL = re.compile(r"^(GPU(\d+)/\d+/\d+|MIG\b.*|MIG-\S+)$")
+
+
+def mig_advice(gpus: tp.Iterable[int | str], source: str) -> str:
+    """One line: MIG is enabled on these GPUs (as ``source`` shows), hpcx plans whole GPUs, and what to do."""
+    listed = ", ".join(map(str, gpus))
+    which = f"GPU {listed}" if listed else "this node's GPUs"
+    off = f"`sudo nvidia-smi -i {listed.replace(', ', ',')} -mig 0`" if listed else "`sudo nvidia-smi -mig 0`"
+    return (f"MIG is enabled on {which} ({source}): hpcx plans whole GPUs and never counts a MIG device as one "
+            "(a task there sees a slice, and one NCCL job cannot span MIG devices); for training, disable MIG "
+            f"({off}) on the nodes hpcx runs on, or write the profile by hand (docs/site.md)")
+
+
+def smi_list_mig(text: str) -> dict[int, int]:
+    """``nvidia-smi -L``: GPU index -> how many MIG devices are listed under it (GPUs without any left out)."""
+    devices: dict[int, int] = {}
+    gpu = None
+    for line in text.splitlines():
+        if not (m := SMI_LIST_LINE.match(line)):
+            continue
+        if m.group(1) is not None:
+            gpu = int(m.group(1))
+        elif gpu is not None:
+            devices[gpu] = devices.get(gpu, 0) + 1
+    return devices
 
 
 def other_tool(text: str, expected: str) -> None:
-    """ValueError naming the tool when ``text`` is another tool's output than ``expected``."""
+    """ValueError naming the tool when ``text`` is another tool's output than ``expected``; a GPU listing
+    with MIG devices also says what MIG means for the draft."""
     if ROCM_SMI.search(text):
         raise ValueError(f"this is `rocm-smi` output (AMD GPUs), not `{expected}`: `hpcx site detect` reads "
                          "NVIDIA's tools; write the profile by hand (docs/site.md)")
     if SMI_LIST.search(text):
-        mig = " with MIG devices" if re.search(r"^\s*MIG \S+\s+Device", text, re.M) else ""
-        raise ValueError(f"this is `nvidia-smi -L` output{mig}, not `{expected}`")
+        mig = smi_list_mig(text)
+        if not mig and not re.search(r"^\s*MIG \S+\s+Device", text, re.M):
+            raise ValueError(f"this is `nvidia-smi -L` output, not `{expected}`")
+        count = sum(mig.values())
+        shown_count = f"{count} MIG device{'s' if count != 1 else ''}" if count else "MIG devices"
+        raise ValueError(f"this is `nvidia-smi -L` output with {shown_count}, not `{expected}`; "
+                         + mig_advice(sorted(mig), "`nvidia-smi -L` lists MIG devices"))
 
 
 def parse_topo(text: str) -> Topology:
@@ -120,6 +161,7 @@ def parse_topo(text: str) -> Topology:
     or it is not one a draft can be built on (see ``check_matrix``), or when it is another tool's output."""
     other_tool(text, "nvidia-smi topo -m")
     lines = [ANSI.sub("", raw) for raw in text.splitlines()]
+    check_no_mig(lines)
     # The header's first cell is empty (the row labels' column); rows start with their label.
     header_at = next((i for i, ln in enumerate(lines) if ln[:1] in ("\t", " ") and re.search(r"\bGPU0\b", ln)), None)
     if header_at is None:
@@ -137,6 +179,19 @@ def parse_topo(text: str) -> Topology:
     numa = [_numa(rows[g][n:]) for g in gpus]
     nvlink = True if legend.nv or any(NV.match(v) for v in links.values()) else (False if legend.cells else None)
     return Topology(gpus, [legend.nics.get(c, c) for c in nic_labels], links, numa, gpu_nic, nvlink)
+
+
+def check_no_mig(lines: list[str]) -> None:
+    """Refuse a matrix whose header cells or row labels are MIG devices (``GPU0/1/0``, ``MIG 1g.10gb
+    Device 0``, ``MIG-…``): read as they stand they would become NICs, or GPUs the draft counts."""
+    labels = [c for ln in lines if ln.strip() for c in (_cells(ln) if ln[:1] in ("\t", " ") else _cells(ln)[:1])]
+    mig = list(dict.fromkeys(c for c in labels if MIG_LABEL.match(c)))
+    if not mig:
+        return
+    parents = sorted({int(m.group(2)) for c in mig if (m := MIG_LABEL.match(c)) and m.group(2)})
+    named = ", ".join(shown(c, 40) for c in mig[:3]) + (" …" if len(mig) > 3 else "")
+    raise ValueError(f"the matrix labels MIG devices ({named}) where GPUs belong; "
+                     + mig_advice(parents, "`nvidia-smi topo -m`"))
 
 
 def _matrix_rows(lines: list[str]) -> dict[str, list[str]]:
@@ -385,9 +440,7 @@ def _from_query(d: Draft, query: GpuQuery | None) -> None:
         d.found.append(f"mixed GPU models ({', '.join(sorted(set(query.names)))}): the profile uses the smallest memory")
     mig = [i for i, on in enumerate(query.mig) if on]
     if mig:
-        d.unknown.append(f"MIG is enabled on GPU {', '.join(map(str, mig))} (mig.mode.current): a task there sees MIG "
-                         "devices (slices), not the whole GPU, and one NCCL job cannot span MIG devices; the profile "
-                         "counts whole GPUs: disable MIG (`nvidia-smi -mig 0`) on the nodes hpcx runs on")
+        d.unknown.append(mig_advice(mig, "mig.mode.current"))
     peak = next((t for key, t in PEAK_TFLOPS if key in query.names[0]), None)
     if peak:
         d.node["gpu_peak_tflops"] = peak

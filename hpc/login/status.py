@@ -1,0 +1,139 @@
+"""`hpcx status`'s list: the run roots, the newest runs, their states and one line each.
+
+The Click command (``hpc.cli``) and the console script's fast path (``hpc.entry``) both print it
+from here. The fast path answers a bare ``hpcx status`` (or ``hpcx status --json``) without
+importing Click: on a loaded login node most of the command's time was Python starting and
+importing, not the listing. It prints exactly what the Click command prints: the same lines, ANSI
+styles stripped when the stream is not a terminal (as ``click.echo`` does), ``error:`` lines and exit
+status 2 for a UserError, 1 with ``Aborted!`` for Ctrl-C, and it hands anything else (other
+arguments, shell completion, a stream that is not UTF-8) to Click.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import typing as tp
+from pathlib import Path
+
+from hpc.core.errors import UserError
+
+LIST_RUNS = 20
+LIST_TIMEOUT_S = 3.0  # the list waits this long for the scheduler, then says "unknown (scheduler unreachable)"
+ANSI = re.compile(r"\033\[[0-?]*[ -/]*[@-~]")  # what click.echo strips from a stream that is not a terminal
+
+
+def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
+    """Every site profile's run root. A profile that fails to load is named through ``warn`` and its
+    ``storage.run_root`` is still searched when it can be read, so its runs never vanish silently."""
+    from hpc.core.config import ConfigError
+    from hpc.core.site import find_sites, load_site, raw_run_root
+
+    roots = []
+    for name, (path, _) in find_sites().items():
+        try:
+            roots.append(load_site(name).run_root())
+        except ConfigError as exc:
+            root = raw_run_root(path)
+            also = f"; still looking for its runs in {root}" if root else ""
+            warn(f"warning: site profile {path} does not load ({exc.messages[0]}){also}")
+            roots += [root] if root else []
+    from hpc.login.roots import remembered  # runs made under a spec's job.run_root, or a site given as a path
+
+    return list(dict.fromkeys(roots + remembered()))
+
+
+def recent(warn: tp.Callable[[str], None]) -> list[dict[str, tp.Any]]:
+    """The summaries of the caller's newest runs (the scheduler asked once, within LIST_TIMEOUT_S)."""
+    from hpc.core import runs
+    from hpc.login import submit as sub
+
+    return sub.summaries(runs.list_runs(run_roots(warn))[:LIST_RUNS], LIST_TIMEOUT_S)
+
+
+def format_status(info: dict) -> str:
+    step = info["step"] if info["step"] is not None else "-"
+    ledger = info["ledger"]
+    return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
+            f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
+            + (f"  eval loss {info['eval_loss']:.4f} (perplexity {info['eval_perplexity']:.2f})"
+               if info.get("eval_loss") is not None else "")
+            + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
+               f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
+            + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else ""))
+
+
+def as_json(obj: tp.Any) -> str:
+    """``--json`` output (what ``hpc.cli.clickutil.echo_json`` prints)."""
+    return json.dumps(obj, indent=2, sort_keys=True, default=str)
+
+
+# ---------------------------------------------------------------- the console script's fast path
+
+
+def without_click(args: list[str]) -> int | None:
+    """Answer ``hpcx status [--json]`` and return the exit status; None (nothing done) for any other
+    command line, or where Click would write differently (shell completion, a stream that is not UTF-8)."""
+    if args not in (["status"], ["status", "--json"]) or os.environ.get("_HPCX_COMPLETE"):
+        return None
+    if not (_utf8(sys.stdout) and _utf8(sys.stderr)):
+        return None
+    try:
+        infos = recent(lambda message: echo(message, sys.stderr))
+        if args[1:]:
+            echo(as_json(infos), sys.stdout)
+        else:
+            for info in infos:
+                echo(format_status(info), sys.stdout)
+    except UserError as exc:
+        from hpc.core.validate import shown
+
+        for message in exc.messages:  # a file name or key from the user may hold control characters
+            echo(f"error: {shown(message, 4000)}", sys.stderr)
+        return 2
+    except (EOFError, KeyboardInterrupt):
+        echo("", sys.stderr)  # the blank line closes the terminal's ^C echo
+        echo("Aborted!", sys.stderr)
+        return 1
+    except BrokenPipeError:  # `hpcx status | head -1`: quietly, as Click does
+        _quiet_streams()
+        return 1
+    return 0
+
+
+def echo(text: str, stream: tp.TextIO) -> None:
+    """``click.echo(text)``: a line, stripped of ANSI styles unless ``stream`` is a terminal, flushed."""
+    out = text + "\n"
+    if not _isatty(stream):
+        out = ANSI.sub("", out)
+    stream.write(out)
+    stream.flush()
+
+
+def _isatty(stream: tp.TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except Exception:  # noqa: BLE001 - as click's isatty: a stream that cannot say is not a terminal
+        return False
+
+
+def _utf8(stream: tp.TextIO | None) -> bool:
+    import codecs
+
+    encoding = getattr(stream, "encoding", None)
+    try:
+        return bool(encoding) and codecs.lookup(encoding).name == "utf-8"
+    except LookupError:
+        return False
+
+
+def _quiet_streams() -> None:
+    """After EPIPE: point stdout and stderr at /dev/null, so the interpreter's last flush says nothing."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            os.dup2(devnull, stream.fileno())
+        except (OSError, ValueError):
+            pass
