@@ -70,7 +70,8 @@ def section_class(common: type) -> type:
     which field (for the reference docs). Two kinds declaring one name is a programming error."""
     owners: dict[str, str] = {f.name: "" for f in dataclasses.fields(common)}
     kind_fields: dict[str, tuple[str, ...]] = {}
-    for kind, module in _sections().items():
+    sections = _sections()
+    for kind, module in sections.items():
         names = tuple(f.name for f in dataclasses.fields(module.Section))
         clash = [name for name in names if name in owners]
         if clash:
@@ -79,7 +80,7 @@ def section_class(common: type) -> type:
         owners.update(dict.fromkeys(names, kind))
         kind_fields[kind] = names
     # a dataclass collects fields from its bases last to first: common's come first
-    bases = tuple(module.Section for module in reversed(_sections().values())) + (common,)
+    bases = tuple(module.Section for module in reversed(sections.values())) + (common,)
     cls = dataclasses.make_dataclass(common.__name__.removeprefix("Common"), [], bases=bases)
     cls.__module__, cls.__doc__ = common.__module__, common.__doc__
     cls.KIND_FIELDS = kind_fields
