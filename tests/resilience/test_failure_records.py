@@ -16,9 +16,9 @@ from hpc.core.errors import ConfigError, UserError
 from hpc.core.spec import Checkpoint
 from hpc.schedulers.local.scheduler import LocalJobSide
 from hpc.schedulers.slurm.requeue import after_srun
-from hpc.schedulers.slurm.scheduler import (SlurmJobSide, srun_task_ends, start_mark, task_end, task_ranks,
+from hpc.schedulers.slurm.scheduler import (srun_task_ends, start_mark, task_end, task_ranks,
                                            this_start)
-from tests.resilience.test_requeue import JOB, start, write_ledger, write_spec
+from tests.resilience.test_requeue import JOB, start, write_ledger
 
 CONNECTION_RESET = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
                     "[10.200.0.11]:39812: Connection reset by peer. This is typically caused by a remote worker")
@@ -37,22 +37,6 @@ def srun_says(first: str, *rest: str) -> str:
             f"srun: error: {first}\nsrun: launch/slurm: _step_signal: Terminating StepId={JOB}.0\n"
             f"slurmstepd-n1: error: *** STEP {JOB}.0 ON n1 CANCELLED AT 2026-12-01T09:02:43 ***\n"
             + "".join(f"srun: error: {line}\n" for line in rest) + f"srun: Force Terminated StepId={JOB}.0\n")
-
-
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    run = tmp_path / "run"
-    (run / "submitit").mkdir(parents=True)
-    write_spec(run)
-    return run
-
-
-@pytest.fixture
-def slurm_side(monkeypatch) -> SlurmJobSide:
-    monkeypatch.setenv("SLURM_JOB_ID", JOB)
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    monkeypatch.setenv("HPCX_REQUEUE_CHECK", "after-srun")
-    return SlurmJobSide()
 
 
 def write_batch_log(run: Path, text: str) -> None:

@@ -135,26 +135,6 @@ def test_the_last_failure_counts(recorded):
 # ---------------------------------------------------------------- the check after srun
 
 
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    from tests.resilience.test_requeue import write_spec
-
-    run = tmp_path / "run"
-    (run / "submitit").mkdir(parents=True)
-    write_spec(run)
-    return run
-
-
-@pytest.fixture
-def slurm_side(monkeypatch):
-    from hpc.schedulers.slurm.scheduler import SlurmJobSide
-
-    monkeypatch.setenv("SLURM_JOB_ID", JOB)
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    monkeypatch.setenv("HPCX_REQUEUE_CHECK", "after-srun")
-    return SlurmJobSide()
-
-
 def failed_start(recorded: dict, case: str) -> str:
     """This start's part of the batch log: task 0's stderr, then srun's lines for the tasks' exit."""
     return recorded[case]["stderr"] + (f"srun: error: n1: tasks 0-1: Exited with exit code 1\n"

@@ -11,7 +11,6 @@ is one minute, and a lead of 55 s brings the controller's signal five seconds af
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
