@@ -18,6 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 # their own, never into the user's state (a test that checks the index sets its own).
 os.environ["XDG_STATE_HOME"] = tempfile.mkdtemp(prefix="hpcx-test-state-")
 atexit.register(shutil.rmtree, os.environ["XDG_STATE_HOME"], True)
+# ... and `hpcx status` records the scheduler queries it ran in $XDG_CACHE_HOME/hpcx: likewise.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="hpcx-test-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 RECORDED = REPO / "tests" / "data" / "recorded"  # verbatim tool outputs, sources in SOURCES.md
 
 

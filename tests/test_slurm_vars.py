@@ -91,8 +91,10 @@ def site_path_with(tmp_path: Path, root: Path) -> dict[str, str]:
         text = (REPO / "site" / f"{name}.toml").read_text().replace("\nrun_root", "\n# run_root")
         (sites / f"{name}.toml").write_text(text.rstrip() + f"\nrun_root = {json.dumps(str(root))}\n"
                                             if "[storage]" in text else text)
-    # and an empty index of remembered run roots (hpc/roots.py): earlier tests' submissions are not listed
-    return {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state")}
+    # and an empty index of remembered run roots (hpc/roots.py): earlier tests' submissions are not listed,
+    # and caches of its own (hpc/login/cache.py): no queries an earlier test's list remembered
+    return {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state"),
+            "XDG_CACHE_HOME": str(tmp_path / "cache")}
 
 
 def test_states_of_an_unreachable_cluster_are_unknown_with_the_reason(tmp_path, monkeypatch):

@@ -12,6 +12,11 @@ states.jsonl are reset before every call (a call records the states it learns, a
 ended are not asked again). Beside each wall time it prints the call's CPU seconds (user + system,
 sacct and squeue included): what a loaded machine stretches, so the figure to compare across loads.
 
+Each status scenario has its own cache folder (``XDG_CACHE_HOME``: each site profile's run root, the
+scheduler queries of the last list), filled by the warm-up call and kept, as for a user who runs
+`hpcx status` again and again; `--cold` empties it before every status call (the first call of a user,
+or one after hpcx or a profile changed).
+
 hpcx runs as installed: with its bytecode cached (pip compiles it at install), also where the shell sets
 PYTHONDONTWRITEBYTECODE (the warm-up run writes it); `--no-bytecode` keeps that setting, and every
 command then compiles hpc/ from source.
@@ -24,7 +29,7 @@ checkout, with OLD an older one's copy) `--compare "env PYTHONPATH=OLD .venv/bin
 a login node under load; the load average printed is the machine's at the end, and the runnable
 processes are sampled before every call, other users' included.
 
-    python bench/cli_latency/run.py [--runs 15] [--run-folders 120] [--no-bytecode] [--only status]
+    python bench/cli_latency/run.py [--runs 15] [--run-folders 120] [--no-bytecode] [--only status] [--cold]
                                     [--load N] [--hpcx COMMAND] [--compare COMMAND]
 """
 
@@ -105,10 +110,10 @@ def status_env(tmp: Path, root: Path, name: str) -> dict[str, str]:
     """Every bundled site name shadowed by a copy whose run root is ``root``."""
     sites = tmp / f"sites-{name}"
     sites.mkdir()
-    for name in SITES:
-        text = (REPO / "site" / f"{name}.toml").read_text().replace("\nrun_root", "\n# run_root")
-        (sites / f"{name}.toml").write_text(text.rstrip() + f"\nrun_root = {json.dumps(str(root))}\n")
-    return {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp)}
+    for site in SITES:
+        text = (REPO / "site" / f"{site}.toml").read_text().replace("\nrun_root", "\n# run_root")
+        (sites / f"{site}.toml").write_text(text.rstrip() + f"\nrun_root = {json.dumps(str(root))}\n")
+    return {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp), "XDG_CACHE_HOME": str(tmp / f"cache-{name}")}
 
 
 def cluster_down(tmp: Path) -> dict[str, str]:
@@ -138,6 +143,7 @@ def commands(tmp: Path, root: Path, hpcx_command: str | None = None) -> dict[str
 
 
 BYTECODE = [True]  # False with --no-bytecode
+COLD = [False]  # True with --cold: status's caches are emptied before every call
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:
@@ -154,6 +160,8 @@ def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None, name: 
     """Wall seconds of one call; its CPU seconds (the process and what it ran) go to CPU[name]."""
     if reset is not None:
         reset_live(reset)
+        if COLD[0]:
+            shutil.rmtree(env["XDG_CACHE_HOME"], ignore_errors=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=environment(env))
@@ -173,6 +181,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--run-folders", type=int, default=120)
     parser.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE if set")
+    parser.add_argument("--cold", action="store_true", help="empty status's caches before every status call")
     parser.add_argument("--only", choices=["status"], help="time only the status calls (and the baseline)")
     parser.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes while measuring")
     parser.add_argument("--hpcx", metavar="COMMAND", help="how to run hpcx (default: the installed console script), "
@@ -181,6 +190,7 @@ def main() -> None:
                         "(e.g. 'env PYTHONPATH=OLD python -m hpc.cli'), interleaved: '(compare)' rows")
     args = parser.parse_args()
     BYTECODE[0] = not args.no_bytecode
+    COLD[0] = args.cold
     with tempfile.TemporaryDirectory(prefix="hpcx-cli-bench-") as folder:
         tmp = Path(folder)
         root = tmp / "runs"
@@ -242,7 +252,8 @@ def report(samples: dict[str, list[float]], shown: dict[str, str], load: tuple[f
     bytecode = "cached" if BYTECODE[0] or not os.environ.get("PYTHONDONTWRITEBYTECODE") else "compiled every run"
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({args.load} busy processes of the bench's own); "
           f"{os.cpu_count()} CPUs; runnable processes before each call: median {statistics.median(queue):g}, "
-          f"max {max(queue):g}; status lists 20 of {args.run_folders} run folders; bytecode {bytecode}")
+          f"max {max(queue):g}; status lists 20 of {args.run_folders} run folders; bytecode {bytecode}; "
+          f"status caches {'emptied before every call' if args.cold else 'kept between calls'}")
     cpu_base = statistics.median(CPU["python -c pass"])
     print(f"{'command':26} {'median s':>9} {'- base s':>9} {'ratio':>6}  {'CPU s':>6} {'- base':>6}  "
           "goal: ≤ base + 0.300 s")

@@ -24,10 +24,20 @@ from pathlib import Path
 from hpc.core import validate as v
 from hpc.core.errors import ConfigError, UserError
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
+
+def _tomllib() -> tp.Any:
+    """tomllib (tomli before 3.11), imported when a TOML file is first read: `hpcx status` reads none."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib
+    return tomllib
+
+
+def __getattr__(name: str) -> tp.Any:  # `from hpc.core.config import tomllib` still works
+    if name == "tomllib":
+        return _tomllib()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def field(default: tp.Any = dataclasses.MISSING, *, doc: str, choices: tp.Sequence = (),
@@ -354,6 +364,7 @@ def parse_toml(text: str, source: str) -> dict:
     if deep:
         raise ConfigError([f"{source}:{deep[0]}:{deep[1]}: tables or arrays nested deeper than "
                            f"{v.MAX_DEPTH} levels: expected a flatter file"])
+    tomllib = _tomllib()
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

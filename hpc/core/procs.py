@@ -1,11 +1,13 @@
 """Processes on this host, by PID: used by the local scheduler (is a job's task still running) and by
 checkpoint conversion (is the writer of a ``.partial-HOST-PID`` output still alive); when this process
-started (queue wait and start-up figures)."""
+started (queue wait and start-up figures); scheduler queries started ahead of the code that asks them
+(``hpcx status``: see ``hpc.login.status``)."""
 
 from __future__ import annotations
 
 import os
 import time
+import typing as tp
 
 
 def pid_alive(pid: int) -> bool:
@@ -36,3 +38,40 @@ def process_start_time() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return time.time()
+
+
+# ---------------------------------------------------------------- commands started ahead of their caller
+
+_AHEAD: dict[tuple[str, ...], tp.Any] = {}  # argv -> subprocess.Popen, started by start_ahead, not yet taken
+asked: list[list[str]] | None = None  # a list while a caller records the commands ``try_command`` runs
+
+
+def start_ahead(cmds: tp.Iterable[list[str]]) -> None:
+    """Start each command (stdout and stderr piped, stdin closed) now, for ``take_ahead`` to hand to the
+    caller that runs the very same argument list later: a query whose answer takes a fixed wait (slurmdbd)
+    then overlaps the caller's own start-up. A command that cannot start is left to that caller."""
+    import subprocess
+
+    for cmd in cmds:
+        if tuple(cmd) in _AHEAD:
+            continue
+        try:
+            _AHEAD[tuple(cmd)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True)
+        except (OSError, ValueError):
+            pass
+
+
+def take_ahead(cmd: list[str]) -> tp.Any:
+    """The process ``start_ahead`` started for exactly ``cmd``, once; None when there is none."""
+    return _AHEAD.pop(tuple(cmd), None)
+
+
+def stop_ahead() -> int:
+    """Kill and reap the processes started ahead that nobody took; how many there were."""
+    left = list(_AHEAD.values())
+    _AHEAD.clear()
+    for proc in left:
+        proc.kill()
+        proc.communicate()
+    return len(left)

@@ -21,9 +21,9 @@ from hpc.core import validate as v
 from hpc.core.config import (ConfigError, build_document, check_table, field, read_toml, suggest, type_hints,
                              untouched)
 
+from hpc.core.sitepath import SYSTEM_SITES, USER_SITES, bundled_dir, find_sites, search_path  # noqa: F401
+
 DEFAULT_SITE = "local"
-USER_SITES = "~/.config/hpcx/sites"
-SYSTEM_SITES = "/etc/hpcx/sites"
 
 
 @dataclass
@@ -123,30 +123,6 @@ class SiteProfile:
 SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage": Storage}
 
 
-def bundled_dir() -> Path:
-    """The profiles shipped with hpcx: ``hpc/_sites`` in an installed wheel, else ``site/`` of the checkout."""
-    here = Path(__file__).resolve().parents[1]  # hpc/
-    installed = here / "_sites"
-    return installed if installed.is_dir() else here.parent / "site"
-
-
-def search_path() -> list[tuple[Path, str]]:
-    """(folder, origin) in lookup order; the first profile of a name wins."""
-    folders = [(Path(p).expanduser(), "$HPCX_SITE_PATH")
-               for p in os.environ.get("HPCX_SITE_PATH", "").split(os.pathsep) if p]
-    folders += [(Path(USER_SITES).expanduser(), "user"), (Path(SYSTEM_SITES), "system"), (bundled_dir(), "bundled")]
-    return folders
-
-
-def find_sites() -> dict[str, tuple[Path, str]]:
-    """Every profile name on the search path -> (file, origin), sorted by name; earlier folders shadow later ones."""
-    found: dict[str, tuple[Path, str]] = {}
-    for folder, origin in search_path():
-        for path in sorted(folder.glob("*.toml")) if folder.is_dir() else []:
-            found.setdefault(path.stem, (path, origin))
-    return dict(sorted(found.items()))
-
-
 def list_sites() -> list[str]:
     return list(find_sites())
 
@@ -240,18 +216,16 @@ def load_site(name_or_path: str, label: str | None = None) -> SiteProfile:
     return parse_site(read_toml(path), path.stem, str(path))
 
 
-def raw_run_root(path: Path) -> Path | None:
-    """``storage.run_root`` of a profile that does not load as a whole, if that one value can be read."""
+def written_run_root(path: Path) -> str | None:
+    """``storage.run_root`` as written in a profile that does not load as a whole, if it is a string
+    every kind accepts; None otherwise."""
     try:
         value = read_toml(path).get("storage", {}).get("run_root")
     except (ConfigError, AttributeError):
         return None
     if not isinstance(value, str) or v.check_run_root("storage.run_root", value):
         return None
-    try:
-        return v.expand_run_root(value, str(path))
-    except ConfigError:
-        return None
+    return value
 
 
 def choose_site(cli: str | None, spec_site: str | None) -> str:

@@ -26,23 +26,12 @@ ANSI = re.compile(r"\033\[[0-?]*[ -/]*[@-~]")  # what click.echo strips from a s
 
 
 def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
-    """Every site profile's run root. A profile that fails to load is named through ``warn`` and its
-    ``storage.run_root`` is still searched when it can be read, so its runs never vanish silently."""
-    from hpc.core.config import ConfigError
-    from hpc.core.site import find_sites, load_site, raw_run_root
+    """Every site profile's run root (``hpc.login.siteroots``: a profile that does not load is named
+    through ``warn``), then the roots of runs made under a spec's job.run_root or a site given as a path."""
+    from hpc.login.roots import remembered
+    from hpc.login.siteroots import run_roots as profiles_roots
 
-    roots = []
-    for name, (path, _) in find_sites().items():
-        try:
-            roots.append(load_site(name).run_root())
-        except ConfigError as exc:
-            root = raw_run_root(path)
-            also = f"; still looking for its runs in {root}" if root else ""
-            warn(f"warning: site profile {path} does not load ({exc.messages[0]}){also}")
-            roots += [root] if root else []
-    from hpc.login.roots import remembered  # runs made under a spec's job.run_root, or a site given as a path
-
-    return list(dict.fromkeys(roots + remembered()))
+    return list(dict.fromkeys(profiles_roots(warn) + remembered()))
 
 
 def recent(warn: tp.Callable[[str], None]) -> list[dict[str, tp.Any]]:
@@ -80,8 +69,16 @@ def without_click(args: list[str]) -> int | None:
         return None
     if not (_utf8(sys.stdout) and _utf8(sys.stderr)):
         return None
+    from hpc.core import procs
+
+    ahead = remembered_queries()
+    procs.start_ahead(ahead)  # before the modules that ask them are imported: see `remembered_queries`
+    procs.asked = []
     try:
         infos = recent(lambda message: echo(message, sys.stderr))
+        asked, procs.asked = procs.asked, None
+        if asked != ahead:
+            remember_queries(asked)
         if args[1:]:
             echo(as_json(infos), sys.stdout)
         else:
@@ -100,6 +97,9 @@ def without_click(args: list[str]) -> int | None:
     except BrokenPipeError:  # `hpcx status | head -1`: quietly, as Click does
         _quiet_streams()
         return 1
+    finally:
+        procs.asked = None
+        procs.stop_ahead()  # those the listing did not ask this time (another set of jobs, a controller down)
     return 0
 
 
@@ -137,3 +137,36 @@ def _quiet_streams() -> None:
             os.dup2(devnull, stream.fileno())
         except (OSError, ValueError):
             pass
+
+
+# ---------------------------------------------------------------- the scheduler queries, started early
+
+MAX_QUERIES = 8  # commands a record may hold (a Slurm listing asks at most three)
+QUERIES = "status-queries.json"  # in hpc.login.cache's folder
+
+
+def remembered_queries() -> list[list[str]]:
+    """The scheduler queries the caller's last ``hpcx status`` list ran (``squeue -j IDS``, ``sacct -j IDS``),
+    to start again before anything else is imported. Their answer takes a fixed wait on the scheduler's
+    side (slurmdbd: about 85 ms on the sandbox, almost no CPU), which otherwise came after this process's
+    start-up instead of during it; a process is handed to the listing only when it asks the very same
+    argument list (``hpc.core.procs.take_ahead``), so the states shown are the same, and one it does not
+    ask is killed when the list ends. Empty unless the record can be trusted (``hpc.login.cache``) and
+    each command is a plain name on $PATH with string arguments."""
+    from hpc.login import cache
+
+    record = cache.read(QUERIES)
+    cmds = record.get("commands") if isinstance(record, dict) else None
+    if not isinstance(cmds, list) or len(cmds) > MAX_QUERIES:
+        return []
+    if not all(isinstance(cmd, list) and cmd and all(isinstance(a, str) and "\0" not in a for a in cmd)
+               and cmd[0] and os.sep not in cmd[0] and not cmd[0].startswith("-") for cmd in cmds):
+        return []
+    return cmds
+
+
+def remember_queries(cmds: list[list[str]]) -> None:
+    """Record what this list asked, for the next one."""
+    from hpc.login import cache
+
+    cache.write(QUERIES, {"commands": cmds[:MAX_QUERIES]})

@@ -25,6 +25,8 @@ import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.core import procs
+
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
     from hpc.core.site import SiteProfile
@@ -116,18 +118,30 @@ def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool,
     """(exited 0 within ``timeout``, its stdout — or, when it failed, why: stderr, exit status, timeout)."""
     import subprocess
 
-    if not on_path(cmd[0]):
-        return False, f"{cmd[0]}: command not found"
+    if procs.asked is not None:
+        procs.asked.append(list(cmd))
+    proc = procs.take_ahead(cmd)  # the same command, started before this process had loaded the code that asks
+    if proc is None:
+        if not on_path(cmd[0]):
+            return False, f"{cmd[0]}: command not found"
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)
+        except OSError as exc:
+            return False, str(exc)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False,
-                             stdin=subprocess.DEVNULL)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return False, f"no answer within {timeout:g} s"
-    except OSError as exc:
-        return False, str(exc)
-    if out.returncode != 0:
-        return False, out.stderr.strip() or f"exit status {out.returncode}"
-    return True, out.stdout
+    except BaseException:  # Ctrl-C while waiting: as subprocess.run, never leave the query running
+        proc.kill()
+        proc.wait()
+        raise
+    if proc.returncode != 0:
+        return False, err.strip() or f"exit status {proc.returncode}"
+    return True, out
 
 
 def read_result(path: Path) -> tuple[str, object]:
