@@ -465,6 +465,18 @@ def test_queries_this_list_does_not_ask_are_killed_when_it_ends(tools, tmp_path)
     assert sorted(cmd[0] for cmd in status.remembered_queries()) == ["sacct", "squeue"]  # what it did ask
 
 
+def test_a_wrapper_that_leaves_a_child_holding_the_pipe_is_killed_with_it(tools, tmp_path):
+    wrapper = tmp_path / "bin" / "hpcx-test-wrapper"
+    wrapper.write_text("#!/bin/sh\nsleep 3600.75 &\nexec sleep 3600.5\n")  # its child keeps stdout open
+    wrapper.chmod(0o755)
+    cache.write(status.QUERIES, {"commands": [["hpcx-test-wrapper"]]})
+    start = time.monotonic()
+    done = fast_status()
+    assert done.returncode == 0 and done.stdout.count("  RUNNING  ") == 3, done.stderr
+    assert time.monotonic() - start < 60  # a hang guard: the pipes are not read to the end
+    assert running("3600.5") == [] and running("3600.75") == []  # the wrapper and its child
+
+
 def test_a_controller_that_went_down_leaves_no_query_behind(tools, tmp_path, monkeypatch):
     fast_status()
     (tmp_path / "bin" / "squeue").write_text("#!/bin/sh\nexec sleep 3600.5\n")
@@ -530,3 +542,10 @@ def test_a_torn_query_record_is_replaced_by_what_the_list_asked(tools, content):
     done = fast_status()
     assert done.returncode == 0 and done.stdout.count("  RUNNING  ") == 3
     assert sorted(cmd[0] for cmd in status.remembered_queries()) == ["sacct", "squeue"]
+
+
+@pytest.mark.parametrize("value", ["", "relative/cache", "./x"])
+def test_a_cache_home_that_is_not_absolute_means_the_default(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("XDG_CACHE_HOME", value)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache.cache_path("x.json") == tmp_path / ".cache" / "hpcx" / "x.json"

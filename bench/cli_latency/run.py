@@ -15,7 +15,8 @@ sacct and squeue included): what a loaded machine stretches, so the figure to co
 Each status scenario has its own cache folder (``XDG_CACHE_HOME``: each site profile's run root, the
 scheduler queries of the last list), filled by the warm-up call and kept, as for a user who runs
 `hpcx status` again and again; `--cold` empties it before every status call (the first call of a user,
-or one after hpcx or a profile changed).
+or one after hpcx or a profile changed), `--cold queries` forgets only the queries (the first list after
+a new submission: other job ids to ask).
 
 hpcx runs as installed: with its bytecode cached (pip compiles it at install), also where the shell sets
 PYTHONDONTWRITEBYTECODE (the warm-up run writes it); `--no-bytecode` keeps that setting, and every
@@ -23,13 +24,15 @@ command then compiles hpc/ from source.
 
 `--only status` times just the two status calls against the baseline. `--hpcx COMMAND` runs another
 hpcx than the installed console script, and `--compare COMMAND` times another one too, interleaved
-with this one, in rows marked `(compare)`: a before/after on the same load, e.g. (from outside the
-checkout, with OLD an older one's copy) `--compare "env PYTHONPATH=OLD .venv/bin/python -m hpc.cli"`.
+with this one, in rows marked `(compare)`: a before/after on the same load, e.g., with OLD an older
+commit's copy (`git archive REV | tar -x -C OLD`), `--compare 'env -C OLD /ABS/.venv/bin/python -c "from
+hpc.entry import main; main()"'`. Run it in OLD (`env -C`): PYTHONPATH alone loses to the bench's own
+working directory, which `python -c` puts first on sys.path.
 `--load N` keeps N busy processes (plain Python loops, not niced) running while it measures, to see
 a login node under load; the load average printed is the machine's at the end, and the runnable
 processes are sampled before every call, other users' included.
 
-    python bench/cli_latency/run.py [--runs 15] [--run-folders 120] [--no-bytecode] [--only status] [--cold]
+    python bench/cli_latency/run.py [--runs 15] [--run-folders 120] [--no-bytecode] [--only status] [--cold [queries]]
                                     [--load N] [--hpcx COMMAND] [--compare COMMAND]
 """
 
@@ -142,8 +145,10 @@ def commands(tmp: Path, root: Path, hpcx_command: str | None = None) -> dict[str
     }
 
 
+COLD_WORDS = {None: "kept between calls", "all": "emptied before every call",
+              "queries": "kept, but the scheduler queries forgotten before every call"}
 BYTECODE = [True]  # False with --no-bytecode
-COLD = [False]  # True with --cold: status's caches are emptied before every call
+COLD: list[str | None] = [None]  # --cold: "all" (status's caches emptied before every call) or "queries"
 
 
 def environment(env: dict[str, str]) -> dict[str, str]:
@@ -160,8 +165,10 @@ def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None, name: 
     """Wall seconds of one call; its CPU seconds (the process and what it ran) go to CPU[name]."""
     if reset is not None:
         reset_live(reset)
-        if COLD[0]:
+        if COLD[0] == "all":
             shutil.rmtree(env["XDG_CACHE_HOME"], ignore_errors=True)
+        elif COLD[0] == "queries":
+            Path(env["XDG_CACHE_HOME"], "hpcx", "status-queries.json").unlink(missing_ok=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=environment(env))
@@ -181,13 +188,16 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--run-folders", type=int, default=120)
     parser.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE if set")
-    parser.add_argument("--cold", action="store_true", help="empty status's caches before every status call")
+    parser.add_argument("--cold", nargs="?", const="all", choices=["all", "queries"],
+                        help="empty status's caches before every status call (queries: only the last list's "
+                        "scheduler queries, as after a new submission)")
     parser.add_argument("--only", choices=["status"], help="time only the status calls (and the baseline)")
     parser.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes while measuring")
     parser.add_argument("--hpcx", metavar="COMMAND", help="how to run hpcx (default: the installed console script), "
-                        "e.g. 'python -m hpc.cli' with PYTHONPATH set to another checkout, to compare")
+                        "e.g. 'env -C OTHER python -m hpc.cli' (another checkout), to compare")
     parser.add_argument("--compare", metavar="COMMAND", help="also time the same calls through this hpcx "
-                        "(e.g. 'env PYTHONPATH=OLD python -m hpc.cli'), interleaved: '(compare)' rows")
+                        "(e.g. 'env -C OLD python -m hpc.cli': run in OLD, whose hpc/ comes first), interleaved: "
+                        "'(compare)' rows")
     args = parser.parse_args()
     BYTECODE[0] = not args.no_bytecode
     COLD[0] = args.cold
@@ -253,7 +263,7 @@ def report(samples: dict[str, list[float]], shown: dict[str, str], load: tuple[f
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({args.load} busy processes of the bench's own); "
           f"{os.cpu_count()} CPUs; runnable processes before each call: median {statistics.median(queue):g}, "
           f"max {max(queue):g}; status lists 20 of {args.run_folders} run folders; bytecode {bytecode}; "
-          f"status caches {'emptied before every call' if args.cold else 'kept between calls'}")
+          f"status caches {COLD_WORDS[args.cold]}")
     cpu_base = statistics.median(CPU["python -c pass"])
     print(f"{'command':26} {'median s':>9} {'- base s':>9} {'ratio':>6}  {'CPU s':>6} {'- base':>6}  "
           "goal: ≤ base + 0.300 s")

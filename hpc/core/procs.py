@@ -57,7 +57,7 @@ def start_ahead(cmds: tp.Iterable[list[str]]) -> None:
             continue
         try:
             _AHEAD[tuple(cmd)] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, text=True)
+                                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
         except (OSError, ValueError):
             pass
 
@@ -68,10 +68,19 @@ def take_ahead(cmd: list[str]) -> tp.Any:
 
 
 def stop_ahead() -> int:
-    """Kill and reap the processes started ahead that nobody took; how many there were."""
+    """Kill and reap the processes started ahead that nobody took, with what they started (each has a
+    session of its own: a site's wrapper script around squeue and its children); how many there were.
+    Their pipes are closed unread, so nothing left holding one keeps this process waiting."""
+    import signal
+
     left = list(_AHEAD.values())
     _AHEAD.clear()
     for proc in left:
-        proc.kill()
-        proc.communicate()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+        proc.wait()
     return len(left)

@@ -16,7 +16,10 @@ MAX_BYTES = 1 << 20
 
 
 def cache_path(name: str) -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """``$XDG_CACHE_HOME/hpcx/NAME``; ``~/.cache`` when the variable is unset or not absolute (XDG's rule)."""
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "hpcx" / name
 
 

@@ -42,6 +42,8 @@ def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
             seen[str(path)] = facts
         roots += _roots(path, facts, warn)
     if changed:
+        import hpc.core.site  # noqa: F401 - the modules a load uses are named even if none was loaded this time
+
         others = {p: f for p, f in known.items() if p not in seen}
         kept = {**seen, **dict(list(others.items())[:max(0, MAX_PROFILES - len(seen))])}
         cache.write(CACHE, {"python": sys.version, "hpc": _package(), "code": _code(), "profiles": kept})

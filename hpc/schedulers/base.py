@@ -131,9 +131,9 @@ def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool,
             return False, str(exc)
     try:
         out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except subprocess.TimeoutExpired:  # as subprocess.run: killed and reaped, its pipes not read to the end
         proc.kill()
-        proc.communicate()
+        proc.wait()
         return False, f"no answer within {timeout:g} s"
     except BaseException:  # Ctrl-C while waiting: as subprocess.run, never leave the query running
         proc.kill()
