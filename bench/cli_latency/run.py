@@ -16,7 +16,8 @@ Each status scenario has its own cache folder (``XDG_CACHE_HOME``: each site pro
 scheduler queries of the last list), filled by the warm-up call and kept, as for a user who runs
 `hpcx status` again and again; `--cold` empties it before every status call (the first call of a user,
 or one after hpcx or a profile changed), `--cold queries` forgets only the queries (the first list after
-a new submission: other job ids to ask).
+a new submission: other job ids to ask), `--cold sites` only the profiles' run roots (the first list after
+hpcx was upgraded or a profile edited).
 
 hpcx runs as installed: with its bytecode cached (pip compiles it at install), also where the shell sets
 PYTHONDONTWRITEBYTECODE (the warm-up run writes it); `--no-bytecode` keeps that setting, and every
@@ -32,7 +33,7 @@ working directory, which `python -c` puts first on sys.path.
 a login node under load; the load average printed is the machine's at the end, and the runnable
 processes are sampled before every call, other users' included.
 
-    python bench/cli_latency/run.py [--runs 15] [--run-folders 120] [--no-bytecode] [--only status] [--cold [queries]]
+    python bench/cli_latency/run.py [--runs 15] [--run-folders 120] [--no-bytecode] [--only status] [--cold [queries|sites]]
                                     [--load N] [--hpcx COMMAND] [--compare COMMAND]
 """
 
@@ -146,7 +147,8 @@ def commands(tmp: Path, root: Path, hpcx_command: str | None = None) -> dict[str
 
 
 COLD_WORDS = {None: "kept between calls", "all": "emptied before every call",
-              "queries": "kept, but the scheduler queries forgotten before every call"}
+              "queries": "kept, but the scheduler queries forgotten before every call",
+              "sites": "kept, but the profiles' run roots forgotten before every call"}
 BYTECODE = [True]  # False with --no-bytecode
 COLD: list[str | None] = [None]  # --cold: "all" (status's caches emptied before every call) or "queries"
 
@@ -167,8 +169,9 @@ def timed(cmd: list[str], env: dict[str, str], reset: Path | None = None, name: 
         reset_live(reset)
         if COLD[0] == "all":
             shutil.rmtree(env["XDG_CACHE_HOME"], ignore_errors=True)
-        elif COLD[0] == "queries":
-            Path(env["XDG_CACHE_HOME"], "hpcx", "status-queries.json").unlink(missing_ok=True)
+        elif COLD[0] in ("queries", "sites"):
+            forgotten = "status-queries.json" if COLD[0] == "queries" else "site-roots.json"
+            Path(env["XDG_CACHE_HOME"], "hpcx", forgotten).unlink(missing_ok=True)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=environment(env))
@@ -188,9 +191,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--run-folders", type=int, default=120)
     parser.add_argument("--no-bytecode", action="store_true", help="keep PYTHONDONTWRITEBYTECODE if set")
-    parser.add_argument("--cold", nargs="?", const="all", choices=["all", "queries"],
+    parser.add_argument("--cold", nargs="?", const="all", choices=["all", "queries", "sites"],
                         help="empty status's caches before every status call (queries: only the last list's "
-                        "scheduler queries, as after a new submission)")
+                        "scheduler queries, as after a new submission; sites: only the profiles' run roots, "
+                        "as after an upgrade or a profile edited)")
     parser.add_argument("--only", choices=["status"], help="time only the status calls (and the baseline)")
     parser.add_argument("--load", type=int, default=0, metavar="N", help="N busy processes while measuring")
     parser.add_argument("--hpcx", metavar="COMMAND", help="how to run hpcx (default: the installed console script), "
