@@ -156,11 +156,11 @@ def test_a_profile_shadowed_by_an_earlier_folder_is_not_listed_from_the_cache(si
 
 def _stale_code(record: dict) -> None:
     module = next(iter(record["code"]))
-    record["code"][module] = [0, 0, 0, 0, 0]
+    record["code"][module] = [0, 0, 0, 0]
 
 
 def _vanished_code(record: dict) -> None:
-    record["code"]["/nonexistent/hpc/core/site.py"] = [1, 2, 3, 4, 5]
+    record["code"]["/nonexistent/hpc/core/site.py"] = [1, 2, 3, 4]
 
 
 def _other_python(record: dict) -> None:

@@ -3,11 +3,13 @@
 Loading a profile means parsing its TOML and running every check of every scheduler kind (about 9 ms
 for the four bundled ones, with the imports, and far more under load); the list needs two facts of each:
 whether it loads (with its first problem when not: the warning) and its ``storage.run_root`` as written.
-Those are kept in ``site-roots.json`` (``hpc.login.cache``), each keyed by its file's device, inode,
-size, mtime and ctime, the whole record by the Python version and the size and mtime of every hpcx
-module that loading used: an edited, replaced or touched profile, and an upgraded or edited hpcx, are
-loaded again. The variables in a run root are the caller's environment and are expanded at every call,
-never cached.
+Those are kept in ``site-roots.json`` (``hpc.login.cache``). Each profile's entry is keyed by its
+file's inode, size, mtime and ctime; not by the device number, which login nodes that mount one shared
+filesystem number differently (and the home folder holding this cache is usually shared by them too).
+The whole record is keyed by the Python version, hpcx's folder, and the inode, size, mtime and ctime of
+every hpcx module that loading used. So an edited, replaced or touched profile, and an upgraded or
+edited hpcx, are loaded again. The variables in a run root are the caller's environment: they are
+expanded at every call, never cached.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def _file_key(path: str | Path) -> list[int] | None:
         info = os.stat(path)
     except (OSError, ValueError):
         return None
-    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+    return [info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
 def _package() -> str:
