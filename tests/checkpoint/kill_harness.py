@@ -4,8 +4,9 @@
 
 Imports torch once, then forks two gloo ranks per scenario (cheap on a 2-core box). Each scenario:
 fsdp on 2 ranks saves steps 1 and 2 (keep=2), then saves step 3 while the victim rank counts I/O
-events (shard writes, fsyncs, renames, removals) and kills itself with SIGKILL at event K. A
-calibration run without a kill counts the events of each rank; the K values spread over them,
+events (shard writes, fsyncs, renames, removals, the shard digests its background thread writes, waited
+for) and kills itself with SIGKILL at event K. A calibration run without a kill counts the events of
+each rank (the same in every run: the digest threads are joined before arming and before counting); the K values spread over them,
 the commit-and-prune tail of rank 0 included. The parent then kills the survivor (its own child)
 and, after all scenarios, checks each run: ``latest_checkpoint`` must be step 3 if the rename
 happened, else step 2, and loading it into a plain model must give the reference parameters.
@@ -88,8 +89,10 @@ def rank_main(rank: int, run: Path, store: Path, kill_rank: int, kill_at: int, c
     model, optimizer, scheduler = build("fsdp")
     for step in STEPS:
         train_step(model, optimizer, scheduler, step)
+        ckpt.wait_pending()  # the last save's digests (a background thread's fsyncs) are not step 3's events
         counter.armed = step == STEPS[-1]
         ckpt.save_checkpoint(run, step, model, optimizer, scheduler, {"step": step}, keep=2)
+    ckpt.wait_pending()  # and step 3's are, every time: the count does not depend on how far that thread got
     (counts / f"rank{rank}").write_text(str(counter.n))
     dist.destroy_process_group()
 
