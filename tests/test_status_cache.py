@@ -80,7 +80,7 @@ def loads(monkeypatch) -> list[str]:
     """The names of the profiles loaded (parsed and checked) from now on."""
     names: list[str] = []
     real = site.load_site
-    monkeypatch.setattr(site, "load_site", lambda name, *a: names.append(name) or real(name, *a))
+    monkeypatch.setattr(site, "load_site", lambda name, *a: names.append(Path(name).stem) or real(name, *a))
     return names
 
 
@@ -142,6 +142,14 @@ def test_a_profile_added_or_removed_is_seen(sites, tmp_path, loads):
     (sites / "pcie-4gpu.toml").unlink()
     roots, _ = listed()
     assert tmp_path / "runs-pcie-4gpu" not in roots and (roots, []) == expected()
+
+
+def test_a_profile_whose_name_ends_in_toml_is_read_from_its_folder(sites, tmp_path, monkeypatch):
+    profile(sites, "odd.toml", tmp_path / "runs-odd")  # odd.toml.toml: the name `odd.toml` looks like a path
+    monkeypatch.chdir(tmp_path)  # where no odd.toml lies
+    for _ in range(2):
+        roots, warnings = listed()
+        assert tmp_path / "runs-odd" in roots and warnings == []
 
 
 def test_a_profile_shadowed_by_an_earlier_folder_is_not_listed_from_the_cache(sites, tmp_path, monkeypatch):

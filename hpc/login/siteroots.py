@@ -35,11 +35,11 @@ def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
     seen: dict[str, dict[str, tp.Any]] = {}
     changed = not known
     roots: list[Path] = []
-    for name, (path, _) in find_sites().items():
+    for path, _ in find_sites().values():
         key = _file_key(path)
         facts = known.get(str(path))
         if key is None or not _facts_ok(facts) or facts["file"] != key:
-            facts, changed = {**_load(name, path), "file": key}, True
+            facts, changed = {**_load(path), "file": key}, True
         if key is not None:
             seen[str(path)] = facts
         roots += _roots(path, facts, warn)
@@ -52,13 +52,15 @@ def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
     return roots
 
 
-def _load(name: str, path: Path) -> dict[str, tp.Any]:
+def _load(path: Path) -> dict[str, tp.Any]:
     """What a full load says: {"loads", "run_root" (as written, or None), "error" (the first problem)}."""
     from hpc.core.config import ConfigError
     from hpc.core.site import load_site, written_run_root
 
     try:
-        return {"loads": True, "run_root": load_site(name).storage.run_root, "error": None}
+        # by its path: a name found on the search path is loaded from there (``a.toml.toml`` is named
+        # ``a.toml``, which load_site would read as a path relative to the working directory)
+        return {"loads": True, "run_root": load_site(str(path)).storage.run_root, "error": None}
     except ConfigError as exc:
         return {"loads": False, "run_root": written_run_root(path), "error": exc.messages[0]}
 
