@@ -21,7 +21,7 @@ from hpc.core import validate as v
 from hpc.core.config import (ConfigError, build_document, check_table, field, read_toml, suggest, type_hints,
                              untouched)
 
-from hpc.core.sitepath import SYSTEM_SITES, USER_SITES, bundled_dir, find_sites, search_path  # noqa: F401
+from hpc.core.sitepath import find_sites, search_path  # noqa: F401 - find_sites: hpc.cli and others ask it here
 
 DEFAULT_SITE = "local"
 
