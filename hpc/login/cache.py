@@ -2,7 +2,7 @@
 only make `hpcx status` faster (``hpc.login.siteroots``: each site profile's run root; ``hpc.login.status``:
 the scheduler queries of the last list). Losing one costs one slower call, nothing else: a file that is
 missing, torn, too large, not a regular file, another user's or writable by others reads as None; writes
-are whole (a temporary file renamed over the old one) and a home that cannot be written is not an error.
+are whole (``hpc.core.runs.write_atomic``) and a home that cannot be written is not an error.
 """
 
 from __future__ import annotations
@@ -52,16 +52,11 @@ def read(name: str) -> tp.Any:
 def write(name: str, value: tp.Any) -> None:
     """Replace the cache file with ``value`` as JSON (mode 0600, its folder 0700); quietly nothing when
     it cannot be written."""
+    from hpc.core.runs import write_atomic
+
     path = cache_path(name)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with open(fd, "w", encoding="utf-8") as f:
-            json.dump(value, f, separators=(",", ":"))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(value, separators=(",", ":")), 0o600)
     except (OSError, ValueError):
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass

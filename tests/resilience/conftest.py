@@ -21,6 +21,7 @@ def run_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def slurm_side(monkeypatch) -> SlurmJobSide:
+    """Inside a (no longer existing) Slurm job 424242, restart 1, under the rendered script's check."""
     monkeypatch.setenv("SLURM_JOB_ID", JOB)
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
     monkeypatch.setenv("HPCX_REQUEUE_CHECK", "after-srun")

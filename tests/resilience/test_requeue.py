@@ -33,15 +33,6 @@ def write_spec(run: Path, max_requeues: int = 3, resume: bool = True) -> None:
     (run / "resolved.json").write_text(json.dumps(doc))
 
 
-@pytest.fixture
-def slurm_env(monkeypatch) -> SlurmJobSide:
-    """Inside a (no longer existing) Slurm job 424242, restart 1, under the rendered script's check."""
-    monkeypatch.setenv("SLURM_JOB_ID", JOB)
-    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
-    monkeypatch.setenv("HPCX_REQUEUE_CHECK", "after-srun")
-    return SlurmJobSide()
-
-
 def start(step: int, restart: int = 1, job: str = JOB) -> dict:
     return {"event": "start", "step": step, "job_id": job, "slurm_restart_count": restart}
 
@@ -74,24 +65,24 @@ def test_a_second_request_in_one_incarnation_is_refused(run_dir, monkeypatch):
                                                                          ("REQUEUED", "rank 0", "5150.1")]
 
 
-def test_slurm_incarnations_are_named_by_slurms_restart_count(slurm_env):
-    assert slurm_env.incarnation(7) == f"{JOB}.1" and slurm_env.decides_failures
+def test_slurm_incarnations_are_named_by_slurms_restart_count(slurm_side):
+    assert slurm_side.incarnation(7) == f"{JOB}.1" and slurm_side.decides_failures
     os.environ.pop("HPCX_REQUEUE_CHECK")
     assert not SlurmJobSide().decides_failures  # a plain srun in a script of the user's: rank 0 decides
 
 
-def test_nothing_to_decide_after_srun_when_rank_0_recorded_the_stop(run_dir, slurm_env):
+def test_nothing_to_decide_after_srun_when_rank_0_recorded_the_stop(run_dir, slurm_side):
     for reason in ("completed", "preempted", "terminated"):
         write_ledger(run_dir, [start(0, 0), {"event": "stop", "reason": "preempted", "step": 5}, start(5),
                                {"event": "stop", "reason": reason, "step": 9, "job_id": JOB}])
-        assert after_srun(run_dir, 1, slurm_env) is None
+        assert after_srun(run_dir, 1, slurm_side) is None
         assert len(runs.RunDir(run_dir).read_ledger()) == 4
 
 
-def test_rank_0_killed_without_a_word_is_recorded_from_the_metrics(run_dir, slurm_env):
+def test_rank_0_killed_without_a_word_is_recorded_from_the_metrics(run_dir, slurm_side):
     write_ledger(run_dir, [start(0, 0), {"event": "stop", "reason": "preempted", "step": 10}, start(10)])
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 18)))
-    line = after_srun(run_dir, 137, slurm_env)
+    line = after_srun(run_dir, 137, slurm_side)
     assert line["reason"] == "failed" and line["step"] == 17 and line["by"] == "batch script"
     assert "status 137" in line["error"] and "no rank reported" in line["error"]
     assert line["failed_ranks"] == [] and line["started"] is True and line["slurm_restart_count"] == 1
@@ -101,13 +92,13 @@ def test_rank_0_killed_without_a_word_is_recorded_from_the_metrics(run_dir, slur
     assert runs.RunDir(run_dir).read_ledger()[-1] == line
 
 
-def test_the_first_rank_to_fail_names_the_failure(run_dir, slurm_env):
+def test_the_first_rank_to_fail_names_the_failure(run_dir, slurm_side):
     write_ledger(run_dir, [start(0)])
     requeue.report_failure(run_dir, f"{JOB}.1", 3, step=12, error="CUDA error: an illegal memory access")
     requeue.report_failure(run_dir, f"{JOB}.1", 0, step=12, error="RuntimeError: Connection reset by peer",
                            save_s=4.5, saves=2)
     requeue.report_failure(run_dir, f"{JOB}.0", 1, step=3, error="from an earlier start")
-    line = after_srun(run_dir, 1, slurm_env)
+    line = after_srun(run_dir, 1, slurm_side)
     assert line["error"] == "CUDA error: an illegal memory access" and line["failed_ranks"] == [3]
     assert line["reported_ranks"] == [0, 3]  # rank 0 only lost its connection to rank 3: not a failed rank
     assert line["step"] == 12 and line["srun_status"] == 1
@@ -120,17 +111,17 @@ def test_the_first_rank_to_fail_names_the_failure(run_dir, slurm_env):
      "job.max_requeues = 1 reached"),
     ([start(0)], {"resume": False}, "checkpoint.resume = false"),
 ])
-def test_the_check_applies_the_same_policy_as_rank_0(run_dir, slurm_env, ledger, spec, words):
+def test_the_check_applies_the_same_policy_as_rank_0(run_dir, slurm_side, ledger, spec, words):
     write_spec(run_dir, **spec)
     write_ledger(run_dir, ledger)
     if "without progress" in words:
         requeue.report_failure(run_dir, f"{JOB}.1", 2, step=4, error="ValueError: bad batch")
-    line = after_srun(run_dir, 1, slurm_env)
+    line = after_srun(run_dir, 1, slurm_side)
     assert not line["requeued"] and words in line["not_requeued"]
     assert not (run_dir / "requeue" / f"{JOB}.1.requeued").exists()  # refused before claiming
 
 
-def test_a_start_that_never_wrote_its_start_line_is_still_recorded_and_counted(run_dir, slurm_env, monkeypatch):
+def test_a_start_that_never_wrote_its_start_line_is_still_recorded_and_counted(run_dir, slurm_side, monkeypatch):
     monkeypatch.setenv("SLURM_RESTART_COUNT", "3")
     write_ledger(run_dir, [start(0, 0), {"event": "stop", "reason": "preempted", "step": 6, "job_id": JOB}])
     line = after_srun(run_dir, 1, SlurmJobSide())
@@ -138,7 +129,7 @@ def test_a_start_that_never_wrote_its_start_line_is_still_recorded_and_counted(r
     assert line["not_requeued"].startswith("job.max_requeues = 3 reached (3 restarts")
 
 
-def test_the_check_is_a_command_the_script_runs(run_dir, slurm_env):
+def test_the_check_is_a_command_the_script_runs(run_dir, slurm_side):
     import subprocess
     import sys
 
