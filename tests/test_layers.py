@@ -211,3 +211,35 @@ def test_the_core_declares_no_field_of_a_kinds_scheduler_section():
                 declared |= {item.target.id for item in node.body
                              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
     assert "kind" in declared and not declared & kind_fields, f"hpc/core/site.py declares {sorted(declared & kind_fields)}"
+
+
+def _scheduler_reads(path: Path) -> list[tuple[int, str]]:
+    """(line, field) of every ``….scheduler.FIELD`` and ``getattr(….scheduler, "FIELD")`` in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "scheduler":
+            found.append((node.lineno, node.attr))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+              and len(node.args) >= 2 and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == "scheduler"
+              and isinstance(node.args[1], ast.Constant)):
+            found.append((node.lineno, node.args[1].value))
+    return found
+
+
+def test_nothing_outside_a_kind_reads_a_field_of_its_scheduler_section():
+    """Slurm's partition, account, qos, gpu_directive and sbatch are read by Slurm's package only: the core
+    asks the kind (``Scheduler.placement`` for the launch's partition/account/qos, ``site_problems``,
+    ``cpus_allocated``), so a kind without them needs no branch anywhere else."""
+    from hpc import schedulers
+
+    kind_fields = set().union(*(_section_fields(f"hpc.schedulers.{k}.section") for k in schedulers.SECTIONED))
+    offenders = [f"{p.relative_to(REPO)}:{line} scheduler.{name}" for p in _outside_the_kinds()
+                 for line, name in _scheduler_reads(p) if name in kind_fields]
+    assert offenders == []
+
+
+def test_the_scheduler_field_check_sees_a_read(tmp_path):
+    """The check above finds both spellings (it would pass on any tree if it found neither)."""
+    source = tmp_path / "m.py"
+    source.write_text("a = site.scheduler.partition\nb = getattr(site.scheduler, 'qos')\nc = site.scheduler.kind\n")
+    assert _scheduler_reads(source) == [(1, "partition"), (2, "qos"), (3, "kind")]

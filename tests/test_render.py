@@ -194,3 +194,16 @@ def test_local_gpu_site_hands_its_gpus_to_the_tasks(monkeypatch):
     assert shown["gpus_per_node"] == 2  # submitit would export CUDA_VISIBLE_DEVICES="" without it
     cpu = load_site("local")
     assert "gpus_per_node" not in local_parameters(spec, resolve(spec, cpu))
+
+
+def test_the_kind_decides_where_the_job_asks_to_run():
+    """``Launch.partition``/``account``/``qos`` come from the site's kind (``Scheduler.placement``): Slurm
+    fills what the spec leaves out from its ``[scheduler]`` defaults; the spec's own values win."""
+    job = REPO / "jobs" / "tiny-ddp.toml"
+    site = load_site("sandbox")
+    assert site.scheduler.partition == "debug"
+    assert resolve(load_spec(job, ["job.nodes=1"]), site).partition == "debug"
+    assert resolve(load_spec(job, ["job.nodes=1", "job.partition=long", "job.qos=high"]), site).to_dict()[
+        "partition"] == "long"
+    local = resolve(load_spec(job, ["job.qos=high"]), load_site("local"))
+    assert (local.partition, local.account, local.qos) == (None, None, "high")

@@ -10,6 +10,7 @@ import dataclasses
 import typing as tp
 from dataclasses import asdict, dataclass, field
 
+from hpc import schedulers
 from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
@@ -185,9 +186,7 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
         dims=dims,
         grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
-        partition=spec.job.partition or site.scheduler.partition,
-        account=spec.job.account or site.scheduler.account,
-        qos=spec.job.qos or site.scheduler.qos,
+        **schedulers.get(site.scheduler.kind).placement(spec, site),
         plan_reasons=reasons,
         cpu_offload=cpu_offload,
     )

@@ -39,6 +39,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NOD
             "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED"}
 QUERY_TIMEOUT_S = 30.0
 UNREACHABLE = "scheduler unreachable"
+PLACEMENT = ("partition", "account", "qos")  # what a job asks of any batch scheduler (``Scheduler.placement``)
 
 
 @dataclass
@@ -275,6 +276,12 @@ class Scheduler(abc.ABC):
     def site_problems(self, site: SiteProfile) -> list[str]:
         """This kind's cross-checks of a well-typed site profile of its kind."""
         return []
+
+    def placement(self, spec: JobSpec, site: SiteProfile) -> dict[str, str | None]:
+        """Where the job asks to run, as ``Launch`` records it (``partition``, ``account``, ``qos``): the
+        spec's ``job.partition``/``account``/``qos``; a kind whose ``[scheduler]`` section has defaults
+        for them (Slurm's) fills what the spec leaves out. The core reads no field of a kind's section."""
+        return {key: getattr(spec.job, key) for key in PLACEMENT}
 
 
 class JobSide(abc.ABC):

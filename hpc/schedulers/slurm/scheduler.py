@@ -22,8 +22,8 @@ import typing as tp
 from pathlib import Path
 
 from hpc.core.errors import UserError
-from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv, Scheduler,
-                                 batch_log, task_command, try_command, unknown, wait_since_last_stop)
+from hpc.schedulers.base import (PLACEMENT, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv,
+                                 Scheduler, batch_log, task_command, try_command, unknown, wait_since_last_stop)
 from hpc.schedulers.slurm import ranks
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
 from hpc.schedulers.slurm.section import overcommits
@@ -111,7 +111,7 @@ def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: 
         "srun_args": list(SRUN_ARGS),
         "additional_parameters": {"requeue": True, **sbatch_extras(site.scheduler.sbatch)},
     }
-    for key in ("partition", "account", "qos"):
+    for key in PLACEMENT:
         if getattr(launch, key):
             params[key] = directive_value(getattr(launch, key))
     params.update(gpu_parameters(site, launch))
@@ -401,6 +401,10 @@ class SlurmScheduler(Scheduler):
             return [f"`scheduler.gpu_directive` = 'none' but `node.gpus` = {site.node.gpus}: "
                     "expected 'gpus-per-node' or 'gres' on a GPU site"]
         return []
+
+    def placement(self, spec: JobSpec, site: SiteProfile) -> dict[str, str | None]:
+        """The spec's partition, account and QOS, else the site's ``[scheduler]`` defaults."""
+        return {key: getattr(spec.job, key) or getattr(site.scheduler, key) for key in PLACEMENT}
 
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
         import sys
