@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from hpc.core.manifest import PREPARED, SYNTHETIC
 from hpc.core.spec import Data
 from hpc.core.validate import check_batch
 
@@ -135,14 +136,14 @@ class GlobalSampler:
             start += self.global_batch
 
 
-def build_dataset(data: Data, seq_len: int, vocab_size: int, seed: int) -> Dataset:
+def build_dataset(data: Data, kind: str, seq_len: int, vocab_size: int, seed: int) -> Dataset:
     """Synthetic tokens, the train split of a prepared folder (``trainer.tokens``) or a ``.bin`` token
-    file, per ``data.source``."""
-    if data.source == "synthetic":
+    file, per ``kind``: what ``data.source`` names, decided at resolve (``Launch.data_source``)."""
+    if kind == SYNTHETIC:
         return SyntheticTokens(vocab_size, seq_len, seed)
-    from trainer.tokens import ManifestTokens, is_manifest_source
+    if kind == PREPARED:
+        from trainer.tokens import ManifestTokens
 
-    if is_manifest_source(data.source):
         return ManifestTokens(data.source, "train", seq_len)
     return TokenFile(data.source, data.dtype, seq_len)
 
@@ -157,6 +158,7 @@ def build_loader(dataset: Dataset, sampler: GlobalSampler, data: Data, seed: int
                       generator=torch.Generator().manual_seed(seed), persistent_workers=workers > 0)
 
 
-def shuffle_enabled(data: Data) -> bool:
-    """Synthetic samples are already independent random draws; only token files are permuted."""
-    return data.shuffle and data.source != "synthetic"
+def shuffle_enabled(data: Data, kind: str) -> bool:
+    """Synthetic samples are already independent random draws; only token files are permuted (``kind``:
+    ``Launch.data_source``)."""
+    return data.shuffle and kind != SYNTHETIC

@@ -89,11 +89,12 @@ def eval_step(t: tp.Any, step: int) -> dict[str, tp.Any]:
     return record
 
 
-def build_eval(spec: tp.Any, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
-    """The evaluator of a spec (None when ``train.eval_every`` is 0 or there is nothing to evaluate on)."""
+def build_eval(spec: tp.Any, kind: str, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
+    """The evaluator of a spec (None when ``train.eval_every`` is 0 or there is nothing to evaluate on;
+    ``kind``: ``Launch.data_source``)."""
     from trainer.tokens import ManifestTokens, val_split_source
 
-    where = val_split_source(spec.data) if spec.train.eval_every else None
+    where = val_split_source(spec.data, kind) if spec.train.eval_every else None
     if where is None:
         return None
     dataset = ManifestTokens(where[0], where[1], seq_len)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.core.resolve import RESOLVED_VERSION, Launch, decided_parallel
+from hpc.core.resolve import RESOLVED_VERSION, Launch, decided
 from hpc.core.runs import RunDir
 from hpc.core.site import SiteProfile, parse_site
 from hpc.core.spec import JobSpec, spec_from_dict
@@ -39,4 +39,4 @@ def load_run(run_dir: str | Path) -> Run:
     site_doc = dict(doc["site"])
     name, source = site_doc.pop("name"), site_doc.pop("source", "")
     site = parse_site(site_doc, name, source or str(resolved))
-    return Run(run_dir=run_dir, spec=spec, site=site, launch=decided_parallel(spec, Launch.from_dict(doc["launch"])))
+    return Run(run_dir=run_dir, spec=spec, site=site, launch=decided(spec, Launch.from_dict(doc["launch"])))

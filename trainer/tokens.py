@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hpc.core.manifest import load_manifest, manifest_path
+from hpc.core.manifest import PREPARED, load_manifest, manifest_path
 
 
 class ManifestTokens(Dataset):
@@ -64,42 +64,38 @@ class ManifestTokens(Dataset):
         return {**self.__dict__, "_maps": {}}
 
 
-def is_manifest_source(source: str) -> bool:
-    """Whether ``data.source`` names a prepared folder (or its manifest.json)."""
-    return source != "synthetic" and manifest_path(source) is not None
-
-
-def val_split_source(data: tp.Any) -> tuple[str, str] | None:
+def val_split_source(data: tp.Any, kind: str) -> tuple[str, str] | None:
     """(folder, split) that evaluation reads: ``data.val_source`` (its val split, or its train split
-    when it has no val split), else the val split of ``data.source``; None when there is none."""
+    when it has no val split), else the val split of ``data.source`` when ``kind`` (``Launch.data_source``)
+    is a prepared folder; None when there is none."""
     if data.val_source == "none":
         return None
     if data.val_source:
         manifest = load_manifest(manifest_path(data.val_source))
         return data.val_source, "val" if manifest["splits"]["val"]["tokens"] else "train"
-    if not is_manifest_source(data.source):
+    if kind != PREPARED:
         return None
     manifest = load_manifest(manifest_path(data.source))
     return (data.source, "val") if manifest["splits"]["val"]["tokens"] else None
 
 
-def data_record(data: tp.Any) -> dict[str, tp.Any]:
+def data_record(data: tp.Any, kind: str) -> dict[str, tp.Any]:
     """What a run trained on: the manifest (path, SHA-256, totals), its tokenizer (path, SHA-256,
     vocabulary, EOS; what a model export ships) and the validation source."""
     import hashlib
 
-    if not is_manifest_source(data.source):
+    if kind != PREPARED:
         return {"source": data.source}
     path = manifest_path(data.source)
     manifest = load_manifest(path)
     return {"source": data.source, "manifest": str(path), "manifest_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"], "masked": bool(manifest.get("masked")),
             "splits": {s: {k: m[k] for k in ("tokens", "documents")} for s, m in manifest["splits"].items()},
-            "val_source": val_split_source(data)}
+            "val_source": val_split_source(data, kind)}
 
 
-def record_data(run_dir: Path, data: tp.Any) -> None:
+def record_data(run_dir: Path, data: tp.Any, kind: str) -> None:
     """Rank 0 writes ``RUN/data.json`` (``data_record``)."""
     from hpc.core.runs import RunDir, write_json
 
-    write_json(RunDir(run_dir).data, data_record(data))
+    write_json(RunDir(run_dir).data, data_record(data, kind))

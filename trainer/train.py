@@ -150,12 +150,13 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)
     facts = model_facts(spec.model)
     seq_len = facts.seq_len
-    dataset = build_dataset(spec.data, seq_len, facts.vocab_size, spec.train.seed)
+    kind = launch.data_source  # decided once, at resolve (hpc.core.manifest.source_kind)
+    dataset = build_dataset(spec.data, kind, seq_len, facts.vocab_size, spec.train.seed)
     sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,
-                            launch.world_size, spec.train.seed, shuffle_enabled(spec.data))
+                            launch.world_size, spec.train.seed, shuffle_enabled(spec.data, kind))
     workers = loader_workers(spec.data.num_workers, device.type == "cuda", launch.cpus_per_task)
     if rank == 0:
-        record_data(run.run_dir, spec.data)
+        record_data(run.run_dir, spec.data, kind)
     trainer = Trainer(
         run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train),
         sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda", workers),
@@ -166,7 +167,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
-        clock=PhaseClock(device), evaluator=build_eval(spec, seq_len, rank, launch.world_size))
+        clock=PhaseClock(device), evaluator=build_eval(spec, kind, seq_len, rank, launch.world_size))
     return trainer, TrainState()
 
 

@@ -210,9 +210,10 @@ def hand_batches(run, rank: int, steps: int) -> list:
     from trainer.data import GlobalSampler, build_dataset, shuffle_enabled
 
     spec, facts = run.spec, model_facts(run.spec.model)
-    dataset = build_dataset(spec.data, facts.seq_len, facts.vocab_size, spec.train.seed)
+    kind = run.launch.data_source
+    dataset = build_dataset(spec.data, kind, facts.seq_len, facts.vocab_size, spec.train.seed)
     sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,
-                            run.launch.world_size, spec.train.seed, shuffle_enabled(spec.data))
+                            run.launch.world_size, spec.train.seed, shuffle_enabled(spec.data, kind))
     assert sampler.grad_accum == 1, "the hand loop takes one micro-batch per step"
     return [torch.stack([dataset[i] for i in sampler.step_batches(s * spec.train.global_batch)[0]])
             for s in range(steps)]

@@ -25,6 +25,21 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+SYNTHETIC, PREPARED, TOKEN_FILE = "synthetic", "prepared", "tokens"
+SOURCE_KINDS = (SYNTHETIC, PREPARED, TOKEN_FILE)
+
+
+def source_kind(source: str) -> str:
+    """What ``data.source`` names, the one rule: ``synthetic`` (seeded random tokens), ``prepared`` (a
+    folder, or a file named manifest.json: made by ``hpcx data prepare``) or ``tokens`` (any other
+    path: a flat token file). Decided once, where the spec is loaded (``check_data_source``) and
+    resolved (``Launch.data_source``); the ranks read the launch, not the string and the file system."""
+    if source == SYNTHETIC:
+        return SYNTHETIC
+    path = Path(source)
+    return PREPARED if path.is_dir() or path.name == MANIFEST else TOKEN_FILE
+
+
 def manifest_path(source: str | Path) -> Path | None:
     """The manifest of ``source`` (a prepared folder or its manifest.json), or None when it is neither."""
     p = Path(source)
@@ -156,9 +171,9 @@ def check_prepared(path: Path, seq_len: int, vocab: int, label: str) -> list[str
     return check_source(manifest, seq_len, vocab, label)
 
 
-def check_validation(data: tp.Any, train: tp.Any, seq_len: int, vocab: int) -> tuple[list[str], str]:
+def check_validation(data: tp.Any, train: tp.Any, seq_len: int, vocab: int, kind: str) -> tuple[list[str], str]:
     """(problems, absolute ``data.val_source``): a named folder is checked like ``data.source``; with
-    ``train.eval_every`` there must be something to evaluate on."""
+    ``train.eval_every`` there must be something to evaluate on (``kind``: ``data.source``'s, checked)."""
     source = data.val_source
     if source and source != "none":
         from hpc.core.errors import ConfigError
@@ -173,7 +188,7 @@ def check_validation(data: tp.Any, train: tp.Any, seq_len: int, vocab: int) -> t
         return problems, str(path)
     if not train.eval_every or source == "none":
         return [], source
-    manifest = manifest_path(data.source) if data.source != "synthetic" else None
+    manifest = manifest_path(data.source) if kind == PREPARED else None
     if manifest is None or longest_shard(load_manifest(manifest), "val") < seq_len + 1:
         return [f"`train.eval_every` = {train.eval_every}: no validation split to evaluate on: expected "
                 "`data.source` prepared with --val-fraction (a val shard of seq_len + 1 tokens), or a "

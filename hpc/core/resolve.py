@@ -14,6 +14,7 @@ from hpc import schedulers
 from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
+from hpc.core.manifest import source_kind
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, Parallel, compute_precision
 from hpc.core.validate import check_batch, check_world
@@ -43,6 +44,9 @@ class Launch:
     # the spec's [parallel] with its `auto` values decided (``launch_parallel``): what the trainer runs
     # with, never decided again; None in resolved.json files from before (``decided_parallel`` fills it)
     parallel: Parallel | None = None
+    # what `data.source` names (``hpc.core.manifest.source_kind``: synthetic, prepared or tokens), decided at
+    # resolve: the ranks read it, not the path; None in resolved.json files from before (``decided_data_source``)
+    data_source: str | None = None
 
     def __post_init__(self) -> None:
         if self.dims.world_size != self.world_size:
@@ -189,6 +193,7 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
         **schedulers.get(site.scheduler.kind).placement(spec, site),
         plan_reasons=reasons,
         cpu_offload=cpu_offload,
+        data_source=source_kind(spec.data.source),
     )
     return dataclasses.replace(launch, parallel=launch_parallel(spec, launch))
 
@@ -242,6 +247,20 @@ def undecided(parallel: Parallel) -> list[str]:
     """The `auto` values ``decide_parallel`` would still decide in ``parallel`` (``cpu_offload`` is a
     bool: a spec's value is indistinguishable from the plan's, so only precision can be told)."""
     return ["mixed_precision"] if parallel.mixed_precision == "auto" else []
+
+
+def decided_data_source(spec: JobSpec, launch: Launch) -> Launch:
+    """``launch`` with its ``data_source`` recorded (a resolved.json from before it was: decided now, by
+    the same rule, on the path the login node checked)."""
+    if launch.data_source is not None:
+        return launch
+    return dataclasses.replace(launch, data_source=source_kind(spec.data.source))
+
+
+def decided(spec: JobSpec, launch: Launch) -> Launch:
+    """``launch`` with everything decided at resolve recorded (``decided_parallel``, ``decided_data_source``):
+    what the trainer reads its run folder into."""
+    return decided_data_source(spec, decided_parallel(spec, launch))
 
 
 def decided_parallel(spec: JobSpec, launch: Launch) -> Launch:

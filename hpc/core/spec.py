@@ -327,12 +327,12 @@ def resolve_paths(spec: JobSpec) -> list[str]:
         spec.checkpoint.init_from = str(Path(os.path.expandvars(os.path.expanduser(spec.checkpoint.init_from)))
                                         .absolute())
     facts = model_facts(spec.model)
-    problems, spec.data.source = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
-                                                     facts.vocab_size)
+    problems, spec.data.source, kind = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
+                                                           facts.vocab_size)
     if not problems:
         from hpc.core.manifest import check_validation
 
-        more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size)
+        more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size, kind)
         problems += more
     return errors + problems
 

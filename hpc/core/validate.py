@@ -407,30 +407,33 @@ TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 64 * 1024  # at most 4 MiB read to find the largest token id
 
 
-def check_data_source(source: str, dtype: str, seq_len: int, vocab: int) -> tuple[list[str], str]:
-    """(problems, absolute path) for ``data.source`` on the login node; ``synthetic`` passes as is.
+def check_data_source(source: str, dtype: str, seq_len: int, vocab: int) -> tuple[list[str], str, str]:
+    """(problems, absolute path, its kind: ``hpc.core.manifest.source_kind``) for ``data.source`` on the
+    login node; ``synthetic`` passes as is.
 
     A token file must be a readable regular file whose size is a whole number of ``dtype`` tokens and
     at least one sample (``seq_len + 1`` tokens); when ``vocab`` is known, a sample of the file spread
     over its length (the whole file up to 4 MiB) must hold no token id at or above it.
     """
-    if source == "synthetic":
-        return [], source
-    if source.strip().lower() == "synthetic":
-        return [f"`data.source` = {source!r}: expected 'synthetic' (lower case) or a path to a token file"], source
+    from hpc.core.manifest import PREPARED, SYNTHETIC, check_prepared, source_kind
+
+    kind = source_kind(source)
+    if kind == SYNTHETIC:
+        return [], source, kind
+    if source.strip().lower() == SYNTHETIC:
+        return ([f"`data.source` = {source!r}: expected 'synthetic' (lower case) or a path to a token file"],
+                source, kind)
     if not source.strip():
-        return [f"`data.source` = {source!r}: expected 'synthetic' or a path to a token file"], source
+        return [f"`data.source` = {source!r}: expected 'synthetic' or a path to a token file"], source, kind
     try:
         path = expand_path(source if source.startswith(("/", "~", "$")) else os.path.join(os.getcwd(), source),
                            f"`data.source` = {shown(source)!r}")
     except ConfigError as exc:
-        return [m for m in exc.messages], source
-    label = f"`data.source` = {shown(source)!r}"
-    if path.is_dir() or path.name == "manifest.json":
-        from hpc.core.manifest import check_prepared
-
-        return check_prepared(path, seq_len, vocab, label), str(path)
-    return _check_token_file(label, path, dtype, seq_len, vocab), str(path)
+        return [m for m in exc.messages], source, kind
+    label, kind = f"`data.source` = {shown(source)!r}", source_kind(str(path))
+    if kind == PREPARED:
+        return check_prepared(path, seq_len, vocab, label), str(path), kind
+    return _check_token_file(label, path, dtype, seq_len, vocab), str(path), kind
 
 
 def _check_token_file(label: str, path: Path, dtype: str, seq_len: int, vocab: int) -> list[str]:

@@ -154,3 +154,45 @@ def test_gpu_site_loads_with_workers_and_pinned_memory_and_evaluates(prepared, t
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "eval_loss" in r] == [3, 6]
     assert all(r["phases_s"]["data"] >= 0 for r in lines if "phases_s" in r)
+
+
+def test_the_source_kind_is_one_rule(prepared, tmp_path):
+    from hpc.core.manifest import PREPARED, SYNTHETIC, TOKEN_FILE, source_kind
+
+    flat = tmp_path / "tokens.bin"
+    flat.write_bytes(b"\x00\x00" * 200)
+    assert [source_kind(s) for s in ("synthetic", str(prepared), str(prepared / "manifest.json"), str(flat))] == [
+        SYNTHETIC, PREPARED, PREPARED, TOKEN_FILE]
+    assert source_kind(str(tmp_path / "missing" / "manifest.json")) == PREPARED  # the login check says what is wrong
+
+
+def test_the_ranks_read_the_source_kind_recorded_at_resolve(prepared, tmp_path):
+    """``Launch.data_source`` is decided at resolve and recorded in resolved.json; the rank builds its
+    dataset from the record, not from the path (a record that says synthetic gets synthetic samples); a
+    resolved.json from before the field is decided on read, by the same rule."""
+    import torch
+
+    from trainer.data import SyntheticTokens
+    from trainer.run import load_run
+    from trainer.tokens import ManifestTokens
+    from trainer.train import build_trainer
+
+    flat = tmp_path / "tokens.bin"
+    flat.write_bytes((np.arange(4096) % 256).astype(np.uint16).tobytes())
+    kinds = {}
+    for name, source in (("synthetic", "synthetic"), ("prepared", str(prepared)), ("flat", str(flat))):
+        run_dir = make_run(tmp_path, name, "none", 1, [f"data.source={source!r}", "model.vocab_size=640"])
+        kinds[name] = json.loads((run_dir / "resolved.json").read_text())["launch"]["data_source"]
+    assert kinds == {"synthetic": "synthetic", "prepared": "prepared", "flat": "tokens"}
+
+    resolved = tmp_path / "prepared" / "resolved.json"
+    doc = json.loads(resolved.read_text())
+    trainer, _ = build_trainer(load_run(resolved.parent), 0, torch.device("cpu"))
+    assert isinstance(trainer.loader.dataset, ManifestTokens)
+    doc["launch"]["data_source"] = "synthetic"
+    resolved.write_text(json.dumps(doc))
+    trainer, _ = build_trainer(load_run(resolved.parent), 0, torch.device("cpu"))
+    assert isinstance(trainer.loader.dataset, SyntheticTokens) and not trainer.sampler.shuffle
+    del doc["launch"]["data_source"]
+    resolved.write_text(json.dumps(doc))
+    assert load_run(resolved.parent).launch.data_source == "prepared"
