@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hpc.ckpt import formats
 from hpc.ckpt.entries import Scratch
 from hpc.ckpt.init_source import InitSource, open_source
 from hpc.ckpt.torch_zip import read_exact
@@ -109,7 +110,8 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def load_safetensors(model: nn.Module, source: InitSource) -> int:
-    """Each parameter's rows from its file's byte range; the bytes read."""
+    """Each parameter's rows from its file's byte range (a format whose headers give offsets:
+    safetensors); the bytes read."""
     files: dict[Path, tp.BinaryIO] = {}
     scratch, done = Scratch(), 0
     params = dict(named_params(model))
@@ -137,9 +139,7 @@ def load_torch_file(model: nn.Module, source: InitSource) -> int:
     rank's rows (``TorchReader.read_rows``, after the reader's own bounds checks); any other (a
     non-contiguous view such as a transposed tensor, a deflated record, a legacy or fallback-loaded
     file) is read whole and sliced (``_torch_rows``)."""
-    from hpc.ckpt.torchsave import TorchReader
-
-    reader, scratch, done = TorchReader(source.path), Scratch(), 0
+    reader, scratch, done = formats.get(source.kind).open(source.path), Scratch(), 0
     try:
         for name, param in named_params(model):
             t = source.tensors[name]
@@ -165,10 +165,9 @@ def _torch_rows(reader: tp.Any, key: str, start: int, stop: int) -> tuple[torch.
 
 def load_dcp(model: nn.Module, source: InitSource) -> int:
     """The ``model`` entries of a DCP step through torch's planner (collective; resharded as needed)."""
-    from hpc.ckpt.dcp import DcpReader
     from trainer.checkpoint import _load_modules
 
-    reader = DcpReader(source.step)
+    reader = formats.get(source.kind).open(source.step)
     try:
         _load_modules(reader, model, None)
     finally:
@@ -176,7 +175,8 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
     return sum(_local(p).numel() * source.tensors[n].dtype.itemsize for n, p in named_params(model))
 
 
-LOADERS = {"safetensors": load_safetensors, "torch": load_torch_file, "dcp": load_dcp}
+# how a rank reads each format, by the table's ``init_reads`` (``hpc.ckpt.formats``)
+LOADERS = {formats.BYTE_RANGES: load_safetensors, formats.RECORDS: load_torch_file, formats.DCP_PLANNER: load_dcp}
 
 
 def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
@@ -187,7 +187,7 @@ def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
     tic = time.perf_counter()
     facts = model_facts(spec.model)
     source = open_source(path, facts.family, facts.shape)
-    read = LOADERS[source.kind](model, source)
+    read = LOADERS[formats.get(source.kind).init_reads](model, source)
     report = {"init_from": str(source.step or source.path), "kind": source.kind, "bytes_read": read,
               "source_bytes": source.nbytes, "seconds": time.perf_counter() - tic}
     log.info("init_from %s (%s): read %d of %d bytes on this rank in %.2f s", report["init_from"], source.kind,

@@ -11,25 +11,19 @@ complete, and removed on any error (hpc/ckpt/outputs.py).
 from __future__ import annotations
 
 import math
-import struct
 import typing as tp
 from pathlib import Path
 
 import torch
 
-from hpc.ckpt.dcp import DcpReader, write_dcp
+from hpc.ckpt import formats
+from hpc.ckpt.dcp import DcpReader
 from hpc.ckpt.digests import check_digests, recorded_digest
 from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, jsonable
-from hpc.ckpt.files import file_kind, open_regular
 from hpc.ckpt.outputs import check_destination
-from hpc.ckpt.safe_pickle import METADATA_FILE
-from hpc.ckpt.safetensors import INDEX_FILE, SafetensorsReader, check_safetensors_target, write_safetensors
-from hpc.ckpt.torchsave import LEGACY_TORCH_MAGIC, TorchReader, write_torch
 from hpc.core.errors import CheckpointError, ConfigError
 
-TARGETS = ("torch", "safetensors", "dcp")
 DEFAULT_SHARD_BYTES = 5 * 2**30  # 5 GiB, the usual safetensors shard size
-ZIP_MAGIC = b"PK\x03\x04"
 Start = tp.Callable[[int], Progress]  # called with the byte total once the inputs are checked
 
 
@@ -38,55 +32,17 @@ def _no_progress(total: int) -> Progress:
 
 
 def detect_format(path: str | Path) -> str:
-    """``dcp``, ``safetensors`` or ``torch`` from what is at ``path``; CheckpointError when nothing fits."""
-    path = Path(path)
-    if path.is_dir():
-        if (path / METADATA_FILE).exists() or any(path.glob("*.distcp")):
-            return "dcp"
-        if (path / INDEX_FILE).exists() or any(path.glob("*.safetensors")):
-            return "safetensors"
-        raise CheckpointError([f"{path}: a folder with neither a DCP .metadata nor .safetensors files"])
-    if file_kind(path) in ("missing", "a dangling symlink"):
-        dangling = " (a dangling symlink)" if path.is_symlink() else ""
-        raise CheckpointError([f"{path}: no such file or folder{dangling}"])
-    try:
-        with open_regular(path, "a checkpoint (a DCP folder, a torch.save file or a safetensors file)") as f:
-            head, size = f.read(9), f.seek(0, 2)
-    except OSError as exc:
-        raise CheckpointError([f"{path}: cannot read ({exc.strerror})"]) from None
-    if size == 0:
-        raise CheckpointError([f"{path}: empty file (0 bytes); not a checkpoint"])
-    if head[:4] in (ZIP_MAGIC, LEGACY_TORCH_MAGIC):
-        return "torch"
-    if path.suffix == ".safetensors" or _looks_like_safetensors(head, size):
-        return "safetensors"
-    raise CheckpointError([f"{path}: not a checkpoint: neither a torch.save file (zip or legacy), a safetensors "
-                           f"file (header length + JSON) nor a DCP folder (first bytes {head[:8]!r})"])
-
-
-def _looks_like_safetensors(head: bytes, size: int) -> bool:
-    if len(head) < 9:
-        return False
-    (n,) = struct.unpack("<Q", head[:8])
-    return 2 <= n <= size - 8 and head[8:9] in (b"{", b"[")
+    """``dcp``, ``safetensors`` or ``torch`` from what is at ``path`` (``hpc.ckpt.formats.detect``);
+    CheckpointError when nothing fits."""
+    return formats.detect(path).name
 
 
 def open_checkpoint(path: str | Path) -> Reader:
     """A reader for the checkpoint at ``path``, any format; checked before anything is read."""
-    fmt = detect_format(path)
-    return {"dcp": DcpReader, "safetensors": SafetensorsReader, "torch": TorchReader}[fmt](path)
+    return formats.detect(path).open(path)
 
 
 # ---------------------------------------------------------------- inspect
-
-CHECKED = {
-    "dcp": ".metadata (allow-list, entries, chunks tile every tensor and fit their items, storage records, "
-           "file sizes and kinds) and every item's zip directory and pickle against its chunk; no tensor data",
-    "torch": "zip directory (stored or deflated records), data.pkl (allow-list, a bounded tree) and every tensor "
-             "record inside the file, no view larger than its storage; no tensor data",
-    "safetensors": "header (types, offsets against dtype x shape, file size, no gap or overlap) and index; "
-                   "no tensor data",
-}
 
 
 def inspect_checkpoint(path: str | Path, *, deep: bool = False, start: Start = _no_progress) -> dict[str, tp.Any]:
@@ -103,7 +59,7 @@ def inspect_checkpoint(path: str | Path, *, deep: bool = False, start: Start = _
         info["digests"] = _digests(reader, check=deep)
         if deep:
             info["nonfinite"] = _read_everything(reader, start(info["total_bytes"]))
-        info["checked"] = CHECKED[reader.format] + ("; deep: digests and every byte" if deep else "")
+        info["checked"] = formats.get(reader.format).checked + ("; deep: digests and every byte" if deep else "")
         return info
     finally:
         reader.close()
@@ -126,7 +82,7 @@ def _summary(path: str | Path, reader: Reader) -> dict[str, tp.Any]:
 
 def _digests(reader: Reader, check: bool) -> dict[str, tp.Any] | None:
     """Digests of a DCP folder's shard files: how many are recorded, and (``check``) verified."""
-    if not isinstance(reader, DcpReader):
+    if not formats.get(reader.format).digests:
         return None
     files = reader.shard_files()
     if check:
@@ -196,10 +152,11 @@ def selected_keys(reader: Reader, model_only: bool) -> list[str]:
 
 
 def _check_target(src: Path, dst: Path, to: str, digest: bool) -> None:
-    if to not in TARGETS:
-        raise ConfigError([f"--to {to!r}: expected one of {', '.join(TARGETS)}"])
-    if digest and to != "dcp":
-        raise ConfigError([f"--digest: only --to dcp writes digests (a DCP folder's shards); not --to {to}"])
+    if to not in formats.TARGETS:
+        raise ConfigError([f"--to {to!r}: expected one of {', '.join(formats.TARGETS)}"])
+    if digest and not formats.get(to).digests:
+        writes = " or ".join(f"--to {f.name}" for f in formats.FORMATS if f.digests)
+        raise ConfigError([f"--digest: only {writes} writes digests (a DCP folder's shards); not --to {to}"])
     check_destination(dst)
     if src.is_dir() and dst.resolve().parent.is_relative_to(src.resolve()):
         raise CheckpointError([f"{dst}: inside the source {src}; hpcx never writes into a checkpoint"])
@@ -220,18 +177,12 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, *, model_only:
     _check_target(src, dst, to, digest)
     reader = open_checkpoint(src)
     try:
-        keys = selected_keys(reader, model_only)
-        if to == "safetensors":
-            check_safetensors_target(reader, dst, keys, shard_bytes)
+        keys, target = selected_keys(reader, model_only), formats.get(to)
+        if target.refuse is not None:
+            target.refuse(reader, dst, keys, shard_bytes)
         total = sum(reader.entries[k].nbytes for k in keys)
-        progress, scratch = start(total), Scratch()
-        if to == "dcp":
-            write_dcp(reader, dst, keys, progress, scratch, digest=digest)
-        elif to == "safetensors":
-            write_safetensors(reader, dst, keys, model_only=model_only, shard_bytes=shard_bytes,
-                              progress=progress, scratch=scratch)
-        else:
-            write_torch(reader, dst, keys, model_only=model_only, progress=progress, scratch=scratch)
+        target.write(reader, dst, keys, model_only=model_only, shard_bytes=shard_bytes, digest=digest,
+                     progress=start(total), scratch=Scratch())
         return {"src": str(src), "dst": str(dst), "from": reader.format, "to": to, "keys": len(keys),
                 "bytes": total, "streamed": getattr(reader, "streamed", True)}
     finally:

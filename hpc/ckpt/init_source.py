@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from hpc.ckpt import formats
+from hpc.ckpt.formats import METADATA_FILE
 from hpc.core.errors import CheckpointError
 from hpc.core.hf import CONFIG_FILE, hf_config, read_config, spec_fields, tensor_plan
 
@@ -47,7 +49,7 @@ class InitSource:
     """A checked source: ``tensors`` maps each of the model's parameter names to its source tensor."""
 
     path: Path
-    kind: str  # "safetensors" (HF folder or one file), "dcp" or "torch"
+    kind: str  # its format (``hpc.ckpt.formats``): "safetensors" (HF folder or one file), "dcp" or "torch"
     tensors: dict[str, SourceTensor] = field(default_factory=dict)
     step: Path | None = None  # dcp: the step folder read
 
@@ -79,54 +81,46 @@ def hf_to_hpcx(family: str, shape: tp.Any) -> dict[str, str]:
 # ---------------------------------------------------------------- reading headers
 
 
-def _safetensors(path: Path) -> dict[str, SourceTensor]:
-    from hpc.ckpt.safetensors import _headers
-
-    out = {}
-    for h in _headers(path):
-        out.update({n: SourceTensor(n, t.dtype, t.shape, h.file, h.data_start + t.begin) for n, t in h.tensors.items()})
-    return out
-
-
 def _reader_tensors(reader: tp.Any) -> dict[str, SourceTensor]:
     return {k: SourceTensor(k, e.dtype, e.shape) for k, e in reader.entries.items() if e.is_tensor}
 
 
 def _dcp_step(path: Path) -> Path:
     """A step folder (``.metadata``), or a run folder's newest committed step."""
-    if (path / ".metadata").exists():
+    if (path / METADATA_FILE).exists():
         return path
-    steps = sorted(p for p in (path / "checkpoints").glob("step-*") if (p / ".metadata").exists())
+    steps = sorted(p for p in (path / "checkpoints").glob("step-*") if (p / METADATA_FILE).exists())
     if not steps:
         raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: a folder with neither safetensors, a DCP "
                                ".metadata nor a run's committed checkpoint"])
     return steps[-1]
 
 
-def read_source(path: Path) -> tuple[str, dict[str, SourceTensor], Path | None]:
-    """(kind, the source's tensors by their own names, the DCP step folder) from headers alone."""
-    from hpc.ckpt.convert import detect_format
-
-    if path.is_dir() and not (path / ".metadata").exists() and (path / "checkpoints").is_dir():
-        kind = "dcp"
-    else:
-        kind = detect_format(path) if path.exists() else ""
-    if not kind:
+def source_format(path: Path) -> formats.Format:
+    """The format of ``checkpoint.init_from`` (``hpc.ckpt.formats``): a run folder is what training saves."""
+    saved = formats.saved()
+    if path.is_dir() and not saved.folder(path) and (path / "checkpoints").is_dir():
+        return saved
+    if not path.exists():
         raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: no such file or folder"])
-    if kind == "safetensors":
-        return kind, _safetensors(path), None
-    if kind == "dcp":
-        from hpc.ckpt.dcp import DcpReader
+    fmt = formats.detect(path)
+    if not fmt.init_reads:
+        raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: a {fmt.name} checkpoint, which init_from "
+                               "cannot read"])
+    return fmt
 
-        step = _dcp_step(path)
-        reader = DcpReader(step)
-        reader.close()
-        return kind, _reader_tensors(reader), step
-    from hpc.ckpt.torchsave import TorchReader
 
-    reader = TorchReader(path)
+def read_source(path: Path) -> tuple[str, dict[str, SourceTensor], Path | None]:
+    """(format, the source's tensors by their own names, the step folder of a run) from headers alone."""
+    fmt = source_format(path)
+    step = _dcp_step(path) if fmt.saves else None
+    if fmt.offsets:
+        found = formats.load(fmt.offsets)(path)
+        return fmt.name, {n: SourceTensor(n, dtype, shape, file, offset) for n, (dtype, shape, file, offset)
+                          in found.items()}, None
+    reader = fmt.open(step or path)
     try:
-        return kind, _reader_tensors(reader), None
+        return fmt.name, _reader_tensors(reader), step
     finally:
         reader.close()
 
@@ -138,7 +132,7 @@ def _name_map(kind: str, names: tp.Iterable[str], arch: str, shape: tp.Any) -> d
     ours = expected(arch, shape)
     candidates = [{n: n for n in names if n in ours},
                   {n: n[len("model."):] for n in names if n.startswith("model.") and n[len("model."):] in ours}]
-    if kind != "dcp":
+    if not formats.get(kind).saves:  # what training saves has hpcx's names only
         hf = hf_to_hpcx(arch, shape)
         candidates.append({n: hf[n] for n in names if n in hf})
     return max(candidates, key=len)
@@ -154,7 +148,7 @@ def open_source(path: str | Path, arch: str, shape: tp.Any) -> InitSource:
     kind, tensors, step = read_source(path)
     mapping = _name_map(kind, tensors, arch, shape)
     ours = expected(arch, shape)
-    source = InitSource(path, "safetensors" if kind == "safetensors" else kind, step=step)
+    source = InitSource(path, kind, step=step)
     for name, param in mapping.items():
         source.tensors[param] = tensors[name]
     problems += _tensor_problems(path, source, ours, set(tensors) - set(mapping), arch, shape)
@@ -174,7 +168,7 @@ def _tensor_problems(path: Path, source: InitSource, ours: dict[str, tuple[int, 
         if t.dtype not in FLOATS:
             out.append(f"{where}: {t.key} is {str(t.dtype).removeprefix('torch.')}, expected floating point")
     tied_extra = {"lm_head.weight", "model.head.weight", "head.weight"} if getattr(shape, "tied", False) else set()
-    prefix_ok = source.kind == "dcp"  # a DCP step holds optimizer state and more beside model.*
+    prefix_ok = formats.get(source.kind).saves  # a saved step holds optimizer state and more beside model.*
     out += [f"{where}: {name} matches no parameter of the model" for name in sorted(unmatched)
             if name not in tied_extra and not (prefix_ok and not name.startswith("model."))
             and not name.endswith("rotary_emb.inv_freq")]

@@ -32,11 +32,11 @@ from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, allo
                               checked_paths, default_paths, dims, jsonable, load_error, raise_problems, short_repr,
                               tensor_entry)
 from hpc.ckpt.files import file_kind, not_regular, open_regular, relative_name_problem
+from hpc.ckpt.formats import INDEX_FILE
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_zip import byte_view, read_exact, zip_load_problems
 from hpc.core.errors import CheckpointError
 
-INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000  # what safetensors itself accepts
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -342,6 +342,14 @@ def _index_problems(path: Path, weight_map: dict[str, str], headers: list[StHead
         elif name not in weight_map:
             problems.append(f"{path / files[0]}: holds {name!r}, which {INDEX_FILE} does not list")
     return problems
+
+
+def tensor_offsets(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], Path, int]]:
+    """Each tensor's dtype, shape, file and the absolute byte offset its data starts at, under the
+    file's own names, from the checked headers alone (``checkpoint.init_from`` reads a rank's rows
+    from there: ``hpc.ckpt.formats.BYTE_RANGES``)."""
+    return {n: (t.dtype, t.shape, h.file, h.data_start + t.begin) for h in _headers(Path(path))
+            for n, t in h.tensors.items()}
 
 
 # ---------------------------------------------------------------- reading

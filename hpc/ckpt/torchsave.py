@@ -27,7 +27,6 @@ from hpc.ckpt.torch_write import Stored, TorchWriter
 from hpc.ckpt.torch_zip import StorageScan, TorchZip, Unsupported, zip_load_problems
 from hpc.core.errors import CheckpointError
 
-LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"  # pickle protocol 2 + the 10-byte magic number of torch < 1.6 files
 MAX_UNBACKED = 64 << 20  # bytes that stride-0 / overlapping views may add over their storages, file-wide
 
 

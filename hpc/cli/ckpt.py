@@ -19,6 +19,7 @@ from contextlib import contextmanager
 
 import click
 
+from hpc.ckpt.formats import TARGETS  # torch-free: the formats --to writes
 from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option
 from hpc.core.errors import ConfigError
 
@@ -157,7 +158,7 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
 @ckpt_group.command("convert")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--to", "to", required=True, type=click.Choice(["torch", "safetensors", "dcp", "hf"]),
+@click.option("--to", "to", required=True, type=click.Choice([*TARGETS, "hf"]),
               help="Output format. Every direction is streamed: memory holds about the largest tensor "
                    "(a legacy non-zip torch source is the exception: it is loaded whole). hf: SRC is a run "
                    "or step folder of the built-in llama or gpt; DST a folder transformers' from_pretrained "

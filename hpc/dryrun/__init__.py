@@ -133,12 +133,14 @@ def init_reads(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None:
     """What this rank reads of ``checkpoint.init_from`` (headers only; byte ranges for safetensors)."""
     if not spec.checkpoint.init_from:
         return None
+    from hpc.ckpt import formats
     from hpc.ckpt.init_source import open_source
     from trainer.init_from import read_plan
 
     facts = model_facts(spec.model)
     source = open_source(spec.checkpoint.init_from, facts.family, facts.shape)
-    reads = sum(r.length for r in read_plan(model, source)) if source.kind == "safetensors" else None
+    planned = formats.get(source.kind).planned_reads  # its byte ranges are known from the headers
+    reads = sum(r.length for r in read_plan(model, source)) if planned else None
     return {"path": str(source.step or source.path), "kind": source.kind, "bytes": reads,
             "source_bytes": source.nbytes}
 
