@@ -134,7 +134,7 @@ def get_layout() -> tp.Callable[[str], tp.Any]:
     return torch.serialization._get_layout
 
 
-_crc_lock = threading.RLock()
+_crc_lock = threading.RLock()  # process-wide: torch's CRC32 switch is process-wide in older torch
 
 
 @contextmanager

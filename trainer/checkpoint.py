@@ -20,12 +20,15 @@ A folder is never saved into twice: DCP would rewrite shards under the old
 trusts a folder only if its ``.metadata`` unpickles safely and every file it
 references is there and long enough.
 
-Async saves (``async_save=True``) run ``dcp.async_save`` on a gloo group of
-their own: on the default group, next to training collectives, they deadlock.
-The state is copied to host memory in a background thread while the loop runs
-the next forward and backward; the optimizer's next ``step`` waits for that copy
-(``wait_staged``), then the write goes on in the background. At most one save is
-in flight; the next save (and ``wait_pending``) waits.
+Saves go through a ``Checkpointer`` (one per run folder; the trainer's is
+``trainer.resilience.Resilience.checkpointer``), which holds what a save leaves
+running between calls. Async saves (``async_save=True``) run ``dcp.async_save``
+on a gloo group of their own: on the default group, next to training
+collectives, they deadlock. The state is copied to host memory in a background
+thread while the loop runs the next forward and backward; the optimizer's next
+``step`` waits for that copy (``Checkpointer.wait_staged``), then the write goes
+on in the background. At most one save is in flight; the next save (and
+``Checkpointer.wait``) waits.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import threading
 import typing as tp
 import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,10 +67,6 @@ CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")
 FORMAT = "hpcx-dcp/1"
 
-_pending: dict[str, tp.Any] = {}  # the one async save in flight: future, final path, done event, error
-_stager: list[tp.Any] = []  # the stager async saves share, created once
-_digest_threads: list[threading.Thread] = []  # digests of the last sync save, being written
-_guarded: weakref.WeakSet = weakref.WeakSet()  # optimizers whose step waits for staging
 log = logging.getLogger("hpcx.trainer")
 
 
@@ -201,50 +201,166 @@ def _commit(partial: Path, final: Path, keep: int) -> Path:
     return final
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    scheduler: tp.Any, train_state: dict, *, keep: int = 2, async_save: bool = False,
-                    process_group: tp.Any = None, dims: ParallelDims | None = None) -> Path:
-    """Save ``RUN/checkpoints/step-NNNNNNN`` collectively (every rank calls this); returns its path.
+@dataclass
+class _AsyncSave:
+    """The async save in flight: DCP's futures, the folder it commits, and how rank 0's commit went."""
 
-    Waits for a save still in flight first. With ``async_save`` it returns at once: the state is
-    copied to host memory in the background, and ``optimizer``'s next ``step`` waits for that
-    copy (without an optimizer the copy is waited for here); until then do not change parameters
-    in place by other means (or call ``wait_staged`` first). The folder appears when the
-    background write commits (``wait_pending`` waits for that). ``process_group`` is the group async saves use (default: a gloo group of their own).
-    Raises FileExistsError if the step's folder already exists, ValueError if ``keep`` < 2.
+    future: Future  # the write (and, on rank 0, the commit in its done-callback)
+    staged: Future | None  # the copy to host memory (None: staged before dcp.async_save returned)
+    final: Path
+    done: threading.Event = field(default_factory=threading.Event)  # set once the commit has run
+    error: BaseException | None = None  # the commit's failure, raised by ``Checkpointer.wait``
+
+
+class Checkpointer:
+    """The saves of one run folder, and what they leave running between calls (torchtitan's
+    ``CheckpointManager``): the async save in flight (at most one), the stager async saves share
+    (its host buffers reused from one save to the next), the threads writing a sync save's digests,
+    and the hooks that make an optimizer's ``step`` wait for staging.
+
+    Every rank makes one with the same arguments and calls ``save`` collectively; ``wait`` before
+    the process leaves (an unfinished async save stays uncommitted, never trusted), ``close`` when
+    no save follows. ``process_group`` is the group async saves use (default: a gloo group of their
+    own, ``trainer.dist.side_group("saves")``). Raises ValueError if ``keep`` < 2.
     """
-    if keep < 2:
-        raise ValueError(f"keep={keep}: at least 2 checkpoints are kept (the newest may be in flight)")
-    wait_pending()
-    partial, final = _prepare(Path(run_dir), step)
-    state = build_state(model, optimizer, scheduler, step, train_state, dims)
-    writer = HpcxFileSystemWriter(partial, overwrite=False, digests_inline=async_save)
-    if not async_save:
-        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
-        if _rank() == 0:
-            _commit(partial, final, keep)
-        _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
-        _start_digests(final, writer.written)
+
+    def __init__(self, run_dir: str | Path, *, keep: int = 2, async_save: bool = False,
+                 process_group: tp.Any = None):
+        if keep < 2:
+            raise ValueError(f"keep={keep}: at least 2 checkpoints are kept (the newest may be in flight)")
+        self.run_dir, self.keep, self.async_save = Path(run_dir), keep, async_save
+        self.process_group = process_group
+        self._pending: _AsyncSave | None = None
+        self._stager: tp.Any = None  # created by the first async save (``_reused_stager``)
+        self._digest_threads: list[threading.Thread] = []  # digests of the last sync save, being written
+        self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: tp.Any,
+             train_state: dict, *, dims: ParallelDims | None = None) -> Path:
+        """Save ``RUN/checkpoints/step-NNNNNNN`` collectively (every rank calls this); returns its path.
+
+        Waits for a save still in flight first. With ``async_save`` it returns at once: the state is
+        copied to host memory in the background, and ``optimizer``'s next ``step`` waits for that
+        copy (without an optimizer the copy is waited for here); until then do not change parameters
+        in place by other means (or call ``wait_staged`` first). The folder appears when the
+        background write commits (``wait`` waits for that).
+        Raises FileExistsError if the step's folder already exists.
+        """
+        self.wait()
+        partial, final = _prepare(self.run_dir, step)
+        state = build_state(model, optimizer, scheduler, step, train_state, dims)
+        writer = HpcxFileSystemWriter(partial, overwrite=False, digests_inline=self.async_save)
+        if not self.async_save:
+            dcp.save(state, storage_writer=writer, process_group=self.process_group,
+                     no_dist=not dist.is_initialized())
+            if _rank() == 0:
+                _commit(partial, final, self.keep)
+            _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
+            self._start_digests(final, writer.written)
+            return final
+        self._start_async(state, writer, partial, final)
+        if optimizer is not None:
+            self._wait_staged_before_step(optimizer)
+        else:
+            self.wait_staged()  # nothing tells us when the caller changes the state: stage before returning
         return final
-    _start_async(state, writer, process_group, partial, final, keep)
-    if optimizer is not None:
-        _wait_staged_before_step(optimizer)
-    else:
-        wait_staged()  # nothing tells us when the caller changes the state: stage before returning
-    return final
 
+    def _start_async(self, state: dict, writer: tp.Any, partial: Path, final: Path) -> None:
+        """Hand ``state`` to ``dcp.async_save`` (staging and writing in the background); rank 0 commits
+        when the write is done. The job is ``_pending`` until ``wait``."""
+        device_work_done()
+        response = dcp.async_save(state, storage_writer=writer, process_group=self.process_group or _gloo_group(),
+                                  async_stager=self._reused_stager(), no_dist=not dist.is_initialized())
+        staged, future = ((None, response) if isinstance(response, Future)
+                          else (response.staging_completion, response.upload_completion))
+        job = _AsyncSave(future=future, staged=staged, final=final)
+        keep, rank = self.keep, _rank()
+        future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, rank))
+        self._pending = job
 
-def _start_async(state: dict, writer: tp.Any, process_group: tp.Any, partial: Path, final: Path, keep: int) -> None:
-    """Hand ``state`` to ``dcp.async_save`` (staging and writing in the background); rank 0 commits
-    when the write is done. The job is ``_pending`` until ``wait_pending``."""
-    device_work_done()
-    response = dcp.async_save(state, storage_writer=writer, process_group=process_group or _gloo_group(),
-                              async_stager=_reused_stager(), no_dist=not dist.is_initialized())
-    staged, future = ((None, response) if isinstance(response, Future)
-                      else (response.staging_completion, response.upload_completion))
-    job = {"future": future, "staged": staged, "final": final, "done": threading.Event(), "error": None}
-    future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, _rank()))
-    _pending.update(job)
+    def wait_staged(self) -> None:
+        """Block until the async save in flight has copied the state to host memory (its staging);
+        from then on the model and optimizer may change. ``save`` makes the optimizer's next
+        ``step`` call this, so staging overlaps the next forward and backward."""
+        if self._pending is not None and self._pending.staged is not None:
+            self._pending.staged.result()
+
+    def _wait_staged_before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make ``optimizer.step`` wait for staging (once per optimizer; a public torch hook): nothing
+        else in a training step changes parameters or optimizer state in place."""
+        if optimizer not in self._hooks:
+            self._hooks[optimizer] = optimizer.register_step_pre_hook(lambda *args: self.wait_staged())
+
+    def _start_digests(self, folder: Path, names: list[str]) -> None:
+        """After a sync save: this rank's shard digests, written into the committed folder by a
+        background thread (off the critical path; joined by the next save and by ``wait``).
+        A checkpoint is complete without them; ``hpcx ckpt verify`` reports a missing one as such."""
+        def run() -> None:
+            _yield_cpu_to_training()
+            try:
+                for name in names:
+                    write_digest(folder / name)
+            except OSError as exc:  # e.g. the folder was pruned meanwhile: the checkpoint is unaffected
+                log.warning("checkpoint digests of %s not written: %s", folder, exc)
+
+        thread = threading.Thread(target=run, name="hpcx-ckpt-digests", daemon=True)
+        thread.start()
+        self._digest_threads.append(thread)
+
+    def _reused_stager(self) -> tp.Any:
+        """The stager this checkpointer's async saves share: DCP's ``DefaultStager``, kept until ``close``.
+
+        It stages into host buffers cached per source storage, so from the second save on staging
+        is a copy into memory that is already there (a fresh allocation every save was most of the
+        pause on a CPU run: page faults); a state whose layout changes gets new buffers for the new
+        storages. Staging runs in a background thread (``use_async_staging``): the loop goes on
+        with the next forward and backward while the state is copied, and the optimizer's next step
+        waits for the copy (``wait_staged``). Safe because at most one save is in flight:
+        ``save`` waits for the previous write before staging into the same buffers.
+        """
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            gpu = torch.cuda.is_available()
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=gpu))
+        return self._stager
+
+    def wait(self) -> Path | None:
+        """Block until the async save in flight (if any) is written and committed; its path, or None.
+
+        Call it before the process exits: an unfinished async save is left uncommitted (never trusted).
+        Also waits for the digests a sync save is still writing.
+        """
+        while self._digest_threads:
+            self._digest_threads.pop().join()
+        job, self._pending = self._pending, None
+        if job is None:
+            return None
+        job.future.result()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.final
+
+    def load(self, path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+             scheduler: tp.Any = None, *, restore_rng: bool = True) -> dict[str, tp.Any]:
+        """``load_checkpoint``, once a save in flight has copied the state (loading changes it in place)."""
+        self.wait_staged()
+        return load_checkpoint(path, model, optimizer, scheduler, restore_rng=restore_rng)
+
+    def close(self) -> None:
+        """``wait``, then release the stager's host buffers and the optimizers' step hooks: no save
+        follows (another ``save`` would start afresh)."""
+        try:
+            self.wait()
+        finally:
+            for handle in list(self._hooks.values()):
+                handle.remove()
+            self._hooks.clear()
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
 
 def device_work_done() -> None:
@@ -255,23 +371,6 @@ def device_work_done() -> None:
     does, and the copy could read parameters the step is still writing. Nothing to wait for on CPU."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
-
-
-def wait_staged() -> None:
-    """Block until the async save in flight has copied the state to host memory (its staging);
-    from then on the model and optimizer may change. ``save_checkpoint`` makes the optimizer's
-    next ``step`` call this, so staging overlaps the next forward and backward."""
-    staged = _pending.get("staged")
-    if staged is not None:
-        staged.result()
-
-
-def _wait_staged_before_step(optimizer: torch.optim.Optimizer) -> None:
-    """Make ``optimizer.step`` wait for staging (once per optimizer; a public torch hook): nothing
-    else in a training step changes parameters or optimizer state in place."""
-    if optimizer not in _guarded:
-        optimizer.register_step_pre_hook(lambda *args: wait_staged())
-        _guarded.add(optimizer)
 
 
 class HpcxFileSystemWriter(dcp.FileSystemWriter):
@@ -315,52 +414,15 @@ def _yield_cpu_to_training() -> None:
         pass
 
 
-def _start_digests(folder: Path, names: list[str]) -> None:
-    """After a sync save: this rank's shard digests, written into the committed folder by a
-    background thread (off the critical path; joined by the next save and by ``wait_pending``).
-    A checkpoint is complete without them; ``hpcx ckpt verify`` reports a missing one as such."""
-    def run() -> None:
-        _yield_cpu_to_training()
-        try:
-            for name in names:
-                write_digest(folder / name)
-        except OSError as exc:  # e.g. the folder was pruned meanwhile: the checkpoint is unaffected
-            log.warning("checkpoint digests of %s not written: %s", folder, exc)
-
-    thread = threading.Thread(target=run, name="hpcx-ckpt-digests", daemon=True)
-    thread.start()
-    _digest_threads.append(thread)
-
-
-def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int) -> None:
+def _commit_async(future: Future, job: _AsyncSave, partial: Path, keep: int, rank: int) -> None:
     """Done-callback of an async save: rank 0 commits as soon as the write is complete."""
     try:
         if future.exception() is None and rank == 0:
-            _commit(partial, job["final"], keep)
-    except Exception as exc:  # surfaced by wait_pending
-        job["error"] = exc
+            _commit(partial, job.final, keep)
+    except Exception as exc:  # surfaced by Checkpointer.wait
+        job.error = exc
     finally:
-        job["done"].set()
-
-
-def _reused_stager() -> tp.Any:
-    """The stager every async save shares: DCP's ``DefaultStager``, kept for the process.
-
-    It stages into host buffers cached per source storage, so from the second save on staging
-    is a copy into memory that is already there (a fresh allocation every save was most of the
-    pause on a CPU run: page faults); a state whose layout changes gets new buffers for the new
-    storages. Staging runs in a background thread (``use_async_staging``): the loop goes on
-    with the next forward and backward while the state is copied, and the optimizer's next step
-    waits for the copy (``wait_staged``). Safe because at most one save is in flight:
-    ``save_checkpoint`` waits for the previous write before staging into the same buffers.
-    """
-    if not _stager:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        gpu = torch.cuda.is_available()
-        _stager.append(DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
-                                                    use_async_staging=True, use_non_blocking_copy=gpu)))
-    return _stager[0]
+        job.done.set()
 
 
 def _gloo_group() -> tp.Any:
@@ -370,25 +432,6 @@ def _gloo_group() -> tp.Any:
     from trainer.dist import side_group
 
     return side_group("saves")
-
-
-def wait_pending() -> Path | None:
-    """Block until the async save in flight (if any) is written and committed; its path, or None.
-
-    Call it before the process exits: an unfinished async save is left uncommitted (never trusted).
-    Also waits for the digests a sync save is still writing.
-    """
-    while _digest_threads:
-        _digest_threads.pop().join()
-    if not _pending:
-        return None
-    job = dict(_pending)
-    _pending.clear()
-    job["future"].result()
-    job["done"].wait()
-    if job["error"] is not None:
-        raise job["error"]
-    return job["final"]
 
 
 # ---------------------------------------------------------------- loading
@@ -453,13 +496,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
                     scheduler: tp.Any = None, *, restore_rng: bool = True) -> dict[str, tp.Any]:
     """Load a checkpoint folder into ``model`` (+ optimizer, scheduler) at any world size/strategy.
 
-    Every rank calls it. Returns the saved train state, plus ``meta`` (what ``build_state`` recorded)
+    Every rank calls it; no save of ``model`` may still be staging (``Checkpointer.load`` waits for its
+    own). Returns the saved train state, plus ``meta`` (what ``build_state`` recorded)
     and ``rng_restored`` (True when this rank's RNG states were in the checkpoint and restored —
     false after a change of world size, where the trainer reseeds).
     Raises CheckpointError if the folder is incomplete or holds anything but plain data.
     """
     path = Path(path)
-    wait_staged()  # loading changes the model in place: a save in flight must have copied it
     reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
     try:
         _load_modules(reader, model, optimizer)

@@ -225,6 +225,7 @@ def monitored_barrier(timeout_s: int) -> None:
     dist.monitored_barrier(group=group, timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
 
 
+# per process by nature: gloo groups of torch's process-wide default group, made collectively, dropped by shutdown
 _SIDE_GROUPS: dict[str, dist.ProcessGroup] = {}
 SIDE_CONNECT_S = 30  # a gloo side group that cannot connect in this long is a wrong interface, not a slow rank
 

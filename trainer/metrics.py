@@ -24,7 +24,7 @@ def setup_logging(logs_dir: Path, rank: int) -> None:
     handlers: list[logging.Handler] = [logging.FileHandler(logs_dir / f"rank-{rank}.log")]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stderr))
-    for h in log.handlers[:]:
+    for h in log.handlers[:]:  # logging's registry is process-wide by nature: this process's rank owns it
         log.removeHandler(h)
         h.close()
     for h in handlers:

@@ -110,6 +110,7 @@ def _all_reduced(squares: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
     return comm.to(squares.device)
 
 
+# per process by nature: subgroups of torch's process-wide default group, made collectively, dropped by shutdown
 _HOST_GROUPS: dict[tuple, dist.ProcessGroup] = {}  # (mesh ranks, dim) -> this rank's gloo group along dim
 
 

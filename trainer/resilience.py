@@ -47,8 +47,7 @@ from hpc.core.procs import process_start_time
 from hpc.schedulers.base import JobSide, wait_since_last_stop
 from hpc.core.spec import Checkpoint
 from trainer.boundary import LoopView, P, Progress
-from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpoint, save_checkpoint, step_dir,
-                                wait_pending)
+from trainer.checkpoint import Checkpointer, committed_steps, latest_checkpoint, step_dir
 from trainer.dist import CollectiveTimeouts
 from trainer.preemption import BoundaryVote, PreemptionFlag
 
@@ -83,6 +82,10 @@ class Resilience:
     phase: str = "load"  # where this rank is (hpc.core.failures.PHASES): a failure's report says it
     vote: BoundaryVote = field(default_factory=BoundaryVote)
     boundaries: int = 0  # step boundaries seen by this incarnation
+    checkpointer: Checkpointer = field(init=False, repr=False)  # this run folder's saves (and the one in flight)
+
+    def __post_init__(self) -> None:
+        self.checkpointer = Checkpointer(self.run_dir, keep=self.policy.keep, async_save=self.policy.async_save)
 
     # ------------------------------------------------------------ resume
 
@@ -91,7 +94,7 @@ class Resilience:
         tic = time.perf_counter()
         path = self._agreed_start(t.device)
         if path is not None:
-            loaded = load_checkpoint(path, t.model, t.optimizer, t.scheduler)
+            loaded = self.checkpointer.load(path, t.model, t.optimizer, t.scheduler)
             state.load_state_dict(loaded)
             self.last_saved_step = state.step
             if not loaded["rng_restored"]:  # another world size: no saved RNG state for this rank
@@ -145,7 +148,8 @@ class Resilience:
             self._save(t, state)
         if final or preempted:
             self.vote.close()
-            self._timed(wait_pending)  # the stop save must be committed before anyone leaves
+            self._timed(self.checkpointer.wait)  # the stop save must be committed before anyone leaves
+            self.checkpointer.close()  # no save follows the stop save
             self.reason = "completed" if final else "preempted"
         if preempted and not final:
             log.warning("preemption agreed at step %d: saved, stopping", state.step)
@@ -162,9 +166,8 @@ class Resilience:
         return bool(preempted), bool(terminated), bool(minutes_due)
 
     def _save(self, t: LoopView, state: Progress) -> None:
-        self._timed(lambda: save_checkpoint(self.run_dir, state.step, t.model, t.optimizer, t.scheduler,
-                                            state.state_dict(), keep=self.policy.keep,
-                                            async_save=self.policy.async_save, dims=t.dims))
+        self._timed(lambda: self.checkpointer.save(state.step, t.model, t.optimizer, t.scheduler,
+                                                   state.state_dict(), dims=t.dims))
         self.saves += 1
         self.last_saved_step = state.step
         self.last_save_clock = time.monotonic()

@@ -3,7 +3,7 @@
     python bench/checkpoint/run.py [--size-mb 256] [--dir DIR] [--repeat 3] [--no-stock]
 
 Single process (strategy none): a module of ``--size-mb`` MB of fp32 parameters is saved with
-``save_checkpoint`` (DCP, fsync'ed, retention included) and loaded with ``load_checkpoint``, in
+``Checkpointer.save`` (DCP, fsync'ed, retention included) and loaded with ``load_checkpoint``, in
 the same folder and the same run as ``dd``:
 
 - dd write: ``dd if=SRC of=OUT bs=1M conv=fdatasync`` where SRC is a file of the same number of
@@ -16,7 +16,7 @@ the same folder and the same run as ``dd``:
   read path (``torch.load`` per item, then a copy), i.e. hpcx before its fast paths, for a
   before/after ratio within one run (``--no-stock`` skips it).
 
-The async pause is what a training loop loses: the ``save_checkpoint`` call, plus what the
+The async pause is what a training loop loses: the ``Checkpointer.save`` call, plus what the
 next optimizer step waits for staging after one forward and backward (staging runs in the
 background meanwhile). Goals: save and load >= 0.5x dd; async pause <= 0.25x the sync save. Best of ``--repeat`` runs each
 (the median is printed too).
@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from trainer import checkpoint as ckpt
-from trainer.checkpoint import load_checkpoint, save_checkpoint, wait_pending
+from trainer.checkpoint import Checkpointer, load_checkpoint
 
 MB = 2**20
 
@@ -133,53 +133,54 @@ def run(args: argparse.Namespace, root: Path) -> None:
     variants = ["hpcx"] if args.no_stock else ["stock", "hpcx"]
     res: dict[str, list[float]] = {}
     steps = iter(range(1, 1 << 30))
+    sync_saves, async_saves = Checkpointer(root), Checkpointer(root, async_save=True)  # never in flight together
     for _ in range(args.repeat):
         for k, v in dd(round(size_mb), src, root / "dd.bin").items():
             res.setdefault(f"dd_{k}", []).append(v)
         for variant in variants:
             with stock_dcp() if variant == "stock" else nullcontext():
-                sync_and_load(root, next(steps), model, variant, res)
-        async_round(root, steps, model, optimizer, args.batch, res)
+                sync_and_load(sync_saves, next(steps), model, variant, res)
+        async_round(sync_saves, async_saves, steps, model, optimizer, args.batch, res)
     report(size_mb, res, variants, root, args)
 
 
-def sync_and_load(root: Path, step: int, model: nn.Module, variant: str, res: dict) -> None:
+def sync_and_load(saves: Checkpointer, step: int, model: nn.Module, variant: str, res: dict) -> None:
     """One sync save (model only), its digests, a warm and a cold load."""
     add = lambda k, v: res.setdefault(f"{variant}_{k}", []).append(v)  # noqa: E731
-    add("save", timed(lambda: save_checkpoint(root, step, model, None, None, {"step": step})))
-    add("digests", timed(wait_pending))  # hpcx: shard digests, in the background
-    path = ckpt.step_dir(root, step)
+    add("save", timed(lambda: saves.save(step, model, None, None, {"step": step})))
+    add("digests", timed(saves.wait))  # hpcx: shard digests, in the background
+    path = ckpt.step_dir(saves.run_dir, step)
     add("load_warm", timed(lambda: load_checkpoint(path, model)))
     drop_cache(path)
     add("load_cold", timed(lambda: load_checkpoint(path, model)))
 
 
-def async_round(root: Path, steps: tp.Iterator[int], model: nn.Module, optimizer: torch.optim.Optimizer,
-                batch: int, res: dict) -> None:
+def async_round(sync_saves: Checkpointer, async_saves: Checkpointer, steps: tp.Iterator[int], model: nn.Module,
+                optimizer: torch.optim.Optimizer, batch: int, res: dict) -> None:
     """A sync save of weights + momentum (the reference), then an async save of the same state."""
     add = lambda k, v: res.setdefault(k, []).append(v)  # noqa: E731
     step = next(steps)
-    add("sync_full", timed(lambda: save_checkpoint(root, step, model, optimizer, None, {"step": step})))
-    wait_pending()
-    pause, waited, fwd_bwd = async_pause(root, next(steps), model, optimizer, batch)
+    add("sync_full", timed(lambda: sync_saves.save(step, model, optimizer, None, {"step": step})))
+    sync_saves.wait()
+    pause, waited, fwd_bwd = async_pause(async_saves, next(steps), model, optimizer, batch)
     add("pause", pause)
     add("waited", waited)
     add("fwd_bwd", fwd_bwd)
-    add("async_rest", timed(wait_pending))
+    add("async_rest", timed(async_saves.wait))
 
 
-def async_pause(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def async_pause(saves: Checkpointer, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                 batch: int) -> tuple[float, float, float]:
     """(seconds a training loop is blocked by an async save: the call plus what the next optimizer
     step waits for staging, of which the wait; the forward and backward that ran meanwhile)."""
     t = time.perf_counter()
-    save_checkpoint(root, step, model, optimizer, None, {"step": step}, async_save=True)
+    saves.save(step, model, optimizer, None, {"step": step})
     blocked = time.perf_counter() - t
     t = time.perf_counter()
     model(torch.randn(batch, 2048)).sum().backward()  # the next step, while staging runs
     fwd_bwd = time.perf_counter() - t
     t = time.perf_counter()
-    ckpt.wait_staged()  # what optimizer.step's hook waits for
+    saves.wait_staged()  # what optimizer.step's hook waits for
     waited = time.perf_counter() - t
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

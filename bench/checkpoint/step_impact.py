@@ -10,7 +10,7 @@ repetition), for two kinds of step:
 - ``compute``: an MLP forward + backward (bound by the CPU cores, like a CPU run);
 - ``launch``: 50 tiny in-place ops (bound by Python and the GIL, like a GPU loop launching kernels).
 
-``thread`` is hpcx's async save (``save_checkpoint(async_save=True)``: DCP's thread executor, hpcx's
+``thread`` is hpcx's async save (``Checkpointer(async_save=True).save``: DCP's thread executor, hpcx's
 writer, digests included); ``process`` is the same writer under ``dcp.async_save`` with
 ``AsyncCheckpointerType.PROCESS`` (a checkpoint daemon process; needs a process group, so a
 one-rank gloo group is created). A process only removes GIL contention: where the ratio is the
@@ -61,13 +61,13 @@ def step_times(work, until=None, n: int = 30, limit: int = 2000) -> list[float]:
     return times
 
 
-def save_in_thread(root: Path, step: int, model: nn.Module):
+def save_in_thread(saves: ckpt.Checkpointer, root: Path, step: int, model: nn.Module):
     """hpcx's async save; the future of its write."""
-    ckpt.save_checkpoint(root, step, model, None, None, {"step": step}, keep=2, async_save=True)
-    return ckpt._pending["future"]
+    saves.save(step, model, None, None, {"step": step})
+    return saves._pending.future
 
 
-def save_in_process(root: Path, step: int, model: nn.Module):
+def save_in_process(saves: ckpt.Checkpointer, root: Path, step: int, model: nn.Module):
     """The same writer under DCP's process executor (shared-memory staging); the future of its write."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -83,6 +83,7 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
     """{(thread|process, workload): [step time during a save / before it, per repetition]}."""
     model = nn.Sequential(*(nn.Linear(2048, 2048, bias=False) for _ in range(max(1, args.size_mb // 16))))
     savers = {"thread": save_in_thread, "process": save_in_process}
+    saves = ckpt.Checkpointer(root, keep=2, async_save=True)
     res: dict = {}
     step = 0
     for _ in range(args.repeat + 1):  # the first repetition warms staging buffers and the daemon up
@@ -90,10 +91,10 @@ def measure(args: argparse.Namespace, root: Path) -> dict:
             for name, work in workloads().items():
                 base = statistics.median(step_times(work))
                 step += 1
-                future = save(root, step, model)
+                future = save(saves, root, step, model)
                 during = step_times(work, until=future.done)
                 future.result()
-                ckpt.wait_pending()
+                saves.wait()
                 if step > 4 and during:
                     res.setdefault((kind, name), []).append(statistics.median(during) / base)
     return res

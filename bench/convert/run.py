@@ -65,7 +65,7 @@ def make_sources(root: Path, size_mb: int, largest_mb: int) -> dict[str, Path]:
     from torch import nn
 
     from hpc.ckpt.convert import convert_checkpoint
-    from trainer.checkpoint import save_checkpoint, wait_pending
+    from trainer.checkpoint import Checkpointer
 
     rows = largest_mb * MB // (4 * 1024)
     layers = [nn.Linear(1024, rows, bias=False)] + [nn.Linear(1024, 4096, bias=False)
@@ -73,8 +73,9 @@ def make_sources(root: Path, size_mb: int, largest_mb: int) -> dict[str, Path]:
     with torch.no_grad():
         for layer in layers:
             layer.weight.normal_()
-    dcp = save_checkpoint(root / "run", 1, nn.Sequential(*layers), None, None, {"step": 1})
-    wait_pending()
+    saves = Checkpointer(root / "run")
+    dcp = saves.save(1, nn.Sequential(*layers), None, None, {"step": 1})
+    saves.wait()
     convert_checkpoint(dcp, root / "src.safetensors", "safetensors", model_only=True)
     convert_checkpoint(dcp, root / "src.pt", "torch", model_only=True)
     return {"dcp": dcp, "st": root / "src.safetensors", "pt": root / "src.pt"}

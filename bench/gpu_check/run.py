@@ -708,24 +708,23 @@ def part_staging(ctx: Ctx) -> list[dict]:
     from torch import nn
 
     from hpc.ckpt.dcp import DcpReader
-    from trainer.checkpoint import save_checkpoint, wait_pending, wait_staged
+    from trainer.checkpoint import Checkpointer
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)]).to(ctx.device)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(64, 1024, device=ctx.device)).square().mean().backward()
     optimizer.step()
-    differ, saves = 0, 3
+    differ, saves, checkpointer = 0, 3, Checkpointer(ctx.out / "staging", keep=2, async_save=True)
     for step in range(1, saves + 1):
         keep_gpu_busy(ctx.device)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)  # the step that is still running when the save starts
-        path = save_checkpoint(ctx.out / "staging", step, model, optimizer, None, {"tokens_seen": 0},
-                               keep=2, async_save=True)
-        wait_staged()
+        path = checkpointer.save(step, model, optimizer, None, {"tokens_seen": 0})
+        checkpointer.wait_staged()
         live = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-        wait_pending()
+        checkpointer.wait()
         reader = DcpReader(path)
         differ += sum(not torch.equal(reader.read(f"model.{k}"), v) for k, v in live.items())
         reader.close()

@@ -42,6 +42,7 @@ def process_start_time() -> float:
 
 # ---------------------------------------------------------------- commands started ahead of their caller
 
+# per process by nature: started by the console script before it imports the scheduler code that takes them
 _AHEAD: dict[tuple[str, ...], tp.Any] = {}  # argv -> subprocess.Popen, started by start_ahead, not yet taken
 asked: list[list[str]] | None = None  # a list while a caller records the commands ``try_command`` runs
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from hpc.data.prepare import pending_groups, run_group
 from hpc.data.progress import Progress
 
+# per process by nature: a pool initializer hands a spawned worker its queue only through a global
 _QUEUE: tp.Any = None  # the progress queue of a worker process
 
 

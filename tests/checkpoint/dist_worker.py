@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import build, init_from_env, train_step  # noqa: E402
 
-from trainer.checkpoint import load_checkpoint, save_checkpoint, wait_pending  # noqa: E402
+from trainer.checkpoint import Checkpointer, load_checkpoint  # noqa: E402
 
 
 def rank() -> int:
@@ -28,10 +28,12 @@ def save(run_dir: str, async_dir: str, out: str) -> None:
     model, optimizer, scheduler = build("fsdp")
     losses = [train_step(model, optimizer, scheduler, s) for s in range(2)]
     train_state = {"step": 2, "tokens_seen": 2 * 64, "sampler": {"consumed_samples": 8, "epoch": 0}}
-    save_checkpoint(run_dir, 2, model, optimizer, scheduler, train_state)
-    save_checkpoint(async_dir, 2, model, optimizer, scheduler, train_state, async_save=True)
+    sync_saves, async_saves = Checkpointer(run_dir), Checkpointer(async_dir, async_save=True)
+    sync_saves.save(2, model, optimizer, scheduler, train_state)
+    async_saves.save(2, model, optimizer, scheduler, train_state)
     losses.append(train_step(model, optimizer, scheduler, 2))  # mutates parameters while the async save runs
-    wait_pending()
+    sync_saves.wait()
+    async_saves.wait()
     losses.append(train_step(model, optimizer, scheduler, 3))
     if rank() == 0:
         Path(out).write_text(json.dumps({"losses": losses}))

@@ -87,12 +87,13 @@ def rank_main(rank: int, run: Path, store: Path, kill_rank: int, kill_at: int, c
     counter = Counter(kill_at if rank == kill_rank else 0)
     instrument(counter)
     model, optimizer, scheduler = build("fsdp")
+    saves = ckpt.Checkpointer(run, keep=2)
     for step in STEPS:
         train_step(model, optimizer, scheduler, step)
-        ckpt.wait_pending()  # the last save's digests (a background thread's fsyncs) are not step 3's events
+        saves.wait()  # the last save's digests (a background thread's fsyncs) are not step 3's events
         counter.armed = step == STEPS[-1]
-        ckpt.save_checkpoint(run, step, model, optimizer, scheduler, {"step": step}, keep=2)
-    ckpt.wait_pending()  # and step 3's are, every time: the count does not depend on how far that thread got
+        saves.save(step, model, optimizer, scheduler, {"step": step})
+    saves.wait()  # and step 3's are, every time: the count does not depend on how far that thread got
     (counts / f"rank{rank}").write_text(str(counter.n))
     dist.destroy_process_group()
 

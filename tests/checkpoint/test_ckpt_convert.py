@@ -18,7 +18,7 @@ from ckpt_helpers import SHAPE, build, train_step  # noqa: E402
 
 from hpc.cli.ckpt import ckpt_group  # noqa: E402
 from hpc.core.errors import CheckpointError  # noqa: E402
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint  # noqa: E402
 from trainer.models.gpt import GPT  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def saved(tmp_path_factory) -> tuple[Path, float]:
     model, optimizer, scheduler = build("none")
     for s in range(2):
         train_step(model, optimizer, scheduler, s)
-    path = save_checkpoint(run, 2, model, optimizer, scheduler, {"step": 2, "tokens_seen": 128})
+    path = Checkpointer(run).save(2, model, optimizer, scheduler, {"step": 2, "tokens_seen": 128})
     return path, train_step(model, optimizer, scheduler, 2)
 
 

@@ -16,7 +16,7 @@ from ckpt_helpers import HERE, build, launch, read_json, train_step  # noqa: E40
 
 from hpc.ckpt.digests import check_digests  # noqa: E402
 from hpc.core.errors import CheckpointError  # noqa: E402
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, step_dir  # noqa: E402
+from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint, step_dir  # noqa: E402
 from hpc.ckpt.convert import verify_checkpoints  # noqa: E402
 
 
@@ -29,8 +29,9 @@ def trained(steps: int = 1):
 
 def test_save_names_commits_and_keeps_newest(tmp_path: Path) -> None:
     model, optimizer, scheduler = trained()
+    saves = Checkpointer(tmp_path, keep=2)
     for step in (5, 10, 15):
-        path = save_checkpoint(tmp_path, step, model, optimizer, scheduler, {"step": step}, keep=2)
+        path = saves.save(step, model, optimizer, scheduler, {"step": step})
         assert path == tmp_path / "checkpoints" / f"step-{step:07d}" and (path / ".metadata").is_file()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-0000010", "step-0000015"]
     assert latest_checkpoint(tmp_path) == step_dir(tmp_path, 15)
@@ -38,18 +39,20 @@ def test_save_names_commits_and_keeps_newest(tmp_path: Path) -> None:
 
 def test_refuses_to_save_into_an_existing_folder(tmp_path: Path) -> None:
     model, optimizer, scheduler = trained()
-    save_checkpoint(tmp_path, 3, model, optimizer, scheduler, {"step": 3})
+    saves = Checkpointer(tmp_path)
+    saves.save(3, model, optimizer, scheduler, {"step": 3})
     with pytest.raises(FileExistsError, match="step-0000003"):
-        save_checkpoint(tmp_path, 3, model, optimizer, scheduler, {"step": 3})
+        saves.save(3, model, optimizer, scheduler, {"step": 3})
     with pytest.raises(ValueError, match="keep=1"):
-        save_checkpoint(tmp_path, 4, model, optimizer, scheduler, {"step": 4}, keep=1)
+        Checkpointer(tmp_path, keep=1)
 
 
 @pytest.mark.parametrize("damage", ["no-metadata", "missing-shard", "truncated-shard", "partial-folder"])
 def test_latest_skips_torn_checkpoints(tmp_path: Path, damage: str) -> None:
     model, optimizer, scheduler = trained()
-    save_checkpoint(tmp_path, 1, model, optimizer, scheduler, {"step": 1}, keep=3)
-    newest = save_checkpoint(tmp_path, 2, model, optimizer, scheduler, {"step": 2}, keep=3)
+    saves = Checkpointer(tmp_path, keep=3)
+    saves.save(1, model, optimizer, scheduler, {"step": 1})
+    newest = saves.save(2, model, optimizer, scheduler, {"step": 2})
     shard = next(newest.glob("*.distcp"))
     if damage == "no-metadata":
         (newest / ".metadata").unlink()
@@ -68,7 +71,7 @@ def test_latest_skips_torn_checkpoints(tmp_path: Path, damage: str) -> None:
 def test_resume_restores_train_state_scheduler_and_rng(tmp_path: Path) -> None:
     model, optimizer, scheduler = trained(3)
     sampler = {"consumed_samples": 12, "epoch": 1}
-    save_checkpoint(tmp_path, 3, model, optimizer, scheduler, {"step": 3, "tokens_seen": 192, "sampler": sampler})
+    Checkpointer(tmp_path).save(3, model, optimizer, scheduler, {"step": 3, "tokens_seen": 192, "sampler": sampler})
     expected_rand = torch.rand(3)
     model2, optimizer2, scheduler2 = build("none", seed=7)
     state = load_checkpoint(latest_checkpoint(tmp_path), model2, optimizer2, scheduler2)

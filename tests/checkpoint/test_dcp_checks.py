@@ -20,7 +20,7 @@ from ckpt_helpers import cli, refused_everywhere  # noqa: E402
 from hpc import compat  # noqa: E402
 from hpc.ckpt.dcp import DcpReader, dcp_problems  # noqa: E402
 from hpc.core.errors import CheckpointError  # noqa: E402
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint  # noqa: E402
 
 W = torch.arange(24, dtype=torch.float32).view(4, 6)
 
@@ -196,7 +196,7 @@ def test_a_shard_damaged_at_the_same_length_is_refused_by_inspect(tmp_path: Path
 def linear_checkpoint(tmp_path: Path) -> tuple[Path, nn.Module]:
     torch.manual_seed(0)
     model = nn.Linear(6, 4)
-    return save_checkpoint(tmp_path / "run", 1, model, None, None, {"step": 1}), model
+    return Checkpointer(tmp_path / "run").save(1, model, None, None, {"step": 1}), model
 
 
 def test_load_checkpoint_refuses_a_planted_blob_with_the_user_error(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ckpt_helpers import build, train_step  # noqa: E402
 
 from hpc.core.errors import CheckpointError  # noqa: E402
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint  # noqa: E402
 from hpc.ckpt.torchsave import TorchReader  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def test_fast_load_equals_saved_state_and_torn_shards_are_still_refused(tmp_path
 
     model, optimizer, scheduler = build("none")
     train_step(model, optimizer, scheduler, 0)
-    path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler, {"step": 1})
+    path = Checkpointer(tmp_path).save(1, model, optimizer, scheduler, {"step": 1})
     model2, optimizer2, scheduler2 = build("none", seed=5)
     load_checkpoint(path, model2, optimizer2, scheduler2)
     for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):

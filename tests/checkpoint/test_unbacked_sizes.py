@@ -20,7 +20,7 @@ import malformed as mf  # noqa: E402
 from ckpt_helpers import cli, refused_everywhere  # noqa: E402
 
 from hpc.core.errors import CheckpointError  # noqa: E402
-from trainer.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from trainer.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint  # noqa: E402
 
 
 def small_dcp(tmp_path: Path) -> Path:
@@ -100,7 +100,7 @@ def test_a_stride_zero_blob_behind_a_big_chunk(tmp_path: Path) -> None:
 
 def test_load_checkpoint_and_latest_checkpoint_refuse_it(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    path = save_checkpoint(tmp_path / "run", 1, nn.Linear(6, 4), None, None, {"step": 1})
+    path = Checkpointer(tmp_path / "run").save(1, nn.Linear(6, 4), None, None, {"step": 1})
     declare(path, "model.bias", [10**12])
     assert latest_checkpoint(tmp_path / "run") is None
     with pytest.raises(CheckpointError, match="model.bias"):

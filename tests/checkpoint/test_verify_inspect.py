@@ -20,7 +20,7 @@ from ckpt_helpers import assert_refused, cli  # noqa: E402
 
 import hpc.ckpt.convert as convert  # noqa: E402
 from hpc.ckpt.convert import compare_values  # noqa: E402
-from trainer.checkpoint import save_checkpoint, wait_pending  # noqa: E402
+from trainer.checkpoint import Checkpointer  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 
@@ -106,8 +106,9 @@ def test_verify_objects_compare_nan_as_equal_and_nested_values() -> None:
 def saved(tmp_path: Path, async_save: bool = False) -> Path:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 8))
-    path = save_checkpoint(tmp_path / "run", 1, model, None, None, {"step": 1}, async_save=async_save)
-    wait_pending()
+    saves = Checkpointer(tmp_path / "run", async_save=async_save)
+    path = saves.save(1, model, None, None, {"step": 1})
+    saves.wait()
     return path
 
 

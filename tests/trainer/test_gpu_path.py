@@ -161,12 +161,13 @@ def test_an_async_save_waits_for_the_device_before_staging(tmp_path, monkeypatch
         return done
 
     monkeypatch.setattr(checkpoint.dcp, "async_save", async_save)
-    monkeypatch.setattr(checkpoint, "_reused_stager", lambda: None)
+    saves = checkpoint.Checkpointer(tmp_path, async_save=True)
+    monkeypatch.setattr(saves, "_reused_stager", lambda: None)
     partial, final = tmp_path / ".step-0000001.partial", tmp_path / "step-0000001"
     partial.mkdir()
-    checkpoint._start_async({}, None, None, partial, final, keep=2)
+    saves._start_async({}, None, partial, final)
     assert order == ["stream synchronized", "staging started"]
-    assert checkpoint.wait_pending() == final and final.is_dir()
+    assert saves.wait() == final and final.is_dir()
 
 
 def test_on_the_cpu_there_is_nothing_to_wait_for(monkeypatch):
