@@ -41,6 +41,7 @@ def test_render_of_a_set_strategy_imports_no_planner():
     assert {"hpc.login.render", "hpc.plan.resolve", "hpc.schedulers.slurm.scheduler"} <= set(modules)
     assert under(modules, PLANNER) == []
     assert under(modules, HEAVY) == []
+    assert "hpc.core.failures" not in modules  # how a start failed: the job's and status's, not render's
 
 
 def test_render_of_auto_runs_the_planner():
