@@ -32,6 +32,7 @@ LAZY = {**dict.fromkeys(("MFU_DEFAULT", "TIE", "Candidate", "Plan", "Row", "Setu
 
 
 def __getattr__(name: str) -> tp.Any:
+    """A name of ``LAZY``, from its module (imported now, kept here after)."""
     if name in LAZY:
         value = globals()[name] = getattr(importlib.import_module(LAZY[name]), name)
         return value
