@@ -5,7 +5,6 @@ numpy only for ``verify``."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import typing as tp
 from pathlib import Path
@@ -18,6 +17,8 @@ TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     """SHA-256 of a file, read in 4 MiB pieces."""
+    import hashlib  # only `verify` and `prepare` hash (loading OpenSSL costs every spec load ~4 ms)
+
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):

@@ -11,20 +11,33 @@ respected, ``auto`` takes the plan's choice. Pure Python: runs on login nodes wi
 
 from __future__ import annotations
 
+import importlib
+import typing as tp
 from dataclasses import dataclass
 
 from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims, parallel_dims, tasks_per_node
-from hpc.plan.memory import peaks_note
-from hpc.core.models import ModelFacts, model_facts
-from hpc.core.site import SiteProfile
-from hpc.core.spec import JobSpec
 
-from hpc.plan.advice import advise
-from hpc.plan.explain import plan_notes, recommend, unknown_model
-from hpc.plan.rows import (MFU_DEFAULT, TIE, Candidate, Plan, Row, Setup, candidates, compute_seconds, evaluate,
-                           mfu_of, pick, setup_of)
-from hpc.plan.table import format_plan
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.models import ModelFacts
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
+    from hpc.plan.rows import Plan
+
+# The planner's own modules load on first use (PEP 562): ``choose`` for a strategy the spec sets, what
+# ``hpcx render`` and ``submit`` resolve, imports none of them. Name -> the module that defines it.
+LAZY = {**dict.fromkeys(("MFU_DEFAULT", "TIE", "Candidate", "Plan", "Row", "Setup", "candidates", "compute_seconds",
+                         "evaluate", "mfu_of", "pick", "setup_of"), "hpc.plan.rows"),
+        "format_plan": "hpc.plan.table"}
+
+
+def __getattr__(name: str) -> tp.Any:
+    """A name of ``LAZY``, from its module (imported now, kept here after)."""
+    if name in LAZY:
+        value = globals()[name] = getattr(importlib.import_module(LAZY[name]), name)
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 DRYRUN_NOTE = ("check: `hpcx dryrun JOB --site SITE` builds the real sharded model, mesh and optimizer at this "
                "world size on one CPU (it imports torch) and compares its bytes per rank with these")
@@ -36,6 +49,12 @@ __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", 
 def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: ModelFacts | None = None) -> Plan:
     """Evaluate every strategy for ``spec`` on ``site`` (``nodes`` overrides job.nodes; ``facts``
     overrides what the spec says about the model, e.g. counted by ``hpcx plan --count-params``)."""
+    from hpc.core.models import model_facts
+    from hpc.plan.advice import advise
+    from hpc.plan.explain import plan_notes, recommend, unknown_model
+    from hpc.plan.memory import peaks_note
+    from hpc.plan.rows import Plan, candidates, compute_seconds, evaluate, mfu_of, pick, setup_of
+
     facts = facts or model_facts(spec.model)
     setup = setup_of(spec, site, nodes)
     gpu = site.node.gpus > 0

@@ -20,7 +20,6 @@ import typing as tp
 from pathlib import Path
 
 from hpc import compat
-from hpc.core import failures
 from hpc.core.errors import UserError
 from hpc.core.procs import pid_alive, process_start_time
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
@@ -116,6 +115,7 @@ def local_state(job_id: str, run_dir: Path) -> JobState:
     has no such state: rank 0 stops at its signal, saves and leaves), else the result pickle tells
     COMPLETED or FAILED. A task whose code did not load (``hpc.core.failures.loading_failure``) is never
     retried here: the controller restarts tasks only on the trainer's requeue status; FAILED says why."""
+    from hpc.core import failures  # its patterns only here: a Slurm site's profile loads this module too
     from hpc.core.runs import RunDir
 
     if controller_alive(job_id, run_dir):
