@@ -179,3 +179,22 @@ def test_an_editable_install_is_its_project_folder(tmp_path: Path, editable: boo
     (tmp_path / "direct_url.json").write_text(json.dumps({"url": "file:///src/my%20proj",
                                                           "dir_info": {"editable": editable}}))
     assert imports._editable_root(str(tmp_path)) == expected
+
+
+def test_an_editable_install_is_where_its_finder_maps_it(tmp_path: Path, monkeypatch):
+    """setuptools' editable finder (imported at start-up) says where `hpc` and `trainer` are; a `trainer`
+    found on the path before it is named."""
+    import types
+
+    info = tmp_path / "site/hpcx-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "RECORD").write_text("__editable__.hpcx-0.1.0.pth,sha256=x,79\n")
+    project = tmp_path / "project"
+    monkeypatch.setitem(sys.modules, "__editable___hpcx_0_1_0_finder", types.SimpleNamespace(
+        MAPPING={"hpc": str(project / "hpc"), "trainer": str(project / "trainer")}))
+    (project / "trainer").mkdir(parents=True)
+    (project / "trainer/__init__.py").write_text("")
+    assert imports.problem([str(tmp_path / "site"), str(project)], str(project / "hpc")) is None
+    foreign = foreign_trainer(tmp_path / "first")
+    line = imports.problem([str(foreign.parent), str(tmp_path / "site"), str(project)], str(project / "hpc"))
+    assert line is not None and str(foreign) in line and str(project / "trainer") in line

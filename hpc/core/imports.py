@@ -146,9 +146,6 @@ def _own(search: list[str], hpc_dir: str) -> tuple[dict[str, str], dict[str, tup
     if info is None:
         root = os.path.dirname(hpc_dir)
         return {name: os.path.join(root, name) for name in NAMES}, {}
-    url = _editable_root(info)
-    if url is not None:
-        return {name: os.path.join(url, name) for name in NAMES}, {}
     root = os.path.dirname(info)
     files: dict[str, tuple[set[str], dict[str, int]]] = {name: (set(), {}) for name in NAMES}
     try:
@@ -162,8 +159,25 @@ def _own(search: list[str], hpc_dir: str) -> tuple[dict[str, str], dict[str, tup
                     if size.isdigit():
                         files[top][1][below] = int(size)
     except OSError:
-        return {name: os.path.join(root, name) for name in NAMES}, {}
-    return {name: os.path.join(root, name) for name in NAMES}, files
+        pass
+    if all(files[name][0] for name in NAMES):  # a wheel's files
+        return {name: os.path.join(root, name) for name in NAMES}, files
+    mapped = _editable_mapping(info)
+    if mapped is not None:
+        return mapped, {}
+    return {name: os.path.join(root, name) for name in NAMES}, {}
+
+
+def _editable_mapping(info: str) -> dict[str, str] | None:
+    """Where an editable install maps ``hpc`` and ``trainer``: setuptools' finder module (imported at
+    start-up by its ``.pth``; no file read), else the project folder of ``direct_url.json``; else None."""
+    for module_name, module in list(sys.modules.items()):
+        mapping = getattr(module, "MAPPING", None)
+        if (module_name.startswith(f"__editable___{DISTRIBUTION}_") and module_name.endswith("_finder")
+                and isinstance(mapping, dict) and all(isinstance(mapping.get(name), str) for name in NAMES)):
+            return {name: mapping[name] for name in NAMES}
+    project = _editable_root(info)
+    return None if project is None else {name: os.path.join(project, name) for name in NAMES}
 
 
 def _editable_root(info: str) -> str | None:
