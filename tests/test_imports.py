@@ -198,3 +198,20 @@ def test_an_editable_install_is_where_its_finder_maps_it(tmp_path: Path, monkeyp
     foreign = foreign_trainer(tmp_path / "first")
     line = imports.problem([str(foreign.parent), str(tmp_path / "site"), str(project)], str(project / "hpc"))
     assert line is not None and str(foreign) in line and str(project / "trainer") in line
+
+
+@pytest.mark.slow
+def test_torchrun_of_hpcx_rank_from_a_folder_that_shadows_hpcx(tmp_path: Path):
+    """`torchrun --no-python hpcx-rank RUN` (README's launch) with the user's model from the current folder."""
+    from tests.trainer.trainer_testlib import child_env, make_run
+
+    here = tmp_path / "here"
+    shadowing_folder(here)
+    run_dir = make_run(tmp_path, "run", "ddp", 2, ["train.steps=2", "model.arch='mypkg.mod:build'",
+                                                   "model.seq_len=64", "model.vocab_size=256"])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "--no-python",
+           str(HPCX.parent / "hpcx-rank"), str(run_dir)]
+    out = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=300, cwd=here)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["steps"] == 2
+    assert len((here / "built.txt").read_text().split()) == 2
