@@ -86,7 +86,7 @@ def problem(path: list[str] | None = None, hpc_dir: str | None = None) -> str | 
     """
     search = list(sys.path if path is None else path)
     found = {"hpc": hpc_dir or os.path.dirname(os.path.abspath(sys.modules["hpc"].__file__ or "")),
-             "trainer": _located("trainer", search)}
+             "trainer": _located("trainer", search, imported=path is None)}
     own, files = _own(search, found["hpc"])
     for name in NAMES:
         if found[name] is None:
@@ -105,9 +105,10 @@ def problem(path: list[str] | None = None, hpc_dir: str | None = None) -> str | 
     return None
 
 
-def _located(name: str, search: list[str]) -> str | None:
-    """The folder of top-level package ``name`` as an import would find it (imported or not)."""
-    module = sys.modules.get(name)
+def _located(name: str, search: list[str], imported: bool = True) -> str | None:
+    """The folder of top-level package ``name`` as an import would find it (``imported``: the one already
+    imported, if it is)."""
+    module = sys.modules.get(name) if imported else None
     if module is not None and getattr(module, "__file__", None):
         return os.path.dirname(os.path.abspath(module.__file__))
     from importlib.machinery import PathFinder
