@@ -186,3 +186,22 @@ def test_license_is_an_spdx_expression_setuptools_takes_without_a_warning(monkey
         dist = apply_configuration(Distribution(), "pyproject.toml")
     assert [str(w.message) for w in caught] == []
     assert dist.metadata.license_expression == "Apache-2.0"
+
+
+def test_a_wheel_install_knows_its_own_trainer_and_names_a_foreign_file(wheel_venv: Path, tmp_path: Path):
+    """hpc.core.imports on a real wheel install: its RECORD lists every entry of `hpc/` and `trainer/`, so a
+    file another distribution put into `trainer/` is named (issue 29)."""
+    python = str(wheel_venv / "bin/python")
+    probe = ["-c", "import hpc.core.imports as i; print(i.problem())"]
+    out = subprocess.run([python, *probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.stdout.strip() == "None", out.stderr
+    trainer = Path(subprocess.check_output([python, "-c", "import trainer; print(trainer.__file__)"], text=True,
+                                           cwd=tmp_path).strip()).parent
+    assert trainer.parent.name == "site-packages"
+    foreign = trainer / "fit.py"
+    foreign.write_text("")
+    try:
+        out = subprocess.run([python, *probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    finally:
+        foreign.unlink()
+    assert str(foreign) in out.stdout and "hpcx did not install" in out.stdout, out.stdout + out.stderr

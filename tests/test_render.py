@@ -18,6 +18,7 @@ import pytest
 
 from hpc.core.config import ConfigError
 from hpc.core.errors import UserError
+from hpc.core.imports import BOOT
 from hpc.login.render import render, render_summary
 from hpc.schedulers.slurm.scheduler import slurm_parameters
 from hpc.plan.resolve import resolve
@@ -121,7 +122,7 @@ def test_usr2_is_trapped_before_srun_and_in_each_task():
     task = shlex.split(lines[srun])[shlex.split(lines[srun]).index("/bin/sh"):]
     assert task[:2] == ["/bin/sh", "-c"] and task[3] == "hpcx-task"
     assert task[2].startswith('trap "" USR2; ') and "exec env --block-signal=USR2 --block-signal=TERM" in task[2]
-    assert task[4:] == [PYTHON, "-u", "-m", "trainer.entry", f"{RUN_DIR}/submitit"]
+    assert task[4:] == [PYTHON, "-u", "-c", BOOT, "trainer.entry", f"{RUN_DIR}/submitit"]  # hpc.core.imports
 
 
 def test_the_check_after_srun_gets_srun_status_and_the_run_folder():
@@ -130,7 +131,7 @@ def test_the_check_after_srun_gets_srun_status_and_the_run_folder():
     srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
     assert lines[srun + 1].startswith("hpcx_srun_status=$?")  # nothing in between changes $?
     check = shlex.split(lines[srun + 2], comments=True)
-    assert check[:2] == ["[", "$hpcx_srun_status"] and check[-5:] == [PYTHON, "-m", "hpc.requeue", odd,
+    assert check[:2] == ["[", "$hpcx_srun_status"] and check[-6:] == [PYTHON, "-c", BOOT, "hpc.requeue", odd,
                                                                        "$hpcx_srun_status"]
     assert lines[-1] == 'exit "$hpcx_srun_status"'
     assert "export HPCX_REQUEUE_CHECK=after-srun" in "\n".join(lines)
@@ -152,7 +153,7 @@ def test_the_script_runs_the_check_only_when_srun_failed(tmp_path: Path):
         out = subprocess.run(["bash", "-c", runnable], capture_output=True, text=True, timeout=30)
         assert out.returncode == status
         ran = (tmp_path / "check-ran").read_text().split() if (tmp_path / "check-ran").exists() else None
-        assert ran == (None if status == 0 else ["-m", "hpc.requeue", RUN_DIR, "137"])
+        assert ran == (None if status == 0 else ["-c", *BOOT.split(), "hpc.requeue", RUN_DIR, "137"])
 
 
 @pytest.mark.parametrize("job,site_name", [("tiny-hsdp-2node", "sandbox"), ("tiny-ddp", "local")])
@@ -167,7 +168,7 @@ def test_executors_submit_exactly_what_render_shows(tmp_path: Path, job: str, si
     sched = schedulers.get(site.scheduler.kind)
     executor = sched.executor(spec, site, launch, tmp_path / "submitit")
     shown = sched.render(spec, site, launch, str(tmp_path), sys.executable)
-    assert executor._submitit_command_str.endswith(f"-m trainer.entry {tmp_path}/submitit")
+    assert executor._submitit_command_str.endswith(f"{shlex.quote(BOOT)} trainer.entry {tmp_path}/submitit")
     if site_name == "sandbox":
         assert executor._make_submission_file_text(executor._submitit_command_str, "uid") == shown
     else:

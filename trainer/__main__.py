@@ -1,7 +1,8 @@
 """``python -m trainer RUN_DIR``: one rank, under torchrun or as a single process.
 
-    torchrun --nproc_per_node=2 -m trainer ~/hpcx-runs/tiny-ddp-…/
-    python -m trainer RUN_DIR          # strategy none/dp, or a 1-rank ddp/fsdp
+    torchrun --nproc_per_node=2 --no-python hpcx-rank ~/hpcx-runs/tiny-ddp-…/
+    hpcx-rank RUN_DIR                  # strategy none/dp, or a 1-rank ddp/fsdp
+    python -m trainer RUN_DIR          # the same, where the current folder holds no trainer of its own
 
 Rank 0 prints the summary as one JSON line on stdout.
 """

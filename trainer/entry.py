@@ -9,7 +9,10 @@ the first step boundary then acts on them. The task command (``hpc.schedulers.ba
 already starts the interpreter with both blocked where coreutils' ``env --block-signal`` exists;
 elsewhere USR2 is ignored (and a USR2 lost) only for the interpreter's own start, before this line.
 
-Torch-free; nothing but ``signal`` is imported before the signals are held.
+Torch-free; nothing but ``signal`` is imported before the signals are held. The task command runs this
+module as ``python -u -c BOOT trainer.entry FOLDER`` (``hpc.core.imports``: hpcx's own ``trainer``, not
+the submit folder's); before it, ``BOOT`` only drops the current folder from ``sys.path`` and checks that
+``hpc`` and ``trainer`` are hpcx's (about a millisecond: one listing, one small file, no import).
 """
 
 from __future__ import annotations

@@ -106,7 +106,10 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 @json_option
 def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
+    from hpc.core import imports
     from hpc.login import submit as sub
+
+    imports.check()  # the job's tasks import hpcx's `hpc` and `trainer`: refuse foreign ones here, in one line
 
     from hpc.login.render import user_code_notice
 
@@ -383,6 +386,9 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
     if rank >= launch.world_size:
         raise ConfigError([f"--rank {rank}: {spec.source} runs {launch.nodes} node(s) × {launch.tasks_per_node} "
                            f"ranks = {launch.world_size} ranks, expected 0..{launch.world_size - 1}"])
+    from hpc.core import imports
+
+    imports.check()  # before the trainer is imported
     from hpc.dryrun import dryrun as dry, format_dryrun
 
     result = dry(spec, site, launch, rank)

@@ -52,6 +52,9 @@ def _counted_facts(model: tp.Any) -> tp.Any:
 
     if not counted_by_building(model):
         return model_facts(model)  # a built-in family's count follows from its shape: nothing to build
+    from hpc.core import imports
+
+    imports.check()  # before the trainer is imported
     from trainer.count import count_model
 
     counted = count_model(model)

@@ -208,6 +208,8 @@ FILE_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+)')
 MODULE_SPEC = re.compile(r"^(?P<python>\S+): Error while finding module specification for '(?P<target>[\w.]+)' "
                          r"\((?P<cls>\w+): (?P<msg>.*)\)$")
 NO_MODULE = re.compile(r"^(?P<python>\S+): No module named (?P<target>[\w.]+)$")
+# ``hpc.core.imports.main`` refusing a foreign ``hpc`` or ``trainer`` (another package's) prints one line.
+REFUSED = re.compile(r"^hpcx: (?P<msg>`(?P<name>hpc|trainer)` .*)$")
 NAMED_MODULE = (re.compile(r"No module named '(?P<module>[\w.]+)'"),
                 re.compile(r"cannot import name '[\w.]+' from '(?P<module>[\w.]+)'"),
                 re.compile(r"on <module '(?P<module>[\w.]+)'"))
@@ -218,7 +220,7 @@ def loading_failure(text: str) -> dict[str, str] | None:
     (``text``), when a restart would repeat it: ``error`` (the exception's line), ``module`` (the module
     or file it names) and ``where`` (what python was doing); None for any other failure, or none."""
     lines = [RANK_PREFIX.sub("", line.rstrip()) for line in text.splitlines()]
-    found = [f for f in (_last_traceback(lines), _module_spec(lines)) if f is not None]
+    found = [f for f in (_last_traceback(lines), _module_spec(lines), _refused(lines)) if f is not None]
     return max(found, key=lambda f: f[0])[1] if found else None  # the last failure the task wrote
 
 
@@ -265,6 +267,16 @@ def _module_spec(lines: list[str]) -> tuple[int, dict[str, str] | None] | None:
             target = bare.group("target")
             return i, {"error": f"ModuleNotFoundError: No module named '{target}'", "module": target,
                        "where": f"starting python -m {target}"}
+    return None
+
+
+def _refused(lines: list[str]) -> tuple[int, dict[str, str]] | None:
+    """(line index, the failure) of hpcx refusing a foreign ``hpc`` or ``trainer`` before loading any code."""
+    for i in range(len(lines) - 1, -1, -1):
+        match = REFUSED.match(lines[i])
+        if match:
+            return i, {"error": f"ImportError: {match.group('msg')}"[:300], "module": match.group("name"),
+                       "where": "starting hpcx's own code"}
     return None
 
 

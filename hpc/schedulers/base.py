@@ -182,12 +182,15 @@ TASK_WRAPPER = ["/bin/sh", "-c", TASK_SHELL, "hpcx-task"]
 
 def task_command(python: str, folder: str) -> str:
     """The command every task runs (in the sbatch script's srun line, or by the local controller):
-    ``python -u -m trainer.entry FOLDER`` (submitit's ``_submit`` with the signals held), started so
-    that a preemption signal or a SIGTERM that comes before the trainer's handler waits for it instead
-    of killing the task or being dropped (``TASK_SHELL``)."""
+    ``python -u -m trainer.entry FOLDER`` (submitit's ``_submit`` with the signals held) as
+    ``python -u -c BOOT trainer.entry FOLDER`` (``hpc.core.imports``: hpcx's own ``hpc`` and ``trainer``,
+    whatever the submit folder holds), started so that a preemption signal or a SIGTERM that comes
+    before the trainer's handler waits for it instead of killing the task or being dropped (``TASK_SHELL``)."""
     import shlex
 
-    return shlex.join([*TASK_WRAPPER, python, "-u", "-m", "trainer.entry", str(folder)])
+    from hpc.core.imports import python_command
+
+    return shlex.join([*TASK_WRAPPER, *python_command(python, "trainer.entry", str(folder), unbuffered=True)])
 
 
 class TaskCommand:

@@ -1,4 +1,5 @@
-"""`srun python -m trainer RUN` without hpcx submit: each task finds its rank from Slurm's step variables."""
+"""`srun hpcx-rank RUN` (`python -m trainer RUN`) without hpcx submit: each task finds its rank from Slurm's
+step variables; submitted from a folder whose `trainer` and `hpc` raise on import (issue 29)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from hpc.core.resolve import resolved_document
 from hpc.plan.resolve import resolve
@@ -13,9 +15,10 @@ from hpc.core.runs import new_run_dir
 from hpc.core.site import load_site
 from hpc.core.spec import load_spec
 from tests.conftest import REPO
+from tests.test_imports import shadowing_folder
 
 
-def test_plain_srun_tasks_know_their_ranks(sandbox):
+def test_plain_srun_tasks_know_their_ranks(sandbox, tmp_path):
     spec = load_spec(REPO / "jobs" / "tiny-ddp.toml", ["job.nodes=2", "job.tasks_per_node=2", "train.steps=4",
                                                        "train.log_every=1", "job.name=plain-srun"])
     site = load_site("sandbox")
@@ -24,8 +27,10 @@ def test_plain_srun_tasks_know_their_ranks(sandbox):
     script = run / "job.sh"
     script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2 --ntasks-per-node=2 --time=10 --job-name=plain-srun\n"
                       f"#SBATCH --output={run}/slurm-%j.out\n"
-                      f"srun {sys.executable} -m trainer {run}\n")
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout.strip()
+                      f"srun {Path(sys.executable).parent / 'hpcx-rank'} {run}\n")
+    shadowing_folder(tmp_path)  # the job's working folder
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True,
+                         cwd=tmp_path).stdout.strip()
     deadline = time.time() + 400
     while time.time() < deadline:
         state = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"], capture_output=True,

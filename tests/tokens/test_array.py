@@ -3,7 +3,9 @@ cluster run is tests/slurm/test_data_slurm.py."""
 
 from __future__ import annotations
 
+import shlex
 
+from hpc.core.imports import BOOT
 from hpc.data import task
 from hpc.data.prepare import Options, make_plan, start
 from hpc.schedulers.slurm.array import job_script, sbatch_options
@@ -13,7 +15,8 @@ from tests.tokens.test_prepare import folder_bytes, run_prepare
 
 def test_scripts_run_the_job_side_module_with_this_interpreter():
     assert job_script("/opt/py env/bin/python", ["group", "/data/out dir", '"$SLURM_ARRAY_TASK_ID"']) == (
-        "#!/bin/bash\nexec '/opt/py env/bin/python' -m hpc.data.task group '/data/out dir' \"$SLURM_ARRAY_TASK_ID\"\n")
+        f"#!/bin/bash\nexec '/opt/py env/bin/python' -c {shlex.quote(BOOT)} hpc.data.task group '/data/out dir' "
+        "\"$SLURM_ARRAY_TASK_ID\"\n")  # python -m hpc.data.task, never the submit folder's hpc (hpc.core.imports)
     options = sbatch_options(load_site("sandbox").scheduler, "hpcx-prepare", "/o/%a.out", 2, 240)
     assert options == ["--parsable", "--job-name=hpcx-prepare", "--ntasks=1", "--cpus-per-task=2", "--time=240",
                        "--output=/o/%a.out", "--no-requeue", "--partition=debug"]

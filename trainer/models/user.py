@@ -17,7 +17,12 @@ def build(spec: ModelSpec) -> tp.Any:
 
 
 def _user_function(arch: str) -> tp.Callable[..., tp.Any]:
+    """``pkg.mod:fn``'s function, imported from ``sys.path`` and then the current folder (where the job
+    was submitted: ``hpc.core.imports.submit_folder_last``)."""
+    from hpc.core.imports import submit_folder_last
+
     module_name, function_name = arch.split(":")
+    submit_folder_last()
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -57,13 +57,14 @@ def code_notice(model: Model) -> str | None:
 
 def module_file(module: str, folder: str | None = None) -> str | None:
     """The file ``import module`` would load, found without importing anything (no package's
-    ``__init__`` runs): searched from ``folder`` (default: the current one, where each task starts),
-    then ``sys.path``. None when it is not found."""
+    ``__init__`` runs): searched on ``sys.path``, then from ``folder`` (default: the current one, where
+    each task starts; it comes after hpcx's own paths, ``hpc.core.imports.submit_folder_last``). None
+    when it is not found."""
     import os
     import sys
     from importlib.machinery import PathFinder
 
-    search: list[str] | None = [folder or os.getcwd(), *sys.path]
+    search: list[str] | None = [*sys.path, folder or os.getcwd()]
     spec = None
     parts = module.split(".")
     for n in range(1, len(parts) + 1):

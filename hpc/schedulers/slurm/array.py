@@ -17,9 +17,13 @@ ARRAY_MINUTES = 240  # per array task; a group of 256 MiB takes minutes on one c
 
 
 def job_script(python: str, args: tp.Sequence[str]) -> str:
-    """A two-line batch script running ``python -m hpc.data.task ARGS`` ("$SLURM_ARRAY_TASK_ID" kept as is)."""
-    words = " ".join(a if a == '"$SLURM_ARRAY_TASK_ID"' else shlex.quote(a) for a in args)
-    return f"#!/bin/bash\nexec {shlex.quote(python)} -m hpc.data.task {words}\n"
+    """A two-line batch script running ``python -m hpc.data.task ARGS`` ("$SLURM_ARRAY_TASK_ID" kept as is),
+    as ``python -c BOOT hpc.data.task ARGS`` (``hpc.core.imports``: not the submit folder's ``hpc``)."""
+    from hpc.core.imports import python_command
+
+    words = " ".join(a if a == '"$SLURM_ARRAY_TASK_ID"' else shlex.quote(a)
+                     for a in python_command(python, "hpc.data.task", *args))
+    return f"#!/bin/bash\nexec {words}\n"
 
 
 def sbatch_options(scheduler: tp.Any, name: str, log: str, cpus: int, minutes: int) -> list[str]:

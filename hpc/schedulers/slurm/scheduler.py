@@ -75,7 +75,9 @@ def setup_lines(spec: JobSpec, site: SiteProfile) -> list[str]:
 
 def teardown_lines(run_dir: str, python: str) -> list[str]:
     """After srun: its status is the job's; a failure goes to the requeue check (``hpc.core.requeue``)."""
-    check = shlex.join([python, "-m", "hpc.requeue", run_dir])
+    from hpc.core.imports import python_command
+
+    check = shlex.join(python_command(python, "hpc.requeue", run_dir))  # python -m hpc.requeue RUN_DIR
     return ["hpcx_srun_status=$?  # srun ends as soon as any task fails (--kill-on-bad-exit=1)",
             f'[ "$hpcx_srun_status" -eq 0 ] || {check} "$hpcx_srun_status"',
             'exit "$hpcx_srun_status"', ""]  # "": the script ends with a newline
