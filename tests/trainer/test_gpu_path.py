@@ -379,6 +379,49 @@ def test_the_phase_clock_keeps_host_seconds_off_cuda():
     assert not clock.cuda and clock.events == [] and clock.take(1)["forward"] >= 0
 
 
+class FakeGpu:
+    """A GPU clock as CUDA events see it: kernels queued by the host run later, in order; an event
+    records the GPU's time when the work queued before it is done."""
+
+    def __init__(self) -> None:
+        self.done = 0.0  # when the GPU finishes what was queued so far
+
+    def queue(self, seconds: float) -> None:
+        self.done += seconds
+
+    def event_class(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.at = None
+
+            def record(self) -> None:
+                self.at = gpu.done
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, later) -> float:
+                return (later.at - self.at) * 1000.0
+
+        return Event
+
+
+def test_an_evaluation_is_charged_to_no_phase_on_the_cuda_clock(monkeypatch):
+    gpu = FakeGpu()
+    monkeypatch.setattr(torch.cuda, "Event", gpu.event_class())
+    clock = PhaseClock(torch.device("cuda", 0))
+    gpu.queue(1.0)
+    clock.lap("forward")
+    gpu.queue(30.0)  # the evaluation's kernels
+    clock.skip()
+    gpu.queue(2.0)
+    clock.lap("boundary")
+    window = clock.take(1)
+    assert (window["forward"], window["boundary"]) == (1.0, 2.0) and sum(window.values()) == 3.0
+
+
 class FakeCudaMesh:
     """What ``open_host_groups`` and ``_all_reduced`` read of a 1-D NCCL mesh of 2 ranks."""
 
