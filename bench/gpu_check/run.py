@@ -8,8 +8,8 @@ itself (no install step, no submitit), downloads nothing, and prints one table. 
 
 1. ``throughput``: FSDP2 + bf16 + activation checkpointing + compile, GPT 350m, world size 1 on
    NCCL: tokens/s, MFU, peak memory against the planner; the steady steps again under
-   ``torch.cuda.set_sync_debug_mode("error")`` (no hidden host sync); one flight-recorder dump
-   that holds entries. The MFU also on the planner's basis: the planner's compute time at MFU 1
+   ``torch.cuda.set_sync_debug_mode("error")``, without and with a loss mask (no hidden host sync);
+   one flight-recorder dump that holds NCCL entries. The MFU also on the planner's basis: the planner's compute time at MFU 1
    over the measured median step (one GPU, no communication, activation checkpointing's recompute
    counted as the planner counts it).
 2. ``resume``: FSDP2 with async saves, ``python -m trainer`` preempted by USR2, resumed by a fresh
@@ -576,21 +576,32 @@ def predicted_gb(run_dir: Path) -> float | None:
 
 
 def sync_row(ctx: Ctx, t, batches) -> dict:
-    """Three steady steps under CUDA's sync detector: any host sync raises."""
+    """Three steady steps under CUDA's sync detector, then three with a loss mask (pinned, as the loader
+    pins a masked dataset's pairs): any host sync raises."""
     import torch
 
+    item = "steady steps under set_sync_debug_mode('error')"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
-            one_step(t, batches)
-            ctx.check("the sync-checked steps")
+        for source in (batches, masked(batches)):
+            for _ in range(3):
+                one_step(t, source)
+                ctx.check("the sync-checked steps")
     except RuntimeError as exc:
-        return row("throughput", "steady steps under set_sync_debug_mode('error')", str(exc).splitlines()[0][:300],
-                   "MISSED")
+        return row("throughput", item, str(exc).splitlines()[0][:300], "MISSED")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return row("throughput", "steady steps under set_sync_debug_mode('error')", "3 steps, no host sync", "ok")
+    return row("throughput", item, "3 steps, 3 more with a loss mask: no host sync", "ok")
+
+
+def masked(batches):
+    """The loader's batches with a loss mask beside them, in pinned memory: half the targets counted."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    for tokens in batches:
+        yield tokens, (torch.rand(tokens.shape, generator=gen) < 0.5).pin_memory()
 
 
 def flight_recorder_row() -> dict:

@@ -94,7 +94,7 @@ def test_masked_loss_matches_a_hand_computation():
                 row = logits[b, j - 1].double()
                 hand += float(torch.logsumexp(row, 0) - row[tokens[b, j]])
                 count += 1
-    assert counted_targets([(tokens, mask)], 1) == count == 7 + 3 + 3
+    assert int(counted_targets([(tokens, mask)], 1)) == count == 7 + 3 + 3
     whole = micro_loss(logits, tokens, mask, masked_scale(count, 1))
     assert float(whole) == pytest.approx(hand / count, rel=1e-6)
     halves = [(tokens[:2], mask[:2]), (tokens[2:], mask[2:])]  # two micro-batches (or two ranks): the same mean

@@ -74,6 +74,44 @@ def metrics(run_dir: Path) -> list[dict]:
 # ---------------------------------------------------------------- host syncs
 
 
+def test_a_masked_step_reads_no_device_value(tmp_path):
+    """With a loss mask the count of targets stays a device tensor: a step reads nothing (it read the
+    count twice: the per-mask sums and the reduced total)."""
+    from trainer.loop import train_step
+
+    run_dir = make_run(tmp_path, "r", "none", 1, ["train.micro_batch=4"])  # two micro-batches
+    trainer, _ = build_trainer(load_run(run_dir), 0, torch.device("cpu"))
+    batches = iter(trainer.loader)
+    masked = [(tokens, torch.rand(tokens.shape) < 0.5) for tokens in (next(batches), next(batches))]
+    reads = ScalarReads()
+    with reads:
+        loss, _ = train_step(trainer, masked)
+    assert reads.count == 0 and torch.isfinite(loss)
+
+
+class Copies(TorchDispatchMode):
+    """The ``non_blocking`` flag of every copy to another device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flags = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.flags.append((kwargs or {}).get("non_blocking", False))
+        return func(*args, **(kwargs or {}))
+
+
+def test_tokens_and_mask_go_to_the_device_without_waiting():
+    from trainer.objective import to_device
+
+    tokens, mask = torch.zeros(2, 5, dtype=torch.int64), torch.ones(2, 5, dtype=torch.bool)
+    copies = Copies()
+    with copies:
+        moved = to_device((tokens, mask), torch.device("meta"))
+    assert [t.device.type for t in moved] == ["meta", "meta"] and copies.flags == [True, True]
+
+
 @pytest.mark.parametrize("log_every,steps,warmup,extra", [
     (5, 10, 0, []),
     (3, 7, 2, []),
