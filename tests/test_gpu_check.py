@@ -168,6 +168,8 @@ def test_the_gpu_parts_run_folders_resolve_for_a_one_gpu_site(tmp_path, monkeypa
 
     import torch
 
+    from hpc.core.models import model_facts
+
     check = load_check()
     monkeypatch.setattr(check, "site_doc", lambda ctx: {**GPU_SITE, "storage": {"run_root": str(tmp_path)}})
     ctx = check.Ctx(tmp_path, torch.device("cpu"), float("inf"))
@@ -182,6 +184,8 @@ def test_the_gpu_parts_run_folders_resolve_for_a_one_gpu_site(tmp_path, monkeypa
         assert (launch["backend"], launch["strategy"], launch["world_size"]) == ("nccl", "fsdp", 1)
     assert [json.loads((r / "resolved.json").read_text())["launch"]["cpu_offload"] for r in runs[2:]] == \
         [False, True, False, True]
+    _, resume_spec, _ = check.resolved(runs[1])
+    assert model_facts(resume_spec.model).seq_len >= 1024 and resume_spec.train.deterministic  # bit for bit needs both on a GPU
 
 
 NOT_WRITTEN = "site draft: not written (no throughput run measured an MFU): "
@@ -238,6 +242,8 @@ def test_the_planner_basis_mfu_in_a_draft_reproduces_the_measured_step(tmp_path,
     from hpc.core.models import model_facts
     from hpc.core.site_draft import load_draft
     from hpc.plan import compute_seconds, setup_of
+
+    from hpc.core.models import model_facts
 
     check = load_check()
     monkeypatch.setattr(check, "site_doc", lambda ctx: {**GPU_SITE, "storage": {"run_root": str(tmp_path)}})

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 import typing as tp
 from dataclasses import dataclass, field
@@ -189,6 +190,22 @@ def set_float_math(device: torch.device) -> None:
     torch.set_flush_denormal(True)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
+
+
+CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: its split-K reductions in one order
+
+
+def set_determinism(deterministic: bool) -> None:
+    """Process-wide kernel choice (``train.deterministic``): on, every op must use a deterministic
+    kernel (``torch.use_deterministic_algorithms``; one without raises, naming itself), cuDNN too, and
+    cuBLAS a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, read when its handle is made: call this before
+    any CUDA work; a value already exported wins). Off, torch's defaults (fastest; on a GPU the same
+    inputs may differ in the last bits between runs). Seeds are ``train.seed``'s business, not this."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
 
 
 def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
