@@ -14,7 +14,8 @@ itself (no install step, no submitit), downloads nothing, and prints one table. 
    counted as the planner counts it).
 2. ``resume``: FSDP2 with async saves, ``python -m trainer`` preempted by USR2, resumed by a fresh
    process: the losses and grad norms after the resume, and the final model and optimizer state,
-   equal an uninterrupted run's bit for bit (dropout on, so the device RNG counts).
+   equal an uninterrupted run's bit for bit (dropout on, so the device RNG counts; on a GPU at
+   seq_len 1024 with ``train.deterministic``, which bit for bit needs there).
    ``staging``: an async save without a process group right after in-place updates queued on the
    GPU: the saved tensors equal the live ones.
 3. ``strategies``: none, ddp, fsdp and fsdp no_shard (world size 1, grad_accum 2, fp32), 5 steps:
@@ -450,7 +451,7 @@ def start_group(ctx: Ctx, run_dir: Path) -> None:
         return
     if ctx.device.type == "cuda":
         apply_nccl_trace(run_dir)
-    init_single("nccl" if ctx.device.type == "cuda" else "gloo")
+    init_single("nccl" if ctx.device.type == "cuda" else "gloo", 120, ctx.device)
     open_side_groups(120, async_saves=True)
 
 
@@ -615,23 +616,30 @@ def flight_recorder_row() -> dict:
 
     dist.all_reduce(torch.ones(1, device="cuda"))
     torch.cuda.synchronize()
-    entries = pickle.loads(compat.dump_flight_recorder()).get("entries", [])
+    which, dump = compat.dump_flight_recorder()
+    entries = pickle.loads(dump).get("entries", [])
     names = sorted({e.get("profiling_name", "?") for e in entries})[:4]
-    return row("throughput", "flight-recorder dump", f"{len(entries)} entries ({', '.join(names)})",
-               "ok" if entries else "MISSED")
+    nccl = [n for n in names if "nccl" in n.lower()]
+    return row("throughput", f"flight-recorder dump ({which} recorder)", f"{len(entries)} entries "
+               f"({', '.join(names)})", "ok" if which == "nccl" and entries and nccl else "MISSED")
 
 
 # ---------------------------------------------------------------- 2. preempt and resume; staging
 
 
+RESUME_SEQ = 1024  # where flash attention's backward adds its key blocks with atomics unless told not to
+
+
 def resume_overrides(ctx: Ctx) -> list[str]:
-    """FSDP2, async saves every 5 steps, dropout on (the device RNG must resume too), 30 steps: long enough
-    that the USR2 sent once step 4 is logged lands well before the end, even where a step takes milliseconds."""
-    size = ["model.size='small'", "model.seq_len=256", "train.micro_batch=4", "train.global_batch=4"]
+    """FSDP2, async saves every 5 steps, dropout on (the device RNG must resume too), deterministic kernels
+    (bit for bit on a GPU needs them: docs/checkpoints.md), 30 steps: long enough that the USR2 sent once
+    step 4 is logged lands well before the end, even where a step takes milliseconds. On a GPU at
+    ``RESUME_SEQ`` tokens, where the attention backward would otherwise differ in the last bits."""
+    size = ["model.size='small'", f"model.seq_len={RESUME_SEQ}", "train.micro_batch=4", "train.global_batch=4"]
     if ctx.device.type != "cuda":
         size = ["model.size='tiny'", "train.micro_batch=2", "train.global_batch=2"]
     return [*size, "parallel.strategy='fsdp'", "model.dropout=0.1", "checkpoint.async_save=true",
-            "checkpoint.interval_steps=5", "train.steps=30"]
+            "checkpoint.interval_steps=5", "train.steps=30", "train.deterministic=true"]
 
 
 def trainer_process(ctx: Ctx, run_dir: Path, usr2_at: int | None = None) -> int:
@@ -672,7 +680,18 @@ def part_resume(ctx: Ctx) -> list[dict]:
     starts = [e for e in ledger(resumed) if e.get("event") == "start"]
     if any(codes) or stop.get("reason") != "preempted" or len(starts) != 2:
         return [row("resume", "preempted and resumed", f"exit codes {codes}, stop {stop}", "FAILED")]
-    return [losses_row(reference, resumed, int(starts[-1]["step"])), state_row(reference, resumed)]
+    return [losses_row(reference, resumed, int(starts[-1]["step"])), state_row(reference, resumed),
+            resume_setup_row(resumed)]
+
+
+def resume_setup_row(run_dir: Path) -> dict:
+    """What the bit-for-bit rows were measured on: the sequence length and the kernel choice."""
+    from hpc.core.models import model_facts
+
+    _, spec, _ = resolved(run_dir)
+    return row("resume", "sequence length, deterministic kernels", f"seq_len {model_facts(spec.model).seq_len}, "
+               f"train.deterministic = {str(spec.train.deterministic).lower()}",
+               "ok" if spec.train.deterministic else "MISSED")
 
 
 def ledger(run_dir: Path) -> list[dict]:
