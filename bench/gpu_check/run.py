@@ -565,15 +565,15 @@ def planner_row(run_dir: Path, step_s: float) -> dict:
 
 
 def predicted_gb(run_dir: Path) -> float | None:
-    """The planner's per-rank estimate (without headroom) for the strategy this run uses; at world size 1
-    the planner has only the ``none`` row, which holds what FSDP holds there (the whole model)."""
-    from hpc.plan import plan_job
+    """The planner's per-rank estimate (without headroom) for the layout this run uses (``launch_row``:
+    FSDP at world size 1, which the plan itself does not list; its ``none`` row holds gradients and
+    autocast copies an FSDP2 bf16 run does not)."""
+    from hpc.core.resolve import Launch
+    from hpc.plan import launch_row
 
     doc, spec, site = resolved(run_dir)
-    plan = plan_job(spec, site)
-    wanted = (doc["launch"]["strategy"], "none") if doc["launch"]["world_size"] == 1 else (doc["launch"]["strategy"],)
-    found = [r for name in wanted for r in plan.rows if r.dims.strategy == name and r.memory]
-    return found[0].memory.total if found else None
+    memory = launch_row(spec, site, Launch.from_dict(doc["launch"])).memory
+    return memory.total if memory else None
 
 
 def sync_row(ctx: Ctx, t, batches) -> dict:

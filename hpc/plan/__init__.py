@@ -11,12 +11,14 @@ respected, ``auto`` takes the plan's choice. Pure Python: runs on login nodes wi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims, parallel_dims, tasks_per_node
 from hpc.plan.memory import peaks_note
 from hpc.core.models import ModelFacts, model_facts
+from hpc.core.resolve import Launch
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
 
@@ -30,7 +32,7 @@ DRYRUN_NOTE = ("check: `hpcx dryrun JOB --site SITE` builds the real sharded mod
                "world size on one CPU (it imports torch) and compares its bytes per rank with these")
 
 __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", "candidates", "choose",
-           "compute_seconds", "evaluate", "format_plan", "mfu_of", "pick", "plan_job", "setup_of"]
+           "compute_seconds", "evaluate", "format_plan", "launch_row", "mfu_of", "pick", "plan_job", "setup_of"]
 
 
 def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: ModelFacts | None = None) -> Plan:
@@ -59,6 +61,14 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
     return plan
+
+
+def launch_row(spec: JobSpec, site: SiteProfile, launch: Launch) -> Row:
+    """The planner's row of the layout a resolved run uses, whether or not the plan lists it: at world
+    size 1 the plan lists only ``none``, whose gradients and autocast copies an FSDP run does not hold."""
+    setup = dataclasses.replace(setup_of(spec, site, launch.nodes), tasks_per_node=launch.tasks_per_node)
+    offload = bool(launch.cpu_offload) and launch.dims.fsdp_enabled
+    return evaluate(model_facts(spec.model), (launch.dims, offload), setup, site)
 
 
 @dataclass(frozen=True)
