@@ -177,14 +177,15 @@ def foreach_mul_(tensors: list, scalar: tp.Any) -> None:
     torch._foreach_mul_(tensors, scalar)
 
 
-def dump_flight_recorder() -> bytes:
-    """The flight recorder's buffer as a pickle, on demand (torch has no public call for it): NCCL's
-    (``torch._C._distributed_c10d._dump_nccl_trace``, in CUDA builds) where there is one, else the
-    generic recorder of CPU backends (``_dump_fr_trace``), which holds no NCCL collectives."""
+def dump_flight_recorder() -> tuple[str, bytes]:
+    """(which recorder, its buffer as a pickle), on demand (torch has no public call for it): NCCL's
+    (``"nccl"``: ``torch._C._distributed_c10d._dump_nccl_trace``, in CUDA builds) where there is one,
+    else the generic recorder of CPU backends (``"generic"``: ``_dump_fr_trace``), which holds no NCCL
+    collectives: a caller on CUDA must say which it got."""
     from torch._C import _distributed_c10d as c10d
 
-    dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace
-    return dump()
+    nccl = getattr(c10d, "_dump_nccl_trace", None)
+    return ("nccl", nccl()) if nccl is not None else ("generic", c10d._dump_fr_trace())
 
 
 def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:

@@ -300,8 +300,10 @@ def test_dump_flight_recorder() -> None:
                      "part)", "update hpc.compat.dump_flight_recorder"):
         if torch.cuda.is_available():
             assert hasattr(torch._C._distributed_c10d, "_dump_nccl_trace")
-        trace = pickle.loads(compat.dump_flight_recorder())
+        which, dump = compat.dump_flight_recorder()
+        trace = pickle.loads(dump)
         assert isinstance(trace, dict) and "version" in trace
+        assert which == ("nccl" if hasattr(torch._C._distributed_c10d, "_dump_nccl_trace") else "generic")
 
 
 def test_checkpoint_wrapper() -> None:

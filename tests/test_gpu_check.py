@@ -168,11 +168,17 @@ def test_the_gpu_parts_run_folders_resolve_for_a_one_gpu_site(tmp_path, monkeypa
 
     import torch
 
+    from hpc.core.models import model_facts
+
     check = load_check()
     monkeypatch.setattr(check, "site_doc", lambda ctx: {**GPU_SITE, "storage": {"run_root": str(tmp_path)}})
     ctx = check.Ctx(tmp_path, torch.device("cpu"), float("inf"))
     throughput = check.make_run(ctx, "throughput", check.THROUGHPUT)
-    assert check.predicted_gb(throughput) > 1
+    from hpc.plan import plan_job
+
+    _, spec, site = check.resolved(throughput)
+    none = next(r.memory.total for r in plan_job(spec, site).rows if r.dims.strategy == "none")
+    assert 1 < check.predicted_gb(throughput) < none  # FSDP's own row: no gradients at the loss backward
     on_gpu = check.Ctx(tmp_path, torch.device("cuda"), 0)  # resume_overrides only looks at the device type
     runs = [throughput, check.make_run(ctx, "resume", check.resume_overrides(on_gpu))]
     runs += [check.make_run(ctx, f"offload-{p}-{o}", check.offload_overrides(p, o)) for p in ("bf16", "fp16")
@@ -182,6 +188,8 @@ def test_the_gpu_parts_run_folders_resolve_for_a_one_gpu_site(tmp_path, monkeypa
         assert (launch["backend"], launch["strategy"], launch["world_size"]) == ("nccl", "fsdp", 1)
     assert [json.loads((r / "resolved.json").read_text())["launch"]["cpu_offload"] for r in runs[2:]] == \
         [False, True, False, True]
+    _, resume_spec, _ = check.resolved(runs[1])
+    assert model_facts(resume_spec.model).seq_len >= 1024 and resume_spec.train.deterministic  # bit for bit needs both on a GPU
 
 
 NOT_WRITTEN = "site draft: not written (no throughput run measured an MFU): "
@@ -238,6 +246,8 @@ def test_the_planner_basis_mfu_in_a_draft_reproduces_the_measured_step(tmp_path,
     from hpc.core.models import model_facts
     from hpc.core.site_draft import load_draft
     from hpc.plan import compute_seconds, setup_of
+
+    from hpc.core.models import model_facts
 
     check = load_check()
     monkeypatch.setattr(check, "site_doc", lambda ctx: {**GPU_SITE, "storage": {"run_root": str(tmp_path)}})

@@ -432,7 +432,7 @@ ADVICE = [
     ("70B on 4 nodes x 4x24GB, offload not allowed -> 8 nodes and offload; 64 nodes without", HOST256,
      dict(size="70b", nodes=4, global_batch=64),
      "Cheapest change that fits: with job.nodes = 8 and parallel.cpu_offload = true: fsdp full_shard + offload fits",
-     ["with job.nodes = 64: fsdp full_shard fits (23.7 GB of 24.0 GB per GPU)",
+     ["with job.nodes = 64: fsdp full_shard fits (22.5 GB of 24.0 GB per GPU)",
       "with parallel.cpu_offload = true: still nothing fits (the leanest, fsdp full_shard + offload, needs 19.2 GB "
       "of 24.0 GB per GPU; host 261 GB per node of 205 GB usable)"]),
     ("6.7B on one 24GB GPU -> offload", ONE_24GB, dict(size="6.7b", global_batch=1),

@@ -192,3 +192,54 @@ def test_every_shipped_job_plans_its_peaks():
         for row in json.loads(out.stdout)["rows"]:
             m = row["memory_gb"]
             assert m["init"] > 0 and m["peak"] >= max(m["total"], m["init"]), (job.name, row["label"])
+
+
+# ---------------------------------------------------------------- FSDP's gradients at the step's peak (issue 36)
+
+
+def peak_cfg(strategy: str, world: int, micro: int, grad_accum: int) -> Config:
+    return Config(parallel_dims(strategy, "full_shard", world, 8), False, "bf16", True, micro, 0.0, False, grad_accum)
+
+
+def test_fsdp_with_one_micro_step_holds_no_gradients_at_the_loss_backward():
+    """The trainer drops gradients after every step: at the loss backward (every activation alive) none
+    exist, and once backward made them all the activations are gone: the peak is the larger end."""
+    memory = estimate(F13, peak_cfg("fsdp", 16, 8, 1), 8)
+    resident = 4 * sharded_numel(F13.n_params, 16, F13.param_shapes) / GB
+    assert memory.activations > resident and memory.grads == 0
+    assert any("gradients: none at the loss backward" in n for n in memory.notes)
+
+
+def test_gradients_that_outweigh_the_activations_count_by_the_excess():
+    memory = estimate(F13, peak_cfg("fsdp", 2, 1, 1), 8)
+    resident = 4 * sharded_numel(F13.n_params, 2, F13.param_shapes) / GB
+    assert resident > memory.activations > 0
+    assert memory.grads == pytest.approx(resident - memory.activations)
+
+
+@pytest.mark.parametrize("strategy,world,grad_accum", [("fsdp", 16, 2), ("ddp", 8, 1), ("none", 1, 1)])
+def test_gradients_stay_whole_where_they_outlive_a_micro_step(strategy, world, grad_accum):
+    """Earlier micro-steps' gradients (FSDP, grad_accum > 1); DDP's buckets; ``none`` (not modelled yet)."""
+    memory = estimate(F13, peak_cfg(strategy, world, 8, grad_accum), 8)
+    assert memory.grads == pytest.approx(4 * sharded_numel(F13.n_params, 16 if strategy == "fsdp" else 1,
+                                                           F13.param_shapes) / GB)
+
+
+def test_the_row_of_a_world_size_1_fsdp_launch_is_fsdps_not_nones():
+    """The plan lists only ``none`` at one rank; ``launch_row`` evaluates the layout that runs."""
+    from hpc.plan import launch_row
+    from hpc.plan.resolve import resolve
+
+    spec = spec_from_dict({"job": {"nodes": 1, "tasks_per_node": 1}, "model": {"size": "350m", "seq_len": 2048},
+                           "train": {"global_batch": 8, "micro_batch": 8},  # the GPU check's throughput run
+                           "parallel": {"strategy": "fsdp", "mixed_precision": "bf16",
+                                        "activation_checkpointing": True}})
+    site = parse_site({"scheduler": {"kind": "local", "gpu_directive": "none"},
+                       "node": {"gpus": 1, "gpu_memory_gb": 141, "cpus": 16, "intra_link": "none"},
+                       "network": {"fabric": "none"}}, "one", "<test>")
+    launch = resolve(spec, site)
+    row = launch_row(spec, site, launch)
+    none = next(r for r in plan_job(spec, site).rows if r.dims.strategy == "none")
+    assert [r.dims.strategy for r in plan_job(spec, site).rows] == ["none"]
+    assert row.dims.strategy == "fsdp" and row.memory.grads == 0 < none.memory.grads
+    assert row.memory.total < none.memory.total

@@ -124,11 +124,18 @@ def infer_dims(model: nn.Module) -> ParallelDims:
     return dims_from_mesh(None, (_world(),) if ddp else (), ddp=ddp)
 
 
+def cuda_in_use() -> bool:
+    """Whether this process drives a GPU: CUDA initialized, not merely present (a gloo job on a GPU
+    node never initializes it, and asking for a GPU's RNG state or pinned memory would open a context)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def rng_state() -> dict[str, tp.Any]:
-    """This process's RNG states: torch CPU, CUDA (if any), Python ``random``, NumPy (if installed)."""
+    """This process's RNG states: torch CPU, every visible GPU's (one row each, when the process drives
+    one: ``dp`` draws dropout on all of them), Python ``random``, NumPy (if installed)."""
     state: dict[str, tp.Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if cuda_in_use():
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     try:
         import numpy as np
     except ImportError:
@@ -144,13 +151,23 @@ def set_rng_state(state: dict[str, tp.Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(_as_tuple(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        set_cuda_rng_states(state["cuda"])
     if "numpy" in state:
         import numpy as np
 
         n = state["numpy"]
         np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],
                              n["cached_gaussian"]))
+
+
+def set_cuda_rng_states(saved: torch.Tensor) -> None:
+    """Restore the GPUs' RNG states, one row per device (an older checkpoint's single state: the current
+    device's); rows beyond the visible devices are left out, devices beyond the rows keep theirs."""
+    if saved.dim() == 1:
+        torch.cuda.set_rng_state(saved)
+        return
+    for index, row in enumerate(saved[:torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(row.clone(), index)
 
 
 def _as_tuple(value: tp.Any) -> tp.Any:
@@ -321,7 +338,7 @@ class Checkpointer:
         if self._stager is None:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            gpu = torch.cuda.is_available()
+            gpu = cuda_in_use()  # pinned memory on a node whose GPUs this job leaves alone would open a context
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
                                                         use_async_staging=True, use_non_blocking_copy=gpu))
         return self._stager

@@ -151,9 +151,13 @@ def bound_device(device: torch.device | None) -> dict[str, torch.device]:
     return {"device_id": device} if device is not None and device.type == "cuda" else {}
 
 
-def init_single(backend: str) -> list[str]:
-    """A one-process group on an in-memory store (FSDP and DDP need one even at world size 1)."""
-    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+def init_single(backend: str, timeout_s: int | None = None, device: torch.device | None = None) -> list[str]:
+    """A one-process group on an in-memory store (FSDP and DDP need one even at world size 1), with the
+    spec's collective timeout (``timeout_s``; torch's default without) and, on CUDA, bound to ``device``
+    as ``init_distributed`` binds a group of several ranks."""
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **timeout,
+                            **bound_device(device))
     return [socket.gethostname()]
 
 

@@ -6,7 +6,8 @@ seam for checkpoints and preemption is ``step_boundary``, typed by ``trainer.bou
 
 Host syncs: a step reads no device value except at its boundary (the preemption vote,
 ``trainer.resilience``) and, every ``train.log_every`` steps, one transfer of the mean loss and
-the gradient norm for the metrics line. ``Trainer.clock`` charges the loop's seconds to its
+the gradient norm for the metrics line; with a loss mask too (the count of targets stays on the
+device: ``trainer.objective``). ``Trainer.clock`` charges the loop's seconds to its
 phases (data, forward, backward, optimizer, log, boundary); each metrics line carries their
 split (``phases_s``), so a slower phase names itself.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import statistics
 import typing as tp
 from dataclasses import dataclass, field
@@ -30,7 +32,7 @@ from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
 from trainer.evaluate import eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
-from trainer.objective import Batch, counted_targets, masked_scale, micro_loss, split_batch
+from trainer.objective import Batch, counted_targets, masked_scale, micro_loss, split_batch, to_device
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
@@ -101,10 +103,9 @@ def micro_step_context(model: nn.Module, sync: bool) -> tp.ContextManager:
     return contextlib.nullcontext()
 
 
-def forward_backward(t: Trainer, batch: Batch, scale: float) -> torch.Tensor:
+def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> torch.Tensor:
     """Loss of one micro-batch (``trainer.objective.micro_loss``), back-propagated; returns it detached."""
-    tokens, mask = split_batch(batch)
-    tokens = tokens.to(t.device, non_blocking=True)
+    tokens, mask = split_batch(to_device(batch, t.device))  # ``train_step`` moved it already: a no-op there
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None
                 else contextlib.nullcontext())
     with autocast:
@@ -119,6 +120,7 @@ def forward_backward(t: Trainer, batch: Batch, scale: float) -> torch.Tensor:
 def train_step(t: Trainer, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns (local mean loss, grad norm)."""
     n = len(micro_batches)
+    micro_batches = [to_device(b, t.device) for b in micro_batches]
     count = counted_targets(micro_batches, t.world_size)
     scale = 1.0 / n if count is None else masked_scale(count, t.world_size)
     total = torch.zeros((), device=t.device)
@@ -188,6 +190,22 @@ def set_float_math(device: torch.device) -> None:
     torch.set_flush_denormal(True)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
+
+
+CUBLAS_WORKSPACE = ":4096:8"  # a fixed cuBLAS workspace: its split-K reductions in one order
+
+
+def set_determinism(deterministic: bool) -> None:
+    """Process-wide kernel choice (``train.deterministic``): on, every op must use a deterministic
+    kernel (``torch.use_deterministic_algorithms``; one without raises, naming itself), cuDNN too, and
+    cuBLAS a fixed workspace (``CUBLAS_WORKSPACE_CONFIG``, read when its handle is made: call this before
+    any CUDA work; a value already exported wins). Off, torch's defaults (fastest; on a GPU the same
+    inputs may differ in the last bits between runs). Seeds are ``train.seed``'s business, not this."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic = deterministic
+    torch.backends.cudnn.benchmark = False
 
 
 def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:

@@ -97,7 +97,11 @@ class PhaseClock:
         self.last = now
 
     def skip(self) -> None:
-        """Charge the time since the last lap to no phase (an evaluation, which has its own record)."""
+        """Charge the time since the last lap to no phase (an evaluation, which has its own record).
+        On CUDA an event marks the skip: the GPU time up to it (the evaluation's kernels) goes nowhere."""
+        if self.cuda:
+            self.events.append(("", self._event()))
+            return
         self.last = time.perf_counter()
 
     def take(self, steps: int) -> dict[str, float]:
@@ -114,10 +118,12 @@ class PhaseClock:
         return event
 
     def _charge_events(self) -> None:
-        """Charge the GPU time between consecutive events to the later one's phase; keep the last."""
+        """Charge the GPU time between consecutive events to the later one's phase (a skip's event,
+        phase "", to none); keep the last."""
         self.events[-1][1].synchronize()
         for (_, before), (phase, after) in zip(self.events, self.events[1:]):
-            self.totals[phase] += before.elapsed_time(after) / 1000.0
+            if phase:
+                self.totals[phase] += before.elapsed_time(after) / 1000.0
         self.events = self.events[-1:]
 
 

@@ -185,8 +185,10 @@ def _swapped(module: nn.Module, params: dict[str, nn.Parameter]) -> tp.Iterator[
 
 @contextlib.contextmanager
 def _seeded(seed: int, device: torch.device) -> tp.Iterator[None]:
-    """The torch RNG (CPU, and ``device`` if CUDA) seeded with ``seed``, restored afterwards."""
-    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    """The torch RNG (CPU, and on CUDA every visible GPU's) seeded with ``seed``, restored afterwards:
+    ``manual_seed`` reseeds all GPUs, so restoring only ``device``'s would leave ``dp``'s replica GPUs
+    reseeded."""
+    cuda = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda, device_type="cuda"):
         torch.manual_seed(seed)
         yield

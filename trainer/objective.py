@@ -4,7 +4,9 @@
 A masked mean must not depend on how the global batch is cut into ranks and micro-batches, so it
 is the sum of the counted tokens' losses over the count in the whole global batch: each rank
 scales its sum by ``world_size / count`` (gradients are averaged over ranks), and the count is
-one all-reduce per step of a number the loader already holds on the host.
+one all-reduce per step. The count stays on the device (summed from the masks already copied there,
+reduced there, and used as a tensor scale), so a masked step waits for the GPU no more than an
+unmasked one.
 """
 
 from __future__ import annotations
@@ -26,18 +28,24 @@ def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
     return tokens, mask
 
 
-def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> int | None:
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """A micro-batch on ``device``: tokens and mask each copied without waiting (from the loader's
+    pinned memory on CUDA)."""
+    tokens, mask = split_batch(batch)
+    tokens = tokens.to(device, non_blocking=True)
+    return tokens if mask is None else (tokens, mask.to(device, non_blocking=True))
+
+
+def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> torch.Tensor | None:
     """Targets the loss counts in the whole global batch (None without a mask): this rank's
-    micro-batches, summed over ranks."""
+    micro-batches, summed over ranks; an int64 tensor on the masks' device, never read by the host."""
     masks = [split_batch(b)[1] for b in micro_batches]
     if masks[0] is None:
         return None
-    count = torch.tensor([sum(int(m[:, 1:].sum()) for m in masks)], dtype=torch.int64)
+    count = torch.stack([m[:, 1:].sum(dtype=torch.int64) for m in masks]).sum()
     if world_size > 1 and dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            count = count.cuda()
         dist.all_reduce(count)
-    return int(count.item())
+    return count
 
 
 def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -46,17 +54,20 @@ def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return flat.view(tokens.shape[0], -1)
 
 
-def micro_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+def micro_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | torch.Tensor) -> torch.Tensor:
     """The loss to back-propagate for one micro-batch: mean × ``scale`` (1/micro-steps) without a mask;
     with one, the counted targets' sum × ``scale`` (world_size / global count)."""
     if mask is None:
         loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
     else:
         loss = (token_losses(logits, tokens) * mask[:, 1:].to(logits.device, torch.float32)).sum()
-    return loss * scale if scale != 1.0 else loss
+    return loss if isinstance(scale, float) and scale == 1.0 else loss * scale
 
 
-def masked_scale(count: int, world_size: int) -> float:
-    """``world_size / count``: after the ranks' gradients are averaged, the sum over counted targets
-    of the whole batch divided by their number (a batch with none counts nothing)."""
-    return world_size / max(1, count)
+def masked_scale(count: torch.Tensor | int, world_size: int) -> torch.Tensor:
+    """``world_size / count`` as a float32 tensor beside ``count``: after the ranks' gradients are
+    averaged, the sum over counted targets of the whole batch divided by their number (a batch with
+    none counts nothing)."""
+    count = torch.as_tensor(count)
+    return (world_size / count.clamp(min=1).to(torch.float64)).to(torch.float32)

@@ -26,7 +26,7 @@ from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world,
                           init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
 from trainer.evaluate import build_eval
 from trainer.init_from import start_weights
-from trainer.loop import Trainer, TrainState, train
+from trainer.loop import Trainer, TrainState, set_determinism, train
 from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, build_model, local_numel, model_blocks
 from trainer.optim import build_optimizer, build_scheduler, open_host_groups
@@ -47,6 +47,7 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
     try:
         setup_logging(run.logs_dir, env.rank)
         apply_job_env(run.site.nccl, run.spec.env.set)
+        set_determinism(run.spec.train.deterministic)  # before any CUDA work (cuBLAS reads its variable once)
         launch = fit_launch(run, env.world_size, env.local_world_size)
         set_cpu_threads(launch)
         log.info("rank %d/%d on %s via %s: %s, grad_accum=%d", env.rank, env.world_size, env.hostname,
@@ -106,7 +107,7 @@ def join_job(run: Run, env: RankEnv, launch: Launch) -> torch.device:
     if env.world_size > 1:
         hosts = init_distributed(env, backend, run.spec.parallel.timeout_s, device)
     elif launch.dims.needs_process_group:
-        hosts = init_single(backend)
+        hosts = init_single(backend, run.spec.parallel.timeout_s, device)
     else:
         hosts = [env.hostname]
     total = check_world(env, hosts, device)

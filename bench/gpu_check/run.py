@@ -8,13 +8,14 @@ itself (no install step, no submitit), downloads nothing, and prints one table. 
 
 1. ``throughput``: FSDP2 + bf16 + activation checkpointing + compile, GPT 350m, world size 1 on
    NCCL: tokens/s, MFU, peak memory against the planner; the steady steps again under
-   ``torch.cuda.set_sync_debug_mode("error")`` (no hidden host sync); one flight-recorder dump
-   that holds entries. The MFU also on the planner's basis: the planner's compute time at MFU 1
+   ``torch.cuda.set_sync_debug_mode("error")``, without and with a loss mask (no hidden host sync);
+   one flight-recorder dump that holds NCCL entries. The MFU also on the planner's basis: the planner's compute time at MFU 1
    over the measured median step (one GPU, no communication, activation checkpointing's recompute
    counted as the planner counts it).
 2. ``resume``: FSDP2 with async saves, ``python -m trainer`` preempted by USR2, resumed by a fresh
    process: the losses and grad norms after the resume, and the final model and optimizer state,
-   equal an uninterrupted run's bit for bit (dropout on, so the device RNG counts).
+   equal an uninterrupted run's bit for bit (dropout on, so the device RNG counts; on a GPU at
+   seq_len 1024 with ``train.deterministic``, which bit for bit needs there).
    ``staging``: an async save without a process group right after in-place updates queued on the
    GPU: the saved tensors equal the live ones.
 3. ``strategies``: none, ddp, fsdp and fsdp no_shard (world size 1, grad_accum 2, fp32), 5 steps:
@@ -450,7 +451,7 @@ def start_group(ctx: Ctx, run_dir: Path) -> None:
         return
     if ctx.device.type == "cuda":
         apply_nccl_trace(run_dir)
-    init_single("nccl" if ctx.device.type == "cuda" else "gloo")
+    init_single("nccl" if ctx.device.type == "cuda" else "gloo", 120, ctx.device)
     open_side_groups(120, async_saves=True)
 
 
@@ -564,33 +565,44 @@ def planner_row(run_dir: Path, step_s: float) -> dict:
 
 
 def predicted_gb(run_dir: Path) -> float | None:
-    """The planner's per-rank estimate (without headroom) for the strategy this run uses; at world size 1
-    the planner has only the ``none`` row, which holds what FSDP holds there (the whole model)."""
-    from hpc.plan import plan_job
+    """The planner's per-rank estimate (without headroom) for the layout this run uses (``launch_row``:
+    FSDP at world size 1, which the plan itself does not list; its ``none`` row holds gradients and
+    autocast copies an FSDP2 bf16 run does not)."""
+    from hpc.core.resolve import Launch
+    from hpc.plan import launch_row
 
     doc, spec, site = resolved(run_dir)
-    plan = plan_job(spec, site)
-    wanted = (doc["launch"]["strategy"], "none") if doc["launch"]["world_size"] == 1 else (doc["launch"]["strategy"],)
-    found = [r for name in wanted for r in plan.rows if r.dims.strategy == name and r.memory]
-    return found[0].memory.total if found else None
+    memory = launch_row(spec, site, Launch.from_dict(doc["launch"])).memory
+    return memory.total if memory else None
 
 
 def sync_row(ctx: Ctx, t, batches) -> dict:
-    """Three steady steps under CUDA's sync detector: any host sync raises."""
+    """Three steady steps under CUDA's sync detector, then three with a loss mask (pinned, as the loader
+    pins a masked dataset's pairs): any host sync raises."""
     import torch
 
+    item = "steady steps under set_sync_debug_mode('error')"
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
-            one_step(t, batches)
-            ctx.check("the sync-checked steps")
+        for source in (batches, masked(batches)):
+            for _ in range(3):
+                one_step(t, source)
+                ctx.check("the sync-checked steps")
     except RuntimeError as exc:
-        return row("throughput", "steady steps under set_sync_debug_mode('error')", str(exc).splitlines()[0][:300],
-                   "MISSED")
+        return row("throughput", item, str(exc).splitlines()[0][:300], "MISSED")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    return row("throughput", "steady steps under set_sync_debug_mode('error')", "3 steps, no host sync", "ok")
+    return row("throughput", item, "3 steps, 3 more with a loss mask: no host sync", "ok")
+
+
+def masked(batches):
+    """The loader's batches with a loss mask beside them, in pinned memory: half the targets counted."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    for tokens in batches:
+        yield tokens, (torch.rand(tokens.shape, generator=gen) < 0.5).pin_memory()
 
 
 def flight_recorder_row() -> dict:
@@ -604,23 +616,30 @@ def flight_recorder_row() -> dict:
 
     dist.all_reduce(torch.ones(1, device="cuda"))
     torch.cuda.synchronize()
-    entries = pickle.loads(compat.dump_flight_recorder()).get("entries", [])
+    which, dump = compat.dump_flight_recorder()
+    entries = pickle.loads(dump).get("entries", [])
     names = sorted({e.get("profiling_name", "?") for e in entries})[:4]
-    return row("throughput", "flight-recorder dump", f"{len(entries)} entries ({', '.join(names)})",
-               "ok" if entries else "MISSED")
+    nccl = [n for n in names if "nccl" in n.lower()]
+    return row("throughput", f"flight-recorder dump ({which} recorder)", f"{len(entries)} entries "
+               f"({', '.join(names)})", "ok" if which == "nccl" and entries and nccl else "MISSED")
 
 
 # ---------------------------------------------------------------- 2. preempt and resume; staging
 
 
+RESUME_SEQ = 1024  # where flash attention's backward adds its key blocks with atomics unless told not to
+
+
 def resume_overrides(ctx: Ctx) -> list[str]:
-    """FSDP2, async saves every 5 steps, dropout on (the device RNG must resume too), 30 steps: long enough
-    that the USR2 sent once step 4 is logged lands well before the end, even where a step takes milliseconds."""
-    size = ["model.size='small'", "model.seq_len=256", "train.micro_batch=4", "train.global_batch=4"]
+    """FSDP2, async saves every 5 steps, dropout on (the device RNG must resume too), deterministic kernels
+    (bit for bit on a GPU needs them: docs/checkpoints.md), 30 steps: long enough that the USR2 sent once
+    step 4 is logged lands well before the end, even where a step takes milliseconds. On a GPU at
+    ``RESUME_SEQ`` tokens, where the attention backward would otherwise differ in the last bits."""
+    size = ["model.size='small'", f"model.seq_len={RESUME_SEQ}", "train.micro_batch=4", "train.global_batch=4"]
     if ctx.device.type != "cuda":
         size = ["model.size='tiny'", "train.micro_batch=2", "train.global_batch=2"]
     return [*size, "parallel.strategy='fsdp'", "model.dropout=0.1", "checkpoint.async_save=true",
-            "checkpoint.interval_steps=5", "train.steps=30"]
+            "checkpoint.interval_steps=5", "train.steps=30", "train.deterministic=true"]
 
 
 def trainer_process(ctx: Ctx, run_dir: Path, usr2_at: int | None = None) -> int:
@@ -661,7 +680,18 @@ def part_resume(ctx: Ctx) -> list[dict]:
     starts = [e for e in ledger(resumed) if e.get("event") == "start"]
     if any(codes) or stop.get("reason") != "preempted" or len(starts) != 2:
         return [row("resume", "preempted and resumed", f"exit codes {codes}, stop {stop}", "FAILED")]
-    return [losses_row(reference, resumed, int(starts[-1]["step"])), state_row(reference, resumed)]
+    return [losses_row(reference, resumed, int(starts[-1]["step"])), state_row(reference, resumed),
+            resume_setup_row(resumed)]
+
+
+def resume_setup_row(run_dir: Path) -> dict:
+    """What the bit-for-bit rows were measured on: the sequence length and the kernel choice."""
+    from hpc.core.models import model_facts
+
+    _, spec, _ = resolved(run_dir)
+    return row("resume", "sequence length, deterministic kernels", f"seq_len {model_facts(spec.model).seq_len}, "
+               f"train.deterministic = {str(spec.train.deterministic).lower()}",
+               "ok" if spec.train.deterministic else "MISSED")
 
 
 def ledger(run_dir: Path) -> list[dict]:

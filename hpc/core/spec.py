@@ -150,6 +150,11 @@ class Train:
     betas: list[float] = field(doc="AdamW betas.", factory=lambda: [0.9, 0.95])
     grad_clip: float = field(1.0, doc="Clip the global gradient norm to this (0: off).", minimum=0)
     seed: int = field(0, doc="Seed for model init, data order and dropout.", minimum=0, maximum=v.SEED_MAX)
+    deterministic: bool = field(False, doc="Deterministic kernels (`torch.use_deterministic_algorithms`, "
+                                "cuBLAS's fixed workspace, cuDNN's deterministic mode): on a GPU a resumed run then "
+                                "equals an uninterrupted one bit for bit (without it, attention's backward adds with "
+                                "atomics: the last bits may differ); slower, and an op with no deterministic kernel "
+                                "fails naming itself. See docs/checkpoints.md.")
     log_every: int = field(10, doc="Write a metrics line every N steps (reading the loss waits for the GPU: "
                            "the steps in between never do).", minimum=1)
     warmup_metrics_steps: int = field(2, doc="Leading steps left out of throughput summaries.", minimum=0)

@@ -20,9 +20,10 @@ from hpc.core.dims import ParallelDims, parallel_dims, tasks_per_node
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.models import ModelFacts
+    from hpc.core.resolve import Launch
     from hpc.core.site import SiteProfile
     from hpc.core.spec import JobSpec
-    from hpc.plan.rows import Plan
+    from hpc.plan.rows import Plan, Row
 
 # The planner's own modules load on first use (PEP 562): ``choose`` for a strategy the spec sets, what
 # ``hpcx render`` and ``submit`` resolve, imports none of them. Name -> the module that defines it.
@@ -43,7 +44,7 @@ DRYRUN_NOTE = ("check: `hpcx dryrun JOB --site SITE` builds the real sharded mod
                "world size on one CPU (it imports torch) and compares its bytes per rank with these")
 
 __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", "candidates", "choose",
-           "compute_seconds", "evaluate", "format_plan", "mfu_of", "pick", "plan_job", "setup_of"]
+           "compute_seconds", "evaluate", "format_plan", "launch_row", "mfu_of", "pick", "plan_job", "setup_of"]
 
 
 def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: ModelFacts | None = None) -> Plan:
@@ -78,6 +79,19 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
     return plan
+
+
+def launch_row(spec: JobSpec, site: SiteProfile, launch: Launch) -> Row:
+    """The planner's row of the layout a resolved run uses, whether or not the plan lists it: at world
+    size 1 the plan lists only ``none``, whose gradients and autocast copies an FSDP run does not hold."""
+    import dataclasses
+
+    from hpc.core.models import model_facts
+    from hpc.plan.rows import evaluate, setup_of
+
+    setup = dataclasses.replace(setup_of(spec, site, launch.nodes), tasks_per_node=launch.tasks_per_node)
+    offload = bool(launch.cpu_offload) and launch.dims.fsdp_enabled
+    return evaluate(model_facts(spec.model), (launch.dims, offload), setup, site)
 
 
 @dataclass(frozen=True)

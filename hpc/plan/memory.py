@@ -7,7 +7,9 @@ What is modelled, and why (see docs/planner.md for the derivations):
   FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` keeps the sharded parameters in fp32
   and casts each unit to bf16 when it all-gathers it. Those fp32 parameters are the master
   copy, so there is no separate master term: 4 (params) + 4 (fp32 grads) + 8 (two fp32
-  Adam moments) = 16 bytes per parameter, divided by the shard degree. FSDP2 stores
+  Adam moments) = 16 bytes per parameter, divided by the shard degree (resident after an
+  optimizer step; at the step's peak FSDP rows with one micro-step count the gradients only
+  where they outweigh the activations: ``peak_grads``). FSDP2 stores
   parameters sharded for every sharding; ``shard_grad_op`` pays for it in ``buffers``,
   where the whole unsharded compute copy is held from forward to backward.
 - Buffers: what exists only during a step (FSDP units gathered and prefetched, unsharded
@@ -53,6 +55,7 @@ class Config:
     micro_batch: int
     dropout: float = 0.0
     async_save: bool = False  # checkpoint.async_save: saves keep a host copy of the states
+    grad_accum: int = 1  # micro-steps per optimizer step: FSDP's gradients outlive a micro-step only when > 1
 
 
 @dataclass
@@ -145,6 +148,10 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
     buffers, notes = buffer_bytes(facts, cfg)
     act = activation_bytes(facts, cfg)
+    if cfg.dims.fsdp_enabled and not cfg.offload and cfg.grad_accum == 1 and act is not None:
+        grads = peak_grads(grads, act)
+        notes.append("gradients: none at the loss backward (freed after every step); counted where "
+                     "all of them outweigh the activations they replace")
     host = 0.0
     if cfg.offload:
         host = (params + grads + opt) * tasks_per_node / GB
@@ -155,6 +162,17 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     return Memory(params / GB, grads / GB, opt / GB, buffers / GB, None if act is None else act / GB,
                   host_per_node=host, notes=tuple(notes), init=init / GB, staging=staging / GB,
                   staging_per_node=staging * tasks_per_node / GB)
+
+
+def peak_grads(grads: float, activations: float) -> float:
+    """The gradient bytes an FSDP2 rank adds to its peak, with one micro-step per optimizer step. The
+    trainer drops the gradients after every step (``zero_grad(set_to_none=True)``), so at the loss
+    backward, where every activation is alive, there are none; backward then frees activations as it
+    makes sharded gradients, and after it all gradients and no activations are held. The step's peak
+    is the larger of the two ends: the activations' total, or the gradients' where those outweigh
+    it. (With several micro-steps the earlier ones' gradients are all there at the last one's peak;
+    DDP's buckets and ``none``'s gradients are still counted whole.)"""
+    return max(0.0, grads - activations)
 
 
 # ---- start-up and checkpoint peaks (kept apart from the training terms above; docs/planner.md)

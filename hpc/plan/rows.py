@@ -216,7 +216,7 @@ def candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
 def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> Row:
     dims, offload = cand
     cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
-                 setup.async_save)
+                 setup.async_save, setup.grad_accum)
     gpu = site.node.gpus > 0
     tpn = setup.tasks_per_node
     memory = estimate(facts, cfg, tpn)

@@ -18,7 +18,7 @@ from tests.tokens.test_prepare import run_prepare
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests/trainer"))
-from trainer_testlib import child_env, make_run  # noqa: E402
+from trainer_testlib import child_env, make_run, read_losses, torchrun  # noqa: E402
 
 RECORDS = [{"prompt": f"Question {i}: what is {i} plus {i}?", "response": f" It is {2 * i}."} for i in range(40)]
 CHATS = [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": f"hi {i}!"},
@@ -94,7 +94,7 @@ def test_masked_loss_matches_a_hand_computation():
                 row = logits[b, j - 1].double()
                 hand += float(torch.logsumexp(row, 0) - row[tokens[b, j]])
                 count += 1
-    assert counted_targets([(tokens, mask)], 1) == count == 7 + 3 + 3
+    assert int(counted_targets([(tokens, mask)], 1)) == count == 7 + 3 + 3
     whole = micro_loss(logits, tokens, mask, masked_scale(count, 1))
     assert float(whole) == pytest.approx(hand / count, rel=1e-6)
     halves = [(tokens[:2], mask[:2]), (tokens[2:], mask[2:])]  # two micro-batches (or two ranks): the same mean
@@ -115,3 +115,19 @@ def test_training_on_a_masked_manifest(sft, tmp_path):
     losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 4 and all(math.isfinite(x) and 0 < x < 8 for x in losses)
     assert json.loads((run_dir / "data.json").read_text())["masked"] is True
+
+
+@pytest.mark.slow
+def test_the_masked_loss_is_the_same_on_one_and_two_ranks(sft, tmp_path):
+    """The count is reduced on the device over ranks (``counted_targets``): two DDP ranks log the losses
+    one rank does (to rounding: the gradient all-reduce sums in another order)."""
+    sets = [f"data.source={str(sft)!r}", "model.vocab_size=640", "train.steps=3", "train.global_batch=4",
+            "model.seq_len=32", "train.log_every=1", "train.micro_batch=2"]
+    one = make_run(tmp_path, "one", "none", 1, sets)
+    two = make_run(tmp_path, "two", "ddp", 2, sets)
+    single = subprocess.run([sys.executable, "-m", "trainer", str(one)], env=child_env(), capture_output=True,
+                            text=True, timeout=300, cwd=REPO)
+    assert single.returncode == 0, single.stderr[-3000:]
+    pair = torchrun(2, ["-m", "trainer", str(two)])
+    assert pair.returncode == 0, pair.stderr[-3000:]
+    assert read_losses(two) == pytest.approx(read_losses(one), rel=1e-5) and len(read_losses(one)) == 3

@@ -8,6 +8,8 @@ per-parameter path). What only a GPU shows is in tests/gpu/.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -380,6 +382,49 @@ def test_the_phase_clock_keeps_host_seconds_off_cuda():
     assert not clock.cuda and clock.events == [] and clock.take(1)["forward"] >= 0
 
 
+class FakeGpu:
+    """A GPU clock as CUDA events see it: kernels queued by the host run later, in order; an event
+    records the GPU's time when the work queued before it is done."""
+
+    def __init__(self) -> None:
+        self.done = 0.0  # when the GPU finishes what was queued so far
+
+    def queue(self, seconds: float) -> None:
+        self.done += seconds
+
+    def event_class(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.at = None
+
+            def record(self) -> None:
+                self.at = gpu.done
+
+            def synchronize(self) -> None:
+                pass
+
+            def elapsed_time(self, later) -> float:
+                return (later.at - self.at) * 1000.0
+
+        return Event
+
+
+def test_an_evaluation_is_charged_to_no_phase_on_the_cuda_clock(monkeypatch):
+    gpu = FakeGpu()
+    monkeypatch.setattr(torch.cuda, "Event", gpu.event_class())
+    clock = PhaseClock(torch.device("cuda", 0))
+    gpu.queue(1.0)
+    clock.lap("forward")
+    gpu.queue(30.0)  # the evaluation's kernels
+    clock.skip()
+    gpu.queue(2.0)
+    clock.lap("boundary")
+    window = clock.take(1)
+    assert (window["forward"], window["boundary"]) == (1.0, 2.0) and sum(window.values()) == 3.0
+
+
 class FakeCudaMesh:
     """What ``open_host_groups`` and ``_all_reduced`` read of a 1-D NCCL mesh of 2 ranks."""
 
@@ -420,3 +465,116 @@ def test_a_cpu_mesh_needs_no_host_groups(monkeypatch):
     mesh.device_type = "cpu"
     optim.open_host_groups(mesh)
     optim.open_host_groups(None)
+
+
+# ---------------------------------------------------------------- CUDA state a job touches (issue 36)
+
+
+@pytest.fixture
+def gpu_node(monkeypatch):
+    """A node with 2 GPUs as torch.cuda reports them; CUDA not initialized until a test says so.
+    Asking for RNG state or pinned memory while uninitialized would open a context: it raises here."""
+    states = {0: torch.full((16,), 1, dtype=torch.uint8), 1: torch.full((16,), 2, dtype=torch.uint8)}
+    restored: dict[int, torch.Tensor] = {}
+    node = {"initialized": False, "states": states, "restored": restored}
+
+    def untouched(*args, **kwargs):
+        if not node["initialized"]:
+            raise AssertionError("a CUDA context was opened")
+
+    def get_all():
+        untouched()
+        return [states[0], states[1]]
+
+    def set_state(state, device: int | str = "cuda"):  # "cuda": the current device, 0 here
+        untouched()
+        restored[0 if device == "cuda" else device] = state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: node["initialized"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", get_all)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    return node
+
+
+def test_a_gloo_job_on_a_gpu_node_saves_no_cuda_rng_state(gpu_node):
+    assert "cuda" not in checkpoint.rng_state()
+
+
+def test_every_gpus_rng_state_is_saved_and_restored(gpu_node):
+    gpu_node["initialized"] = True
+    state = checkpoint.rng_state()
+    assert state["cuda"].shape == (2, 16)
+    checkpoint.set_rng_state(state)
+    assert {k: int(v[0]) for k, v in gpu_node["restored"].items()} == {0: 1, 1: 2}
+
+
+def test_an_older_checkpoints_single_cuda_state_restores_the_current_device(gpu_node):
+    gpu_node["initialized"] = True
+    checkpoint.set_cuda_rng_states(torch.full((16,), 7, dtype=torch.uint8))
+    assert list(gpu_node["restored"]) == [0] and int(gpu_node["restored"][0][0]) == 7
+
+
+def test_a_gloo_job_on_a_gpu_node_stages_saves_in_pageable_memory(gpu_node, monkeypatch):
+    import torch.distributed.checkpoint.staging as staging
+
+    made = []
+    monkeypatch.setattr(checkpoint, "_stager", [])
+    monkeypatch.setattr(staging, "StagingOptions", lambda **options: options)
+    monkeypatch.setattr(staging, "DefaultStager", lambda options: made.append(options) or options)
+    checkpoint._reused_stager()
+    assert made == [{"use_pinned_memory": False, "use_shared_memory": False, "use_async_staging": True,
+                     "use_non_blocking_copy": False}]
+
+
+def test_weight_init_restores_every_gpus_rng_it_reseeded(monkeypatch):
+    """``manual_seed`` reseeds every GPU: the fork that restores them must cover all, not only the
+    model's (``dp``'s replicas draw dropout on the others)."""
+    import trainer.model as model
+
+    forked = []
+
+    @contextlib.contextmanager
+    def fork(devices, device_type):
+        forked.append((list(devices), device_type))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.random, "fork_rng", fork)
+    with model._seeded(5, torch.device("cuda", 0)):
+        pass
+    with model._seeded(5, torch.device("cpu")):
+        pass
+    assert forked == [([0, 1, 2], "cuda"), ([], "cuda")]
+
+
+def test_the_one_process_group_gets_the_specs_timeout_and_its_gpu(monkeypatch):
+    from datetime import timedelta
+
+    seen = {}
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: seen.update(kwargs))
+    tdist.init_single("nccl", 300, torch.device("cuda", 0))
+    assert (seen["timeout"], seen["device_id"], seen["world_size"]) == (timedelta(seconds=300),
+                                                                        torch.device("cuda", 0), 1)
+    seen.clear()
+    tdist.init_single("gloo", 300, torch.device("cpu"))
+    assert "device_id" not in seen and seen["timeout"] == timedelta(seconds=300)
+
+
+def test_join_job_binds_the_one_process_nccl_group(tmp_path, monkeypatch):
+    import trainer.train as train_module
+
+    run_dir = make_run(tmp_path, "r", "fsdp", 1, ["parallel.timeout_s=321"])
+    run = load_run(run_dir)
+    launch = dataclasses.replace(run.launch, backend="nccl")
+    cuda = torch.device("cuda", 0)
+    calls = []
+    monkeypatch.setattr(train_module, "device_for", lambda *a: cuda)
+    monkeypatch.setattr(train_module, "apply_nccl_trace", lambda run_dir: None)
+    monkeypatch.setattr(train_module, "init_single", lambda *a: calls.append(a) or ["h"])
+    monkeypatch.setattr(train_module, "check_world", lambda *a: 1)
+    monkeypatch.setattr(train_module, "open_side_groups", lambda *a: None)
+    env = tdist.RankEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=0)
+    join_job(run, env, launch)
+    assert calls == [("nccl", 321, cuda)]

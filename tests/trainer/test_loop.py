@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainer.loop import TrainState, logged_values, logs_at, set_float_math, train
+from trainer.loop import TrainState, logged_values, logs_at, set_determinism, set_float_math, train
 from trainer.metrics import PHASES, PhaseClock
 from trainer.run import load_run
 from trainer.train import build_trainer
@@ -72,6 +72,44 @@ def metrics(run_dir: Path) -> list[dict]:
 
 
 # ---------------------------------------------------------------- host syncs
+
+
+def test_a_masked_step_reads_no_device_value(tmp_path):
+    """With a loss mask the count of targets stays a device tensor: a step reads nothing (it read the
+    count twice: the per-mask sums and the reduced total)."""
+    from trainer.loop import train_step
+
+    run_dir = make_run(tmp_path, "r", "none", 1, ["train.micro_batch=4"])  # two micro-batches
+    trainer, _ = build_trainer(load_run(run_dir), 0, torch.device("cpu"))
+    batches = iter(trainer.loader)
+    masked = [(tokens, torch.rand(tokens.shape) < 0.5) for tokens in (next(batches), next(batches))]
+    reads = ScalarReads()
+    with reads:
+        loss, _ = train_step(trainer, masked)
+    assert reads.count == 0 and torch.isfinite(loss)
+
+
+class Copies(TorchDispatchMode):
+    """The ``non_blocking`` flag of every copy to another device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flags = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.flags.append((kwargs or {}).get("non_blocking", False))
+        return func(*args, **(kwargs or {}))
+
+
+def test_tokens_and_mask_go_to_the_device_without_waiting():
+    from trainer.objective import to_device
+
+    tokens, mask = torch.zeros(2, 5, dtype=torch.int64), torch.ones(2, 5, dtype=torch.bool)
+    copies = Copies()
+    with copies:
+        moved = to_device((tokens, mask), torch.device("meta"))
+    assert [t.device.type for t in moved] == ["meta", "meta"] and copies.flags == [True, True]
 
 
 @pytest.mark.parametrize("log_every,steps,warmup,extra", [
@@ -151,6 +189,69 @@ def test_phase_clock_charges_every_lap_once():
 
 def subnormals_survive() -> bool:
     return bool((torch.tensor([SUBNORMAL]) * 1.0 != 0).all())
+
+
+@pytest.fixture
+def kernel_settings(monkeypatch):
+    """torch's process-wide kernel choice, restored after the test."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+             torch.backends.cudnn.benchmark)
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[1:]
+
+
+def test_deterministic_sets_what_bit_for_bit_needs_and_off_undoes_it(kernel_settings):
+    import os
+
+    set_determinism(True)
+    assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not torch.backends.cudnn.benchmark
+    set_determinism(False)
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+
+
+def test_an_exported_cublas_workspace_wins(kernel_settings, monkeypatch):
+    import os
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    set_determinism(True)
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_a_deterministic_run_trains_on_the_cpu_as_without_it(tmp_path, kernel_settings):
+    """Every op the built-in model runs has a deterministic kernel (none raises), and on the CPU the
+    losses are the same as without the switch."""
+    losses = {}
+    for on in (False, True):
+        run_dir = make_run(tmp_path, f"d{on}", "none", 1, ["train.steps=3", "model.dropout=0.1",
+                                                            f"train.deterministic={str(on).lower()}"])
+        run = load_run(run_dir)
+        set_determinism(run.spec.train.deterministic)
+        trainer, state = build_trainer(run, 0, torch.device("cpu"))
+        losses[on] = train(trainer, state)["losses"]
+    assert losses[True] == losses[False] and len(losses[True]) == 3
+
+
+def test_a_rank_chooses_its_kernels_before_it_touches_a_device(tmp_path, monkeypatch):
+    import trainer.train as train_module
+
+    calls = []
+
+    class Stop(Exception):
+        pass
+
+    def joined(*args):
+        calls.append("join_job")
+        raise Stop
+
+    monkeypatch.setattr(train_module, "set_determinism", lambda on: calls.append(("set_determinism", on)))
+    monkeypatch.setattr(train_module, "join_job", joined)
+    run_dir = make_run(tmp_path, "r", "none", 1, ["train.deterministic=true"])
+    with pytest.raises(Stop):
+        train_module.run_rank(str(run_dir))
+    assert calls == [("set_determinism", True), "join_job"]
 
 
 def test_cpu_training_flushes_subnormals_and_keeps_fp32_matmuls(tmp_path):
