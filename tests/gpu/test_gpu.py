@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 from tests.trainer.trainer_testlib import child_env
 
-torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 TWO_GPUS = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
