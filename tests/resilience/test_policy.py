@@ -69,12 +69,17 @@ def test_scontrol_fields_and_times():
     assert scontrol_seconds("Unknown") is None
 
 
-def test_queue_wait_outside_slurm(tmp_path: Path):
-    (tmp_path / "job.json").write_text(json.dumps({"submitted_at": time.time() - 3600}))
-    wait, source = LocalJobSide().queue_wait(tmp_path, [])
-    assert source == "job.json" and wait > 3000
-    wait, source = LocalJobSide().queue_wait(tmp_path, [START, {**stop(3, "preempted"), "time": time.time() + 10}])
-    assert source == "ledger" and wait == 0.0
+def test_queue_wait_outside_slurm(tmp_path: Path, monkeypatch):
+    """The wait is this process's start less the submission or the last stop: the start is injected (the
+    test process may have started long before the test, under a long suite)."""
+    started = 1_800_000_000.0
+    monkeypatch.setattr("hpc.core.procs.process_start_time", lambda: started)
+    (tmp_path / "job.json").write_text(json.dumps({"submitted_at": started - 3600}))
+    assert LocalJobSide().queue_wait(tmp_path, []) == (3600.0, "job.json")
+    after_stop = [START, {**stop(3, "preempted"), "time": started - 25}]
+    assert LocalJobSide().queue_wait(tmp_path, after_stop) == (25.0, "ledger")
+    wait, source = LocalJobSide().queue_wait(tmp_path, [START, {**stop(3, "preempted"), "time": started + 10}])
+    assert source == "ledger" and wait == 0.0  # a stop after this start (clocks apart): no negative wait
     assert LocalJobSide().queue_wait(tmp_path, [START]) == (None, "unknown")  # the last run left no stop line
 
 
