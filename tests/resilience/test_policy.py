@@ -84,10 +84,11 @@ def test_queue_wait_outside_slurm(tmp_path: Path, monkeypatch):
 
 
 def test_minutes_interval_is_rank0s_clock():
-    policy = Checkpoint(interval_minutes=0.0005)  # 30 ms
+    policy = Checkpoint(interval_minutes=10)
     rank0 = Resilience(Path("."), policy, 3, 0, rank=0)
     rank1 = Resilience(Path("."), policy, 3, 0, rank=1)
-    time.sleep(0.05)
+    assert rank0._votes() == (False, False, False)  # saved (started) just now: not due
+    rank0.last_save_clock = rank1.last_save_clock = time.monotonic() - 601  # the last save, 10 min ago
     assert rank0._votes() == (False, False, True)  # one process: the vote is its own, at once
     assert rank1._votes() == (False, False, False)  # its clock is never asked
     assert Resilience(Path("."), Checkpoint(), 3, 0, rank=0)._votes() == (False, False, False)

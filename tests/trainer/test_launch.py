@@ -333,5 +333,5 @@ def test_votes_agree_one_boundary_late_and_timeouts_shorten_after_the_first_step
         assert report["votes"]["flag1"] == [6]  # rank 0's flag of boundary 5 alone, read at boundary 6
         assert report["groups"] == 2  # the default group and the side group (no mesh on this model)
     late, cut = reports[0]["late_in_a_save"], reports[0]["late_mid_run"]
-    assert late["ok"] and late["value"] == 2.0 and late["waited_s"] > 3
-    assert not cut["ok"] and cut["waited_s"] < 7, cut  # the short timeout (2 s) fired, not the long one (60 s)
+    assert late["ok"] and late["value"] == 2.0 and late["waited_s"] >= 4  # rank 1 came 4 s after rank 0 waited
+    assert not cut["ok"] and "Timed out waiting 2000ms" in cut["error"], cut  # the short timeout, not the 60 s
