@@ -14,6 +14,7 @@ import importlib.metadata as metadata
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,11 +114,9 @@ def load_check():
     return check
 
 
-def gone(pid: int, wait_s: float = 10) -> bool:
+def gone(pid: int, wait_s: float = 60) -> bool:
     """No such process, or only its zombie is left (killed, not yet reaped by init), within ``wait_s``
     (SIGKILL is delivered asynchronously)."""
-    import time
-
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
         try:
@@ -141,6 +140,16 @@ def test_a_part_past_its_deadline_is_killed_with_everything_it_started(tmp_path,
                f"time.sleep(120)'], start_new_session=True); open({str(marker)!r}, 'w').write(str(p.pid)); "
                "time.sleep(120)")
     monkeypatch.setattr(check, "part_command", lambda name, out, deadline: [sys.executable, "-c", sleeper])
+
+    class Started(subprocess.Popen):
+        """The part's 3 s count from when its grandchild exists (a slow start is waited for, not raced)."""
+
+        def wait(self, timeout=None):
+            while not marker.exists() and self.poll() is None:
+                time.sleep(0.01)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(check.subprocess, "Popen", Started)
     rows = check.run_part(check.Part("sleepy", False, 0, max_s), tmp_path, 3)
     assert rows == [check.row("sleepy", "part", says, status)]
     assert marker.exists() and gone(int(marker.read_text()))

@@ -161,9 +161,9 @@ def test_drill_refuses_a_run_never_submitted_or_finished(tmp_path: Path):
 def test_local_task_pids_are_the_controllers_children():
     parent = subprocess.Popen([sys.executable, "-c",
                                "import subprocess, sys, time; "
-                               "ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']) "
+                               "ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']) "
                                "for _ in range(2)]; print(' '.join(str(p.pid) for p in ps), flush=True); "
-                               "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:
         children = sorted(int(p) for p in parent.stdout.readline().split())
         assert local_task_pids(parent.pid) == children
