@@ -134,7 +134,7 @@ def test_an_ended_local_job_is_judged_by_its_last_stop(tmp_path, stop, state):
 
 def test_time_limit_with_no_requeue_left_ends_timeout_not_failed(run_root):
     run = local_job(run_root, "limit-none", *SOON, "train.steps=100000", "job.max_requeues=0")
-    info = wait_state(run, ENDED, timeout=120)
+    info = wait_state(run, ENDED, timeout=300)
     assert info["state"] == "TIMEOUT", (run / "logs" / "rank-0.log").read_text()[-3000:]
     (stop,) = stops(run)
     assert stop["reason"] == "time_limit" and not stop["requeued"] and stop["by"] == "rank 0"
@@ -150,7 +150,7 @@ def test_time_limit_with_no_requeue_left_ends_timeout_not_failed(run_root):
 
 def test_time_limit_is_requeued_while_requeues_are_left_then_ends_timeout(run_root):
     run = local_job(run_root, "limit-once", *SOON, "train.steps=100000", "job.max_requeues=1")
-    info = wait_state(run, ENDED, timeout=180)
+    info = wait_state(run, ENDED, timeout=300)
     assert info["state"] == "TIMEOUT", (run / "logs" / "rank-0.log").read_text()[-3000:]
     start0, stop0, start1, stop1 = ledger(run)
     assert (stop0["reason"], stop0["requeued"]) == ("time_limit", True)
@@ -177,7 +177,7 @@ def test_a_drill_with_time_left_is_a_preemption_on_a_short_limit(run_root):
                     "job.max_requeues=0")
     out = hpcx("drill", str(run), "--at-step", "2", timeout=120)
     assert out.returncode == 0, out.stderr
-    info = wait_state(run, ENDED, timeout=120)
+    info = wait_state(run, ENDED, timeout=300)
     assert info["state"] == "FAILED"  # preempted with no requeue left: not done, and not a time limit
     (stop,) = stops(run)
     assert stop["reason"] == "preempted" and not stop["requeued"] and stop["step"] >= 2
@@ -188,10 +188,11 @@ def test_a_failure_on_a_short_limit_stays_a_failure(run_root):
     """A failure under the controller's countdown ends FAILED. The limit is past the test's own wait, so a
     slow start cannot bring the signal first (a time limit, TIMEOUT); a failure at or near the limit is
     ``test_a_failure_is_a_failure_however_near_the_limit``, with the clock injected."""
-    run = local_job(run_root, "limit-fail", "job.time_limit_min=10", 'model.arch="tests.resilience.failing_model:build"',
+    run = local_job(run_root, "limit-fail", "job.time_limit_min=10",
+                    'model.arch="tests.resilience.failing_model:build"',
                     "model.seq_len=8", "model.vocab_size=64", "model.kwargs={fail_after = 2}", "train.steps=50",
                     "job.max_requeues=0")
-    info = wait_state(run, ENDED, timeout=120)
+    info = wait_state(run, ENDED, timeout=300)
     assert info["state"] == "FAILED"
     (stop,) = stops(run)
     assert stop["reason"] == "failed" and "deterministic failure" in stop["error"] and stop["step"] == 2
