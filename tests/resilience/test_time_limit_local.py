@@ -6,8 +6,7 @@ knows that clock, so rank 0 records a stop at that signal as ``time_limit``, and
 left ends TIMEOUT (read off the ledger), not FAILED. A USR2 with time left (``hpcx drill``) is still a
 preemption, and a failure still FAILED. Real local jobs of the tiny model, each a few seconds: a lead of
 295 s on a five-minute limit brings the controller's signal five seconds after the start, and leaves
-the job minutes to reach a step boundary after it, however slow its start (a loaded machine); no
-limit here can end a job before the test's own wait gives up.
+the job minutes to reach a step boundary after it, however slow its start (a loaded machine).
 """
 
 from __future__ import annotations
