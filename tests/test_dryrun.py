@@ -24,13 +24,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
+from hpc.cli import load_job
+from hpc.dryrun import DryRun, add_plan, dryrun
 
-from hpc.cli import load_job  # noqa: E402
-from hpc.dryrun import DryRun, add_plan, dryrun  # noqa: E402
-
-from tests.conftest import REPO, hpcx  # noqa: E402
+from tests.conftest import REPO, hpcx
 
 JOBS = REPO / "jobs"
 BIG = str(JOBS / "gpt-13b-auto.toml")

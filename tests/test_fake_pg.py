@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
-torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-
-from hpc.dryrun.fake_pg import clear_sharding_cache, fake_process_group, fake_store  # noqa: E402
+from hpc.dryrun.fake_pg import clear_sharding_cache, fake_process_group, fake_store
 
 
 def test_fake_store_is_where_hpc_fake_pg_looks():

@@ -14,6 +14,7 @@ import importlib.metadata as metadata
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,14 +90,16 @@ def test_the_check_runs_from_a_bare_checkout_and_leaves_nothing(bare_python, tmp
     scratch.mkdir()
     cwd.mkdir()
     before = checkout_files()
-    out = subprocess.run([str(bare_python), str(CHECK), "--budget-s", "60"], capture_output=True, text=True,
-                         cwd=cwd, env=bare_env(scratch), timeout=180)
+    # the two short CPU parts, a GPU part, and a budget they cannot outrun on a loaded machine (60 s for
+    # all the parts left each one "stopped at the budget's end" at load 15)
+    out = subprocess.run([str(bare_python), str(CHECK), "--budget-s", "400", "--only", "staging,strategies,offload"],
+                         capture_output=True, text=True, cwd=cwd, env=bare_env(scratch), timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == CUDA_ABSENT and sum("CUDA absent" in line for line in lines) == 1
     assert "FAILED" not in out.stdout and "MISSED" not in out.stdout, out.stdout
     rows = {line.split()[0] for line in lines[3:] if line.split() and line.split()[-1] == "ok" or " ok " in line}
-    assert rows & {"resume", "staging", "strategies"}, out.stdout  # the CPU parts ran (as the budget allowed)
+    assert {"staging", "strategies"} <= rows, out.stdout  # both CPU parts ran
     assert "needs CUDA" in out.stdout and "unchecked" in out.stdout
     assert list(scratch.iterdir()) == [] and list(cwd.iterdir()) == []
     assert checkout_files() == before  # no bytecode, caches or run folders in the checkout
@@ -113,11 +116,9 @@ def load_check():
     return check
 
 
-def gone(pid: int, wait_s: float = 10) -> bool:
+def gone(pid: int, wait_s: float = 60) -> bool:
     """No such process, or only its zombie is left (killed, not yet reaped by init), within ``wait_s``
     (SIGKILL is delivered asynchronously)."""
-    import time
-
     end = time.monotonic() + wait_s
     while time.monotonic() < end:
         try:
@@ -141,6 +142,16 @@ def test_a_part_past_its_deadline_is_killed_with_everything_it_started(tmp_path,
                f"time.sleep(120)'], start_new_session=True); open({str(marker)!r}, 'w').write(str(p.pid)); "
                "time.sleep(120)")
     monkeypatch.setattr(check, "part_command", lambda name, out, deadline: [sys.executable, "-c", sleeper])
+
+    class Started(subprocess.Popen):
+        """The part's 3 s count from when its grandchild exists (a slow start is waited for, not raced)."""
+
+        def wait(self, timeout=None):
+            while not marker.exists() and self.poll() is None:
+                time.sleep(0.01)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(check.subprocess, "Popen", Started)
     rows = check.run_part(check.Part("sleepy", False, 0, max_s), tmp_path, 3)
     assert rows == [check.row("sleepy", "part", says, status)]
     assert marker.exists() and gone(int(marker.read_text()))

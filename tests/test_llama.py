@@ -87,7 +87,7 @@ MODES = ["fp32", "autocast", "bf16-weights"]
 
 def measured_held(shape, micro_batch, mode):
     """Bytes autograd saves in one forward (once per storage, parameters and buffers excluded) + the logits."""
-    torch = pytest.importorskip("torch")
+    import torch
     import torch.nn.functional as F
 
     from trainer.models.llama import Llama
@@ -124,7 +124,6 @@ def test_held_activations_match_autograd(shape, micro_batch, mode):
 
 @pytest.mark.parametrize("size", ["tiny", "small"])
 def test_built_model_matches_its_facts(size):
-    pytest.importorskip("torch")
     from trainer.model import build_model
 
     spec = model(size=size)
@@ -144,7 +143,6 @@ L70 = ["model.arch='llama'", "model.size='llama3-70b'", "job.nodes=16", "job.tas
 
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
 def test_dryrun_of_llama3_70b_on_128_ranks_agrees_with_the_plan(strategy):
-    pytest.importorskip("torch")
     from hpc.cli import load_job
     from hpc.dryrun import dryrun
 
@@ -167,7 +165,7 @@ def test_the_tiny_llama_job_plans_on_the_local_site():
 
 
 def test_meta_build_materializes_with_the_weight_init_scheme():
-    torch = pytest.importorskip("torch")
+    import torch
     from trainer.models.llama import rope_frequencies
     from trainer.model import WeightInit, build_model
 
@@ -186,7 +184,7 @@ def test_meta_build_materializes_with_the_weight_init_scheme():
 
 
 def test_llama3_scaling_divides_only_the_long_wavelengths():
-    torch = pytest.importorskip("torch")
+    import torch
     from trainer.models.llama import rope_frequencies
 
     plain = rope_frequencies(LlamaShape(1, 128, 1, 1, 8, 8, 8, rope_theta=500000.0))

@@ -12,14 +12,13 @@ backward is measured against the CPU allocator by bench/activation_memory.)
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-torch = pytest.importorskip("torch")
-import torch.nn.functional as F  # noqa: E402
-
-from hpc.core.models import compute_bytes  # noqa: E402
-from hpc.core.models.gpt import gpt_activations  # noqa: E402
-from hpc.core.models.gpt import GPTShape  # noqa: E402
-from trainer.models.gpt import GPT  # noqa: E402
+from hpc.core.models import compute_bytes
+from hpc.core.models.gpt import gpt_activations
+from hpc.core.models.gpt import GPTShape
+from trainer.models.gpt import GPT
 
 # (shape, micro_batch): widths, vocabularies and sequence lengths that differ from each other
 SHAPES = [(GPTShape(3, 96, 4, 80, 300), 3), (GPTShape(2, 128, 8, 64, 2000), 2),

@@ -13,16 +13,15 @@ import os
 import socket
 
 import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
-from hpc.plan.memory import Config, model_states  # noqa: E402
-from hpc.core.models.gpt import gpt_shape  # noqa: E402
-from hpc.core.dims import ParallelDims, parallel_dims  # noqa: E402
-from hpc.core.resolve import decide_parallel  # noqa: E402
-from hpc.core.spec import spec_from_dict  # noqa: E402
+from hpc.plan.memory import Config, model_states
+from hpc.core.models.gpt import gpt_shape
+from hpc.core.dims import ParallelDims, parallel_dims
+from hpc.core.resolve import decide_parallel
+from hpc.core.spec import spec_from_dict
 
 pytestmark = pytest.mark.slow
 

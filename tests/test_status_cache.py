@@ -379,7 +379,7 @@ def started(log: Path) -> list[tuple[str, int, str]]:
 
 def fast_status(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "status", *args], capture_output=True, text=True,
-                          timeout=120, cwd=REPO, env=os.environ.copy())
+                          timeout=300, cwd=REPO, env=os.environ.copy())  # a hang guard, far below the 3600 s sleeps
 
 
 def click_status(*args: str) -> subprocess.CompletedProcess:
@@ -404,7 +404,7 @@ def test_the_started_queries_are_handed_to_the_list_not_run_again(tools):
     before = len(started(tools))
     procs.start_ahead(status.remembered_queries())
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while len(started(tools)) < before + 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert len(started(tools)) == before + 2  # both running before the list is asked for
@@ -464,10 +464,8 @@ def test_queries_this_list_does_not_ask_are_killed_when_it_ends(tools, tmp_path)
     hang.write_text("#!/bin/sh\nexec sleep 3600.25\n")
     hang.chmod(0o755)
     cache.write(status.QUERIES, {"commands": [["hpcx-test-hang"], ["sacct", "-j", "123,456", "-X"]]})
-    start = time.monotonic()
-    done = fast_status()
+    done = fast_status()  # its timeout is the hang guard: it never waits for a query it does not take
     assert done.returncode == 0 and done.stdout.count("  RUNNING  ") == 3, done.stderr
-    assert time.monotonic() - start < 60  # a hang guard: it never waits for a query it does not take
     assert running("3600.25") == [] and running("hpcx-test-hang") == []  # killed and reaped
     assert [a for t, _, a in started(tools) if t == "sacct" and not a.startswith("-j 123,456")]  # its own ran
     assert sorted(cmd[0] for cmd in status.remembered_queries()) == ["sacct", "squeue"]  # what it did ask
@@ -478,10 +476,8 @@ def test_a_wrapper_that_leaves_a_child_holding_the_pipe_is_killed_with_it(tools,
     wrapper.write_text("#!/bin/sh\nsleep 3600.75 &\nexec sleep 3600.5\n")  # its child keeps stdout open
     wrapper.chmod(0o755)
     cache.write(status.QUERIES, {"commands": [["hpcx-test-wrapper"]]})
-    start = time.monotonic()
-    done = fast_status()
+    done = fast_status()  # its timeout is the hang guard: the pipes are not read to the end
     assert done.returncode == 0 and done.stdout.count("  RUNNING  ") == 3, done.stderr
-    assert time.monotonic() - start < 60  # a hang guard: the pipes are not read to the end
     assert running("3600.5") == [] and running("3600.75") == []  # the wrapper and its child
 
 

@@ -19,8 +19,9 @@ from ckpt_helpers import assert_refused, cli  # noqa: E402
 
 from hpc.ckpt.convert import compare_values, nonfinite_count  # noqa: E402
 from hpc.ckpt.safetensors import ST_DTYPES  # noqa: E402
+from tests.extras import extra  # noqa: E402
 
-st_torch = pytest.importorskip("safetensors.torch")
+st_torch = extra("safetensors.torch")
 
 DTYPES = ["float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
           "float4_e2m1fn_x2", "complex32", "complex64", "complex128", "bool", "uint8", "uint16", "uint32", "uint64",

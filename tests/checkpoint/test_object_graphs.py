@@ -46,7 +46,7 @@ def test_a_torch_file_whose_data_pkl_is_a_hostile_graph(tmp_path: Path, case: st
     src = torch_file(tmp_path, value)
     started = time.monotonic()
     assert isinstance(torch.load(src, weights_only=True), dict)  # a valid pickle: torch reads it
-    assert time.monotonic() - started < 60
+    assert time.monotonic() - started < 600  # a hang guard (a graph torch expanded path by path), not a speed
     refused_everywhere(tmp_path, src, "g.pt: data.pkl", expect)
 
 

@@ -95,8 +95,11 @@ SLOW = r"""
 import sys, time
 from hpc.ckpt import dcp
 read_into = dcp.DcpReader.read_into
-def slow(self, key, out):
-    time.sleep(0.5)
+calls = []
+def slow(self, key, out):  # the first tensor is read; the second waits for the test's SIGTERM, however late
+    calls.append(key)
+    if len(calls) > 1:
+        time.sleep(3600)
     read_into(self, key, out)
 dcp.DcpReader.read_into = slow
 from hpc.cli.ckpt import ckpt_group
@@ -109,7 +112,7 @@ def test_sigterm_during_a_conversion_leaves_nothing(tmp_path: Path, to: str, dst
     src = five_tensors(tmp_path)
     p = subprocess.Popen([sys.executable, "-c", SLOW, "convert", str(src), str(tmp_path / dst), "--to", to],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a hang guard: the start may be slow, the conversion waits
     while not [q for q in tmp_path.iterdir() if ".partial-" in q.name]:
         assert p.poll() is None and time.monotonic() < deadline, "no partial output appeared"
         time.sleep(0.05)
@@ -144,7 +147,7 @@ def test_stale_partials_of_dead_processes_here_are_swept(tmp_path: Path) -> None
 def test_a_partial_left_by_a_killed_conversion_is_swept_by_the_next(tmp_path: Path) -> None:
     src = five_tensors(tmp_path)
     p = subprocess.Popen([sys.executable, "-c", SLOW, "convert", str(src), str(tmp_path / "a.dcp"), "--to", "dcp"])
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a hang guard: the start may be slow, the conversion waits
     while not [q for q in tmp_path.iterdir() if ".partial-" in q.name]:
         assert p.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)

@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 from tests.gpu.test_gpu import GPUS, TWO_GPUS, env_with, gpu_run
 
-torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 FP32 = ["parallel.mixed_precision='none'", "train.seed=3"]
 

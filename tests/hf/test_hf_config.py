@@ -18,6 +18,7 @@ from hpc.core.models import model_facts
 from hpc.core.spec import spec_from_dict
 
 from tests.conftest import REPO, hpcx
+from tests.extras import extra
 
 SHAPE = LlamaShape(2, 64, 4, 2, 192, 64, 256, rope_theta=500000.0, rope_factor=8.0, rope_original_seq_len=16,
                    norm_eps=1e-6)
@@ -42,7 +43,7 @@ def test_every_shape_comes_from_the_config(tmp_path, shape):
 
 
 def test_a_config_saved_by_transformers_5_gives_the_same_shape_and_count(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = extra("transformers")
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=256, max_position_embeddings=64,
                                    rms_norm_eps=1e-6, rope_theta=500000.0,
@@ -51,7 +52,7 @@ def test_a_config_saved_by_transformers_5_gives_the_same_shape_and_count(tmp_pat
     cfg.save_pretrained(tmp_path / "m")
     facts = model_facts(spec(tmp_path / "m").model)
     assert facts.shape == SHAPE
-    torch = pytest.importorskip("torch")
+    import torch
     with torch.device("meta"):
         assert transformers.LlamaForCausalLM(cfg).num_parameters() == facts.n_params
 

@@ -9,9 +9,11 @@ the logits must agree to 1e-5.
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.extras import extra
+
+transformers = extra("transformers")
 
 from hpc.ckpt.hf import hf_tensors  # noqa: E402
 from hpc.core.hf import hf_config  # noqa: E402

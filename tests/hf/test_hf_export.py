@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.extras import extra
+
+transformers = extra("transformers")
 
 from hpc.ckpt.dcp import DcpReader  # noqa: E402
 from hpc.ckpt.hf import export_hf  # noqa: E402

@@ -13,9 +13,11 @@ import json
 import shutil
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from tests.extras import extra
+
+transformers = extra("transformers")
 
 from hpc.ckpt.hf import export_hf  # noqa: E402
 

@@ -9,9 +9,11 @@ import json
 import struct
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from tests.extras import extra
+
+extra("transformers")
 
 from hpc.ckpt.init_source import open_source  # noqa: E402
 from hpc.core.hf import tensor_plan  # noqa: E402

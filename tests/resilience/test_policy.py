@@ -69,20 +69,26 @@ def test_scontrol_fields_and_times():
     assert scontrol_seconds("Unknown") is None
 
 
-def test_queue_wait_outside_slurm(tmp_path: Path):
-    (tmp_path / "job.json").write_text(json.dumps({"submitted_at": time.time() - 3600}))
-    wait, source = LocalJobSide().queue_wait(tmp_path, [])
-    assert source == "job.json" and wait > 3000
-    wait, source = LocalJobSide().queue_wait(tmp_path, [START, {**stop(3, "preempted"), "time": time.time() + 10}])
-    assert source == "ledger" and wait == 0.0
+def test_queue_wait_outside_slurm(tmp_path: Path, monkeypatch):
+    """The wait is this process's start less the submission or the last stop: the start is injected (the
+    test process may have started long before the test, under a long suite)."""
+    started = 1_800_000_000.0
+    monkeypatch.setattr("hpc.core.procs.process_start_time", lambda: started)
+    (tmp_path / "job.json").write_text(json.dumps({"submitted_at": started - 3600}))
+    assert LocalJobSide().queue_wait(tmp_path, []) == (3600.0, "job.json")
+    after_stop = [START, {**stop(3, "preempted"), "time": started - 25}]
+    assert LocalJobSide().queue_wait(tmp_path, after_stop) == (25.0, "ledger")
+    wait, source = LocalJobSide().queue_wait(tmp_path, [START, {**stop(3, "preempted"), "time": started + 10}])
+    assert source == "ledger" and wait == 0.0  # a stop after this start (clocks apart): no negative wait
     assert LocalJobSide().queue_wait(tmp_path, [START]) == (None, "unknown")  # the last run left no stop line
 
 
 def test_minutes_interval_is_rank0s_clock():
-    policy = Checkpoint(interval_minutes=0.0005)  # 30 ms
+    policy = Checkpoint(interval_minutes=10)
     rank0 = Resilience(Path("."), policy, 3, 0, rank=0)
     rank1 = Resilience(Path("."), policy, 3, 0, rank=1)
-    time.sleep(0.05)
+    assert rank0._votes() == (False, False, False)  # saved (started) just now: not due
+    rank0.last_save_clock = rank1.last_save_clock = time.monotonic() - 601  # the last save, 10 min ago
     assert rank0._votes() == (False, False, True)  # one process: the vote is its own, at once
     assert rank1._votes() == (False, False, False)  # its clock is never asked
     assert Resilience(Path("."), Checkpoint(), 3, 0, rank=0)._votes() == (False, False, False)
@@ -155,9 +161,9 @@ def test_drill_refuses_a_run_never_submitted_or_finished(tmp_path: Path):
 def test_local_task_pids_are_the_controllers_children():
     parent = subprocess.Popen([sys.executable, "-c",
                                "import subprocess, sys, time; "
-                               "ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']) "
+                               "ps = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']) "
                                "for _ in range(2)]; print(' '.join(str(p.pid) for p in ps), flush=True); "
-                               "time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+                               "time.sleep(600)"], stdout=subprocess.PIPE, text=True)
     try:
         children = sorted(int(p) for p in parent.stdout.readline().split())
         assert local_task_pids(parent.pid) == children

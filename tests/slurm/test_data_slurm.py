@@ -19,7 +19,6 @@ def folder_bytes(folder):
 
 @pytest.mark.slurm
 def test_job_array_output_is_byte_identical_to_the_local_run(sandbox, tmp_path):
-    pytest.importorskip("tokenizers")
     corpus = text_corpus(tmp_path / "txt", 12)
     tokenizer = train_tokenizer(tmp_path / "tokenizer.json")
     common = [str(corpus), "--tokenizer", str(tokenizer), "--group-bytes", "30000", "--val-fraction", "0.1"]

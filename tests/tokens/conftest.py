@@ -11,7 +11,6 @@ from tests.tokens.corpus import text_corpus, train_tokenizer
 
 @pytest.fixture(scope="session")
 def tokenizer(tmp_path_factory) -> Path:
-    pytest.importorskip("tokenizers")
     return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 

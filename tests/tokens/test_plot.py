@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpc.cli import cli
+from tests.extras import extra
 
 
 def fake_run(root: Path, name: str, steps: int, lr: float) -> Path:
@@ -25,7 +26,7 @@ def fake_run(root: Path, name: str, steps: int, lr: float) -> Path:
 
 
 def test_plot_draws_several_runs_into_one_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    extra("matplotlib")
     a, b = fake_run(tmp_path, "a", 40, 1e-3), fake_run(tmp_path, "b", 30, 3e-3)
     out = tmp_path / "cmp.png"
     result = CliRunner().invoke(cli, ["plot", str(a), str(b), "--out", str(out)])

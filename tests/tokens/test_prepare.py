@@ -214,7 +214,7 @@ def test_sigkill_mid_preparation_then_resume(tmp_path, corpus, tokenizer):
     proc = subprocess.Popen([sys.executable, "-m", "hpc.cli", "data", "prepare", *common, "--out", str(out),
                              "--workers", "2"], start_new_session=True, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, cwd=Path(__file__).parents[2])
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a hang guard: however slow the start, the kill waits for a group
     while time.monotonic() < deadline and not list((out / ".prepare").glob("group-*.json")):
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGKILL)

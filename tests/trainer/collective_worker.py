@@ -36,17 +36,22 @@ def votes(rank: int) -> dict[str, list[int]]:
     return seen
 
 
-def timed_all_reduce(delay: float) -> dict:
-    """All-reduce a one after rank 1 waited ``delay`` s; what happened on this rank."""
+def timed_all_reduce(delay: float, waiting: Path) -> dict:
+    """All-reduce a one, rank 1 ``delay`` s after rank 0 said it is waiting (the file ``waiting``: so rank 0
+    waits at least that long however slow either rank is); what happened on this rank."""
     if dist.get_rank() == 1:
+        while not waiting.exists():
+            time.sleep(0.01)
         time.sleep(delay)
     tic = time.monotonic()
+    if dist.get_rank() == 0:
+        waiting.touch()
     try:
         one = torch.ones(1)
         dist.all_reduce(one)
         return {"ok": True, "value": float(one), "waited_s": time.monotonic() - tic}
     except RuntimeError as exc:
-        return {"ok": False, "error": str(exc)[:200], "waited_s": time.monotonic() - tic}
+        return {"ok": False, "error": str(exc)[:1000], "waited_s": time.monotonic() - tic}
 
 
 def main(out: Path) -> None:
@@ -57,8 +62,8 @@ def main(out: Path) -> None:
     timeouts.shorten(torch.nn.Linear(2, 2))
     report["groups"] = len(timeouts.groups)
     with timeouts.lengthened():
-        report["late_in_a_save"] = timed_all_reduce(4.0)  # 4 s late is fine while the timeout is long
-    report["late_mid_run"] = timed_all_reduce(8.0)  # … and not once it is short again
+        report["late_in_a_save"] = timed_all_reduce(4.0, out / "waiting-1")  # 4 s late is fine, timeout long
+    report["late_mid_run"] = timed_all_reduce(8.0, out / "waiting-2")  # … and not once it is short again
     (out / f"rank-{env.rank}.json").write_text(json.dumps(report))
     sys.stdout.flush()
     import os

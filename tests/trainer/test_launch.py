@@ -7,7 +7,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -85,13 +84,12 @@ def test_rendezvous_timeout_names_missing_ranks(tmp_path, rank, missing):
     run_dir = make_run(tmp_path, "ddp", "ddp", 2, ["parallel.timeout_s=3"])
     env = child_env() | {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(rank),
                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "trainer", str(run_dir)], env=env, capture_output=True,
-                          text=True, timeout=60, cwd=REPO)
+                          text=True, timeout=300, cwd=REPO)
     assert proc.returncode != 0
     assert f"missing ranks: {missing}" in proc.stderr or f"ranks {missing} of 4 did not arrive" in proc.stderr, \
         proc.stderr[-2000:]
-    assert time.monotonic() - start < 30
+    assert "within 3 s" in proc.stderr or "timed out after 3 s" in proc.stderr  # parallel.timeout_s ended it
 
 
 @pytest.mark.slow
@@ -275,19 +273,28 @@ def test_signals_that_come_before_the_handler_wait_for_it():
 
 
 TASK_PROBE = """
-import time
-time.sleep(1.0)  # a slow interpreter start: no handler of ours yet
+import sys
+print("started", flush=True)  # past the task command, no handler of ours yet: the test signals now
+sys.stdin.readline()  # ... and says when it has
 from trainer.preemption import PreemptionFlag
-flag = PreemptionFlag().install()
-time.sleep(0.1)
+flag = PreemptionFlag().install()  # unblocking runs the handlers of what was pending
 print(flag.requested, flag.terminated, flush=True)
 """
 
 
+def started_task(cmd: list[str], env: dict) -> subprocess.Popen:
+    """TASK_PROBE under ``cmd``, once it says it started (a slow start is waited for, never raced)."""
+    proc = subprocess.Popen([*cmd, sys.executable, "-c", TASK_PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=REPO, env=env)
+    assert proc.stdout.readline() == "started\n"
+    return proc
+
+
 @pytest.mark.parametrize("env_blocks", [True, False])
 def test_the_task_command_keeps_signals_that_come_before_any_python(tmp_path, env_blocks):
-    """The rendered task command: USR2 and SIGTERM sent before any Python line ran wait for the handler
-    (coreutils' env blocks them), or, where env cannot, USR2 at least does not kill the task."""
+    """The rendered task command: USR2 and SIGTERM sent before the handler (the task tells when it has
+    started) wait for it (coreutils' env blocks them across the exec, as they are before any Python line
+    runs), or, where env cannot, USR2 at least does not kill the task."""
     import signal
 
     from hpc.schedulers.base import TASK_WRAPPER
@@ -297,13 +304,11 @@ def test_the_task_command_keeps_signals_that_come_before_any_python(tmp_path, en
         (tmp_path / "env").write_text('#!/bin/sh\ncase "$1" in --block-signal*) exit 125;; esac\nexec /usr/bin/env "$@"\n')
         (tmp_path / "env").chmod(0o755)
         path = f"{tmp_path}:{path}"
-    proc = subprocess.Popen([*TASK_WRAPPER, sys.executable, "-c", TASK_PROBE], stdout=subprocess.PIPE, text=True,
-                            cwd=REPO, env={**child_env(), "PATH": path})
-    time.sleep(0.4)
+    proc = started_task(TASK_WRAPPER, {**child_env(), "PATH": path})
     proc.send_signal(signal.SIGUSR2)
     if env_blocks:
         proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=30)
+    out, _ = proc.communicate("go\n", timeout=60)
     assert proc.returncode == 0
     assert out.split() == (["True", "True"] if env_blocks else ["False", "False"])
 
@@ -311,11 +316,9 @@ def test_the_task_command_keeps_signals_that_come_before_any_python(tmp_path, en
 def test_without_the_task_command_an_early_usr2_kills():
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-c", TASK_PROBE], stdout=subprocess.PIPE, text=True, cwd=REPO,
-                            env=child_env())
-    time.sleep(0.4)
+    proc = started_task([], child_env())
     proc.send_signal(signal.SIGUSR2)
-    proc.communicate(timeout=30)
+    proc.communicate("go\n", timeout=60)
     assert proc.returncode == -signal.SIGUSR2
 
 
@@ -330,5 +333,5 @@ def test_votes_agree_one_boundary_late_and_timeouts_shorten_after_the_first_step
         assert report["votes"]["flag1"] == [6]  # rank 0's flag of boundary 5 alone, read at boundary 6
         assert report["groups"] == 2  # the default group and the side group (no mesh on this model)
     late, cut = reports[0]["late_in_a_save"], reports[0]["late_mid_run"]
-    assert late["ok"] and late["value"] == 2.0 and late["waited_s"] > 3
-    assert not cut["ok"] and cut["waited_s"] < 7, cut  # the short timeout (2 s) fired, not the long one (60 s)
+    assert late["ok"] and late["value"] == 2.0 and late["waited_s"] >= 4  # rank 1 came 4 s after rank 0 waited
+    assert not cut["ok"] and "Timed out waiting 2000ms" in cut["error"], cut  # the short timeout, not the 60 s
