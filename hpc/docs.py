@@ -47,7 +47,7 @@ LIMITS = (f"Every file is a regular UTF-8 file (a byte-order mark is allowed) of
 
 
 def section_markdown(name: str, cls: type) -> str:
-    lines = [f"## `[{name}]`", ""] + kind_note(cls) + family_note(cls) + ["| key | default | meaning |", "|---|---|---|"]
+    lines = [f"## `[{name}]`", "", *kind_note(cls), *family_note(cls), "| key | default | meaning |", "|---|---|---|"]
     limits = field_limits(cls)
     for key, doc, default in field_docs(cls):
         lines.append(f"| `{key}` | `{json.dumps(default)}` | {doc}{limits[key]} |")

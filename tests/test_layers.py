@@ -145,8 +145,10 @@ def _family_modules() -> dict[str, set[Path]]:
     (``Family.builder``)."""
     from hpc.core.models import families
 
-    return {fam.name: {REPO / (type(fam).__module__.replace(".", "/") + ".py"), REPO / (fam.builder.replace(".", "/") + ".py")}
-            for fam in families()}
+    def path(module: str) -> Path:
+        return REPO / (module.replace(".", "/") + ".py")
+
+    return {fam.name: {path(type(fam).__module__), path(fam.builder)} for fam in families()}
 
 
 def test_no_module_outside_a_family_branches_on_its_name():

@@ -163,14 +163,16 @@ def test_two_families_declaring_one_field_is_refused(ssm, monkeypatch):
     monkeypatch.setattr(type(ssm), "fields", clash)
     with pytest.raises(TypeError, match=r"ssm family.*n_kv_heads.*llama"):
         models.section_class(spec_mod.CommonModel)
-    monkeypatch.setattr(type(ssm), "fields", dataclasses.make_dataclass("Fields", [("arch", str, dataclasses.field(default=""))]))
+    common = dataclasses.make_dataclass("Fields", [("arch", str, dataclasses.field(default=""))])
+    monkeypatch.setattr(type(ssm), "fields", common)
     with pytest.raises(TypeError, match=r"arch.*CommonModel"):
         models.section_class(spec_mod.CommonModel)
 
 
 def test_importing_the_spec_loads_no_family():
     """The ``[model]`` section is joined when first asked for (``hpcx`` commands that read no spec skip it)."""
-    code = ("import sys, hpc.core.spec as s; before = sorted(m for m in sys.modules if m.startswith('hpc.core.models.')); "
+    code = ("import sys, hpc.core.spec as s; "
+            "before = sorted(m for m in sys.modules if m.startswith('hpc.core.models.')); "
             "s.Model; print(before, 'hpc.core.models.llama' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[] True"

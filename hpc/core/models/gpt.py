@@ -14,7 +14,7 @@ import typing as tp
 from dataclasses import dataclass
 
 from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
-from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations  # noqa: F401  (Activations: re-exported)
+from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations  # noqa: F401  (re-exported)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
