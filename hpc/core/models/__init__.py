@@ -153,7 +153,7 @@ def families() -> list[Family]:
 def section_class(common: type) -> type:
     """The spec's ``[model]`` section: a dataclass with ``common``'s fields (every family's), then each
     family's own ``fields`` in ``families()`` order. ``FAMILY_FIELDS`` on it says which family declared
-    which field (the reference docs, the foreign-field check). Two declaring one name is a programming error."""
+    which field (for the reference docs). Two declaring one name is a programming error."""
     owners: dict[str, str] = {f.name: "" for f in dataclasses.fields(common)}
     family_fields: dict[str, tuple[str, ...]] = {}
     for fam in families():
