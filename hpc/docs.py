@@ -47,7 +47,7 @@ LIMITS = (f"Every file is a regular UTF-8 file (a byte-order mark is allowed) of
 
 
 def section_markdown(name: str, cls: type) -> str:
-    lines = [f"## `[{name}]`", ""] + kind_note(cls) + ["| key | default | meaning |", "|---|---|---|"]
+    lines = [f"## `[{name}]`", "", *kind_note(cls), *family_note(cls), "| key | default | meaning |", "|---|---|---|"]
     limits = field_limits(cls)
     for key, doc, default in field_docs(cls):
         lines.append(f"| `{key}` | `{json.dumps(default)}` | {doc}{limits[key]} |")
@@ -62,6 +62,25 @@ def kind_note(cls: type) -> list[str]:
     parts = [f"{', '.join(f'`{k}`' for k in keys)} belong to the `{kind}` kind (`hpc/schedulers/{kind}/section.py`)"
              for kind, keys in owned.items()]
     return ["; ".join(parts) + "; the other keys to every kind.", ""]
+
+
+def family_note(cls: type) -> list[str]:
+    """For the section joined from model families (``hpc.core.models.section_class``): each family's
+    presets, its own keys, and the Hugging Face class whose configs it reads."""
+    owned = getattr(cls, "FAMILY_FIELDS", {})
+    if not owned:
+        return []
+    from hpc.core.models import FAMILIES, HfReader, families
+
+    lines = []
+    for fam in families():
+        name, keys = fam.name, owned.get(fam.name, ())
+        parts = [f"presets (`size`) {fam.preset_counts()}"] if fam.preset_counts() else []
+        parts += [f"its own keys {', '.join(f'`{k}`' for k in keys)}"] if keys else []
+        parts += [f"reads `model.hf_config` of `{fam.hf_arch}`"] if isinstance(fam, HfReader) else []
+        arch = f"`arch = \"{name}\"`" if name in FAMILIES else "`arch = \"package.module:function\"`"
+        lines.append(f"- {arch}: {'; '.join(parts) or 'only the keys every family has'}.")
+    return lines + ["", "Another family's own keys are refused; the other keys belong to every family.", ""]
 
 
 def field_limits(cls: type) -> dict[str, str]:

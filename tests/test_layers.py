@@ -4,8 +4,8 @@
 The rules: ``hpc.core`` imports no torch, no login tool and no scheduler implementation (only the
 registry ``hpc.schedulers`` and its interface ``hpc.schedulers.base``); the trainer imports from hpc
 only the core, ``hpc.ckpt``, ``hpc.compat`` and the registry; nothing outside ``hpc/schedulers/<kind>/``
-names Slurm (its variables, ``#SBATCH``, its commands, its package); no ``arch == "gpt"`` outside the
-GPT family's modules."""
+names Slurm (its variables, ``#SBATCH``, its commands, its package); no ``arch == "gpt"`` (or any family's
+name) outside that family's modules, no family module importing another's, no family named by the core spec."""
 
 from __future__ import annotations
 
@@ -140,18 +140,60 @@ def test_only_the_slurm_package_names_slurm():
     assert offenders == []
 
 
-def test_no_module_outside_the_gpt_family_branches_on_gpt():
-    """A model family is one module each side (hpc/core/models/<family>.py, trainer/models/<family>.py)."""
+def _family_modules() -> dict[str, set[Path]]:
+    """Each model family's own files: its torch-free module (``hpc.core.models.FAMILIES``) and its torch half
+    (``Family.builder``)."""
+    from hpc.core.models import families
+
+    def path(module: str) -> Path:
+        return REPO / (module.replace(".", "/") + ".py")
+
+    return {fam.name: {path(type(fam).__module__), path(fam.builder)} for fam in families()}
+
+
+def test_no_module_outside_a_family_branches_on_its_name():
+    """A model family is one module each side (hpc/core/models/<family>.py, trainer/models/<family>.py): no
+    other module compares with ``"gpt"`` or ``"llama"``."""
     offenders = []
-    family = {REPO / "hpc/core/models/gpt.py", REPO / "trainer/models/gpt.py"}
+    own = _family_modules()
+    assert {"gpt", "llama"} <= set(own) and REPO / "trainer/models/llama.py" in own["llama"]
     for path in list((REPO / "hpc").rglob("*.py")) + list((REPO / "trainer").rglob("*.py")):
-        if path in family:
-            continue
+        names = {name for name, paths in own.items() if path not in paths}
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value == "gpt"
+            if isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in names
                                                      for c in [node.left, *node.comparators]):
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert offenders == []
+
+
+def test_no_family_imports_another_familys_modules():
+    """What the GPT and the Llama share is hpc.core.models.decoder and trainer.models.decoder: the Llama
+    imports nothing of the GPT's, nor any family another's."""
+    own = _family_modules()
+    modules = {name: {module_name(p) for p in paths} for name, paths in own.items()}
+    offenders = []
+    for name, paths in own.items():
+        foreign = set().union(*(m for other, m in modules.items() if other != name))
+        for path in paths:
+            offenders += [f"{path.relative_to(REPO)} imports {m}" for m in sorted(imports(path) & foreign)]
+    assert "trainer.models.gpt" in modules["gpt"] and offenders == []
+
+
+def test_the_core_spec_names_no_family():
+    """``hpc/core/spec.py`` holds the fields every family has: no family's name as a constant (the default
+    arch comes from the registry), no field a family declares (``Family.fields``)."""
+    import dataclasses
+
+    from hpc.core.models import families
+
+    tree = ast.parse((REPO / "hpc" / "core" / "spec.py").read_text(encoding="utf-8"))
+    names = {fam.name for fam in families()}
+    constants = {node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)}
+    family_fields = {f.name for fam in families() for f in dataclasses.fields(fam.fields)}
+    declared = {item.target.id for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for item in node.body
+                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    assert {"n_kv_heads", "kwargs"} <= family_fields and "arch" in declared
+    assert not constants & names and not declared & family_fields, (constants & names, declared & family_fields)
 
 
 def test_schedulers_are_the_only_modules_that_run_slurm_commands():

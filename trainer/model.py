@@ -1,8 +1,8 @@
 """The model, whatever its family: built by its family (``trainer.models``), its blocks, its FSDP
 units; and how its weights are made.
 
-Families: the built-in GPT (``trainer.models.gpt``) and a user's ``package.module:function``
-(``trainer.models.user``).
+Families: the built-in GPT (``trainer.models.gpt``), the Llama (``trainer.models.llama``) and a user's
+``package.module:function`` (``trainer.models.user``).
 
 Initial weights (``WeightInit``)
 --------------------------------

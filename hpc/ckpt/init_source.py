@@ -187,7 +187,7 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
     ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
     from hpc.core.models import family
 
-    names = {"arch": "architectures", **{o: t for t, o in family(arch).HF_KEYS}}
+    names = {"arch": "architectures", **{o: t for t, o in family(arch).hf_keys}}
     return [f"`checkpoint.init_from`: {config}: {names.get(key, key)} = {theirs.get(key)!r}, the run's model has "
             f"{ours[key]!r}" for key in ours if key not in IGNORED and theirs.get(key) != ours[key]]
 

@@ -1,15 +1,15 @@
 """Hugging Face's side of a model, without torch: ``config.json`` both ways, and the tensor mapping.
 
-Each built-in family that maps onto a ``transformers`` class gives, in ``hpc.core.models.<family>``:
+Each built-in family that maps onto a ``transformers`` class implements ``hpc.core.models.HfMapped``:
 ``hf_config(shape)`` (its ``config.json``), ``hf_tensor_plan(shape)`` (for every Hugging Face
 tensor, the hpcx parameter it comes from and how: copied, transposed or zeros) and, when hpcx reads
-that class's configs, ``hf_spec_fields(path, doc)`` with ``HF_KEYS`` (config key → ``[model]``
-field). This module asks them:
+that class's configs, ``HfReader``: ``hf_spec_fields(path, doc)`` with ``hf_keys`` (config key →
+``[model]`` field), ``hf_arch`` and ``hf_model_type``. This module asks them:
 
 - ``hf_config(family, shape)`` / ``tensor_plan(family, shape)``: for the export (``hpc.ckpt.hf``)
   and ``checkpoint.init_from`` (``hpc.ckpt.init_source``), so the two agree;
 - ``apply_hf_config(model_doc)``: ``model.hf_config = "PATH"`` fills the spec's ``[model]`` from a
-  ``config.json`` (``ARCHITECTURES`` says which family reads which class), one line per
+  ``config.json`` (``architectures()`` says which family reads which class), one line per
   contradiction, naming both.
 """
 
@@ -25,7 +25,6 @@ from hpc.core.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 1 << 20
-ARCHITECTURES = {"LlamaForCausalLM": "llama"}  # the transformers classes whose configs hpcx reads
 
 
 @dataclass(frozen=True)
@@ -38,16 +37,23 @@ class HfTensor:
     shape: tuple[int, ...]  # Hugging Face's shape
 
 
-def _mapping(family: str) -> tp.Any:
-    """The family module, when it maps onto a transformers class; ConfigError otherwise."""
-    from hpc.core.models import FAMILIES, family as family_module
+def architectures() -> dict[str, str]:
+    """The ``transformers`` classes whose configs hpcx reads (``HfReader.hf_arch``) → their family."""
+    from hpc.core.models import HfReader, families
 
-    module = family_module(family) if family in FAMILIES else None
-    if module is None or not hasattr(module, "hf_tensor_plan"):
-        mapped = ", ".join(repr(f) for f in FAMILIES if hasattr(family_module(f), "hf_tensor_plan"))
+    return {f.hf_arch: f.name for f in families() if isinstance(f, HfReader)}
+
+
+def _mapping(family: str) -> tp.Any:
+    """The family, when it maps onto a transformers class (``HfMapped``); ConfigError otherwise."""
+    from hpc.core.models import FAMILIES, HfMapped, families, family as family_of_arch
+
+    found = family_of_arch(family) if family in FAMILIES else None
+    if not isinstance(found, HfMapped):
+        mapped = ", ".join(repr(f.name) for f in families() if isinstance(f, HfMapped))
         raise ConfigError([f"model.arch = {family!r}: only the built-in {mapped} map onto Hugging Face models "
                            "(a user model has no known transformers class)"])
-    return module
+    return found
 
 
 def hf_config(family: str, shape: tp.Any) -> dict[str, tp.Any]:
@@ -63,11 +69,13 @@ def tensor_plan(family: str, shape: tp.Any) -> list[HfTensor]:
 def spec_fields(path: Path, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     """The ``[model]`` fields a ``config.json`` sets (``arch`` included); ConfigError for a class hpcx
     does not implement (``architectures``, or ``model_type`` where a bare config names none)."""
-    archs = doc.get("architectures") or [a for a, f in ARCHITECTURES.items() if f == doc.get("model_type")]
-    if len(archs) != 1 or archs[0] not in ARCHITECTURES:
+    known = architectures()
+    archs = doc.get("architectures") or [a for a, f in known.items()
+                                         if _mapping(f).hf_model_type == doc.get("model_type")]
+    if len(archs) != 1 or archs[0] not in known:
         raise ConfigError([f"`model.hf_config`: {path}: architectures = {archs!r}; hpcx implements "
-                           f"{list(ARCHITECTURES)!r} only"])
-    return {"arch": ARCHITECTURES[archs[0]], **_mapping(ARCHITECTURES[archs[0]]).hf_spec_fields(path, doc)}
+                           f"{list(known)!r} only"])
+    return {"arch": known[archs[0]], **_mapping(known[archs[0]]).hf_spec_fields(path, doc)}
 
 
 # ---------------------------------------------------------------- config.json → spec fields
@@ -101,7 +109,7 @@ def apply_hf_config(model_doc: dict[str, tp.Any]) -> list[str]:
         return []
     path = config_path(raw)
     fields = spec_fields(path, read_config(path))
-    keys = {"arch": "architectures", **{ours: theirs for theirs, ours in _mapping(fields["arch"]).HF_KEYS}}
+    keys = {"arch": "architectures", **{ours: theirs for theirs, ours in _mapping(fields["arch"]).hf_keys}}
     errors = [f"`model.{key}` = {model_doc[key]!r} contradicts {path}: {keys.get(key, key)} = {value!r}"
               for key, value in fields.items() if key in model_doc and not _same(model_doc[key], value)]
     model_doc.update(fields)

@@ -7,6 +7,7 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import typing as tp
@@ -16,8 +17,7 @@ from pathlib import Path
 from hpc import schedulers
 from hpc.core import validate as v
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
-from hpc.core.models.gpt import preset_counts
-from hpc.core.models.llama import preset_counts as llama_preset_counts
+from hpc.core.models import DEFAULT_ARCH, FAMILIES
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
@@ -51,60 +51,30 @@ class Job:
 
 
 @dataclass
-class Model:
-    arch: str = field("gpt", doc="`gpt` (built-in) or `package.module:function` returning an nn.Module: dotted "
-                      "Python identifiers, not a module of the standard library; `render` and `submit` say which "
-                      "file will be imported.")
-    arch: str = field("gpt", doc="`gpt` or `llama` (built in) or `package.module:function` returning an "
-                      "nn.Module.")
-    size: str = field("tiny", doc="Preset of the built-in GPT, with its real parameter count: "
-                      f"{preset_counts()}; of `arch = \"llama\"`: {llama_preset_counts()}.")
-    dim: int = field(0, doc="Width (d_model) of the built-in GPT (0: the preset's); for a user model with "
+class CommonModel:
+    """The spec's ``[model]`` section: these fields, which every family has, then each family's own
+    (``Family.fields`` in ``hpc/core/models/<family>.py``, joined by ``hpc.core.models.section_class``
+    into ``Model`` when it is first asked for)."""
+
+    arch: str = field(DEFAULT_ARCH, doc=f"A built-in family ({', '.join(f'`{a}`' for a in FAMILIES)}) or "
+                      "`package.module:function` returning an nn.Module: dotted Python identifiers, not a module "
+                      "of the standard library; `render` and `submit` say which file will be imported.")
+    size: str = field("tiny", doc="Preset of a built-in family, with the real parameter counts listed above.")
+    dim: int = field(0, doc="Width (d_model) of a built-in family (0: the preset's); for a user model with "
                      "`n_params`, its width.", minimum=0)
-    n_layers: int = field(0, doc="Transformer blocks of the built-in GPT (0: the preset's); for a user model "
+    n_layers: int = field(0, doc="Transformer blocks of a built-in family (0: the preset's); for a user model "
                           "with `n_params`, its number of blocks.", minimum=0)
-    n_heads: int = field(0, doc="Attention heads of the built-in GPT (0: the preset's); must divide `dim`.",
+    n_heads: int = field(0, doc="Attention heads of a built-in family (0: the preset's); must divide `dim`.",
                          minimum=0)
     seq_len: int = field(0, doc="Context length (0: the preset's).", minimum=0)
     vocab_size: int = field(0, doc="Vocabulary size (0: the preset's).", minimum=0)
     tie_embeddings: bool = field(False, doc="The output head reuses the token embedding's matrix "
                                  "(the presets have their own head).")
-    n_params: int = field(0, doc="A user model's parameter count, for the planner (0: unknown; then "
-                          "`hpcx plan --count-params` can count it where torch is installed). Needs "
-                          "`n_layers` and `dim`.", minimum=0, maximum=10**15)
     dropout: float = field(0.0, doc="Dropout probability, below 1.", minimum=0, maximum=1)
-    blocks: str = field("", doc="For user models: attribute path of the nn.ModuleList whose children "
-                        "are the units to shard and checkpoint, e.g. `transformer.h` (names and indices "
-                        "joined by `.`; default: `blocks`).")
-    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model (each key a Python "
-                                      "identifier): strings, finite "
-                                      "numbers, booleans, arrays, tables; no credential-looking keys or values "
-                                      "(they are written to resolved.json).", factory=dict)
-    activation_gb: float = field(0.0, doc="Measured activation memory per micro-batch sample in GB, for "
-                                 "the planner on user models (0: unknown).", minimum=0)
     hf_config: str = field("", doc="A Hugging Face model folder (or its `config.json`): sets `arch` and every "
-                           "shape field from it on the login node (`LlamaForCausalLM` only); a spec value that "
+                           "shape field from it on the login node (the classes listed above); a spec value that "
                            "contradicts it is an error. Relative to the current folder; recorded absolute.",
                            max_len=v.PATH_MAX)
-    n_kv_heads: int = field(0, doc="Llama: key/value heads of grouped-query attention (0: the preset's); must "
-                            "divide `n_heads`.", minimum=0)
-    ffn_dim: int = field(0, doc="Llama: the SwiGLU MLP's hidden width (0: from `multiple_of` and "
-                         "`ffn_dim_multiplier`, as Meta's code computes it).", minimum=0)
-    multiple_of: int = field(0, doc="Llama: the MLP width is rounded up to a multiple of this (0: the preset's).",
-                             minimum=0)
-    ffn_dim_multiplier: float = field(0.0, doc="Llama: factor on 8/3·dim before rounding (0: the preset's).",
-                                      minimum=0)
-    rope_theta: float = field(0.0, doc="Llama: rotary embedding base (0: the preset's; 10000 for Llama 2, "
-                              "500000 for Llama 3).", minimum=0, maximum=1e12)
-    rope_factor: float = field(0.0, doc="Llama 3.1+: rotary frequency scaling factor (0: the preset's; 1: no "
-                               "scaling).", minimum=0)
-    rope_low_freq_factor: float = field(0.0, doc="Llama 3.1+: low-frequency factor of the scaling (0: 1).",
-                                        minimum=0)
-    rope_high_freq_factor: float = field(0.0, doc="Llama 3.1+: high-frequency factor of the scaling (0: 4).",
-                                         minimum=0)
-    rope_original_seq_len: int = field(0, doc="Llama 3.1+: the context the scaling starts from (0: 8192).",
-                                       minimum=0)
-    norm_eps: float = field(0.0, doc="Llama: RMSNorm epsilon (0: the preset's, 1e-5).", minimum=0)
 
 
 @dataclass
@@ -243,8 +213,23 @@ class JobSpec:
         return out
 
 
-SECTIONS = {"job": Job, "model": Model, "data": Data, "train": Train, "parallel": Parallel,
+@functools.cache
+def sections() -> dict[str, type]:
+    """Each section's class by name; ``[model]`` is joined from the families when first asked
+    (``hpc.core.models.section_class``), so importing this module loads no family."""
+    from hpc.core.models import section_class
+
+    return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
             "checkpoint": Checkpoint, "env": Env}
+
+
+def __getattr__(name: str) -> tp.Any:
+    """``Model`` (the joined ``[model]`` section) and ``SECTIONS``, built when first asked for."""
+    if name == "Model":
+        return sections()["model"]
+    if name == "SECTIONS":
+        return sections()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = True) -> JobSpec:
@@ -257,8 +242,7 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
 
         doc = {**doc, "model": dict(doc["model"])}
         errors += apply_hf_config(doc["model"])
-    sections = build_document(SECTIONS, doc, errors)
-    spec = JobSpec(source=source, **sections)
+    spec = JobSpec(source=source, **build_document(sections(), doc, errors))
     errors += _check_env(doc.get("env"))
     # a field that failed its type check was left at its default: each check runs when its fields are well-typed
     errors += _check_job(spec.job, lambda *keys: _typed(errors, "job", keys))

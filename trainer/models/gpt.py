@@ -10,8 +10,6 @@ N(0, 0.02/sqrt(2·layers)), LayerNorms ones/zeros. Its FSDP units outside the bl
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,31 +17,15 @@ from torch import nn
 from hpc.core.models import model_facts
 from hpc.core.models.gpt import GPTShape
 from hpc.core.spec import Model as ModelSpec
+from trainer.models.decoder import GPT2_STD, Embedding, Linear, causal_attention, heads, num_params, residual_std
 
-GPT2_STD = 0.02
+__all__ = ["GPT", "GPT2_STD", "Block", "CausalSelfAttention", "Embedding", "Linear", "MLP", "build"]
+
 
 
 def build(spec: ModelSpec) -> nn.Module:
     """The GPT of ``spec`` (under the caller's ``torch.device``)."""
     return GPT(model_facts(spec).shape, spec.dropout)
-
-
-class Linear(nn.Linear):
-    """A bias-free linear layer initialised N(0, std) as GPT-2 does (torch's default is kaiming-uniform)."""
-
-    def __init__(self, d_in: int, d_out: int, std: float = GPT2_STD):
-        self.std = std  # set first: nn.Linear.__init__ calls reset_parameters
-        super().__init__(d_in, d_out, bias=False)
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=self.std)
-
-
-class Embedding(nn.Embedding):
-    """An embedding initialised N(0, 0.02) (torch's default is N(0, 1))."""
-
-    def reset_parameters(self) -> None:
-        nn.init.normal_(self.weight, mean=0.0, std=GPT2_STD)
 
 
 class CausalSelfAttention(nn.Module):
@@ -55,12 +37,9 @@ class CausalSelfAttention(nn.Module):
         self.proj = Linear(d_model, d_model, residual_std)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (t.view(b, s, self.n_heads, d // self.n_heads).transpose(1, 2) for t in (q, k, v))
-        p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, s, d))
+        d = x.shape[-1]
+        q, k, v = (heads(t, self.n_heads, d // self.n_heads) for t in self.qkv(x).split(d, dim=2))
+        return self.proj(causal_attention(q, k, v, self.dropout if self.training else 0.0))
 
 
 class MLP(nn.Module):
@@ -95,12 +74,11 @@ class GPT(nn.Module):
     def __init__(self, shape: GPTShape, dropout: float = 0.0):
         super().__init__()
         self.shape = shape
-        residual_std = GPT2_STD / math.sqrt(2 * max(1, shape.n_layers))
+        std = residual_std(shape.n_layers)
         self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
         self.pos_emb = Embedding(shape.seq_len, shape.d_model)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(shape.d_model, shape.n_heads, dropout, residual_std)
-                                    for _ in range(shape.n_layers))
+        self.blocks = nn.ModuleList(Block(shape.d_model, shape.n_heads, dropout, std) for _ in range(shape.n_layers))
         self.ln_f = nn.LayerNorm(shape.d_model)
         self.head = Linear(shape.d_model, shape.vocab_size)
         if shape.tied:  # one matrix for both; parameters() lists it once, under tok_emb
@@ -122,4 +100,4 @@ class GPT(nn.Module):
         return [[self.tok_emb, self.pos_emb], [self.ln_f, self.head]]
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return num_params(self)

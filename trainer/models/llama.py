@@ -5,7 +5,7 @@ RMSNorm → grouped-query attention (rotary embeddings on q and k, ``F.scaled_do
 (tied to the embedding when the shape says so). Linear layers have no bias. The rotary embedding
 rotates the two halves of each head, as ``transformers``' ``LlamaForCausalLM`` does, so the weights
 map to it name for name (``hpc.core.models.llama.hf_names``) without the q/k row permutation Meta's interleaved layout
-needs. Initialisation as the GPT's (``trainer.model``): N(0, 0.02), the residual projections
+needs. Initialisation as the GPT's (``trainer.models.decoder``): N(0, 0.02), the residual projections
 (``wo``, ``w2``) N(0, 0.02/sqrt(2·layers)), norms ones, the rotary buffer computed; every module
 that owns tensors has ``reset_parameters`` so ``WeightInit`` builds it on the meta device.
 """
@@ -21,7 +21,7 @@ from torch import nn
 from hpc.core.models import model_facts
 from hpc.core.models.llama import LlamaShape
 from hpc.core.spec import Model as ModelSpec
-from trainer.models.gpt import GPT2_STD, Embedding, Linear
+from trainer.models.decoder import Embedding, Linear, causal_attention, heads, num_params, residual_std
 
 
 def build(spec: ModelSpec) -> nn.Module:
@@ -100,13 +100,10 @@ class Attention(nn.Module):
         self.wo = Linear(shape.d_model, shape.d_model, residual_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q = self.wq(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
-        return self.wo(y.transpose(1, 2).reshape(b, s, d))
+        q = rotate(heads(self.wq(x), self.n_heads, self.head_dim), cos, sin)
+        k = rotate(heads(self.wk(x), self.n_kv_heads, self.head_dim), cos, sin)
+        v = heads(self.wv(x), self.n_kv_heads, self.head_dim)
+        return self.wo(causal_attention(q, k, v))
 
 
 class SwiGLU(nn.Module):
@@ -143,10 +140,10 @@ class Llama(nn.Module):
     def __init__(self, shape: LlamaShape):
         super().__init__()
         self.shape = shape
-        residual_std = GPT2_STD / math.sqrt(2 * max(1, shape.n_layers))
+        std = residual_std(shape.n_layers)
         self.tok_emb = Embedding(shape.vocab_size, shape.d_model)
         self.rope = Rotary(shape)
-        self.blocks = nn.ModuleList(LlamaBlock(shape, residual_std) for _ in range(shape.n_layers))
+        self.blocks = nn.ModuleList(LlamaBlock(shape, std) for _ in range(shape.n_layers))
         self.norm = RMSNorm(shape.d_model, shape.norm_eps)
         self.head = Linear(shape.d_model, shape.vocab_size)
         if shape.tied:  # one matrix for both; parameters() lists it once, under tok_emb
@@ -164,4 +161,4 @@ class Llama(nn.Module):
         return [] if self.shape.tied else [[self.tok_emb], [self.norm, self.head]]
 
     def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+        return num_params(self)

@@ -2,31 +2,88 @@
 
 One description per model family answers every question the login side and the trainer ask
 (parameter count, the largest FSDP unit, FLOPs per token, context length, vocabulary, activation
-bytes, a label for people), so no other module branches on ``model.arch``. A family is one module
-here and one in ``trainer/models/``, and a line in ``FAMILIES``; each module here gives:
-
-- ``facts(model, counted)`` -> ``ModelFacts`` (``family`` set to its name, ``shape`` to its own shape);
-- ``problems(model)``: what is wrong with the spec's ``[model]`` for this family;
-- ``activation_bytes(facts, micro_batch, checkpointing, mixed_precision, dropout, autocast)``;
-- ``code_notice(model)``: what running it imports (user code), or None;
-- ``COUNTED_BY_BUILDING``: whether a login node learns its size only by building it (``--count-params``).
+bytes, a label for people), so no other module branches on ``model.arch``. A family is one object,
+``FAMILY`` in its module ``hpc/core/models/<family>.py``, that implements ``Family`` (checked over the
+registry by tests/test_models_family.py); the registry is ``FAMILIES`` (arch → module). It names its
+own ``[model]`` fields (``fields``, a dataclass joined into the spec's section by ``section_class``, as
+each scheduler kind's fields are joined into a site's ``[scheduler]``) and its torch half
+(``builder``, a module of ``trainer/models/`` that ``trainer.models.family`` imports in the job).
+A family that maps onto a ``transformers`` class also implements ``HfMapped`` (export,
+``checkpoint.init_from``) and, when hpcx reads that class's ``config.json``, ``HfReader``
+(``hpc.core.hf``).
 
 Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``), ``llama`` (the built-in Llama, ``arch =
-"llama"``) and ``user`` (``arch = "pkg.mod:function"``,
-every arch no other family names).
+"llama"``) and ``user`` (``arch = "pkg.mod:function"``, every arch no other family names). What the
+built-in decoders share (activation bookkeeping) is ``hpc.core.models.decoder``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import typing as tp
 from dataclasses import dataclass
-from types import ModuleType
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
 
+# arch -> the module whose ``FAMILY`` describes it; any other arch is a user model (``pkg.mod:function``)
+FAMILIES = {"gpt": "hpc.core.models.gpt", "llama": "hpc.core.models.llama"}
+USER = "user"
+USER_MODULE = "hpc.core.models.user"
+DEFAULT_ARCH = next(iter(FAMILIES))  # ``model.arch`` when a spec names none
 
+
+@tp.runtime_checkable
+class Family(tp.Protocol):
+    """What every model family gives, torch-free (torchtitan's ``ModelSpec``, login side): its spec
+    fields, its facts and checks, and where its torch half is."""
+
+    name: str  # ``ModelFacts.family``; the arch of a built-in family
+    phrase: str  # for messages: "arch = 'llama'", "user models"
+    fields: type  # a dataclass of the ``[model]`` fields only this family reads (it may have none)
+    builder: str  # its torch half: a module with ``build(spec.model)`` (``trainer.models.Builder``)
+    counted_by_building: bool  # a login node learns its size only by building it (``--count-params``)
+
+    def facts(self, model: Model, counted: Counted | None = None) -> ModelFacts:
+        """What the planner and the trainer know about ``model`` (a checked ``[model]``)."""
+
+    def problems(self, model: Model) -> list[str]:
+        """What is wrong with the spec's ``[model]`` for this family (its own fields, shapes, presets)."""
+
+    def activation_bytes(self, facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,
+                         dropout: float = 0.0, autocast: bool = False) -> float | None:
+        """Activation memory of one micro-batch at its peak; None when unknown."""
+
+    def code_notice(self, model: Model) -> str | None:
+        """What running the model imports (user code), for people, or None."""
+
+    def preset_counts(self) -> str:
+        """Its presets of ``model.size`` with their parameter counts, for people ("" when it has none)."""
+
+
+@tp.runtime_checkable
+class HfMapped(tp.Protocol):
+    """A family with a ``transformers`` class (torchtitan's state-dict adapter): the export and
+    ``checkpoint.init_from`` (``hpc.core.hf``)."""
+
+    def hf_config(self, shape: tp.Any) -> dict[str, tp.Any]:
+        """The ``config.json`` of the ``transformers`` model that computes what ``shape``'s model computes."""
+
+    def hf_tensor_plan(self, shape: tp.Any) -> list[tp.Any]:
+        """Every Hugging Face tensor (``hpc.core.hf.HfTensor``), in hpcx's parameter order."""
+
+
+@tp.runtime_checkable
+class HfReader(HfMapped, tp.Protocol):
+    """A family whose class's ``config.json`` a spec may name (``model.hf_config``)."""
+
+    hf_arch: str  # the class in ``architectures`` ("LlamaForCausalLM")
+    hf_model_type: str  # its ``model_type``, for a config that names no class
+    hf_keys: tuple[tuple[str, str], ...]  # config.json key → [model] field
+
+    def hf_spec_fields(self, path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
+        """The ``[model]`` fields the ``config.json`` ``doc`` (read from ``path``) sets."""
 
 
 def count_text(n: int) -> str:
@@ -56,7 +113,7 @@ class ModelFacts:
     source: str = ""  # where the parameter count comes from
     param_shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape; empty when unknown
     largest_module_params: int | None = None  # the most parameters one module owns (init granularity)
-    family: str = "user"  # the module of ``FAMILIES`` that describes it
+    family: str = USER  # the ``Family.name`` of the family that describes it
 
     @property
     def builtin(self) -> bool:
@@ -74,19 +131,49 @@ class Counted:
     embedding_params: int  # nn.Embedding weights that no linear layer shares
 
 
-# arch -> the module describing that family; any other arch is a user model (``pkg.mod:function``)
-FAMILIES = {"gpt": "hpc.core.models.gpt", "llama": "hpc.core.models.llama"}
-USER = "user"
+def _load(module: str) -> Family:
+    return importlib.import_module(module).FAMILY
 
 
-def family(arch: str) -> ModuleType:
-    """The module of the family ``arch`` belongs to (``FAMILIES``, else ``hpc.core.models.user``)."""
-    return importlib.import_module(FAMILIES.get(arch, f"hpc.core.models.{USER}"))
+def family(arch: str) -> Family:
+    """The family ``arch`` belongs to (``FAMILIES``, else the user family)."""
+    return _load(FAMILIES.get(arch, USER_MODULE))
 
 
-def family_of(facts: ModelFacts) -> ModuleType:
-    """The family module that described ``facts``."""
-    return importlib.import_module(f"hpc.core.models.{facts.family}")
+def family_of(facts: ModelFacts) -> Family:
+    """The family that described ``facts`` (by ``ModelFacts.family``)."""
+    return _load(FAMILIES.get(facts.family, USER_MODULE))
+
+
+def families() -> list[Family]:
+    """Every family: the registry's, then the user family."""
+    return [_load(module) for module in (*FAMILIES.values(), USER_MODULE)]
+
+
+def section_class(common: type) -> type:
+    """The spec's ``[model]`` section: a dataclass with ``common``'s fields (every family's), then each
+    family's own ``fields`` in ``families()`` order. ``FAMILY_FIELDS`` on it says which family declared
+    which field (for the reference docs). Two declaring one name is a programming error."""
+    owners: dict[str, str] = {f.name: "" for f in dataclasses.fields(common)}
+    family_fields: dict[str, tuple[str, ...]] = {}
+    for fam in families():
+        names = tuple(f.name for f in dataclasses.fields(fam.fields))
+        clash = [name for name in names if name in owners]
+        if clash:
+            raise TypeError(f"the {fam.name} family declares {clash}, already declared by "
+                            f"{owners[clash[0]] or common.__qualname__}")
+        owners.update(dict.fromkeys(names, fam.name))
+        family_fields[fam.name] = names
+    # a dataclass collects fields from its bases last to first: common's come first
+    bases = tuple(fam.fields for fam in reversed(families())) + (common,)
+    cls = dataclasses.make_dataclass(common.__name__.removeprefix("Common"), [], bases=bases)
+    cls.__module__, cls.__doc__ = common.__module__, common.__doc__
+    cls.FAMILY_FIELDS = family_fields
+    return cls
+
+
+def _default(f: dataclasses.Field) -> tp.Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
 
 
 def model_facts(model: Model, counted: Counted | None = None) -> ModelFacts:
@@ -96,11 +183,17 @@ def model_facts(model: Model, counted: Counted | None = None) -> ModelFacts:
 
 
 def model_problems(model: Model) -> list[str]:
-    """What is wrong with ``spec.model`` for its family (checked at load, on the login node); the
-    Llama's own fields set on another family are refused first."""
-    from hpc.core.models.llama import foreign_field_problems
+    """What is wrong with ``spec.model`` for its family (checked at load, on the login node); then
+    another family's own fields set on it."""
+    return family(model.arch).problems(model) or foreign_field_problems(model)
 
-    return foreign_field_problems(model) or family(model.arch).problems(model)
+
+def foreign_field_problems(model: Model) -> list[str]:
+    """The fields another family declares (``Family.fields``) set away from their defaults on ``model``."""
+    own = family(model.arch)
+    return [f"`model.{f.name}` = {getattr(model, f.name)!r} is for {other.phrase}, not {model.arch!r}"
+            for other in families() if other.name != own.name
+            for f in dataclasses.fields(other.fields) if getattr(model, f.name) != _default(f)]
 
 
 def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,
@@ -116,7 +209,7 @@ def code_notice(model: Model) -> str | None:
 
 def counted_by_building(model: Model) -> bool:
     """Whether only a build (``trainer.count``, torch) tells this model's size (``--count-params``)."""
-    return family(model.arch).COUNTED_BY_BUILDING
+    return family(model.arch).counted_by_building
 
 
 def compute_bytes(mixed_precision: str) -> int:

@@ -14,12 +14,11 @@ import typing as tp
 from dataclasses import dataclass
 
 from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
+from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations  # noqa: F401  (re-exported)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
 
-COUNTED_BY_BUILDING = False  # the count follows from the shape: nothing to build
-LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gradient in and out
 
 
 @dataclass(frozen=True)
@@ -154,26 +153,6 @@ def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, m
     return gpt_activation_bytes(facts.shape, micro_batch, checkpointing, mixed_precision, dropout, autocast)
 
 
-@dataclass(frozen=True)
-class Activations:
-    """Activation bytes of one micro-batch."""
-
-    held: float  # at the end of forward: what autograd saved, plus the logits the training loop holds
-    peak: float  # the most alive at once, during backward
-
-
-def decoder_activations(layers: int, block: float, block_input: float, head: float, logits: float,
-                        log_probs: float, loss: float, grads: float, small: float, checkpointing: bool) -> Activations:
-    """``Activations`` of a stack of ``layers`` decoder blocks from one micro-batch's parts: ``block``
-    what one block saves, ``block_input`` what it keeps under checkpointing, ``head`` the final norm's
-    and the head's inputs, the loss's ``logits``, fp32 ``log_probs`` and gradient ``loss``, ``grads``
-    the widest gradients inside one block's backward, ``small`` ids, targets and shared tables. The
-    peak is at the loss's backward or inside the last block's (recomputed first under checkpointing)."""
-    kept = layers * (block_input if checkpointing else block)
-    inner = block + grads if checkpointing else grads
-    return Activations(kept + head + logits + log_probs + small, kept + logits + max(head + loss, inner) + small)
-
-
 def gpt_activations(shape: GPTShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
                     dropout: float = 0.0, autocast: bool = False) -> Activations:
     """The built-in GPT's activation bytes of one micro-batch.
@@ -257,3 +236,28 @@ def _hf_layer(ours: str, hf: str, d_in: int, d_out: int) -> list[tp.Any]:
         return [_hf(f"{hf}.{p}", f"{ours}.{p}", "copy", (d_in,)) for p in ("weight", "bias")]
     return [_hf(f"{hf}.weight", f"{ours}.weight", "transpose", (d_in, d_out)),
             _hf(f"{hf}.bias", "", "zeros", (d_out,))]
+
+
+@dataclass
+class Fields:
+    """The GPT reads only the fields every family has (``hpc.core.spec.CommonModel``)."""
+
+
+class Gpt:
+    """The built-in GPT as a ``hpc.core.models.Family`` (and ``HfMapped``: ``GPT2LMHeadModel``)."""
+
+    name = "gpt"
+    phrase = "arch = 'gpt'"
+    fields = Fields
+    builder = "trainer.models.gpt"
+    counted_by_building = False  # the count follows from the shape: nothing to build
+    facts = staticmethod(facts)
+    problems = staticmethod(problems)
+    activation_bytes = staticmethod(activation_bytes)
+    code_notice = staticmethod(code_notice)
+    preset_counts = staticmethod(preset_counts)
+    hf_config = staticmethod(hf_config)
+    hf_tensor_plan = staticmethod(hf_tensor_plan)
+
+
+FAMILY = Gpt()

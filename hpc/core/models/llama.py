@@ -19,16 +19,40 @@ import math
 import typing as tp
 from dataclasses import dataclass, replace
 
+from hpc.core.config import field
 from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
+from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
 
-COUNTED_BY_BUILDING = False  # the count follows from the shape
 ARCH = "llama"
-# spec fields only the Llama family reads (0 keeps the preset's value)
-LLAMA_FIELDS = ("n_kv_heads", "ffn_dim", "multiple_of", "ffn_dim_multiplier", "rope_theta", "rope_factor",
-                "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_seq_len", "norm_eps")
+
+
+@dataclass
+class Fields:
+    """The ``[model]`` fields only the Llama reads (0 keeps the preset's value); joined into the spec's
+    section by ``hpc.core.models.section_class``."""
+
+    n_kv_heads: int = field(0, doc="Llama: key/value heads of grouped-query attention (0: the preset's); must "
+                            "divide `n_heads`.", minimum=0)
+    ffn_dim: int = field(0, doc="Llama: the SwiGLU MLP's hidden width (0: from `multiple_of` and "
+                         "`ffn_dim_multiplier`, as Meta's code computes it).", minimum=0)
+    multiple_of: int = field(0, doc="Llama: the MLP width is rounded up to a multiple of this (0: the preset's).",
+                             minimum=0)
+    ffn_dim_multiplier: float = field(0.0, doc="Llama: factor on 8/3·dim before rounding (0: the preset's).",
+                                      minimum=0)
+    rope_theta: float = field(0.0, doc="Llama: rotary embedding base (0: the preset's; 10000 for Llama 2, "
+                              "500000 for Llama 3).", minimum=0, maximum=1e12)
+    rope_factor: float = field(0.0, doc="Llama 3.1+: rotary frequency scaling factor (0: the preset's; 1: no "
+                               "scaling).", minimum=0)
+    rope_low_freq_factor: float = field(0.0, doc="Llama 3.1+: low-frequency factor of the scaling (0: 1).",
+                                        minimum=0)
+    rope_high_freq_factor: float = field(0.0, doc="Llama 3.1+: high-frequency factor of the scaling (0: 4).",
+                                         minimum=0)
+    rope_original_seq_len: int = field(0, doc="Llama 3.1+: the context the scaling starts from (0: 8192).",
+                                       minimum=0)
+    norm_eps: float = field(0.0, doc="Llama: RMSNorm epsilon (0: the preset's, 1e-5).", minimum=0)
 
 
 def swiglu_hidden(d_model: int, multiple_of: int, ffn_dim_multiplier: float = 0.0) -> int:
@@ -203,14 +227,6 @@ def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, m
     return llama_activations(facts.shape, micro_batch, checkpointing, mixed_precision, autocast).peak
 
 
-def foreign_field_problems(model: Model) -> list[str]:
-    """Llama-only fields set on another family (none for a Llama)."""
-    if model.arch == ARCH:
-        return []
-    return [f"`model.{key}` = {getattr(model, key)!r} is for arch = 'llama', not {model.arch!r}"
-            for key in LLAMA_FIELDS if getattr(model, key)]
-
-
 def preset_counts() -> str:
     """``tiny (…), llama2-7b (6.74B) …``: the Llama presets with their parameter counts."""
     return ", ".join(f"{name} ({count_text(s.n_params)})" for name, s in LLAMA_PRESETS.items())
@@ -220,8 +236,8 @@ def preset_counts() -> str:
 
 
 def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                      autocast: bool = False) -> tp.Any:
-    """Activation bytes of one micro-batch (``hpc.core.models.gpt.Activations``), as autograd saves
+                      autocast: bool = False) -> Activations:
+    """Activation bytes of one micro-batch (``hpc.core.models.decoder.Activations``), as autograd saves
     them in ``trainer.models.llama`` (checked by tests/test_llama.py).
 
     Per block and token: each RMSNorm keeps an fp32 copy of its input, its normalised output (in the
@@ -233,8 +249,6 @@ def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     product (4·ffn_dim). The cos/sin tables (per position) are shared by every block. The peak
     follows the GPT's reasoning (``hpc.core.models.gpt.gpt_activations``).
     """
-    from hpc.core.models.gpt import LOGIT_BYTES, decoder_activations
-
     c, r = compute_bytes(mixed_precision), residual_bytes(mixed_precision, autocast)
     tokens, d, kv, f = micro_batch * shape.seq_len, shape.d_model, shape.kv_dim, shape.ffn_dim
     norm = d * (4 + r) + 4
@@ -272,7 +286,7 @@ def hf_config(s: LlamaShape) -> dict[str, tp.Any]:
     scaling = None if s.rope_factor <= 1 else {
         "rope_type": "llama3", "factor": s.rope_factor, "low_freq_factor": s.rope_low_freq_factor,
         "high_freq_factor": s.rope_high_freq_factor, "original_max_position_embeddings": s.rope_original_seq_len}
-    return {"architectures": [HF_ARCH], "model_type": "llama", "hidden_size": s.d_model,
+    return {"architectures": [HF_ARCH], "model_type": HF_MODEL_TYPE, "hidden_size": s.d_model,
             "intermediate_size": s.ffn_dim, "num_hidden_layers": s.n_layers, "num_attention_heads": s.n_heads,
             "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
             "max_position_embeddings": s.seq_len, "rms_norm_eps": s.norm_eps, "rope_theta": s.rope_theta,
@@ -281,6 +295,7 @@ def hf_config(s: LlamaShape) -> dict[str, tp.Any]:
 
 
 HF_ARCH = "LlamaForCausalLM"
+HF_MODEL_TYPE = "llama"
 # config.json key → [model] field
 HF_KEYS = (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
            ("num_key_value_heads", "n_kv_heads"), ("intermediate_size", "ffn_dim"),
@@ -348,3 +363,27 @@ def hf_names(shape: LlamaShape) -> dict[str, tuple[str, tuple[int, ...]]]:
     if not shape.tied:
         names["head.weight"] = "lm_head.weight"
     return {ours: (theirs, next(shapes)) for ours, theirs in names.items()}
+
+
+class Llama:
+    """The built-in Llama as a ``hpc.core.models.Family`` (and ``HfReader``: ``LlamaForCausalLM``)."""
+
+    name = ARCH
+    phrase = "arch = 'llama'"
+    fields = Fields
+    builder = "trainer.models.llama"
+    counted_by_building = False  # the count follows from the shape
+    facts = staticmethod(facts)
+    problems = staticmethod(problems)
+    activation_bytes = staticmethod(activation_bytes)
+    code_notice = staticmethod(code_notice)
+    preset_counts = staticmethod(preset_counts)
+    hf_config = staticmethod(hf_config)
+    hf_tensor_plan = staticmethod(hf_tensor_plan)
+    hf_spec_fields = staticmethod(hf_spec_fields)
+    hf_arch = HF_ARCH
+    hf_model_type = HF_MODEL_TYPE
+    hf_keys = HF_KEYS
+
+
+FAMILY = Llama()

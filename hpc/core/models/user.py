@@ -10,15 +10,35 @@ from __future__ import annotations
 import math
 import re
 import typing as tp
+from dataclasses import dataclass
 
-from hpc.core.models import Counted, ModelFacts, count_text
+from hpc.core.config import field
+from hpc.core.models import FAMILIES, USER, Counted, ModelFacts, count_text
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
 
-COUNTED_BY_BUILDING = True
 GB = 1e9
 USER_ARCH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:function
+
+
+@dataclass
+class Fields:
+    """The ``[model]`` fields only a user model reads; joined into the spec's section by
+    ``hpc.core.models.section_class``."""
+
+    n_params: int = field(0, doc="A user model's parameter count, for the planner (0: unknown; then "
+                          "`hpcx plan --count-params` can count it where torch is installed). Needs "
+                          "`n_layers` and `dim`.", minimum=0, maximum=10**15)
+    blocks: str = field("", doc="For user models: attribute path of the nn.ModuleList whose children "
+                        "are the units to shard and checkpoint, e.g. `transformer.h` (names and indices "
+                        "joined by `.`; default: `blocks`).")
+    kwargs: dict[str, tp.Any] = field(doc="Keyword arguments for a `module:function` model (each key a Python "
+                                      "identifier): strings, finite "
+                                      "numbers, booleans, arrays, tables; no credential-looking keys or values "
+                                      "(they are written to resolved.json).", factory=dict)
+    activation_gb: float = field(0.0, doc="Measured activation memory per micro-batch sample in GB, for "
+                                 "the planner on user models (0: unknown).", minimum=0)
 
 
 def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
@@ -38,7 +58,8 @@ def problems(model: Model) -> list[str]:
     from hpc.core.validate import check_model_arch
 
     if not USER_ARCH.match(model.arch) or check_model_arch(model.arch):
-        return check_model_arch(model.arch) or [f"`model.arch` = {model.arch!r}: expected 'gpt', 'llama' or "
+        built_in = ", ".join(repr(arch) for arch in FAMILIES)
+        return check_model_arch(model.arch) or [f"`model.arch` = {model.arch!r}: expected {built_in} or "
                                                 "'package.module:function'"]
     errors = [f"`model.{key}` must be set for the user model {model.arch!r} (0 means the preset's, and a user "
               f"model has none)" for key in ("seq_len", "vocab_size") if not getattr(model, key)]
@@ -128,3 +149,26 @@ def _stated_problems(model: Model) -> list[str]:
                 f"{'' if model.tie_embeddings else ' and head'} alone (vocab_size {model.vocab_size} × dim "
                 f"{model.dim}{'' if model.tie_embeddings else ' × 2'} = {root})"]
     return []
+
+
+def preset_counts() -> str:
+    """A user model has no presets."""
+    return ""
+
+
+class User:
+    """User models (``arch = "pkg.mod:function"``) as a ``hpc.core.models.Family``."""
+
+    name = USER
+    phrase = "user models"
+    fields = Fields
+    builder = "trainer.models.user"
+    counted_by_building = True  # its size is known only by building it (or stated in the spec)
+    facts = staticmethod(facts)
+    problems = staticmethod(problems)
+    activation_bytes = staticmethod(activation_bytes)
+    code_notice = staticmethod(code_notice)
+    preset_counts = staticmethod(preset_counts)
+
+
+FAMILY = User()
