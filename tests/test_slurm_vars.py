@@ -138,7 +138,7 @@ def test_status_list_gives_up_on_a_scheduler_that_hangs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hpc.cli", "status"], capture_output=True, text=True, env=env,
                          timeout=120, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert len(out.stdout.splitlines()) == 3 and all(f"unknown ({UNREACHABLE})" in l for l in out.stdout.splitlines())
+    assert len(out.stdout.splitlines()) == 3 and all(f"unknown ({UNREACHABLE})" in ln for ln in out.stdout.splitlines())
     assert time.monotonic() - start < 60  # a hang guard: the list waits LIST_TIMEOUT_S, not sleep 600
 
 

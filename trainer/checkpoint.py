@@ -337,7 +337,7 @@ def _commit_async(future: Future, job: dict, partial: Path, keep: int, rank: int
     try:
         if future.exception() is None and rank == 0:
             _commit(partial, job["final"], keep)
-    except Exception as exc:  # surfaced by wait_pending
+    except Exception as exc:  # noqa: BLE001  (surfaced by wait_pending)
         job["error"] = exc
     finally:
         job["done"].set()

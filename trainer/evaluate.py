@@ -20,8 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
+from hpc.core.spec import JobSpec
 from trainer.data import GlobalSampler
 from trainer.objective import split_batch, token_losses
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from trainer.loop import Trainer  # which imports this module
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -47,7 +51,7 @@ def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank:
     return Evaluator(dataset, sampler, every, steps)
 
 
-def _sums(t: tp.Any, ev: Evaluator) -> torch.Tensor:
+def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
     """(sum of target losses, number of targets) over this rank's share, float64 on the device."""
     sums = torch.zeros(2, dtype=torch.float64, device=t.device)
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None else contextlib.nullcontext())
@@ -63,7 +67,7 @@ def _sums(t: tp.Any, ev: Evaluator) -> torch.Tensor:
     return sums
 
 
-def evaluate(t: tp.Any, ev: Evaluator, step: int) -> dict[str, tp.Any]:
+def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
     """The eval record of ``step`` (every rank takes part): loss, perplexity, targets, seconds."""
     started = time.perf_counter()
     t.model.eval()
@@ -78,7 +82,7 @@ def evaluate(t: tp.Any, ev: Evaluator, step: int) -> dict[str, tp.Any]:
             "eval_tokens": int(count), "eval_s": time.perf_counter() - started}
 
 
-def eval_step(t: tp.Any, step: int) -> dict[str, tp.Any]:
+def eval_step(t: Trainer, step: int) -> dict[str, tp.Any]:
     """Evaluate, write the record to metrics.jsonl (rank 0) and the log; its seconds are left out of the
     training phases (``PhaseClock.skip``), so the next metrics line's throughput is the training's."""
     record = evaluate(t, t.evaluator, step)
@@ -89,7 +93,7 @@ def eval_step(t: tp.Any, step: int) -> dict[str, tp.Any]:
     return record
 
 
-def build_eval(spec: tp.Any, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
+def build_eval(spec: JobSpec, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
     """The evaluator of a spec (None when ``train.eval_every`` is 0 or there is nothing to evaluate on)."""
     from trainer.tokens import ManifestTokens, val_split_source
 

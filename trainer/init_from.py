@@ -25,6 +25,7 @@ How each rank reads (``hpc.ckpt.init_source.InitSource`` says where every tensor
 from __future__ import annotations
 
 import logging
+import math
 import time
 import typing as tp
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ from hpc.ckpt.entries import Scratch
 from hpc.ckpt.init_source import InitSource, open_source
 from hpc.ckpt.torch_zip import read_exact
 from hpc.core.models import model_facts
+from hpc.core.spec import JobSpec
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from trainer.loop import Trainer, TrainState
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -90,16 +95,10 @@ def read_plan(model: nn.Module, source: InitSource) -> list[Read]:
     for name, param in named_params(model):
         t = source.tensors[name]
         start, stop = local_rows(param)
-        row = t.dtype.itemsize * (_numel(t.shape[1:]) if len(t.shape) > 1 else 1)
+        row = t.dtype.itemsize * (math.prod(t.shape[1:]) if len(t.shape) > 1 else 1)
         plan.append(Read(name, t.file, t.offset + start * row, (stop - start) * row, start, stop))
     return plan
 
-
-def _numel(shape: tp.Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -179,7 +178,7 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
 LOADERS = {"safetensors": load_safetensors, "torch": load_torch_file, "dcp": load_dcp}
 
 
-def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
+def initial_weights(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None:
     """Load ``spec.checkpoint.init_from`` into ``model`` (every rank); what was read, or None when unset."""
     path = spec.checkpoint.init_from
     if not path:
@@ -195,7 +194,7 @@ def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
     return report
 
 
-def start_weights(trainer: tp.Any, state: tp.Any, spec: tp.Any) -> tp.Any:
+def start_weights(trainer: Trainer, state: TrainState, spec: JobSpec) -> TrainState:
     """After the resume decision: at step 0, the weights of ``checkpoint.init_from``; ``state`` as it is."""
     if state.step == 0 and spec.checkpoint.init_from:
         trainer.init_report = initial_weights(trainer.model, spec)

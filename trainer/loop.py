@@ -28,7 +28,7 @@ from hpc.core.dims import ParallelDims
 from trainer.boundary import StepBoundary
 from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
-from trainer.evaluate import eval_step
+from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
 from trainer.objective import Batch, counted_targets, masked_scale, micro_loss, split_batch
 from trainer.optim import clip_grad_norm
@@ -78,13 +78,13 @@ class Trainer:
     flops_per_token: float | None = None
     peak_tflops: float = 0.0
     amp_dtype: torch.dtype | None = None
-    scaler: tp.Any = None  # a GradScaler for fp16
+    scaler: torch.amp.GradScaler | None = None  # fp16 only (ShardedGradScaler under FSDP)
     preemption: PreemptionFlag | None = None
     warmup_metrics_steps: int = 2
     resilience: StepBoundary | None = None  # trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
     clock: PhaseClock = field(default_factory=PhaseClock)
     gc_every: int = 0  # train.gc_every: collect every N steps on all ranks, automatic GC off (0: Python's own)
-    evaluator: tp.Any = None  # a trainer.evaluate.Evaluator when train.eval_every is set
+    evaluator: Evaluator | None = None  # when train.eval_every is set
     last_eval: dict | None = None
 
     @property

@@ -32,6 +32,7 @@ a meta model stays on meta and ddp/dp are not wrapped (``hpcx dryrun``).
 from __future__ import annotations
 
 import logging
+import typing as tp
 import warnings
 
 import torch
@@ -218,7 +219,8 @@ class AutocastDataParallel(nn.DataParallel):
         super().__init__(module)
         self.amp_dtype = amp_dtype
 
-    def parallel_apply(self, replicas, inputs, kwargs):
+    def parallel_apply(self, replicas: tp.Sequence[nn.Module], inputs: tp.Sequence[tp.Any],
+                       kwargs: tp.Any) -> list[tp.Any]:
         """DataParallel's own, each replica wrapped in ``AutocastReplica``."""
         if self.amp_dtype is not None:
             replicas = [AutocastReplica(r, self.amp_dtype) for r in replicas]
@@ -232,7 +234,7 @@ class AutocastReplica(nn.Module):
         super().__init__()
         self.replica, self.dtype = replica, dtype
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         """The replica's forward under ``autocast`` of its inputs' device type."""
         device = next((t.device.type for t in args if isinstance(t, torch.Tensor)), "cuda")
         with torch.autocast(device, dtype=self.dtype):

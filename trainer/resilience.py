@@ -52,6 +52,9 @@ from trainer.checkpoint import (committed_steps, latest_checkpoint, load_checkpo
 from trainer.dist import CollectiveTimeouts
 from trainer.preemption import BoundaryVote, PreemptionFlag
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from trainer.run import Run
+
 log = logging.getLogger("hpcx.trainer")
 SIGTERM_NOT_REQUEUED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
 LIMIT_REACHED = "the time limit ended the tasks before a step boundary after its signal (nothing saved then)"
@@ -301,8 +304,8 @@ class Resilience:
             self.side.leave_for_requeue()
 
 
-def resilience_for(run: tp.Any, rank: int, preemption: PreemptionFlag | None) -> Resilience:
-    """The ``Resilience`` of one rank of ``run`` (a ``trainer.run.Run``)."""
+def resilience_for(run: Run, rank: int, preemption: PreemptionFlag | None) -> Resilience:
+    """The ``Resilience`` of one rank of ``run``."""
     parallel = run.spec.parallel
     return Resilience(run_dir=run.run_dir, policy=run.spec.checkpoint, max_requeues=run.spec.job.max_requeues,
                       seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side(),

@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpc.core.manifest import load_manifest, manifest_path
+from hpc.core.spec import Data
 
 
 class ManifestTokens(Dataset):
@@ -69,7 +70,7 @@ def is_manifest_source(source: str) -> bool:
     return source != "synthetic" and manifest_path(source) is not None
 
 
-def val_split_source(data: tp.Any) -> tuple[str, str] | None:
+def val_split_source(data: Data) -> tuple[str, str] | None:
     """(folder, split) that evaluation reads: ``data.val_source`` (its val split, or its train split
     when it has no val split), else the val split of ``data.source``; None when there is none."""
     if data.val_source == "none":
@@ -83,7 +84,7 @@ def val_split_source(data: tp.Any) -> tuple[str, str] | None:
     return (data.source, "val") if manifest["splits"]["val"]["tokens"] else None
 
 
-def data_record(data: tp.Any) -> dict[str, tp.Any]:
+def data_record(data: Data) -> dict[str, tp.Any]:
     """What a run trained on: the manifest (path, SHA-256, totals), its tokenizer (path, SHA-256,
     vocabulary, EOS; what a model export ships) and the validation source."""
     import hashlib
@@ -98,7 +99,7 @@ def data_record(data: tp.Any) -> dict[str, tp.Any]:
             "val_source": val_split_source(data)}
 
 
-def record_data(run_dir: Path, data: tp.Any) -> None:
+def record_data(run_dir: Path, data: Data) -> None:
     """Rank 0 writes ``RUN/data.json`` (``data_record``)."""
     from hpc.core.runs import RunDir, write_json
 

@@ -190,7 +190,7 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
 
 
 
-def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device):
+def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 needs loss scaling; sharded gradients need the sharded scaler."""
     if mixed_precision != "fp16":
         return None

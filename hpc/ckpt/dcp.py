@@ -219,7 +219,7 @@ def load_object(f: tp.BinaryIO, where: str) -> tp.Any:
         raise CheckpointError([f"{where}: refused a stored object ({load_error(exc)})"]) from None
     except OSError as exc:
         raise CheckpointError([f"{where}: cannot read ({describe(exc)})"]) from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (any other failure: an unreadable item)
         raise CheckpointError([f"{where}: unreadable item ({load_error(exc)})"]) from None
 
 

@@ -18,6 +18,7 @@ every missing parameter, shape mismatch, non-floating dtype and unmatched tensor
 
 from __future__ import annotations
 
+import math
 import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,14 +54,8 @@ class InitSource:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.dtype.itemsize * _numel(t.shape) for t in self.tensors.values())
+        return sum(t.dtype.itemsize * math.prod(t.shape) for t in self.tensors.values())
 
-
-def _numel(shape: tp.Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def expected(arch: str, shape: tp.Any) -> dict[str, tuple[int, ...]]:

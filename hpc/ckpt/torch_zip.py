@@ -134,16 +134,16 @@ class _Refs:
         self.by_id[id(placeholder)] = ref
         return placeholder
 
-    def v2(self, storage, offset, size, stride, requires_grad, backward_hooks, metadata=None):  # noqa: ANN
+    def v2(self, storage, offset, size, stride, requires_grad, backward_hooks, metadata=None):  # noqa: ANN001, ANN202
         dtype = storage.dtype if isinstance(storage, StorageRef) else None
         return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
 
-    def v3(self, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):  # noqa: ANN
+    def v3(self, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):  # noqa: ANN001, ANN202
         if not isinstance(dtype, torch.dtype):
             raise Unsupported(f"tensor dtype {short_repr(dtype)}")
         return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
 
-    def parameter(self, data, requires_grad, backward_hooks):  # noqa: ANN
+    def parameter(self, data, requires_grad, backward_hooks):  # noqa: ANN001, ANN202
         if not isinstance(data, torch.Tensor) or id(data) not in self.by_id or backward_hooks:
             raise Unsupported("parameter that is not a plain stored tensor")
         return data
@@ -235,7 +235,7 @@ class TorchZip:
             raise
         except CheckpointError:
             raise
-        except Exception as exc:  # garbled pickle: many exception types
+        except Exception as exc:  # noqa: BLE001  (garbled pickle: many exception types)
             raise CheckpointError([f"{source}: unreadable data.pkl ({type(exc).__name__}: {exc})"]) from None
         self.refs = refs.by_id
         for ref in self.refs.values():  # every record is checked before any tensor is read

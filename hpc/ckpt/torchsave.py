@@ -128,7 +128,7 @@ class TorchReader:
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=is_zip)
         except pickle.UnpicklingError as exc:
             raise CheckpointError([f"{self.path}: refused by weights-only loading ({load_error(exc)})"]) from None
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (garbled file: torch.load raises many types)
             raise CheckpointError([f"{self.path}: unreadable torch file ({load_error(exc)})"]) from None
 
     def _ref(self, key: str) -> tp.Any:

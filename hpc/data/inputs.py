@@ -207,7 +207,7 @@ def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: F
     try:
         # a compressed parquet file is not seekable: it is read whole (parquet compresses inside anyway)
         table = pq.ParquetFile(raw if stream is raw else io.BytesIO(stream.read()))
-    except Exception as exc:  # pyarrow raises its own ArrowInvalid for a file that is not parquet
+    except Exception as exc:  # noqa: BLE001  (pyarrow raises its own ArrowInvalid for a file that is not parquet)
         raise UserError([f"{path}: not a parquet file ({exc}): expected a .parquet table"]) from None
     keys = [fmt.text_key] if fmt.kind == "text" else [fmt.prompt_key, fmt.response_key, fmt.messages_key]
     columns = [k for k in keys if k in table.schema_arrow.names]

@@ -53,7 +53,7 @@ def load_tokenizer(path: str | Path) -> tp.Any:
     file = tokenizer_file(path)
     try:
         return Tokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises a plain Exception for every parse error
+    except Exception as exc:  # noqa: BLE001  (tokenizers raises a plain Exception for every parse error)
         raise UserError([f"{file}: not a tokenizer ({str(exc).splitlines()[0]}): expected a Hugging Face "
                          "tokenizer.json"]) from None
 
