@@ -78,7 +78,7 @@ def set_element(root: dict, path: tp.Sequence[tp.Any], value: tp.Any) -> None:
     """Set ``value`` at the object path ``path`` of ``root`` (``checkpoint._traverse.set_element``)."""
     from torch.distributed.checkpoint._traverse import set_element as set_
 
-    set_(root, path, value)
+    set_(root, tuple(path), value)
 
 
 def narrow_tensor_by_index(tensor: tp.Any, offsets: tp.Sequence[int], sizes: tp.Sequence[int]) -> tp.Any:
@@ -183,7 +183,7 @@ def dump_flight_recorder() -> bytes:
     generic recorder of CPU backends (``_dump_fr_trace``), which holds no NCCL collectives."""
     from torch._C import _distributed_c10d as c10d
 
-    dump = getattr(c10d, "_dump_nccl_trace", None) or c10d._dump_fr_trace
+    dump = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace")  # not in torch._C stubs
     return dump()
 
 

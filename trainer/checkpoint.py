@@ -133,7 +133,7 @@ def rng_state() -> dict[str, tp.Any]:
         import numpy as np
     except ImportError:
         return state
-    _, keys, pos, has_gauss, cached = np.random.get_state()
+    _, keys, pos, has_gauss, cached = tp.cast(tuple, np.random.get_state())  # the legacy tuple, not the dict
     state["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
@@ -414,6 +414,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         metadata = self.reader.metadata
+        if metadata.storage_meta is None:  # a .metadata from before torch recorded one (as torch's own reader)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -431,6 +435,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 planner.load_bytes(req, self.reader.read(key))
                 continue
             target = planner.resolve_tensor(req).detach()
+            assert chunk is not None  # a tensor item has offsets
             self.reader.read_request(key, chunk, req.storage_offsets, req.lengths, target)
             planner.commit_tensor(req, target)
         fut: tp.Any = TorchFuture()

@@ -47,7 +47,7 @@ class Evaluator:
 def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank: int, world_size: int,
                     every: int, steps: int) -> Evaluator:
     """This rank's share of the validation samples, cut as a training step cuts its global batch."""
-    sampler = GlobalSampler(len(dataset), global_batch, micro_batch, rank, world_size, seed=0, shuffle=False)
+    sampler = GlobalSampler(len(dataset), global_batch, micro_batch, rank, world_size, seed=0, shuffle=False)  # type: ignore[arg-type]  # a map-style dataset: sized
     return Evaluator(dataset, sampler, every, steps)
 
 
@@ -85,6 +85,8 @@ def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
 def eval_step(t: Trainer, step: int) -> dict[str, tp.Any]:
     """Evaluate, write the record to metrics.jsonl (rank 0) and the log; its seconds are left out of the
     training phases (``PhaseClock.skip``), so the next metrics line's throughput is the training's."""
+    if t.evaluator is None:
+        raise ValueError("eval_step: the trainer has no evaluator (train.eval_every = 0)")
     record = evaluate(t, t.evaluator, step)
     t.metrics.write(record)
     log.info("step %d/%d | eval loss %.4f | perplexity %.2f | %d tokens | %.1f s", step, t.steps,

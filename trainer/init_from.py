@@ -66,15 +66,16 @@ def clean_name(name: str) -> str:
 def local_rows(param: torch.Tensor) -> tuple[int, int]:
     """Rows ``[start, stop)`` of dim 0 this rank holds: all of them for a plain tensor; for a DTensor,
     ``torch.chunk``'s split along each mesh dimension that shards dim 0 (as ``trainer.model.local_slice``)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     rows = param.shape[0] if param.ndim else 1
     if not isinstance(param, DTensor):
         return 0, rows
     start, stop = 0, rows
     coordinate = param.device_mesh.get_coordinate()
+    assert coordinate is not None  # this rank is in the mesh of its own parameters
     for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_shard():
+        if isinstance(placement, Shard):
             if placement.dim != 0:
                 raise RuntimeError(f"init_from reads row ranges; a parameter is sharded on dim {placement.dim}")
             chunk = -(-(stop - start) // param.device_mesh.size(mesh_dim))
@@ -96,6 +97,7 @@ def read_plan(model: nn.Module, source: InitSource) -> list[Read]:
         t = source.tensors[name]
         start, stop = local_rows(param)
         row = t.dtype.itemsize * (math.prod(t.shape[1:]) if len(t.shape) > 1 else 1)
+        assert t.file is not None  # a safetensors source names each tensor's file
         plan.append(Read(name, t.file, t.offset + start * row, (stop - start) * row, start, stop))
     return plan
 
@@ -167,6 +169,7 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
     from hpc.ckpt.dcp import DcpReader
     from trainer.checkpoint import _load_modules
 
+    assert source.step is not None  # a dcp source names its step folder
     reader = DcpReader(source.step)
     try:
         _load_modules(reader, model, None)

@@ -86,6 +86,7 @@ class Trainer:
     gc_every: int = 0  # train.gc_every: collect every N steps on all ranks, automatic GC off (0: Python's own)
     evaluator: Evaluator | None = None  # when train.eval_every is set
     last_eval: dict | None = None
+    init_report: dict | None = None  # what checkpoint.init_from read (trainer.init_from.start_weights)
 
     @property
     def params(self) -> list[nn.Parameter]:

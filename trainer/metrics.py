@@ -133,7 +133,7 @@ class MetricsWriter:
         self.tb = _tensorboard(run_dir) if enabled else None
 
     def write(self, record: dict) -> None:
-        if not self.enabled:
+        if self.file is None:  # not enabled
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()

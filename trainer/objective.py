@@ -32,7 +32,7 @@ def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> int |
     masks = [split_batch(b)[1] for b in micro_batches]
     if masks[0] is None:
         return None
-    count = torch.tensor([sum(int(m[:, 1:].sum()) for m in masks)], dtype=torch.int64)
+    count = torch.tensor([sum(int(m[:, 1:].sum()) for m in masks if m is not None)], dtype=torch.int64)
     if world_size > 1 and dist.is_initialized():
         if dist.get_backend() == "nccl":
             count = count.cuda()

@@ -38,7 +38,7 @@ def build_optimizer(model: nn.Module, train: Train, sharded_scaler: bool = False
     elif not fused:
         log.info("AdamW: no fused kernel for these parameters (devices %s), using the multi-tensor one",
                  sorted({p.device.type for p in decay + no_decay}))
-    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), fused=fused)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.betas[0], train.betas[1]), fused=fused)
 
 
 FUSED_DEVICES = ("cuda", "cpu")  # where torch's fused AdamW kernel takes every floating dtype

@@ -84,6 +84,7 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
     if parallel.compile:
         apply_compile(blocks)
     if dims.fsdp_enabled:
+        assert mesh is not None  # build_mesh makes one for every FSDP strategy
         apply_fsdp(model, blocks, mesh, dims.reshard_after_forward, parallel.mixed_precision,
                    parallel.cpu_offload, device)
     if init is not None:

@@ -217,7 +217,7 @@ class Resilience:
         the signal lead (plus how early the scheduler may send it, ``JobSide.signal_early_s``: Slurm's
         60 s, none for the local controller; and 30 s of slack) before this incarnation's end."""
         left = self.side.seconds_left() if self.side is not None else None
-        if left is None:
+        if left is None or self.side is None:
             return False
         since = time.time() - (self.preemption.requested_at if self.preemption and self.preemption.requested_at
                                else time.time())
@@ -242,6 +242,7 @@ class Resilience:
             return
         try:
             reason = "terminated" if terminated else "failed"
+            why_not: str | None
             if isinstance(exc, KeyboardInterrupt) and self._limit_reached():
                 reason, why_not = "time_limit", LIMIT_REACHED
             elif not isinstance(exc, Exception):  # KeyboardInterrupt (Ctrl-C), SystemExit

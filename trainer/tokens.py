@@ -76,11 +76,11 @@ def val_split_source(data: Data) -> tuple[str, str] | None:
     if data.val_source == "none":
         return None
     if data.val_source:
-        manifest = load_manifest(manifest_path(data.val_source))
+        manifest = load_manifest(manifest_path(data.val_source) or data.val_source)  # not one: load says so
         return data.val_source, "val" if manifest["splits"]["val"]["tokens"] else "train"
     if not is_manifest_source(data.source):
         return None
-    manifest = load_manifest(manifest_path(data.source))
+    manifest = load_manifest(manifest_path(data.source) or data.source)
     return (data.source, "val") if manifest["splits"]["val"]["tokens"] else None
 
 
@@ -92,6 +92,7 @@ def data_record(data: Data) -> dict[str, tp.Any]:
     if not is_manifest_source(data.source):
         return {"source": data.source}
     path = manifest_path(data.source)
+    assert path is not None  # is_manifest_source
     manifest = load_manifest(path)
     return {"source": data.source, "manifest": str(path), "manifest_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"], "masked": bool(manifest.get("masked")),

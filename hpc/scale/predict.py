@@ -92,7 +92,7 @@ def predict_table(spec: JobSpec, site: SiteProfile, nodes: tp.Sequence[int], mod
     rows, ref = [], None
     for n in nodes:
         batch, why = point_batch(spec, site, n, mode)
-        if why:
+        if batch is None:
             rows.append({"nodes": n, "error": why})
             continue
         point = replace(spec, job=replace(spec.job, nodes=n), train=replace(spec.train, global_batch=batch))
