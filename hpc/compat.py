@@ -54,7 +54,7 @@ def local_timeout_s(env: tp.Mapping[str, str]) -> float | None:
 # ---------------------------------------------------------------- torch.distributed.checkpoint
 
 
-def storage_info_type() -> type:
+def storage_info_type() -> type[tp.Any]:
     """``FileSystemWriter``'s per-item record in ``.metadata`` (``filesystem._StorageInfo``)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 

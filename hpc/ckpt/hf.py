@@ -135,7 +135,7 @@ def _missing(reader: Reader, plan: list[HfTensor]) -> list[str]:
         if e is None or not e.is_tensor:
             out.append(f"{getattr(reader, 'path', '?')}: no tensor model.{t.source} (for {t.name})")
         elif e.shape != want:
-            out.append(f"{getattr(reader, 'path', '?')}: model.{t.source} is {list(e.shape)}, the run's model "
+            out.append(f"{getattr(reader, 'path', '?')}: model.{t.source} is {list(e.shape or ())}, the run's model "
                        f"has {list(want)}")
     return out
 
@@ -185,6 +185,7 @@ def _tensor(reader: Reader, t: HfTensor, dtype: torch.dtype, scratch: tuple[Scra
     if t.op == "copy" and e.dtype == dtype:
         reader.read_into(e.key, out)
         return out
+    assert e.dtype is not None and e.shape is not None  # a tensor entry
     src = scratch[0].view(e.dtype, e.shape)
     reader.read_into(e.key, src)
     return mapped(t, src, dtype, out)

@@ -119,11 +119,11 @@ def read_source(path: Path) -> tuple[str, dict[str, SourceTensor], Path | None]:
         return kind, _reader_tensors(reader), step
     from hpc.ckpt.torchsave import TorchReader
 
-    reader = TorchReader(path)
+    torch_reader = TorchReader(path)
     try:
-        return kind, _reader_tensors(reader), None
+        return kind, _reader_tensors(torch_reader), None
     finally:
-        reader.close()
+        torch_reader.close()
 
 
 def _name_map(kind: str, names: tp.Iterable[str], arch: str, shape: tp.Any) -> dict[str, str]:

@@ -44,7 +44,8 @@ class TorchReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.zip: TorchZip | None = None
-        self.streamed, self.fallback_reason, self.flat = True, "", {}
+        self.streamed, self.fallback_reason = True, ""
+        self.flat: dict[str, tp.Any] = {}
         self.file = open_regular(self.path, "a torch.save file")
         try:
             obj = self._load()
@@ -205,7 +206,7 @@ def write_torch(reader: Reader, dst: Path, keys: list[str], *, model_only: bool,
     nested dict is pickled from the entries' dtypes and shapes, then each tensor is read into
     ``scratch`` and written as its record."""
     scratch = scratch or Scratch()
-    layout = {k: Stored(k, e.dtype, e.shape) if e.is_tensor else reader.read(k)
+    layout = {k: Stored(k, e.dtype, e.shape) if e.is_tensor else reader.read(k)  # type: ignore[arg-type]  # a tensor's
               for k, e in ((k, reader.entries[k]) for k in keys)}
     nested = unflatten(layout, reader.paths, str(getattr(reader, "path", "checkpoint")))
     obj = nested.get("model", {}) if model_only else nested

@@ -223,7 +223,7 @@ def checkpoint_plan(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Jo
     planner.set_up_planner(state, None, is_coordinator=rank == 0)
     items = planner.create_local_plan().items
     tensors = [i for i in items if i.tensor_data is not None]
-    nbytes = sum(math.prod(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize for i in tensors)
+    nbytes = sum(math.prod(d.chunk.sizes) * d.properties.dtype.itemsize for i in tensors if (d := i.tensor_data))
     return {"tensors": len(tensors), "shards": sum(i.type.name == "SHARD" for i in tensors),
             "bytes": nbytes, "other_items": len(items) - len(tensors)}
 
