@@ -54,7 +54,7 @@ def local_timeout_s(env: tp.Mapping[str, str]) -> float | None:
 # ---------------------------------------------------------------- torch.distributed.checkpoint
 
 
-def storage_info_type() -> type:
+def storage_info_type() -> type[tp.Any]:
     """``FileSystemWriter``'s per-item record in ``.metadata`` (``filesystem._StorageInfo``)."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
 
@@ -78,7 +78,7 @@ def set_element(root: dict, path: tp.Sequence[tp.Any], value: tp.Any) -> None:
     """Set ``value`` at the object path ``path`` of ``root`` (``checkpoint._traverse.set_element``)."""
     from torch.distributed.checkpoint._traverse import set_element as set_
 
-    set_(root, path, value)
+    set_(root, tuple(path), value)
 
 
 def narrow_tensor_by_index(tensor: tp.Any, offsets: tp.Sequence[int], sizes: tp.Sequence[int]) -> tp.Any:
@@ -185,7 +185,7 @@ def dump_flight_recorder() -> tuple[str, bytes]:
     from torch._C import _distributed_c10d as c10d
 
     nccl = getattr(c10d, "_dump_nccl_trace", None)
-    return ("nccl", nccl()) if nccl is not None else ("generic", c10d._dump_fr_trace())
+    return ("nccl", nccl()) if nccl is not None else ("generic", getattr(c10d, "_dump_fr_trace")())  # not in torch._C stubs
 
 
 def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:

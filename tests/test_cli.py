@@ -117,7 +117,7 @@ print("HEAVY=" + ",".join(heavy), file=sys.stderr)
 @pytest.mark.parametrize("args", LOGIN_COMMANDS, ids=lambda a: " ".join(a[:2]))
 def test_login_commands_never_import_torch(args):
     out = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=60)
-    line = [l for l in out.stderr.splitlines() if l.startswith("HEAVY=")]
+    line = [ln for ln in out.stderr.splitlines() if ln.startswith("HEAVY=")]
     assert line == ["HEAVY="], out.stderr[-2000:]
 
 

@@ -258,7 +258,6 @@ def test_the_planner_basis_mfu_in_a_draft_reproduces_the_measured_step(tmp_path,
     from hpc.core.site_draft import load_draft
     from hpc.plan import compute_seconds, setup_of
 
-    from hpc.core.models import model_facts
 
     check = load_check()
     monkeypatch.setattr(check, "site_doc", lambda ctx: {**GPU_SITE, "storage": {"run_root": str(tmp_path)}})

@@ -22,11 +22,11 @@ def test_main_job_runs_and_prints_result(run_root: Path):
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("submitted job ") and "local" in lines[0]
-    result = next(l for l in lines if l.startswith("result: "))
+    result = next(ln for ln in lines if ln.startswith("result: "))
     assert result.startswith("result: 6 steps, loss ") and result.endswith("2 ranks, ddp")
-    run_dir = Path(next(l.split(": ", 1)[1] for l in lines if l.startswith("run folder:")))
+    run_dir = Path(next(ln.split(": ", 1)[1] for ln in lines if ln.startswith("run folder:")))
     assert run_dir.parent == run_root
-    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [2, 4, 6]  # the end of warm-up, every log_every steps, the last
     assert all(0 <= m["data_s"] < m["step_time_s"] for m in metrics)
     assert all(sum(m["phases_s"].values()) == pytest.approx(m["step_time_s"]) for m in metrics)

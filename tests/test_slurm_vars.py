@@ -136,7 +136,7 @@ def test_status_list_gives_up_on_a_scheduler_that_hangs(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hpc.cli", "status"], capture_output=True, text=True, env=env,
                          timeout=300, cwd=REPO)  # a hang guard, half the tools' sleep 600: not a speed
     assert out.returncode == 0, out.stderr
-    assert len(out.stdout.splitlines()) == 3 and all(f"unknown ({UNREACHABLE})" in l for l in out.stdout.splitlines())
+    assert len(out.stdout.splitlines()) == 3 and all(f"unknown ({UNREACHABLE})" in ln for ln in out.stdout.splitlines())
 
 
 def test_recorded_final_states_are_not_asked_again(tmp_path):

@@ -140,7 +140,7 @@ def rng_state() -> dict[str, tp.Any]:
         import numpy as np
     except ImportError:
         return state
-    _, keys, pos, has_gauss, cached = np.random.get_state()
+    _, keys, pos, has_gauss, cached = tp.cast(tuple, np.random.get_state())  # the legacy tuple, not the dict
     state["numpy"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return state
@@ -436,7 +436,7 @@ def _commit_async(future: Future, job: _AsyncSave, partial: Path, keep: int, ran
     try:
         if future.exception() is None and rank == 0:
             _commit(partial, job.final, keep)
-    except Exception as exc:  # surfaced by Checkpointer.wait
+    except Exception as exc:  # noqa: BLE001  (surfaced by Checkpointer.wait)
         job.error = exc
     finally:
         job.done.set()
@@ -474,6 +474,10 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
     def read_metadata(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         metadata = self.reader.metadata
+        if metadata.storage_meta is None:  # a .metadata from before torch recorded one (as torch's own reader)
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -491,6 +495,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
                 planner.load_bytes(req, self.reader.read(key))
                 continue
             target = planner.resolve_tensor(req).detach()
+            assert chunk is not None  # a tensor item has offsets
             self.reader.read_request(key, chunk, req.storage_offsets, req.lengths, target)
             planner.commit_tensor(req, target)
         fut: tp.Any = TorchFuture()

@@ -20,7 +20,7 @@ def count_model(spec: ModelSpec) -> Counted:
     try:
         model = build_model(spec, "meta")
         blocks = model_blocks(model, spec.blocks)
-    except Exception as exc:  # the user's code: whatever it raises is their error to read
+    except Exception as exc:  # noqa: BLE001  (the user's code: whatever it raises is their error to read)
         raise UserError([f"`model.arch` = {spec.arch!r}: could not build it on the meta device to count its "
                          f"parameters: {type(exc).__name__}: {exc}"]) from None
     if not len(blocks):

@@ -109,13 +109,13 @@ PINNED_NCCL = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 def nccl_trace_env(run_dir: str | Path) -> dict[str, str]:
     """Variables that make a timed-out NCCL collective leave ``RUN/nccl-trace/rank-R`` (the flight
     recorder's dump; torch reads the file prefix under both its old and its new name)."""
-    prefix = str(runs.RunDir(run_dir).nccl_trace / "rank-")
+    prefix = str(runs.RunDir(Path(run_dir)).nccl_trace / "rank-")
     return {**FLIGHT_RECORDER, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix, "TORCH_FR_DUMP_TEMP_FILE": prefix}
 
 
 def apply_nccl_trace(run_dir: str | Path) -> None:
     """Set ``nccl_trace_env`` before the NCCL process group exists (a value the user exported wins)."""
-    runs.RunDir(run_dir).nccl_trace.mkdir(exist_ok=True)
+    runs.RunDir(Path(run_dir)).nccl_trace.mkdir(exist_ok=True)
     for name, value in nccl_trace_env(run_dir).items():
         os.environ.setdefault(name, value)
     pin_nccl_env()
@@ -146,7 +146,7 @@ def init_distributed(env: RankEnv, backend: str, timeout_s: int, device: torch.d
     return hosts
 
 
-def bound_device(device: torch.device | None) -> dict[str, torch.device]:
+def bound_device(device: torch.device | None) -> dict[str, tp.Any]:
     """``init_process_group``'s ``device_id`` argument: the rank's GPU on CUDA, nothing elsewhere."""
     return {"device_id": device} if device is not None and device.type == "cuda" else {}
 
@@ -155,7 +155,7 @@ def init_single(backend: str, timeout_s: int | None = None, device: torch.device
     """A one-process group on an in-memory store (FSDP and DDP need one even at world size 1), with the
     spec's collective timeout (``timeout_s``; torch's default without) and, on CUDA, bound to ``device``
     as ``init_distributed`` binds a group of several ranks."""
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    timeout: dict[str, tp.Any] = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **timeout,
                             **bound_device(device))
     return [socket.gethostname()]
@@ -281,7 +281,7 @@ def process_groups(model: torch.nn.Module) -> list[dist.ProcessGroup]:
     param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
     if param is not None:
         groups += param.device_mesh.get_all_groups()
-    return list({id(g): g for g in groups}.values())
+    return [g for g in {id(g): g for g in groups}.values() if g is not None]  # WORLD: set once initialized
 
 
 def set_timeout(groups: tp.Iterable[dist.ProcessGroup], seconds: float) -> None:
@@ -330,11 +330,11 @@ def shutdown(timeout_s: int) -> None:
         return
     try:
         monitored_barrier(timeout_s)
-    except Exception as e:  # a rank that died is reported by that rank; this one finished its work
+    except Exception as e:  # noqa: BLE001  (a rank that died is reported by that rank; this one finished its work)
         log.warning("teardown barrier failed (%s); destroying the process group anyway", e)
     try:
         dist.destroy_process_group()
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001  (teardown goes on whatever failed)
         log.warning("destroy_process_group failed: %s", e)
     _SIDE_GROUPS.clear()
     from trainer.optim import forget_host_groups

@@ -20,8 +20,12 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
+from hpc.core.spec import JobSpec
 from trainer.data import GlobalSampler
 from trainer.objective import split_batch, token_losses
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from trainer.loop import Trainer  # which imports this module
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -43,11 +47,11 @@ class Evaluator:
 def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank: int, world_size: int,
                     every: int, steps: int) -> Evaluator:
     """This rank's share of the validation samples, cut as a training step cuts its global batch."""
-    sampler = GlobalSampler(len(dataset), global_batch, micro_batch, rank, world_size, seed=0, shuffle=False)
+    sampler = GlobalSampler(len(dataset), global_batch, micro_batch, rank, world_size, seed=0, shuffle=False)  # type: ignore[arg-type]  # a map-style dataset: sized
     return Evaluator(dataset, sampler, every, steps)
 
 
-def _sums(t: tp.Any, ev: Evaluator) -> torch.Tensor:
+def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
     """(sum of target losses, number of targets) over this rank's share, float64 on the device."""
     sums = torch.zeros(2, dtype=torch.float64, device=t.device)
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None else contextlib.nullcontext())
@@ -63,7 +67,7 @@ def _sums(t: tp.Any, ev: Evaluator) -> torch.Tensor:
     return sums
 
 
-def evaluate(t: tp.Any, ev: Evaluator, step: int) -> dict[str, tp.Any]:
+def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
     """The eval record of ``step`` (every rank takes part): loss, perplexity, targets, seconds."""
     started = time.perf_counter()
     t.model.eval()
@@ -78,9 +82,11 @@ def evaluate(t: tp.Any, ev: Evaluator, step: int) -> dict[str, tp.Any]:
             "eval_tokens": int(count), "eval_s": time.perf_counter() - started}
 
 
-def eval_step(t: tp.Any, step: int) -> dict[str, tp.Any]:
+def eval_step(t: Trainer, step: int) -> dict[str, tp.Any]:
     """Evaluate, write the record to metrics.jsonl (rank 0) and the log; its seconds are left out of the
     training phases (``PhaseClock.skip``), so the next metrics line's throughput is the training's."""
+    if t.evaluator is None:
+        raise ValueError("eval_step: the trainer has no evaluator (train.eval_every = 0)")
     record = evaluate(t, t.evaluator, step)
     t.metrics.write(record)
     log.info("step %d/%d | eval loss %.4f | perplexity %.2f | %d tokens | %.1f s", step, t.steps,
@@ -89,7 +95,7 @@ def eval_step(t: tp.Any, step: int) -> dict[str, tp.Any]:
     return record
 
 
-def build_eval(spec: tp.Any, kind: str, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
+def build_eval(spec: JobSpec, kind: str, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
     """The evaluator of a spec (None when ``train.eval_every`` is 0 or there is nothing to evaluate on;
     ``kind``: ``Launch.data_source``)."""
     from trainer.tokens import ManifestTokens, val_split_source

@@ -25,6 +25,7 @@ How each rank reads (``hpc.ckpt.init_source.InitSource`` says where every tensor
 from __future__ import annotations
 
 import logging
+import math
 import time
 import typing as tp
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ from hpc.ckpt.entries import Scratch
 from hpc.ckpt.init_source import InitSource, open_source
 from hpc.ckpt.torch_zip import read_exact
 from hpc.core.models import model_facts
+from hpc.core.spec import JobSpec
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from trainer.loop import Trainer, TrainState
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -62,15 +67,16 @@ def clean_name(name: str) -> str:
 def local_rows(param: torch.Tensor) -> tuple[int, int]:
     """Rows ``[start, stop)`` of dim 0 this rank holds: all of them for a plain tensor; for a DTensor,
     ``torch.chunk``'s split along each mesh dimension that shards dim 0 (as ``trainer.model.local_slice``)."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
     rows = param.shape[0] if param.ndim else 1
     if not isinstance(param, DTensor):
         return 0, rows
     start, stop = 0, rows
     coordinate = param.device_mesh.get_coordinate()
+    assert coordinate is not None  # this rank is in the mesh of its own parameters
     for mesh_dim, placement in enumerate(param.placements):
-        if placement.is_shard():
+        if isinstance(placement, Shard):
             if placement.dim != 0:
                 raise RuntimeError(f"init_from reads row ranges; a parameter is sharded on dim {placement.dim}")
             chunk = -(-(stop - start) // param.device_mesh.size(mesh_dim))
@@ -91,16 +97,11 @@ def read_plan(model: nn.Module, source: InitSource) -> list[Read]:
     for name, param in named_params(model):
         t = source.tensors[name]
         start, stop = local_rows(param)
-        row = t.dtype.itemsize * (_numel(t.shape[1:]) if len(t.shape) > 1 else 1)
+        row = t.dtype.itemsize * (math.prod(t.shape[1:]) if len(t.shape) > 1 else 1)
+        assert t.file is not None  # a safetensors source names each tensor's file
         plan.append(Read(name, t.file, t.offset + start * row, (stop - start) * row, start, stop))
     return plan
 
-
-def _numel(shape: tp.Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -167,6 +168,7 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
     """The ``model`` entries of a DCP step through torch's planner (collective; resharded as needed)."""
     from trainer.checkpoint import _load_modules
 
+    assert source.step is not None  # a dcp source names its step folder
     reader = formats.get(source.kind).open(source.step)
     try:
         _load_modules(reader, model, None)
@@ -179,7 +181,7 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
 LOADERS = {formats.BYTE_RANGES: load_safetensors, formats.RECORDS: load_torch_file, formats.DCP_PLANNER: load_dcp}
 
 
-def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
+def initial_weights(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None:
     """Load ``spec.checkpoint.init_from`` into ``model`` (every rank); what was read, or None when unset."""
     path = spec.checkpoint.init_from
     if not path:
@@ -195,7 +197,7 @@ def initial_weights(model: nn.Module, spec: tp.Any) -> dict[str, tp.Any] | None:
     return report
 
 
-def start_weights(trainer: tp.Any, state: tp.Any, spec: tp.Any) -> tp.Any:
+def start_weights(trainer: Trainer, state: TrainState, spec: JobSpec) -> TrainState:
     """After the resume decision: at step 0, the weights of ``checkpoint.init_from``; ``state`` as it is."""
     if state.step == 0 and spec.checkpoint.init_from:
         trainer.init_report = initial_weights(trainer.model, spec)

@@ -30,7 +30,7 @@ from hpc.core.dims import ParallelDims
 from trainer.boundary import StepBoundary
 from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
-from trainer.evaluate import eval_step
+from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
 from trainer.objective import Batch, counted_targets, masked_scale, micro_loss, split_batch, to_device
 from trainer.optim import clip_grad_norm
@@ -80,14 +80,15 @@ class Trainer:
     flops_per_token: float | None = None
     peak_tflops: float = 0.0
     amp_dtype: torch.dtype | None = None
-    scaler: tp.Any = None  # a GradScaler for fp16
+    scaler: torch.amp.GradScaler | None = None  # fp16 only (ShardedGradScaler under FSDP)
     preemption: PreemptionFlag | None = None
     warmup_metrics_steps: int = 2
     resilience: StepBoundary | None = None  # trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
     clock: PhaseClock = field(default_factory=PhaseClock)
     gc_every: int = 0  # train.gc_every: collect every N steps on all ranks, automatic GC off (0: Python's own)
-    evaluator: tp.Any = None  # a trainer.evaluate.Evaluator when train.eval_every is set
+    evaluator: Evaluator | None = None  # when train.eval_every is set
     last_eval: dict | None = None
+    init_report: dict | None = None  # what checkpoint.init_from read (trainer.init_from.start_weights)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -117,7 +118,7 @@ def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> t
     return loss.detach()
 
 
-def train_step(t: Trainer, micro_batches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def train_step(t: Trainer, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns (local mean loss, grad norm)."""
     n = len(micro_batches)
     micro_batches = [to_device(b, t.device) for b in micro_batches]

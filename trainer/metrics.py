@@ -14,6 +14,9 @@ import torch
 
 from hpc.core.runs import RunDir
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.tensorboard import SummaryWriter  # optional: imported when a writer is opened
+
 log = logging.getLogger("hpcx.trainer")
 
 
@@ -136,7 +139,7 @@ class MetricsWriter:
         self.tb = _tensorboard(run_dir) if enabled else None
 
     def write(self, record: dict) -> None:
-        if not self.enabled:
+        if self.file is None:  # not enabled
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
@@ -152,7 +155,7 @@ class MetricsWriter:
             self.tb.close()
 
 
-def _tensorboard(run_dir: Path):
+def _tensorboard(run_dir: Path) -> SummaryWriter | None:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # tensorboard is optional: say so once (only rank 0 opens a writer)

@@ -42,6 +42,9 @@ from hpc.core.errors import ConfigError, UserError
 from hpc.core.spec import Model as ModelSpec
 from trainer import models
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed.tensor import DTensor  # imported when a model is sharded
+
 DEFAULT_BLOCKS = "blocks"
 
 
@@ -194,7 +197,7 @@ def _seeded(seed: int, device: torch.device) -> tp.Iterator[None]:
         yield
 
 
-def copy_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+def copy_shard(param: DTensor, full: torch.Tensor) -> None:
     """Copy this rank's part of ``full`` into the DTensor ``param``; no communication."""
     local = local_slice(full, param.device_mesh, param.placements)
     target = param.to_local()
@@ -217,7 +220,7 @@ def local_slice(full: torch.Tensor, mesh: tp.Any, placements: tp.Sequence[tp.Any
     return out
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> tp.TypeGuard[DTensor]:
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)

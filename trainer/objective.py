@@ -42,7 +42,7 @@ def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> torch
     masks = [split_batch(b)[1] for b in micro_batches]
     if masks[0] is None:
         return None
-    count = torch.stack([m[:, 1:].sum(dtype=torch.int64) for m in masks]).sum()
+    count = torch.stack([m[:, 1:].sum(dtype=torch.int64) for m in masks if m is not None]).sum()
     if world_size > 1 and dist.is_initialized():
         dist.all_reduce(count)
     return count

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import typing as tp
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hpc import compat
@@ -36,7 +38,7 @@ def build_optimizer(model: nn.Module, train: Train, sharded_scaler: bool = False
     elif not fused:
         log.info("AdamW: no fused kernel for these parameters (devices %s), using the multi-tensor one",
                  sorted({p.device.type for p in decay + no_decay}))
-    return torch.optim.AdamW(groups, lr=train.lr, betas=tuple(train.betas), fused=fused)
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.betas[0], train.betas[1]), fused=fused)
 
 
 FUSED_DEVICES = ("cuda", "cpu")  # where torch's fused AdamW kernel takes every floating dtype
@@ -94,7 +96,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _all_reduced(squares: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
+def _all_reduced(squares: torch.Tensor, mesh: DeviceMesh, dims: list[int]) -> torch.Tensor:
     """``squares`` summed over the mesh dimensions ``dims``, back on its own device: on the host's gloo
     groups where ``open_host_groups`` made them (offloaded gradients on NCCL), else on the mesh's own."""
     if not dims:
@@ -114,11 +116,11 @@ def _all_reduced(squares: torch.Tensor, mesh, dims: list[int]) -> torch.Tensor:
 _HOST_GROUPS: dict[tuple, dist.ProcessGroup] = {}  # (mesh ranks, dim) -> this rank's gloo group along dim
 
 
-def _mesh_dim_key(mesh, dim: int) -> tuple:
+def _mesh_dim_key(mesh: DeviceMesh, dim: int) -> tuple:
     return tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), dim
 
 
-def open_host_groups(mesh) -> None:
+def open_host_groups(mesh: DeviceMesh | None) -> None:
     """Under CPU offload on NCCL: a gloo group along each mesh dimension of more than one rank, so that the
     norm of gradients held on the host is all-reduced on the host (no blocking trip through the GPU and
     back every step). Collective: every rank, in the same order, before the first step."""
@@ -136,7 +138,7 @@ def forget_host_groups() -> None:
     _HOST_GROUPS.clear()
 
 
-def _comm_device(mesh) -> torch.device:
+def _comm_device(mesh: DeviceMesh) -> torch.device:
     """Where the mesh's collectives run: gradients offloaded to the CPU still reduce on the GPU under NCCL."""
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -150,7 +152,7 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
     return torch.stack([n.to(device) for n in norms]).double().square().sum()
 
 
-def _by_shard_dims(grads) -> dict:
+def _by_shard_dims(grads: tp.Iterable[DTensor]) -> dict:
     groups: dict = defaultdict(list)
     for g in grads:
         dims = tuple(i for i, p in enumerate(g.placements) if isinstance(p, Shard))

@@ -32,6 +32,7 @@ a meta model stays on meta and ddp/dp are not wrapped (``hpcx dryrun``).
 from __future__ import annotations
 
 import logging
+import typing as tp
 import warnings
 
 import torch
@@ -83,6 +84,7 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
     if parallel.compile:
         apply_compile(blocks)
     if dims.fsdp_enabled:
+        assert mesh is not None  # build_mesh makes one for every FSDP strategy
         apply_fsdp(model, blocks, mesh, dims.reshard_after_forward, parallel.mixed_precision,
                    parallel.cpu_offload, device)
     if init is not None:
@@ -218,7 +220,8 @@ class AutocastDataParallel(nn.DataParallel):
         super().__init__(module)
         self.amp_dtype = amp_dtype
 
-    def parallel_apply(self, replicas, inputs, kwargs):
+    def parallel_apply(self, replicas: tp.Sequence[nn.Module], inputs: tp.Sequence[tp.Any],
+                       kwargs: tp.Any) -> list[tp.Any]:
         """DataParallel's own, each replica wrapped in ``AutocastReplica``."""
         if self.amp_dtype is not None:
             replicas = [AutocastReplica(r, self.amp_dtype) for r in replicas]
@@ -232,7 +235,7 @@ class AutocastReplica(nn.Module):
         super().__init__()
         self.replica, self.dtype = replica, dtype
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         """The replica's forward under ``autocast`` of its inputs' device type."""
         device = next((t.device.type for t in args if isinstance(t, torch.Tensor)), "cuda")
         with torch.autocast(device, dtype=self.dtype):

@@ -51,6 +51,9 @@ from trainer.checkpoint import Checkpointer, committed_steps, latest_checkpoint,
 from trainer.dist import CollectiveTimeouts
 from trainer.preemption import BoundaryVote, PreemptionFlag
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from trainer.run import Run
+
 log = logging.getLogger("hpcx.trainer")
 SIGTERM_NOT_REQUEUED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
 LIMIT_REACHED = "the time limit ended the tasks before a step boundary after its signal (nothing saved then)"
@@ -217,7 +220,7 @@ class Resilience:
         the signal lead (plus how early the scheduler may send it, ``JobSide.signal_early_s``: Slurm's
         60 s, none for the local controller; and 30 s of slack) before this incarnation's end."""
         left = self.side.seconds_left() if self.side is not None else None
-        if left is None:
+        if left is None or self.side is None:
             return False
         since = time.time() - (self.preemption.requested_at if self.preemption and self.preemption.requested_at
                                else time.time())
@@ -242,6 +245,7 @@ class Resilience:
             return
         try:
             reason = "terminated" if terminated else "failed"
+            why_not: str | None
             if isinstance(exc, KeyboardInterrupt) and self._limit_reached():
                 reason, why_not = "time_limit", LIMIT_REACHED
             elif not isinstance(exc, Exception):  # KeyboardInterrupt (Ctrl-C), SystemExit
@@ -304,8 +308,8 @@ class Resilience:
             self.side.leave_for_requeue()
 
 
-def resilience_for(run: tp.Any, rank: int, preemption: PreemptionFlag | None) -> Resilience:
-    """The ``Resilience`` of one rank of ``run`` (a ``trainer.run.Run``)."""
+def resilience_for(run: Run, rank: int, preemption: PreemptionFlag | None) -> Resilience:
+    """The ``Resilience`` of one rank of ``run``."""
     parallel = run.spec.parallel
     return Resilience(run_dir=run.run_dir, policy=run.spec.checkpoint, max_requeues=run.spec.job.max_requeues,
                       seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side(),

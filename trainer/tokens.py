@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpc.core.manifest import PREPARED, load_manifest, manifest_path
+from hpc.core.spec import Data
 
 
 class ManifestTokens(Dataset):
@@ -64,22 +65,22 @@ class ManifestTokens(Dataset):
         return {**self.__dict__, "_maps": {}}
 
 
-def val_split_source(data: tp.Any, kind: str) -> tuple[str, str] | None:
+def val_split_source(data: Data, kind: str) -> tuple[str, str] | None:
     """(folder, split) that evaluation reads: ``data.val_source`` (its val split, or its train split
     when it has no val split), else the val split of ``data.source`` when ``kind`` (``Launch.data_source``)
     is a prepared folder; None when there is none."""
     if data.val_source == "none":
         return None
     if data.val_source:
-        manifest = load_manifest(manifest_path(data.val_source))
+        manifest = load_manifest(manifest_path(data.val_source) or data.val_source)  # not one: load says so
         return data.val_source, "val" if manifest["splits"]["val"]["tokens"] else "train"
     if kind != PREPARED:
         return None
-    manifest = load_manifest(manifest_path(data.source))
+    manifest = load_manifest(manifest_path(data.source) or data.source)
     return (data.source, "val") if manifest["splits"]["val"]["tokens"] else None
 
 
-def data_record(data: tp.Any, kind: str) -> dict[str, tp.Any]:
+def data_record(data: Data, kind: str) -> dict[str, tp.Any]:
     """What a run trained on: the manifest (path, SHA-256, totals), its tokenizer (path, SHA-256,
     vocabulary, EOS; what a model export ships) and the validation source."""
     import hashlib
@@ -87,6 +88,7 @@ def data_record(data: tp.Any, kind: str) -> dict[str, tp.Any]:
     if kind != PREPARED:
         return {"source": data.source}
     path = manifest_path(data.source)
+    assert path is not None  # is_manifest_source
     manifest = load_manifest(path)
     return {"source": data.source, "manifest": str(path), "manifest_sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
             "tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"], "masked": bool(manifest.get("masked")),
@@ -94,7 +96,7 @@ def data_record(data: tp.Any, kind: str) -> dict[str, tp.Any]:
             "val_source": val_split_source(data, kind)}
 
 
-def record_data(run_dir: Path, data: tp.Any, kind: str) -> None:
+def record_data(run_dir: Path, data: Data, kind: str) -> None:
     """Rank 0 writes ``RUN/data.json`` (``data_record``)."""
     from hpc.core.runs import RunDir, write_json
 

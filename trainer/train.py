@@ -143,7 +143,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     model, mesh = build_parallel_model(spec, launch, device)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
-    parallel = launch.parallel  # decided once, at resolve (hpc.core.resolve.launch_for)
+    parallel = launch_parallel(spec, launch)  # decided once, at resolve (hpc.core.resolve.launch_for)
     if parallel.cpu_offload:
         open_host_groups(mesh)  # the norm of host gradients reduces on the host
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
@@ -152,8 +152,9 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     facts = model_facts(spec.model)
     seq_len = facts.seq_len
     kind = launch.data_source  # decided once, at resolve (hpc.core.manifest.source_kind)
+    assert kind is not None  # ``decided`` fills it for a resolved.json from before
     dataset = build_dataset(spec.data, kind, seq_len, facts.vocab_size, spec.train.seed)
-    sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,
+    sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,  # type: ignore[arg-type]  # map-style: sized
                             launch.world_size, spec.train.seed, shuffle_enabled(spec.data, kind))
     workers = loader_workers(spec.data.num_workers, device.type == "cuda", launch.cpus_per_task)
     if rank == 0:
@@ -192,7 +193,7 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
 
 
 
-def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device):
+def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device) -> torch.amp.GradScaler | None:
     """fp16 needs loss scaling; sharded gradients need the sharded scaler."""
     if mixed_precision != "fp16":
         return None

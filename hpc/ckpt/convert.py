@@ -70,7 +70,7 @@ def _summary(path: str | Path, reader: Reader) -> dict[str, tp.Any]:
              if k.startswith("train.") and not reader.entries[k].is_tensor}
     names: dict[tp.Any, str] = {}  # one dtype string per dtype, not per tensor (headers of a million tensors)
     tensors = [{"key": e.key, "dtype": names.setdefault(e.dtype, str(e.dtype).removeprefix("torch.")),
-                "shape": list(e.shape), "bytes": e.nbytes} for e in reader.entries.values() if e.is_tensor]
+                "shape": list(e.shape or ()), "bytes": e.nbytes} for e in reader.entries.values() if e.is_tensor]
     return {"path": str(path), "format": reader.format, "complete": True,
             "step": reader.meta.get("step", train.get("step")),
             "tokens_seen": reader.meta.get("tokens_seen", train.get("tokens_seen")),
@@ -84,6 +84,7 @@ def _digests(reader: Reader, check: bool) -> dict[str, tp.Any] | None:
     """Digests of a DCP folder's shard files: how many are recorded, and (``check``) verified."""
     if not formats.get(reader.format).digests:
         return None
+    assert isinstance(reader, DcpReader)  # the one format with digests
     files = reader.shard_files()
     if check:
         result = check_digests(reader.path, files)
@@ -99,6 +100,7 @@ def _read_everything(reader: Reader, progress: Progress) -> dict[str, int]:
         if not e.is_tensor:
             reader.read(key)
             continue
+        assert e.dtype is not None and e.shape is not None  # a tensor entry
         data = scratch.view(e.dtype, e.shape, f"{getattr(reader, 'path', '?')}: tensor {key!r}")
         reader.read_into(key, data)
         bad = nonfinite_count(data)
@@ -331,6 +333,7 @@ def _compare_all(ra: Reader, rb: Reader, keys: list[str], atol: float, progress:
         ea, eb = ra.entries[key], rb.entries[key]
         if ea.is_tensor and eb.is_tensor and (ea.dtype, ea.shape) == (eb.dtype, eb.shape):
             what = f"{getattr(ra, 'path', '?')}: tensor {key!r}"
+            assert ea.dtype is not None and ea.shape is not None and eb.dtype is not None and eb.shape is not None
             va, vb = scratch_a.view(ea.dtype, ea.shape, what), scratch_b.view(eb.dtype, eb.shape, what)
             ra.read_into(key, va)
             rb.read_into(key, vb)

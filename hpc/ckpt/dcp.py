@@ -76,7 +76,7 @@ def _entry_problems(where: Path, key: tp.Any, md: tp.Any) -> list[str]:
     size = dims(md.size)
     if size is None:
         return [f"{where}: entry {key!r} has size {short_repr(md.size)}, expected non-negative integers"]
-    if not isinstance(md.chunks, (list, tuple)) or (not md.chunks and math.prod(size)):
+    if not isinstance(md.chunks, (list, tuple)) or (not md.chunks and math.prod(size) > 0):
         return [f"{where}: entry {key!r} has no chunks"]
     if len(md.chunks) > MAX_CHUNKS:
         return [f"{where}: entry {key!r} has {len(md.chunks)} chunks, more than the {MAX_CHUNKS} a save of "
@@ -85,7 +85,7 @@ def _entry_problems(where: Path, key: tp.Any, md: tp.Any) -> list[str]:
         problem = _chunk_problem(size, chunk)
         if problem:
             return [f"{where}: entry {key!r} {problem}"]
-    problem = _coverage_problem(size, [(dims(c.offsets), dims(c.sizes)) for c in md.chunks])
+    problem = _coverage_problem(size, [(dims(c.offsets), dims(c.sizes)) for c in md.chunks])  # type: ignore[misc]  # checked
     return [f"{where}: entry {key!r} {problem}"] if problem else []
 
 
@@ -219,7 +219,7 @@ def load_object(f: tp.BinaryIO, where: str) -> tp.Any:
         raise CheckpointError([f"{where}: refused a stored object ({load_error(exc)})"]) from None
     except OSError as exc:
         raise CheckpointError([f"{where}: cannot read ({describe(exc)})"]) from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (any other failure: an unreadable item)
         raise CheckpointError([f"{where}: unreadable item ({load_error(exc)})"]) from None
 
 
@@ -238,7 +238,7 @@ class DcpReader:
                        if isinstance(md, dcp_md.TensorStorageMetadata) for c in md.chunks}
         self.entries = {k: self._entry(k, md) for k, md in self.metadata.state_dict_metadata.items()}
         source = f"{self.path / METADATA_FILE} planner_data"
-        self.paths = default_paths(checked_paths(self.metadata.planner_data, source))
+        self.paths: dict[str, tuple] = default_paths(checked_paths(self.metadata.planner_data, source))
         self.files: dict[str, tp.BinaryIO] = {}
         self.meta = self._read_meta()
 
@@ -283,13 +283,14 @@ class DcpReader:
 
     def _object(self, info: tp.Any) -> tp.Any:
         where = self._where(info)
-        return checked_object(load_object(FileSlice(self._file(info), info.offset, info.length), where), where)
+        return checked_object(load_object(FileSlice(self._file(info), info.offset, info.length), where), where)  # type: ignore[arg-type]
 
     def read(self, key: str) -> tp.Any:
         """The whole value of ``key``; a sharded tensor is assembled chunk by chunk into one buffer."""
         entry = self.entries[key]
         if not entry.is_tensor:
             return self._object(self.storage[(key, None)])
+        assert entry.dtype is not None and entry.shape is not None  # a tensor entry
         out = allocate(entry.shape, entry.dtype, f"{self.path}: tensor {key!r}")
         self.read_into(key, out)
         return out
@@ -297,7 +298,7 @@ class DcpReader:
     def read_into(self, key: str, out: torch.Tensor) -> None:
         """Fill ``out`` (contiguous, the entry's dtype and shape) with tensor ``key``, chunk by chunk:
         straight from the file where the chunk's place in ``out`` is contiguous."""
-        for chunk in self.metadata.state_dict_metadata[key].chunks:
+        for chunk in self.metadata.state_dict_metadata[key].chunks:  # type: ignore[union-attr]  # a tensor's
             if math.prod(chunk.sizes) == 0:
                 continue
             view = out
@@ -400,6 +401,7 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
     """Append one entry as a torch.save blob; its DCP metadata, index and storage record."""
     offset = f.tell()
     if entry.is_tensor:
+        assert entry.dtype is not None and entry.shape is not None  # a tensor entry
         writer = TorchWriter(f, Stored(entry.key, entry.dtype, entry.shape), crc32=False)
         writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch,
                               source=str(getattr(reader, "path", "")))
@@ -412,7 +414,7 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
     else:
         sink = Sink(f)  # a failed write surfaces here, not inside torch's C++ writer
         with compat.crc32_off():  # as hpcx's DCP saves
-            torch.save(reader.read(entry.key), sink)
+            torch.save(reader.read(entry.key), sink)  # type: ignore[arg-type]  # a file-like writer
         sink.check()
         md, index = dcp_md.BytesStorageMetadata(), dcp_md.MetadataIndex(entry.key)
     return md, index, compat.storage_info(SHARD_FILE, offset, f.tell() - offset)

@@ -54,6 +54,8 @@ class Reader(tp.Protocol):
 
     def read(self, key: str) -> tp.Any: ...
 
+    def read_into(self, key: str, out: torch.Tensor) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -129,14 +131,14 @@ def checked_paths(paths: tp.Any, source: str) -> dict[str, Path_]:
     return out
 
 
-class Paths(dict):
+class Paths(dict[str, Path_]):
     """Recorded object paths; a key without one gets the default, split on its first dot only
     (computed when asked for, so a million entries cost no million tuples)."""
 
     def __missing__(self, key: str) -> Path_:
         return tuple(key.split(".", 1)) if "." in key else (key,)
 
-    def get(self, key: str, default: tp.Any = None) -> tp.Any:  # type: ignore[override]
+    def get(self, key: str, default: tp.Any = None) -> tp.Any:
         return self[key] if isinstance(key, str) else default
 
 

@@ -11,6 +11,7 @@ between the two is caught too). ``relative_name_problem`` tells a name inside a 
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import typing as tp
@@ -50,7 +51,7 @@ def not_regular(path: Path, expected: str) -> str | None:
     return f"{path}: is {kind}, expected {expected}; not read"
 
 
-def open_regular(path: Path, expected: str) -> tp.BinaryIO:
+def open_regular(path: Path, expected: str) -> io.FileIO:
     """``path`` opened for reading (unbuffered) if it is a regular file; CheckpointError naming what
     it is otherwise. Never blocks on a FIFO and never reads a device."""
     problem = not_regular(path, expected)

@@ -12,6 +12,7 @@ buffer, so memory stays at about the largest tensor, as the other conversions.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 import typing as tp
@@ -134,7 +135,7 @@ def _missing(reader: Reader, plan: list[HfTensor]) -> list[str]:
         if e is None or not e.is_tensor:
             out.append(f"{getattr(reader, 'path', '?')}: no tensor model.{t.source} (for {t.name})")
         elif e.shape != want:
-            out.append(f"{getattr(reader, 'path', '?')}: model.{t.source} is {list(e.shape)}, the run's model "
+            out.append(f"{getattr(reader, 'path', '?')}: model.{t.source} is {list(e.shape or ())}, the run's model "
                        f"has {list(want)}")
     return out
 
@@ -144,7 +145,7 @@ def hf_shards(plan: list[HfTensor], itemsize: int, shard_bytes: int) -> list[lis
     shards: list[list[HfTensor]] = [[]]
     size = 0
     for t in plan:
-        n = _numel(t.shape) * itemsize
+        n = math.prod(t.shape) * itemsize
         if shards[-1] and size + n > shard_bytes:
             shards.append([])
             size = 0
@@ -153,12 +154,6 @@ def hf_shards(plan: list[HfTensor], itemsize: int, shard_bytes: int) -> list[lis
     return shards
 
 
-def _numel(shape: tp.Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
 
 def _write_shard(path: Path, reader: Reader, shard: list[HfTensor], dtype: torch.dtype, progress: Progress,
                  scratch: tuple[Scratch, Scratch]) -> None:
@@ -166,7 +161,7 @@ def _write_shard(path: Path, reader: Reader, shard: list[HfTensor], dtype: torch
     header: dict[str, tp.Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in shard:
-        n = _numel(t.shape) * dtype.itemsize
+        n = math.prod(t.shape) * dtype.itemsize
         header[t.name] = {"dtype": ST_DTYPES[dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -190,6 +185,7 @@ def _tensor(reader: Reader, t: HfTensor, dtype: torch.dtype, scratch: tuple[Scra
     if t.op == "copy" and e.dtype == dtype:
         reader.read_into(e.key, out)
         return out
+    assert e.dtype is not None and e.shape is not None  # a tensor entry
     src = scratch[0].view(e.dtype, e.shape)
     reader.read_into(e.key, src)
     return mapped(t, src, dtype, out)
@@ -213,7 +209,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
         if problems:
             raise CheckpointError(problems)
         shards = hf_shards(plan, torch_dtype.itemsize, shard_bytes)
-        total = sum(_numel(t.shape) for t in plan) * torch_dtype.itemsize
+        total = sum(math.prod(t.shape) for t in plan) * torch_dtype.itemsize
         _write_folder(dst, reader, shards, _config(arch, shape, dtype), torch_dtype, start(total),
                       tokenizer_files(resolved, run))
     finally:
@@ -239,7 +235,7 @@ def _write_folder(dst: Path, reader: Reader, shards: list[list[HfTensor]], confi
             _write_shard(tmp / name, reader, shard, dtype, progress, scratch)
         if len(shards) > 1:
             weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-            total = sum(_numel(t.shape) for shard in shards for t in shard) * dtype.itemsize
+            total = sum(math.prod(t.shape) for shard in shards for t in shard) * dtype.itemsize
             _write_text(tmp / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=2) + "\n")
         for f in tokenizer:

@@ -18,6 +18,7 @@ every missing parameter, shape mismatch, non-floating dtype and unmatched tensor
 
 from __future__ import annotations
 
+import math
 import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,14 +56,8 @@ class InitSource:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.dtype.itemsize * _numel(t.shape) for t in self.tensors.values())
+        return sum(t.dtype.itemsize * math.prod(t.shape) for t in self.tensors.values())
 
-
-def _numel(shape: tp.Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def expected(arch: str, shape: tp.Any) -> dict[str, tuple[int, ...]]:
@@ -99,7 +94,7 @@ def _dcp_step(path: Path) -> Path:
 def source_format(path: Path) -> formats.Format:
     """The format of ``checkpoint.init_from`` (``hpc.ckpt.formats``): a run folder is what training saves."""
     saved = formats.saved()
-    if path.is_dir() and not saved.folder(path) and (path / "checkpoints").is_dir():
+    if path.is_dir() and not (saved.folder and saved.folder(path)) and (path / "checkpoints").is_dir():
         return saved
     if not path.exists():
         raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: no such file or folder"])
@@ -185,9 +180,9 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
                                f"arch = 'llama', not {arch!r} (GPT-2 has biases and Conv1D layouts hpcx's GPT does not)"])
     theirs = spec_fields(config, read_config(config))  # refuses what hpcx does not implement
     ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
-    from hpc.core.models import family
+    from hpc.core.models import HfReader, family
 
-    names = {"arch": "architectures", **{o: t for t, o in family(arch).hf_keys}}
+    names = {"arch": "architectures", **{o: t for t, o in tp.cast(HfReader, family(arch)).hf_keys}}
     return [f"`checkpoint.init_from`: {config}: {names.get(key, key)} = {theirs.get(key)!r}, the run's model has "
             f"{ours[key]!r}" for key in ours if key not in IGNORED and theirs.get(key) != ours[key]]
 

@@ -70,7 +70,7 @@ def loads_metadata(data: bytes, source: str = "<bytes>") -> dcp_md.Metadata:
     except RefusedGlobal as exc:
         raise CheckpointError([f"{source}: refused to unpickle `{exc}`; a DCP .metadata holds only "
                            "torch.distributed.checkpoint metadata classes"]) from None
-    except Exception as exc:  # truncated or garbled: pickle raises many types
+    except Exception as exc:  # noqa: BLE001  (truncated or garbled: pickle raises many types)
         raise CheckpointError([f"{source}: not a readable DCP .metadata pickle ({type(exc).__name__}: {exc})"]) from None
     if not isinstance(obj, dcp_md.Metadata) or not isinstance(obj.state_dict_metadata, dict):
         raise CheckpointError([f"{source}: holds a {type(obj).__name__}, expected DCP Metadata"])

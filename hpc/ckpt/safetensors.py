@@ -91,7 +91,8 @@ def read_header(file: Path) -> StHeader:
     header = _parse_json(file, text)
     del text
     metadata = _metadata(file, header.pop("__metadata__", {}))
-    problems, tensors = [], {}
+    problems: list[str] = []
+    tensors = {}
     for name, info in header.items():
         t = _entry(file, name, info, problems)
         if t is not None:
@@ -263,10 +264,10 @@ def _layout_problems(file: Path, tensors: list[StTensor], data_size: int) -> lis
                 "bytes): truncated, or the header lies" for t in tensors if t.end > data_size]
     if problems:
         return problems
-    pos, prev = 0, None
+    pos, prev = 0, tp.cast(StTensor, None)  # set before it is read: the first tensor starts at 0
     for t in sorted(tensors, key=lambda t: (t.begin, t.end)):
         if t.begin < pos:
-            problems.append(f"{file}: tensors {prev.name!r} and {t.name!r} overlap at data bytes "  # type: ignore[union-attr]
+            problems.append(f"{file}: tensors {prev.name!r} and {t.name!r} overlap at data bytes "
                             f"{t.begin}..{min(pos, t.end)}")
         elif t.begin > pos:
             problems.append(f"{file}: data bytes {pos}..{t.begin} belong to no tensor")
@@ -370,13 +371,13 @@ class SafetensorsReader:
             st_meta.update(header.metadata)
         self.prefix = "" if st_meta.get(META_LAYOUT) == "full" else "model."
         self.objects = self._objects(st_meta)
-        self.entries = {}
+        self.entries: dict[str, Entry] = {}
         for header in self.headers:
             for n, t in header.tensors.items():
                 key = self.prefix + n if self.prefix else n
                 self.entries[key] = tensor_entry(key, t.dtype, t.shape)
         self.entries.update({k: Entry(k, None, None, 0) for k in self.objects})
-        self.paths = default_paths(checked_paths(self._json(st_meta, META_PATHS, {}),
+        self.paths: dict[str, tuple] = default_paths(checked_paths(self._json(st_meta, META_PATHS, {}),
                                                  f"{self.path} __metadata__ {META_PATHS}"))
         self.meta = self._json(st_meta, META_HPCX, {})
         if not isinstance(self.meta, dict):
@@ -405,7 +406,7 @@ class SafetensorsReader:
         data.seek(0)
         try:
             objects = torch.load(data, weights_only=True)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (garbled entries: torch.load raises many types)
             raise CheckpointError([f"{self.path}: refused the non-tensor entries in its metadata "
                                    f"({load_error(exc)})"]) from None
         checked_object(objects, where)
@@ -418,6 +419,7 @@ class SafetensorsReader:
         if key in self.objects:
             return self.objects[key]
         entry = self.entries[key]
+        assert entry.dtype is not None and entry.shape is not None  # a tensor entry
         out = allocate(entry.shape, entry.dtype, f"{self.path}: tensor {key!r}")
         self.read_into(key, out)
         return out
@@ -453,6 +455,7 @@ def _st_write(path: Path, reader: Reader, names: dict[str, str], metadata: dict[
     offset = 0
     for name, key in names.items():
         e = reader.entries[key]
+        assert e.dtype is not None and e.shape is not None  # a tensor entry
         header[name] = {"dtype": ST_DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -461,6 +464,7 @@ def _st_write(path: Path, reader: Reader, names: dict[str, str], metadata: dict[
         f.write(struct.pack("<Q", len(raw)) + raw)
         for key in names.values():
             e = reader.entries[key]
+            assert e.dtype is not None and e.shape is not None  # a tensor entry
             data = scratch.view(e.dtype, e.shape, f"{getattr(reader, 'path', '?')}: tensor {key!r}")
             reader.read_into(key, data)
             if e.nbytes:

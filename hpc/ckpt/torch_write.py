@@ -96,7 +96,7 @@ class _LayoutPickler(pickle.Pickler):
             return NotImplemented
         storage = _Storage(str(len(self.storages)), obj, data)
         self.storages.append(storage)
-        args = (storage, 0, obj.shape, _strides(obj.shape), False, collections.OrderedDict())
+        args: tuple = (storage, 0, obj.shape, _strides(obj.shape), False, collections.OrderedDict())
         if obj.dtype in _storage_classes():
             return compat.rebuild_function(compat.REBUILD_TENSOR_V2), args
         return compat.rebuild_function(compat.REBUILD_TENSOR_V3), args + (obj.dtype,)
@@ -108,7 +108,8 @@ class Sink:
     an unfinished archive, aborts the process); ``check`` raises it once torch has returned."""
 
     def __init__(self, f: tp.Any):
-        self.f, self.error = f, None
+        self.f = f
+        self.error: BaseException | None = None
 
     def write(self, data: tp.Any) -> int:
         if self.error is None:

@@ -134,16 +134,16 @@ class _Refs:
         self.by_id[id(placeholder)] = ref
         return placeholder
 
-    def v2(self, storage, offset, size, stride, requires_grad, backward_hooks, metadata=None):  # noqa: ANN
+    def v2(self, storage, offset, size, stride, requires_grad, backward_hooks, metadata=None):  # noqa: ANN001, ANN202
         dtype = storage.dtype if isinstance(storage, StorageRef) else None
-        return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
+        return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)  # type: ignore[arg-type]  # None: refused
 
-    def v3(self, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):  # noqa: ANN
+    def v3(self, storage, offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):  # noqa: ANN001, ANN202
         if not isinstance(dtype, torch.dtype):
             raise Unsupported(f"tensor dtype {short_repr(dtype)}")
         return self.tensor(storage, offset, size, stride, dtype, backward_hooks, metadata)
 
-    def parameter(self, data, requires_grad, backward_hooks):  # noqa: ANN
+    def parameter(self, data, requires_grad, backward_hooks):  # noqa: ANN001, ANN202
         if not isinstance(data, torch.Tensor) or id(data) not in self.by_id or backward_hooks:
             raise Unsupported("parameter that is not a plain stored tensor")
         return data
@@ -217,7 +217,7 @@ class TorchZip:
         self.length = length
         self.offsets: dict[str, int] = {}
         try:
-            infos = zipfile.ZipFile(f if whole else FileSlice(f, base, length)).infolist()  # type: ignore[arg-type]
+            infos = zipfile.ZipFile(f if whole else FileSlice(f, base, length)).infolist()
         except zipfile.BadZipFile as exc:
             raise CheckpointError([f"{source}: not a complete torch.save zip, truncated or damaged ({exc})"]) from None
         pkl = [i for i in infos if i.filename.count("/") == 1 and i.filename.endswith("/data.pkl")]
@@ -235,7 +235,7 @@ class TorchZip:
             raise
         except CheckpointError:
             raise
-        except Exception as exc:  # garbled pickle: many exception types
+        except Exception as exc:  # noqa: BLE001  (garbled pickle: many exception types)
             raise CheckpointError([f"{source}: unreadable data.pkl ({type(exc).__name__}: {exc})"]) from None
         self.refs = refs.by_id
         for ref in self.refs.values():  # every record is checked before any tensor is read
@@ -437,7 +437,7 @@ def zip_load_problems(f: tp.BinaryIO, source: str, base: int = 0, length: int | 
     f.seek(0, 2)
     length = f.tell() - base if length is None else length
     try:
-        z = zipfile.ZipFile(FileSlice(f, base, length))  # type: ignore[arg-type]
+        z = zipfile.ZipFile(FileSlice(f, base, length))
         infos = {i.filename: i for i in z.infolist()}
         pkl = [n for n in infos if n.count("/") == 1 and n.endswith("/data.pkl")]
         if len(pkl) != 1 or infos[pkl[0]].file_size > MAX_PICKLE:
@@ -488,14 +488,14 @@ class FileSlice(io.RawIOBase):
         if n <= 0:
             return 0
         self.f.seek(self.start + self.pos)
-        got = self.f.readinto(view[:n]) or 0
+        got = self.f.readinto(view[:n]) or 0  # type: ignore[attr-defined]  # a raw file (open_regular)
         self.pos += got
         return got
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # a buffer
 
 
 def read_exact(f: tp.BinaryIO, pos: int, out: torch.Tensor | memoryview, source: str) -> None:
@@ -505,7 +505,7 @@ def read_exact(f: tp.BinaryIO, pos: int, out: torch.Tensor | memoryview, source:
     f.seek(pos)
     done = 0
     while done < len(view):
-        got = f.readinto(view[done:])
+        got = f.readinto(view[done:])  # type: ignore[attr-defined]  # a raw file (open_regular) or a FileSlice
         if not got:
             raise CheckpointError([f"{source}: ends at byte {pos + done}, {len(view) - done} bytes short; truncated"])
         done += got

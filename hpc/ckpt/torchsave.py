@@ -43,7 +43,8 @@ class TorchReader:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.zip: TorchZip | None = None
-        self.streamed, self.fallback_reason, self.flat = True, "", {}
+        self.streamed, self.fallback_reason = True, ""
+        self.flat: dict[str, tp.Any] = {}
         self.file = open_regular(self.path, "a torch.save file")
         try:
             obj = self._load()
@@ -127,7 +128,7 @@ class TorchReader:
             return torch.load(self.path, map_location="cpu", weights_only=True, mmap=is_zip)
         except pickle.UnpicklingError as exc:
             raise CheckpointError([f"{self.path}: refused by weights-only loading ({load_error(exc)})"]) from None
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001  (garbled file: torch.load raises many types)
             raise CheckpointError([f"{self.path}: unreadable torch file ({load_error(exc)})"]) from None
 
     def _ref(self, key: str) -> tp.Any:
@@ -204,7 +205,7 @@ def write_torch(reader: Reader, dst: Path, keys: list[str], *, model_only: bool,
     nested dict is pickled from the entries' dtypes and shapes, then each tensor is read into
     ``scratch`` and written as its record."""
     scratch = scratch or Scratch()
-    layout = {k: Stored(k, e.dtype, e.shape) if e.is_tensor else reader.read(k)
+    layout = {k: Stored(k, e.dtype, e.shape) if e.is_tensor else reader.read(k)  # type: ignore[arg-type]  # a tensor's
               for k, e in ((k, reader.entries[k]) for k in keys)}
     nested = unflatten(layout, reader.paths, str(getattr(reader, "path", "checkpoint")))
     obj = nested.get("model", {}) if model_only else nested

@@ -190,7 +190,7 @@ def describe_result(outcome: tuple | None, last_stop: dict | None = None) -> tp.
         return f"no result (the job did not finish its work{why})"
     kind, value = outcome
     if kind == "success":
-        at_limit = isinstance(value, dict) and bool(last_stop) and last_stop.get("reason") == "time_limit"
+        at_limit = isinstance(value, dict) and last_stop is not None and last_stop.get("reason") == "time_limit"
         return {**value, "time_limit": True} if at_limit else value
     lines = str(value).strip().splitlines()
     return "failed: " + (lines[-1] if lines else "unknown error")

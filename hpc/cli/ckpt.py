@@ -23,6 +23,9 @@ from hpc.ckpt.formats import TARGETS  # torch-free: the formats --to writes
 from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option
 from hpc.core.errors import ConfigError
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from click._termui_impl import ProgressBar  # what click.progressbar returns
+
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -37,7 +40,7 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * UNITS[unit])
 
 
-def human(n: int) -> str:
+def human(n: float) -> str:
     """``1.5 MiB`` & co."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
@@ -116,7 +119,8 @@ class Progress:
     inputs are checked, and wiped on an error so the ``error:`` line stands alone."""
 
     def __init__(self, label: str):
-        self.label, self.bar = label, None
+        self.label = label
+        self.bar: ProgressBar[int] | None = None
 
     def start(self, total: int) -> tp.Callable[[int], None]:
         if not sys.stderr.isatty():

@@ -371,7 +371,7 @@ def parse_toml(text: str, source: str) -> dict:
         line = getattr(exc, "lineno", None)
         col = getattr(exc, "colno", None)
         msg = getattr(exc, "msg", str(exc))
-        if line is None:  # Python < 3.14 only puts the position in the text
+        if line is None or col is None:  # Python < 3.14 only puts the position in the text
             line, col, msg = _position_from_message(str(exc))
         raise TomlSyntaxError([f"{source}:{line}:{col}: TOML syntax error: {msg}{_char_at(text, line, col)}"]) from None
     except ValueError as exc:  # an integer of more than 4300 digits
@@ -544,6 +544,6 @@ def field_docs(cls: type) -> list[tuple[str, str, tp.Any]]:
     """(name, doc, default) for each field of a section: the source of the reference docs."""
     out = []
     for f in dataclasses.fields(cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         out.append((f.name, f.metadata.get("doc", ""), default))
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import typing as tp
 from dataclasses import asdict, dataclass
+from typing import Any  # in ParallelDims, `tp` is the tensor-parallel degree
 
 STRATEGIES = ("none", "dp", "ddp", "fsdp", "hsdp")
 SHARDINGS = ("full_shard", "shard_grad_op", "no_shard")
@@ -155,11 +156,11 @@ class ParallelDims:
         return (f"hsdp {self.sharding} (mesh replicate={self.dp_replicate} × shard={self.dp_shard}: sharded within "
                 f"groups of {self.dp_shard}, replicated across {self.dp_replicate})")
 
-    def to_dict(self) -> dict[str, tp.Any]:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, doc: dict[str, tp.Any]) -> "ParallelDims":
+    def from_dict(cls, doc: dict[str, Any]) -> "ParallelDims":
         return cls(**doc)
 
 

@@ -85,14 +85,15 @@ def problem(path: list[str] | None = None, hpc_dir: str | None = None) -> str | 
     this code) is where ``hpc`` resolves.
     """
     search = list(sys.path if path is None else path)
-    found = {"hpc": hpc_dir or os.path.dirname(os.path.abspath(sys.modules["hpc"].__file__ or "")),
-             "trainer": _located("trainer", search, imported=path is None)}
-    own, files = _own(search, found["hpc"])
+    hpc_found = hpc_dir or os.path.dirname(os.path.abspath(sys.modules["hpc"].__file__ or ""))
+    found = {"hpc": hpc_found, "trainer": _located("trainer", search, imported=path is None)}
+    own, files = _own(search, hpc_found)
     for name in NAMES:
-        if found[name] is None:
+        where = found[name]
+        if where is None:
             return (f"`{name}` is not importable here (hpcx's own is {own[name]}): reinstall hpcx "
                     f"(`pip install --force-reinstall hpcx`)")
-        if _real(found[name]) != _real(own[name]):
+        if _real(where) != _real(own[name]):
             return (f"`{name}` resolves to {found[name]}, not to hpcx's own {own[name]} (another package installs "
                     f"a top-level `{name}`, or a folder on PYTHONPATH holds one): uninstall that package or take "
                     f"its folder off PYTHONPATH, or give hpcx a virtual environment of its own")
@@ -109,8 +110,9 @@ def _located(name: str, search: list[str], imported: bool = True) -> str | None:
     """The folder of top-level package ``name`` as an import would find it (``imported``: the one already
     imported, if it is)."""
     module = sys.modules.get(name) if imported else None
-    if module is not None and getattr(module, "__file__", None):
-        return os.path.dirname(os.path.abspath(module.__file__))
+    file = getattr(module, "__file__", None) if module is not None else None
+    if file:
+        return os.path.dirname(os.path.abspath(file))
     from importlib.machinery import PathFinder
 
     spec = PathFinder.find_spec(name, search)

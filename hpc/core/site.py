@@ -39,7 +39,11 @@ class CommonScheduler:
     max_nodes: int = field(0, doc="Largest job this site can run, in nodes (0: unknown).", minimum=0)
 
 
-Scheduler = schedulers.section_class(CommonScheduler)
+if tp.TYPE_CHECKING:  # the class is built at import time: mypy sees the common fields, each kind's as Any
+    class Scheduler(CommonScheduler):
+        def __getattr__(self, name: str) -> tp.Any: ...
+else:
+    Scheduler = schedulers.section_class(CommonScheduler)
 
 
 @dataclass

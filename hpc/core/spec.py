@@ -213,6 +213,11 @@ class JobSpec:
         return out
 
 
+if tp.TYPE_CHECKING:  # the class is joined when first asked for: mypy sees the common fields, each family's as Any
+    class Model(CommonModel):
+        def __getattr__(self, name: str) -> tp.Any: ...
+
+
 @functools.cache
 def sections() -> dict[str, type]:
     """Each section's class by name; ``[model]`` is joined from the families when first asked

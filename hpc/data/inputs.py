@@ -79,14 +79,22 @@ def _files_under(path: Path) -> set[Path]:
     return {path.resolve()}
 
 
+def _kind_of(path: Path) -> tuple[str, str]:
+    """(kind, compression) of an input file (``expand_inputs`` keeps only those)."""
+    found = input_kind(path.name)
+    if found is None:
+        raise UserError([f"{path}: not a .txt, .jsonl or .parquet file (optionally .gz or .zst)"])
+    return found
+
+
 def open_binary(path: Path) -> tuple[tp.BinaryIO, tp.BinaryIO]:
     """(decompressed stream, raw file); the raw file's position is the progress through the input."""
     raw = open(path, "rb")
-    comp = input_kind(path.name)[1]
+    comp = _kind_of(path)[1]
     if comp == ".gz":
         import gzip
 
-        return gzip.GzipFile(fileobj=raw), raw
+        return tp.cast(tp.BinaryIO, gzip.GzipFile(fileobj=raw)), raw  # typeshed: a GzipFile is no BinaryIO
     if comp == ".zst":
         import zstandard
 
@@ -96,7 +104,7 @@ def open_binary(path: Path) -> tuple[tp.BinaryIO, tp.BinaryIO]:
 
 def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[Segments | BadInput, int]]:
     """Yield (segments or the BadInput of that document, raw bytes of the input read so far)."""
-    kind = input_kind(path.name)[0]
+    kind = _kind_of(path)[0]
     stream, raw = open_binary(path)
     with raw, stream:
         try:
@@ -109,7 +117,7 @@ def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[Segments | BadI
             else:
                 yield from _paragraphs(path, stream, raw, fmt)
         except (OSError, EOFError) as exc:
-            kind_name = input_kind(path.name)[1] or "file"
+            kind_name = _kind_of(path)[1] or "file"
             raise UserError([f"{path}: cannot read ({exc}): expected a readable {kind_name} stream"]) from None
 
 
@@ -118,7 +126,7 @@ TELL_EVERY = 256  # lines between two looks at the raw file's position (for the 
 
 def _lines(name: str, stream: tp.BinaryIO, raw: tp.BinaryIO) -> tp.Iterator[tuple[int, str | BadInput, int]]:
     """(line number, text or BadInput, raw position, updated every few hundred lines) per line."""
-    buffered = io.BufferedReader(stream) if not isinstance(stream, io.BufferedIOBase) else stream
+    buffered = io.BufferedReader(stream) if not isinstance(stream, io.BufferedIOBase) else stream  # type: ignore[type-var]  # a raw stream
     pos = 0
     for line_no, data in enumerate(buffered, 1):
         try:
@@ -207,7 +215,7 @@ def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: F
     try:
         # a compressed parquet file is not seekable: it is read whole (parquet compresses inside anyway)
         table = pq.ParquetFile(raw if stream is raw else io.BytesIO(stream.read()))
-    except Exception as exc:  # pyarrow raises its own ArrowInvalid for a file that is not parquet
+    except Exception as exc:  # noqa: BLE001  (pyarrow raises its own ArrowInvalid for a file that is not parquet)
         raise UserError([f"{path}: not a parquet file ({exc}): expected a .parquet table"]) from None
     keys = [fmt.text_key] if fmt.kind == "text" else [fmt.prompt_key, fmt.response_key, fmt.messages_key]
     columns = [k for k in keys if k in table.schema_arrow.names]

@@ -114,7 +114,7 @@ class Skipped:
     """Documents left out under ``--errors=skip``: how many, and the first few by name."""
 
     def __init__(self, mode: str):
-        self.mode, self.count, self.first = mode, 0, []
+        self.mode, self.count, self.first = mode, 0, list[str]()
 
     def add(self, bad: BadInput) -> None:
         """Count a bad document, or raise it unless ``--errors=skip``."""

@@ -37,6 +37,7 @@ class ShardWriter:
         """One document (its EOS included); closes the shard once it is full."""
         self.tokens.append(tokens.astype(self.dtype, copy=False))
         if self.masked:
+            assert mask is not None, "a masked writer takes a mask with every document"
             self.masks.append(mask.astype(np.uint8, copy=False))
         self.count += len(tokens)
         if self.count >= self.shard_tokens:
@@ -49,7 +50,7 @@ class ShardWriter:
         stem = shard_stem(self.split, self.group, len(self.shards))
         offsets = np.zeros(len(self.tokens) + 1, dtype=np.uint64)
         np.cumsum([len(t) for t in self.tokens], out=offsets[1:])
-        record = {"tokens": int(offsets[-1]), "documents": len(self.tokens)}
+        record: dict[str, tp.Any] = {"tokens": int(offsets[-1]), "documents": len(self.tokens)}
         record.update(self._write(f"{stem}.bin", np.concatenate(self.tokens), "file"))
         record.update(self._write(f"{stem}.idx", offsets, "index"))
         if self.masked:

@@ -53,7 +53,7 @@ def load_tokenizer(path: str | Path) -> tp.Any:
     file = tokenizer_file(path)
     try:
         return Tokenizer.from_file(str(file))
-    except Exception as exc:  # tokenizers raises a plain Exception for every parse error
+    except Exception as exc:  # noqa: BLE001  (tokenizers raises a plain Exception for every parse error)
         raise UserError([f"{file}: not a tokenizer ({str(exc).splitlines()[0]}): expected a Hugging Face "
                          "tokenizer.json"]) from None
 
@@ -64,7 +64,7 @@ def describe_tokenizer(path: str | Path, eos: str | None = None) -> TokenizerInf
     tok = load_tokenizer(file)
     name = eos or _config_eos(file.parent) or next((n for n in EOS_NAMES if tok.token_to_id(n) is not None), None)
     eos_id = tok.token_to_id(name) if name else None
-    if eos_id is None:
+    if eos_id is None or name is None:
         raise UserError([f"{file}: {'no token ' + repr(name) if name else 'no end-of-text token'} in the vocabulary: "
                          f"expected one of {', '.join(EOS_NAMES)}, or name it with --eos"])
     digest = hashlib.sha256(file.read_bytes()).hexdigest()

@@ -34,6 +34,7 @@ needs a GPU.
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 import typing as tp
@@ -224,16 +225,10 @@ def checkpoint_plan(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Jo
     planner.set_up_planner(state, None, is_coordinator=rank == 0)
     items = planner.create_local_plan().items
     tensors = [i for i in items if i.tensor_data is not None]
-    nbytes = sum(_numel(i.tensor_data.chunk.sizes) * i.tensor_data.properties.dtype.itemsize for i in tensors)
+    nbytes = sum(math.prod(d.chunk.sizes) * d.properties.dtype.itemsize for i in tensors if (d := i.tensor_data))
     return {"tensors": len(tensors), "shards": sum(i.type.name == "SHARD" for i in tensors),
             "bytes": nbytes, "other_items": len(items) - len(tensors)}
 
-
-def _numel(sizes: tp.Sequence[int]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
 
 
 def mesh_report(mesh: tp.Any, launch: Launch, rank: int) -> dict[str, tp.Any]:

@@ -58,7 +58,7 @@ def built_model(spec: JobSpec) -> nn.Module:
         return build_model(spec.model, "meta")
     except ConfigError as exc:
         raise ConfigError([f"{spec.source}: {m}" for m in exc.messages]) from None
-    except Exception as exc:  # the user's code: the job would raise the same in every start
+    except Exception as exc:  # noqa: BLE001  (the user's code: the job would raise the same in every start)
         call = f"{spec.model.arch.split(':')[-1]}({', '.join(f'{k}={v!r}' for k, v in spec.model.kwargs.items())})"
         raise ConfigError([f"{spec.source}: `model.arch` = {spec.model.arch!r}: {call} (with `model.kwargs`) raised "
                            f"{type(exc).__name__}: {_one_line(exc)}; expected it to return the nn.Module"]) from None
@@ -111,7 +111,7 @@ def forward_problems(model: nn.Module, spec: JobSpec) -> tuple[list[str], str]:
     try:
         with torch.no_grad(), torch.device("meta"):
             out = model(tokens[:, :-1])
-    except Exception as exc:  # meta cannot run everything (.item(), data-dependent shapes): not evidence
+    except Exception as exc:  # noqa: BLE001  (meta cannot run everything (.item(), data-dependent shapes): not evidence)
         return [], f"not checked: it raises on the meta device ({type(exc).__name__}: {_one_line(exc)[:200]})"
     problem = output_problem(out, seq, facts.vocab_size)
     if problem:
@@ -119,7 +119,7 @@ def forward_problems(model: nn.Module, spec: JobSpec) -> tuple[list[str], str]:
     try:
         with torch.no_grad():
             micro_loss(out, tokens, None, 1.0)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001  (the user's logits: whatever the loss raises is the report)
         return [f"{head} logits the loss cannot use (trainer.objective.micro_loss raised {type(exc).__name__}: "
                 f"{_one_line(exc)})"], ""
     return [], f"a [{BATCH}, {seq}] meta batch gives logits {list(out.shape)}, which the loss takes"

@@ -25,7 +25,7 @@ SIGNAL = "USR2"  # what the rendered script asks Slurm to send (--signal=USR2@LE
 
 
 def last_step(run_dir: Path) -> int | None:
-    steps = [r.get("step") for r in runs.RunDir(run_dir).read_metrics() if r.get("step") is not None]
+    steps = [step for r in runs.RunDir(run_dir).read_metrics() if (step := r.get("step")) is not None]
     return max(steps) if steps else None
 
 

@@ -86,7 +86,7 @@ def _roots(path: Path, facts: dict[str, tp.Any], warn: tp.Callable[[str], None])
     return [root] if root else []
 
 
-def _facts_ok(facts: tp.Any) -> bool:
+def _facts_ok(facts: tp.Any) -> tp.TypeGuard[dict[str, tp.Any]]:
     return (isinstance(facts, dict) and isinstance(facts.get("loads"), bool) and isinstance(facts.get("file"), list)
             and isinstance(facts.get("run_root"), (str, type(None)))
             and (facts["loads"] and isinstance(facts["run_root"], str) and facts.get("error") is None
@@ -114,7 +114,7 @@ def _code() -> dict[str, list[int] | None]:
     return {f: _file_key(f) for f in sorted(f for f in files if isinstance(f, str))}
 
 
-def _current(record: tp.Any) -> bool:
+def _current(record: tp.Any) -> tp.TypeGuard[dict[str, tp.Any]]:
     """The record was written by this Python and this hpcx, none of whose modules changed since."""
     if not (isinstance(record, dict) and record.get("python") == sys.version and record.get("hpc") == _package()
             and isinstance(record.get("code"), dict) and record["code"] and isinstance(record.get("profiles"), dict)):

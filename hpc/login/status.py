@@ -124,7 +124,7 @@ def _utf8(stream: tp.TextIO | None) -> bool:
 
     encoding = getattr(stream, "encoding", None)
     try:
-        return bool(encoding) and codecs.lookup(encoding).name == "utf-8"
+        return isinstance(encoding, str) and codecs.lookup(encoding).name == "utf-8"
     except LookupError:
         return False
 

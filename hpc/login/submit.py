@@ -236,9 +236,10 @@ def summaries(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S) -> 
     out = []
     for run_dir in run_dirs:
         try:
-            if isinstance(read[run_dir], Exception):
-                raise read[run_dir]
-            out.append(with_state(run_dir, read[run_dir], states[run_dir]))
+            recorded = read[run_dir]
+            if isinstance(recorded, Exception):
+                raise recorded
+            out.append(with_state(run_dir, recorded, states[run_dir]))
         except (OSError, ConfigError) as exc:
             out.append(unreadable_summary(run_dir, unreadable(exc)))
     return out

@@ -176,8 +176,8 @@ class Comm:
 
     @property
     def seconds(self) -> float | None:
-        times = [p.seconds for p in self.parts]
-        return None if any(t is None for t in times) else sum(times)  # type: ignore[misc]
+        times = [p.seconds for p in self.parts if p.seconds is not None]
+        return sum(times) if len(times) == len(self.parts) else None
 
     @property
     def cross_node_gb(self) -> float:
@@ -187,7 +187,7 @@ class Comm:
     @property
     def slowest_link(self) -> str:
         timed = [p for p in self.parts if p.seconds]
-        return max(timed, key=lambda p: p.seconds).link if timed else ""
+        return max(timed, key=lambda p: p.seconds or 0.0).link if timed else ""
 
 
 @dataclass(frozen=True)

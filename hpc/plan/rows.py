@@ -105,7 +105,8 @@ class Row:
             "dims": self.dims.to_dict(), "cpu_offload": self.cfg.offload, "label": self.label,
             "memory_gb": None if m is None else {
                 "params": m.params, "grads": m.grads, "optimizer": m.optimizer, "buffers": m.buffers,
-                "activations": m.activations, "total": m.total, "headroom": self.need_gb - self.peak_gb,
+                "activations": m.activations, "total": m.total,
+                "headroom": self.need_gb - self.peak_gb,  # type: ignore[operator]  # both known where m is
                 "host_per_node": m.host_per_node, "notes": list(m.notes),
                 "init": m.init, "peak": self.peak_gb, "staging_per_rank": m.staging,
                 "staging_per_node": m.staging_per_node, "host_need_per_node": self.host_need_gb},

@@ -7,7 +7,7 @@ import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.models import model_facts
-from hpc.plan import MFU_DEFAULT as ASSUMED_MFU  # compute estimate when nothing was measured
+from hpc.plan import MFU_DEFAULT as ASSUMED_MFU  # noqa: F401  (hpc.scale re-exports it: the compute estimate when nothing was measured)
 from hpc.core.resolve import tasks_per_node
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
@@ -92,7 +92,7 @@ def predict_table(spec: JobSpec, site: SiteProfile, nodes: tp.Sequence[int], mod
     rows, ref = [], None
     for n in nodes:
         batch, why = point_batch(spec, site, n, mode)
-        if why:
+        if batch is None:
             rows.append({"nodes": n, "error": why})
             continue
         point = replace(spec, job=replace(spec.job, nodes=n), train=replace(spec.train, global_batch=batch))

@@ -148,7 +148,7 @@ def add_efficiency(row: dict, base: dict | None) -> None:
                          if base and row["tokens_per_s_per_rank"] else None)
     ok = base and base.get("predicted_tokens_per_s") and row.get("predicted_tokens_per_s")
     row["predicted_efficiency"] = ((row["predicted_tokens_per_s"] / row["ranks"])
-                                   / (base["predicted_tokens_per_s"] / base["ranks"]) if ok else None)
+                                   / (base["predicted_tokens_per_s"] / base["ranks"]) if base and ok else None)
 
 
 # ---------------------------------------------------------------- verdicts

@@ -84,8 +84,8 @@ def prepare_points(spec_path: Path, site: SiteProfile, overrides: tp.Sequence[st
     points = []
     for n in nodes:
         batch, why = point_batch(spec, site, n, mode)
-        if why:
-            errors.append(why)
+        if batch is None:
+            errors.append(why or "")
             continue
         extra = point_overrides(n, batch, steps, study_dir, spec.job.name)
         try:

@@ -83,7 +83,7 @@ def section_class(common: type) -> type:
     bases = tuple(module.Section for module in reversed(sections.values())) + (common,)
     cls = dataclasses.make_dataclass(common.__name__.removeprefix("Common"), [], bases=bases)
     cls.__module__, cls.__doc__ = common.__module__, common.__doc__
-    cls.KIND_FIELDS = kind_fields
+    cls.KIND_FIELDS = kind_fields  # type: ignore[attr-defined]  # a class built here, its one extra attribute
     return cls
 
 
@@ -115,20 +115,28 @@ def detect_site(name: str, saved: tp.Mapping[str, str | None]) -> str:
     raise UserError(["hpcx site detect: no scheduler kind can draft a site profile"])
 
 
-def _load(kind: str, index: int) -> type:
+def _load(kind: str, index: int) -> tp.Any:
     module, *classes = KINDS[kind]
     return getattr(importlib.import_module(module), classes[index])
 
 
+def _login_class(kind: str) -> type[Scheduler]:
+    return _load(kind, 0)
+
+
+def _job_class(kind: str) -> type[JobSide]:
+    return _load(kind, 1)
+
+
 def get(kind: str) -> Scheduler:
     """The login side of scheduler ``kind`` (one of ``KINDS``)."""
-    return _load(kind, 0)()
+    return _login_class(kind)()
 
 
 def job_side() -> JobSide | None:
     """The scheduler that started this task (each kind's ``JobSide.started_this_task``), else None."""
     for kind in KINDS:
-        side = _load(kind, 1)
+        side = _job_class(kind)
         if side.started_this_task(os.environ):
             return side()
     return None
@@ -138,7 +146,7 @@ def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
     """This task's rank, world and rank 0's address, when a scheduler started it itself (a task of a
     plain srun step, no submitit, no torchrun); None otherwise."""
     for kind in KINDS:
-        found = _load(kind, 1).rank_env(env)
+        found = _job_class(kind).rank_env(env)
         if found is not None:
             return found
     return None
@@ -147,7 +155,7 @@ def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
 def section_problems(section: tp.Any) -> list[str]:
     """Every kind's rules on the options it owns in a site's ``[scheduler]`` section (Slurm's sbatch
     table), on well-typed fields."""
-    return [problem for kind in KINDS for problem in _load(kind, 0).section_problems(section)]
+    return [problem for kind in KINDS for problem in _login_class(kind).section_problems(section)]
 
 
 def site_problems(site: SiteProfile) -> list[str]:

@@ -42,6 +42,14 @@ UNREACHABLE = "scheduler unreachable"
 PLACEMENT = ("partition", "account", "qos")  # what a job asks of any batch scheduler (``Scheduler.placement``)
 
 
+class Placement(tp.TypedDict):
+    """``Scheduler.placement``: the ``PLACEMENT`` fields as ``Launch`` records them."""
+
+    partition: str | None
+    account: str | None
+    qos: str | None
+
+
 @dataclass
 class JobState:
     state: str
@@ -280,11 +288,11 @@ class Scheduler(abc.ABC):
         """This kind's cross-checks of a well-typed site profile of its kind."""
         return []
 
-    def placement(self, spec: JobSpec, site: SiteProfile) -> dict[str, str | None]:
+    def placement(self, spec: JobSpec, site: SiteProfile) -> Placement:
         """Where the job asks to run, as ``Launch`` records it (``partition``, ``account``, ``qos``): the
         spec's ``job.partition``/``account``/``qos``; a kind whose ``[scheduler]`` section has defaults
         for them (Slurm's) fills what the spec leaves out. The core reads no field of a kind's section."""
-        return {key: getattr(spec.job, key) for key in PLACEMENT}
+        return tp.cast(Placement, {key: getattr(spec.job, key) for key in PLACEMENT})
 
 
 class JobSide(abc.ABC):

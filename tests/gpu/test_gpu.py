@@ -85,7 +85,7 @@ def test_a_local_gpu_site_runs_its_job_on_the_gpu(tmp_path):
                           "train.steps=4", "--set", "parallel.strategy='none'", "--set", "train.global_batch=2",
                           "--wait"], capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
-    run = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run folder:")))
+    run = Path(next(ln.split(": ", 1)[1] for ln in out.stdout.splitlines() if ln.startswith("run folder:")))
     assert "4 steps" in out.stdout
     assert json.loads((run / "world.json").read_text())["world_size"] == 1
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

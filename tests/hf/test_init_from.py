@@ -54,10 +54,10 @@ def test_hf_folder_round_trips_bit_for_bit_on_two_ranks(source, tmp_path, strate
 def test_uneven_shards_on_three_ranks_and_hsdp_on_four(source, tmp_path):
     """dims that do not divide by 3 (kv 32 rows, vocab 256): later ranks hold shorter shards; 2 × 2 HSDP
     with activation checkpointing (its wrapper renames the parameters)."""
-    for name, strategy, ranks, extra in (("three", "fsdp", 3, ["train.global_batch=6"]),
+    for name, strategy, ranks, overrides in (("three", "fsdp", 3, ["train.global_batch=6"]),
                                          ("four", "hsdp", 4, ["parallel.shard_size=2",
                                                               "parallel.activation_checkpointing=true"])):
-        run = fine_tune(tmp_path, name, source, strategy, ranks, extra)
+        run = fine_tune(tmp_path, name, source, strategy, ranks, overrides)
         assert_bitwise(exported(run, tmp_path / name), hf_tensors(source))
 
 

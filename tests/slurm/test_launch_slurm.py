@@ -44,7 +44,7 @@ def test_plain_srun_tasks_know_their_ranks(sandbox, tmp_path):
     assert world["world_size"] == 4 and world["all_reduce"] == 4 and sorted(world["hosts"]) == ["n1", "n1", "n2", "n2"]
     for rank in range(4):
         assert f"rank {rank}/4 on n{1 + rank // 2} via srun" in (run / "logs" / f"rank-{rank}.log").read_text()
-    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert [json.loads(ln)["step"] for ln in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     start = json.loads((run / "ledger.jsonl").read_text().splitlines()[0])
     assert start["job_id"] == job  # Slurm's job: a preemption could requeue it
     assert output.count('"world_size": 4') == 1  # one summary line: rank 0's only

@@ -36,7 +36,7 @@ def test_two_node_job_runs_on_both_nodes(sandbox):
                "--set", "job.name=spine-2x2",
                "--wait", timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run folder:")))
+    run_dir = Path(next(ln.split(": ", 1)[1] for ln in out.stdout.splitlines() if ln.startswith("run folder:")))
     assert "result:" in out.stdout
     world = json.loads((run_dir / "world.json").read_text())
     assert world["world_size"] == 4 and world["all_reduce"] == 4
@@ -44,7 +44,7 @@ def test_two_node_job_runs_on_both_nodes(sandbox):
     for rank in range(4):
         log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
         assert f"rank {rank}/4" in log
-    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 7))
     status = json.loads(hpcx("status", str(run_dir), "--json").stdout)
     assert status["state"] == "COMPLETED"
@@ -117,7 +117,7 @@ passthrough = ["HF_TOKEN"]
         assert seen["SLURM_JOB_NAME"] == nasty
         assert seen["HF_TOKEN_sha256"] == hashlib.sha256(secret.encode()).hexdigest()
     assert not Path("/tmp/hpcx-pwned").exists() and not Path("/tmp/hpcx-pwned2").exists()
-    run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run folder:")))
+    run_dir = Path(next(ln.split(": ", 1)[1] for ln in out.stdout.splitlines() if ln.startswith("run folder:")))
     for path in run_dir.rglob("*"):
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), f"secret written to {path}"
@@ -161,12 +161,12 @@ def test_hsdp_replicates_across_nodes_and_shards_within_one(sandbox):
     out = hpcx("submit", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", "sandbox", "--set", "train.steps=4",
                "--set", "checkpoint.interval_steps=0", "--set", "train.log_every=1", "--wait", timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    run_dir = Path(next(l.split(": ", 1)[1] for l in out.stdout.splitlines() if l.startswith("run folder:")))
+    run_dir = Path(next(ln.split(": ", 1)[1] for ln in out.stdout.splitlines() if ln.startswith("run folder:")))
     hosts = json.loads((run_dir / "world.json").read_text())["hosts"]
     mesh = json.loads((run_dir / "mesh.json").read_text())
     assert [[hosts[r] for r in g] for g in mesh["dp_shard"]] == [["n1", "n1"], ["n2", "n2"]]
     assert all(sorted(hosts[r] for r in g) == ["n1", "n2"] for g in mesh["dp_replicate"])
-    metrics = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4] and all(m["loss"] > 0 for m in metrics)
     for rank in range(4):  # built on the meta device; each rank allocated and initialised half the model
         log = (run_dir / "logs" / f"rank-{rank}.log").read_text()

@@ -7,7 +7,6 @@ import logging
 import math
 from pathlib import Path
 
-import pytest
 from click.testing import CliRunner
 
 from hpc.cli import cli

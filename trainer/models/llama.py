@@ -65,6 +65,8 @@ def rope_frequencies(shape: LlamaShape) -> torch.Tensor:
 class Rotary(nn.Module):
     """The rotary embedding's inverse frequencies (a buffer outside the state dict) and cos/sin per position."""
 
+    inv_freq: torch.Tensor  # registered in __init__
+
     def __init__(self, shape: LlamaShape):
         super().__init__()
         self.shape = shape

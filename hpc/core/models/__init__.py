@@ -168,12 +168,12 @@ def section_class(common: type) -> type:
     bases = tuple(fam.fields for fam in reversed(families())) + (common,)
     cls = dataclasses.make_dataclass(common.__name__.removeprefix("Common"), [], bases=bases)
     cls.__module__, cls.__doc__ = common.__module__, common.__doc__
-    cls.FAMILY_FIELDS = family_fields
+    cls.FAMILY_FIELDS = family_fields  # type: ignore[attr-defined]
     return cls
 
 
 def _default(f: dataclasses.Field) -> tp.Any:
-    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
 
 
 def model_facts(model: Model, counted: Counted | None = None) -> ModelFacts:

@@ -327,9 +327,8 @@ def hf_spec_fields(path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
 
 
 def _rope(doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
-    rope = doc.get("rope_parameters") if isinstance(doc.get("rope_parameters"), dict) else {}
-    scaling = doc.get("rope_scaling") if isinstance(doc.get("rope_scaling"), dict) else {}
-    return {**rope, **scaling}
+    rope, scaling = doc.get("rope_parameters"), doc.get("rope_scaling")
+    return {**(rope if isinstance(rope, dict) else {}), **(scaling if isinstance(scaling, dict) else {})}
 
 
 def _unsupported(path: tp.Any, doc: dict[str, tp.Any]) -> list[str]:

@@ -95,6 +95,7 @@ def module_file(module: str, folder: str | None = None) -> str | None:
         search = list(spec.submodule_search_locations or [])
         if not search and n < len(parts):
             return None  # a module, not a package: it has no submodules
+    assert spec is not None  # a name has one part at least, so the loop ran
     if spec.origin and spec.origin not in ("namespace", "built-in", "frozen"):
         return spec.origin
     return next(iter(spec.submodule_search_locations or []), None)

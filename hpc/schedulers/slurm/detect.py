@@ -82,7 +82,7 @@ def _cells(line: str) -> list[str]:
     terminal, or edited); single spaces stay inside a cell (``CPU Affinity``) unless they only
     separate column labels (``GPU0 GPU1``)."""
     line = ANSI.sub("", line).rstrip("\n")
-    cells = []
+    cells: list[str] = []
     for cell in (c.strip() for c in re.split(r"\t| {2,}", line)):
         words = cell.split()
         cells += words if len(words) > 1 and all(COLUMN_LABEL.match(w) for w in words) else [cell]

@@ -136,7 +136,8 @@ def check_sbatch(table: dict[str, tp.Any], owned: tp.Collection[str] = ()) -> li
     """Every problem with a site's [scheduler.sbatch] table: each name (also beside a value of the wrong
     type, which the loader reports), each value, a name given twice and options Slurm takes only one of.
     ``owned``: the options on hpcx's own #SBATCH lines."""
-    errors, seen = [], {}
+    errors: list[str] = []
+    seen: dict[str, str] = {}
     for key, value in table.items():
         path = f"scheduler.sbatch.{shown(key)}"
         errors += check_sbatch_key(path, key, owned)

@@ -22,7 +22,7 @@ import typing as tp
 from pathlib import Path
 
 from hpc.core.errors import UserError
-from hpc.schedulers.base import (PLACEMENT, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv,
+from hpc.schedulers.base import (PLACEMENT, Placement, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv,
                                  Scheduler, batch_log, task_command, try_command, unknown, wait_since_last_stop)
 from hpc.schedulers.slurm import ranks
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
@@ -404,9 +404,9 @@ class SlurmScheduler(Scheduler):
                     "expected 'gpus-per-node' or 'gres' on a GPU site"]
         return []
 
-    def placement(self, spec: JobSpec, site: SiteProfile) -> dict[str, str | None]:
+    def placement(self, spec: JobSpec, site: SiteProfile) -> Placement:
         """The spec's partition, account and QOS, else the site's ``[scheduler]`` defaults."""
-        return {key: getattr(spec.job, key) or getattr(site.scheduler, key) for key in PLACEMENT}
+        return tp.cast(Placement, {key: getattr(spec.job, key) or getattr(site.scheduler, key) for key in PLACEMENT})
 
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
         import sys
