@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hpc.ckpt.entries import Progress, Reader, Scratch
-from hpc.ckpt.outputs import check_destination, fsync_file, staged
+from hpc.ckpt.outputs import check_destination, fsync_file, parents_made, staged
 from hpc.ckpt.safetensors import INDEX_FILE, ST_DTYPES
 from hpc.ckpt.torch_zip import byte_view
 from hpc.core.errors import CheckpointError, ConfigError
@@ -203,7 +203,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
     if dtype not in DTYPES:
         raise ConfigError([f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}"])
     src, dst = Path(src), Path(dst)
-    check_destination(dst)
+    check_destination(dst, make_parents=True)
     run, step = run_of(src)
     arch, shape, resolved = run_model(run)
     plan, torch_dtype = tensor_plan(arch, shape), DTYPES[dtype]
@@ -214,8 +214,9 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
             raise CheckpointError(problems)
         shards = hf_shards(plan, torch_dtype.itemsize, shard_bytes)
         total = sum(_numel(t.shape) for t in plan) * torch_dtype.itemsize
-        _write_folder(dst, reader, shards, _config(arch, shape, dtype), torch_dtype, start(total),
-                      tokenizer_files(resolved, run))
+        with parents_made(dst):
+            _write_folder(dst, reader, shards, _config(arch, shape, dtype), torch_dtype, start(total),
+                          tokenizer_files(resolved, run))
     finally:
         reader.close()
     return {"src": str(step), "dst": str(dst), "arch": hf_config(arch, shape)["architectures"][0],

@@ -75,6 +75,13 @@ def test_llama_export_loads_with_the_same_logits(llama_run, tmp_path):
     assert logits_diff(hpcx_model(llama_run), loaded(tmp_path / "hf"), 256) <= 1e-5
 
 
+def test_the_export_makes_the_folders_above_it(llama_run, tmp_path):
+    out = hpcx("ckpt", "convert", str(llama_run), str(tmp_path / "exports" / "v1" / "hf"), "--to", "hf")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "exports" / "v1").iterdir()) == ["hf"]
+    assert (tmp_path / "exports" / "v1" / "hf" / "config.json").is_file()
+
+
 def test_sharded_export_has_an_index_and_loads(llama_run, tmp_path):
     step = sorted((llama_run / "checkpoints").glob("step-*"))[-1]
     summary = export_hf(step, tmp_path / "hf", shard_bytes=100_000)
