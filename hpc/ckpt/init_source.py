@@ -30,7 +30,7 @@ from hpc.core.errors import CheckpointError
 from hpc.core.hf import CONFIG_FILE, hf_config, read_config, spec_fields, tensor_plan
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-IGNORED = ("seq_len",)  # the context a fine-tune trains at is its own choice
+IGNORED = ("context_len",)  # the length a fine-tune trains at is its own choice (max_position_embeddings)
 
 
 @dataclass(frozen=True)

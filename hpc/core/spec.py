@@ -65,7 +65,8 @@ class Model:
                           "with `n_params`, its number of blocks.", minimum=0)
     n_heads: int = field(0, doc="Attention heads of the built-in GPT (0: the preset's); must divide `dim`.",
                          minimum=0)
-    seq_len: int = field(0, doc="Context length (0: the preset's).", minimum=0)
+    seq_len: int = field(0, doc="Tokens of a training sample (0: the preset's, or a Llama's `context_len`); "
+                         "a Llama may train on samples shorter than its context.", minimum=0)
     vocab_size: int = field(0, doc="Vocabulary size (0: the preset's).", minimum=0)
     tie_embeddings: bool = field(False, doc="The output head reuses the token embedding's matrix "
                                  "(the presets have their own head).")
@@ -105,6 +106,9 @@ class Model:
     rope_original_seq_len: int = field(0, doc="Llama 3.1+: the context the scaling starts from (0: 8192).",
                                        minimum=0)
     norm_eps: float = field(0.0, doc="Llama: RMSNorm epsilon (0: the preset's, 1e-5).", minimum=0)
+    context_len: int = field(0, doc="Llama: the model's context, what an export records as "
+                             "`max_position_embeddings` (0: `seq_len`); `hf_config` sets it, and `seq_len` "
+                             "may be any length up to it.", minimum=0)
 
 
 @dataclass

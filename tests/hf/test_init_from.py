@@ -49,6 +49,19 @@ def test_hf_folder_round_trips_bit_for_bit_on_two_ranks(source, tmp_path, strate
     assert_bitwise(exported(run, tmp_path), hf_tensors(source))
 
 
+def test_a_fine_tune_trains_shorter_samples_than_the_models_context(source, tmp_path):
+    """``model.hf_config`` with ``model.seq_len`` below its max_position_embeddings (64): samples of 32
+    tokens; the export records the model's context again and gives back the original tensors."""
+    run = fine_tune(tmp_path, "short", source, "fsdp", 2, [f"model.hf_config={str(source)!r}", "model.seq_len=32"])
+    doc = json.loads((run / "resolved.json").read_text())["spec"]["model"]
+    assert (doc["seq_len"], doc["context_len"]) == (32, 64)
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["tokens_per_s"] * first["step_time_s"] == pytest.approx(8 * 32)  # global_batch 8 × 32 tokens
+    assert_bitwise(exported(run, tmp_path / "out"), hf_tensors(source))
+    config = json.loads((tmp_path / "out" / "out-fp32" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 64
+
+
 def test_uneven_shards_on_three_ranks_and_hsdp_on_four(source, tmp_path):
     """dims that do not divide by 3 (kv 32 rows, vocab 256): later ranks hold shorter shards; 2 × 2 HSDP
     with activation checkpointing (its wrapper renames the parameters)."""
