@@ -162,7 +162,8 @@ class Train:
     eval_every: int = field(0, doc="Evaluate on `data.val_source` every N steps and after the last (0: never): "
                             "mean loss and perplexity over the same samples at every world size.", minimum=0)
     eval_steps: int = field(10, doc="Batches of `global_batch` samples per evaluation (the validation samples "
-                            "in order, from the first).", minimum=1)
+                            "in order, from the first; 0: the whole split). Each sample counts once: a split "
+                            "that holds fewer is evaluated whole (`hpcx submit` says so).", minimum=0)
 
 
 @dataclass
@@ -407,4 +408,22 @@ def spec_warnings(spec: JobSpec) -> list[str]:
     if t.warmup_metrics_steps >= t.steps:
         out.append(f"`train.warmup_metrics_steps` = {t.warmup_metrics_steps} is not shorter than `train.steps` = "
                    f"{t.steps}: throughput summaries will have no steps to measure")
+    out += _eval_shortfall(spec)
     return [f"{spec.source}: {line}" for line in out]
+
+
+def _eval_shortfall(spec: JobSpec) -> list[str]:
+    """The validation split holds fewer samples than ``eval_steps × global_batch`` (each is counted once)."""
+    from hpc.core.manifest import split_samples, source_kind, val_split_source
+    from hpc.core.models import model_facts
+
+    t = spec.train
+    where = val_split_source(spec.data, source_kind(spec.data.source)) if t.eval_every and t.eval_steps else None
+    if where is None:
+        return []
+    held, asked = split_samples(where[0], where[1], model_facts(spec.model).seq_len), t.eval_steps * t.global_batch
+    if held >= asked:
+        return []
+    return [f"`train.eval_steps` = {t.eval_steps} × `train.global_batch` = {t.global_batch} asks for {asked} "
+            f"validation samples, but the {where[1]} split of {where[0]} holds {held}: each evaluation counts "
+            f"those {held} once (`train.eval_steps = 0` says the whole split)"]
