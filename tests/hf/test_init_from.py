@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -193,6 +194,32 @@ def test_bad_sources_are_one_line(tmp_path, case):
     words = {"nothing-there": "no such file or folder", "truncated": "model.safetensors",
              "gpt-from-hf": "hpcx reads those for arch = 'llama', not 'gpt'"}[case]
     assert words in lines[0]
+
+
+def bin_folder(source: Path, dst: Path, files: int = 1) -> Path:
+    """``source``'s weights as transformers wrote them before safetensors: ``pytorch_model.bin`` (a
+    ``torch.save`` of the state_dict, Hugging Face's names) beside its config.json."""
+    dst.mkdir()
+    shutil.copyfile(source / "config.json", dst / "config.json")
+    tensors = sorted(hf_tensors(source).items())
+    for k in range(files):
+        name = "pytorch_model.bin" if files == 1 else f"pytorch_model-{k + 1:05d}-of-{files:05d}.bin"
+        torch.save(dict(tensors[k::files]), dst / name)
+    return dst
+
+
+def test_a_pytorch_model_bin_with_hugging_face_names_round_trips(source, tmp_path):
+    weights = bin_folder(source, tmp_path / "bin") / "pytorch_model.bin"
+    run = fine_tune(tmp_path, "from-bin", weights, "fsdp", 2)
+    assert_bitwise(exported(run, tmp_path / "out"), hf_tensors(source))
+
+
+@pytest.mark.parametrize("files,words", [(1, "its weights are one torch file: point init_from at the file, '{}'"),
+                                         (2, "its weights are 2 torch files (pytorch_model-00001-of-00002.bin …)")])
+def test_a_folder_of_bin_weights_says_what_to_point_at(source, tmp_path, files, words):
+    folder = bin_folder(source, tmp_path / "bin", files)
+    lines = refused(["dryrun", job(tmp_path, folder), "--site", "local"])
+    assert len(lines) == 1 and words.format(folder / "pytorch_model.bin") in lines[0], lines
 
 
 def test_submit_refuses_before_anything_is_submitted(tmp_path):
