@@ -128,3 +128,18 @@ def test_a_local_job_cancelled_mid_run_stops_at_a_boundary_and_saves_nothing_new
     assert status["state"] == "CANCELLED" and status["states"][-1] == "CANCELLED" and "RUNNING" in status["states"]
     again = hpcx("cancel", str(run))
     assert again.returncode == 2 and "already ended (CANCELLED" in again.stderr
+
+
+@pytest.mark.parametrize("job,states,ledger,words", [
+    (None, [], [], "this run was never submitted"),
+    ({"job_id": "123", "scheduler": "slurm"}, ["COMPLETED"], [{"event": "stop", "reason": "completed", "step": 50}],
+     "completed its 50 steps: nothing to resume"),
+])
+def test_resume_says_why_there_is_nothing_to_resume(tmp_path, job, states, ledger, words):
+    run = fake_run(tmp_path, "done", job)
+    (run / "states.jsonl").write_text("".join(json.dumps({"state": s, "time": 1}) + "\n" for s in states))
+    (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ledger))
+    before = sorted(p.name for p in run.rglob("*"))
+    out = hpcx("resume", str(run))
+    assert out.returncode == 2 and words in out.stderr and out.stderr.count("\n") == 1, out.stderr
+    assert sorted(p.name for p in run.rglob("*")) == before

@@ -97,6 +97,7 @@ LOGIN_COMMANDS = [
     ["site", "show", "dgx-h100"],
     ["logs", "/nonexistent"],
     ["cancel", "/nonexistent"],
+    ["resume", "/nonexistent"],
     ["plan", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100"],
     ["scale", "predict", str(REPO / "jobs/gpt-13b-auto.toml"), "--site", "dgx-h100", "--nodes", "1,2,4,8"],
     ["ckpt", "--help"],

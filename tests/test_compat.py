@@ -349,3 +349,14 @@ def test_submitit_executors_take_their_command_from_submitit_command_str() -> No
                      "find submitit's new hook for the task command and override that"):
         for executor in (submitit.SlurmExecutor, submitit.LocalExecutor):
             assert isinstance(inspect.getattr_static(executor, "_submitit_command_str"), property), executor
+
+
+def test_submitit_local_executor_starts_its_controller_in_submit_command() -> None:
+    import submitit
+
+    with private_api("submitit's LocalExecutor._submit_command (it starts the controller)",
+                     "hpc/schedulers/local/executor.py (the controller's stdio detached from the caller's)",
+                     "find where submitit now starts the local controller and detach its stdio there"):
+        assert callable(inspect.getattr_static(submitit.LocalExecutor, "_submit_command"))
+        source = inspect.getsource(submitit.LocalExecutor._submit_command)
+        assert "start_controller(" in source

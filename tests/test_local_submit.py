@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -64,3 +65,26 @@ def test_submit_never_imports_torch_and_returns_at_once(run_root: Path, tmp_path
             break
         time.sleep(1)
     assert state == "COMPLETED"
+
+
+def test_submit_returns_while_the_job_runs_its_controller_holding_none_of_the_callers_stdio(run_root: Path):
+    """`RUN=$(hpcx submit …)` and `hpcx submit --json | cat` read the pipe to its end: the controller
+    must not hold it (it writes to the run's submitit/controller.log)."""
+    from hpc.schedulers.local.scheduler import controller_alive
+
+    out = subprocess.run([sys.executable, "-m", "hpc.cli", "submit", JOB, "--json",
+                          "--set", f"job.run_root={json.dumps(str(run_root))}", "--set", "train.steps=100000"],
+                         stdin=subprocess.PIPE, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    run_dir = Path(info["run_dir"])
+    try:
+        assert controller_alive(info["job_id"], run_dir)  # 100000 steps: still training
+        fds = {fd: os.readlink(f"/proc/{info['job_id']}/fd/{fd}") for fd in (0, 1, 2)}
+        assert fds[0] == os.devnull
+        assert fds[1] == fds[2] == str(run_dir / "submitit" / "controller.log")
+    finally:
+        from tests.resilience.resilience_lib import wait_state
+
+        assert hpcx("cancel", str(run_dir)).returncode == 0
+        assert wait_state(run_dir, ("CANCELLED", "FAILED", "COMPLETED"))["state"] == "CANCELLED"

@@ -45,6 +45,8 @@ P = tp.TypeVar("P", bound=Progress)
 class StepBoundary(tp.Protocol):
     """Work at step boundaries: the loop calls ``resume`` once, then ``boundary`` after every step."""
 
+    restart: int  # this start's number among the ledger's starts (known once ``resume`` ran)
+
     def resume(self, t: LoopView, state: P) -> P:
         """Load the newest checkpoint into ``t`` and ``state`` (collective); ``state`` as it goes on."""
         ...

@@ -1,10 +1,12 @@
 """Validation loss: every ``train.eval_every`` steps and after the last, the mean next-token loss over
-the first ``train.eval_steps × global_batch`` validation samples, in order.
+the first ``train.eval_steps × global_batch`` validation samples in order (``eval_steps`` = 0: the whole
+split), each counted once: a split that holds fewer is evaluated whole, never wrapped around.
 
-The samples are cut over ranks and micro-batches as a training step cuts its global batch
-(``GlobalSampler`` without shuffling), each rank sums its targets' losses and counts in float64,
-and one all-reduce adds them: the same samples and the same mean at every world size. With a
-loss mask only the counted (response) targets enter both sums.
+The samples are cut into micro-batches of ``micro_batch`` consecutive samples, dealt to the ranks in
+turn; every rank makes the same number of forward passes (FSDP gathers in each), a rank short of one
+passes over sample 0 and counts nothing. Each rank sums its targets' losses and counts in float64, and
+one all-reduce adds them: the same samples and the same mean at every world size. With a loss mask
+only the counted (response) targets enter both sums.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 from hpc.core.spec import JobSpec
-from trainer.data import GlobalSampler
 from trainer.objective import split_batch, token_losses
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -35,35 +36,51 @@ class Evaluator:
     """What one rank evaluates on, and how often."""
 
     dataset: Dataset
-    sampler: GlobalSampler
+    batches: list[list[int]]  # this rank's micro-batches of sample indices; [] is a pass that counts nothing
     every: int
-    steps: int
+    samples: int  # the validation samples each evaluation counts, once each
 
     def due(self, step: int, last: int) -> bool:
         """After every ``every``-th step and after the last one."""
         return step % self.every == 0 or step == last
 
 
+def eval_samples(available: int, steps: int, global_batch: int) -> int:
+    """How many validation samples an evaluation counts: ``steps × global_batch`` of the ``available``
+    (``steps`` = 0: all of them), never more than there are."""
+    return available if steps == 0 else min(available, steps * global_batch)
+
+
+def eval_batches(samples: int, micro_batch: int, rank: int, world_size: int) -> list[list[int]]:
+    """This rank's micro-batches of samples ``0 .. samples-1``: micro-batch ``c`` (``micro_batch``
+    consecutive samples, the last maybe fewer) on rank ``c % world_size``; as many passes on every rank,
+    a rank short of one getting ``[]``."""
+    chunks = [list(range(i, min(i + micro_batch, samples))) for i in range(0, samples, micro_batch)]
+    mine = chunks[rank::world_size]
+    return mine + [[] for _ in range(-(-len(chunks) // world_size) - len(mine))]
+
+
 def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank: int, world_size: int,
                     every: int, steps: int) -> Evaluator:
-    """This rank's share of the validation samples, cut as a training step cuts its global batch."""
-    sampler = GlobalSampler(len(dataset), global_batch, micro_batch, rank, world_size, seed=0, shuffle=False)  # type: ignore[arg-type]  # a map-style dataset: sized
-    return Evaluator(dataset, sampler, every, steps)
+    """This rank's share of the validation samples (``steps`` batches of ``global_batch``; 0: all)."""
+    samples = eval_samples(len(dataset), steps, global_batch)  # type: ignore[arg-type]  # map-style: sized
+    return Evaluator(dataset, eval_batches(samples, micro_batch, rank, world_size), every, samples)
 
 
 def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
     """(sum of target losses, number of targets) over this rank's share, float64 on the device."""
     sums = torch.zeros(2, dtype=torch.float64, device=t.device)
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None else contextlib.nullcontext())
-    for k in range(ev.steps):
-        for indices in ev.sampler.step_batches(k * ev.sampler.global_batch):
-            tokens, mask = split_batch(default_collate([ev.dataset[i] for i in indices]))
-            tokens = tokens.to(t.device)
-            with autocast:
-                logits = t.model(tokens[:, :-1])
-            losses = token_losses(logits, tokens).double()
-            weight = mask[:, 1:].to(t.device, torch.float64) if mask is not None else torch.ones_like(losses)
-            sums += torch.stack([(losses * weight).sum(), weight.sum()])
+    for indices in ev.batches:
+        tokens, mask = split_batch(default_collate([ev.dataset[i] for i in indices or [0]]))
+        tokens = tokens.to(t.device)
+        with autocast:
+            logits = t.model(tokens[:, :-1])
+        losses = token_losses(logits, tokens).double()
+        weight = mask[:, 1:].to(t.device, torch.float64) if mask is not None else torch.ones_like(losses)
+        if not indices:  # the padding pass: the collectives of a forward, nothing counted
+            weight = torch.zeros_like(weight)
+        sums += torch.stack([(losses * weight).sum(), weight.sum()])
     return sums
 
 
@@ -79,7 +96,7 @@ def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
     loss_sum, count = (float(x) for x in sums.cpu())
     loss = loss_sum / max(1.0, count)
     return {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
-            "eval_tokens": int(count), "eval_s": time.perf_counter() - started}
+            "eval_tokens": int(count), "eval_samples": ev.samples, "eval_s": time.perf_counter() - started}
 
 
 def eval_step(t: Trainer, step: int) -> dict[str, tp.Any]:

@@ -131,21 +131,26 @@ class PhaseClock:
 
 
 class MetricsWriter:
-    """Rank 0's ``metrics.jsonl`` (one JSON object per line, flushed), and TensorBoard when installed."""
+    """Rank 0's ``metrics.jsonl`` (one JSON object per line, flushed), and TensorBoard when installed.
+    Once ``start`` is set (the ledger's number of this start), every line carries it: the steps a
+    restart recomputes appear once per start, and a reader keeps each step's last line."""
 
     def __init__(self, run_dir: Path, enabled: bool):
         self.enabled = enabled
+        self.start: int | None = None
         self.file = open(RunDir(run_dir).metrics, "a") if enabled else None
         self.tb = _tensorboard(run_dir) if enabled else None
 
     def write(self, record: dict) -> None:
         if self.file is None:  # not enabled
             return
+        if self.start is not None:
+            record = {**record, "start": self.start}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
             for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
+                if key not in ("step", "start") and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, record["step"])
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hpc.core.manifest import PREPARED, load_manifest, manifest_path
+from hpc.core.manifest import PREPARED, load_manifest, manifest_path, val_split_source
 from hpc.core.spec import Data
 
 
@@ -63,21 +63,6 @@ class ManifestTokens(Dataset):
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_maps": {}}
-
-
-def val_split_source(data: Data, kind: str) -> tuple[str, str] | None:
-    """(folder, split) that evaluation reads: ``data.val_source`` (its val split, or its train split
-    when it has no val split), else the val split of ``data.source`` when ``kind`` (``Launch.data_source``)
-    is a prepared folder; None when there is none."""
-    if data.val_source == "none":
-        return None
-    if data.val_source:
-        manifest = load_manifest(manifest_path(data.val_source) or data.val_source)  # not one: load says so
-        return data.val_source, "val" if manifest["splits"]["val"]["tokens"] else "train"
-    if kind != PREPARED:
-        return None
-    manifest = load_manifest(manifest_path(data.source) or data.source)
-    return (data.source, "val") if manifest["splits"]["val"]["tokens"] else None
 
 
 def data_record(data: Data, kind: str) -> dict[str, tp.Any]:

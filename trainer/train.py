@@ -86,8 +86,13 @@ def resume(trainer: Trainer, state: TrainState) -> TrainState:
     """When ``checkpoint.resume``: load the newest committed checkpoint of the run folder (all ranks)
     into the model, optimizer, scheduler, ``state`` and this rank's RNG (``trainer.resilience``);
     ``loop.train`` then repositions the sampler from ``state.sampler`` (global samples, so any world
-    size continues exactly). Without a ``Resilience`` attached, ``state`` as it is."""
-    return trainer.resilience.resume(trainer, state) if trainer.resilience is not None else state
+    size continues exactly). Without a ``Resilience`` attached, ``state`` as it is. Each metrics line
+    then carries this start's number (``start``: the ledger's ``restart``)."""
+    if trainer.resilience is None:
+        return state
+    state = trainer.resilience.resume(trainer, state)
+    trainer.metrics.start = trainer.resilience.restart
+    return state
 
 
 def set_cpu_threads(launch: Launch) -> None:

@@ -20,7 +20,7 @@ from hpc.ckpt import formats
 from hpc.ckpt.dcp import DcpReader
 from hpc.ckpt.digests import check_digests, recorded_digest
 from hpc.ckpt.entries import Entry, Progress, Reader, Scratch, jsonable
-from hpc.ckpt.outputs import check_destination
+from hpc.ckpt.outputs import check_destination, parents_made
 from hpc.core.errors import CheckpointError, ConfigError
 
 DEFAULT_SHARD_BYTES = 5 * 2**30  # 5 GiB, the usual safetensors shard size
@@ -159,7 +159,7 @@ def _check_target(src: Path, dst: Path, to: str, digest: bool) -> None:
     if digest and not formats.get(to).digests:
         writes = " or ".join(f"--to {f.name}" for f in formats.FORMATS if f.digests)
         raise ConfigError([f"--digest: only {writes} writes digests (a DCP folder's shards); not --to {to}"])
-    check_destination(dst)
+    check_destination(dst, make_parents=True)
     if src.is_dir() and dst.resolve().parent.is_relative_to(src.resolve()):
         raise CheckpointError([f"{dst}: inside the source {src}; hpcx never writes into a checkpoint"])
 
@@ -183,8 +183,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, *, model_only:
         if target.refuse is not None:
             target.refuse(reader, dst, keys, shard_bytes)
         total = sum(reader.entries[k].nbytes for k in keys)
-        target.write(reader, dst, keys, model_only=model_only, shard_bytes=shard_bytes, digest=digest,
-                     progress=start(total), scratch=Scratch())
+        with parents_made(dst):  # `--to` a folder not made yet: made now, removed again if the write fails
+            target.write(reader, dst, keys, model_only=model_only, shard_bytes=shard_bytes, digest=digest,
+                         progress=start(total), scratch=Scratch())
         return {"src": str(src), "dst": str(dst), "from": reader.format, "to": to, "keys": len(keys),
                 "bytes": total, "streamed": getattr(reader, "streamed", True)}
     finally:

@@ -21,13 +21,14 @@ from pathlib import Path
 import torch
 
 from hpc.ckpt.entries import Progress, Reader, Scratch
-from hpc.ckpt.outputs import check_destination, fsync_file, staged
+from hpc.ckpt.outputs import check_destination, fsync_file, parents_made, staged
 from hpc.ckpt.safetensors import INDEX_FILE, ST_DTYPES
 from hpc.ckpt.torch_zip import byte_view
 from hpc.core.errors import CheckpointError, ConfigError
 from hpc.core.hf import CONFIG_FILE, HfTensor, hf_config, tensor_plan
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GENERATION_FILE = "generation_config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json")
 
@@ -104,6 +105,11 @@ def tokenizer_files(resolved: dict[str, tp.Any], run: Path | None = None) -> lis
 
 
 def _tokenizer_path(resolved: dict[str, tp.Any], run: Path | None) -> Path | None:
+    return _tokenizer(resolved, run)[0]
+
+
+def _tokenizer(resolved: dict[str, tp.Any], run: Path | None) -> tuple[Path | None, dict[str, tp.Any]]:
+    """(the tokenizer's path, what the run's data recorded about it: ``eos_id`` …; {} when nothing)."""
     data = resolved.get("spec", {}).get("data", {})
     data = data if isinstance(data, dict) else {}
     docs = [run / "data.json"] if run is not None else []
@@ -116,9 +122,57 @@ def _tokenizer_path(resolved: dict[str, tp.Any], run: Path | None) -> Path | Non
             continue
         path = tok.get("path") if isinstance(tok, dict) else tok
         if isinstance(path, str) and Path(path).exists():
-            return Path(path)
+            return Path(path), tok if isinstance(tok, dict) else {}
     name = data.get("tokenizer")
-    return Path(name) if isinstance(name, str) and name and Path(name).exists() else None
+    return (Path(name) if isinstance(name, str) and name and Path(name).exists() else None), {}
+
+
+SPECIAL = ("bos", "eos", "pad")  # the tokens generate() needs: what starts, ends and pads a sequence
+
+
+def special_token_ids(resolved: dict[str, tp.Any], run: Path | None = None) -> dict[str, int]:
+    """``{"bos_token_id": …, "eos_token_id": …, "pad_token_id": …}`` of the run's tokenizer, those known:
+    the EOS its data recorded (``data.json`` / the manifest: what every document ends with), else the one
+    its ``tokenizer_config.json`` names; BOS and PAD as that file names them, looked up in its
+    ``tokenizer.json`` (added tokens, then the vocabulary)."""
+    path, record = _tokenizer(resolved, run)
+    if path is None:
+        return {}
+    folder = path if path.is_dir() else path.parent
+    names = _read_json(folder / "tokenizer_config.json")
+    vocab = _token_ids(_read_json(folder / "tokenizer.json"))
+    out = {}
+    for kind in SPECIAL:
+        name = names.get(f"{kind}_token")
+        name = name.get("content") if isinstance(name, dict) else name
+        if isinstance(name, str) and name in vocab:
+            out[f"{kind}_token_id"] = vocab[name]
+    if isinstance(record.get("eos_id"), int):
+        out["eos_token_id"] = record["eos_id"]
+    return out
+
+
+def _read_json(path: Path) -> dict[str, tp.Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _token_ids(doc: dict[str, tp.Any]) -> dict[str, int]:
+    """Token text → id of a ``tokenizer.json``: its vocabulary (a dict, or Unigram's list of pairs), then
+    its added tokens over it."""
+    raw = doc.get("model")
+    model = raw if isinstance(raw, dict) else {}
+    vocab = model.get("vocab")
+    ids = {t: i for t, i in vocab.items() if isinstance(i, int)} if isinstance(vocab, dict) else {
+        v[0]: i for i, v in enumerate(vocab) if isinstance(v, list) and v and isinstance(v[0], str)
+    } if isinstance(vocab, list) else {}
+    for t in doc.get("added_tokens") or []:
+        if isinstance(t, dict) and isinstance(t.get("content"), str) and isinstance(t.get("id"), int):
+            ids[t["content"]] = t["id"]
+    return ids
 
 
 # ---------------------------------------------------------------- export
@@ -199,7 +253,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
     if dtype not in DTYPES:
         raise ConfigError([f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}"])
     src, dst = Path(src), Path(dst)
-    check_destination(dst)
+    check_destination(dst, make_parents=True)
     run, step = run_of(src)
     arch, shape, resolved = run_model(run)
     plan, torch_dtype = tensor_plan(arch, shape), DTYPES[dtype]
@@ -210,8 +264,10 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
             raise CheckpointError(problems)
         shards = hf_shards(plan, torch_dtype.itemsize, shard_bytes)
         total = sum(math.prod(t.shape) for t in plan) * torch_dtype.itemsize
-        _write_folder(dst, reader, shards, _config(arch, shape, dtype), torch_dtype, start(total),
-                      tokenizer_files(resolved, run))
+        special = special_token_ids(resolved, run)
+        with parents_made(dst):
+            _write_folder(dst, reader, shards, {**_config(arch, shape, dtype), **special}, torch_dtype,
+                          start(total), tokenizer_files(resolved, run), special)
     finally:
         reader.close()
     return {"src": str(step), "dst": str(dst), "arch": hf_config(arch, shape)["architectures"][0],
@@ -225,7 +281,7 @@ def _config(arch: str, shape: tp.Any, dtype: str) -> dict[str, tp.Any]:
 
 
 def _write_folder(dst: Path, reader: Reader, shards: list[list[HfTensor]], config: dict[str, tp.Any],
-                  dtype: torch.dtype, progress: Progress, tokenizer: list[Path]) -> None:
+                  dtype: torch.dtype, progress: Progress, tokenizer: list[Path], special: dict[str, int]) -> None:
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     scratch = (Scratch(), Scratch())
@@ -240,6 +296,9 @@ def _write_folder(dst: Path, reader: Reader, shards: list[list[HfTensor]], confi
                                                      indent=2) + "\n")
         for f in tokenizer:
             shutil.copyfile(f, tmp / f.name)
+        if special:  # generate() stops at the EOS the model trained on (a copied file's other settings kept)
+            generation = {**_read_json(tmp / GENERATION_FILE), **special}
+            _write_text(tmp / GENERATION_FILE, json.dumps(generation, indent=2) + "\n")
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -31,7 +31,7 @@ from hpc.core.errors import CheckpointError
 from hpc.core.hf import CONFIG_FILE, hf_config, read_config, spec_fields, tensor_plan
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-IGNORED = ("seq_len",)  # the context a fine-tune trains at is its own choice
+IGNORED = ("context_len",)  # the length a fine-tune trains at is its own choice (max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -98,11 +98,27 @@ def source_format(path: Path) -> formats.Format:
         return saved
     if not path.exists():
         raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: no such file or folder"])
+    check_bin_folder(path)
     fmt = formats.detect(path)
     if not fmt.init_reads:
         raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: a {fmt.name} checkpoint, which init_from "
                                "cannot read"])
     return fmt
+
+
+def check_bin_folder(path: Path) -> None:
+    """A Hugging Face folder whose weights are ``.bin`` torch files only (no safetensors, no DCP): say to
+    name the file (init_from reads one torch file), or, when sharded, to make safetensors of them."""
+    if not path.is_dir() or (path / METADATA_FILE).exists() or any(path.glob("*.safetensors")):
+        return
+    bins = sorted(p.name for p in path.glob("*.bin") if p.is_file())
+    if len(bins) == 1:
+        raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: its weights are one torch file: point "
+                               f"init_from at the file, {str(path / bins[0])!r}"])
+    if bins:
+        raise CheckpointError([f"`checkpoint.init_from` = {str(path)!r}: its weights are {len(bins)} torch files "
+                               f"({bins[0]} …); init_from reads one torch file, or safetensors shards: load and "
+                               "save_pretrained them with transformers (safetensors), then point init_from here"])
 
 
 def read_source(path: Path) -> tuple[str, dict[str, SourceTensor], Path | None]:
@@ -130,6 +146,8 @@ def _name_map(kind: str, names: tp.Iterable[str], arch: str, shape: tp.Any) -> d
     if not formats.get(kind).saves:  # what training saves has hpcx's names only
         hf = hf_to_hpcx(arch, shape)
         candidates.append({n: hf[n] for n in names if n in hf})
+        # a torch file's plain state_dict reads as model.* entries: a pytorch_model.bin's HF names under it
+        candidates.append({n: hf[n[len("model."):]] for n in names if n.startswith("model.") and n[len("model."):] in hf})
     return max(candidates, key=len)
 
 

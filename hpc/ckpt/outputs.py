@@ -77,12 +77,43 @@ def sweep(folder: Path) -> list[Path]:
     return stale
 
 
-def check_destination(dst: Path) -> None:
-    """Refuse a ``dst`` that exists or whose folder does not (before anything is read)."""
+def check_destination(dst: Path, make_parents: bool = False) -> None:
+    """Refuse a ``dst`` that exists or whose folder does not (before anything is read); with
+    ``make_parents``, a missing folder is fine (``parents_made`` creates it), one that is a file is not."""
     if dst.exists() or dst.is_symlink():
         raise CheckpointError([f"{dst}: already exists; choose a new destination (outputs are never overwritten)"])
-    if not dst.parent.is_dir():
+    if make_parents:
+        above = next((p for p in dst.parents if p.exists()), None)
+        if above is not None and not above.is_dir():
+            raise CheckpointError([f"{above}: not a folder, so {dst} cannot be made below it"])
+    elif not dst.parent.is_dir():
         raise CheckpointError([f"{dst.parent}: no such folder for the output"])
+
+
+@contextmanager
+def parents_made(dst: Path) -> tp.Iterator[None]:
+    """The folders above ``dst`` that are missing, created for the block; removed again (those left
+    empty) when it raises, so a failed output leaves nothing behind."""
+    missing = [p for p in reversed(dst.parents) if not p.exists()]
+    try:
+        for folder in missing:
+            folder.mkdir()
+    except OSError as exc:
+        _remove_empty(missing)
+        raise UserError([f"{dst.parent}: cannot create the output's folder ({describe(exc)})"]) from None
+    try:
+        yield
+    except BaseException:
+        _remove_empty(missing)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass  # not made, or not empty: left as it is
 
 
 def commit(tmp: Path, dst: Path) -> Path:

@@ -136,6 +136,23 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
         sys.exit(0 if final["state"] in ("COMPLETED", "FINISHED") else 1)
 
 
+@cli.command()
+@click.argument("ref", metavar="RUN")
+@json_option
+def resume(ref: str, as_json: bool) -> None:
+    """Submit a cancelled, failed or timed-out RUN again, into the same folder: it resumes from its newest
+    committed checkpoint (a new start in its ledger). Returns once the scheduler has the job."""
+    from hpc.core import runs
+    from hpc.login import submit as sub
+
+    done = sub.resume(runs.find_run(ref, run_roots()))
+    if as_json:
+        echo_json({"job_id": done.job_id, "run_dir": str(done.run_dir), "scheduler": done.scheduler})
+        return
+    click.echo(f"resubmitted {done.run_dir.name} as job {done.job_id} ({done.scheduler})")
+    click.echo(f"follow:     hpcx logs {done.run_dir} -f")
+
+
 def check_init_from(spec: tp.Any) -> None:
     """``checkpoint.init_from`` against the model, from headers (imports torch only when it is set)."""
     if spec.checkpoint.init_from:

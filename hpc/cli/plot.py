@@ -16,9 +16,12 @@ PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the lines that carry ``key`` (train lines carry loss, lr, tokens/s; eval lines eval_loss)."""
-    pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and "step" in r]
-    return [p[0] for p in pts], [p[1] for p in pts]
+    """(steps, values) of the lines that carry ``key`` (train lines carry loss, lr, tokens/s; eval lines
+    eval_loss), in step order. A step logged more than once (recomputed after a restart resumed from an
+    earlier checkpoint: each line's ``start`` says which start wrote it) is drawn with its last value."""
+    last = {r["step"]: r[key] for r in records if isinstance(r.get(key), (int, float)) and "step" in r}
+    steps = sorted(last)
+    return steps, [last[s] for s in steps]
 
 
 def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:

@@ -108,6 +108,28 @@ def check_source(path: Path, seq_len: int, vocab: int, label: str) -> list[str]:
     return problems + size_problems(path.parent, manifest, label)
 
 
+def val_split_source(data: tp.Any, kind: str) -> tuple[str, str] | None:
+    """(folder, split) that evaluation reads: ``data.val_source`` (its val split, or its train split
+    when it has no val split), else the val split of ``data.source`` when ``kind`` (``Launch.data_source``)
+    is a prepared folder; None when there is none."""
+    if data.val_source == "none":
+        return None
+    if data.val_source:
+        manifest = load_manifest(manifest_path(data.val_source) or data.val_source)  # not one: load says so
+        return data.val_source, "val" if manifest["splits"]["val"]["tokens"] else "train"
+    if kind != PREPARED:
+        return None
+    manifest = load_manifest(manifest_path(data.source) or data.source)
+    return (data.source, "val") if manifest["splits"]["val"]["tokens"] else None
+
+
+def split_samples(folder: str | Path, split: str, seq_len: int) -> int:
+    """The samples of ``seq_len + 1`` tokens a split holds, counted as ``trainer.tokens.ManifestTokens``
+    cuts them (each shard on its own, windows overlapping by one token)."""
+    shards = load_manifest(manifest_path(folder) or folder)["splits"][split]["shards"]
+    return sum((s["tokens"] - 1) // seq_len for s in shards if s["tokens"] > seq_len)
+
+
 def longest_shard(manifest: dict, split: str) -> int:
     return max((s["tokens"] for s in manifest["splits"][split]["shards"]), default=0)
 

@@ -66,7 +66,8 @@ class CommonModel:
                           "with `n_params`, its number of blocks.", minimum=0)
     n_heads: int = field(0, doc="Attention heads of a built-in family (0: the preset's); must divide `dim`.",
                          minimum=0)
-    seq_len: int = field(0, doc="Context length (0: the preset's).", minimum=0)
+    seq_len: int = field(0, doc="Tokens of a training sample (0: the preset's, or a Llama's `context_len`); "
+                         "a Llama may train on samples shorter than its context.", minimum=0)
     vocab_size: int = field(0, doc="Vocabulary size (0: the preset's).", minimum=0)
     tie_embeddings: bool = field(False, doc="The output head reuses the token embedding's matrix "
                                  "(the presets have their own head).")
@@ -133,7 +134,8 @@ class Train:
     eval_every: int = field(0, doc="Evaluate on `data.val_source` every N steps and after the last (0: never): "
                             "mean loss and perplexity over the same samples at every world size.", minimum=0)
     eval_steps: int = field(10, doc="Batches of `global_batch` samples per evaluation (the validation samples "
-                            "in order, from the first).", minimum=1)
+                            "in order, from the first; 0: the whole split). Each sample counts once: a split "
+                            "that holds fewer is evaluated whole (`hpcx submit` says so).", minimum=0)
 
 
 @dataclass
@@ -397,4 +399,22 @@ def spec_warnings(spec: JobSpec) -> list[str]:
     if t.warmup_metrics_steps >= t.steps:
         out.append(f"`train.warmup_metrics_steps` = {t.warmup_metrics_steps} is not shorter than `train.steps` = "
                    f"{t.steps}: throughput summaries will have no steps to measure")
+    out += _eval_shortfall(spec)
     return [f"{spec.source}: {line}" for line in out]
+
+
+def _eval_shortfall(spec: JobSpec) -> list[str]:
+    """The validation split holds fewer samples than ``eval_steps × global_batch`` (each is counted once)."""
+    from hpc.core.manifest import split_samples, source_kind, val_split_source
+    from hpc.core.models import model_facts
+
+    t = spec.train
+    where = val_split_source(spec.data, source_kind(spec.data.source)) if t.eval_every and t.eval_steps else None
+    if where is None:
+        return []
+    held, asked = split_samples(where[0], where[1], model_facts(spec.model).seq_len), t.eval_steps * t.global_batch
+    if held >= asked:
+        return []
+    return [f"`train.eval_steps` = {t.eval_steps} × `train.global_batch` = {t.global_batch} asks for {asked} "
+            f"validation samples, but the {where[1]} split of {where[0]} holds {held}: each evaluation counts "
+            f"those {held} once (`train.eval_steps = 0` says the whole split)"]

@@ -76,6 +76,62 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
     return Submitted(run_dir, str(job.job_id), site.scheduler.kind, roots.remember_or_warn(run_dir.parent))
 
 
+def resume(run_dir: Path) -> Submitted:
+    """Submit the run in ``run_dir`` again, into the same folder: the trainer resumes from its newest
+    committed checkpoint and writes a new start in the ledger (``hpcx resume``: a cancelled, failed or
+    timed-out run). UserError while its job may still run, or when it completed its steps."""
+    from trainer.task import TrainTask  # no torch at import time
+
+    rd = runs.RunDir(run_dir)
+    check_resumable(rd)
+    spec, site, launch = recorded_job(rd)
+    sched = schedulers.get(site.scheduler.kind)
+    with runs.private_umask(site.storage.group_readable):
+        executor = sched.executor(spec, site, launch, rd.submitit)
+        previous = job_info(rd)
+        job = submit_or_clean_up(executor, TrainTask(str(rd.path)), rd.path, remove=False)
+        try:
+            record_job(rd, job, site, sched, previous)
+        except OSError as exc:
+            job.cancel(check=False)
+            raise ConfigError([f"{rd.path}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
+                               "cancelled"]) from None
+    return Submitted(rd.path, str(job.job_id), site.scheduler.kind)
+
+
+def check_resumable(rd: runs.RunDir) -> None:
+    """UserError unless the run was submitted, its job has ended and its steps are not all done."""
+    info = job_info(rd)
+    if not rd.exists() or not info:
+        raise UserError([f"{rd.path}: no job.json: this run was never submitted (hpcx submit makes a run)"])
+    state = job_state(rd.path)
+    if not state.done:
+        raise UserError([f"{rd.name}: job {info['job_id']} is {state.words}: wait for it to end, or "
+                         f"`hpcx cancel {rd.name}` first"])
+    stops = [e for e in rd.read_ledger() if e.get("event") == "stop"]
+    if stops and stops[-1].get("reason") == "completed":
+        raise UserError([f"{rd.name}: completed its {stops[-1].get('step')} steps: nothing to resume "
+                         "(submit a spec with more `train.steps` to train further)"])
+
+
+def recorded_job(rd: runs.RunDir) -> tuple[JobSpec, SiteProfile, Launch]:
+    """(spec, site, launch) as ``resolved.json`` recorded them at submit (what every rank reads)."""
+    from hpc.core.resolve import Launch, decided
+    from hpc.core.site import parse_site
+    from hpc.core.spec import spec_from_dict
+
+    doc = rd.read_resolved()
+    try:
+        spec = spec_from_dict(doc["spec"], str(rd.resolved), read_hf_config=False)
+        site_doc = dict(doc["site"])
+        name, source = site_doc.pop("name"), site_doc.pop("source", "")
+        site = parse_site(site_doc, name, source or str(rd.resolved))
+        launch = decided(spec, Launch.from_dict(doc["launch"]))
+    except (KeyError, TypeError) as exc:
+        raise ConfigError([f"{rd.resolved}: not a resolved run (missing {exc}): cannot resume it"]) from None
+    return spec, site, launch
+
+
 def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.RunDir, spec_path: Path,
                     overrides: tp.Sequence[str]) -> None:
     """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
@@ -94,11 +150,16 @@ def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.R
     runs.write_atomic(rd.render, text)
 
 
-def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile, sched: schedulers.Scheduler) -> None:
+def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile, sched: schedulers.Scheduler,
+               previous: dict | None = None) -> None:
     """job.json and the first state line: what status, logs and cancel find the job by (with what the
-    scheduler records to recognise its job later, e.g. the local controller's identity)."""
+    scheduler records to recognise its job later, e.g. the local controller's identity). After a
+    resume, ``previous`` (the job before) is kept in ``job.json``'s ``earlier`` list."""
     info = {"job_id": str(job.job_id), "scheduler": site.scheduler.kind, "site": site.name,
             "submitted_at": time.time(), "python": sys.executable, **sched.job_record(str(job.job_id))}
+    if previous:
+        earlier = previous.pop("earlier", [])
+        info["earlier"] = [*earlier, previous]
     runs.write_json(rd.job, info)
     runs.append_jsonl(rd.states, {"state": "SUBMITTED", "time": time.time()})
 
@@ -108,26 +169,30 @@ def record_job(rd: runs.RunDir, job: tp.Any, site: SiteProfile, sched: scheduler
 FINAL = ("COMPLETED", "CANCELLED")
 
 
-def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path) -> tp.Any:
+def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path, remove: bool = True) -> tp.Any:
     """Submit; if the scheduler refuses (bad partition, account, QOS …), remove the run folder
-    and say why in one line: no half-made run is left behind."""
+    (unless not ``remove``: a resumed run's folder is kept as it was) and say why in one line: no
+    half-made run is left behind."""
     import contextlib
     import io
     import shutil
 
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
+    removed = "folder was removed" if remove else "folder is as it was"
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # submitit echoes sbatch's stderr; we say it once
             return executor.submit(task)
     except OSError as exc:  # submitit writes its pickles and script into the run folder, then runs sbatch
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if remove:
+            shutil.rmtree(run_dir, ignore_errors=True)
         ours = str(exc.filename or run_dir).startswith(str(run_dir))
         what = "write the job's files" if ours else f"run {exc.filename}"
         raise ConfigError([f"{run_dir}: cannot {what} ({exc.strerror or exc}): nothing was submitted and the "
-                           "folder was removed"]) from None
+                           f"{removed}"]) from None
     except (FailedJobError, FailedSubmissionError) as exc:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        if remove:
+            shutil.rmtree(run_dir, ignore_errors=True)
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         raise ConfigError([f"the scheduler refused the job: {'; '.join(lines) or type(exc).__name__}"]) from None
 

@@ -159,7 +159,7 @@ def test_a_partial_left_by_a_killed_conversion_is_swept_by_the_next(tmp_path: Pa
 
 
 @pytest.mark.parametrize("to", ["torch", "dcp", "safetensors"])
-@pytest.mark.parametrize("existing", ["file", "folder", "dangling-symlink", "no-parent"])
+@pytest.mark.parametrize("existing", ["file", "folder", "dangling-symlink"])
 def test_destination_is_refused_before_the_source_is_read(tmp_path: Path, to: str, existing: str) -> None:
     marker = tmp_path / "pwned"
     src = tmp_path / "src"
@@ -170,15 +170,35 @@ def test_destination_is_refused_before_the_source_is_read(tmp_path: Path, to: st
         dst.write_bytes(b"keep me")
     elif existing == "folder":
         dst.mkdir()
-    elif existing == "dangling-symlink":
-        dst.symlink_to(tmp_path / "nowhere")
     else:
-        dst = tmp_path / "missing" / "dst"
-    out = assert_refused(("convert", src, dst, "--to", to),
-                         "no such folder" if existing == "no-parent" else "already exists")
+        dst.symlink_to(tmp_path / "nowhere")
+    out = assert_refused(("convert", src, dst, "--to", to), "already exists")
     assert len(out.strip().splitlines()) == 1 and ".metadata" not in out and not marker.exists()
     if existing == "file":
         assert dst.read_bytes() == b"keep me"
+
+
+@pytest.mark.parametrize("to,dst", TARGETS)
+def test_the_folders_above_the_destination_are_made(tmp_path: Path, to: str, dst: str) -> None:
+    src = five_tensors(tmp_path)
+    out = tmp_path / "new" / "deeper" / dst
+    assert cli("convert", src, out, "--to", to)[0] == 0
+    assert out.exists() and leftovers(out.parent, {dst}) == []
+
+
+def test_a_failed_conversion_removes_the_folders_it_made(tmp_path: Path) -> None:
+    src = five_tensors(tmp_path)
+    file, offset, length = mf.item_bytes(src, "model.l4")
+    mf.damage_item(file, offset, length, "pickle")
+    assert_refused(("convert", src, tmp_path / "new" / "deeper" / "out.pt", "--to", "torch"), "item 'model.l4'")
+    assert leftovers(tmp_path, {"src"}) == []
+
+
+def test_a_file_above_the_destination_is_refused(tmp_path: Path) -> None:
+    src = five_tensors(tmp_path)
+    (tmp_path / "plain").write_bytes(b"keep me")
+    assert_refused(("convert", src, tmp_path / "plain" / "sub" / "out.pt", "--to", "torch"), "not a folder")
+    assert (tmp_path / "plain").read_bytes() == b"keep me"
 
 
 def test_destination_inside_the_source_folder_is_refused(tmp_path: Path) -> None:

@@ -100,3 +100,47 @@ def test_the_login_node_reads_it_without_torch(tmp_path):
             "print(model_facts(s.model).n_params, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.split() == ["8030261248", "False"]
+
+
+def llama31_folder(tmp_path: Path) -> Path:
+    """A Llama 3.1 8B config.json as Meta publishes it: a context of 131,072 tokens."""
+    from dataclasses import replace
+
+    return folder(tmp_path, hf_config("llama", replace(LLAMA_PRESETS["llama3.1-8b"], context_len=131072)))
+
+
+def test_the_training_length_is_a_choice_up_to_the_models_context(tmp_path):
+    path = llama31_folder(tmp_path)
+    whole = model_facts(spec(path).model)
+    assert whole.seq_len == 131072 and whole.shape.context == 131072  # unset: the model's context
+    facts = model_facts(spec(path, seq_len=8192).model)
+    assert facts.seq_len == 8192 and facts.shape.context == 131072
+    assert facts.shape == replace_context(LLAMA_PRESETS["llama3.1-8b"], 131072)
+    assert hf_config("llama", facts.shape)["max_position_embeddings"] == 131072  # the export records the model's
+    with pytest.raises(ConfigError) as err:
+        spec(path, seq_len=131073)
+    assert err.value.messages == ["<spec>: `model.seq_len` = 131073 is longer than the model's context "
+                                  "`model.context_len` = 131072: train at most 131072 tokens a sample"]
+
+
+def replace_context(shape: LlamaShape, context: int) -> LlamaShape:
+    from dataclasses import replace
+
+    return replace(shape, context_len=context)
+
+
+def test_the_plan_of_a_llama_31_config_at_seq_len_8192_is_the_8192_plan(tmp_path):
+    path = llama31_folder(tmp_path)
+    job = tmp_path / "job.toml"
+    job.write_text(f'[model]\nhf_config = "{path}"\n[train]\nglobal_batch = 8\n')
+    preset = tmp_path / "preset.toml"  # the same model, its preset's seq_len 8192
+    preset.write_text('[model]\narch = "llama"\nsize = "llama3.1-8b"\n[train]\nglobal_batch = 8\n')
+
+    def activations(*args: str) -> list[float]:
+        out = hpcx("plan", *args, "--site", "local", "--json")
+        assert out.returncode == 0, out.stderr
+        return [row["memory_gb"]["activations"] for row in json.loads(out.stdout)["rows"]]
+
+    at_8192 = activations(str(job), "--set", "model.seq_len=8192")
+    assert at_8192 == activations(str(preset))
+    assert activations(str(job))[0] > 15 * at_8192[0]  # the whole context: 16× the tokens

@@ -77,6 +77,13 @@ def test_llama_export_loads_with_the_same_logits(llama_run, tmp_path):
     assert logits_diff(hpcx_model(llama_run), loaded(tmp_path / "hf"), 256) <= 1e-5
 
 
+def test_the_export_makes_the_folders_above_it(llama_run, tmp_path):
+    out = hpcx("ckpt", "convert", str(llama_run), str(tmp_path / "exports" / "v1" / "hf"), "--to", "hf")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in (tmp_path / "exports" / "v1").iterdir()) == ["hf"]
+    assert (tmp_path / "exports" / "v1" / "hf" / "config.json").is_file()
+
+
 def test_sharded_export_has_an_index_and_loads(llama_run, tmp_path):
     step = sorted((llama_run / "checkpoints").glob("step-*"))[-1]
     summary = export_hf(step, tmp_path / "hf", shard_bytes=100_000)
@@ -126,6 +133,58 @@ def test_tokenizer_files_are_copied_when_the_data_names_one(llama_run, tmp_path)
     (prepared / "manifest.json").write_text(json.dumps({"tokenizer": {"path": str(tok)}}))
     doc["spec"]["data"]["source"] = str(prepared)
     assert [p.name for p in tokenizer_files(doc)] == ["tokenizer.json", "tokenizer_config.json"]
+
+
+BOS, EOS, PAD = 200, 201, 202  # none of LlamaConfig's defaults (1, 2, none)
+
+
+def special_tokenizer(folder: Path) -> Path:
+    """A word-level tokenizer of the tiny Llama's 256 ids whose BOS, EOS and PAD are Llama 3's names."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    folder.mkdir()
+    names = {BOS: "<|begin_of_text|>", EOS: "<|end_of_text|>", PAD: "<|pad|>"}
+    vocab = {names.get(i, f"w{i}"): i for i in range(256)}
+    Tokenizer(WordLevel(vocab, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": names[BOS], "eos_token": {"content": names[EOS]}, "pad_token": names[PAD]}))
+    return folder / "tokenizer.json"
+
+
+def always_eos(folder: Path) -> None:
+    """Weights that make the exported model say EOS after any token: the blocks add nothing to the
+    residual (o_proj, down_proj zero), every embedding is ones, and only the head's EOS row is not zero."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            t.zero_()
+    tensors["model.embed_tokens.weight"].fill_(1.0)
+    tensors["lm_head.weight"].zero_()
+    tensors["lm_head.weight"][EOS] = 1.0
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_the_export_generates_with_transformers_and_stops_at_the_eos_the_data_recorded(llama_run, tmp_path):
+    tok = special_tokenizer(tmp_path / "tok")
+    run = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(llama_run), str(run)], check=True)
+    (run / "data.json").write_text(json.dumps({"tokenizer": {"path": str(tok), "eos_id": EOS}}))
+    export_hf(run, tmp_path / "hf")
+    ids = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+    for name in ("config.json", "generation_config.json"):
+        doc = json.loads((tmp_path / "hf" / name).read_text())
+        assert {k: doc.get(k) for k in ids} == ids, name
+    always_eos(tmp_path / "hf")
+    model = loaded(tmp_path / "hf")
+    assert model.generation_config.eos_token_id == EOS
+    out = model.generate(torch.tensor([[5, 6, 7]]), attention_mask=torch.ones(1, 3, dtype=torch.long),
+                         max_new_tokens=20, do_sample=False)
+    assert out[0].tolist() == [5, 6, 7, EOS]  # stopped at EOS, not 20 tokens later
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
+    assert fast.convert_ids_to_tokens([EOS]) == ["<|end_of_text|>"]
 
 
 @pytest.mark.parametrize("case", ["exists", "not-a-run", "user-model"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,19 @@ def test_hf_folder_round_trips_bit_for_bit_on_two_ranks(source, tmp_path, strate
     log = "".join(p.read_text() for p in (run / "logs").glob("*"))
     assert "init_from" in log and "(safetensors)" in log
     assert_bitwise(exported(run, tmp_path), hf_tensors(source))
+
+
+def test_a_fine_tune_trains_shorter_samples_than_the_models_context(source, tmp_path):
+    """``model.hf_config`` with ``model.seq_len`` below its max_position_embeddings (64): samples of 32
+    tokens; the export records the model's context again and gives back the original tensors."""
+    run = fine_tune(tmp_path, "short", source, "fsdp", 2, [f"model.hf_config={str(source)!r}", "model.seq_len=32"])
+    doc = json.loads((run / "resolved.json").read_text())["spec"]["model"]
+    assert (doc["seq_len"], doc["context_len"]) == (32, 64)
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["tokens_per_s"] * first["step_time_s"] == pytest.approx(8 * 32)  # global_batch 8 × 32 tokens
+    assert_bitwise(exported(run, tmp_path / "out"), hf_tensors(source))
+    config = json.loads((tmp_path / "out" / "out-fp32" / "config.json").read_text())
+    assert config["max_position_embeddings"] == 64
 
 
 def test_uneven_shards_on_three_ranks_and_hsdp_on_four(source, tmp_path):
@@ -182,6 +196,32 @@ def test_bad_sources_are_one_line(tmp_path, case):
     words = {"nothing-there": "no such file or folder", "truncated": "model.safetensors",
              "gpt-from-hf": "hpcx reads those for arch = 'llama', not 'gpt'"}[case]
     assert words in lines[0]
+
+
+def bin_folder(source: Path, dst: Path, files: int = 1) -> Path:
+    """``source``'s weights as transformers wrote them before safetensors: ``pytorch_model.bin`` (a
+    ``torch.save`` of the state_dict, Hugging Face's names) beside its config.json."""
+    dst.mkdir()
+    shutil.copyfile(source / "config.json", dst / "config.json")
+    tensors = sorted(hf_tensors(source).items())
+    for k in range(files):
+        name = "pytorch_model.bin" if files == 1 else f"pytorch_model-{k + 1:05d}-of-{files:05d}.bin"
+        torch.save(dict(tensors[k::files]), dst / name)
+    return dst
+
+
+def test_a_pytorch_model_bin_with_hugging_face_names_round_trips(source, tmp_path):
+    weights = bin_folder(source, tmp_path / "bin") / "pytorch_model.bin"
+    run = fine_tune(tmp_path, "from-bin", weights, "fsdp", 2)
+    assert_bitwise(exported(run, tmp_path / "out"), hf_tensors(source))
+
+
+@pytest.mark.parametrize("files,words", [(1, "its weights are one torch file: point init_from at the file, '{}'"),
+                                         (2, "its weights are 2 torch files (pytorch_model-00001-of-00002.bin …)")])
+def test_a_folder_of_bin_weights_says_what_to_point_at(source, tmp_path, files, words):
+    folder = bin_folder(source, tmp_path / "bin", files)
+    lines = refused(["dryrun", job(tmp_path, folder), "--site", "local"])
+    assert len(lines) == 1 and words.format(folder / "pytorch_model.bin") in lines[0], lines
 
 
 def test_submit_refuses_before_anything_is_submitted(tmp_path):

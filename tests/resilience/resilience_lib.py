@@ -68,8 +68,8 @@ def same_checkpoint_tensors(a: Path, b: Path, prefixes: tuple[str, ...] = ("mode
 
 
 def submit(job: str, *sets: str, site: str | None = None, env: dict | None = None, timeout: float = 300) -> Path:
-    """``hpcx submit JOB --set ... --json``; the run folder. Output goes through a file, not a pipe:
-    a local job's controller inherits the descriptors and would hold a pipe open until it ends."""
+    """``hpcx submit JOB --set ... --json``; the run folder. Output goes through a file (a local job's
+    controller no longer holds the caller's descriptors: tests/test_local_submit.py checks it with a pipe)."""
     args = [a for s in sets for a in ("--set", s)] + (["--site", site] if site else [])
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         code = subprocess.run([sys.executable, "-m", "hpc.cli", "submit", job, *args, "--json"], stdout=out,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hpc.core import runs
 from tests.conftest import REPO, hpcx
 from tests.resilience.resilience_lib import (checkpoint_steps, ledger, losses_by_step, same_checkpoint_tensors,
                                              submit, token_file, wait_state)
@@ -84,6 +85,46 @@ def test_drilled_local_run_requeues_resumes_and_matches(reference, workdir):
     assert losses_by_step(run) == losses_by_step(reference)
     assert same_checkpoint_tensors(final(run), final(reference)) == []
     assert checkpoint_steps(run) == [75, 100]
+
+
+def test_a_cancelled_run_resumed_by_hpcx_resume_matches(reference, workdir):
+    """`hpcx resume RUN`: the same folder, its newest committed checkpoint, a new start in the ledger;
+    the steps recomputed since that checkpoint logged again, each line saying which start wrote it."""
+    root, tokens = workdir
+    run = submit(JOB, *sets(root, tokens, "job.name=cancelled"))
+    deadline = time.time() + 180
+    while not (run / "checkpoints" / "step-0000025" / ".metadata").exists():
+        assert time.time() < deadline, (run / "logs" / "rank-0.log").read_text()[-2000:]
+        time.sleep(0.05)
+    running = hpcx("resume", str(run))
+    assert running.returncode == 2 and "wait for it to end, or `hpcx cancel" in running.stderr, running.stderr
+    assert hpcx("cancel", str(run)).returncode == 0
+    assert wait_state(run, ("CANCELLED", "FAILED", "COMPLETED"))["state"] == "CANCELLED"
+    first_job = json.loads((run / "job.json").read_text())["job_id"]
+
+    out = hpcx("resume", str(run), "--json")
+    assert out.returncode == 0, out.stderr
+    resumed = json.loads(out.stdout)
+    assert resumed["run_dir"] == str(run) and resumed["job_id"] != first_job
+    info = wait_state(run, ("COMPLETED", "FAILED"))
+    assert info["state"] == "COMPLETED", (run / "logs" / "rank-0.log").read_text()[-3000:]
+
+    start0, stop0, start1, stop1 = ledger(run)
+    assert stop0["reason"] == "terminated" and 25 <= stop0["step"] < STEPS
+    assert start1["restart"] == 1 and start1["checkpoint"] == f"step-{start1['step']:07d}"
+    assert start1["step"] % 25 == 0 and start1["steps_recomputed"] == stop0["step"] - start1["step"]
+    assert stop1["reason"] == "completed" and stop1["step"] == STEPS
+    job = json.loads((run / "job.json").read_text())
+    assert job["job_id"] == resumed["job_id"] and [e["job_id"] for e in job["earlier"]] == [first_job]
+
+    lines = [r for r in runs.read_jsonl(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in lines] == [*range(1, stop0["step"] + 1), *range(start1["step"] + 1, STEPS + 1)]
+    assert {r["start"] for r in lines[:stop0["step"]]} == {0} and {r["start"] for r in lines[stop0["step"]:]} == {1}
+    assert losses_by_step(run) == losses_by_step(reference)  # recomputed steps agree too (losses_by_step checks)
+    assert same_checkpoint_tensors(final(run), final(reference)) == []
+
+    again = hpcx("resume", str(run))
+    assert again.returncode == 2 and f"completed its {STEPS} steps: nothing to resume" in again.stderr
 
 
 def torchrun(run: Path) -> subprocess.Popen:

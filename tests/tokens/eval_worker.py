@@ -1,6 +1,6 @@
 """One rank of a torchrun launch that evaluates one fixed model on a prepared folder's val split.
 
-    torchrun --nproc_per_node=N tests/tokens/eval_worker.py DATA_DIR OUT_JSON
+    torchrun --nproc_per_node=N tests/tokens/eval_worker.py DATA_DIR OUT_JSON [EVAL_STEPS]
 
 The model is the tiny GPT (vocabulary 640) built with the same seed on every rank; rank 0 writes the
 eval record. At any N the record must be the same (``trainer.evaluate``).
@@ -23,7 +23,7 @@ from trainer.model import build_model
 from trainer.tokens import ManifestTokens
 
 
-def main(data_dir: str, out: str) -> None:
+def main(data_dir: str, out: str, steps: str = "3") -> None:
     torch.set_num_threads(1)
     env = detect_rank_env()
     if env.world_size > 1:
@@ -31,7 +31,7 @@ def main(data_dir: str, out: str) -> None:
     torch.manual_seed(0)
     model = build_model(Model(size="tiny", vocab_size=640), "cpu")
     dataset = ManifestTokens(data_dir, "val", 64)
-    ev = build_evaluator(dataset, 4, 1, env.rank, env.world_size, every=1, steps=3)
+    ev = build_evaluator(dataset, 4, 1, env.rank, env.world_size, every=1, steps=int(steps))
     t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, world_size=env.world_size)
     record = evaluate(t, ev, 0)
     if env.rank == 0:

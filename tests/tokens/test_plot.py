@@ -42,6 +42,14 @@ def test_plot_series_separates_train_and_eval_lines(tmp_path):
     assert series(records, "loss")[0] == list(range(1, 21))
 
 
+def test_plot_series_draws_the_last_value_of_a_step_a_restart_recomputed():
+    from hpc.cli.plot import series
+
+    first = [{"step": s, "loss": 10.0 - s, "start": 0} for s in range(1, 8)]  # killed after step 7
+    again = [{"step": s, "loss": 20.0 - s, "start": 1} for s in range(6, 10)]  # resumed from step 5
+    assert series(first + again, "loss") == ([1, 2, 3, 4, 5, 6, 7, 8, 9], [9, 8, 7, 6, 5, 14, 13, 12, 11])
+
+
 def test_plot_of_a_run_without_metrics_is_a_user_error(tmp_path):
     run = tmp_path / "empty"
     run.mkdir()

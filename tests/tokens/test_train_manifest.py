@@ -43,6 +43,46 @@ def test_samples_are_windows_of_one_shard(prepared):
     assert ManifestTokens(prepared / "manifest.json", "val", 64)[0].shape == (65,)
 
 
+def test_the_login_side_counts_a_split_as_the_trainer_does(prepared):
+    from hpc.core.manifest import split_samples
+    from trainer.tokens import ManifestTokens
+
+    for split in ("train", "val"):
+        assert split_samples(prepared, split, 64) == len(ManifestTokens(prepared, split, 64))
+
+
+@pytest.mark.parametrize("samples,micro,world", [(7, 2, 2), (7, 2, 3), (7, 1, 4), (16, 2, 2), (1, 4, 3)])
+def test_eval_counts_each_sample_once_with_as_many_passes_on_every_rank(samples, micro, world):
+    from trainer.evaluate import eval_batches
+
+    shares = [eval_batches(samples, micro, rank, world) for rank in range(world)]
+    assert sorted(i for share in shares for batch in share for i in batch) == list(range(samples))
+    assert len({len(share) for share in shares}) == 1  # FSDP gathers in every forward: no rank may skip one
+    assert all(1 <= len(batch) <= micro for share in shares for batch in share if batch)
+
+
+def test_eval_samples_never_wraps_and_zero_steps_is_the_whole_split():
+    from trainer.evaluate import eval_samples
+
+    assert eval_samples(7, 10, 8) == 7  # the issue: 7 samples were counted as 0-6, 0-6, 0, 1
+    assert eval_samples(100, 2, 8) == 16 and eval_samples(100, 0, 8) == 100
+
+
+def test_submit_says_when_the_split_is_smaller_than_eval_asks(prepared):
+    from hpc.core.manifest import split_samples
+    from hpc.core.spec import spec_warnings
+
+    held = split_samples(prepared, "val", 64)
+    sets = [f"data.source={str(prepared)!r}", "model.vocab_size=640", "train.eval_every=5", "train.global_batch=8"]
+    many = spec_warnings(load_spec(TINY, [*sets, f"train.eval_steps={held}"]))
+    assert [w for w in many if "eval_steps" in w] == [
+        f"{TINY}: `train.eval_steps` = {held} × `train.global_batch` = 8 asks for {8 * held} validation samples, "
+        f"but the val split of {prepared} holds {held}: each evaluation counts those {held} once "
+        "(`train.eval_steps = 0` says the whole split)"]
+    for fits in (f"train.eval_steps={held // 8}", "train.eval_steps=0"):
+        assert not [w for w in spec_warnings(load_spec(TINY, [*sets, fits])) if "eval_steps" in w]
+
+
 def test_login_checks_vocabulary_sizes_and_validation(prepared, tmp_path):
     spec = load_spec(TINY, [f"data.source={str(prepared)!r}", "model.vocab_size=640"])
     assert spec.data.source == str(prepared)
@@ -81,6 +121,22 @@ def test_evaluation_is_the_same_at_one_and_two_ranks(prepared, tmp_path):
     assert one["eval_tokens"] == two["eval_tokens"] == 3 * 4 * 64
     assert two["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-12)
     assert one["eval_perplexity"] == pytest.approx(np.exp(one["eval_loss"]))
+
+
+@pytest.mark.slow
+def test_the_whole_split_is_evaluated_once_the_same_at_one_and_two_ranks(prepared, tmp_path):
+    from trainer.tokens import ManifestTokens
+
+    held = len(ManifestTokens(prepared, "val", 64))
+    worker = str(Path(__file__).parent / "eval_worker.py")
+    records = []
+    for n in (1, 2):  # 2 ranks, micro-batch 1: an odd count leaves rank 1 a pass that counts nothing
+        proc = torchrun(n, [worker, str(prepared), str(tmp_path / f"whole-{n}.json"), "0"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        records.append(json.loads((tmp_path / f"whole-{n}.json").read_text()))
+    assert [r["eval_samples"] for r in records] == [held, held]
+    assert records[0]["eval_tokens"] == records[1]["eval_tokens"] == held * 64
+    assert records[1]["eval_loss"] == pytest.approx(records[0]["eval_loss"], rel=1e-12)
 
 
 @pytest.mark.slow
@@ -196,3 +252,22 @@ def test_the_ranks_read_the_source_kind_recorded_at_resolve(prepared, tmp_path):
     del doc["launch"]["data_source"]
     resolved.write_text(json.dumps(doc))
     assert load_run(resolved.parent).launch.data_source == "prepared"
+
+
+def test_a_padding_pass_counts_nothing(prepared):
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpc.core.spec import Model
+    from trainer.evaluate import Evaluator, evaluate
+    from trainer.model import build_model
+    from trainer.tokens import ManifestTokens
+
+    torch.manual_seed(0)
+    t = SimpleNamespace(model=build_model(Model(size="tiny", vocab_size=640), "cpu"), device=torch.device("cpu"),
+                        amp_dtype=None, world_size=1)
+    dataset = ManifestTokens(prepared, "val", 64)
+    plain, padded = (evaluate(t, Evaluator(dataset, batches, 1, 1), 0) for batches in ([[1]], [[1], []]))
+    assert (padded["eval_loss"], padded["eval_tokens"]) == (plain["eval_loss"], plain["eval_tokens"]) == (
+        plain["eval_loss"], 64)

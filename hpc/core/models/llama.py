@@ -53,6 +53,9 @@ class Fields:
     rope_original_seq_len: int = field(0, doc="Llama 3.1+: the context the scaling starts from (0: 8192).",
                                        minimum=0)
     norm_eps: float = field(0.0, doc="Llama: RMSNorm epsilon (0: the preset's, 1e-5).", minimum=0)
+    context_len: int = field(0, doc="Llama: the model's context, what an export records as "
+                             "`max_position_embeddings` (0: `seq_len`); `hf_config` sets it, and `seq_len` "
+                             "may be any length up to it.", minimum=0)
 
 
 def swiglu_hidden(d_model: int, multiple_of: int, ffn_dim_multiplier: float = 0.0) -> int:
@@ -82,6 +85,12 @@ class LlamaShape:
     rope_high_freq_factor: float = 4.0
     rope_original_seq_len: int = 8192
     norm_eps: float = 1e-5
+    context_len: int = 0  # the model's context when longer than the training's seq_len (0: seq_len)
+
+    @property
+    def context(self) -> int:
+        """The model's context (``max_position_embeddings``): ``seq_len`` unless trained on shorter samples."""
+        return max(self.context_len, self.seq_len)
 
     @property
     def head_dim(self) -> int:
@@ -168,8 +177,10 @@ def llama_shape(model: Model) -> LlamaShape:
         ffn = swiglu_hidden(d, model.multiple_of or multiple, model.ffn_dim_multiplier or multiplier)
     heads = model.n_heads or base.n_heads
     kv = model.n_kv_heads or (base.n_kv_heads if not model.n_heads else min(base.n_kv_heads, heads))
+    seq_len = model.seq_len or model.context_len or base.seq_len
     return replace(base, n_layers=model.n_layers or base.n_layers, d_model=d, n_heads=heads, n_kv_heads=kv,
-                   ffn_dim=ffn, seq_len=model.seq_len or base.seq_len, vocab_size=model.vocab_size or base.vocab_size,
+                   ffn_dim=ffn, seq_len=seq_len, context_len=model.context_len if model.context_len > seq_len else 0,
+                   vocab_size=model.vocab_size or base.vocab_size,
                    tied=base.tied or model.tie_embeddings, rope_theta=model.rope_theta or base.rope_theta,
                    rope_factor=model.rope_factor or base.rope_factor,
                    rope_low_freq_factor=model.rope_low_freq_factor or base.rope_low_freq_factor,
@@ -210,6 +221,9 @@ def problems(model: Model) -> list[str]:
         errors.append(f"head size dim / n_heads = {s.head_dim} is odd: rotary embeddings rotate pairs")
     if s.n_heads % s.n_kv_heads:
         errors.append(f"`model.n_heads` = {s.n_heads} is not divisible by `model.n_kv_heads` = {s.n_kv_heads}")
+    if model.context_len and s.seq_len > model.context_len:
+        errors.append(f"`model.seq_len` = {s.seq_len} is longer than the model's context `model.context_len` = "
+                      f"{model.context_len}: train at most {model.context_len} tokens a sample")
     if s.rope_factor > 1 and s.rope_high_freq_factor <= s.rope_low_freq_factor:
         errors.append(f"`model.rope_high_freq_factor` = {s.rope_high_freq_factor:g} must be above "
                       f"`model.rope_low_freq_factor` = {s.rope_low_freq_factor:g}")
@@ -289,7 +303,7 @@ def hf_config(s: LlamaShape) -> dict[str, tp.Any]:
     return {"architectures": [HF_ARCH], "model_type": HF_MODEL_TYPE, "hidden_size": s.d_model,
             "intermediate_size": s.ffn_dim, "num_hidden_layers": s.n_layers, "num_attention_heads": s.n_heads,
             "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
-            "max_position_embeddings": s.seq_len, "rms_norm_eps": s.norm_eps, "rope_theta": s.rope_theta,
+            "max_position_embeddings": s.context, "rms_norm_eps": s.norm_eps, "rope_theta": s.rope_theta,
             "rope_scaling": scaling, "tie_word_embeddings": s.tied, "hidden_act": "silu",
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "torch_dtype": "float32"}
 
@@ -299,7 +313,7 @@ HF_MODEL_TYPE = "llama"
 # config.json key → [model] field
 HF_KEYS = (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_attention_heads", "n_heads"),
            ("num_key_value_heads", "n_kv_heads"), ("intermediate_size", "ffn_dim"),
-           ("vocab_size", "vocab_size"), ("max_position_embeddings", "seq_len"), ("rms_norm_eps", "norm_eps"),
+           ("vocab_size", "vocab_size"), ("max_position_embeddings", "context_len"), ("rms_norm_eps", "norm_eps"),
            ("rope_theta", "rope_theta"), ("tie_word_embeddings", "tie_embeddings"),
            ("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
            ("high_freq_factor", "rope_high_freq_factor"), ("original_max_position_embeddings", "rope_original_seq_len"))
