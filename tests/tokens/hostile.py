@@ -32,7 +32,7 @@ class Expect:
     code: int = 2
     words: list[str] = field(default_factory=list)  # in the error line (code != 0) or on stdout (code 0)
     creates: tuple[str, ...] = ()  # paths (relative to the case folder) a successful case may create
-    stdin_null: bool = True
+    env: dict[str, str] = field(default_factory=dict)
 
 
 CASES: dict[str, dict[str, tp.Callable[[Path, Path], Expect]]] = {c: {} for c in CLASSES}
@@ -321,6 +321,242 @@ def fifo_in_input_folder_is_left_out(d: Path, tok: Path) -> Expect:
     (d / "in" / "a.jsonl").write_bytes(JSONL)
     _fifo(d / "in" / "b.jsonl")
     return Expect(prepare(tok, d / "in", out=d / "out"), 0, ["50 documents"], ("out",))
+
+
+# --------------------------------------------------------------- prepared folders that lie or break
+
+def prepared(d: Path, tok: Path, masked: bool = False) -> Path:
+    """A real prepared folder ``d/p`` (made in this process), for the cases to break."""
+    from hpc.data.inputs import Format
+    from hpc.data.prepare import Options, make_plan, merge, run_group, start
+
+    (d / "src").mkdir()
+    records = [{"prompt": f"question {i}?", "response": "answer " * 30} for i in range(40)]
+    (d / "src" / "a.jsonl").write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records) if masked else JSONL)
+    out = d / "p"
+    plan = make_plan([str(d / "src")], str(tok), Options(Format("prompt-response" if masked else "text"),
+                                                         val_fraction=0.2, shard_tokens=400))
+    start(out, plan)
+    for g in range(len(plan["groups"])):
+        run_group(out, plan, g)
+    merge(out)
+    return out
+
+
+def edit_manifest(folder: Path, change: tp.Callable[[dict], tp.Any]) -> None:
+    doc = json.loads((folder / "manifest.json").read_text())
+    change(doc)
+    (folder / "manifest.json").write_text(json.dumps(doc))
+
+
+def spec(d: Path, source: Path, vocab: int = 600, seq_len: int = 8) -> Path:
+    (d / "job.toml").write_text(f'[data]\nsource = "{source}"\n[model]\nvocab_size = {vocab}\n'
+                                f'seq_len = {seq_len}\n')
+    return d / "job.toml"
+
+
+def _first_shard(doc: dict) -> dict:
+    return doc["splits"]["train"]["shards"][0]
+
+
+LIES: dict[str, tuple[tp.Callable[[dict], tp.Any], tuple[str, ...]]] = {
+    "dtype-int8": (lambda m: m.update(dtype="int8"), ("dtype = 'int8'",)),
+    "dtype-missing": (lambda m: m.pop("dtype"), ("dtype = None",)),
+    "vocab-size-string": (lambda m: m.update(vocab_size="300"), ("vocab_size = '300'",)),
+    "vocab-size-zero": (lambda m: m.update(vocab_size=0), ("vocab_size = 0",)),
+    "vocab-size-past-uint16": (lambda m: m.update(vocab_size=70000), ("vocab_size = 70000",)),
+    "vocab-size-bool": (lambda m: m.update(vocab_size=True), ("vocab_size = True",)),
+    "eos-at-vocab": (lambda m: m.update(eos_id=600), ("eos_id = 600",)),
+    "splits-empty": (lambda m: m.update(splits={}), ("splits = {}",)),
+    "splits-list": (lambda m: m.update(splits=[]), ("splits = []",)),
+    "splits-unknown-name": (lambda m: m["splits"].update(test=m["splits"]["val"]), ("splits = ",)),
+    "split-not-table": (lambda m: m["splits"].update(val=3), ("splits.val = 3",)),
+    "train-split-empty": (lambda m: m["splits"].update(train={"tokens": 0, "documents": 0, "shards": []}),
+                          ("splits.train.shards = []",)),
+    "split-tokens-disagree": (lambda m: m["splits"]["train"].update(tokens=m["splits"]["train"]["tokens"] + 5),
+                              ("splits.train.tokens", "the shards hold")),
+    "split-documents-disagree": (lambda m: m["splits"]["train"].update(documents=1), ("splits.train.documents = 1",)),
+    "split-tokens-string": (lambda m: m["splits"]["train"].update(tokens="many"), ("splits.train.tokens = \"many\"",)),
+    "shard-without-file": (lambda m: _first_shard(m).pop("file"), ("splits.train.shards[0]", "'file'")),
+    "shard-without-index-sha": (lambda m: _first_shard(m).pop("index_sha256"), ("shards[0]", "'index_sha256'")),
+    "shard-not-table": (lambda m: m["splits"]["train"]["shards"].__setitem__(0, "train.bin"), ("shards[0] = \"train.bin\"",)),
+    "shard-tokens-string": (lambda m: _first_shard(m).update(tokens=str(_first_shard(m)["tokens"])), ("shards[0].tokens = \"",)),
+    "shard-tokens-negative": (lambda m: _first_shard(m).update(tokens=-4), ("shards[0].tokens = -4",)),
+    "shard-documents-above-tokens": (lambda m: _first_shard(m).update(documents=10 ** 6), ("shards[0].documents",)),
+    "shard-absolute-path": (lambda m: _first_shard(m).update(file="/etc/passwd"), ("shards[0].file = \"/etc/passwd\"",)),
+    "shard-dotdot-path": (lambda m: _first_shard(m).update(file="../src/a.jsonl"), ("shards[0].file = \"../src/a.jsonl\"",)),
+    "shard-subfolder-path": (lambda m: _first_shard(m).update(file="sub/train.bin"), ("shards[0].file = \"sub/train.bin\"",)),
+    "shard-dot-name": (lambda m: _first_shard(m).update(file=".."), ("shards[0].file = \"..\"",)),
+    "shard-listed-twice": (lambda m: m["splits"]["train"]["shards"].append(dict(_first_shard(m))), ("listed twice",)),
+    "shard-sha-not-hex": (lambda m: _first_shard(m).update(file_sha256="z" * 64), ("shards[0].file_sha256",)),
+    "max-id-past-vocab-size": (lambda m: _first_shard(m).update(max_id=600), ("shards[0].max_id = 600",)),
+    "version-2": (lambda m: m.update(version=2), ("version = 2",)),
+    "masked-string": (lambda m: m.update(masked="yes"), ("masked = \"yes\"",)),
+    "tokenizer-not-table": (lambda m: m.update(tokenizer="gpt2"), ("tokenizer = \"gpt2\"",)),
+}
+
+
+def _lie(change: tp.Callable[[dict], tp.Any], words: tuple[str, ...], command: str) -> tp.Callable:
+    def make(d: Path, tok: Path) -> Expect:
+        folder = prepared(d, tok)
+        edit_manifest(folder, change)
+        argv = ["data", "verify", str(folder)] if command == "verify" else ["render", str(spec(d, folder))]
+        return Expect(argv, 2, [str(folder / "manifest.json"), *words])
+    return make
+
+
+for _name, (_change, _words) in LIES.items():
+    CASES["lies"][f"verify-{_name}"] = _lie(_change, _words, "verify")
+    CASES["lies"][f"render-{_name}"] = _lie(_change, _words, "render")
+
+
+@case("lies")
+def verify_symlink_out_of_the_folder(d: Path, tok: Path) -> Expect:
+    folder = prepared(d, tok)
+    shard = folder / _first_shard(json.loads((folder / "manifest.json").read_text()))["file"]
+    (d / "elsewhere.bin").write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(d / "elsewhere.bin")
+    return Expect(["data", "verify", str(folder)], 1, [shard.name, "a symlink"])
+
+
+@case("lies")
+def render_symlink_out_of_the_folder(d: Path, tok: Path) -> Expect:
+    folder = prepared(d, tok)
+    shard = folder / _first_shard(json.loads((folder / "manifest.json").read_text()))["file"]
+    (d / "elsewhere.bin").write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(d / "elsewhere.bin")
+    return Expect(["render", str(spec(d, folder))], 2, [shard.name, "a symlink"])
+
+
+@case("lies")
+def verify_max_id_understated(d: Path, tok: Path) -> Expect:
+    folder = prepared(d, tok)
+    edit_manifest(folder, lambda m: _first_shard(m).update(max_id=2))
+    return Expect(["data", "verify", str(folder)], 1, ["max_id says 2"])
+
+
+@case("lies")
+def render_ids_past_the_model_vocabulary(d: Path, tok: Path) -> Expect:
+    folder = prepared(d, tok)
+    edit_manifest(folder, lambda m: m.update(vocab_size=300, eos_id=1))  # the shards' max_id stay ~590
+    return Expect(["render", str(spec(d, folder, vocab=300))], 2, [str(folder / "manifest.json"), "max_id"])
+
+
+@case("lies")
+def render_model_vocabulary_below_max_id(d: Path, tok: Path) -> Expect:
+    folder = prepared(d, tok)
+    edit_manifest(folder, lambda m: [s.update(max_id=599) for s in m["splits"]["train"]["shards"]])
+    return Expect(["render", str(spec(d, folder, vocab=600))], 0, [], ())
+
+
+@case("lies")
+def verify_changed_shard_is_a_mismatch(d: Path, tok: Path) -> Expect:
+    folder = prepared(d, tok)
+    shard = folder / _first_shard(json.loads((folder / "manifest.json").read_text()))["file"]
+    data = bytearray(shard.read_bytes())
+    data[0] ^= 1
+    shard.write_bytes(bytes(data))
+    return Expect(["data", "verify", str(folder)], 1, [str(shard), "sha256"])
+
+
+@case("broken-input")
+def manifest_nested_10000_deep(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    (d / "p" / "manifest.json").write_text("[" * 10000 + "]" * 10000)
+    return Expect(["data", "verify", str(d / "p")], 2, [str(d / "p" / "manifest.json"), "nested"])
+
+
+@case("broken-input")
+def manifest_not_json(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    (d / "p" / "manifest.json").write_text('{"format": "hpcx-tokens", ')
+    return Expect(["data", "verify", str(d / "p")], 2, [str(d / "p" / "manifest.json"), "JSON"])
+
+
+@case("broken-input")
+def render_manifest_not_json(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    (d / "p" / "manifest.json").write_text('{"format": "hpcx-tokens", ')
+    return Expect(["render", str(spec(d, d / "p"))], 2, [str(d / "p" / "manifest.json"), "JSON"])
+
+
+@case("broken-input")
+def manifest_not_utf8(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    (d / "p" / "manifest.json").write_bytes(b'{"format": "hpcx-tok\xffens"}')
+    return Expect(["data", "verify", str(d / "p")], 2, [str(d / "p" / "manifest.json"), "UTF-8"])
+
+
+@case("non-regular")
+def manifest_fifo_verify(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    _fifo(d / "p" / "manifest.json")
+    return Expect(["data", "verify", str(d / "p")], 2, [str(d / "p" / "manifest.json"), "FIFO"])
+
+
+@case("non-regular")
+def manifest_dev_zero_render(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    (d / "p" / "manifest.json").symlink_to("/dev/zero")
+    return Expect(["render", str(spec(d, d / "p"))], 2, [str(d / "p" / "manifest.json"), "character device"])
+
+
+@case("non-regular")
+def manifest_json_named_directly_fifo(d: Path, tok: Path) -> Expect:
+    _fifo(d / "manifest.json")
+    return Expect(["render", str(spec(d, d / "manifest.json"))], 2, [str(d / "manifest.json"), "FIFO"])
+
+
+def _shard_replaced(d: Path, tok: Path, how: str, index: bool = False) -> tuple[Path, Path]:
+    folder = prepared(d, tok)
+    name = _first_shard(json.loads((folder / "manifest.json").read_text()))["index" if index else "file"]
+    (folder / name).unlink()
+    if how == "fifo":
+        _fifo(folder / name)
+    else:
+        (folder / name).symlink_to("/dev/zero")
+    return folder, folder / name
+
+
+@case("non-regular")
+def shard_fifo_verify(d: Path, tok: Path) -> Expect:
+    folder, shard = _shard_replaced(d, tok, "fifo")
+    return Expect(["data", "verify", str(folder)], 1, [shard.name, "FIFO"])
+
+
+@case("non-regular")
+def shard_dev_zero_verify(d: Path, tok: Path) -> Expect:
+    folder, shard = _shard_replaced(d, tok, "zero")
+    return Expect(["data", "verify", str(folder)], 1, [shard.name, "symlink"])
+
+
+@case("non-regular")
+def index_fifo_render(d: Path, tok: Path) -> Expect:
+    folder, shard = _shard_replaced(d, tok, "fifo", index=True)
+    return Expect(["render", str(spec(d, folder))], 2, [shard.name, "FIFO"])
+
+
+@case("bounds")
+def manifest_past_the_shard_bound(d: Path, tok: Path) -> Expect:
+    folder = prepared(d, tok)
+    edit_manifest(folder, lambda m: m["splits"]["train"]["shards"].extend(
+        dict(_first_shard(m), file=f"x{i}.bin", index=f"x{i}.idx") for i in range(12)))
+    return Expect(["data", "verify", str(folder)], 2, [str(folder / "manifest.json"), "HPCX_MAX_SHARDS"],
+                  env={"HPCX_MAX_SHARDS": "10"})
+
+
+@case("bounds")
+def manifest_of_40_mb(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    with open(d / "p" / "manifest.json", "w") as f:
+        f.write('{"format": "hpcx-tokens", "pad": "')
+        for _ in range(40):
+            f.write("x" * (1 << 20))
+        f.write('"}')
+    return Expect(["data", "verify", str(d / "p")], 2, [str(d / "p" / "manifest.json"), "over"],
+                  env={"HPCX_MAX_SHARDS": "100000"})
 
 
 def main(argv: list[str]) -> int:

@@ -35,9 +35,9 @@ def snapshot(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, tuple]:
     return out
 
 
-def run_cli(argv: list[str], cwd: Path) -> tuple[int, str, str, float]:
+def run_cli(argv: list[str], cwd: Path, extra_env: dict[str, str]) -> tuple[int, str, str, float]:
     """(exit code, stdout, stderr, peak RSS in MB) of ``hpcx ARGV`` in a fresh interpreter."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO), **extra_env}
     with open(cwd / ".stdout", "w+") as out, open(cwd / ".stderr", "w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "hpc.cli", *argv], stdout=out, stderr=err,
                                 stdin=subprocess.DEVNULL, cwd=cwd, env=env, start_new_session=True)
@@ -69,7 +69,7 @@ def test_case(cls, name, tmp_path, tokenizer):
     run.mkdir()
     before = snapshot(folder)
     kept = snapshot(folder, expect.creates)
-    code, stdout, stderr, rss = run_cli(expect.argv, run)
+    code, stdout, stderr, rss = run_cli(expect.argv, run, expect.env)
     assert "Traceback" not in stderr + stdout, stderr
     assert code == expect.code, (stdout, stderr)
     assert rss < MAX_RSS_MB, f"peak RSS {rss:.0f} MB"
