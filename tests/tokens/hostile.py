@@ -559,6 +559,93 @@ def manifest_of_40_mb(d: Path, tok: Path) -> Expect:
                   env={"HPCX_MAX_SHARDS": "100000"})
 
 
+# ------------------------------------------------------------------------------ model.hf_config
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+         "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+         "tie_word_embeddings": False}
+
+
+def hf_job(d: Path, config: Path | str) -> list[str]:
+    (d / "job.toml").write_text(f'[model]\nhf_config = "{config}"\n[train]\nglobal_batch = 8\n')
+    return ["render", str(d / "job.toml")]
+
+
+def _config_case(change: tp.Callable[[dict], tp.Any] | None, words: tuple[str, ...], raw: bytes | None = None) -> tp.Callable:
+    def make(d: Path, tok: Path) -> Expect:
+        (d / "m").mkdir()
+        doc = dict(LLAMA)
+        if change:
+            change(doc)
+        (d / "m" / "config.json").write_bytes(raw if raw is not None else json.dumps(doc).encode())
+        return Expect(hf_job(d, d / "m"), 2, [str(d / "m" / "config.json"), *words])
+    return make
+
+
+HF_CONFIGS: dict[str, tuple] = {
+    "zero-layers": (lambda c: c.update(num_hidden_layers=0), ("num_hidden_layers = 0",)),
+    "negative-layers": (lambda c: c.update(num_hidden_layers=-2), ("num_hidden_layers = -2",)),
+    "layers-string": (lambda c: c.update(num_hidden_layers="2"), ("num_hidden_layers = '2'",)),
+    "layers-float": (lambda c: c.update(num_hidden_layers=2.0), ("num_hidden_layers = 2.0",)),
+    "layers-bool": (lambda c: c.update(num_hidden_layers=True), ("num_hidden_layers = True",)),
+    "zero-heads": (lambda c: c.update(num_attention_heads=0), ("num_attention_heads = 0",)),
+    "kv-heads-not-dividing": (lambda c: c.update(num_key_value_heads=3), ("num_key_value_heads = 3",)),
+    "kv-heads-zero": (lambda c: c.update(num_key_value_heads=0), ("num_key_value_heads = 0",)),
+    "kv-heads-above-heads": (lambda c: c.update(num_key_value_heads=8), ("num_key_value_heads = 8",)),
+    "intermediate-size-zero": (lambda c: c.update(intermediate_size=0), ("intermediate_size = 0",)),
+    "intermediate-size-negative": (lambda c: c.update(intermediate_size=-1), ("intermediate_size = -1",)),
+    "vocab-size-zero": (lambda c: c.update(vocab_size=0), ("vocab_size = 0",)),
+    "vocab-size-huge": (lambda c: c.update(vocab_size=10 ** 12), ("vocab_size = 1000000000000",)),
+    "vocab-size-null": (lambda c: c.update(vocab_size=None), ("vocab_size = None",)),
+    "hidden-not-multiple-of-heads": (lambda c: c.update(hidden_size=66), ("hidden_size = 66",)),
+    "max-positions-zero": (lambda c: c.update(max_position_embeddings=0), ("max_position_embeddings = 0",)),
+    "eps-negative": (lambda c: c.update(rms_norm_eps=-1), ("rms_norm_eps = -1",)),
+    "eps-string": (lambda c: c.update(rms_norm_eps="1e-5"), ("rms_norm_eps = '1e-5'",)),
+    "bert": (lambda c: (c.clear(), c.update(architectures=["BertModel"], model_type="bert", hidden_size=768)),
+             ("BertModel",)),
+    "bert-model-type-only": (lambda c: (c.clear(), c.update(model_type="bert", hidden_size=768)), ("bert",)),
+    "architectures-empty": (lambda c: (c.update(architectures=[], model_type="gpt2")), ("gpt2",)),
+    "architectures-string": (lambda c: c.update(architectures="LlamaForCausalLM"), ("architectures = 'LlamaForCausalLM'",)),
+    "architectures-two": (lambda c: c.update(architectures=["LlamaForCausalLM", "X"]), ("architectures",)),
+    "layers-missing": (lambda c: c.pop("num_hidden_layers"), ("num_hidden_layers is missing",)),
+    "nested-10000": (None, ("nested",), b'{"a": ' + b"[" * 10000 + b"]" * 10000 + b"}"),
+    "not-json": (None, ("JSON",), b"{'single': 'quotes'}"),
+    "not-utf8": (None, ("UTF-8",), b'{"a": "\xff"}'),
+    "json-list": (None, ("JSON object",), b"[1, 2]"),
+    "over-a-mib": (None, ("1 MiB",), b'{"a": "' + b"x" * (2 << 20) + b'"}'),
+}
+for _name, (_change, _words, *_raw) in HF_CONFIGS.items():
+    CASES["broken-input" if _raw or _name.startswith(("bert", "arch", "layers-missing")) else "lies"][
+        f"hf-config-{_name}"] = _config_case(_change, _words, *_raw)
+
+
+@case("valid-input")
+def hf_config_llama(d: Path, tok: Path) -> Expect:
+    (d / "m").mkdir()
+    (d / "m" / "config.json").write_text(json.dumps(LLAMA))
+    return Expect(hf_job(d, d / "m"), 0)
+
+
+@case("non-regular")
+def hf_config_dev_zero(d: Path, tok: Path) -> Expect:
+    (d / "m").mkdir()
+    (d / "m" / "config.json").symlink_to("/dev/zero")
+    return Expect(hf_job(d, d / "m"), 2, [str(d / "m" / "config.json"), "character device"])
+
+
+@case("non-regular")
+def hf_config_fifo(d: Path, tok: Path) -> Expect:
+    _fifo(d / "config.json")
+    return Expect(hf_job(d, d / "config.json"), 2, [str(d / "config.json"), "FIFO"])
+
+
+@case("non-regular")
+def hf_config_folder_without_config(d: Path, tok: Path) -> Expect:
+    (d / "m").mkdir()
+    return Expect(hf_job(d, d / "m"), 2, [str(d / "m" / "config.json"), "no such file"])
+
+
 def main(argv: list[str]) -> int:
     """Write the cases (of one class, or all) under a folder, one sub-folder each, with the command."""
     if not argv:
