@@ -18,7 +18,7 @@ def data_group() -> None:
 @data_group.command("prepare")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT…")
 @click.option("--tokenizer", required=True, metavar="PATH", help="A local Hugging Face tokenizer.json, or a folder with one.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (resumed if it holds this preparation).")
+@click.option("--out", required=True, metavar="DIR", help="Output folder (resumed if it holds this preparation).")
 @click.option("--format", "kind", type=click.Choice(["text", "prompt-response"]), default="text", show_default=True,
               help="prompt-response: jsonl/parquet records with a prompt and a response (or a chat list); "
                    "a loss mask counts only the response.")

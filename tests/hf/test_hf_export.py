@@ -126,9 +126,11 @@ def test_tokenizer_files_are_copied_when_the_data_names_one(llama_run, tmp_path)
     assert [p.name for p in tokenizer_files(doc)] == ["tokenizer.json", "tokenizer_config.json"]
 
 
-@pytest.mark.parametrize("case", ["exists", "not-a-run", "user-model"])
+@pytest.mark.parametrize("case", ["exists", "not-a-run", "user-model", "inside-the-checkpoint"])
 def test_refusals_are_one_line_exit_2(llama_run, tmp_path, case):
     dst, src = tmp_path / "out", str(llama_run)
+    if case == "inside-the-checkpoint":
+        dst = sorted((llama_run / "checkpoints").glob("step-*"))[-1] / "hf"
     if case == "exists":
         dst.mkdir()
     elif case == "not-a-run":
@@ -142,6 +144,7 @@ def test_refusals_are_one_line_exit_2(llama_run, tmp_path, case):
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
     assert not dst.exists() or case == "exists"
+    assert case != "inside-the-checkpoint" or "inside the checkpoint" in out.stderr, out.stderr
 
 
 MEMORY_CHILD = r"""

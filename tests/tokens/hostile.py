@@ -323,6 +323,98 @@ def fifo_in_input_folder_is_left_out(d: Path, tok: Path) -> Expect:
     return Expect(prepare(tok, d / "in", out=d / "out"), 0, ["50 documents"], ("out",))
 
 
+# ------------------------------------------------------------------------ outputs that take over
+
+def _inputs(d: Path) -> Path:
+    (d / "in").mkdir()
+    (d / "in" / "a.jsonl").write_bytes(JSONL)
+    return d / "in"
+
+
+@case("takeover")
+def out_is_the_input_folder(d: Path, tok: Path) -> Expect:
+    return Expect(prepare(tok, _inputs(d), out=d / "in"), 2, ["--out", "is the input folder"])
+
+
+@case("takeover")
+def out_inside_the_input_folder(d: Path, tok: Path) -> Expect:
+    return Expect(prepare(tok, _inputs(d), out=d / "in" / "tokens"), 2, ["--out", "inside the input folder"])
+
+
+@case("takeover")
+def out_inside_the_input_folder_through_a_symlink(d: Path, tok: Path) -> Expect:
+    _inputs(d)
+    (d / "link").symlink_to(d / "in")
+    return Expect(prepare(tok, d / "link", out=d / "in" / "x"), 2, ["--out", "inside the input folder"])
+
+
+@case("takeover")
+def out_holds_the_input_file(d: Path, tok: Path) -> Expect:
+    _inputs(d)
+    return Expect(prepare(tok, d / "in" / "a.jsonl", out=d / "in"), 2, ["--out", "holds the input"])
+
+
+@case("takeover")
+def out_holds_the_input_deeper(d: Path, tok: Path) -> Expect:
+    (d / "a" / "b").mkdir(parents=True)
+    (d / "a" / "b" / "x.jsonl").write_bytes(JSONL)
+    return Expect(prepare(tok, d / "a" / "b" / "x.jsonl", out=d / "a"), 2, ["--out", "holds the input"])
+
+
+@case("takeover")
+def out_is_another_tools_folder(d: Path, tok: Path) -> Expect:
+    (d / "theirs").mkdir()
+    (d / "theirs" / "manifest.json").write_text('{"tool": "someone else"}')
+    return Expect(prepare(tok, _inputs(d), out=d / "theirs"), 2, ["--out", "holds other files"])
+
+
+@case("takeover")
+def out_is_a_non_empty_folder(d: Path, tok: Path) -> Expect:
+    (d / "theirs").mkdir()
+    (d / "theirs" / "notes.txt").write_text("mine")
+    return Expect(prepare(tok, _inputs(d), out=d / "theirs"), 2, ["--out", "holds other files"])
+
+
+@case("takeover")
+def out_with_a_foreign_prepare_folder_only(d: Path, tok: Path) -> Expect:
+    (d / "theirs" / ".prepare").mkdir(parents=True)
+    return Expect(prepare(tok, _inputs(d), out=d / "theirs"), 2, ["--out", "holds other files"])
+
+
+@case("takeover")
+def out_is_a_file(d: Path, tok: Path) -> Expect:
+    (d / "out").write_text("a file")
+    return Expect(prepare(tok, _inputs(d), out=d / "out"), 2, ["--out", "not a folder"])
+
+
+@case("takeover")
+def out_is_a_symlink_to_a_folder(d: Path, tok: Path) -> Expect:
+    (d / "real").mkdir()
+    (d / "out").symlink_to(d / "real")
+    return Expect(prepare(tok, _inputs(d), out=d / "out"), 2, ["--out", "a symlink"])
+
+
+@case("takeover")
+def bad_line_2_leaves_nothing(d: Path, tok: Path) -> Expect:
+    (d / "a.jsonl").write_bytes(JSONL.split(b"\n")[0] + b"\n{broken\n")
+    return Expect(prepare(tok, d / "a.jsonl", out=d / "out"), 2, [str(d / "a.jsonl") + ":2"])
+
+
+@case("takeover")
+def bad_line_2_into_an_empty_folder_leaves_it_empty(d: Path, tok: Path) -> Expect:
+    (d / "out").mkdir()
+    (d / "a.jsonl").write_bytes(JSONL.split(b"\n")[0] + b"\n{broken\n")
+    return Expect(prepare(tok, d / "a.jsonl", out=d / "out"), 2, [str(d / "a.jsonl") + ":2"])
+
+
+@case("takeover")
+def bad_file_in_a_later_group_with_workers(d: Path, tok: Path) -> Expect:
+    (d / "in").mkdir()
+    (d / "in" / "a.jsonl").write_bytes(b"{broken\n")
+    (d / "in" / "b.jsonl").write_bytes(b"{broken\n")
+    return Expect(prepare(tok, d / "in", out=d / "out", extra=["--group-bytes", "1", "--workers", "2"]), 2, [":1"])
+
+
 # --------------------------------------------------------------- prepared folders that lie or break
 
 def prepared(d: Path, tok: Path, masked: bool = False) -> Path:

@@ -84,3 +84,29 @@ def test_case(cls, name, tmp_path, tokenizer):
         for word in expect.words:
             assert word in stdout, (word, stdout)
         assert snapshot(folder, expect.creates) == kept, "changed an input"
+
+
+def test_a_refused_prepare_runs_again_once_fixed(tmp_path, tokenizer):
+    """Issue 35: a refusal (bad line 2) used to leave a plan behind, and the fixed input was then
+    refused as 'prepared before with other inputs'."""
+    bad = tmp_path / "a.jsonl"
+    bad.write_text('{"text": "one"}\n{broken\n')
+    argv = ["data", "prepare", str(bad), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")]
+    code, _, stderr, _ = run_cli(argv, tmp_path, {})
+    assert code == 2 and f"{bad}:2" in stderr and not (tmp_path / "out").exists()
+    bad.write_text('{"text": "one"}\n{"text": "two, fixed"}\n')
+    code, stdout, stderr, _ = run_cli(argv, tmp_path, {})
+    assert code == 0 and "2 documents" in stdout, stderr
+
+
+def test_a_plan_no_group_finished_is_replaced(tmp_path, tokenizer):
+    """A plan whose groups never finished (a crash before the first) holds nothing to resume."""
+    from hpc.data.prepare import Options, make_plan, start
+
+    src = tmp_path / "a.jsonl"
+    src.write_text('{"text": "one"}\n')
+    start(tmp_path / "out", make_plan([str(src)], str(tokenizer), Options()))
+    src.write_text('{"text": "one, then longer"}\n')
+    argv = ["data", "prepare", str(src), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")]
+    code, stdout, stderr, _ = run_cli(argv, tmp_path, {})
+    assert code == 0 and "1 documents" in stdout, stderr
