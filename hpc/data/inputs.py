@@ -109,7 +109,7 @@ class Decoded(io.RawIOBase):
 
     def __init__(self, raw: tp.BinaryIO, comp: str, name: str, limit: int):
         self.raw, self.comp, self.name, self.limit = raw, comp, name, limit
-        self.pending, self.leftover, self.dec = b"", b"", self._new()
+        self.pending, self.at, self.leftover, self.dec = memoryview(b""), 0, b"", self._new()
         self.total, self.ended, self.started = 0, False, False
 
     def _new(self) -> tp.Any:
@@ -125,11 +125,11 @@ class Decoded(io.RawIOBase):
         return True
 
     def readinto(self, buf: tp.Any) -> int:
-        while not self.pending and not self.ended:
-            self.pending = self._more()
-        n = min(len(buf), len(self.pending))
-        buf[:n] = self.pending[:n]
-        self.pending = self.pending[n:]
+        while self.at == len(self.pending) and not self.ended:
+            self.pending, self.at = memoryview(self._more()), 0
+        n = min(len(buf), len(self.pending) - self.at)
+        buf[:n] = self.pending[self.at:self.at + n]
+        self.at += n
         return n
 
     def _more(self) -> bytes:

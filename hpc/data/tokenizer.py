@@ -36,7 +36,8 @@ class TokenizerInfo:
 
 
 MAX_VOCAB = 1 << 20  # tokens of a tokenizer at most (--max-vocab); the largest published ones hold ~262k
-MAX_FILE_BYTES = 64 << 20  # bytes of a tokenizer.json at most, or 128 per allowed token if that is more
+MAX_FILE_BYTES = 48 << 20  # bytes of a tokenizer.json at most, or 48 per allowed token if that is more
+# (parsed, a tokenizer takes ~12 times its file: 48 MiB stays under 600 MB; Llama 3's is 9 MB, Gemma 3's 33 MB)
 EXPECTED = "a Hugging Face tokenizer.json or a folder holding one"
 
 
@@ -58,7 +59,7 @@ def read_tokenizer(path: str | Path, max_vocab: int = MAX_VOCAB) -> tuple[Path, 
     from hpc.core.validate import open_regular
 
     file = tokenizer_file(path)
-    limit = max(MAX_FILE_BYTES, 128 * max_vocab)
+    limit = max(MAX_FILE_BYTES, 48 * max_vocab)
     with open_regular(file, f"--tokenizer {file}", EXPECTED, UserError) as f:
         data = f.read(limit + 1)
     if len(data) > limit:

@@ -738,6 +738,98 @@ def hf_config_folder_without_config(d: Path, tok: Path) -> Expect:
     return Expect(hf_job(d, d / "m"), 2, [str(d / "m" / "config.json"), "no such file"])
 
 
+# ---------------------------------------------------------------------------- memory and time bounds
+
+def _frames(byte: bytes, frame_mib: int, count: int, tail: bytes = b"") -> bytes:
+    """``count`` zstd frames of ``frame_mib`` MiB of one byte each: a small file, a huge expansion."""
+    return zst(byte * (frame_mib << 20)) * count + (zst(tail) if tail else b"")
+
+
+@case("bounds")
+def zst_one_4_gib_line(d: Path, tok: Path) -> Expect:
+    (d / "a.jsonl.zst").write_bytes(_frames(b"a", 64, 64))
+    return Expect(prepare(tok, d / "a.jsonl.zst", out=d / "out"), 2, [str(d / "a.jsonl.zst"), "--max-expansion"])
+
+
+@case("bounds")
+def zst_one_1_gib_line_expansion_raised(d: Path, tok: Path) -> Expect:
+    (d / "a.jsonl.zst").write_bytes(_frames(b"a", 64, 16))
+    return Expect(prepare(tok, d / "a.jsonl.zst", out=d / "out", extra=["--max-expansion", "10000000"]), 2,
+                  [str(d / "a.jsonl.zst") + ":1", "--max-document-bytes"])
+
+
+@case("bounds")
+def jsonl_200_mb_line(d: Path, tok: Path) -> Expect:
+    with open(d / "a.jsonl", "wb") as f:
+        f.write(b'{"text": "')
+        for _ in range(200):
+            f.write(b"w" * (1 << 20))
+        f.write(b'"}\n')
+    return Expect(prepare(tok, d / "a.jsonl", out=d / "out"), 2, [str(d / "a.jsonl") + ":1", "--max-document-bytes"])
+
+
+@case("bounds")
+def jsonl_long_line_skipped(d: Path, tok: Path) -> Expect:
+    (d / "a.jsonl").write_bytes(b'{"text": "' + b"w" * (9 << 20) + b'"}\n' + JSONL)
+    return Expect(prepare(tok, d / "a.jsonl", out=d / "out", extra=["--errors", "skip"]), 0, ["50 documents"], ("out",))
+
+
+@case("bounds")
+def txt_paragraph_of_20_mb(d: Path, tok: Path) -> Expect:
+    (d / "a.txt").write_bytes(b"a line of a paragraph that never ends\n" * ((20 << 20) // 38))
+    return Expect(prepare(tok, d / "a.txt", out=d / "out"), 2, [str(d / "a.txt") + ":1", "--max-document-bytes"])
+
+
+@case("bounds")
+def gzip_bomb_of_zeros(d: Path, tok: Path) -> Expect:
+    (d / "a.txt.gz").write_bytes(gzip.compress(b"\0" * (200 << 20), 9))
+    return Expect(prepare(tok, d / "a.txt.gz", out=d / "out"), 2, [str(d / "a.txt.gz"), "--max-expansion"])
+
+
+@case("bounds")
+def gzip_bomb_of_newlines(d: Path, tok: Path) -> Expect:
+    (d / "a.txt.gz").write_bytes(gzip.compress(b"\n" * (50 << 20), 9))
+    return Expect(prepare(tok, d / "a.txt.gz", out=d / "out"), 2, [str(d / "a.txt.gz"), "--max-expansion"])
+
+
+@case("bounds")
+def zst_bomb_of_newlines_jsonl(d: Path, tok: Path) -> Expect:
+    (d / "a.jsonl.zst").write_bytes(_frames(b"\n", 64, 8))
+    return Expect(prepare(tok, d / "a.jsonl.zst", out=d / "out", extra=["--errors", "skip"]), 2,
+                  [str(d / "a.jsonl.zst"), "--max-expansion"])
+
+
+@case("bounds")
+def parquet_zst_read_whole(d: Path, tok: Path) -> Expect:
+    (d / "a.parquet.zst").write_bytes(_frames(b"\0", 64, 5))
+    return Expect(prepare(tok, d / "a.parquet.zst", out=d / "out", extra=["--max-expansion", "10000000"]), 2,
+                  [str(d / "a.parquet.zst"), "decompress it first"])
+
+
+@case("bounds")
+def tokenizer_of_5m_entries(d: Path, tok: Path) -> Expect:
+    (d / "a.jsonl").write_bytes(JSONL)
+    with open(d / "tokenizer.json", "w") as f:
+        f.write('{"version": "1.0", "model": {"type": "WordLevel", "unk_token": "<unk>", "vocab": {')
+        for start in range(0, 5_000_000, 100_000):
+            f.write(", ".join(f'"t{i}": {i}' for i in range(start, start + 100_000)) + (", " if start < 4_900_000 else ""))
+        f.write("}}}")
+    return Expect(prepare(d / "tokenizer.json", d / "a.jsonl", out=d / "out"), 2,
+                  [str(d / "tokenizer.json"), "--max-vocab"])
+
+
+@case("bounds")
+def manifest_of_200k_shards(d: Path, tok: Path) -> Expect:
+    (d / "p").mkdir()
+    entry = {"tokens": 100, "documents": 1, "file": "x.bin", "index": "x.idx", "file_sha256": "0" * 64,
+             "index_sha256": "0" * 64, "max_id": 5}
+    with open(d / "p" / "manifest.json", "w") as f:
+        f.write('{"format": "hpcx-tokens", "version": 1, "splits": {"train": {"shards": [')
+        f.write(", ".join(json.dumps(dict(entry, file=f"s{i}.bin", index=f"s{i}.idx")) for i in range(200_000)))
+        f.write("]}}}")
+    return Expect(["data", "verify", str(d / "p")], 2, [str(d / "p" / "manifest.json"), "HPCX_MAX_SHARDS"])
+
+
 def main(argv: list[str]) -> int:
     """Write the cases (of one class, or all) under a folder, one sub-folder each, with the command."""
     if not argv:
