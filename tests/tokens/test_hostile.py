@@ -110,3 +110,17 @@ def test_a_plan_no_group_finished_is_replaced(tmp_path, tokenizer):
     argv = ["data", "prepare", str(src), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out")]
     code, stdout, stderr, _ = run_cli(argv, tmp_path, {})
     assert code == 0 and "1 documents" in stdout, stderr
+
+
+def test_a_rank_names_the_shard_of_an_id_past_the_vocabulary(tmp_path, tokenizer):
+    """What the login checks cannot see (a manifest without max_id, edited after the check) fails at
+    the first sample in one line naming the shard, not with torch's IndexError naming nothing."""
+    pytest.importorskip("torch")
+    from tests.tokens.hostile import prepared
+    from trainer.tokens import ManifestTokens
+
+    folder = prepared(tmp_path, tokenizer)
+    assert int(ManifestTokens(folder, "train", 8, vocab=600)[0].max()) < 600
+    with pytest.raises(ValueError, match=r"train-00000-0000\.bin: token id \d+ at token \d+ is not below the "
+                                         r"model's vocabulary of 2 \(run `hpcx data verify"):
+        ManifestTokens(folder, "train", 8, vocab=2)[0]
