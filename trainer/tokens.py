@@ -24,11 +24,11 @@ from hpc.core.spec import Data
 class ManifestTokens(Dataset):
     """The samples of one split of a prepared folder."""
 
-    def __init__(self, source: str | Path, split: str, seq_len: int):
+    def __init__(self, source: str | Path, split: str, seq_len: int, vocab: int = 0):
         path = manifest_path(source)
         if path is None:
             raise ValueError(f"{source}: no manifest.json (made by `hpcx data prepare`)")
-        self.folder, self.split, self.seq_len = path.parent, split, seq_len
+        self.folder, self.split, self.seq_len, self.vocab = path.parent, split, seq_len, vocab
         self.manifest = load_manifest(path)
         self.dtype = np.dtype(self.manifest["dtype"])
         self.masked = bool(self.manifest.get("masked"))
@@ -57,6 +57,11 @@ class ManifestTokens(Dataset):
         first = (index - self.starts[k]) * self.seq_len
         tokens, mask = self._open(k)
         window = torch.from_numpy(tokens[first:first + self.seq_len + 1].astype(np.int64))
+        if self.vocab and int(window.max()) >= self.vocab:  # an embedding lookup would fail naming nothing
+            at = first + int(torch.argmax(window))
+            raise ValueError(f"{self.folder / self.shards[k]['file']}: token id {int(window.max())} at token {at} "
+                             f"is not below the model's vocabulary of {self.vocab} (run `hpcx data verify "
+                             f"{self.folder}`)")
         if mask is None:
             return window
         return window, torch.from_numpy(mask[first:first + self.seq_len + 1].astype(np.bool_))

@@ -74,7 +74,7 @@ def baseline(files: list[Path], tokenizer: Path, out: Path) -> int:
     eos = tok.token_to_id("<|endoftext|>")
     chunks = []
     for f in files:
-        docs = paragraphs(f.read_text(encoding="utf-8"))
+        docs = paragraphs(f.read_text(encoding="utf-8-sig"))  # a byte-order mark is no text (hpcx drops it too)
         for i in range(0, len(docs), 512):
             for enc in tok.encode_batch(docs[i:i + 512], add_special_tokens=False):
                 chunks.append(np.array(enc.ids + [eos], dtype=np.uint16))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import struct
 import typing as tp
@@ -255,6 +256,8 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
     src, dst = Path(src), Path(dst)
     check_destination(dst, make_parents=True)
     run, step = run_of(src)
+    if Path(os.path.realpath(dst)).is_relative_to(os.path.realpath(step)):
+        raise CheckpointError([f"{dst}: inside the checkpoint {step} it reads; hpcx never writes into a checkpoint"])
     arch, shape, resolved = run_model(run)
     plan, torch_dtype = tensor_plan(arch, shape), DTYPES[dtype]
     reader = DcpReader(step)

@@ -191,7 +191,7 @@ def _tensor_problems(path: Path, source: InitSource, ours: dict[str, tuple[int, 
 def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
     """A Hugging Face folder's ``config.json`` must describe the run's model, value for value."""
     config = path / CONFIG_FILE if path.is_dir() else None
-    if config is None or not config.is_file():
+    if config is None or not (config.exists() or config.is_symlink()):  # a FIFO or device: read_config refuses it
         return []
     if not hf_to_hpcx(arch, shape):  # nothing would match: one line, not one per tensor
         raise CheckpointError([f"`checkpoint.init_from`: {path} is a Hugging Face folder; hpcx reads those for "

@@ -30,7 +30,7 @@ class ErrorsGroup(click.Group):
         except UserError as exc:
             for message in exc.messages:  # a file name or key from the user may hold control characters
                 click.echo(f"error: {shown(message, 4000)}", err=True)
-            ctx.exit(2)
+            ctx.exit(getattr(exc, "exit_code", 2))
 
 
 def echo_json(obj: tp.Any) -> None:

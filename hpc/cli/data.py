@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -17,7 +18,7 @@ def data_group() -> None:
 @data_group.command("prepare")
 @click.argument("inputs", nargs=-1, required=True, metavar="INPUT…")
 @click.option("--tokenizer", required=True, metavar="PATH", help="A local Hugging Face tokenizer.json, or a folder with one.")
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output folder (resumed if it holds this preparation).")
+@click.option("--out", required=True, metavar="DIR", help="Output folder (resumed if it holds this preparation).")
 @click.option("--format", "kind", type=click.Choice(["text", "prompt-response"]), default="text", show_default=True,
               help="prompt-response: jsonl/parquet records with a prompt and a response (or a chat list); "
                    "a loss mask counts only the response.")
@@ -27,6 +28,11 @@ def data_group() -> None:
 @click.option("--messages-key", default="messages", show_default=True, help="A chat list of {role, content}.")
 @click.option("--val-fraction", default=0.0, show_default=True, help="Share of documents held out (by a hash of each).")
 @click.option("--workers", default=1, show_default=True, help="Processes (0: one per CPU).")
+@click.option("--max-document-bytes", default=8 << 20, show_default=True,
+              help="Bytes of one document at most (a .jsonl line, a .txt paragraph); a longer one is bad input.")
+@click.option("--max-expansion", default=100, show_default=True,
+              help="A .gz/.zst input decompresses to at most this many times its size (plus 1 MiB).")
+@click.option("--max-vocab", default=1 << 20, show_default=True, help="Tokens of the tokenizer at most.")
 @click.option("--shard-tokens", default=1 << 26, show_default=True, help="Tokens per shard (closed at a document end).")
 @click.option("--group-bytes", default=256 << 20, show_default=True, help="Input bytes per group (one worker or array task each).")
 @click.option("--errors", "errors", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
@@ -38,22 +44,37 @@ def data_group() -> None:
 @json_option
 def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str, text_key: str, prompt_key: str,
                     response_key: str, messages_key: str, val_fraction: float, workers: int, shard_tokens: int,
-                    group_bytes: int, errors: str, eos: str | None, site_name: str | None, wait: bool, as_json: bool) -> None:
+                    group_bytes: int, errors: str, eos: str | None, max_document_bytes: int, max_expansion: int, max_vocab: int,
+                    site_name: str | None, wait: bool, as_json: bool) -> None:
     """Tokenize INPUT… (.txt, .jsonl, .parquet; .gz/.zst; folders and globs) into token shards and a
     manifest.json in --out; a killed run started again continues where it was."""
-    from hpc.data.inputs import Format
-    from hpc.data.prepare import Options, make_plan, start
+    from hpc.core.errors import UserError
+    from hpc.data.inputs import Format, Limits
+    from hpc.data.prepare import Options, abandon, make_plan, pending_groups, start
 
     fmt = Format(kind, text_key, prompt_key, response_key, messages_key)
+    if workers < 0:
+        raise UserError([f"--workers {workers}: expected 0 (one per CPU) or a positive number"])
+    limits = Limits(_positive("--max-document-bytes", max_document_bytes), _positive("--max-expansion", max_expansion))
     options = Options(fmt, val_fraction, _positive("--shard-tokens", shard_tokens),
-                      _positive("--group-bytes", group_bytes), errors, eos)
+                      _positive("--group-bytes", group_bytes), errors, eos, limits,
+                      _positive("--max-vocab", max_vocab))
     plan = make_plan(inputs, tokenizer, options)
-    out_dir = Path(out).resolve()
-    start(out_dir, plan)
+    out_dir = Path(os.path.abspath(out))
+    created = start(out_dir, plan, inputs)
     if site_name:
         _submit_array(out_dir, plan, site_name, wait)
         return
-    manifest = run_local(out_dir, plan, workers)
+    try:
+        manifest = run_local(out_dir, plan, workers)
+    except UserError:
+        abandon(out_dir, created)
+        raise
+    except KeyboardInterrupt:
+        left = len(pending_groups(out_dir, plan))
+        click.echo(f"\ninterrupted: {len(plan['groups']) - left} of {len(plan['groups'])} groups finished in "
+                   f"{out_dir}; run the same command again to resume", err=True)
+        raise SystemExit(130) from None
     _report(out_dir, manifest, as_json)
 
 

@@ -15,7 +15,6 @@ that class's configs, ``HfReader``: ``hf_spec_fields(path, doc)`` with ``hf_keys
 
 from __future__ import annotations
 
-import json
 import os
 import typing as tp
 from dataclasses import dataclass
@@ -72,9 +71,10 @@ def spec_fields(path: Path, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     known = architectures()
     archs = doc.get("architectures") or [a for a, f in known.items()
                                          if _mapping(f).hf_model_type == doc.get("model_type")]
-    if len(archs) != 1 or archs[0] not in known:
-        raise ConfigError([f"`model.hf_config`: {path}: architectures = {archs!r}; hpcx implements "
-                           f"{list(known)!r} only"])
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str) or archs[0] not in known:
+        found = (f"architectures = {doc['architectures']!r}" if doc.get("architectures")
+                 else f"model_type = {doc.get('model_type')!r} and no architectures")
+        raise ConfigError([f"`model.hf_config`: {path}: {found[:200]}; hpcx implements {list(known)!r} only"])
     return {"arch": known[archs[0]], **_mapping(known[archs[0]]).hf_spec_fields(path, doc)}
 
 
@@ -88,14 +88,15 @@ def config_path(path: str) -> Path:
 
 def read_config(path: Path) -> dict[str, tp.Any]:
     """A ``config.json``, bounded; ConfigError naming the file when it is not a JSON object."""
-    try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
-            raise ConfigError([f"{path}: {path.stat().st_size} bytes; a config.json is under 1 MiB"])
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError([f"`model.hf_config`: {path}: cannot read ({exc.strerror})"]) from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError([f"`model.hf_config`: {path}: not JSON ({exc})"]) from None
+    from hpc.core.config import load_json_bounded
+    from hpc.core.validate import open_regular
+
+    where = f"`model.hf_config`: {path}"
+    with open_regular(path, where, "a regular config.json file") as f:  # a FIFO or /dev/zero: refused unopened
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{where}: over {MAX_CONFIG_BYTES} bytes: expected a config.json under 1 MiB"])
+    doc = load_json_bounded(data, where)
     if not isinstance(doc, dict):
         raise ConfigError([f"`model.hf_config`: {path}: expected a JSON object"])
     return doc

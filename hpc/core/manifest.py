@@ -16,14 +16,22 @@ TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """SHA-256 of a file, read in 4 MiB pieces."""
+    """SHA-256 of a regular file (a FIFO or device is refused before it is opened), read in 4 MiB pieces."""
     import hashlib  # only `verify` and `prepare` hash (loading OpenSSL costs every spec load ~4 ms)
 
+    from hpc.core.validate import open_regular
+
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path, str(path), "a regular shard file", UserError) as f:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+class Mismatch(UserError):
+    """``hpcx data verify``: a file differs from its manifest (exit 1, not 2)."""
+
+    exit_code = 1
 
 
 SYNTHETIC, PREPARED, TOKEN_FILE = "synthetic", "prepared", "tokens"
@@ -43,26 +51,139 @@ def source_kind(source: str) -> str:
 
 def manifest_path(source: str | Path) -> Path | None:
     """The manifest of ``source`` (a prepared folder or its manifest.json), or None when it is neither."""
-    p = Path(source)
-    if p.is_dir() and (p / MANIFEST).is_file():
+    p = Path(source)  # a manifest.json that is no regular file is found, and refused when it is read
+    if p.is_dir() and ((p / MANIFEST).exists() or (p / MANIFEST).is_symlink()):
         return p / MANIFEST
-    if p.name == MANIFEST and p.is_file():
+    if p.name == MANIFEST and (p.exists() or p.is_symlink()):
         return p
     return None
 
 
+MAX_SHARDS = 100_000  # shards a manifest lists at most ($HPCX_MAX_SHARDS): 6.4T tokens at the default 64M a shard
+SHARD_BYTES = 320  # manifest bytes allowed per shard (an entry is ~260)
+HEX = frozenset("0123456789abcdef")
+
+
+def max_shards() -> int:
+    """The shard bound, ``$HPCX_MAX_SHARDS`` when set."""
+    import os
+
+    raw = os.environ.get("HPCX_MAX_SHARDS", "")
+    return int(raw) if raw.isdigit() and int(raw) > 0 else MAX_SHARDS
+
+
 def load_manifest(path: str | Path) -> dict[str, tp.Any]:
-    """The manifest as a dict; one that is not ours is a one-line UserError."""
+    """The manifest as a dict, checked (``manifest_problem``); one that is not ours, or lies about its
+    shards, is a one-line UserError naming the file and the key. A FIFO or device is refused before it
+    is opened, a file past the shard bound before it is read."""
     from hpc.core.config import load_json_bounded
+    from hpc.core.validate import open_regular
 
     p = Path(path)
-    try:
-        doc = load_json_bounded(p.read_text(encoding="utf-8"), str(p))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError([f"{p}: cannot read: {exc}"]) from None
-    if doc.get("format") != "hpcx-tokens" or "splits" not in doc:
+    limit = (1 << 20) + max_shards() * SHARD_BYTES
+    with open_regular(p, str(p), "a regular manifest.json written by `hpcx data prepare`", UserError) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise UserError([f"{p}: over {limit:,} bytes: expected a manifest of at most {max_shards():,} shards "
+                         "(raise $HPCX_MAX_SHARDS)"])
+    doc = load_json_bounded(data, str(p), UserError)
+    if not isinstance(doc, dict) or doc.get("format") != "hpcx-tokens" or "splits" not in doc:
         raise UserError([f"{p}: not a token manifest: expected one written by `hpcx data prepare`"])
+    problem = manifest_problem(doc)
+    if problem:
+        raise UserError([f"{p}: {problem}"])
     return doc
+
+
+def _is_int(value: tp.Any, low: int = 0, high: int = 1 << 63) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def _plain_name(value: tp.Any) -> bool:
+    """A file name in the folder itself: no separator, not ``.``/``..``, no NUL (prepare writes such)."""
+    return isinstance(value, str) and bool(value) and "/" not in value and "\0" not in value and value not in (".", "..")
+
+
+def manifest_problem(doc: dict[str, tp.Any]) -> str | None:
+    """The first key of a manifest that is not what ``hpcx data prepare`` writes, or totals that
+    disagree with the shards (``key = value: expected …``); None when it holds together."""
+    if doc.get("version") != 1:
+        return f"version = {doc.get('version')!r}: expected 1 (this hpcx reads version 1 manifests)"
+    if doc.get("dtype") not in TOKEN_BYTES:
+        return f"dtype = {doc.get('dtype')!r}: expected 'uint16' or 'uint32'"
+    vocab = doc.get("vocab_size")
+    if not _is_int(vocab, 1, (1 << (16 if doc["dtype"] == "uint16" else 32)) + 1):
+        return f"vocab_size = {vocab!r}: expected a positive integer that {doc['dtype']} ids reach"
+    if not _is_int(doc.get("eos_id"), 0, tp.cast(int, vocab)):
+        return f"eos_id = {doc.get('eos_id')!r}: expected an id below vocab_size = {vocab}"
+    if not isinstance(doc.get("tokenizer"), dict) or not isinstance(doc["tokenizer"].get("path"), str):
+        return f"tokenizer = {shown_value(doc.get('tokenizer'))}: expected a table with the tokenizer's path"
+    if not isinstance(doc.get("masked", False), bool):
+        return f"masked = {shown_value(doc.get('masked'))}: expected true or false"
+    splits = doc["splits"]
+    if not isinstance(splits, dict) or "train" not in splits or not set(splits) <= {"train", "val"}:
+        return (f"splits = {shown_value(splits)}: expected a 'train' split (and a 'val' one), each with its "
+                "tokens, documents and shards")
+    count = sum(len(split["shards"]) for split in splits.values()
+                if isinstance(split, dict) and isinstance(split.get("shards"), list))
+    if count > max_shards():
+        return f"splits: {count:,} shards, over {max_shards():,}: expected at most that (raise $HPCX_MAX_SHARDS)"
+    for name, split in splits.items():
+        problem = _split_problem(f"splits.{name}", split, doc, name == "train")
+        if problem:
+            return problem
+    return None
+
+
+def shown_value(value: tp.Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "…"
+
+
+def _split_problem(where: str, split: tp.Any, doc: dict, required: bool) -> str | None:
+    if not isinstance(split, dict) or not isinstance(split.get("shards"), list):
+        return f"{where} = {shown_value(split)}: expected a table of tokens, documents and a list of shards"
+    for key in ("tokens", "documents"):
+        if not _is_int(split.get(key)):
+            return f"{where}.{key} = {shown_value(split.get(key))}: expected a whole number"
+    if required and not split["shards"]:
+        return f"{where}.shards = []: an empty train split: expected at least one shard"
+    names: set[str] = set()
+    for i, shard in enumerate(split["shards"]):
+        problem = _shard_problem(f"{where}.shards[{i}]", shard, doc, names)
+        if problem:
+            return problem
+    for key in ("tokens", "documents"):
+        total = sum(s[key] for s in split["shards"])
+        if total != split[key]:
+            return f"{where}.{key} = {split[key]}: the shards hold {total}: expected the totals of its shards"
+    return None
+
+
+def _shard_problem(where: str, shard: tp.Any, doc: dict, names: set[str]) -> str | None:
+    if not isinstance(shard, dict):
+        return f"{where} = {shown_value(shard)}: expected a table"
+    keys = ("file", "index") + (("mask",) if doc.get("masked") else ())
+    for key in keys:
+        if key not in shard or f"{key}_sha256" not in shard:
+            return f"{where}: no key {key if key not in shard else key + '_sha256'!r}: expected {', '.join(keys)} and their sha256"
+        name, digest = shard[key], shard[f"{key}_sha256"]
+        if not _plain_name(name):
+            return (f"{where}.{key} = {shown_value(name)}: expected the name of a file in the prepared folder "
+                    "(no path: not absolute, no '/', no '..')")
+        if name in names:
+            return f"{where}.{key} = {name!r}: listed twice: expected each file once"
+        names.add(name)
+        if not (isinstance(digest, str) and len(digest) == 64 and set(digest) <= HEX):
+            return f"{where}.{key}_sha256 = {shown_value(digest)}: expected 64 hex digits"
+    if not _is_int(shard.get("tokens"), 1):
+        return f"{where}.tokens = {shown_value(shard.get('tokens'))}: expected a positive whole number"
+    if not _is_int(shard.get("documents"), 1, shard["tokens"] + 1):
+        return (f"{where}.documents = {shown_value(shard.get('documents'))}: expected a positive whole number, "
+                f"at most its tokens ({shard['tokens']})")
+    if "max_id" in shard and not _is_int(shard["max_id"], 0, doc["vocab_size"]):
+        return f"{where}.max_id = {shown_value(shard['max_id'])}: expected an id below vocab_size = {doc['vocab_size']}"
+    return None
 
 
 def shard_files(manifest: dict, split: str) -> tp.Iterator[tuple[str, str, int]]:
@@ -76,23 +197,33 @@ def shard_files(manifest: dict, split: str) -> tp.Iterator[tuple[str, str, int]]
 
 
 def size_problems(folder: Path, manifest: dict, label: str) -> list[str]:
-    """Files missing or of another size than the manifest says."""
+    """Files missing, not regular files in the folder itself (a symlink, a FIFO, a device) or of another
+    size than the manifest says."""
+    import os
+    import stat
+
+    from hpc.core.validate import file_kind
+
     out = []
     for split in manifest["splits"]:
         for name, _, size in shard_files(manifest, split):
             try:
-                actual = (folder / name).stat().st_size
+                info = os.lstat(folder / name)
             except OSError:
                 out.append(f"{label}: {name} is missing: expected {size} bytes (run `hpcx data verify {folder}`)")
                 continue
-            if actual != size:
-                out.append(f"{label}: {name} has {actual} bytes: expected {size} as the manifest says")
+            if not stat.S_ISREG(info.st_mode):
+                what = "a symlink" if stat.S_ISLNK(info.st_mode) else file_kind(info.st_mode)
+                out.append(f"{label}: {name} is {what}: expected a regular file in {folder} (prepare writes no other)")
+            elif info.st_size != size:
+                out.append(f"{label}: {name} has {info.st_size} bytes: expected {size} as the manifest says")
     return out[:10]
 
 
 def check_source(path: Path, seq_len: int, vocab: int, label: str) -> list[str]:
-    """Login-node checks of a manifest for a model: its tokenizer fits the vocabulary, the train split
-    holds a sample of ``seq_len + 1`` tokens, every file has the size the manifest says."""
+    """Login-node checks of a manifest for a model: its tokenizer fits the vocabulary, so do the ids
+    each shard holds (``max_id``, recorded as it was written), the train split holds a sample of
+    ``seq_len + 1`` tokens, every file has the size the manifest says."""
     try:
         manifest = load_manifest(path)
     except UserError as exc:
@@ -102,6 +233,11 @@ def check_source(path: Path, seq_len: int, vocab: int, label: str) -> list[str]:
         problems.append(f"{label}: the tokenizer {manifest['tokenizer']['path']} has {manifest['vocab_size']} "
                         f"tokens, more than the model's vocabulary of {vocab}: expected `model.vocab_size` "
                         f">= {manifest['vocab_size']}")
+    high = next(((split, s) for split in manifest["splits"] for s in manifest["splits"][split]["shards"]
+                 if vocab and s.get("max_id", -1) >= vocab), None)
+    if high and not problems:
+        problems.append(f"{label}: {path.parent / high[1]['file']} holds token id {high[1]['max_id']} (max_id in "
+                        f"{path}): expected ids below the model's vocabulary of {vocab} (`model.vocab_size`)")
     if seq_len and longest_shard(manifest, "train") < seq_len + 1:
         problems.append(f"{label}: no train shard holds seq_len + 1 = {seq_len + 1} tokens "
                         f"(largest: {longest_shard(manifest, 'train')}): expected more text, or a shorter seq_len")
@@ -144,8 +280,8 @@ def verify(folder: str | Path) -> dict[str, tp.Any]:
     problems = size_problems(path.parent, manifest, str(path))
     if not problems:
         problems = _hash_problems(path.parent, manifest) + _content_problems(path.parent, manifest)
-    if problems:
-        raise UserError(problems)
+    if problems:  # one line: the first file that differs, and how many more do
+        raise Mismatch([problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")])
     return {split: {k: manifest["splits"][split][k] for k in ("tokens", "documents")} | {
         "shards": len(manifest["splits"][split]["shards"])} for split in manifest["splits"]}
 
@@ -167,9 +303,13 @@ def _content_problems(folder: Path, manifest: dict) -> list[str]:
             if offsets[0] != 0 or offsets[-1] != shard["tokens"] or np.any(np.diff(offsets.astype(np.int64)) <= 0):
                 out.append(f"{folder / shard['index']}: document offsets do not run from 0 up to {shard['tokens']}")
             tokens = np.memmap(folder / shard["file"], dtype=manifest["dtype"], mode="r")
-            if len(tokens) and int(tokens.max()) >= manifest["vocab_size"]:
-                out.append(f"{folder / shard['file']}: token id {int(tokens.max())} is not below the vocabulary of "
+            top = int(tokens.max()) if len(tokens) else -1
+            if top >= manifest["vocab_size"]:
+                out.append(f"{folder / shard['file']}: token id {top} is not below the vocabulary of "
                            f"{manifest['vocab_size']}")
+            elif shard.get("max_id", top) != top:
+                out.append(f"{folder / shard['file']}: its largest token id is {top}: the manifest's max_id says "
+                           f"{shard['max_id']}")
     return out
 
 

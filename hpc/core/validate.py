@@ -501,3 +501,39 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a regular file"
+
+
+def open_regular(path: str | os.PathLike, label: str, expected: str = "a regular file",
+                 error: type[ConfigError] | type = ConfigError) -> tp.BinaryIO:
+    """``path`` opened for reading once it is known to be a regular file (after symlinks): a FIFO,
+    a device or a socket is refused before it is opened (opening a FIFO blocks, reading /dev/zero never
+    ends). ``label`` starts the one-line ``error``, which ends with ``expected``."""
+    try:
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise error([f"{label}: {file_kind(mode)}: expected {expected}"])
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise error([f"{label}: no such file: expected {expected}"]) from None
+    except OSError as exc:
+        raise error([f"{label}: cannot open ({exc.strerror}): expected {expected}"]) from None
+    info = os.fstat(fd)  # the path may have been replaced since the stat
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise error([f"{label}: {file_kind(info.st_mode)}: expected {expected}"])
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def check_regular(path: str | os.PathLike, label: str, expected: str = "a regular file",
+                  error: type[ConfigError] | type = ConfigError) -> int:
+    """The size of ``path`` once it is known to be a regular file (``open_regular``'s refusals), unopened."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise error([f"{label}: no such file: expected {expected}"]) from None
+    except OSError as exc:
+        raise error([f"{label}: cannot read ({exc.strerror}): expected {expected}"]) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise error([f"{label}: {file_kind(info.st_mode)}: expected {expected}"])
+    return info.st_size

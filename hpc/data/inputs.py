@@ -9,6 +9,7 @@ the prompt (or the chat's non-assistant turns) is not counted in the loss. Every
 
 from __future__ import annotations
 
+import codecs
 import glob
 import io
 import json
@@ -57,8 +58,24 @@ def input_kind(path: str) -> tuple[str, str] | None:
     return None
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one input may hold (docs/data.md, "Bounds"): the bytes of one document (a .jsonl line, a
+    .txt paragraph, a parquet cell) and how much a compressed input may expand. Both raised with
+    ``hpcx data prepare`` options; memory then follows them."""
+
+    document_bytes: int = 8 << 20  # --max-document-bytes
+    expansion: int = 100  # --max-expansion: decompressed bytes per compressed byte (plus 1 MiB)
+    parquet_bytes: int = 256 << 20  # a compressed .parquet is decompressed into memory, at most this
+
+
+EXPECTED_INPUT = "a regular .txt, .jsonl or .parquet file (optionally .gz or .zst)"
+
+
 def expand_inputs(args: tp.Sequence[str]) -> list[Path]:
-    """Files, folders (searched recursively) and globs → a sorted list of absolute input files."""
+    """Files, folders (searched recursively) and globs → a sorted list of absolute input files, each
+    named as the user named it (a symlink keeps its own name: its kind comes from that name, as in the
+    Hugging Face cache, where ``data.jsonl`` links to ``../blobs/3f2a…``)."""
     found: set[Path] = set()
     for arg in args:
         matches = sorted(glob.glob(os.path.expanduser(arg), recursive=True)) if glob.has_magic(arg) else [arg]
@@ -72,11 +89,77 @@ def expand_inputs(args: tp.Sequence[str]) -> list[Path]:
 
 
 def _files_under(path: Path) -> set[Path]:
+    from hpc.core.validate import check_regular
+
     if path.is_dir():
-        return {p.resolve() for p in path.rglob("*") if p.is_file() and input_kind(p.name)}
+        return {Path(os.path.abspath(p)) for p in path.rglob("*") if p.is_file() and input_kind(p.name)}
     if not input_kind(path.name):
         raise UserError([f"{path}: not a .txt, .jsonl or .parquet file (optionally .gz or .zst)"])
-    return {path.resolve()}
+    check_regular(path, str(path), EXPECTED_INPUT, UserError)
+    return {Path(os.path.abspath(path))}
+
+
+CHUNK = 1 << 10  # compressed bytes per decompressor call: its output stays a few MB even for a bomb
+DECODED = 1 << 16  # decompressed bytes handed on per read
+
+
+class Decoded(io.RawIOBase):
+    """The decompressed bytes of a ``.gz`` (every member) or ``.zst`` (every frame) file, read in
+    bounded pieces; corrupt, truncated or over-expanding input is a ``UserError`` naming the file."""
+
+    def __init__(self, raw: tp.BinaryIO, comp: str, name: str, limit: int):
+        self.raw, self.comp, self.name, self.limit = raw, comp, name, limit
+        self.pending, self.at, self.leftover, self.dec = memoryview(b""), 0, b"", self._new()
+        self.total, self.ended, self.started = 0, False, False
+
+    def _new(self) -> tp.Any:
+        if self.comp == ".gz":
+            import zlib
+
+            return zlib.decompressobj(31)
+        import zstandard
+
+        return zstandard.ZstdDecompressor().decompressobj()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: tp.Any) -> int:
+        while self.at == len(self.pending) and not self.ended:
+            self.pending, self.at = memoryview(self._more()), 0
+        n = min(len(buf), len(self.pending) - self.at)
+        buf[:n] = self.pending[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def _more(self) -> bytes:
+        """The next decompressed piece (b"" while the decompressor needs input, or at the end)."""
+        tail = getattr(self.dec, "unconsumed_tail", b"") if self.comp == ".gz" else b""
+        data, self.leftover = tail or self.leftover or self.raw.read(CHUNK), b""
+        if not data:
+            self.ended = True
+            if not self.dec.eof and self.started:
+                raise self._bad("the file is truncated (it ends inside a compressed stream)")
+            return b""
+        if self.dec.eof:  # a next gzip member or zstd frame
+            if not data.strip(b"\0"):
+                return b""  # zero padding after the last member (tape blocks)
+            self.dec = self._new()
+        self.started = True
+        try:
+            out = self.dec.decompress(data, DECODED) if self.comp == ".gz" else self.dec.decompress(data)
+        except Exception as exc:  # noqa: BLE001  (zlib.error, zstandard.ZstdError: both corrupt input)
+            raise self._bad(f"corrupt {self.comp} data ({str(exc).splitlines()[0][:120]})") from None
+        if self.dec.eof:
+            self.leftover = self.dec.unused_data  # bytes after the end of a member: read again
+        self.total += len(out)
+        if self.total > self.limit:
+            raise UserError([f"{self.name}: expands past {self.limit:,} bytes: expected at most --max-expansion "
+                             "times its size (plus 1 MiB) of text; raise --max-expansion for such an input"])
+        return out
+
+    def _bad(self, problem: str) -> UserError:
+        return UserError([f"{self.name}: {problem}: expected a whole {self.comp} file"])
 
 
 def _kind_of(path: Path) -> tuple[str, str]:
@@ -87,35 +170,33 @@ def _kind_of(path: Path) -> tuple[str, str]:
     return found
 
 
-def open_binary(path: Path) -> tuple[tp.BinaryIO, tp.BinaryIO]:
-    """(decompressed stream, raw file); the raw file's position is the progress through the input."""
-    raw = open(path, "rb")
+def open_binary(path: Path, limits: Limits = Limits()) -> tuple[tp.BinaryIO, tp.BinaryIO]:
+    """(decompressed stream, raw file); the raw file's position is the progress through the input.
+    A FIFO or device is refused before it is opened."""
+    from hpc.core.validate import open_regular
+
+    raw = open_regular(path, str(path), EXPECTED_INPUT, UserError)
     comp = _kind_of(path)[1]
-    if comp == ".gz":
-        import gzip
-
-        return tp.cast(tp.BinaryIO, gzip.GzipFile(fileobj=raw)), raw  # typeshed: a GzipFile is no BinaryIO
-    if comp == ".zst":
-        import zstandard
-
-        return zstandard.ZstdDecompressor().stream_reader(raw), raw
-    return raw, raw
+    if not comp:
+        return raw, raw
+    size = os.fstat(raw.fileno()).st_size
+    return io.BufferedReader(Decoded(raw, comp, str(path), limits.expansion * size + (1 << 20)), DECODED), raw
 
 
-def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[Segments | BadInput, int]]:
+def read_documents(path: Path, fmt: Format, limits: Limits = Limits()) -> tp.Iterator[tuple[Segments | BadInput, int]]:
     """Yield (segments or the BadInput of that document, raw bytes of the input read so far)."""
     kind = _kind_of(path)[0]
-    stream, raw = open_binary(path)
+    stream, raw = open_binary(path, limits)
     with raw, stream:
         try:
             if kind == ".parquet":
-                yield from _parquet_documents(path, stream, raw, fmt)
+                yield from _parquet_documents(path, stream, raw, fmt, limits)
             elif kind == ".jsonl":
                 name = str(path)
-                for line_no, text, pos in _lines(name, stream, raw):
+                for line_no, text, pos in _lines(name, stream, raw, limits):
                     yield _json_document(name, line_no, text, fmt), pos
             else:
-                yield from _paragraphs(path, stream, raw, fmt)
+                yield from _paragraphs(path, stream, raw, fmt, limits)
         except (OSError, EOFError) as exc:
             kind_name = _kind_of(path)[1] or "file"
             raise UserError([f"{path}: cannot read ({exc}): expected a readable {kind_name} stream"]) from None
@@ -124,11 +205,22 @@ def read_documents(path: Path, fmt: Format) -> tp.Iterator[tuple[Segments | BadI
 TELL_EVERY = 256  # lines between two looks at the raw file's position (for the progress line)
 
 
-def _lines(name: str, stream: tp.BinaryIO, raw: tp.BinaryIO) -> tp.Iterator[tuple[int, str | BadInput, int]]:
-    """(line number, text or BadInput, raw position, updated every few hundred lines) per line."""
-    buffered = io.BufferedReader(stream) if not isinstance(stream, io.BufferedIOBase) else stream  # type: ignore[type-var]  # a raw stream
-    pos = 0
-    for line_no, data in enumerate(buffered, 1):
+def _lines(name: str, stream: tp.BinaryIO, raw: tp.BinaryIO,
+           limits: Limits) -> tp.Iterator[tuple[int, str | BadInput, int]]:
+    """(line number, text or BadInput, raw position, updated every few hundred lines) per line; a line
+    longer than ``limits.document_bytes`` is a BadInput (read past in pieces, never held whole)."""
+    pos, limit, line_no = 0, limits.document_bytes, 0
+    readline = stream.readline
+    while data := readline(limit + 1):
+        line_no += 1
+        if line_no == 1 and data.startswith(codecs.BOM_UTF8):  # a byte-order mark is no part of the text
+            data = data[3:]
+        if len(data) > limit and not data.endswith(b"\n"):
+            while (rest := readline(limit)) and not rest.endswith(b"\n"):
+                pass
+            yield line_no, BadInput(f"{name}:{line_no}", f"a line of more than {limit:,} bytes: expected at most "
+                                    "that (raise --max-document-bytes)"), pos
+            continue
         try:
             text: str | BadInput = data.decode("utf-8")
         except UnicodeDecodeError as exc:
@@ -191,30 +283,50 @@ def _chat_segments(messages: tp.Any, fmt: Format, where: str) -> Segments | BadI
     return out
 
 
-def _paragraphs(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format) -> tp.Iterator[tuple]:
-    """Plain text: one document per paragraph (lines up to a blank line); newlines are kept."""
+def _paragraphs(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format, limits: Limits) -> tp.Iterator[tuple]:
+    """Plain text: one document per paragraph (lines up to a blank line); newlines are kept. A
+    paragraph longer than ``limits.document_bytes`` is a BadInput naming its first line."""
     if fmt.kind != "text":
         raise UserError([f"{path}: a .txt file: expected .jsonl or .parquet for --format prompt-response"])
     lines: list[str] = []
-    for _, text, pos in _lines(str(path), stream, raw):
+    held, first, too_long = 0, 0, False
+    for line_no, text, pos in _lines(str(path), stream, raw, limits):
         if isinstance(text, BadInput):
             yield text, pos
         elif text.strip():
-            lines.append(text)
-        elif lines:
-            yield [("".join(lines).rstrip("\n"), True)], pos
-            lines = []
-    if lines:
-        yield [("".join(lines).rstrip("\n"), True)], raw.tell()
+            first = first or line_no
+            held += len(text)
+            too_long = too_long or held > limits.document_bytes
+            if too_long:
+                lines = []
+            else:
+                lines.append(text)
+        elif lines or too_long:
+            yield _paragraph(path, lines, first, too_long, limits), pos
+            lines, held, first, too_long = [], 0, 0, False
+    if lines or too_long:
+        yield _paragraph(path, lines, first, too_long, limits), os.fstat(raw.fileno()).st_size
 
 
-def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format) -> tp.Iterator[tuple]:
+def _paragraph(path: Path, lines: list[str], first: int, too_long: bool, limits: Limits) -> Segments | BadInput:
+    if too_long:
+        return BadInput(f"{path}:{first}", f"a paragraph of more than {limits.document_bytes:,} characters: "
+                        "expected at most that (a blank line ends a paragraph; raise --max-document-bytes)")
+    return [("".join(lines).rstrip("\n"), True)]
+
+
+def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format,
+                       limits: Limits) -> tp.Iterator[tuple]:
     """One document per row; columns read in batches (pyarrow), so memory stays bounded."""
     import pyarrow.parquet as pq
 
+    if stream is not raw:  # a compressed parquet file is not seekable: it is read whole, up to a bound
+        data = stream.read(limits.parquet_bytes + 1)
+        if len(data) > limits.parquet_bytes:
+            raise UserError([f"{path}: decompresses past {limits.parquet_bytes:,} bytes: expected a plain .parquet "
+                             "file (parquet compresses inside; decompress it first)"])
     try:
-        # a compressed parquet file is not seekable: it is read whole (parquet compresses inside anyway)
-        table = pq.ParquetFile(raw if stream is raw else io.BytesIO(stream.read()))
+        table = pq.ParquetFile(raw if stream is raw else io.BytesIO(data))
     except Exception as exc:  # noqa: BLE001  (pyarrow raises its own ArrowInvalid for a file that is not parquet)
         raise UserError([f"{path}: not a parquet file ({exc}): expected a .parquet table"]) from None
     keys = [fmt.text_key] if fmt.kind == "text" else [fmt.prompt_key, fmt.response_key, fmt.messages_key]

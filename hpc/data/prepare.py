@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc.data.inputs import BadInput, Format, expand_inputs, read_documents
+from hpc.data.inputs import BadInput, Format, Limits, expand_inputs, read_documents
 from hpc.data.shards import SPLITS, ShardWriter
-from hpc.data.tokenizer import describe_tokenizer, load_tokenizer
+from hpc.data.tokenizer import MAX_VOCAB, describe_tokenizer
 from hpc.core.errors import UserError
 from hpc.core.runs import write_json
 
@@ -43,6 +43,8 @@ class Options:
     group_bytes: int = 256 << 20
     errors: str = "raise"  # raise | skip
     eos: str | None = None
+    limits: Limits = Limits()
+    max_vocab: int = MAX_VOCAB
 
 
 def make_plan(inputs: tp.Sequence[str], tokenizer: str, options: Options) -> dict[str, tp.Any]:
@@ -51,11 +53,11 @@ def make_plan(inputs: tp.Sequence[str], tokenizer: str, options: Options) -> dic
         raise UserError([f"--val-fraction {options.val_fraction}: expected a fraction in [0, 1)"])
     files = expand_inputs(inputs)
     sizes = [f.stat().st_size for f in files]
-    info = describe_tokenizer(tokenizer, options.eos)
+    info = describe_tokenizer(tokenizer, options.eos, options.max_vocab)
     return {"version": 1, "inputs": [{"path": str(f), "bytes": n} for f, n in zip(files, sizes)],
             "groups": group_inputs(sizes, options.group_bytes), "tokenizer": info.to_dict(), "dtype": info.dtype,
             "format": dataclasses.asdict(options.fmt), "val_fraction": options.val_fraction,
-            "shard_tokens": options.shard_tokens, "errors": options.errors}
+            "shard_tokens": options.shard_tokens, "errors": options.errors, "limits": dataclasses.asdict(options.limits)}
 
 
 def group_inputs(sizes: tp.Sequence[int], group_bytes: int) -> list[list[int]]:
@@ -71,22 +73,91 @@ def group_inputs(sizes: tp.Sequence[int], group_bytes: int) -> list[list[int]]:
     return groups
 
 
-def start(out: Path, plan: dict) -> None:
-    """Create ``out`` and record the plan; an existing plan must be the same one (then it resumes)."""
+def start(out: Path, plan: dict, inputs: tp.Sequence[str] = ()) -> bool:
+    """Create ``out`` and record the plan; an existing plan must be the same one (then it resumes),
+    unless no group of it finished (then there is nothing to resume: the new plan replaces it).
+    ``out`` must not be, or be inside, an input folder, nor hold an input, nor be a folder another tool
+    filled. Returns whether ``out`` was created here (``abandon`` removes it then)."""
+    check_out(out, plan, inputs)
     state = out / STATE
+    created = not out.exists()
     try:
         state.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError([f"--out {out}: cannot create it ({exc.strerror}): expected a folder this user may write"]) from None
     path = state / "plan.json"
     if path.exists():
-        old = json.loads(path.read_text())
-        if old != plan:
-            key = next((k for k in plan if old.get(k) != plan[k]), "version")
+        from hpc.core.config import load_json_bounded
+
+        old = load_json_bounded(path.read_text(encoding="utf-8"), str(path), UserError)
+        if old != plan and any(state.glob("group-*.json")):
+            key = next((k for k in plan if not isinstance(old, dict) or old.get(k) != plan[k]), "version")
             raise UserError([f"{out}: prepared before with other {key} ({path}): expected the same inputs, "
                              "tokenizer and options to resume; use another --out or delete it"])
-        return
+        if old == plan:
+            return created
+        _remove_shards(out)
     write_json(path, plan)
+    return created
+
+
+def check_out(out: Path, plan: dict, inputs: tp.Sequence[str]) -> None:
+    """``--out`` takes over nothing: not an input folder or a folder inside one, holding no input,
+    and either new, empty, or a folder ``hpcx data prepare`` made (it holds ``.prepare/plan.json``)."""
+    real = Path(os.path.realpath(out))
+    for arg in inputs:
+        folder = Path(os.path.realpath(os.path.expanduser(arg)))
+        if folder.is_dir() and (real == folder or folder in real.parents):
+            raise UserError([f"--out {out}: {'is' if real == folder else 'is inside'} the input folder {arg}: "
+                             "expected an output folder apart from the inputs"])
+    for item in plan["inputs"]:
+        for p in {Path(item["path"]), Path(os.path.realpath(item["path"]))}:
+            if real in p.parents:
+                raise UserError([f"--out {out}: holds the input {item['path']}: expected an output folder apart "
+                                 "from the inputs"])
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise UserError([f"--out {out}: {'a symlink' if out.is_symlink() else 'not a folder'}: expected a new "
+                         "folder, or one `hpcx data prepare` made"])
+    if out.is_dir() and not (out / STATE / "plan.json").is_file() and any(out.iterdir()):
+        raise UserError([f"--out {out}: a folder that holds other files and no {STATE}/plan.json: expected a new "
+                         "or empty folder, or one `hpcx data prepare` made (nothing there is overwritten)"])
+
+
+def _remove_shards(out: Path) -> None:
+    """The shard files and temp files of an earlier plan (only names prepare writes)."""
+    for pattern in ("train-[0-9]*-[0-9]*.*", "val-[0-9]*-[0-9]*.*", ".*-[0-9]*-[0-9]*.*.tmp-*"):
+        for f in out.glob(pattern):
+            if f.is_file() and not f.is_symlink():
+                f.unlink(missing_ok=True)
+
+
+def abandon(out: Path, created: bool) -> None:
+    """After a refusal before any group finished: what this preparation wrote, and ``out`` itself when
+    it was made for it, are removed (nothing is left to resume)."""
+    import shutil
+
+    state = out / STATE
+    if (out / MANIFEST).exists() or (any(state.glob("group-*.json")) and not _nothing_prepared(out)):
+        return
+    _remove_shards(out)
+    shutil.rmtree(state, ignore_errors=True)
+    if created:
+        try:
+            out.rmdir()
+        except OSError:
+            pass
+
+
+def _nothing_prepared(out: Path) -> bool:
+    """Every finished group holds no token (all skipped): nothing there is worth resuming."""
+    for record in (out / STATE).glob("group-*.json"):
+        try:
+            splits = json.loads(record.read_text())["splits"]
+        except (OSError, ValueError, KeyError):
+            return False
+        if any(s for shards in splits.values() for s in shards):
+            return False
+    return True
 
 
 def group_record_path(out: Path, group: int) -> Path:
@@ -162,11 +233,13 @@ def run_group(out: Path, plan: dict, group: int, report: tp.Callable[[int, int],
 
 def _plan_tokenizer(plan: dict) -> tp.Any:
     """The plan's tokenizer, refused if its file changed since the plan was made."""
-    info = describe_tokenizer(plan["tokenizer"]["path"], plan["tokenizer"]["eos_token"])
+    loaded: list = []
+    info = describe_tokenizer(plan["tokenizer"]["path"], plan["tokenizer"]["eos_token"],
+                              max(MAX_VOCAB, plan["tokenizer"]["vocab_size"]), loaded)
     if info.sha256 != plan["tokenizer"]["sha256"]:
         raise UserError([f"{info.path}: changed since this preparation started (sha256 {info.sha256[:12]}…, "
                          f"planned {plan['tokenizer']['sha256'][:12]}…): expected the same tokenizer"])
-    return load_tokenizer(info.path)
+    return loaded[0]
 
 
 class Pending:
@@ -197,7 +270,7 @@ class Pending:
 def _read_file(path: Path, size: int, plan: dict, pending: Pending, skipped: Skipped) -> None:
     """All documents of one input into ``pending``; an input without any is bad input."""
     documents, bad, read = 0, 0, 0
-    for doc, pos in read_documents(path, Format(**plan["format"])):
+    for doc, pos in read_documents(path, Format(**plan["format"]), Limits(**plan.get("limits", {}))):
         if isinstance(doc, BadInput):
             skipped.add(doc)
             bad += 1
@@ -238,6 +311,10 @@ def merge(out: Path) -> dict:
                          "expected every group before the merge (run prepare again to finish them)"])
     records = [json.loads(group_record_path(out, g).read_text()) for g in range(len(plan["groups"]))]
     manifest = manifest_of(plan, records)
+    if not any(manifest["splits"][s]["tokens"] for s in SPLITS):
+        first = manifest["skipped"]["first"][:1] or [" ".join(i["path"] for i in plan["inputs"][:3])]
+        raise UserError([f"{first[0]} (and every other of the {manifest['skipped']['count']} documents: "
+                         "--errors=skip left out all): expected at least one good document"])
     write_json(out / MANIFEST, manifest)
     return manifest
 

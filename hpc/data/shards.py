@@ -50,8 +50,9 @@ class ShardWriter:
         stem = shard_stem(self.split, self.group, len(self.shards))
         offsets = np.zeros(len(self.tokens) + 1, dtype=np.uint64)
         np.cumsum([len(t) for t in self.tokens], out=offsets[1:])
-        record: dict[str, tp.Any] = {"tokens": int(offsets[-1]), "documents": len(self.tokens)}
-        record.update(self._write(f"{stem}.bin", np.concatenate(self.tokens), "file"))
+        tokens = np.concatenate(self.tokens)
+        record: dict[str, tp.Any] = {"tokens": int(offsets[-1]), "documents": len(self.tokens), "max_id": int(tokens.max())}
+        record.update(self._write(f"{stem}.bin", tokens, "file"))
         record.update(self._write(f"{stem}.idx", offsets, "index"))
         if self.masked:
             record.update(self._write(f"{stem}.mask", np.concatenate(self.masks), "mask"))

@@ -187,9 +187,11 @@ def test_the_export_generates_with_transformers_and_stops_at_the_eos_the_data_re
     assert fast.convert_ids_to_tokens([EOS]) == ["<|end_of_text|>"]
 
 
-@pytest.mark.parametrize("case", ["exists", "not-a-run", "user-model"])
+@pytest.mark.parametrize("case", ["exists", "not-a-run", "user-model", "inside-the-checkpoint"])
 def test_refusals_are_one_line_exit_2(llama_run, tmp_path, case):
     dst, src = tmp_path / "out", str(llama_run)
+    if case == "inside-the-checkpoint":
+        dst = sorted((llama_run / "checkpoints").glob("step-*"))[-1] / "hf"
     if case == "exists":
         dst.mkdir()
     elif case == "not-a-run":
@@ -203,6 +205,7 @@ def test_refusals_are_one_line_exit_2(llama_run, tmp_path, case):
     assert out.returncode == 2, out.stderr
     assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
     assert not dst.exists() or case == "exists"
+    assert case != "inside-the-checkpoint" or "inside the checkpoint" in out.stderr, out.stderr
 
 
 MEMORY_CHILD = r"""

@@ -160,7 +160,7 @@ def test_verify_finds_a_changed_shard(tmp_path, corpus, tokenizer):
     data[10] ^= 1
     shard.write_bytes(bytes(data))
     bad = hpcx("data", "verify", str(tmp_path / "o"))
-    assert bad.returncode == 2 and "train-00000-0000.bin: sha256" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 1 and "train-00000-0000.bin: sha256" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_dtype_follows_the_vocabulary():

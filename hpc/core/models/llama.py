@@ -345,10 +345,37 @@ def _rope(doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     return {**(rope if isinstance(rope, dict) else {}), **(scaling if isinstance(scaling, dict) else {})}
 
 
+POSITIVE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "intermediate_size", "vocab_size", "max_position_embeddings")
+INT_MAX = 2**31 - 1
+
+
+def _impossible(where: str, doc: dict[str, tp.Any]) -> list[str]:
+    """config.json's own keys that no model has (0 layers, heads that do not divide): named as its keys,
+    never as the spec's ``model.*`` (where 0 means "the preset's")."""
+    out = []
+    for key in POSITIVE_KEYS:
+        value = doc.get(key)
+        if key in doc and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= INT_MAX):
+            out.append(f"{where}: {key} = {value!r}: expected a whole number from 1 to {INT_MAX}")
+    if out:
+        return out
+    heads, kv, width = doc.get("num_attention_heads"), doc.get("num_key_value_heads"), doc.get("hidden_size")
+    if heads and kv and heads % kv:
+        out.append(f"{where}: num_key_value_heads = {kv}: expected a divisor of num_attention_heads = {heads}")
+    if heads and width and "head_dim" not in doc and width % heads:
+        out.append(f"{where}: hidden_size = {width}: expected a multiple of num_attention_heads = {heads}")
+    eps = doc.get("rms_norm_eps")
+    if "rms_norm_eps" in doc and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
+        out.append(f"{where}: rms_norm_eps = {eps!r}: expected a number between 0 and 1")
+    return out
+
+
 def _unsupported(path: tp.Any, doc: dict[str, tp.Any]) -> list[str]:
     """One line per config.json value that hpcx's Llama does not implement."""
     where = f"`model.hf_config`: {path}"
-    out = [f"{where}: {key} is missing" for key in REQUIRED if not isinstance(doc.get(key), int)]
+    out = [f"{where}: {key} is missing" for key in REQUIRED if key not in doc]
+    out += _impossible(where, doc)
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if doc.get(key, want) != want:
             out.append(f"{where}: {key} = {doc[key]!r}; hpcx's Llama has {want!r}")
