@@ -516,14 +516,13 @@ def test_an_older_checkpoints_single_cuda_state_restores_the_current_device(gpu_
     assert list(gpu_node["restored"]) == [0] and int(gpu_node["restored"][0][0]) == 7
 
 
-def test_a_gloo_job_on_a_gpu_node_stages_saves_in_pageable_memory(gpu_node, monkeypatch):
+def test_a_gloo_job_on_a_gpu_node_stages_saves_in_pageable_memory(gpu_node, monkeypatch, tmp_path):
     import torch.distributed.checkpoint.staging as staging
 
     made = []
-    monkeypatch.setattr(checkpoint, "_stager", [])
     monkeypatch.setattr(staging, "StagingOptions", lambda **options: options)
     monkeypatch.setattr(staging, "DefaultStager", lambda options: made.append(options) or options)
-    checkpoint._reused_stager()
+    checkpoint.Checkpointer(tmp_path, async_save=True)._reused_stager()
     assert made == [{"use_pinned_memory": False, "use_shared_memory": False, "use_async_staging": True,
                      "use_non_blocking_copy": False}]
 
