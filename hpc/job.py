@@ -64,7 +64,7 @@ def preempted() -> bool:
     The same flag file for every rank, so it is cheap enough for every step; ranks that must stop at the
     same step agree as any distributed loop does (e.g. an all-reduce of the flag)."""
     flag = os.environ.get(PREEMPT_FLAG)
-    return bool(flag) and os.path.exists(flag)
+    return flag is not None and flag != "" and os.path.exists(flag)
 
 
 def requeue() -> bool:

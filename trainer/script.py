@@ -20,7 +20,9 @@ start terminated.
 
 When the command has exited, rank 0 writes the ledger's stop line (``hpc.core.requeue``): completed;
 ``preempted`` and requeued when the script asked (``hpc.job.requeue``), else not requeued, saying why;
-terminated; or failed with the exit status. A failure is reported by every rank whose command failed
+terminated (a cancel), or ``time_limit`` — unless the scheduler says SIGTERM came because another task
+of the step failed (``JobSide.ended_by``: then the check after srun writes it); or failed with the exit
+status. A failure is reported by every rank whose command failed
 (``RUN/requeue/``); where the batch script's check after srun decides (Slurm) it takes the one requeue as
 for the trainer, elsewhere rank 0 does (a script's own checkpoint is its progress: the ``step`` of its
 ``hpc.job.log`` lines).
@@ -39,7 +41,9 @@ from pathlib import Path
 
 SCRIPT_NOT_ASKED = "the script did not ask for a requeue (hpc.job.requeue())"
 TERMINATED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
+TIME_LIMIT = "the time limit ended the command (a script that saves at hpc.job.preempted() and asks is requeued)"
 PYTHONS = ("python", "python3")
+RANKS_WAIT_S = 600.0  # how long rank 0 waits for a rank that never says how its command ended
 
 
 class ScriptTask:
@@ -240,54 +244,85 @@ class ScriptRank:
         return step if isinstance(step, int) else 0
 
     def _ended(self, status: int) -> dict[str, tp.Any] | None:
-        """How the command ended, recorded; the result on rank 0 (None elsewhere). A failed command
-        raises (after its report) so that the scheduler sees the task fail."""
-        if status != 0 and not self.terminated:
-            self._failed(status)  # raises
-        if not self.env.is_rank0:
-            return None
-        return self._stopped(status)
+        """How the command ended on this rank, recorded (``RUN/requeue/INC.rank-R.ended``; a failure is also
+        reported); rank 0 then waits for every rank's and decides. The result on rank 0 (None elsewhere);
+        a command that failed here raises, so that the scheduler sees the task fail."""
+        from hpc.core import requeue as policy
+        from hpc.core.runs import write_json
 
-    def _stopped(self, status: int) -> dict[str, tp.Any]:
-        """Rank 0, the command ended with 0 (or by the cancel): the stop line, and the one requeue asked."""
+        failed = status != 0 and not self.terminated
+        error = f"job.command {exit_words(status)} on rank {self.env.rank}: {' '.join(self.run.spec.job.command)}"
+        if failed:
+            policy.report_failure(self.run.run_dir, self.incarnation, self.env.rank, step=self._step(), error=error,
+                                  phase="script", exit_status=status)
+        write_json(self._ended_path(self.env.rank), {"status": status, "terminated": self.terminated,
+                                                     "error": error if failed else None})
+        outside = self.side is not None and self.side.decides_failures
+        result = self._decide(status) if self.env.is_rank0 and not (failed and outside) else None
+        if failed:
+            raise RuntimeError(error)
+        return result
+
+    def _ended_path(self, rank: int) -> Path:
+        return self.requeue_dir / f"{self.incarnation}.rank-{rank}.ended"
+
+    def _await_ranks(self, poll_s: float = 0.2) -> list[dict] | None:
+        """Every rank's account of its command (rank 0, after its own ended); None when SIGTERM came
+        meanwhile (the scheduler ends the job, or, on Slurm, the step after a task failed). A rank that never
+        says (its task was killed outright) is waited for ``RANKS_WAIT_S``: then it counts as failed."""
+        from hpc.core.runs import read_json
+
+        deadline = time.monotonic() + RANKS_WAIT_S
+        while True:
+            found = {r: self._ended_path(r) for r in range(self.env.world_size)}
+            ready = {r: p for r, p in found.items() if p.exists()}
+            if len(ready) == len(found):
+                return [read_json(p) for _, p in sorted(ready.items())]
+            if self.terminated and self.env.world_size > 1:
+                return None
+            if time.monotonic() > deadline:
+                missing = sorted(set(found) - set(ready))
+                return [read_json(p) for p in ready.values()] + [
+                    {"status": None, "terminated": False, "error": f"rank {r} never said how its command ended"}
+                    for r in missing]
+            time.sleep(poll_s)
+
+    def _decide(self, status: int) -> dict[str, tp.Any]:
+        """Rank 0, once every rank's command ended: the stop line, and the one requeue asked or allowed."""
         from hpc.core import requeue as policy
 
-        step, asked = self._step(), self.asked.exists()
-        if self.terminated:
-            reason, why_not = "terminated", TERMINATED
+        step, command = self._step(), list(self.run.spec.job.command)
+        ranks = self._await_ranks()
+        ended_by = self.side.ended_by() if self.terminated and self.side is not None else None
+        failures = [r for r in ranks or [] if r.get("error")]
+        outside = self.side is not None and self.side.decides_failures
+        if ended_by == "step" or (failures and outside):  # srun's step failed: the check after srun records it
+            return {"reason": "failed", "requeued": False, "step": step, "command": command, "status": status}
+        asked = self.asked.exists()
+        requeue_reason: str | None
+        if failures:
+            reason, requeue_reason = "failed", "failed"
+        elif self.terminated:
+            reason, requeue_reason = ("time_limit", None) if ended_by == "time_limit" else ("terminated", None)
         elif asked:
-            reason = "preempted"
-            why_not = self._verdict("preempted", step) or (
-                policy.request(self.side, self.run.run_dir, self.incarnation, "rank 0", "preempted")
-                if self.side else "no scheduler started this process: run the command again to resume")
-        elif self.preempted_at is not None:
-            reason, why_not = "preempted", SCRIPT_NOT_ASKED
+            reason, requeue_reason = "preempted", "preempted"
         else:
-            reason, why_not = "completed", None
-        self._write_stop(step, reason, why_not, command_status=status)
-        if reason == "preempted" and asked and why_not is None and self.side is not None:
+            reason, requeue_reason = ("preempted", None) if self.preempted_at is not None else ("completed", None)
+        why_not = {"terminated": TERMINATED, "time_limit": TIME_LIMIT}.get(reason)
+        if reason == "preempted" and requeue_reason is None:
+            why_not = SCRIPT_NOT_ASKED
+        if requeue_reason is not None:
+            why_not = self._verdict(requeue_reason, step) or (
+                policy.request(self.side, self.run.run_dir, self.incarnation, "rank 0", requeue_reason)
+                if self.side else "no scheduler started this process: run the command again to resume")
+        extra = {"error": failures[0]["error"]} if failures else {}
+        self._write_stop(step, reason, why_not, command_status=status, **extra)
+        if requeue_reason is not None and why_not is None and self.side is not None:
             self.side.leave_for_requeue()
-        return {"reason": reason, "requeued": reason == "preempted" and why_not is None, "step": step,
-                "command": list(self.run.spec.job.command), "status": status}
-
-    def _failed(self, status: int) -> tp.NoReturn:
-        """The command failed on this rank: report it; where nothing outside the ranks decides, rank 0
-        records the stop and takes the one requeue the policy allows. Raises, so the task fails."""
-        from hpc.core import requeue as policy
-
-        step, what = self._step(), exit_words(status)
-        error = f"job.command {what}: {' '.join(self.run.spec.job.command)}"
-        policy.report_failure(self.run.run_dir, self.incarnation, self.env.rank, step=step, error=error,
-                              phase="script", exit_status=status)
-        decided_outside = self.side is not None and self.side.decides_failures
-        if self.env.is_rank0 and not decided_outside:
-            why_not = self._verdict("failed", step) or (
-                policy.request(self.side, self.run.run_dir, self.incarnation, "rank 0", "failed")
-                if self.side else "no scheduler started this process")
-            self._write_stop(step, "failed", why_not, command_status=status, error=error)
-            if why_not is None and self.side is not None:
-                self.side.leave_for_requeue()
-        raise RuntimeError(error)
+        if failures:  # not requeued: rank 0's task fails too, so the job does not look completed
+            raise RuntimeError(failures[0]["error"])
+        return {"reason": reason, "requeued": requeue_reason is not None and why_not is None, "step": step,
+                "command": command, "status": status}
 
     def _verdict(self, reason: str, step: int) -> str | None:
         from hpc.core.requeue import requeue_verdict

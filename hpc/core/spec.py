@@ -375,8 +375,8 @@ def check_command(command: list[str]) -> list[str]:
 def trainer_sections_given(doc: dict) -> list[str]:
     """With ``job.command``, each section of hpcx's trainer (``TRAINER_SECTIONS``) the file (or ``--set``)
     gives: it would be silently unused. Checked on the document as written, not on a resolved.json."""
-    job = doc.get("job") if isinstance(doc.get("job"), dict) else {}
-    if not job.get("command"):
+    job = doc.get("job")
+    if not isinstance(job, dict) or not job.get("command"):
         return []
     return [f"`[{name}]` configures hpcx's trainer, but `job.command` runs your own script: remove the "
             "section (or `job.command`)" for name in TRAINER_SECTIONS if name in doc]

@@ -43,7 +43,10 @@ def main():
     data = TensorDataset(torch.randn(96, 8), torch.randint(0, 3, (96,)))
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=1)
     loader = DataLoader(data, batch_size=4, sampler=sampler)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)))
+    # find_unused_parameters: DDP then keeps its first bucket layout instead of rebuilding it after the first
+    # step, so a restarted run sums the gradients of 4 ranks in the same order as an uninterrupted one
+    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)),
+                find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     ckpt = os.path.join(out, "ckpt.pt")
