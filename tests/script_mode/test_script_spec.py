@@ -160,3 +160,12 @@ def test_the_helper_is_torch_free_and_stdlib_only():
     code = "import sys; from hpc import job; job.preempted(); print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'hpc', 'trainer', 'submitit')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['hpc', 'hpc.job']"
+
+
+def test_the_script_task_is_torch_free_as_submitit_unpickles_it_before_any_rank_imports_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, trainer.script, trainer.ranks; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
