@@ -17,7 +17,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 # importer module -> trainer modules it may import (hpc/ never imports the trainer otherwise)
-TRAINER_ALLOWED = {"hpc.login.submit": {"trainer.task"},
+TRAINER_ALLOWED = {"hpc.login.submit": {"trainer.task", "trainer.script"},  # both torch-free: what submitit pickles
                    # `hpcx dryrun` runs the trainer's own construction (it imports torch, unlike render/plan)
                    "hpc.dryrun": {"trainer.model", "trainer.optim", "trainer.train", "trainer.parallelize",
                                   "trainer.checkpoint", "trainer.init_from"},
@@ -30,7 +30,8 @@ LEAVES = ("hpc.core.errors", "hpc.core.dims")
 # what the core may import from hpc: itself, and the scheduler registry with its interface
 CORE_MAY_IMPORT = ("hpc.core", "hpc.schedulers", "hpc.schedulers.base")
 # what the trainer may import from hpc
-TRAINER_MAY_IMPORT = ("hpc.core", "hpc.ckpt", "hpc.compat", "hpc.schedulers", "hpc.schedulers.base")
+# (hpc.job: the script mode's helper, a torch-free leaf the script mode's task sets the variables of)
+TRAINER_MAY_IMPORT = ("hpc.core", "hpc.ckpt", "hpc.compat", "hpc.schedulers", "hpc.schedulers.base", "hpc.job")
 # the one module outside hpc/schedulers/<kind>/ that names a kind's package: `python -m hpc.requeue`, the
 # entry point the rendered sbatch script (and its goldens) runs, calls Slurm's check after srun
 NAMES_SLURM_FOR_ITS_SCRIPT = ("hpc/requeue/__main__.py",)

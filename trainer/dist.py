@@ -24,50 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpc import schedulers
 from hpc.core import runs
-from hpc.schedulers import RankEnv, rendezvous_port
+from hpc.schedulers import RankEnv
+from trainer.ranks import apply_job_env, detect_rank_env  # noqa: F401  (torch-free: the script mode reads them too)
 
 log = logging.getLogger("hpcx.trainer")
-
-
-def detect_rank_env() -> RankEnv:
-    """submitit (``SUBMITIT_EXECUTOR`` set), else torchrun's variables, else a task a scheduler started
-    itself (``hpc.schedulers.rank_env``: a task of a plain srun), else one process."""
-    if os.environ.get("SUBMITIT_EXECUTOR"):
-        return _submitit_env()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _torchrun_env()
-    started = schedulers.rank_env(os.environ)
-    if started is not None:
-        return started
-    return RankEnv(rank=0, local_rank=0, world_size=1, master_addr="127.0.0.1", master_port=0)
-
-
-def _submitit_env() -> RankEnv:
-    import submitit
-
-    job = submitit.JobEnvironment()
-    return RankEnv(rank=job.global_rank, local_rank=job.local_rank, world_size=job.num_tasks,
-                   master_addr=job.hostnames[0], master_port=rendezvous_port(str(job.job_id)),
-                   local_world_size=max(1, job.num_tasks // job.num_nodes), launcher="submitit")
-
-
-def _torchrun_env() -> RankEnv:
-    env = os.environ
-    return RankEnv(rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", 0)),
-                   world_size=int(env["WORLD_SIZE"]), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                   master_port=int(env.get("MASTER_PORT", 29500)),
-                   local_world_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])), launcher="torchrun",
-                   agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-
-
-def apply_job_env(nccl: dict[str, str], env_set: dict[str, str]) -> None:
-    """The site's NCCL variables (a value already in the environment, e.g. NCCL_DEBUG, wins), then
-    the spec's ``env.set`` (explicit for this job, so it overrides)."""
-    for name, value in nccl.items():
-        os.environ.setdefault(name, value)
-    os.environ.update(env_set)
 
 
 def gpu_index(local_rank: int, local_world: int, visible: int) -> int:

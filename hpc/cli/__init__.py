@@ -18,6 +18,7 @@ import click
 from hpc import __version__
 from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 from hpc.core.config import ConfigError
+from hpc.core.errors import UserError
 from hpc.core.validate import shown
 from hpc.login.status import format_status  # noqa: F401 - `hpcx status`'s line, also imported from here
 
@@ -57,6 +58,16 @@ def cli() -> None:
     trainer inside the job runs DDP/FSDP/HSDP with sharded checkpoints and
     survives preemption. Shell completion: eval "$(_HPCX_COMPLETE=bash_source hpcx)".
     """
+
+
+def refuse_script_mode(spec: tp.Any, command: str) -> None:
+    """``hpcx plan``/``dryrun`` of a script-mode spec: there is no model of hpcx's to count or build."""
+    from hpc.core.spec import script_mode
+
+    if script_mode(spec):
+        raise UserError([f"{spec.source}: `job.command` runs your own script, so `hpcx {command}` has no model to "
+                         "count or build: expected a spec of hpcx's trainer (a built-in model, a user model or a "
+                         "task; docs/tasks.md)"])
 
 
 def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
@@ -125,8 +136,10 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
         echo_json({"job_id": done.job_id, "run_dir": str(done.run_dir), "scheduler": done.scheduler})
         return
     if not as_json:
+        from hpc.login.render import layout_words
+
         click.echo(f"submitted job {done.job_id} ({done.scheduler}, site {site.name}): "
-                   f"{launch.nodes}×{launch.tasks_per_node} ranks, {launch.dims.describe()}")
+                   f"{launch.nodes}×{launch.tasks_per_node} ranks, {layout_words(spec, launch)}")
         click.echo(f"run folder: {done.run_dir}")
         click.echo(f"follow:     hpcx logs {done.run_dir} -f")
     if wait:
@@ -399,6 +412,7 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
     Exit status 1 when dryrun and plan differ by more than 1%.
     """
     spec, site, launch = load_job(job, site_name, overrides)
+    refuse_script_mode(spec, "dryrun")
     check_init_from(spec)
     if rank >= launch.world_size:
         raise ConfigError([f"--rank {rank}: {spec.source} runs {launch.nodes} node(s) × {launch.tasks_per_node} "

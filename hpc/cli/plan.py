@@ -33,6 +33,9 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
 
     extra = (f"job.nodes={nodes}",) if nodes else ()
     spec = load_spec(job, tuple(overrides) + extra)
+    from hpc.cli import refuse_script_mode
+
+    refuse_script_mode(spec, "plan")
     site = select_site(site_name, spec)
     errors = cross_check(spec, site)
     if errors:

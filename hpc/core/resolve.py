@@ -16,7 +16,7 @@ from hpc.core.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.core.manifest import source_kind
 from hpc.core.site import SiteProfile
-from hpc.core.spec import JobSpec, Parallel, compute_precision
+from hpc.core.spec import JobSpec, Parallel, compute_precision, script_mode
 from hpc.core.validate import check_batch, check_world
 
 RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
@@ -107,15 +107,16 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     if site.scheduler.max_nodes and spec.job.nodes > site.scheduler.max_nodes:
         errors.append(f"`job.nodes` = {spec.job.nodes} but site {site.name!r} has at most "
                       f"{site.scheduler.max_nodes} nodes")
-    errors += check_batch(spec.train.global_batch, spec.train.micro_batch, world,
-                          f"{spec.job.nodes} nodes × {tpn} tasks")
+    if not script_mode(spec):  # a script's batches and layout are its own
+        errors += check_batch(spec.train.global_batch, spec.train.micro_batch, world,
+                              f"{spec.job.nodes} nodes × {tpn} tasks")
     if spec.job.cpus_per_task and spec.job.cpus_per_task * tpn > site.node.cpus:
         errors.append(f"`job.cpus_per_task` = {spec.job.cpus_per_task} × {tpn} tasks = "
                       f"{spec.job.cpus_per_task * tpn} CPUs but site {site.name!r} nodes have {site.node.cpus}")
     elif not spec.job.cpus_per_task and tpn > site.node.cpus and site.allocates_cpus:
         errors.append(f"{tpn} tasks per node need at least {tpn} CPUs, but site {site.name!r} nodes have "
                       f"{site.node.cpus} (`node.cpus`): expected at most {site.node.cpus} tasks per node")
-    errors += _check_strategy(spec, site, world, tpn)
+    errors += [] if script_mode(spec) else _check_strategy(spec, site, world, tpn)
     lead = spec.job.signal_lead_s or site.scheduler.signal_lead_s
     if lead >= spec.job.time_limit_min * 60:
         errors.append(f"signal lead {lead} s is not shorter than `job.time_limit_min` = "
@@ -188,7 +189,7 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
         gpus_per_node=gpus_per_node(spec, site),
         backend=site.backend,
         dims=dims,
-        grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),
+        grad_accum=max(1, spec.train.global_batch // (world * spec.train.micro_batch)),  # a script's: unused
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
         **schedulers.get(site.scheduler.kind).placement(spec, site),
         plan_reasons=reasons,
@@ -196,6 +197,17 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
         data_source=source_kind(spec.data.source),
     )
     return dataclasses.replace(launch, parallel=launch_parallel(spec, launch))
+
+
+SCRIPT_REASON = "`job.command`: your script runs on every rank and decides its own parallelism"
+
+
+def script_launch(spec: JobSpec, site: SiteProfile) -> Launch:
+    """The launch of a script-mode spec (``job.command``): its ranks, one per GPU (or the site's CPU
+    tasks), recorded as a ddp-shaped layout of that many ranks; no planner, no batch arithmetic."""
+    tpn = tasks_per_node(spec, site)
+    dims = parallel_dims("ddp", "full_shard", spec.job.nodes * tpn, tpn)
+    return launch_for(spec, site, dims, None, [SCRIPT_REASON])
 
 
 def refit(spec: JobSpec, site: SiteProfile, launch: Launch, world_size: int, local_world: int) -> Launch:

@@ -48,6 +48,14 @@ class Job:
                                  "loaded; an unset variable is an error); no `%` or `\\`, which Slurm "
                                  "would read in log file names. Runs made here are found again by "
                                  "`status`/`logs`/`cancel` through an index of run roots.", max_len=v.PATH_MAX)
+    command: list[str] = field(doc="Script mode: your own training command as an argument list (never a shell "
+                               "string), e.g. `[\"python\", \"train.py\", \"--lr\", \"3e-4\"]`, run on every rank "
+                               "in the folder `hpcx submit` ran in, with torchrun's variables (`RANK`, `LOCAL_RANK`, "
+                               "`WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` …). `python`/`python3` first is the "
+                               "interpreter of the task; anything else is looked up on the task's PATH. Empty: "
+                               "hpcx's trainer. With a command, `[model]`, `[data]`, `[train]`, `[parallel]` and "
+                               "`[checkpoint]` do not apply and are refused. See docs/tasks.md.",
+                               factory=list, max_len=v.PATH_MAX)
 
 
 @dataclass
@@ -253,6 +261,8 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
     errors += _check_env(doc.get("env"))
     # a field that failed its type check was left at its default: each check runs when its fields are well-typed
     errors += _check_job(spec.job, lambda *keys: _typed(errors, "job", keys))
+    if _typed(errors, "job", ("command",)):
+        errors += check_command(spec.job.command)
     if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
     errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
@@ -280,12 +290,12 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
-    timeouts = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel"))]  # as written, not as resolved
+    as_written = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel")) + trainer_sections_given(doc)]
     try:
         spec = spec_from_dict(doc, str(path))
     except ConfigError as exc:
-        raise ConfigError(set_origins(exc.messages + timeouts, str(path), overrides)) from None
-    errors = timeouts + [f"{path}: {e}" for e in (resolve_paths(spec) if paths else [])]
+        raise ConfigError(set_origins(exc.messages + as_written, str(path), overrides)) from None
+    errors = as_written + [f"{path}: {e}" for e in (resolve_paths(spec) if paths else [])]
     if errors:
         raise ConfigError(set_origins(errors, str(path), overrides))
     return spec
@@ -338,6 +348,50 @@ def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:
     if job.run_root is not None and typed("run_root"):
         errors += v.check_run_root("job.run_root", job.run_root)
     return errors
+
+
+# What ``job.command`` replaces: hpcx's trainer reads these sections, a user's script does not.
+TRAINER_SECTIONS = ("model", "data", "train", "parallel", "checkpoint")
+
+
+def check_command(command: list[str]) -> list[str]:
+    """``job.command``: a program name without surrounding spaces, no NUL in any argument, and not one
+    string holding a whole command line (hpcx never runs a shell; a path with spaces is one program)."""
+    if not command:
+        return []
+    errors = []
+    if not command[0].strip() or command[0] != command[0].strip():
+        errors.append(f"`job.command[0]` = {command[0]!r}: expected the program to run (e.g. \"python\"), "
+                      "without surrounding spaces")
+    errors += [f"`job.command[{i}]` holds a NUL character: expected plain text"
+               for i, arg in enumerate(command) if "\0" in arg]
+    words = command[0].split()
+    if len(command) == 1 and len(words) > 1 and os.sep not in words[0]:
+        errors.append(f"`job.command` = [{command[0]!r}] is one string holding a command line: expected an "
+                      f"argument list, e.g. {json_list(words)} (hpcx never runs a shell)")
+    return errors
+
+
+def trainer_sections_given(doc: dict) -> list[str]:
+    """With ``job.command``, each section of hpcx's trainer (``TRAINER_SECTIONS``) the file (or ``--set``)
+    gives: it would be silently unused. Checked on the document as written, not on a resolved.json."""
+    job = doc.get("job")
+    if not isinstance(job, dict) or not job.get("command"):
+        return []
+    return [f"`[{name}]` configures hpcx's trainer, but `job.command` runs your own script: remove the "
+            "section (or `job.command`)" for name in TRAINER_SECTIONS if name in doc]
+
+
+def json_list(items: tp.Sequence[str]) -> str:
+    """``["a", "b"]`` as TOML and JSON write it."""
+    import json
+
+    return json.dumps(list(items))
+
+
+def script_mode(spec: JobSpec) -> bool:
+    """Whether the job runs the user's own command (``job.command``) instead of hpcx's trainer."""
+    return bool(spec.job.command)
 
 
 def _check_env(env: tp.Any) -> list[str]:

@@ -1,13 +1,14 @@
 """Submission and following: the I/O edge around the pure render.
 
 ``submit`` creates the run folder, writes the spec, the resolved plan and the
-rendered script, and hands ``TrainTask(run_dir)`` to the site's scheduler
+rendered script, and hands ``TrainTask(run_dir)`` (or, in script mode, ``ScriptTask``) to the site's scheduler
 (``hpc.schedulers``: submitit's Slurm or local executor). ``status``/``cancel``
 need none of the spec machinery, so it is imported only to submit.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import typing as tp
@@ -52,8 +53,6 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
     """
     import shutil
 
-    from trainer.task import TrainTask  # no torch at import time
-
     group = site.storage.group_readable
     sched = schedulers.get(site.scheduler.kind)
     with runs.private_umask(group):
@@ -65,7 +64,8 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
             shutil.rmtree(run_dir, ignore_errors=True)
             raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
                                "submitted and the folder was removed"]) from None
-        job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), TrainTask(str(run_dir)), run_dir)
+        task = rank_task(spec, run_dir, os.getcwd())
+        job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), task, run_dir)
         try:
             record_job(rd, job, site, sched)
         except OSError as exc:
@@ -80,8 +80,6 @@ def resume(run_dir: Path) -> Submitted:
     """Submit the run in ``run_dir`` again, into the same folder: the trainer resumes from its newest
     committed checkpoint and writes a new start in the ledger (``hpcx resume``: a cancelled, failed or
     timed-out run). UserError while its job may still run, or when it completed its steps."""
-    from trainer.task import TrainTask  # no torch at import time
-
     rd = runs.RunDir(run_dir)
     check_resumable(rd)
     spec, site, launch = recorded_job(rd)
@@ -89,7 +87,8 @@ def resume(run_dir: Path) -> Submitted:
     with runs.private_umask(site.storage.group_readable):
         executor = sched.executor(spec, site, launch, rd.submitit)
         previous = job_info(rd)
-        job = submit_or_clean_up(executor, TrainTask(str(rd.path)), rd.path, remove=False)
+        task = rank_task(spec, rd.path, str(rd.read_resolved().get("workdir") or os.getcwd()))
+        job = submit_or_clean_up(executor, task, rd.path, remove=False)
         try:
             record_job(rd, job, site, sched, previous)
         except OSError as exc:
@@ -97,6 +96,20 @@ def resume(run_dir: Path) -> Submitted:
             raise ConfigError([f"{rd.path}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
                                "cancelled"]) from None
     return Submitted(rd.path, str(job.job_id), site.scheduler.kind)
+
+
+def rank_task(spec: JobSpec, run_dir: Path, workdir: str) -> tp.Any:
+    """What submitit runs on every rank: hpcx's trainer (``TrainTask``), or the spec's own command
+    (``ScriptTask``: script mode) in ``workdir``, the folder ``hpcx submit`` ran in. Both torch-free."""
+    from hpc.core.spec import script_mode
+
+    if script_mode(spec):
+        from trainer.script import ScriptTask
+
+        return ScriptTask(str(run_dir), workdir)
+    from trainer.task import TrainTask
+
+    return TrainTask(str(run_dir))
 
 
 def check_resumable(rd: runs.RunDir) -> None:
@@ -110,6 +123,8 @@ def check_resumable(rd: runs.RunDir) -> None:
                          f"`hpcx cancel {rd.name}` first"])
     stops = [e for e in rd.read_ledger() if e.get("event") == "stop"]
     if stops and stops[-1].get("reason") == "completed":
+        if "command_status" in stops[-1]:  # script mode: the command ended with 0 and asked for nothing
+            raise UserError([f"{rd.name}: its command completed: nothing to resume"])
         raise UserError([f"{rd.name}: completed its {stops[-1].get('step')} steps: nothing to resume "
                          "(submit a spec with more `train.steps` to train further)"])
 
@@ -145,6 +160,7 @@ def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.R
 
     doc = resolved_document(spec, site, launch, str(rd.path))
     doc["overrides"] = list(overrides)
+    doc["workdir"] = os.getcwd()  # where a script-mode command runs (and resumes)
     runs.write_json(rd.resolved, doc)
     text = schedulers.get(site.scheduler.kind).render(spec, site, launch, str(rd.path), sys.executable)
     runs.write_atomic(rd.render, text)

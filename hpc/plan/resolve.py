@@ -7,9 +7,9 @@ studies). The job never calls it: it reads the launch back from ``resolved.json`
 from __future__ import annotations
 
 from hpc.core.config import ConfigError
-from hpc.core.resolve import Launch, cross_check, launch_for
+from hpc.core.resolve import Launch, cross_check, launch_for, script_launch
 from hpc.core.site import SiteProfile
-from hpc.core.spec import JobSpec
+from hpc.core.spec import JobSpec, script_mode
 
 
 def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
@@ -17,6 +17,8 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
     errors = cross_check(spec, site)
     if errors:
         raise ConfigError([f"{spec.source}: {e}" for e in errors])
+    if script_mode(spec):  # the script decides its own layout: nothing to plan
+        return script_launch(spec, site)
     from hpc.plan import choose  # the planner decides `auto`
 
     choice = choose(spec, site, spec.job.nodes)

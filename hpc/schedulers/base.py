@@ -341,6 +341,12 @@ class JobSide(abc.ABC):
         """After a granted requeue and the stop line: leave the way this scheduler restarts a job
         (returning is right where the scheduler itself restarts the tasks)."""
 
+    def ended_by(self) -> str | None:
+        """After this task got SIGTERM, who is ending it, where the scheduler can tell: ``cancel``,
+        ``time_limit``, or ``step`` (another task of the step failed and the scheduler ends the rest: the
+        check after srun records that failure); None when it cannot tell (then it is taken as a cancel)."""
+        return None
+
     @abc.abstractmethod
     def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
         """(seconds this incarnation waited in the queue, where that figure came from)."""

@@ -516,6 +516,15 @@ class SlurmJobSide(JobSide):
     def incarnation(self, restart: int) -> str:
         return f"{self.job_id()}.{self.restart_count()}"
 
+    def ended_by(self) -> str | None:
+        """The job's state when its task got SIGTERM: scancel marks it CANCELLED and the time limit TIMEOUT
+        before their signals go out; a job still RUNNING is srun ending the step after a task failed
+        (``--kill-on-bad-exit``), which the batch script's check after srun records."""
+        state = show_job(self.job_id() or "").get("JobState", "")
+        if state in ("CANCELLED", "TIMEOUT"):
+            return "cancel" if state == "CANCELLED" else "time_limit"
+        return "step" if state in ("RUNNING", "COMPLETING") and self.decides_failures else None
+
     def seconds_left(self) -> float | None:
         """``EndTime`` of ``scontrol show job`` (start + time limit) minus now."""
         end = scontrol_seconds(show_job(self.job_id() or "").get("EndTime", ""))

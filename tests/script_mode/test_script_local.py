@@ -1,0 +1,122 @@
+"""Script mode on the local site: a plain DDP script through ``[job] command``, its rank environment, a
+drill it survives by its own checkpoint, and the records of each way a command can end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import hpcx
+from tests.script_mode.script_lib import (final_weights, ledger, losses, same_weights, script_folder, seen,
+                                          status, submit_in, wait_state)
+
+pytestmark = pytest.mark.slow
+STEPS = 16
+
+
+def ddp(out: str, *extra: str) -> list[str]:
+    return ["python", "ddp_script.py", out, str(STEPS), *extra]
+
+
+def test_a_plain_ddp_script_sees_torchruns_environment(tmp_path, run_root):
+    spec = script_folder(tmp_path / "user", ddp("out"), name="env", run_root=run_root)
+    run = submit_in(spec.parent, "--site", "local")
+    assert wait_state(run)["state"] == "COMPLETED"
+    out = spec.parent / "out"
+    for rank in (0, 1):
+        env = seen(out, 0, rank)
+        assert env["RANK"] == str(rank) and env["LOCAL_RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0" and env["HPCX_RESTART"] == "0"
+        assert env["MASTER_PORT"] == seen(out, 0, 0)["MASTER_PORT"] and int(env["MASTER_PORT"]) >= 20000
+        assert env["OMP_NUM_THREADS"] == "1"  # the local site's 2 CPUs over 2 tasks
+    start, stop = ledger(run)
+    assert start["by"] == "script" and start["command"] == ddp("out")
+    assert stop["reason"] == "completed" and stop["command_status"] == 0 and stop["step"] == STEPS
+    assert sorted(losses(run)) == list(range(1, STEPS + 1))
+    shown = status(run)
+    assert shown["step"] == STEPS and shown["loss"] == losses(run)[STEPS]
+
+
+def test_a_drilled_script_saves_asks_requeues_and_ends_equal_to_an_uninterrupted_twin(tmp_path, run_root):
+    twin = script_folder(tmp_path / "twin", ddp("out"), name="twin", run_root=run_root)
+    drilled = script_folder(tmp_path / "drilled", ddp("out", "--hold-at", "5"), name="drilled", run_root=run_root)
+    runs = [submit_in(s.parent, "--site", "local") for s in (twin, drilled)]
+    sent = hpcx("drill", str(runs[1]), "--at-step", "5", "--json", timeout=300)
+    assert sent.returncode == 0, sent.stderr
+    for run in runs:
+        assert wait_state(run)["state"] == "COMPLETED", run
+    start0, stop0, start1, stop1 = ledger(runs[1])
+    assert stop0["reason"] == "preempted" and stop0["requeued"] and stop0["step"] == 5
+    assert start1["restart"] == 1 and start1["step"] == 5
+    assert stop1["reason"] == "completed" and stop1["step"] == STEPS
+    assert seen(drilled.parent / "out", 1, 1)["HPCX_RESTART"] == "1"
+    assert losses(runs[1]) == losses(runs[0])
+    assert same_weights(final_weights(drilled.parent / "out"), final_weights(twin.parent / "out"))
+    assert status(runs[1])["restarts"] == 1
+
+
+def test_a_preempted_script_that_does_not_ask_is_not_requeued_and_says_why(tmp_path, run_root):
+    # the script reads the flag and stops, but never calls hpc.job.requeue()
+    spec = script_folder(tmp_path / "user", ddp("out", "--hold-at", "3"), name="noask", run_root=run_root)
+    (spec.parent / "ddp_script.py").write_text((spec.parent / "ddp_script.py").read_text()
+                                                .replace("job.requeue()", "pass"))
+    run = submit_in(spec.parent, "--site", "local")
+    assert hpcx("drill", str(run), "--at-step", "3", timeout=300).returncode == 0
+    wait_state(run)
+    start, stop = ledger(run)
+    assert stop["reason"] == "preempted" and not stop["requeued"] and stop["step"] == 3
+    assert "did not ask for a requeue" in stop["not_requeued"]
+
+
+@pytest.mark.parametrize("body, words", [("raise SystemExit(3)", "exited with status 3"),
+                                         ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+                                          "killed by SIGKILL")])
+def test_a_failing_command_is_reported_requeued_once_then_not_again_without_progress(tmp_path, run_root, body, words):
+    spec = script_folder(tmp_path / "user", ["python", "fail.py"], name="fails", run_root=run_root)
+    (spec.parent / "fail.py").write_text(f"from hpc import job\njob.log(0)\n{body}\n")
+    run = submit_in(spec.parent, "--site", "local")
+    assert wait_state(run)["state"] == "FAILED"
+    stops = [e for e in ledger(run) if e["event"] == "stop"]
+    assert [s["reason"] for s in stops] == ["failed", "failed"]
+    assert stops[0]["requeued"] and not stops[1]["requeued"]
+    assert "without progress" in stops[1]["not_requeued"] and words in stops[1]["error"]
+
+
+def test_rank_0_decides_once_every_rank_said_how_its_command_ended(tmp_path, run_root):
+    # rank 0's command succeeds at once, rank 1's fails later: the stop line says failed, not completed
+    spec = script_folder(tmp_path / "user", ["python", "fail.py"], name="onefails", run_root=run_root)
+    (spec.parent / "fail.py").write_text("import os, time\nif os.environ['RANK'] == '1':\n    time.sleep(2)\n"
+                                         "    raise SystemExit(4)\n")
+    run = submit_in(spec.parent, "--site", "local")
+    assert wait_state(run)["state"] == "FAILED"
+    stops = [e for e in ledger(run) if e["event"] == "stop"]
+    assert [s["reason"] for s in stops] == ["failed", "failed"] and stops[0]["requeued"]
+    assert "exited with status 4 on rank 1" in stops[0]["error"] and stops[0]["command_status"] == 0
+
+
+def test_a_cancelled_script_is_terminated_and_never_requeued(tmp_path, run_root):
+    spec = script_folder(tmp_path / "user", ddp("out", "--hold-at", "2"), name="cancel", run_root=run_root)
+    run = submit_in(spec.parent, "--site", "local")
+    import time
+
+    deadline = time.time() + 300  # a hang guard
+    while not (run / "metrics.jsonl").exists() or 2 not in losses(run):
+        assert time.time() < deadline
+        time.sleep(0.5)
+    assert hpcx("cancel", str(run)).returncode == 0
+    final = wait_state(run)
+    assert final["state"].startswith("CANCELLED"), final
+    stops = [e for e in ledger(run) if e["event"] == "stop"]
+    assert len(stops) == 1 and stops[0]["reason"] == "terminated" and not stops[0]["requeued"]
+    assert [e["event"] for e in ledger(run)].count("start") == 1
+
+
+def test_resume_of_a_cancelled_script_starts_it_again_in_its_folder(tmp_path, run_root):
+    spec = script_folder(tmp_path / "user", ["python", "-c", "from hpc import job; job.log(job.restart())"],
+                         name="resume", run_root=run_root)
+    run = submit_in(spec.parent, "--site", "local")
+    wait_state(run)
+    out = hpcx("resume", str(run))
+    assert out.returncode == 2 and "its command completed: nothing to resume" in out.stderr
+    assert json.loads((run / "resolved.json").read_text())["workdir"] == str(spec.parent)
