@@ -307,3 +307,48 @@ def test_bounds_hold_for_rendered_chats(llama, tmp_path):
     code, out = run_prepare(str(tmp_path / "e.jsonl"), "--tokenizer", str(echo), "--out", str(tmp_path / "o2"),
                             "--format", "prompt-response", "--max-document-bytes", "4096")
     assert code == 2 and f"e.jsonl:1: the chat renders past {4096 + (1 << 20):,} characters" in out, out
+
+
+def test_parquet_rows_and_workers_give_the_same_ids(llama, tmp_path):
+    """Chats in a .parquet file (a struct column: keys a row lacks read back as nulls, dropped as
+    transformers drops them) are the .jsonl rows' ids, with one worker or two."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = chat_rows(random.Random(3), "ipython", 20)
+    hf = transformers.AutoTokenizer.from_pretrained(str(llama))
+    (tmp_path / "in").mkdir()
+    half = len(rows) // 2
+    pq.write_table(pa.Table.from_pylist(rows[:half]), tmp_path / "in/a.parquet")
+    write_jsonl(tmp_path / "in/b.jsonl", rows[half:])
+    outs = []
+    for workers in ("1", "2"):
+        out = tmp_path / f"out{workers}"
+        code, text = run_prepare(str(tmp_path / "in"), "--tokenizer", str(llama), "--out", str(out), "--format",
+                                 "prompt-response", "--workers", workers, "--group-bytes", "1")
+        assert code == 0, text
+        outs.append(documents(out))
+    assert outs[0] == outs[1]
+    for row, (ids, mask) in zip(rows, outs[0], strict=True):
+        assert (ids, mask) == reference(hf, row, LLAMA3_MARKED)
+
+
+def test_a_changed_template_is_not_resumed(llama, tmp_path):
+    """The plan holds the template: the same command after the template changed refuses to mix the two."""
+    tok = Path(shutil.copytree(llama, tmp_path / "tok"))
+    rows = chat_rows(random.Random(4), "ipython", 4)
+    out = prepare(tmp_path, tok, rows)
+    (tok / "chat_template.jinja").write_text(LLAMA3_MARKED, encoding="utf-8")
+    code, text = run_prepare(str(tmp_path / "rows.jsonl"), "--tokenizer", str(tok), "--out", str(out),
+                             "--format", "prompt-response")
+    assert code == 2 and "prepared before with other chat_template" in text, text
+
+
+def test_a_special_token_the_tokenizer_lacks_is_refused(chatml, tmp_path):
+    tok = Path(shutil.copytree(chatml, tmp_path / "tok"))
+    config = json.loads((tok / "tokenizer_config.json").read_text())
+    (tok / "tokenizer_config.json").write_text(json.dumps(dict(config, bos_token="<s>")))
+    write_jsonl(tmp_path / "r.jsonl", [{"prompt": "a", "response": "b"}])
+    code, text = run_prepare(str(tmp_path / "r.jsonl"), "--tokenizer", str(tok), "--out", str(tmp_path / "o"),
+                             "--format", "prompt-response")
+    assert code == 2 and "bos_token '<s>' is not a token of the tokenizer" in text, text
