@@ -29,9 +29,9 @@ def data_group() -> None:
 @click.option("--chat-template", "chat_template", type=click.Choice(["auto", "tokenizer", "none"]), default="auto",
               show_default=True, help="prompt-response rows rendered with the tokenizer's chat template (auto: where "
                                       "it has one; tokenizer: it must; none: never, and chat lists are refused).")
-@click.option("--separator", default="\n", show_default=True,
+@click.option("--separator", default="\n", show_default="a newline",
               help="Between a prompt and its response where no chat template renders them (not added where "
-                   "either side has whitespace there).")
+                   "either side has whitespace there; in bash, $'\\n\\n' for two newlines).")
 @click.option("--val-fraction", default=0.0, show_default=True, help="Share of documents held out (by a hash of each).")
 @click.option("--workers", default=1, show_default=True, help="Processes (0: one per CPU).")
 @click.option("--max-document-bytes", default=8 << 20, show_default=True,

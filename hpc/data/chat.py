@@ -82,8 +82,22 @@ def find_template(folder: Path, tok: tp.Any) -> dict[str, tp.Any] | None:
         _compile_or_refuse(text, f"{source}" + (f" ({name})" if name != "default" else ""))
     variables = special_tokens(folder, config, tok)
     digest = hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()
-    return {"source": source, "sha256": digest, "templates": templates, "variables": variables,
-            "generation": bool(GENERATION_TAG.search(templates["default"]))}
+    entry = {"source": source, "sha256": digest, "templates": templates, "variables": variables,
+             "generation": bool(GENERATION_TAG.search(templates["default"]))}
+    if any("strftime_now" in text for text in templates.values()):
+        from datetime import datetime
+
+        entry["now"] = datetime.now().isoformat(timespec="seconds")  # one date for every group (same_plan)
+    return entry
+
+
+def same_plan(old: dict, new: dict) -> bool:
+    """Plans equal but for the time their template's ``strftime_now`` renders (the first one's is kept)."""
+    def undated(plan: dict) -> dict:
+        entry = plan.get("chat_template")
+        return dict(plan, chat_template={k: v for k, v in entry.items() if k != "now"}) if entry else plan
+
+    return isinstance(old, dict) and undated(old) == undated(new)
 
 
 def _template_files(folder: Path) -> tuple[str, dict[str, str]]:
@@ -158,9 +172,10 @@ def _compile_or_refuse(text: str, source: str) -> tp.Any:
 # ---------------------------------------------------------------- the environment (transformers' own)
 
 
-def environment() -> tp.Any:
+def environment(now: str | None = None) -> tp.Any:
     """The sandboxed Jinja environment of ``transformers.utils.chat_template_utils``: the same options,
-    filters, globals and ``{% generation %}`` tag, so a template renders the same characters."""
+    filters, globals and ``{% generation %}`` tag, so a template renders the same characters
+    (``strftime_now`` renders ``now``, an ISO time, where given: the plan's, not each group's own)."""
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -168,7 +183,7 @@ def environment() -> tp.Any:
                                         extensions=[_tracker_class(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals["strftime_now"] = _strftime_now if now is None else _strftime_at(now)
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _namespace_class()
     return env
@@ -189,6 +204,13 @@ def _strftime_now(format: str) -> str:
     from datetime import datetime
 
     return datetime.now().strftime(format)
+
+
+def _strftime_at(now: str) -> tp.Callable[[str], str]:
+    from datetime import datetime
+
+    when = datetime.fromisoformat(now)
+    return lambda format: when.strftime(format)
 
 
 class _TemplateDict:
@@ -280,7 +302,7 @@ class ChatRenderer:
     text cut into the assistant's characters (counted) and the rest."""
 
     def __init__(self, entry: dict[str, tp.Any], limits: Limits = Limits()):
-        self.entry, self.env = entry, environment()
+        self.entry, self.env = entry, environment(entry.get("now"))
         self.compiled = {name: self.env.from_string(text) for name, text in entry["templates"].items()}
         self.tracker = self.env.generation_tracker
         self.max_chars = limits.document_bytes + (1 << 20)

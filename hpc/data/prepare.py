@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc.data.chat import ChatRenderer, plan_template, template_record
+from hpc.data.chat import ChatRenderer, plan_template, same_plan, template_record
 from hpc.data.inputs import BadInput, Format, Limits, expand_inputs, read_documents
 from hpc.data.shards import SPLITS, ShardWriter
 from hpc.data.tokenizer import MAX_VOCAB, describe_tokenizer
@@ -82,7 +82,8 @@ def start(out: Path, plan: dict, inputs: tp.Sequence[str] = ()) -> bool:
     """Create ``out`` and record the plan; an existing plan must be the same one (then it resumes),
     unless no group of it finished (then there is nothing to resume: the new plan replaces it).
     ``out`` must not be, or be inside, an input folder, nor hold an input, nor be a folder another tool
-    filled. Returns whether ``out`` was created here (``abandon`` removes it then)."""
+    filled. A plan that differs only in its template's date (``strftime_now``) is the same one: ``plan``
+    takes the recorded one's. Returns whether ``out`` was created here (``abandon`` removes it then)."""
     check_out(out, plan, inputs)
     state = out / STATE
     created = not out.exists()
@@ -95,12 +96,13 @@ def start(out: Path, plan: dict, inputs: tp.Sequence[str] = ()) -> bool:
         from hpc.core.config import load_json_bounded
 
         old = load_json_bounded(path.read_text(encoding="utf-8"), str(path), UserError)
-        if old != plan and any(state.glob("group-*.json")):
+        if same_plan(old, plan):
+            plan.update(old)  # the first plan's date for a template's strftime_now
+            return created
+        if any(state.glob("group-*.json")):
             key = next((k for k in plan if not isinstance(old, dict) or old.get(k) != plan[k]), "version")
             raise UserError([f"{out}: prepared before with other {key} ({path}): expected the same inputs, "
                              "tokenizer and options to resume; use another --out or delete it"])
-        if old == plan:
-            return created
         _remove_shards(out)
     write_json(path, plan)
     return created

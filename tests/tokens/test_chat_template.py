@@ -352,3 +352,24 @@ def test_a_special_token_the_tokenizer_lacks_is_refused(chatml, tmp_path):
     code, text = run_prepare(str(tmp_path / "r.jsonl"), "--tokenizer", str(tok), "--out", str(tmp_path / "o"),
                              "--format", "prompt-response")
     assert code == 2 and "bos_token '<s>' is not a token of the tokenizer" in text, text
+
+
+def test_strftime_now_renders_the_plans_date(tmp_path):
+    """A template that asks for the date (Llama 3.2's) renders the date the plan was made in every group
+    and on resume, so the bytes do not depend on when a group ran."""
+    from hpc.data.chat import ChatRenderer, same_plan
+
+    dated = "{{ 'Today: ' + strftime_now('%d %b %Y') + '\\n' }}" + CHATML
+    tok = build_tokenizer(tmp_path / "dated", CHATML_SPECIAL, None, "<|im_end|>", dated)
+    out = prepare(tmp_path, tok, chat_rows(random.Random(5), "tool", 3))
+    plan = json.loads((out / ".prepare/plan.json").read_text())
+    entry = plan["chat_template"]
+    renderer = ChatRenderer(dict(entry, now="2024-07-26T10:00:00"))
+    text = "".join(t for t, _ in renderer.segments([{"role": "user", "content": "a"},
+                                                   {"role": "assistant", "content": "b"}], None, "x"))
+    assert text.startswith("Today: 26 Jul 2024\n<|im_start|>system")
+    later = dict(plan, chat_template=dict(entry, now="2999-01-01T00:00:00"))
+    assert same_plan(plan, later) and not same_plan(plan, dict(later, val_fraction=0.5))
+    code, text = run_prepare(str(tmp_path / "rows.jsonl"), "--tokenizer", str(tok), "--out", str(out),
+                             "--format", "prompt-response")  # resumed: nothing left to do, the date kept
+    assert code == 0 and json.loads((out / ".prepare/plan.json").read_text()) == plan, text
