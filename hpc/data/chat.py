@@ -385,8 +385,8 @@ class _Refused(Exception):
 
 def normalize_messages(messages: tp.Any, where: str, key: str = "messages") -> list[dict] | BadInput:
     """The messages as transformers hands them to a template (keys whose value is null dropped, the
-    reasoning fields aliased), each checked: a string ``role``, a ``content`` string or list of parts
-    (absent only beside ``tool_calls``)."""
+    reasoning fields aliased), each checked: a string ``role`` and a ``content`` (absent only beside
+    ``tool_calls``)."""
     expected = f"expected {key!r} to be a list of {{\"role\": …, \"content\": …}}"
     if not isinstance(messages, list) or not messages:
         return BadInput(where, f"{key!r} is not a non-empty list: {expected}")
@@ -397,10 +397,9 @@ def normalize_messages(messages: tp.Any, where: str, key: str = "messages") -> l
         message = {k: v for k, v in message.items() if v is not None}
         if not isinstance(message.get("role"), str):
             return BadInput(where, f"message {i} has no string 'role': {expected}")
-        content = message.get("content")
-        if not (isinstance(content, (str, list)) or (content is None and "tool_calls" in message)):
-            return BadInput(where, f"message {i} ({message['role']}) has no 'content' string or list of parts: "
-                            f"{expected}")
+        if "content" not in message and "tool_calls" not in message:
+            return BadInput(where, f"message {i} ({message['role']}) has no 'content': {expected} (a string, parts "
+                            "or a table, for the template to render; absent only beside 'tool_calls')")
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}

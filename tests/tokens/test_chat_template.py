@@ -48,9 +48,15 @@ CHATML_MARKED = (r"{% for message in messages %}{% if loop.first and messages[0]
                  r"{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}{% else %}"
                  r"{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
                  r"{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-# A tool_use template beside the default one (the list form of tokenizer_config.json): tools as JSON.
+# A tool_use template beside the default one (the list form of tokenizer_config.json): tools, tool calls
+# and table contents as JSON.
 TOOL_USE = (r"{% if tools %}{{ '<|im_start|>system\nTools: ' + tools | tojson + '<|im_end|>\n' }}{% endif %}"
-            + CHATML)
+            r"{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+            r"{% if message.tool_calls is defined %}{% for call in message.tool_calls %}"
+            r"{{ '<tool_call>' + call.function | tojson + '</tool_call>' }}{% endfor %}"
+            r"{% elif message.content is mapping %}{{ message.content | tojson }}{% else %}{{ message.content }}"
+            r"{% endif %}{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+            r"{% endif %}")
 # Llama 2's rule: roles alternate, or the template raises.
 ALTERNATING = (r"{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
                r"{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
@@ -247,6 +253,11 @@ def test_templates_from_the_config_list_with_tool_use(tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(str(tok))
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"a": "number", "ünï": "çødé"}}}]
     rows = [dict(r, **({"tools": tools} if i % 2 else {})) for i, r in enumerate(chat_rows(random.Random(2), "tool", 12))]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "ünï": "ø"}}}
+    rows += [{"tools": tools, "messages": [{"role": "user", "content": f"add {i}"},
+                                           {"role": "assistant", "content": None, "tool_calls": [call] * (1 + i % 2)},
+                                           {"role": "tool", "content": {"sum": i}},
+                                           {"role": "assistant", "content": f"It is {i}."}]} for i in range(4)]
     for row, (ids, _) in zip(rows, documents(prepare(tmp_path, tok, rows)), strict=True):
         assert ids == reference(hf, row)[0]
     assert json.loads((tmp_path / "rows-out/manifest.json").read_text())["chat_template"]["source"].endswith(
