@@ -452,3 +452,37 @@ def template_record(entry: dict[str, tp.Any] | None) -> dict[str, tp.Any] | None
     """What the manifest says of the template: where it came from, its SHA-256, whether it marks the
     assistant's turns."""
     return None if entry is None else {k: entry[k] for k in ("source", "sha256", "generation")}
+
+
+# ---------------------------------------------------------------- the tokenizer as transformers loads it
+
+
+def add_config_tokens(tok: tp.Any, folder: Path) -> list[str]:
+    """The named special tokens of ``tokenizer_config.json`` that ``tokenizer.json`` holds in its
+    vocabulary but not among its added tokens, added as special tokens, as transformers adds them when
+    it loads the folder (then text spelling one is that token, never its pieces). Returns them."""
+    config = read_json_file(folder / CONFIG_FILE)
+    if not isinstance(config, dict):
+        return []
+    from tokenizers import AddedToken
+
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    raw = _raw_named_tokens(config)
+    new = [name for name, text in _named_tokens(config).items()
+           if text not in added and tok.token_to_id(text) is not None]
+    tokens = [AddedToken(_named_tokens(config)[n], special=True, **_token_options(raw.get(n))) for n in new]
+    if tokens:
+        tok.add_special_tokens(tokens)
+    return [t.content for t in tokens]
+
+
+def _raw_named_tokens(config: dict) -> dict[str, tp.Any]:
+    extra = config.get("extra_special_tokens")
+    return {**config, **(extra if isinstance(extra, dict) else {})}
+
+
+def _token_options(value: tp.Any) -> dict[str, bool]:
+    """An AddedToken table's flags (``lstrip``, ``rstrip``, ``single_word``, ``normalized``)."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: value[k] for k in ("lstrip", "rstrip", "single_word", "normalized") if isinstance(value.get(k), bool)}

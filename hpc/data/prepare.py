@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hpc.data.chat import ChatRenderer, plan_template, same_plan, template_record
+from hpc.data.chat import ChatRenderer, add_config_tokens, plan_template, same_plan, template_record
 from hpc.data.inputs import BadInput, Format, Limits, expand_inputs, read_documents
 from hpc.data.shards import SPLITS, ShardWriter
 from hpc.data.tokenizer import MAX_VOCAB, describe_tokenizer
@@ -248,6 +248,7 @@ def _plan_tokenizer(plan: dict) -> tp.Any:
     if info.sha256 != plan["tokenizer"]["sha256"]:
         raise UserError([f"{info.path}: changed since this preparation started (sha256 {info.sha256[:12]}…, "
                          f"planned {plan['tokenizer']['sha256'][:12]}…): expected the same tokenizer"])
+    add_config_tokens(loaded[0], Path(info.path).parent)  # as AutoTokenizer loads the folder
     return loaded[0]
 
 

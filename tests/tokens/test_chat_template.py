@@ -384,3 +384,25 @@ def test_strftime_now_renders_the_plans_date(tmp_path):
     code, text = run_prepare(str(tmp_path / "rows.jsonl"), "--tokenizer", str(tok), "--out", str(out),
                              "--format", "prompt-response")  # resumed: nothing left to do, the date kept
     assert code == 0 and json.loads((out / ".prepare/plan.json").read_text()) == plan, text
+
+
+def test_a_named_token_missing_from_added_tokens_is_added_as_transformers_adds_it(tmp_path):
+    """``tokenizer_config.json`` names ``<|eot_id|>`` as the EOS, but ``tokenizer.json`` holds it only in
+    its vocabulary: transformers adds it as a special token on load, and so does prepare, so text that
+    spells it is that one id in plain text and in chats alike."""
+    tok = build_tokenizer(tmp_path / "t", LLAMA_SPECIAL, "<|begin_of_text|>", "<|eot_id|>", LLAMA3)
+    doc = json.loads((tok / "tokenizer.json").read_text())
+    doc["added_tokens"] = [t for t in doc["added_tokens"] if t["content"] != "<|eot_id|>"]
+    assert "<|eot_id|>" in doc["model"]["vocab"]
+    (tok / "tokenizer.json").write_text(json.dumps(doc))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tok))
+    texts = ["hello <|eot_id|> world", "<|eot_id|>", "no token here"]
+    write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
+    code, out = run_prepare(str(tmp_path / "t.jsonl"), "--tokenizer", str(tok), "--out", str(tmp_path / "o"))
+    assert code == 0, out
+    for text, (ids, _) in zip(texts, documents(tmp_path / "o"), strict=True):
+        want = hf(text)["input_ids"]
+        assert ids == want + ([hf.eos_token_id] if want[-1] != hf.eos_token_id else [])
+    rows = chat_rows(random.Random(6), "ipython", 8)
+    for row, (ids, _) in zip(rows, documents(prepare(tmp_path, tok, rows)), strict=True):
+        assert ids == reference(hf, row)[0]
