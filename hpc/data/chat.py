@@ -40,11 +40,13 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' aliases, first is the standard
 
 
-def read_json_file(path: Path, limit: int = MAX_TEMPLATE_BYTES) -> tp.Any:
-    """A bounded JSON file of the tokenizer's folder (a regular file); None when it does not exist."""
+def read_json_file(path: Path) -> tp.Any:
+    """A bounded JSON file of the tokenizer's folder (a regular file, as many bytes as a tokenizer.json
+    may have); None when it does not exist."""
     if not path.exists():
         return None
     from hpc.core.config import load_json_bounded
+    from hpc.data.tokenizer import MAX_FILE_BYTES as limit
 
     return load_json_bounded(read_text(path, limit), str(path), UserError)
 
