@@ -26,6 +26,12 @@ def data_group() -> None:
 @click.option("--prompt-key", default="prompt", show_default=True)
 @click.option("--response-key", default="response", show_default=True)
 @click.option("--messages-key", default="messages", show_default=True, help="A chat list of {role, content}.")
+@click.option("--chat-template", "chat_template", type=click.Choice(["auto", "tokenizer", "none"]), default="auto",
+              show_default=True, help="prompt-response rows rendered with the tokenizer's chat template (auto: where "
+                                      "it has one; tokenizer: it must; none: never, and chat lists are refused).")
+@click.option("--separator", default="\n", show_default="a newline",
+              help="Between a prompt and its response where no chat template renders them (not added where "
+                   "either side has whitespace there; in bash, $'\\n\\n' for two newlines).")
 @click.option("--val-fraction", default=0.0, show_default=True, help="Share of documents held out (by a hash of each).")
 @click.option("--workers", default=1, show_default=True, help="Processes (0: one per CPU).")
 @click.option("--max-document-bytes", default=8 << 20, show_default=True,
@@ -43,8 +49,8 @@ def data_group() -> None:
 @click.option("--wait", is_flag=True, help="With --site: block until the merge job wrote the manifest.")
 @json_option
 def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str, text_key: str, prompt_key: str,
-                    response_key: str, messages_key: str, val_fraction: float, workers: int, shard_tokens: int,
-                    group_bytes: int, errors: str, eos: str | None, max_document_bytes: int, max_expansion: int, max_vocab: int,
+                    response_key: str, messages_key: str, chat_template: str, separator: str, val_fraction: float,
+                    workers: int, shard_tokens: int, group_bytes: int, errors: str, eos: str | None, max_document_bytes: int, max_expansion: int, max_vocab: int,
                     site_name: str | None, wait: bool, as_json: bool) -> None:
     """Tokenize INPUT… (.txt, .jsonl, .parquet; .gz/.zst; folders and globs) into token shards and a
     manifest.json in --out; a killed run started again continues where it was."""
@@ -52,13 +58,13 @@ def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str
     from hpc.data.inputs import Format, Limits
     from hpc.data.prepare import Options, abandon, make_plan, pending_groups, start
 
-    fmt = Format(kind, text_key, prompt_key, response_key, messages_key)
+    fmt = Format(kind, text_key, prompt_key, response_key, messages_key, separator)
     if workers < 0:
         raise UserError([f"--workers {workers}: expected 0 (one per CPU) or a positive number"])
     limits = Limits(_positive("--max-document-bytes", max_document_bytes), _positive("--max-expansion", max_expansion))
     options = Options(fmt, val_fraction, _positive("--shard-tokens", shard_tokens),
                       _positive("--group-bytes", group_bytes), errors, eos, limits,
-                      _positive("--max-vocab", max_vocab))
+                      _positive("--max-vocab", max_vocab), chat_template)
     plan = make_plan(inputs, tokenizer, options)
     out_dir = Path(os.path.abspath(out))
     created = start(out_dir, plan, inputs)

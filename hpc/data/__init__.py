@@ -1,7 +1,7 @@
 """Token datasets: ``hpcx data prepare`` (text → token shards + manifest) and ``hpcx data verify``.
 
-Torch-free. ``tokenizers``, ``pyarrow`` and ``zstandard`` are imported only where a command needs
-them. Layout of a prepared folder::
+Torch-free. ``tokenizers``, ``pyarrow``, ``zstandard`` and ``jinja2`` (chat templates,
+``hpc.data.chat``) are imported only where a command needs them. Layout of a prepared folder::
 
     DIR/manifest.json                 what the trainer reads (written last, atomically)
     DIR/train-GGGGG-KKKK.bin          tokens of group G, shard K (uint16 or uint32)

@@ -2,9 +2,11 @@
 
 A document is one paragraph of a ``.txt`` file (lines up to a blank line), one line of a ``.jsonl``
 file (its ``text_key``), or one row of a ``.parquet`` file (its ``text_key`` column). A document is a
-list of ``(text, counted)`` segments: one counted segment for plain text; for ``prompt-response``
-the prompt (or the chat's non-assistant turns) is not counted in the loss. Every problem is a
-``BadInput`` naming ``file:line`` and what was expected.
+list of ``(text, counted)`` segments whose texts, joined, are what is tokenized: one counted segment
+for plain text; for ``prompt-response`` a chat (or a prompt and response as a user and an assistant
+turn) rendered with the tokenizer's chat template (``hpc.data.chat``), only the assistant's characters
+counted, or, without a template, the prompt and the separator (not counted) and the response. Every
+problem is a ``BadInput`` naming ``file:line`` and what was expected.
 """
 
 from __future__ import annotations
@@ -45,6 +47,14 @@ class Format:
     prompt_key: str = "prompt"
     response_key: str = "response"
     messages_key: str = "messages"
+    separator: str = "\n"  # between a prompt and its response, without a chat template (``joined``)
+
+
+class Renderer(tp.Protocol):
+    """What renders chat rows (``hpc.data.chat.ChatRenderer``)."""
+
+    def segments(self, messages: tp.Any, tools: tp.Any, where: str, key: str = "messages") -> Segments | BadInput:
+        ...
 
 
 def input_kind(path: str) -> tuple[str, str] | None:
@@ -183,18 +193,20 @@ def open_binary(path: Path, limits: Limits = Limits()) -> tuple[tp.BinaryIO, tp.
     return io.BufferedReader(Decoded(raw, comp, str(path), limits.expansion * size + (1 << 20)), DECODED), raw
 
 
-def read_documents(path: Path, fmt: Format, limits: Limits = Limits()) -> tp.Iterator[tuple[Segments | BadInput, int]]:
-    """Yield (segments or the BadInput of that document, raw bytes of the input read so far)."""
+def read_documents(path: Path, fmt: Format, limits: Limits = Limits(),
+                   chat: Renderer | None = None) -> tp.Iterator[tuple[Segments | BadInput, int]]:
+    """Yield (segments or the BadInput of that document, raw bytes of the input read so far); ``chat``
+    renders chat and prompt-response rows where the tokenizer has a chat template."""
     kind = _kind_of(path)[0]
     stream, raw = open_binary(path, limits)
     with raw, stream:
         try:
             if kind == ".parquet":
-                yield from _parquet_documents(path, stream, raw, fmt, limits)
+                yield from _parquet_documents(path, stream, raw, fmt, limits, chat)
             elif kind == ".jsonl":
                 name = str(path)
                 for line_no, text, pos in _lines(name, stream, raw, limits):
-                    yield _json_document(name, line_no, text, fmt), pos
+                    yield _json_document(name, line_no, text, fmt, chat), pos
             else:
                 yield from _paragraphs(path, stream, raw, fmt, limits)
         except (OSError, EOFError) as exc:
@@ -231,7 +243,8 @@ def _lines(name: str, stream: tp.BinaryIO, raw: tp.BinaryIO,
         yield line_no, text, pos
 
 
-def _json_document(name: str, line_no: int, text: str | BadInput, fmt: Format) -> Segments | BadInput:
+def _json_document(name: str, line_no: int, text: str | BadInput, fmt: Format,
+                   chat: Renderer | None = None) -> Segments | BadInput:
     if isinstance(text, BadInput):
         return text
     where = f"{name}:{line_no}"
@@ -243,10 +256,10 @@ def _json_document(name: str, line_no: int, text: str | BadInput, fmt: Format) -
         return BadInput(where, f"not JSON ({getattr(exc, 'msg', 'nested too deep')}): expected one JSON object per line")
     if not isinstance(obj, dict):
         return BadInput(where, f"a JSON {type(obj).__name__}: expected one JSON object per line")
-    return segments_of(obj, fmt, where)
+    return segments_of(obj, fmt, where, chat)
 
 
-def segments_of(obj: dict, fmt: Format, where: str) -> Segments | BadInput:
+def segments_of(obj: dict, fmt: Format, where: str, chat: Renderer | None = None) -> Segments | BadInput:
     """The segments of one record (a JSON object or a parquet row)."""
     if fmt.kind == "text":
         value = obj.get(fmt.text_key)
@@ -254,33 +267,31 @@ def segments_of(obj: dict, fmt: Format, where: str) -> Segments | BadInput:
             return BadInput(where, f"{_found(obj, fmt.text_key)}: expected a string {fmt.text_key!r}")
         return [(value, True)]
     if fmt.messages_key in obj:
-        return _chat_segments(obj[fmt.messages_key], fmt, where)
+        if chat is None:
+            return BadInput(where, f"a chat list {fmt.messages_key!r} and a tokenizer without a chat template (or "
+                            "--chat-template none): expected a tokenizer whose chat_template renders it (in "
+                            "tokenizer_config.json or chat_template.jinja), or prompt and response strings")
+        return chat.segments(obj[fmt.messages_key], obj.get("tools"), where, fmt.messages_key)
     prompt, response = obj.get(fmt.prompt_key), obj.get(fmt.response_key)
     if not isinstance(prompt, str) or not isinstance(response, str):
         key = fmt.prompt_key if not isinstance(prompt, str) else fmt.response_key
         return BadInput(where, f"{_found(obj, key)}: expected strings {fmt.prompt_key!r} and "
                         f"{fmt.response_key!r}, or a chat list {fmt.messages_key!r}")
-    return [(prompt, False), (response, True)]
+    if chat is not None:
+        return chat.segments([{"role": "user", "content": prompt}, {"role": "assistant", "content": response}],
+                             None, where)
+    return joined(prompt, response, fmt.separator)
+
+
+def joined(prompt: str, response: str, separator: str) -> Segments:
+    """A prompt and its response without a chat template: the separator goes between them unless one of
+    them is empty, the prompt ends with whitespace or the response begins with it."""
+    glue = separator if prompt and response and not prompt[-1].isspace() and not response[0].isspace() else ""
+    return [(prompt + glue, False), (response, True)]
 
 
 def _found(obj: dict, key: str) -> str:
     return f"no key {key!r}" if key not in obj else f"{key!r} is a {type(obj[key]).__name__}"
-
-
-def _chat_segments(messages: tp.Any, fmt: Format, where: str) -> Segments | BadInput:
-    """A chat list of ``{"role", "content"}``: each turn is ``role: content`` on its own line; only
-    the assistant's contents count in the loss."""
-    expected = f"expected {fmt.messages_key!r} to be a list of {{\"role\": …, \"content\": …}} strings"
-    if not isinstance(messages, list) or not messages:
-        return BadInput(where, f"{fmt.messages_key!r} is not a non-empty list: {expected}")
-    out: Segments = []
-    for i, turn in enumerate(messages):
-        if not (isinstance(turn, dict) and isinstance(turn.get("role"), str) and isinstance(turn.get("content"), str)):
-            return BadInput(where, f"message {i} has no string role and content: {expected}")
-        out += [(("\n" if i else "") + f"{turn['role']}: ", False), (turn["content"], turn["role"] == "assistant")]
-    if not any(counted for _, counted in out):
-        return BadInput(where, f"no assistant message: {expected}, one with role 'assistant'")
-    return out
 
 
 def _paragraphs(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format, limits: Limits) -> tp.Iterator[tuple]:
@@ -316,7 +327,7 @@ def _paragraph(path: Path, lines: list[str], first: int, too_long: bool, limits:
 
 
 def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format,
-                       limits: Limits) -> tp.Iterator[tuple]:
+                       limits: Limits, chat: Renderer | None = None) -> tp.Iterator[tuple]:
     """One document per row; columns read in batches (pyarrow), so memory stays bounded."""
     import pyarrow.parquet as pq
 
@@ -330,15 +341,15 @@ def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: F
     except Exception as exc:  # noqa: BLE001  (pyarrow raises its own ArrowInvalid for a file that is not parquet)
         raise UserError([f"{path}: not a parquet file ({exc}): expected a .parquet table"]) from None
     keys = [fmt.text_key] if fmt.kind == "text" else [fmt.prompt_key, fmt.response_key, fmt.messages_key]
-    columns = [k for k in keys if k in table.schema_arrow.names]
-    if not columns:
+    columns = [k for k in keys + ([] if fmt.kind == "text" else ["tools"]) if k in table.schema_arrow.names]
+    if not set(columns) & set(keys):
         raise UserError([f"{path}: no column {' or '.join(map(repr, keys))}: expected it (see --text-key)"])
     row, total = 0, max(1, table.metadata.num_rows)
     for batch in table.iter_batches(batch_size=1024, columns=columns):
         for record in batch.to_pylist():
             row += 1
             obj = {k: v for k, v in record.items() if v is not None}
-            yield segments_of(obj, fmt, f"{path}:row {row}"), raw_progress(raw, row, total)
+            yield segments_of(obj, fmt, f"{path}:row {row}", chat), raw_progress(raw, row, total)
 
 
 def raw_progress(raw: tp.BinaryIO, row: int, total: int) -> int:

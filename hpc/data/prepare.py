@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpc.data.chat import ChatRenderer, add_config_tokens, plan_template, same_plan, template_record
 from hpc.data.inputs import BadInput, Format, Limits, expand_inputs, read_documents
 from hpc.data.shards import SPLITS, ShardWriter
 from hpc.data.tokenizer import MAX_VOCAB, describe_tokenizer
@@ -45,6 +46,7 @@ class Options:
     eos: str | None = None
     limits: Limits = Limits()
     max_vocab: int = MAX_VOCAB
+    chat_template: str = "auto"  # auto | tokenizer | none (hpc.data.chat.plan_template)
 
 
 def make_plan(inputs: tp.Sequence[str], tokenizer: str, options: Options) -> dict[str, tp.Any]:
@@ -53,11 +55,14 @@ def make_plan(inputs: tp.Sequence[str], tokenizer: str, options: Options) -> dic
         raise UserError([f"--val-fraction {options.val_fraction}: expected a fraction in [0, 1)"])
     files = expand_inputs(inputs)
     sizes = [f.stat().st_size for f in files]
-    info = describe_tokenizer(tokenizer, options.eos, options.max_vocab)
+    loaded: list = []
+    info = describe_tokenizer(tokenizer, options.eos, options.max_vocab, loaded)
+    template = plan_template(Path(info.path).parent, loaded[0], options.fmt.kind, options.chat_template)
     return {"version": 1, "inputs": [{"path": str(f), "bytes": n} for f, n in zip(files, sizes)],
             "groups": group_inputs(sizes, options.group_bytes), "tokenizer": info.to_dict(), "dtype": info.dtype,
             "format": dataclasses.asdict(options.fmt), "val_fraction": options.val_fraction,
-            "shard_tokens": options.shard_tokens, "errors": options.errors, "limits": dataclasses.asdict(options.limits)}
+            "shard_tokens": options.shard_tokens, "errors": options.errors, "limits": dataclasses.asdict(options.limits),
+            "chat_template": template}
 
 
 def group_inputs(sizes: tp.Sequence[int], group_bytes: int) -> list[list[int]]:
@@ -77,7 +82,8 @@ def start(out: Path, plan: dict, inputs: tp.Sequence[str] = ()) -> bool:
     """Create ``out`` and record the plan; an existing plan must be the same one (then it resumes),
     unless no group of it finished (then there is nothing to resume: the new plan replaces it).
     ``out`` must not be, or be inside, an input folder, nor hold an input, nor be a folder another tool
-    filled. Returns whether ``out`` was created here (``abandon`` removes it then)."""
+    filled. A plan that differs only in its template's date (``strftime_now``) is the same one: ``plan``
+    takes the recorded one's. Returns whether ``out`` was created here (``abandon`` removes it then)."""
     check_out(out, plan, inputs)
     state = out / STATE
     created = not out.exists()
@@ -90,12 +96,13 @@ def start(out: Path, plan: dict, inputs: tp.Sequence[str] = ()) -> bool:
         from hpc.core.config import load_json_bounded
 
         old = load_json_bounded(path.read_text(encoding="utf-8"), str(path), UserError)
-        if old != plan and any(state.glob("group-*.json")):
+        if same_plan(old, plan):
+            plan.update(old)  # the first plan's date for a template's strftime_now
+            return created
+        if any(state.glob("group-*.json")):
             key = next((k for k in plan if not isinstance(old, dict) or old.get(k) != plan[k]), "version")
             raise UserError([f"{out}: prepared before with other {key} ({path}): expected the same inputs, "
                              "tokenizer and options to resume; use another --out or delete it"])
-        if old == plan:
-            return created
         _remove_shards(out)
     write_json(path, plan)
     return created
@@ -221,8 +228,10 @@ def run_group(out: Path, plan: dict, group: int, report: tp.Callable[[int, int],
     writers = {s: ShardWriter(out, s, group, plan["dtype"], plan["shard_tokens"], masked) for s in SPLITS}
     pending = Pending(_plan_tokenizer(plan), plan, writers, report or (lambda nbytes, tokens: None))
     skipped = Skipped(plan["errors"])
+    limits = Limits(**plan.get("limits", {}))
+    chat = ChatRenderer(plan["chat_template"], limits) if plan.get("chat_template") else None
     for i in plan["groups"][group]:
-        _read_file(Path(plan["inputs"][i]["path"]), plan["inputs"][i]["bytes"], plan, pending, skipped)
+        _read_file(Path(plan["inputs"][i]["path"]), plan["inputs"][i]["bytes"], plan, pending, skipped, chat)
     pending.flush()
     for w in writers.values():
         w.flush()
@@ -239,6 +248,7 @@ def _plan_tokenizer(plan: dict) -> tp.Any:
     if info.sha256 != plan["tokenizer"]["sha256"]:
         raise UserError([f"{info.path}: changed since this preparation started (sha256 {info.sha256[:12]}…, "
                          f"planned {plan['tokenizer']['sha256'][:12]}…): expected the same tokenizer"])
+    add_config_tokens(loaded[0], Path(info.path).parent)  # as AutoTokenizer loads the folder
     return loaded[0]
 
 
@@ -267,10 +277,11 @@ class Pending:
         self.docs, self.nbytes, self.chars = [], 0, 0
 
 
-def _read_file(path: Path, size: int, plan: dict, pending: Pending, skipped: Skipped) -> None:
+def _read_file(path: Path, size: int, plan: dict, pending: Pending, skipped: Skipped,
+               chat: ChatRenderer | None = None) -> None:
     """All documents of one input into ``pending``; an input without any is bad input."""
     documents, bad, read = 0, 0, 0
-    for doc, pos in read_documents(path, Format(**plan["format"]), Limits(**plan.get("limits", {}))):
+    for doc, pos in read_documents(path, Format(**plan["format"]), Limits(**plan.get("limits", {})), chat):
         if isinstance(doc, BadInput):
             skipped.add(doc)
             bad += 1
@@ -284,22 +295,45 @@ def _read_file(path: Path, size: int, plan: dict, pending: Pending, skipped: Ski
 
 
 def _encode(tok: tp.Any, batch: list[list[tuple[str, bool]]], plan: dict, writers: dict) -> int:
-    """Encode a batch of documents (every segment in one ``encode_batch``), add each with its EOS to its
-    split's writer; returns the tokens written."""
-    texts = [text for doc in batch for text, _ in doc]
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers ≥ 0.20) skips the offsets
-    encoded = iter(encode(texts, add_special_tokens=False))
+    """Encode a batch of documents (each one text: its segments joined, in one ``encode_batch``), add each
+    to its split's writer; returns the tokens written. A chat-template rendering is tokenized as
+    ``apply_chat_template`` tokenizes it (no special tokens added: the template wrote them) and kept
+    as it is; other documents as ``AutoTokenizer(text)`` does (the post-processor's BOS/EOS), then
+    ended by the EOS unless they end with it already."""
+    texts = ["".join(text for text, _ in doc) for doc in batch]
     eos, masked, total = plan["tokenizer"]["eos_id"], plan["format"]["kind"] != "text", 0
-    for doc in batch:
-        parts = [next(encoded).ids for _ in doc]
-        ids = parts[0] + [eos] if len(parts) == 1 else [i for p in parts for i in p] + [eos]
+    templated = masked and bool(plan.get("chat_template"))
+    if masked:  # the offsets tell which tokens hold counted characters
+        encoded = tok.encode_batch(texts, add_special_tokens=not templated)
+    else:
+        encoded = getattr(tok, "encode_batch_fast", tok.encode_batch)(texts, add_special_tokens=True)
+    for doc, enc in zip(batch, encoded):
+        ids = list(enc.ids)
+        mask = counted_tokens(enc.offsets, doc) if masked else None
+        if not templated and (not ids or ids[-1] != eos):
+            ids.append(eos)
+            mask = None if mask is None else np.append(mask, np.uint8(1))
+        elif mask is not None and not templated:
+            mask[-1] = 1  # the post-processor's EOS ends the response
         tokens = np.array(ids, dtype=writers["train"].dtype)
-        mask = None
-        if masked:
-            mask = np.array([c for p, (_, c) in zip(parts, doc) for _ in p] + [1], dtype=np.uint8)
         writers["val" if in_val(doc, plan["val_fraction"]) else "train"].add(tokens, mask)
         total += len(tokens)
     return total
+
+
+def counted_tokens(offsets: list[tuple[int, int]], doc: list[tuple[str, bool]]) -> np.ndarray:
+    """1 for each token whose characters overlap a counted segment (transformers' rule for the
+    assistant mask), else 0."""
+    mask = np.zeros(len(offsets), dtype=np.uint8)
+    if not offsets:
+        return mask
+    bounds = np.array(offsets, dtype=np.int64).reshape(-1, 2)
+    pos = 0
+    for text, counted in doc:
+        if counted and text:
+            mask |= ((bounds[:, 1] > pos) & (bounds[:, 0] < pos + len(text))).astype(np.uint8)
+        pos += len(text)
+    return mask
 
 
 def merge(out: Path) -> dict:
@@ -330,7 +364,8 @@ def manifest_of(plan: dict, records: list[dict]) -> dict:
     tokenizer = plan["tokenizer"]
     return {"format": "hpcx-tokens", "version": 1, "tokenizer": tokenizer, "vocab_size": tokenizer["vocab_size"],
             "eos_id": tokenizer["eos_id"], "dtype": plan["dtype"], "masked": plan["format"]["kind"] != "text",
-            "document_format": plan["format"], "inputs": plan["inputs"], "groups": plan["groups"],
+            "document_format": plan["format"], "chat_template": template_record(plan.get("chat_template")),
+            "inputs": plan["inputs"], "groups": plan["groups"],
             "val_fraction": plan["val_fraction"], "shard_tokens": plan["shard_tokens"], "splits": splits,
             "skipped": {"count": sum(x["count"] for x in skipped),
                         "first": [m for x in skipped for m in x["first"]][:KEPT_EXAMPLES]}}

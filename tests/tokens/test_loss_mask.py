@@ -21,9 +21,7 @@ sys.path.insert(0, str(REPO / "tests/trainer"))
 from trainer_testlib import child_env, make_run, read_losses, torchrun  # noqa: E402
 
 RECORDS = [{"prompt": f"Question {i}: what is {i} plus {i}?", "response": f" It is {2 * i}."} for i in range(40)]
-CHATS = [{"messages": [{"role": "user", "content": f"hello {i}"}, {"role": "assistant", "content": f"hi {i}!"},
-                       {"role": "user", "content": "bye"}, {"role": "assistant", "content": "bye now"}]}
-         for i in range(40)]
+GLUED = [{"prompt": f"Say {i}", "response": f"{i}!"} for i in range(40)]  # joined by the separator, a newline
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +29,7 @@ def sft(tmp_path_factory, tokenizer) -> Path:
     folder = tmp_path_factory.mktemp("sft")
     (folder / "in").mkdir()
     write_jsonl(folder / "in/pairs.jsonl", RECORDS * 3)
-    write_jsonl(folder / "in/chat.jsonl", CHATS * 3)
+    write_jsonl(folder / "in/glued.jsonl", GLUED * 3)
     code, out = run_prepare(str(folder / "in"), "--tokenizer", str(tokenizer), "--out", str(folder / "data"),
                             "--format", "prompt-response")
     assert code == 0, out
@@ -45,18 +43,21 @@ def shard_arrays(folder: Path, n: int = 0) -> tuple[np.ndarray, np.ndarray, np.n
 
 
 def test_mask_marks_the_response_and_the_eos(sft, tokenizer):
+    """Without a chat template (this tokenizer has none): prompt, separator and response tokenized as one
+    text; the response's tokens and the EOS count (tests/tokens/test_chat_template.py: with templates)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tokenizer))
     assert json.loads((sft / "manifest.json").read_text())["masked"] is True
     tokens, mask, offsets = shard_arrays(sft)
-    chat = tokens[offsets[0]:offsets[1]], mask[offsets[0]:offsets[1]]  # chat.jsonl sorts before pairs.jsonl
-    assert tok.decode(chat[0][chat[1] == 1].tolist()) == "hi 0!bye now"  # EOS: a special token, not decoded
-    assert chat[0][-1] == 1 and chat[1][-1] == 1
-    assert tok.decode(chat[0][chat[1] == 0].tolist()) == "user: hello 0\nassistant: \nuser: bye\nassistant: "
+    glued = tokens[offsets[0]:offsets[1]], mask[offsets[0]:offsets[1]]  # glued.jsonl sorts before pairs.jsonl
+    assert glued[0].tolist() == tok.encode("Say 0\n0!").ids + [1]  # the EOS, <|endoftext|>, is id 1
+    assert tok.decode(glued[0][glued[1] == 1].tolist()) == "0!" and glued[1][-1] == 1
+    assert tok.decode(glued[0][glued[1] == 0].tolist()) == "Say 0\n"
     first = RECORDS[0]
     start = offsets[120]
     doc, doc_mask = tokens[start:offsets[121]], mask[start:offsets[121]]
+    assert doc.tolist() == tok.encode(first["prompt"] + first["response"]).ids + [1]  # whitespace there: no separator
     prompt_len = len(tok.encode(first["prompt"], add_special_tokens=False).ids)
     assert (doc_mask[:prompt_len] == 0).all() and (doc_mask[prompt_len:] == 1).all()
     assert tok.decode(doc[prompt_len:-1].tolist()) == first["response"]
@@ -69,11 +70,13 @@ def test_txt_input_is_refused_for_prompt_response(tmp_path, tokenizer):
     assert code == 2 and "expected .jsonl or .parquet for --format prompt-response" in out
 
 
-def test_chat_without_assistant_is_bad_input(tmp_path, tokenizer):
-    write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+def test_chat_without_a_template_is_bad_input(tmp_path, tokenizer):
+    """A chat list is rendered only by the tokenizer's own template (never as ``role: content`` lines)."""
+    write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "x"},
+                                                     {"role": "assistant", "content": "y"}]}])
     code, out = run_prepare(str(tmp_path / "c.jsonl"), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "o"),
                             "--format", "prompt-response")
-    assert code == 2 and "c.jsonl:1: no assistant message" in out
+    assert code == 2 and "c.jsonl:1: a chat list 'messages' and a tokenizer without a chat template" in out
 
 
 def test_masked_loss_matches_a_hand_computation():
