@@ -32,7 +32,8 @@ from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
 from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
-from trainer.objective import Batch, counted_targets, masked_scale, micro_loss, split_batch, to_device
+from trainer.objective import (Batch, batch_documents, counted_targets, masked_scale, micro_loss, split_batch,
+                               to_device)
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
@@ -106,11 +107,12 @@ def micro_step_context(model: nn.Module, sync: bool) -> tp.ContextManager:
 
 def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> torch.Tensor:
     """Loss of one micro-batch (``trainer.objective.micro_loss``), back-propagated; returns it detached."""
-    tokens, mask = split_batch(to_device(batch, t.device))  # ``train_step`` moved it already: a no-op there
+    batch = to_device(batch, t.device)  # ``train_step`` moved it already: a no-op there
+    (tokens, mask), documents = split_batch(batch), batch_documents(batch)
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None
                 else contextlib.nullcontext())
-    with autocast:
-        logits = t.model(tokens[:, :-1])
+    with autocast:  # packed documents: each position's document number too (``data.packing``)
+        logits = t.model(tokens[:, :-1]) if documents is None else t.model(tokens[:, :-1], documents[:, :-1])
     loss = micro_loss(logits, tokens, mask, scale)
     t.clock.lap("forward")
     (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
