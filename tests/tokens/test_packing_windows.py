@@ -196,3 +196,35 @@ def test_training_with_document_packing_on_a_windowed_set(prepared, tmp_path):
     data = json.loads((run_dir / "data.json").read_text())
     assert data["packing"] == "document" and data["window"] == SEQ
     assert 0 < data["splits"]["train"]["padding_fraction"] < 1
+
+
+def _spec_problems(sets: list[str]) -> list[str]:
+    from hpc.core.errors import ConfigError
+    from hpc.core.spec import load_spec
+    from trainer_testlib import TINY
+
+    try:
+        load_spec(TINY, sets)
+    except ConfigError as exc:
+        return exc.messages
+    return []
+
+
+def test_document_packing_is_checked_where_the_spec_loads(prepared, tmp_path):
+    _, windows = prepared
+    vocab = f"model.vocab_size={json.loads((windows / 'manifest.json').read_text())['vocab_size']}"
+    good = [f"data.source={str(windows)!r}", vocab, f"model.seq_len={SEQ}", "data.packing='document'"]
+    assert _spec_problems(good) == []
+    (tmp_path / "t.bin").write_bytes(np.arange(4000, dtype=np.uint16).tobytes())
+    cases = {
+        "data.source='synthetic'": "`data.packing` = 'document': `data.source` = 'synthetic' is synthetic samples",
+        f"data.source={str(tmp_path / 't.bin')!r}": "is a flat token file, which records no document boundaries",
+    }
+    for source, words in cases.items():
+        problems = _spec_problems([source, "data.packing='document'", "model.vocab_size=8192"])
+        assert len(problems) == 1 and words in problems[0], problems
+    problems = _spec_problems([f"data.source={str(windows)!r}", vocab, "data.packing='documents'"])
+    assert len(problems) == 1 and "data.packing" in problems[0] and "'causal'" in problems[0], problems
+    problems = _spec_problems([f"data.source={str(windows)!r}", vocab, "data.packing='document'",
+                               f"model.seq_len={2 * SEQ}"])
+    assert any(f"prepared with --window {SEQ}" in p for p in problems), problems
