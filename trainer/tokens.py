@@ -13,6 +13,7 @@ that reads it, so DataLoader workers never pickle a memory map.
 from __future__ import annotations
 
 import bisect
+import logging
 import typing as tp
 from pathlib import Path
 
@@ -103,7 +104,13 @@ def data_record(data: Data, kind: str) -> dict[str, tp.Any]:
 
 
 def record_data(run_dir: Path, data: Data, kind: str) -> None:
-    """Rank 0 writes ``RUN/data.json`` (``data_record``)."""
+    """Rank 0 writes ``RUN/data.json`` (``data_record``) and logs a windowed train split's padding."""
     from hpc.core.runs import RunDir, write_json
 
-    write_json(RunDir(run_dir).data, data_record(data, kind))
+    record = data_record(data, kind)
+    write_json(RunDir(run_dir).data, record)
+    train = record.get("splits", {}).get("train", {})
+    if "padding_fraction" in train:
+        logging.getLogger("hpcx.trainer").info(
+            "data: windows of %d tokens, %.1f%% padding, %d examples cut to the window; packing %s",
+            record["window"], 100 * train["padding_fraction"], train["truncated"], data.packing)

@@ -196,6 +196,7 @@ def test_training_with_document_packing_on_a_windowed_set(prepared, tmp_path):
     data = json.loads((run_dir / "data.json").read_text())
     assert data["packing"] == "document" and data["window"] == SEQ
     assert 0 < data["splits"]["train"]["padding_fraction"] < 1
+    assert f"data: windows of {SEQ} tokens" in proc.stderr and "% padding" in proc.stderr
 
 
 def _spec_problems(sets: list[str]) -> list[str]:
