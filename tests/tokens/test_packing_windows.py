@@ -229,3 +229,55 @@ def test_document_packing_is_checked_where_the_spec_loads(prepared, tmp_path):
     problems = _spec_problems([f"data.source={str(windows)!r}", vocab, "data.packing='document'",
                                f"model.seq_len={2 * SEQ}"])
     assert any(f"prepared with --window {SEQ}" in p for p in problems), problems
+
+
+def test_the_loop_and_the_evaluator_pass_the_documents(prepared):
+    """``forward_backward`` (the training loss) and the evaluator's sums on packed samples give the
+    one-by-one loss: both hand the document numbers to the model."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import default_collate
+
+    from trainer.evaluate import _sums, build_evaluator
+    from trainer.loop import forward_backward
+    from trainer.metrics import PhaseClock
+    from trainer.objective import counted_targets, masked_scale, token_losses
+    from trainer.tokens import ManifestTokens
+
+    plain, windows = prepared
+    model = _llama(json.loads((plain / "manifest.json").read_text())["vocab_size"])
+    data = ManifestTokens(windows, "train", SEQ, documents=True)
+    total, count = 0.0, 0
+    for ids, counted in _documents(plain):
+        ids, counted = torch.from_numpy(ids[:SEQ].astype(np.int64)), torch.from_numpy(counted[:SEQ].astype(bool))
+        with torch.no_grad():
+            total += float((token_losses(model(ids[None, :-1]), ids[None])[0] * counted[1:]).sum())
+        count += int(counted[1:].sum())
+    t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, scaler=None, clock=PhaseClock())
+    batch = default_collate([data[i] for i in range(len(data))])
+    loss = forward_backward(t, batch, masked_scale(counted_targets([batch], 1), 1))
+    assert float(loss) == pytest.approx(total / count, rel=1e-5)
+    ev = build_evaluator(data, global_batch=4, micro_batch=2, rank=0, world_size=1, every=1, steps=0)
+    with torch.no_grad():
+        loss_sum, counted_sum = (float(x) for x in _sums(t, ev))
+    assert counted_sum == count and loss_sum / counted_sum == pytest.approx(total / count, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_training_is_the_same_on_one_rank_and_two_fsdp_ranks(prepared, tmp_path):
+    """FSDP2 units and activation checkpointing pass the documents through the blocks: two ranks log
+    the losses one rank does (to rounding)."""
+    from trainer_testlib import read_losses, torchrun
+
+    _, windows = prepared
+    vocab = json.loads((windows / "manifest.json").read_text())["vocab_size"]
+    sets = [f"data.source={str(windows)!r}", f"model.vocab_size={vocab}", "train.steps=3", "train.global_batch=4",
+            f"model.seq_len={SEQ}", "data.packing='document'", "train.micro_batch=2"]
+    one = make_run(tmp_path, "one", "none", 1, sets)
+    two = make_run(tmp_path, "two", "fsdp", 2, sets + ["parallel.activation_checkpointing=true"])
+    single = subprocess.run([sys.executable, "-m", "trainer", str(one)], env=child_env(), capture_output=True,
+                            text=True, timeout=300, cwd=REPO)
+    assert single.returncode == 0, single.stderr[-3000:]
+    pair = torchrun(2, ["-m", "trainer", str(two)])
+    assert pair.returncode == 0, pair.stderr[-3000:]
+    assert read_losses(two) == pytest.approx(read_losses(one), rel=1e-4) and len(read_losses(one)) == 3
