@@ -224,6 +224,9 @@ def test_document_packing_is_checked_where_the_spec_loads(prepared, tmp_path):
     for source, words in cases.items():
         problems = _spec_problems([source, "data.packing='document'", "model.vocab_size=8192"])
         assert len(problems) == 1 and words in problems[0], problems
+    problems = _spec_problems([f"data.source={str(windows)!r}", 'model.arch="tests.gated_model:build"',
+                               f"model.seq_len={SEQ}", vocab, "data.packing='document'"])
+    assert len(problems) == 1 and "`model.arch` = 'tests.gated_model:build' is a user model" in problems[0], problems
     problems = _spec_problems([f"data.source={str(windows)!r}", vocab, "data.packing='documents'"])
     assert len(problems) == 1 and "data.packing" in problems[0] and "'causal'" in problems[0], problems
     problems = _spec_problems([f"data.source={str(windows)!r}", vocab, "data.packing='document'",
