@@ -54,7 +54,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
     if mask is None:
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
     else:
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+        if gqa:  # a mask with enable_gqa leaves SDPA only its math kernel (every head's scores materialized)
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
     b, _, s, _ = q.shape
     return y.transpose(1, 2).reshape(b, s, -1)
 
