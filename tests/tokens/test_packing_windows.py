@@ -70,6 +70,9 @@ def test_windows_hold_whole_examples_and_count_their_padding(prepared):
         assert wtokens[:n].tolist() == tokens[:n].tolist() and wmask[:n].tolist() == mask[:n].tolist()
         assert (wmask[n:] == 0).all() and (wtokens[n:] == manifest["pad_id"]).all()  # what follows is padding
     assert cut == split["truncated"] > 0
+    from hpc.core.manifest import verify
+
+    assert verify(windows)["train"]["documents"] == len(RECORDS)  # `hpcx data verify` reads it as any other
     pad = sum(len(w) for w, _ in laid) - sum(min(len(t), SEQ) for t, _ in original)
     assert pad == split["padding"] == sum(s["padding"] for s in split["shards"])
     for shard in split["shards"]:  # whole windows, and one token more: the last sample's final target
