@@ -164,6 +164,12 @@ def test_documents_laid_end_to_end_number_each_position(prepared):
     plain_data = ManifestTokens(plain, "train", 16)
     shard = json.loads((plain / "manifest.json").read_text())["splits"]["train"]["shards"][0]
     offsets = np.fromfile(plain / shard["index"], dtype=np.uint64).astype(np.int64)
+    import pickle
+
+    data[0]  # opens shard 0 and reads its index
+    assert data._offsets
+    copy = pickle.loads(pickle.dumps(data))  # a DataLoader worker's copy: no memory map or index travels
+    assert copy._offsets == {} and all(a.equal(b) for a, b in zip(copy[3], data[3]))
     for i in (0, 1, 5):
         tokens, counted, numbers = data[i]
         same_tokens, mask = plain_data[i]
