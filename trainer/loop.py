@@ -90,6 +90,7 @@ class Trainer:
     evaluator: Evaluator | None = None  # when train.eval_every is set
     last_eval: dict | None = None
     init_report: dict | None = None  # what checkpoint.init_from read (trainer.init_from.start_weights)
+    counted: torch.Tensor | None = None  # a masked loss: the last step's counted targets, whole batch (on the device)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -124,7 +125,7 @@ def train_step(t: Trainer, micro_batches: list[Batch]) -> tuple[torch.Tensor, to
     """One optimizer step over this rank's micro-batches; returns (local mean loss, grad norm)."""
     n = len(micro_batches)
     micro_batches = [to_device(b, t.device) for b in micro_batches]
-    count = counted_targets(micro_batches, t.world_size)
+    count = t.counted = counted_targets(micro_batches, t.world_size)
     scale = 1.0 / n if count is None else masked_scale(count, t.world_size)
     total = torch.zeros((), device=t.device)
     for i, tokens in enumerate(micro_batches):
@@ -161,12 +162,15 @@ def step_record(t: Trainer, state: TrainState, loss: float, norm: float, lr: flo
                 phases: dict[str, float]) -> dict:
     """One metrics.jsonl line, over the steps since the previous one: ``step_time_s`` is the sum of
     the phases (``phases_s``, seconds per step); ``data_s`` is rank 0's wait for its micro-batches
-    (the scaling report's data share of the step)."""
+    (the scaling report's data share of the step). With a loss mask, ``counted_fraction``: the share of
+    the last step's targets the loss counted (the rest: prompts, padding, document boundaries); read after
+    ``logged_values`` waited for the step, so no extra wait."""
     seconds = sum(phases.values())
     tokens_per_s = t.tokens_per_step / seconds
+    counted = {} if t.counted is None else {"counted_fraction": int(t.counted) / t.tokens_per_step}
     return {"step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_time_s": seconds,
             "data_s": phases["data"], "mfu": mfu(t.flops_per_token, tokens_per_s, t.world_size, t.peak_tflops),
-            "mem_gb": memory_gb(t.device), "grad_norm": norm, "phases_s": phases}
+            "mem_gb": memory_gb(t.device), "grad_norm": norm, "phases_s": phases, **counted}
 
 
 def step_boundary(t: Trainer, state: TrainState) -> bool:

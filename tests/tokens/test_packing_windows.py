@@ -200,8 +200,10 @@ def test_training_with_document_packing_on_a_windowed_set(prepared, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "trainer", str(run_dir)], env=child_env(), capture_output=True,
                           text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    losses = [r["loss"] for r in lines]
     assert len(losses) == 3 and all(math.isfinite(x) and 0 < x < 10 for x in losses)
+    assert all(0 < r["counted_fraction"] < 1 for r in lines)  # the share of targets counted: no prompt, no padding
     data = json.loads((run_dir / "data.json").read_text())
     assert data["packing"] == "document" and data["window"] == SEQ
     assert 0 < data["splits"]["train"]["padding_fraction"] < 1
