@@ -144,7 +144,7 @@ def build_dataset(data: Data, kind: str, seq_len: int, vocab_size: int, seed: in
     if kind == PREPARED:
         from trainer.tokens import ManifestTokens
 
-        return ManifestTokens(data.source, "train", seq_len, vocab_size)
+        return ManifestTokens(data.source, "train", seq_len, vocab_size, documents=data.packing == "document")
     return TokenFile(data.source, data.dtype, seq_len)
 
 

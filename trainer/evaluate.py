@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 from hpc.core.spec import JobSpec
-from trainer.objective import split_batch, token_losses
+from trainer.objective import batch_documents, split_batch, token_losses
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer  # which imports this module
@@ -72,10 +72,12 @@ def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
     sums = torch.zeros(2, dtype=torch.float64, device=t.device)
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None else contextlib.nullcontext())
     for indices in ev.batches:
-        tokens, mask = split_batch(default_collate([ev.dataset[i] for i in indices or [0]]))
+        batch = default_collate([ev.dataset[i] for i in indices or [0]])
+        (tokens, mask), documents = split_batch(batch), batch_documents(batch)
         tokens = tokens.to(t.device)
         with autocast:
-            logits = t.model(tokens[:, :-1])
+            logits = (t.model(tokens[:, :-1]) if documents is None else
+                      t.model(tokens[:, :-1], documents[:, :-1].to(t.device)))
         losses = token_losses(logits, tokens).double()
         weight = mask[:, 1:].to(t.device, torch.float64) if mask is not None else torch.ones_like(losses)
         if not indices:  # the padding pass: the collectives of a forward, nothing counted
@@ -120,6 +122,6 @@ def build_eval(spec: JobSpec, kind: str, seq_len: int, rank: int, world_size: in
     where = val_split_source(spec.data, kind) if spec.train.eval_every else None
     if where is None:
         return None
-    dataset = ManifestTokens(where[0], where[1], seq_len)
+    dataset = ManifestTokens(where[0], where[1], seq_len, documents=spec.data.packing == "document")
     return build_evaluator(dataset, spec.train.global_batch, spec.train.micro_batch, rank, world_size,
                            spec.train.eval_every, spec.train.eval_steps)

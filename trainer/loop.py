@@ -32,7 +32,8 @@ from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
 from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
-from trainer.objective import Batch, counted_targets, masked_scale, micro_loss, split_batch, to_device
+from trainer.objective import (Batch, batch_documents, counted_targets, masked_scale, micro_loss, split_batch,
+                               to_device)
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
@@ -89,6 +90,7 @@ class Trainer:
     evaluator: Evaluator | None = None  # when train.eval_every is set
     last_eval: dict | None = None
     init_report: dict | None = None  # what checkpoint.init_from read (trainer.init_from.start_weights)
+    counted: torch.Tensor | None = None  # a masked loss: the last step's counted targets, whole batch (on the device)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -106,11 +108,12 @@ def micro_step_context(model: nn.Module, sync: bool) -> tp.ContextManager:
 
 def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> torch.Tensor:
     """Loss of one micro-batch (``trainer.objective.micro_loss``), back-propagated; returns it detached."""
-    tokens, mask = split_batch(to_device(batch, t.device))  # ``train_step`` moved it already: a no-op there
+    batch = to_device(batch, t.device)  # ``train_step`` moved it already: a no-op there
+    (tokens, mask), documents = split_batch(batch), batch_documents(batch)
     autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None
                 else contextlib.nullcontext())
-    with autocast:
-        logits = t.model(tokens[:, :-1])
+    with autocast:  # packed documents: each position's document number too (``data.packing``)
+        logits = t.model(tokens[:, :-1]) if documents is None else t.model(tokens[:, :-1], documents[:, :-1])
     loss = micro_loss(logits, tokens, mask, scale)
     t.clock.lap("forward")
     (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
@@ -122,7 +125,7 @@ def train_step(t: Trainer, micro_batches: list[Batch]) -> tuple[torch.Tensor, to
     """One optimizer step over this rank's micro-batches; returns (local mean loss, grad norm)."""
     n = len(micro_batches)
     micro_batches = [to_device(b, t.device) for b in micro_batches]
-    count = counted_targets(micro_batches, t.world_size)
+    count = t.counted = counted_targets(micro_batches, t.world_size)
     scale = 1.0 / n if count is None else masked_scale(count, t.world_size)
     total = torch.zeros((), device=t.device)
     for i, tokens in enumerate(micro_batches):
@@ -159,12 +162,15 @@ def step_record(t: Trainer, state: TrainState, loss: float, norm: float, lr: flo
                 phases: dict[str, float]) -> dict:
     """One metrics.jsonl line, over the steps since the previous one: ``step_time_s`` is the sum of
     the phases (``phases_s``, seconds per step); ``data_s`` is rank 0's wait for its micro-batches
-    (the scaling report's data share of the step)."""
+    (the scaling report's data share of the step). With a loss mask, ``counted_fraction``: the share of
+    the last step's targets the loss counted (the rest: prompts, padding, document boundaries); read after
+    ``logged_values`` waited for the step, so no extra wait."""
     seconds = sum(phases.values())
     tokens_per_s = t.tokens_per_step / seconds
+    counted = {} if t.counted is None else {"counted_fraction": int(t.counted) / t.tokens_per_step}
     return {"step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_time_s": seconds,
             "data_s": phases["data"], "mfu": mfu(t.flops_per_token, tokens_per_s, t.world_size, t.peak_tflops),
-            "mem_gb": memory_gb(t.device), "grad_norm": norm, "phases_s": phases}
+            "mem_gb": memory_gb(t.device), "grad_norm": norm, "phases_s": phases, **counted}
 
 
 def step_boundary(t: Trainer, state: TrainState) -> bool:

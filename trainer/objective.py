@@ -7,6 +7,11 @@ scales its sum by ``world_size / count`` (gradients are averaged over ranks), an
 one all-reduce per step. The count stays on the device (summed from the masks already copied there,
 reduced there, and used as a tensor scale), so a masked step waits for the GPU no more than an
 unmasked one.
+
+With document packing (``data.packing = "document"``) a batch is ``(tokens, mask, documents)``: each
+position's document number rides along for the model's mask, and the mask already leaves out every
+target whose input is another document's token (``document_targets``), so the mean is per counted token
+of whole documents, as if each ran alone.
 """
 
 from __future__ import annotations
@@ -21,19 +26,32 @@ Batch = tp.Union[torch.Tensor, tp.Sequence[torch.Tensor]]
 
 
 def split_batch(batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(tokens, loss mask or None): a masked dataset yields ``(tokens, mask)`` pairs."""
+    """(tokens, loss mask or None): a masked dataset yields ``(tokens, mask)`` pairs (and a packed one
+    ``(tokens, mask, documents)``: ``batch_documents``)."""
     if isinstance(batch, torch.Tensor):
         return batch, None
-    tokens, mask = batch
-    return tokens, mask
+    return batch[0], batch[1]
+
+
+def batch_documents(batch: Batch) -> torch.Tensor | None:
+    """Each position's document number [batch, seq + 1] of a packed batch; None otherwise."""
+    return batch[2] if not isinstance(batch, torch.Tensor) and len(batch) == 3 else None
+
+
+def document_targets(mask: torch.Tensor | None, documents: torch.Tensor) -> torch.Tensor:
+    """The loss mask of a packed window: a target counts where ``mask`` (None: all) counts it and its
+    input is a token of the same document (a window's first token is no target)."""
+    same = torch.zeros_like(documents, dtype=torch.bool)
+    same[..., 1:] = documents[..., 1:] == documents[..., :-1]
+    return same if mask is None else same & mask.to(torch.bool)
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """A micro-batch on ``device``: tokens and mask each copied without waiting (from the loader's
-    pinned memory on CUDA)."""
-    tokens, mask = split_batch(batch)
-    tokens = tokens.to(device, non_blocking=True)
-    return tokens if mask is None else (tokens, mask.to(device, non_blocking=True))
+    """A micro-batch on ``device``: tokens, mask (and document numbers) each copied without waiting
+    (from the loader's pinned memory on CUDA)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
 def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> torch.Tensor | None:

@@ -44,14 +44,18 @@ def data_group() -> None:
 @click.option("--errors", "errors", type=click.Choice(["raise", "skip"]), default="raise", show_default=True,
               help="skip: leave out bad documents, count them and name the first ones.")
 @click.option("--eos", default=None, help="The end-of-document token (default: the tokenizer's).")
+@click.option("--window", default=0, show_default=True, metavar="SEQ_LEN",
+              help="Lay examples out in windows of SEQ_LEN tokens (the model's seq_len), none straddling two; "
+                   "padded, and an example longer than a window cut to it (prompt-response only; 0: end to end).")
 @click.option("--site", "site_name", default=None, metavar="NAME|PATH",
               help="Run as a Slurm job array on this site (one task per group), then a merge job.")
 @click.option("--wait", is_flag=True, help="With --site: block until the merge job wrote the manifest.")
 @json_option
 def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str, text_key: str, prompt_key: str,
                     response_key: str, messages_key: str, chat_template: str, separator: str, val_fraction: float,
-                    workers: int, shard_tokens: int, group_bytes: int, errors: str, eos: str | None, max_document_bytes: int, max_expansion: int, max_vocab: int,
-                    site_name: str | None, wait: bool, as_json: bool) -> None:
+                    workers: int, shard_tokens: int, group_bytes: int, errors: str, eos: str | None, window: int,
+                    max_document_bytes: int, max_expansion: int, max_vocab: int, site_name: str | None, wait: bool,
+                    as_json: bool) -> None:
     """Tokenize INPUT… (.txt, .jsonl, .parquet; .gz/.zst; folders and globs) into token shards and a
     manifest.json in --out; a killed run started again continues where it was."""
     from hpc.core.errors import UserError
@@ -64,7 +68,7 @@ def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str
     limits = Limits(_positive("--max-document-bytes", max_document_bytes), _positive("--max-expansion", max_expansion))
     options = Options(fmt, val_fraction, _positive("--shard-tokens", shard_tokens),
                       _positive("--group-bytes", group_bytes), errors, eos, limits,
-                      _positive("--max-vocab", max_vocab), chat_template)
+                      _positive("--max-vocab", max_vocab), chat_template, window)
     plan = make_plan(inputs, tokenizer, options)
     out_dir = Path(os.path.abspath(out))
     created = start(out_dir, plan, inputs)
@@ -119,11 +123,12 @@ def run_local(out: Path, plan: dict, workers: int) -> dict:
 
 
 def _report(out: Path, manifest: dict, as_json: bool) -> None:
-    from hpc.core.manifest import describe
+    from hpc.core.manifest import describe, window_totals
 
     if as_json:
         echo_json({"manifest": str(out / "manifest.json"), "splits": {s: {"tokens": m["tokens"], "documents": m["documents"],
-                   "shards": len(m["shards"])} for s, m in manifest["splits"].items()}, "skipped": manifest["skipped"]})
+                   "shards": len(m["shards"])} | window_totals(m) for s, m in manifest["splits"].items()},
+                   "skipped": manifest["skipped"]})
         return
     click.echo(f"{out / 'manifest.json'}: {describe(manifest)}")
     skipped = manifest["skipped"]

@@ -120,6 +120,8 @@ def manifest_problem(doc: dict[str, tp.Any]) -> str | None:
         return f"tokenizer = {shown_value(doc.get('tokenizer'))}: expected a table with the tokenizer's path"
     if not isinstance(doc.get("masked", False), bool):
         return f"masked = {shown_value(doc.get('masked'))}: expected true or false"
+    if "window" in doc and not _is_int(doc["window"], 2):
+        return f"window = {shown_value(doc['window'])}: expected the window's tokens (at least 2)"
     splits = doc["splits"]
     if not isinstance(splits, dict) or "train" not in splits or not set(splits) <= {"train", "val"}:
         return (f"splits = {shown_value(splits)}: expected a 'train' split (and a 'val' one), each with its "
@@ -238,6 +240,9 @@ def check_source(path: Path, seq_len: int, vocab: int, label: str) -> list[str]:
     if high and not problems:
         problems.append(f"{label}: {path.parent / high[1]['file']} holds token id {high[1]['max_id']} (max_id in "
                         f"{path}): expected ids below the model's vocabulary of {vocab} (`model.vocab_size`)")
+    if seq_len and manifest.get("window") and manifest["window"] != seq_len:
+        problems.append(f"{label}: prepared with --window {manifest['window']}: expected `model.seq_len` = "
+                        f"{manifest['window']} (its windows hold whole examples; got {seq_len}), or prepare again")
     if seq_len and longest_shard(manifest, "train") < seq_len + 1:
         problems.append(f"{label}: no train shard holds seq_len + 1 = {seq_len + 1} tokens "
                         f"(largest: {longest_shard(manifest, 'train')}): expected more text, or a shorter seq_len")
@@ -314,10 +319,28 @@ def _content_problems(folder: Path, manifest: dict) -> list[str]:
 
 
 def describe(manifest: dict) -> str:
-    """One line: splits, tokens, documents, shards, dtype, tokenizer."""
+    """One line: splits, tokens, documents, shards (a windowed split's padding), dtype, tokenizer."""
     parts = [f"{s} {m['tokens']:,} tokens / {m['documents']:,} documents / {len(m['shards'])} shards"
-             for s, m in manifest["splits"].items()]
-    return f"{'; '.join(parts)}; {manifest['dtype']}, vocabulary {manifest['vocab_size']}, eos {manifest['eos_id']}"
+             + _padding_text(m) for s, m in manifest["splits"].items()]
+    windows = f"; windows of {manifest['window']} tokens" if manifest.get("window") else ""
+    return (f"{'; '.join(parts)}; {manifest['dtype']}, vocabulary {manifest['vocab_size']}, eos {manifest['eos_id']}"
+            + windows)
+
+
+def window_totals(split: dict) -> dict[str, tp.Any]:
+    """A windowed split's pad tokens, their fraction of its tokens and the examples cut to a window
+    (``hpcx data prepare --window``); empty for documents laid end to end."""
+    if "padding" not in split:
+        return {}
+    return {"padding": split["padding"], "padding_fraction": split["padding"] / max(1, split["tokens"]),
+            "truncated": split.get("truncated", 0)}
+
+
+def _padding_text(split: dict) -> str:
+    totals = window_totals(split)
+    if not totals:
+        return ""
+    return (f" ({totals['padding_fraction']:.1%} padding, {totals['truncated']:,} examples cut to the window)")
 
 
 def summary_json(manifest: dict) -> str:

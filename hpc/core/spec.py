@@ -104,6 +104,14 @@ class Data:
     val_source: str = field("", doc="What `train.eval_every` evaluates on: empty for the validation split of "
                             "`data.source`'s manifest, a folder made by `hpcx data prepare` (its validation split, "
                             "else its train split), or `none`.", max_len=v.PATH_MAX)
+    packing: str = field("causal", doc="What a window of `seq_len` tokens lets its documents see: `causal` "
+                         "(every token attends to every earlier one of the window, the documents before it "
+                         "included) or `document` (positions restart at each document, attention stays inside "
+                         "it, and no target across a boundary is counted: a packed batch's loss per counted "
+                         "token is that of its documents run one by one). `document` needs a folder made by "
+                         "`hpcx data prepare` (its index records where each document starts) and a built-in "
+                         "model; its mask costs `micro_batch × seq_len²` bytes (`hpcx plan`). See "
+                         "docs/data.md.", choices=("causal", "document"))
 
 
 def loader_workers(num_workers: int, gpus: bool, cpus_per_task: int) -> int:
@@ -335,12 +343,30 @@ def resolve_paths(spec: JobSpec) -> list[str]:
     facts = model_facts(spec.model)
     problems, spec.data.source, kind = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
                                                            facts.vocab_size)
+    if not problems and spec.data.packing == "document":
+        problems += _packing_problems(spec, kind)
     if not problems:
         from hpc.core.manifest import check_validation
 
         more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size, kind)
         problems += more
     return errors + problems
+
+
+def _packing_problems(spec: JobSpec, kind: str) -> list[str]:
+    """``data.packing = "document"`` needs document boundaries (a prepared folder's index) and a model
+    whose forward takes them (a built-in family)."""
+    from hpc.core.manifest import PREPARED
+    from hpc.core.models import model_facts
+
+    if kind != PREPARED:
+        what = "synthetic samples" if kind == "synthetic" else "a flat token file"
+        return [f"`data.packing` = 'document': `data.source` = {spec.data.source!r} is {what}, which records no "
+                "document boundaries: expected a folder made by `hpcx data prepare`"]
+    if not model_facts(spec.model).builtin:
+        return [f"`data.packing` = 'document': `model.arch` = {spec.model.arch!r} is a user model: expected a "
+                "built-in family (its forward takes each position's document number)"]
+    return []
 
 
 def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:

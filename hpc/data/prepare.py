@@ -47,6 +47,7 @@ class Options:
     limits: Limits = Limits()
     max_vocab: int = MAX_VOCAB
     chat_template: str = "auto"  # auto | tokenizer | none (hpc.data.chat.plan_template)
+    window: int = 0  # --window: examples laid out in windows of this many tokens (model.seq_len), never straddling
 
 
 def make_plan(inputs: tp.Sequence[str], tokenizer: str, options: Options) -> dict[str, tp.Any]:
@@ -55,10 +56,16 @@ def make_plan(inputs: tp.Sequence[str], tokenizer: str, options: Options) -> dic
         raise UserError([f"--val-fraction {options.val_fraction}: expected a fraction in [0, 1)"])
     files = expand_inputs(inputs)
     sizes = [f.stat().st_size for f in files]
+    if options.window and options.fmt.kind == "text":
+        raise UserError([f"--window {options.window}: expected --format prompt-response (the loss mask leaves "
+                         "each window's padding out; plain text packs end to end)"])
+    if options.window < 0 or 0 < options.window < 2:
+        raise UserError([f"--window {options.window}: expected the model's seq_len, at least 2 tokens (0: off)"])
     loaded: list = []
     info = describe_tokenizer(tokenizer, options.eos, options.max_vocab, loaded)
     template = plan_template(Path(info.path).parent, loaded[0], options.fmt.kind, options.chat_template)
-    return {"version": 1, "inputs": [{"path": str(f), "bytes": n} for f, n in zip(files, sizes)],
+    windowed = {"window": options.window} if options.window else {}  # absent when off: earlier plans resume
+    return {**windowed, "version": 1, "inputs": [{"path": str(f), "bytes": n} for f, n in zip(files, sizes)],
             "groups": group_inputs(sizes, options.group_bytes), "tokenizer": info.to_dict(), "dtype": info.dtype,
             "format": dataclasses.asdict(options.fmt), "val_fraction": options.val_fraction,
             "shard_tokens": options.shard_tokens, "errors": options.errors, "limits": dataclasses.asdict(options.limits),
@@ -225,7 +232,8 @@ def run_group(out: Path, plan: dict, group: int, report: tp.Callable[[int, int],
     for stale in out.glob(f".*-{group:05d}-*.tmp-*"):  # what a killed earlier attempt at this group left
         stale.unlink(missing_ok=True)
     masked = plan["format"]["kind"] == "prompt-response"
-    writers = {s: ShardWriter(out, s, group, plan["dtype"], plan["shard_tokens"], masked) for s in SPLITS}
+    writers = {s: ShardWriter(out, s, group, plan["dtype"], plan["shard_tokens"], masked, plan.get("window", 0),
+                              plan["tokenizer"]["eos_id"]) for s in SPLITS}
     pending = Pending(_plan_tokenizer(plan), plan, writers, report or (lambda nbytes, tokens: None))
     skipped = Skipped(plan["errors"])
     limits = Limits(**plan.get("limits", {}))
@@ -360,9 +368,12 @@ def manifest_of(plan: dict, records: list[dict]) -> dict:
         shards = [dict(shard, group=r["group"]) for r in records for shard in r["splits"][s]]
         splits[s] = {"tokens": sum(x["tokens"] for x in shards), "documents": sum(x["documents"] for x in shards),
                      "shards": shards}
+        if plan.get("window"):
+            splits[s].update(padding=sum(x["padding"] for x in shards), truncated=sum(x["truncated"] for x in shards))
     skipped = [r["skipped"] for r in records]
     tokenizer = plan["tokenizer"]
-    return {"format": "hpcx-tokens", "version": 1, "tokenizer": tokenizer, "vocab_size": tokenizer["vocab_size"],
+    windowed = {"window": plan["window"], "pad_id": tokenizer["eos_id"]} if plan.get("window") else {}
+    return {**windowed, "format": "hpcx-tokens", "version": 1, "tokenizer": tokenizer, "vocab_size": tokenizer["vocab_size"],
             "eos_id": tokenizer["eos_id"], "dtype": plan["dtype"], "masked": plan["format"]["kind"] != "text",
             "document_format": plan["format"], "chat_template": template_record(plan.get("chat_template")),
             "inputs": plan["inputs"], "groups": plan["groups"],

@@ -15,6 +15,8 @@ needed. What it reports is read off the real objects:
   state from the real AdamW state after one step on meta tensors (fused AdamW has no meta kernel,
   so that one step runs unfused: same state tensors);
 - the DCP local save plan of this rank (``torch.distributed.checkpoint``'s own planner);
+- with ``data.packing = "document"``, the document mask of one micro-batch, built by the models' own
+  ``document_mask`` on meta, beside the planner's ``mask_bytes``;
 - with ``checkpoint.init_from``, what this rank will read of it (``trainer.init_from.read_plan``:
   its shard's byte ranges of a safetensors source).
 
@@ -44,7 +46,7 @@ import torch
 from torch import nn
 
 from hpc.dryrun.fake_pg import fake_process_group
-from hpc.plan.memory import Config, init_bytes, model_states, staging_bytes
+from hpc.plan.memory import Config, init_bytes, mask_bytes, model_states, staging_bytes
 from hpc.core.models import count_text, model_facts
 from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.site import SiteProfile
@@ -91,6 +93,7 @@ class DryRun:
     problems: list[str] = field(default_factory=list)
     init_from: dict[str, tp.Any] | None = None  # this rank's reads of checkpoint.init_from
     forward: str | None = None  # a user model's forward on a meta batch (hpc.dryrun.startup), None for built-ins
+    mask: dict[str, int] | None = None  # data.packing = "document": the mask's bytes per micro-batch, built and planned
 
     def to_dict(self) -> dict[str, tp.Any]:
         return asdict(self)
@@ -121,6 +124,7 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
                     planned=None, where=_where(spec, site, launch), short_shards=short, checkpoint=checkpoint,
                     plan_init=None, plan_staging=None)
     result.init_from, result.forward = reads, forward
+    result.mask = mask_report(spec)
     add_plan(result, spec, launch)
     result.seconds = time.perf_counter() - started
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -144,6 +148,18 @@ def init_reads(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None:
     reads = sum(r.length for r in read_plan(model, source)) if planned else None
     return {"path": str(source.step or source.path), "kind": source.kind, "bytes": reads,
             "source_bytes": source.nbytes}
+
+
+def mask_report(spec: JobSpec) -> dict[str, int] | None:
+    """The document mask of one micro-batch as the models build it (on meta) and as the planner counts it."""
+    if spec.data.packing != "document":
+        return None
+    from trainer.models.decoder import document_mask
+
+    batch, seq = spec.train.micro_batch, model_facts(spec.model).seq_len
+    built = document_mask(torch.zeros(batch, seq, dtype=torch.long, device="meta"))
+    return {"micro_batch": batch, "seq_len": seq, "bytes": built.numel() * built.element_size(),
+            "planned": mask_bytes(batch, seq)}
 
 
 def step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -266,7 +282,8 @@ def add_plan(result: DryRun, spec: JobSpec, launch: Launch) -> None:
     parallel = launch_parallel(spec, launch)
     offload = launch.dims.fsdp_enabled and parallel.cpu_offload
     cfg = Config(launch.dims, offload, parallel.mixed_precision, parallel.activation_checkpointing,
-                 spec.train.micro_batch, spec.model.dropout, spec.checkpoint.async_save)
+                 spec.train.micro_batch, spec.model.dropout, spec.checkpoint.async_save,
+                 document_mask=spec.data.packing == "document")
     states = model_states(facts.n_params, cfg, facts.param_shapes)
     result.planned = {k: int(v) for k, v in zip(STATES, states)}
     result.plan_init, result.plan_staging = int(init_bytes(facts, cfg)), int(staging_bytes(facts, cfg))
@@ -324,6 +341,10 @@ def format_dryrun(r: DryRun) -> str:
         lines.append(f"init_from {i['path']} ({i['kind']}): {reads}")
     if r.forward is not None:
         lines.append(f"forward (user model, on the meta device): {r.forward}")
+    if r.mask is not None:
+        m = r.mask
+        lines.append(f"document mask (data.packing = document): [{m['micro_batch']}, 1, {m['seq_len']}, {m['seq_len']}] "
+                     f"bool per micro-batch, {_gb(m['bytes'])} built on meta; plan {_gb(m['planned'])}, in buffers")
     lines.append(f"took {r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB")
     if r.problems:
         lines += ["", f"dryrun and plan differ by more than {TOLERANCE:.0%}:"] + [f"  {p}" for p in r.problems]

@@ -17,6 +17,8 @@ What is modelled, and why (see docs/planner.md for the derivations):
   weight copies).
 - Activations: each model family's own (``hpc.core.models``; the built-in GPT's is Korthikanti et
   al. 2022 accounting with fused SDPA attention, with and without per-block checkpointing).
+- The document mask (``data.packing = "document"``): one boolean ``micro_batch × seq_len²`` per
+  micro-batch, built once per forward and shared by every layer (``mask_bytes``, in ``buffers``).
 - Start-up and checkpoint peaks (separate terms, beside the training total): ``init_bytes``
   while the trainer materializes the model (``trainer.model.WeightInit``), ``staging_bytes``
   for the host copy checkpoint saves keep.
@@ -56,6 +58,7 @@ class Config:
     dropout: float = 0.0
     async_save: bool = False  # checkpoint.async_save: saves keep a host copy of the states
     grad_accum: int = 1  # micro-steps per optimizer step: FSDP's gradients outlive a micro-step only when > 1
+    document_mask: bool = False  # data.packing = "document": a block-diagonal mask per micro-batch (mask_bytes)
 
 
 @dataclass
@@ -147,6 +150,9 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes)
     init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
     buffers, notes = buffer_bytes(facts, cfg)
+    if cfg.document_mask:
+        buffers += mask_bytes(cfg.micro_batch, facts.seq_len)
+        notes.append(f"document mask: {cfg.micro_batch} × {facts.seq_len}² bool per micro-batch, shared by the layers")
     act = activation_bytes(facts, cfg)
     if cfg.dims.fsdp_enabled and not cfg.offload and cfg.grad_accum == 1 and act is not None:
         grads = peak_grads(grads, act)
@@ -162,6 +168,13 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     return Memory(params / GB, grads / GB, opt / GB, buffers / GB, None if act is None else act / GB,
                   host_per_node=host, notes=tuple(notes), init=init / GB, staging=staging / GB,
                   staging_per_node=staging * tasks_per_node / GB)
+
+
+def mask_bytes(micro_batch: int, seq_len: int) -> int:
+    """The document mask of one micro-batch (``trainer.models.decoder.document_mask``): a boolean
+    ``[micro_batch, 1, seq_len, seq_len]``, held from forward to backward (every layer's attention
+    saves the same tensor)."""
+    return micro_batch * seq_len * seq_len
 
 
 def peak_grads(grads: float, activations: float) -> float:

@@ -174,6 +174,7 @@ class Setup:
     mixed_precision: str
     dropout: float
     async_save: bool = False
+    document_mask: bool = False  # data.packing = "document"
 
     @property
     def world(self) -> int:
@@ -189,7 +190,8 @@ def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
                  micro_batch=spec.train.micro_batch, checkpointing=spec.parallel.activation_checkpointing,
                  global_batch=spec.train.global_batch,
                  mixed_precision=compute_precision(spec.parallel.mixed_precision, site.node.gpus > 0),
-                 dropout=spec.model.dropout, async_save=spec.checkpoint.async_save)
+                 dropout=spec.model.dropout, async_save=spec.checkpoint.async_save,
+                 document_mask=spec.data.packing == "document")
 
 
 Candidate = tuple[ParallelDims, bool]  # (layout, cpu offload)
@@ -217,7 +219,7 @@ def candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
 def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> Row:
     dims, offload = cand
     cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
-                 setup.async_save, setup.grad_accum)
+                 setup.async_save, setup.grad_accum, setup.document_mask)
     gpu = site.node.gpus > 0
     tpn = setup.tasks_per_node
     memory = estimate(facts, cfg, tpn)

@@ -17,7 +17,8 @@ from torch import nn
 from hpc.core.models import model_facts
 from hpc.core.models.gpt import GPTShape
 from hpc.core.spec import Model as ModelSpec
-from trainer.models.decoder import GPT2_STD, Embedding, Linear, causal_attention, heads, num_params, residual_std
+from trainer.models.decoder import (GPT2_STD, Embedding, Linear, causal_attention, document_mask, document_positions,
+                                    heads, num_params, residual_std)
 
 __all__ = ["GPT", "GPT2_STD", "Block", "CausalSelfAttention", "Embedding", "Linear", "MLP", "build"]
 
@@ -36,10 +37,10 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(d_model, 3 * d_model)
         self.proj = Linear(d_model, d_model, residual_std)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         d = x.shape[-1]
         q, k, v = (heads(t, self.n_heads, d // self.n_heads) for t in self.qkv(x).split(d, dim=2))
-        return self.proj(causal_attention(q, k, v, self.dropout if self.training else 0.0))
+        return self.proj(causal_attention(q, k, v, self.dropout if self.training else 0.0, mask))
 
 
 class MLP(nn.Module):
@@ -63,8 +64,8 @@ class Block(nn.Module):
         self.mlp = MLP(d_model, residual_std)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -84,11 +85,16 @@ class GPT(nn.Module):
         if shape.tied:  # one matrix for both; parameters() lists it once, under tok_emb
             self.head.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens`` [batch, seq]; with ``documents`` (each position's document number, packed
+        windows: ``data.packing = "document"``) positions restart per document and attention stays inside it."""
+        if documents is None:
+            pos, mask = torch.arange(tokens.shape[1], device=tokens.device), None
+        else:
+            pos, mask = document_positions(documents), document_mask(documents)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            x = block(x) if mask is None else block(x, mask)
         return self.head(self.ln_f(x))
 
     def fsdp_units(self) -> list[list[nn.Module]]:

@@ -21,7 +21,8 @@ from torch import nn
 from hpc.core.models import model_facts
 from hpc.core.models.llama import LlamaShape
 from hpc.core.spec import Model as ModelSpec
-from trainer.models.decoder import Embedding, Linear, causal_attention, heads, num_params, residual_std
+from trainer.models.decoder import (Embedding, Linear, causal_attention, document_mask, document_positions, heads,
+                                    num_params, residual_std)
 
 
 def build(spec: ModelSpec) -> nn.Module:
@@ -77,9 +78,15 @@ class Rotary(nn.Module):
         with torch.no_grad():
             self.inv_freq.copy_(rope_frequencies(self.shape).to(self.inv_freq.device))
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq.float())
+    def forward(self, seq_len: int, dtype: torch.dtype,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions ``0 .. seq_len-1`` ([seq, head_dim]), or of ``positions`` [batch, seq]
+        ([batch, 1, seq, head_dim]: broadcast over heads)."""
+        if positions is None:
+            t = torch.arange(seq_len, device=self.inv_freq.device, dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq.float())
+        else:
+            freqs = (positions.to(torch.float32)[..., None] * self.inv_freq.float()).unsqueeze(1)
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -101,11 +108,12 @@ class Attention(nn.Module):
         self.wv = Linear(shape.d_model, shape.kv_dim)
         self.wo = Linear(shape.d_model, shape.d_model, residual_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         q = rotate(heads(self.wq(x), self.n_heads, self.head_dim), cos, sin)
         k = rotate(heads(self.wk(x), self.n_kv_heads, self.head_dim), cos, sin)
         v = heads(self.wv(x), self.n_kv_heads, self.head_dim)
-        return self.wo(causal_attention(q, k, v))
+        return self.wo(causal_attention(q, k, v, mask=mask))
 
 
 class SwiGLU(nn.Module):
@@ -131,8 +139,9 @@ class LlamaBlock(nn.Module):
         self.mlp_norm = RMSNorm(shape.d_model, shape.norm_eps)
         self.mlp = SwiGLU(shape, residual_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -151,11 +160,20 @@ class Llama(nn.Module):
         if shape.tied:  # one matrix for both; parameters() lists it once, under tok_emb
             self.head.weight = self.tok_emb.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``tokens`` [batch, seq]; with ``documents`` (each position's document number, packed
+        windows: ``data.packing = "document"``) rotary positions restart per document and attention
+        stays inside it."""
         x = self.tok_emb(tokens)
-        cos, sin = self.rope(tokens.shape[1], x.dtype)
-        for block in self.blocks:
-            x = block(x, cos, sin)
+        if documents is None:
+            cos, sin = self.rope(tokens.shape[1], x.dtype)
+            for block in self.blocks:
+                x = block(x, cos, sin)
+        else:
+            cos, sin = self.rope(tokens.shape[1], x.dtype, document_positions(documents))
+            mask = document_mask(documents)
+            for block in self.blocks:
+                x = block(x, cos, sin, mask)
         return self.head(self.norm(x))
 
     def fsdp_units(self) -> list[list[nn.Module]]:
