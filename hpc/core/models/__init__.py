@@ -28,7 +28,12 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
 
 # arch -> the module whose ``FAMILY`` describes it; any other arch is a user model (``pkg.mod:function``)
-FAMILIES = {"gpt": "hpc.core.models.gpt", "llama": "hpc.core.models.llama"}
+FAMILIES = {
+    "gpt": "hpc.core.models.gpt",
+    "llama": "hpc.core.models.llama",
+    "qwen2": "hpc.core.models.qwen2",
+    "mistral": "hpc.core.models.mistral",
+}
 USER = "user"
 USER_MODULE = "hpc.core.models.user"
 DEFAULT_ARCH = next(iter(FAMILIES))  # ``model.arch`` when a spec names none
