@@ -43,8 +43,8 @@ class Fields(HeadFields):
                                 "many (0: the preset's; -1: none, every earlier token).", minimum=-1)
 
 
-V01 = dict(window=4096)
-V03 = dict(rope_theta=1e6)
+V01: dict[str, tp.Any] = dict(window=4096)
+V03: dict[str, tp.Any] = dict(rope_theta=1e6)
 # name: the published shapes (config.json of each release); seq_len is the training context
 MISTRAL_PRESETS: dict[str, LlamaShape] = {
     "tiny": LlamaShape(2, 64, 4, 2, 192, 64, 256),

@@ -36,7 +36,7 @@ class Fields(HeadFields):
     """The ``[model]`` fields the Qwen2 reads: the Llama block's (``decoder.HeadFields``), none of its own."""
 
 
-QWEN = dict(qkv_bias=True, rope_theta=1e6, norm_eps=1e-6)
+QWEN: dict[str, tp.Any] = dict(qkv_bias=True, rope_theta=1e6, norm_eps=1e-6)
 # name: the published shapes (config.json of each release); seq_len is the pre-training context
 QWEN2_PRESETS: dict[str, LlamaShape] = {
     "tiny": LlamaShape(2, 64, 4, 2, 192, 64, 256, **QWEN),
