@@ -68,8 +68,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout:
     transformers' sliding window: key > query - window)."""
     gqa = k.shape[1] != q.shape[1]
     if 0 < window < q.shape[2]:
+        if gqa:  # CUDA's GQA kernels (flash, math) take no mask but the math one, which keeps every score:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # heads for the masked
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=sliding_window_mask(q.shape[2], window, q.device),
-                                           dropout_p=dropout, enable_gqa=gqa)
+                                           dropout_p=dropout)  # memory-efficient kernel
     else:
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
     b, _, s, _ = q.shape

@@ -174,7 +174,8 @@ def block_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     kernels return it in [batch, seq, heads, head] memory order, so the reshape is a view) and an
     fp32 log-sum-exp per head; the SwiGLU keeps gate, up, silu(gate) and their
     product (4·ffn_dim). The cos/sin tables (per position) are shared by every block. A sliding window
-    shorter than the sequence adds the [seq, seq] mask SDPA keeps, in the compute dtype. The peak
+    shorter than the sequence adds the [seq, seq] mask SDPA keeps, in the compute dtype, and k and v
+    repeated to every query head (``trainer.models.decoder.causal_attention``). The peak
     follows the GPT's reasoning (``hpc.core.models.gpt.gpt_activations``).
     """
     from hpc.core.models import compute_bytes, residual_bytes
@@ -183,8 +184,10 @@ def block_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     tokens, d, q, kv, f = micro_batch * shape.seq_len, shape.d_model, shape.q_dim, shape.kv_dim, shape.ffn_dim
     norm = d * (4 + r) + 4
     inputs = (3 + 2) * d * c if autocast and c < 4 else 2 * d * c  # autocast casts per layer
-    block = tokens * (2 * norm + inputs + c * (2 * q + 2 * kv) + 4 * shape.n_heads + 4 * f * c)
-    if shape.window and shape.window < shape.seq_len:  # SDPA keeps the banded mask as an additive one, per block
+    windowed = 0 < shape.window < shape.seq_len
+    kept_kv = q if windowed else kv  # under a window SDPA keeps k and v repeated to every query head
+    block = tokens * (2 * norm + inputs + c * (2 * q + 2 * kept_kv) + 4 * shape.n_heads + 4 * f * c)
+    if windowed:  # and the banded mask, as an additive one in the compute dtype
         block += shape.seq_len * shape.seq_len * c
     rope = 2 * shape.seq_len * shape.head_dim * r if shape.n_layers else 0
     head = tokens * (norm + d * c)  # final norm, the head's input
