@@ -214,13 +214,14 @@ def test_sliding_window_minus_one_turns_a_presets_window_off():
 # ---------------------------------------------------------------- init_from, then --to hf, bit for bit
 
 
-@pytest.mark.parametrize("arch,config", [("qwen2", {}), ("mistral", {"sliding_window": 16})])
-def test_a_fine_tune_from_the_folder_exports_back_bit_for_bit(tmp_path, arch, config):
+@pytest.mark.parametrize("arch,config,strategy,ranks", [("qwen2", {}, "fsdp", 2),
+                                                     ("mistral", {"sliding_window": 16}, "none", 1)])
+def test_a_fine_tune_from_the_folder_exports_back_bit_for_bit(tmp_path, arch, config, strategy, ranks):
     folder = tiny_folder(tmp_path / "src", arch, **config)
     sets = [f"model.arch={arch!r}", f"model.hf_config={str(folder)!r}", f"checkpoint.init_from={str(folder)!r}",
             "train.lr=0.0", "train.steps=2", "data.shuffle=false", "model.seq_len=32"]
-    run = make_run(tmp_path, "run", "none", 1, sets)
-    out = run_ranks(run, 1)
+    run = make_run(tmp_path, "run", strategy, ranks, sets)
+    out = run_ranks(run, ranks)
     assert out.returncode == 0, out.stderr[-4000:]
     summary = export_hf(run, tmp_path / "out")
     assert summary["arch"] == CLASSES[arch][1].__name__

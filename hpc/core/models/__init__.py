@@ -12,9 +12,10 @@ A family that maps onto a ``transformers`` class also implements ``HfMapped`` (e
 ``checkpoint.init_from``) and, when hpcx reads that class's ``config.json``, ``HfReader``
 (``hpc.core.hf``).
 
-Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``), ``llama`` (the built-in Llama, ``arch =
-"llama"``) and ``user`` (``arch = "pkg.mod:function"``, every arch no other family names). What the
-built-in decoders share (activation bookkeeping) is ``hpc.core.models.decoder``.
+Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``), ``llama``, ``qwen2`` and ``mistral`` (the
+built-in Llama, Qwen2 and Mistral, one block with different settings) and ``user`` (``arch =
+"pkg.mod:function"``, every arch no other family names); docs/models.md lists them. What the built-in
+decoders share (activation bookkeeping, the Llama block and its fields) is ``hpc.core.models.decoder``.
 """
 
 from __future__ import annotations
