@@ -76,11 +76,11 @@ def family_note(cls: type) -> list[str]:
     for fam in families():
         name, keys = fam.name, owned.get(fam.name, ())
         parts = [f"presets (`size`) {fam.preset_counts()}"] if fam.preset_counts() else []
-        parts += [f"its own keys {', '.join(f'`{k}`' for k in keys)}"] if keys else []
+        parts += [f"its keys {', '.join(f'`{k}`' for k in keys)}"] if keys else []
         parts += [f"reads `model.hf_config` of `{fam.hf_arch}`"] if isinstance(fam, HfReader) else []
         arch = f"`arch = \"{name}\"`" if name in FAMILIES else "`arch = \"package.module:function\"`"
         lines.append(f"- {arch}: {'; '.join(parts) or 'only the keys every family has'}.")
-    return lines + ["", "Another family's own keys are refused; the other keys belong to every family.", ""]
+    return lines + ["", "A key only other families read is refused; the other keys belong to every family.", ""]
 
 
 def field_limits(cls: type) -> dict[str, str]:

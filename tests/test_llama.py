@@ -66,7 +66,7 @@ def test_bad_llama_specs_are_one_line_each(fields, message):
 
 
 def test_llama_fields_on_the_gpt_are_refused():
-    with pytest.raises(ConfigError, match=r"`model.n_kv_heads` = 2 is for arch = 'llama', not 'gpt'"):
+    with pytest.raises(ConfigError, match=r"`model.n_kv_heads` = 2 is for arch = 'llama', arch = 'qwen2' or arch = 'mistral', not 'gpt'"):
         spec_from_dict({"model": {"n_kv_heads": 2}})
 
 

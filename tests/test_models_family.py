@@ -98,13 +98,15 @@ def test_a_member_missing_is_not_a_family():
 
 
 def test_the_hugging_face_sides_are_protocols_too():
-    gpt, llama, user = models.families()
+    gpt, llama, qwen2, mistral, user = models.families()
     assert isinstance(gpt, models.HfMapped) and not isinstance(gpt, models.HfReader)
     assert isinstance(llama, models.HfReader) and llama.hf_arch == "LlamaForCausalLM"
+    assert all(isinstance(f, models.HfReader) for f in (qwen2, mistral))
     assert not isinstance(user, models.HfMapped)
     from hpc.core.hf import architectures
 
-    assert architectures() == {"LlamaForCausalLM": "llama"}
+    assert architectures() == {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                               "MistralForCausalLM": "mistral"}
 
 
 @pytest.mark.parametrize("fam", models.families(), ids=lambda f: f.name)
@@ -121,9 +123,13 @@ def test_the_section_is_the_common_fields_then_each_familys_own():
     names, common = _names(spec_mod.Model), _names(spec_mod.CommonModel)
     assert names[:len(common)] == common and common[0] == "arch"
     owned = spec_mod.Model.FAMILY_FIELDS
-    assert names[len(common):] == [n for fam in models.families() for n in owned[fam.name]]
+    assert names[len(common):] == list(dict.fromkeys(n for fam in models.families() for n in owned[fam.name]))
     assert owned["gpt"] == () and "n_kv_heads" in owned["llama"] and "kwargs" in owned["user"]
     assert names.count("arch") == 1  # one declaration (a second one used to win silently)
+    # the Llama-block families share their block's fields (one declaration, decoder.BlockFields)
+    shared = ("n_kv_heads", "ffn_dim", "rope_theta", "norm_eps", "context_len")
+    assert all(set(shared) <= set(owned[f]) for f in ("llama", "qwen2", "mistral")) and names.count("ffn_dim") == 1
+    assert "head_dim" in owned["qwen2"] and "head_dim" not in owned["llama"] and "sliding_window" in owned["mistral"]
 
 
 def test_unknown_model_keys_name_the_valid_ones():
@@ -134,7 +140,10 @@ def test_unknown_model_keys_name_the_valid_ones():
 @pytest.mark.parametrize("fields,message", [
     ({"arch": "llama", "kwargs": {"a": 1}}, r"`model.kwargs` = \{'a': 1\} is for user models, not 'llama'"),
     ({"arch": "pkg.mod:fn", "seq_len": 8, "vocab_size": 8, "norm_eps": 1e-6},
-     r"`model.norm_eps` = 1e-06 is for arch = 'llama', not 'pkg.mod:fn'"),
+     r"`model.norm_eps` = 1e-06 is for arch = 'llama', arch = 'qwen2' or arch = 'mistral', not 'pkg.mod:fn'"),
+    ({"arch": "llama", "head_dim": 32}, r"`model.head_dim` = 32 is for arch = 'qwen2' or arch = 'mistral', not 'llama'"),
+    ({"arch": "qwen2", "sliding_window": 8}, r"`model.sliding_window` = 8 is for arch = 'mistral', not 'qwen2'"),
+    ({"arch": "mistral", "rope_factor": 8.0}, r"`model.rope_factor` = 8.0 is for arch = 'llama', not 'mistral'"),
 ])
 def test_another_familys_fields_are_refused(fields, message):
     with pytest.raises(ConfigError, match=message) as err:

@@ -194,8 +194,12 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
     if config is None or not (config.exists() or config.is_symlink()):  # a FIFO or device: read_config refuses it
         return []
     if not hf_to_hpcx(arch, shape):  # nothing would match: one line, not one per tensor
+        from hpc.core.models import HfReader, families
+
+        readers = [f.phrase for f in families() if isinstance(f, HfReader)]
         raise CheckpointError([f"`checkpoint.init_from`: {path} is a Hugging Face folder; hpcx reads those for "
-                               f"arch = 'llama', not {arch!r} (GPT-2 has biases and Conv1D layouts hpcx's GPT does not)"])
+                               f"{', '.join(readers[:-1])} or {readers[-1]}, not {arch!r} (GPT-2 has biases and "
+                               "Conv1D layouts hpcx's GPT does not)"])
     theirs = spec_fields(config, read_config(config))  # refuses what hpcx does not implement
     ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
     from hpc.core.models import HfReader, family

@@ -136,15 +136,17 @@ def _identifier_problem(part: str) -> str | None:
 def check_model_arch(arch: str) -> list[str]:
     """``model.arch`` = ``package.module:function``: dotted identifiers, one `:`, a function name, and a
     module of the user's, not of the standard library."""
+    from hpc.core.models import FAMILIES
+
     label = f"`model.arch` = {shown(arch)!r}"
+    expected = f"expected {', '.join(repr(name) for name in FAMILIES)} or 'package.module:function'"
     module, colon, function = arch.partition(":")
     if not colon or ":" in function:
-        return [f"{label}: expected 'gpt', 'llama' or 'package.module:function' (one `:` between the module and the function)"]
+        return [f"{label}: {expected} (one `:` between the module and the function)"]
     parts = [("the module path", p) for p in module.split(".")] + [("the function", function)]
     bad = next(((where, why) for where, p in parts if (why := _identifier_problem(p))), None)
     if bad:
-        return [f"{label}: {bad[0]} holds {bad[1]}: expected 'gpt', 'llama' or 'package.module:function' "
-                "(dotted Python identifiers)"]
+        return [f"{label}: {bad[0]} holds {bad[1]}: {expected} (dotted Python identifiers)"]
     top = module.split(".")[0]
     if top in NOT_MODEL_MODULES:
         what = "the module each task starts with" if top == "__main__" else "Python's standard library"

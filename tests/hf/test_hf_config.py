@@ -68,8 +68,8 @@ def test_agreeing_spec_values_are_fine_and_a_contradiction_names_both(tmp_path):
 
 
 @pytest.mark.parametrize("change,words", [
-    ({"architectures": ["MistralForCausalLM"]}, "architectures = ['MistralForCausalLM']; hpcx implements "
-                                                "['LlamaForCausalLM'] only"),
+    ({"architectures": ["GemmaForCausalLM"]}, "architectures = ['GemmaForCausalLM']; hpcx implements "
+                                              "['LlamaForCausalLM', 'Qwen2ForCausalLM', 'MistralForCausalLM'] only"),
     ({"hidden_act": "gelu"}, "hidden_act = 'gelu'; hpcx's Llama has 'silu'"),
     ({"attention_bias": True}, "attention_bias = True; hpcx's Llama has False"),
     ({"head_dim": 32}, "head_dim = 32; hpcx's Llama has hidden_size / num_attention_heads = 16"),

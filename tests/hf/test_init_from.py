@@ -194,7 +194,7 @@ def test_bad_sources_are_one_line(tmp_path, case):
     lines = refused(["dryrun", path, "--site", "local"])
     assert len(lines) == 1, lines
     words = {"nothing-there": "no such file or folder", "truncated": "model.safetensors",
-             "gpt-from-hf": "hpcx reads those for arch = 'llama', not 'gpt'"}[case]
+             "gpt-from-hf": "hpcx reads those for arch = 'llama', arch = 'qwen2' or arch = 'mistral', not 'gpt'"}[case]
     assert words in lines[0]
 
 

@@ -659,6 +659,10 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "tie_word_embeddings": False}
 
 
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+
+
 def hf_job(d: Path, config: Path | str) -> list[str]:
     (d / "job.toml").write_text(f'[model]\nhf_config = "{config}"\n[train]\nglobal_batch = 8\n')
     return ["render", str(d / "job.toml")]
@@ -706,6 +710,18 @@ HF_CONFIGS: dict[str, tuple] = {
     "not-utf8": (None, ("UTF-8",), b'{"a": "\xff"}'),
     "json-list": (None, ("JSON object",), b"[1, 2]"),
     "over-a-mib": (None, ("1 MiB",), b'{"a": "' + b"x" * (2 << 20) + b'"}'),
+    # the Qwen2 and Mistral families read the same keys, and refuse what they do not implement by name
+    "qwen2-sliding-window": (lambda c: c.update(QWEN2, use_sliding_window=True), ("use_sliding_window = True",)),
+    "qwen2-sliding-layer": (lambda c: c.update(QWEN2, layer_types=["full_attention", "sliding_attention"]),
+                            ("layer_types",)),
+    "qwen2-yarn": (lambda c: c.update(QWEN2, rope_scaling={"rope_type": "yarn", "factor": 4.0}), ("rope_scaling",)),
+    "qwen2-zero-layers": (lambda c: c.update(QWEN2, num_hidden_layers=0), ("num_hidden_layers = 0",)),
+    "mistral-window-zero": (lambda c: c.update(MISTRAL, sliding_window=0), ("sliding_window = 0",)),
+    "mistral-window-string": (lambda c: c.update(MISTRAL, sliding_window="4096"), ("sliding_window = '4096'",)),
+    "mistral-window-bool": (lambda c: c.update(MISTRAL, sliding_window=True), ("sliding_window = True",)),
+    "mistral-head-dim-odd": (lambda c: c.update(MISTRAL, head_dim=7), ("head_dim = 7",)),
+    "mistral-head-dim-huge": (lambda c: c.update(MISTRAL, head_dim=10 ** 9), ("head_dim = 1000000000",)),
+    "mistral-gelu": (lambda c: c.update(MISTRAL, hidden_act="gelu"), ("hidden_act = 'gelu'",)),
 }
 for _name, (_change, _words, *_raw) in HF_CONFIGS.items():
     CASES["broken-input" if _raw or _name.startswith(("bert", "arch", "layers-missing")) else "lies"][
@@ -716,6 +732,14 @@ for _name, (_change, _words, *_raw) in HF_CONFIGS.items():
 def hf_config_llama(d: Path, tok: Path) -> Expect:
     (d / "m").mkdir()
     (d / "m" / "config.json").write_text(json.dumps(LLAMA))
+    return Expect(hf_job(d, d / "m"), 0)
+
+
+@case("valid-input")
+def hf_config_qwen2_and_mistral(d: Path, tok: Path) -> Expect:
+    """A Mistral config with a window and its own head width renders (it was refused, Llama only, before)."""
+    (d / "m").mkdir()
+    (d / "m" / "config.json").write_text(json.dumps({**LLAMA, **MISTRAL, "sliding_window": 16, "head_dim": 8}))
     return Expect(hf_job(d, d / "m"), 0)
 
 

@@ -12,9 +12,10 @@ A family that maps onto a ``transformers`` class also implements ``HfMapped`` (e
 ``checkpoint.init_from``) and, when hpcx reads that class's ``config.json``, ``HfReader``
 (``hpc.core.hf``).
 
-Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``), ``llama`` (the built-in Llama, ``arch =
-"llama"``) and ``user`` (``arch = "pkg.mod:function"``, every arch no other family names). What the
-built-in decoders share (activation bookkeeping) is ``hpc.core.models.decoder``.
+Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``), ``llama``, ``qwen2`` and ``mistral`` (the
+built-in Llama, Qwen2 and Mistral, one block with different settings) and ``user`` (``arch =
+"pkg.mod:function"``, every arch no other family names); docs/models.md lists them. What the built-in
+decoders share (activation bookkeeping, the Llama block and its fields) is ``hpc.core.models.decoder``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
 
 # arch -> the module whose ``FAMILY`` describes it; any other arch is a user model (``pkg.mod:function``)
-FAMILIES = {"gpt": "hpc.core.models.gpt", "llama": "hpc.core.models.llama"}
+FAMILIES = {
+    "gpt": "hpc.core.models.gpt",
+    "llama": "hpc.core.models.llama",
+    "qwen2": "hpc.core.models.qwen2",
+    "mistral": "hpc.core.models.mistral",
+}
 USER = "user"
 USER_MODULE = "hpc.core.models.user"
 DEFAULT_ARCH = next(iter(FAMILIES))  # ``model.arch`` when a spec names none
@@ -152,18 +158,20 @@ def families() -> list[Family]:
 
 def section_class(common: type) -> type:
     """The spec's ``[model]`` section: a dataclass with ``common``'s fields (every family's), then each
-    family's own ``fields`` in ``families()`` order. ``FAMILY_FIELDS`` on it says which family declared
-    which field (for the reference docs). Two declaring one name is a programming error."""
-    owners: dict[str, str] = {f.name: "" for f in dataclasses.fields(common)}
+    family's own ``fields`` in ``families()`` order. ``FAMILY_FIELDS`` on it says which family reads
+    which field (for the reference docs). Families may share a field by sharing its declaration (their
+    ``fields`` subclass one dataclass, as the Llama-block families' ``decoder.BlockFields``); two
+    declaring one name apart is a programming error."""
+    owners: dict[str, tuple[str, tp.Any]] = {f.name: ("", f) for f in dataclasses.fields(common)}
     family_fields: dict[str, tuple[str, ...]] = {}
     for fam in families():
-        names = tuple(f.name for f in dataclasses.fields(fam.fields))
-        clash = [name for name in names if name in owners]
+        declared = dataclasses.fields(fam.fields)
+        clash = [f.name for f in declared if f.name in owners and owners[f.name][1] is not f]
         if clash:
             raise TypeError(f"the {fam.name} family declares {clash}, already declared by "
-                            f"{owners[clash[0]] or common.__qualname__}")
-        owners.update(dict.fromkeys(names, fam.name))
-        family_fields[fam.name] = names
+                            f"{owners[clash[0]][0] or common.__qualname__}")
+        owners.update({f.name: owners.get(f.name, (fam.name, f)) for f in declared})
+        family_fields[fam.name] = tuple(f.name for f in declared)
     # a dataclass collects fields from its bases last to first: common's come first
     bases = tuple(fam.fields for fam in reversed(families())) + (common,)
     cls = dataclasses.make_dataclass(common.__name__.removeprefix("Common"), [], bases=bases)
@@ -189,11 +197,21 @@ def model_problems(model: Model) -> list[str]:
 
 
 def foreign_field_problems(model: Model) -> list[str]:
-    """The fields another family declares (``Family.fields``) set away from their defaults on ``model``."""
-    own = family(model.arch)
-    return [f"`model.{f.name}` = {getattr(model, f.name)!r} is for {other.phrase}, not {model.arch!r}"
-            for other in families() if other.name != own.name
-            for f in dataclasses.fields(other.fields) if getattr(model, f.name) != _default(f)]
+    """The fields other families declare (``Family.fields``) and ``model``'s does not, set away from their
+    defaults on ``model``: one line each, naming every family that reads it."""
+    own = {f.name for f in dataclasses.fields(family(model.arch).fields)}
+    readers: dict[str, list[str]] = {}
+    for other in families():
+        for f in dataclasses.fields(other.fields):
+            if f.name not in own and getattr(model, f.name) != _default(f):
+                readers.setdefault(f.name, []).append(other.phrase)
+    return [f"`model.{name}` = {getattr(model, name)!r} is for {_either(phrases)}, not {model.arch!r}"
+            for name, phrases in readers.items()]
+
+
+def _either(phrases: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return phrases[0] if len(phrases) == 1 else f"{', '.join(phrases[:-1])} or {phrases[-1]}"
 
 
 def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,

@@ -20,8 +20,9 @@ import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.config import field
-from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
-from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations
+from hpc.core.models import Counted, ModelFacts, count_text
+from hpc.core.models.decoder import (REQUIRED, BlockFields, LlamaShape, block_activations, hf_names,  # noqa: F401
+                                     hf_tensor_plan, impossible, rope_doc)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
@@ -30,20 +31,15 @@ ARCH = "llama"
 
 
 @dataclass
-class Fields:
-    """The ``[model]`` fields only the Llama reads (0 keeps the preset's value); joined into the spec's
-    section by ``hpc.core.models.section_class``."""
+class Fields(BlockFields):
+    """The ``[model]`` fields the Llama reads (0 keeps the preset's value): those of every Llama-block
+    family (``hpc.core.models.decoder.BlockFields``), then its own; joined into the spec's section by
+    ``hpc.core.models.section_class``."""
 
-    n_kv_heads: int = field(0, doc="Llama: key/value heads of grouped-query attention (0: the preset's); must "
-                            "divide `n_heads`.", minimum=0)
-    ffn_dim: int = field(0, doc="Llama: the SwiGLU MLP's hidden width (0: from `multiple_of` and "
-                         "`ffn_dim_multiplier`, as Meta's code computes it).", minimum=0)
     multiple_of: int = field(0, doc="Llama: the MLP width is rounded up to a multiple of this (0: the preset's).",
                              minimum=0)
     ffn_dim_multiplier: float = field(0.0, doc="Llama: factor on 8/3·dim before rounding (0: the preset's).",
                                       minimum=0)
-    rope_theta: float = field(0.0, doc="Llama: rotary embedding base (0: the preset's; 10000 for Llama 2, "
-                              "500000 for Llama 3).", minimum=0, maximum=1e12)
     rope_factor: float = field(0.0, doc="Llama 3.1+: rotary frequency scaling factor (0: the preset's; 1: no "
                                "scaling).", minimum=0)
     rope_low_freq_factor: float = field(0.0, doc="Llama 3.1+: low-frequency factor of the scaling (0: 1).",
@@ -52,10 +48,6 @@ class Fields:
                                          minimum=0)
     rope_original_seq_len: int = field(0, doc="Llama 3.1+: the context the scaling starts from (0: 8192).",
                                        minimum=0)
-    norm_eps: float = field(0.0, doc="Llama: RMSNorm epsilon (0: the preset's, 1e-5).", minimum=0)
-    context_len: int = field(0, doc="Llama: the model's context, what an export records as "
-                             "`max_position_embeddings` (0: `seq_len`); `hf_config` sets it, and `seq_len` "
-                             "may be any length up to it.", minimum=0)
 
 
 def swiglu_hidden(d_model: int, multiple_of: int, ffn_dim_multiplier: float = 0.0) -> int:
@@ -65,80 +57,6 @@ def swiglu_hidden(d_model: int, multiple_of: int, ffn_dim_multiplier: float = 0.
     if ffn_dim_multiplier:
         hidden = int(ffn_dim_multiplier * hidden)
     return multiple_of * math.ceil(hidden / multiple_of)
-
-
-@dataclass(frozen=True)
-class LlamaShape:
-    """Every number that fixes a Llama model (``ffn_dim`` already resolved)."""
-
-    n_layers: int
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    seq_len: int
-    vocab_size: int
-    tied: bool = False
-    rope_theta: float = 10000.0
-    rope_factor: float = 1.0  # Llama 3 frequency scaling; 1: none
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_seq_len: int = 8192
-    norm_eps: float = 1e-5
-    context_len: int = 0  # the model's context when longer than the training's seq_len (0: seq_len)
-
-    @property
-    def context(self) -> int:
-        """The model's context (``max_position_embeddings``): ``seq_len`` unless trained on shorter samples."""
-        return max(self.context_len, self.seq_len)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
-    @property
-    def block_params(self) -> int:
-        d, kv = self.d_model, self.kv_dim
-        return 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d  # q, o; k, v; gate, up, down; 2 norms
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.d_model
-
-    @property
-    def head_params(self) -> int:
-        """Final RMSNorm, plus the output head's own matrix unless it is tied to the embedding."""
-        return self.d_model + (0 if self.tied else self.vocab_size * self.d_model)
-
-    @property
-    def n_params(self) -> int:
-        return self.embedding_params + self.n_layers * self.block_params + self.head_params
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights that enter a matrix multiply: the blocks' linear layers and the head (tied or not)."""
-        return self.n_layers * (self.block_params - 2 * self.d_model) + self.vocab_size * self.d_model
-
-    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """Every parameter's shape, in the built model's order (FSDP2 shards each one on dim 0)."""
-        d, kv, f, v = self.d_model, self.kv_dim, self.ffn_dim, self.vocab_size
-        block = ((d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (f, d), (d, f), (f, d))
-        return ((v, d),) + block * self.n_layers + ((d,),) + (() if self.tied else ((v, d),))
-
-    @property
-    def largest_module_params(self) -> int:
-        """The most parameters one module owns itself (the embedding or head, else an MLP matrix)."""
-        return max(self.vocab_size * self.d_model, self.ffn_dim * self.d_model, self.d_model * self.d_model)
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6N over the non-embedding parameters (the head's matmul runs tied
-        or not) plus 12·L·d·S for attention scores (the GPT's convention)."""
-        non_embedding = self.n_layers * self.block_params + self.d_model + self.vocab_size * self.d_model
-        return 6.0 * non_embedding + 12.0 * self.n_layers * self.d_model * self.seq_len
 
 
 LLAMA3 = dict(rope_theta=500000.0)
@@ -246,53 +164,10 @@ def preset_counts() -> str:
     return ", ".join(f"{name} ({count_text(s.n_params)})" for name, s in LLAMA_PRESETS.items())
 
 
-# ---------------------------------------------------------------- activations
+llama_activations = block_activations  # the Llama block's (``hpc.core.models.decoder``)
 
 
-def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                      autocast: bool = False) -> Activations:
-    """Activation bytes of one micro-batch (``hpc.core.models.decoder.Activations``), as autograd saves
-    them in ``trainer.models.llama`` (checked by tests/test_llama.py).
-
-    Per block and token: each RMSNorm keeps an fp32 copy of its input, its normalised output (in the
-    residual stream's dtype ``r``) and an fp32 reciprocal RMS; the linear layers keep their input in
-    the compute dtype ``c`` (q, k and v share one; under autocast each casts its own copy, as do
-    gate and up); SDPA keeps the rotated q and k, v, its output (``wo``'s input: CPU and CUDA
-    kernels return it in [batch, seq, heads, head] memory order, so the reshape is a view) and an
-    fp32 log-sum-exp per head; the SwiGLU keeps gate, up, silu(gate) and their
-    product (4·ffn_dim). The cos/sin tables (per position) are shared by every block. The peak
-    follows the GPT's reasoning (``hpc.core.models.gpt.gpt_activations``).
-    """
-    c, r = compute_bytes(mixed_precision), residual_bytes(mixed_precision, autocast)
-    tokens, d, kv, f = micro_batch * shape.seq_len, shape.d_model, shape.kv_dim, shape.ffn_dim
-    norm = d * (4 + r) + 4
-    inputs = (3 + 2) * d * c if autocast and c < 4 else 2 * d * c  # autocast casts per layer
-    block = tokens * (2 * norm + inputs + c * (2 * d + 2 * kv) + 4 * shape.n_heads + 4 * f * c)
-    rope = 2 * shape.seq_len * shape.head_dim * r if shape.n_layers else 0
-    head = tokens * (norm + d * c)  # final norm, the head's input
-    logits = tokens * shape.vocab_size * c
-    log_probs = tokens * shape.vocab_size * 4  # cross_entropy's fp32 log-softmax, saved for backward
-    loss = tokens * shape.vocab_size * LOGIT_BYTES
-    grads = tokens * (d * r + 3 * f * c)  # the MLP's backward: residual gradient + three ffn-wide gradients
-    small = tokens * 16 + rope  # token ids and targets; cos/sin
-    return decoder_activations(shape.n_layers, block, tokens * d * r, head, logits, log_probs, loss, grads, small,
-                               checkpointing)
-
-
-# ---------------------------------------------------------------- Hugging Face names
-
-HF_BLOCK = (("attn_norm.weight", "input_layernorm.weight"), ("attn.wq.weight", "self_attn.q_proj.weight"),
-            ("attn.wk.weight", "self_attn.k_proj.weight"), ("attn.wv.weight", "self_attn.v_proj.weight"),
-            ("attn.wo.weight", "self_attn.o_proj.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight"),
-            ("mlp.w1.weight", "mlp.gate_proj.weight"), ("mlp.w2.weight", "mlp.down_proj.weight"),
-            ("mlp.w3.weight", "mlp.up_proj.weight"))
-
-
-def hf_tensor_plan(shape: LlamaShape) -> list[tp.Any]:
-    """Every ``LlamaForCausalLM`` tensor and the hpcx parameter it is (copied as is)."""
-    from hpc.core.hf import HfTensor
-
-    return [HfTensor(hf, ours, "copy", dims) for ours, (hf, dims) in hf_names(shape).items()]
+# ---------------------------------------------------------------- Hugging Face
 
 
 def hf_config(s: LlamaShape) -> dict[str, tp.Any]:
@@ -318,7 +193,6 @@ HF_KEYS = (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"), ("num_atte
            ("factor", "rope_factor"), ("low_freq_factor", "rope_low_freq_factor"),
            ("high_freq_factor", "rope_high_freq_factor"), ("original_max_position_embeddings", "rope_original_seq_len"))
 ROPE_KEYS = HF_KEYS[-4:]  # inside rope_scaling (transformers 4) or rope_parameters (5)
-REQUIRED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
 
 
 def hf_spec_fields(path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
@@ -331,7 +205,7 @@ def hf_spec_fields(path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     if problems:
         raise ConfigError(problems)
     fields = {ours: doc[key] for key, ours in HF_KEYS[:-4] if doc.get(key) is not None}
-    rope = _rope(doc)
+    rope = rope_doc(doc)
     fields.update({ours: rope[key] for key, ours in ROPE_KEYS if key in rope})
     fields["rope_theta"] = float(rope.get("rope_theta", fields.get("rope_theta", 10000.0)))
     fields.setdefault("n_kv_heads", fields["n_heads"])
@@ -340,42 +214,11 @@ def hf_spec_fields(path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     return fields
 
 
-def _rope(doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
-    rope, scaling = doc.get("rope_parameters"), doc.get("rope_scaling")
-    return {**(rope if isinstance(rope, dict) else {}), **(scaling if isinstance(scaling, dict) else {})}
-
-
-POSITIVE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "intermediate_size", "vocab_size", "max_position_embeddings")
-INT_MAX = 2**31 - 1
-
-
-def _impossible(where: str, doc: dict[str, tp.Any]) -> list[str]:
-    """config.json's own keys that no model has (0 layers, heads that do not divide): named as its keys,
-    never as the spec's ``model.*`` (where 0 means "the preset's")."""
-    out = []
-    for key in POSITIVE_KEYS:
-        value = doc.get(key)
-        if key in doc and (not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= INT_MAX):
-            out.append(f"{where}: {key} = {value!r}: expected a whole number from 1 to {INT_MAX}")
-    if out:
-        return out
-    heads, kv, width = doc.get("num_attention_heads"), doc.get("num_key_value_heads"), doc.get("hidden_size")
-    if heads and kv and heads % kv:
-        out.append(f"{where}: num_key_value_heads = {kv}: expected a divisor of num_attention_heads = {heads}")
-    if heads and width and "head_dim" not in doc and width % heads:
-        out.append(f"{where}: hidden_size = {width}: expected a multiple of num_attention_heads = {heads}")
-    eps = doc.get("rms_norm_eps")
-    if "rms_norm_eps" in doc and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1):
-        out.append(f"{where}: rms_norm_eps = {eps!r}: expected a number between 0 and 1")
-    return out
-
-
 def _unsupported(path: tp.Any, doc: dict[str, tp.Any]) -> list[str]:
     """One line per config.json value that hpcx's Llama does not implement."""
     where = f"`model.hf_config`: {path}"
     out = [f"{where}: {key} is missing" for key in REQUIRED if key not in doc]
-    out += _impossible(where, doc)
+    out += impossible(where, doc)
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if doc.get(key, want) != want:
             out.append(f"{where}: {key} = {doc[key]!r}; hpcx's Llama has {want!r}")
@@ -389,20 +232,6 @@ def _unsupported(path: tp.Any, doc: dict[str, tp.Any]) -> list[str]:
         if rope is not None and kind not in ("default", "llama3"):
             out.append(f"{where}: {key} = {rope!r}; hpcx implements rope_type 'default' and 'llama3'")
     return out
-
-
-def hf_names(shape: LlamaShape) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """hpcx parameter name → (``LlamaForCausalLM``'s name, shape), in the built model's order. The
-    layouts are the same (no q/k permutation: see the module docstring); a tied model has no
-    ``lm_head.weight``."""
-    shapes = iter(shape.param_shapes())
-    names = {"tok_emb.weight": "model.embed_tokens.weight"}
-    for i in range(shape.n_layers):
-        names.update({f"blocks.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in HF_BLOCK})
-    names["norm.weight"] = "model.norm.weight"
-    if not shape.tied:
-        names["head.weight"] = "lm_head.weight"
-    return {ours: (theirs, next(shapes)) for ours, theirs in names.items()}
 
 
 class Llama:
