@@ -129,6 +129,14 @@ class LlamaShape:
         block = ((d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (f, d), (d, f), (f, d))
         return ((v, d),) + block * self.n_layers + ((d,),) + (() if self.tied else ((v, d),))
 
+    def tp_split(self) -> tuple[int, ...]:
+        """Per ``param_shapes`` entry, the dimension tensor parallelism splits (torchtitan's Llama plan):
+        the embedding by rows (vocabulary) and the head column-wise (dim 0), q/k/v and gate/up
+        column-wise (dim 0), o and down row-wise (dim 1); the RMSNorms replicated (-1, sequence
+        parallel: each rank normalises its share of the tokens)."""
+        block = (-1, 0, 0, 0, 1, -1, 0, 1, 0)
+        return (0,) + block * self.n_layers + (-1,) + (() if self.tied else (0,))
+
     @property
     def largest_module_params(self) -> int:
         """The most parameters one module owns itself (the embedding or head, else an MLP matrix)."""
@@ -204,7 +212,8 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
                       root_params=s.embedding_params + s.head_params, n_units=s.n_layers,
                       flops_per_token=s.flops_per_token(), seq_len=s.seq_len, vocab_size=s.vocab_size,
                       matmul_params=s.matmul_params, source="counted from the shape", param_shapes=s.param_shapes(),
-                      largest_module_params=s.largest_module_params, shape=s, family=ARCH)
+                      largest_module_params=s.largest_module_params, shape=s, family=ARCH,
+                      tp_split=s.tp_split(), tp_divides=(s.n_heads, s.n_kv_heads))
 
 
 def problems(model: Model) -> list[str]:
@@ -236,9 +245,9 @@ def code_notice(model: Model) -> str | None:
 
 
 def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                     dropout: float = 0.0, autocast: bool = False) -> float:
+                     dropout: float = 0.0, autocast: bool = False, tp: int = 1) -> float:
     """``llama_activations(...).peak`` of the facts' shape (a Llama has no dropout)."""
-    return llama_activations(facts.shape, micro_batch, checkpointing, mixed_precision, autocast).peak
+    return llama_activations(facts.shape, micro_batch, checkpointing, mixed_precision, autocast, tp).peak
 
 
 def preset_counts() -> str:
@@ -250,7 +259,7 @@ def preset_counts() -> str:
 
 
 def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                      autocast: bool = False) -> Activations:
+                      autocast: bool = False, tp: int = 1) -> Activations:
     """Activation bytes of one micro-batch (``hpc.core.models.decoder.Activations``), as autograd saves
     them in ``trainer.models.llama`` (checked by tests/test_llama.py).
 
@@ -262,21 +271,28 @@ def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     fp32 log-sum-exp per head; the SwiGLU keeps gate, up, silu(gate) and their
     product (4·ffn_dim). The cos/sin tables (per position) are shared by every block. The peak
     follows the GPT's reasoning (``hpc.core.models.gpt.gpt_activations``).
+
+    With ``tp`` > 1 (tensor + sequence parallelism, torchtitan's plan): the norms, the residual stream
+    and a checkpointed block's input hold ``tokens / tp`` tokens; q/k/v, attention, the SwiGLU and
+    the logits (loss parallel: the vocabulary split) ``1/tp`` of the heads, ffn columns and
+    vocabulary; the inputs of the column-wise layers (one all-gathered tensor for q/k/v, one for
+    gate/up, the head's) are kept whole, as DTensor's autograd saves the gathered input.
     """
     c, r = compute_bytes(mixed_precision), residual_bytes(mixed_precision, autocast)
     tokens, d, kv, f = micro_batch * shape.seq_len, shape.d_model, shape.kv_dim, shape.ffn_dim
     norm = d * (4 + r) + 4
     inputs = (3 + 2) * d * c if autocast and c < 4 else 2 * d * c  # autocast casts per layer
-    block = tokens * (2 * norm + inputs + c * (2 * d + 2 * kv) + 4 * shape.n_heads + 4 * f * c)
+    inner = c * (2 * d + 2 * kv) + 4 * shape.n_heads + 4 * f * c  # split by heads / ffn columns under tp
+    block = tokens * (2 * norm / tp + inputs + inner / tp)
     rope = 2 * shape.seq_len * shape.head_dim * r if shape.n_layers else 0
-    head = tokens * (norm + d * c)  # final norm, the head's input
-    logits = tokens * shape.vocab_size * c
-    log_probs = tokens * shape.vocab_size * 4  # cross_entropy's fp32 log-softmax, saved for backward
-    loss = tokens * shape.vocab_size * LOGIT_BYTES
-    grads = tokens * (d * r + 3 * f * c)  # the MLP's backward: residual gradient + three ffn-wide gradients
+    head = tokens * (norm / tp + d * c)  # final norm (sequence-parallel), the head's (gathered) input
+    logits = tokens * shape.vocab_size * c / tp
+    log_probs = tokens * shape.vocab_size * 4 / tp  # cross_entropy's fp32 log-softmax, saved for backward
+    loss = tokens * shape.vocab_size * LOGIT_BYTES / tp
+    grads = tokens * (d * r / tp + 3 * f * c / tp)  # the MLP's backward: residual gradient + three ffn-wide
     small = tokens * 16 + rope  # token ids and targets; cos/sin
-    return decoder_activations(shape.n_layers, block, tokens * d * r, head, logits, log_probs, loss, grads, small,
-                               checkpointing)
+    return decoder_activations(shape.n_layers, block, tokens * d * r / tp, head, logits, log_probs, loss, grads,
+                               small, checkpointing)
 
 
 # ---------------------------------------------------------------- Hugging Face names
