@@ -8,6 +8,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gradient in and out
+# The trainer's cross-entropy runs over chunks of at most this many logits (``trainer.objective``): the
+# fp32 log-softmax and its gradients exist for one chunk at a time, never for the whole micro-batch.
+LOSS_CHUNK_LOGITS = 2**26
+
+
+def loss_chunk_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per chunk of the trainer's chunked cross-entropy (at least one, at most ``tokens``)."""
+    return max(1, min(tokens, LOSS_CHUNK_LOGITS // max(1, vocab)))
+
+
+def loss_terms(tokens: int, vocab: int, c: int, tp: int = 1) -> tuple[float, float, float]:
+    """(logits, log_probs, loss) bytes of one micro-batch's loss on one rank: the logits the loop holds
+    (compute dtype ``c``); what the loss saves for backward beyond them; what its backward adds. The
+    trainer's chunked cross-entropy (``trainer.objective.ChunkedCrossEntropy``) saves nothing beyond
+    the logits and, in backward, holds the logits' gradient (``c`` bytes each) and one chunk's fp32
+    log-softmax with its gradient in and out (``LOGIT_BYTES`` each). Under tensor parallelism (loss
+    parallel: the vocabulary split over ``tp`` ranks) the whole fp32 log-softmax of the rank's share
+    is saved and its backward takes ``LOGIT_BYTES`` per logit."""
+    logits = tokens * vocab * c / tp
+    if tp > 1:
+        return logits, tokens * vocab * 4 / tp, tokens * vocab * LOGIT_BYTES / tp
+    return logits, 0.0, tokens * vocab * c + loss_chunk_tokens(tokens, vocab) * vocab * LOGIT_BYTES
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from hpc.core.config import field
 from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
-from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations
+from hpc.core.models.decoder import Activations, decoder_activations, loss_terms
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
@@ -286,9 +286,7 @@ def llama_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     block = tokens * (2 * norm / tp + inputs + inner / tp)
     rope = 2 * shape.seq_len * shape.head_dim * r if shape.n_layers else 0
     head = tokens * (norm / tp + d * c)  # final norm (sequence-parallel), the head's (gathered) input
-    logits = tokens * shape.vocab_size * c / tp
-    log_probs = tokens * shape.vocab_size * 4 / tp  # cross_entropy's fp32 log-softmax, saved for backward
-    loss = tokens * shape.vocab_size * LOGIT_BYTES / tp
+    logits, log_probs, loss = loss_terms(tokens, shape.vocab_size, c, tp)  # the chunked cross-entropy's
     grads = tokens * (d * r / tp + 3 * f * c / tp)  # the MLP's backward: residual gradient + three ffn-wide
     small = tokens * 16 + rope  # token ids and targets; cos/sin
     return decoder_activations(shape.n_layers, block, tokens * d * r / tp, head, logits, log_probs, loss, grads,
