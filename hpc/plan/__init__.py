@@ -83,11 +83,26 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     if facts.n_params is None:
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:
-        plan.advice = advise(facts, setup, site, rows, allowed)
+        plan.advice = advise(facts, setup, site, rows, allowed, shorter_model(spec, facts))
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
         plan.recommendation[1:1] = tp_lines
     return plan
+
+
+def shorter_model(spec: JobSpec, facts: ModelFacts) -> ModelFacts | None:
+    """The spec's model at half its sequence length (a lever on the floor), or None (a user model, or a
+    sequence too short to halve)."""
+    import dataclasses
+
+    from hpc.core.models import model_facts
+
+    if not facts.builtin or facts.seq_len < 256:
+        return None
+    try:
+        return model_facts(dataclasses.replace(spec.model, seq_len=facts.seq_len // 2))
+    except (ValueError, TypeError):
+        return None
 
 
 def launch_row(spec: JobSpec, site: SiteProfile, launch: Launch) -> Row:
