@@ -188,7 +188,7 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
         gpus_per_node=gpus_per_node(spec, site),
         backend=site.backend,
         dims=dims,
-        grad_accum=spec.train.global_batch // (world * spec.train.micro_batch),
+        grad_accum=spec.train.global_batch // (world // dims.tp * spec.train.micro_batch),  # tp ranks share samples
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
         **schedulers.get(site.scheduler.kind).placement(spec, site),
         plan_reasons=reasons,

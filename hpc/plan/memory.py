@@ -134,7 +134,7 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     n, unit, root = (facts.n_params or 0) / t, (facts.unit_params or 0) / t, (facts.root_params or 0) / t
     c = compute_bytes(cfg.mixed_precision)
     if not cfg.dims.fsdp_enabled:
-        return _replica_buffers(n if facts.matmul_params is None else facts.matmul_params, c, cfg)
+        return _replica_buffers(facts.n_params or 0 if facts.matmul_params is None else facts.matmul_params, c, cfg)
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
     grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
     if cfg.dims.reshard_after_forward:

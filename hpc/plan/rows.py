@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typing as tp
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hpc.plan.comm import Comm, step_comm
 from hpc.core.dims import ParallelDims, parallel_dims
@@ -150,7 +151,7 @@ class Plan:
     def world(self) -> int:
         return self.nodes * self.tasks_per_node
 
-    def to_dict(self) -> dict[str, tp.Any]:
+    def to_dict(self) -> dict[str, Any]:  # (``tp`` is a field here, not the typing module)
         return {
             "job": self.job, "site": self.site, "model": self.model, "n_params": self.n_params,
             "nodes": self.nodes, "tasks_per_node": self.tasks_per_node, "world_size": self.world,

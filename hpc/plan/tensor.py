@@ -54,7 +54,7 @@ def smallest_tp(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: boo
 
 def tp_line(base: list[Row], tried: list[tuple[int, Row | None]], choice: Row, site: SiteProfile) -> str:
     """Why the plan uses tensor parallelism, and the smallest degree, with the numbers."""
-    from hpc.plan.explain import _fit_text, secs
+    from hpc.plan.explain import _fit_text, _gb, secs
 
     t = choice.dims.tp
     lean = leanest(base)
@@ -70,5 +70,5 @@ def tp_line(base: list[Row], tried: list[tuple[int, Row | None]], choice: Row, s
     spent = sum(p.seconds or 0.0 for p in parts)
     if parts:
         text += (f"; each block's activations are gathered and scattered over the {t} GPUs of a node on "
-                 f"{site.node.intra_link} ({sum(p.gb for p in parts):.1f} GB, {secs(spent)} per step, not hidden)")
+                 f"{site.node.intra_link} ({_gb(sum(p.gb for p in parts))}, {secs(spent)} per step, not hidden)")
     return text + "."
