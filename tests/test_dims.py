@@ -90,7 +90,7 @@ def test_impossible_layouts_say_their_numbers(args, message):
 @pytest.mark.parametrize("fields,message", [
     (("fsdp", "full_shard", 2, 4), "fsdp shards over every rank"),
     (("ddp", "full_shard", 2, 2), "ddp replicates whole parameters"),
-    (("fsdp", "full_shard", 1, 4, 2), "tensor parallelism is not implemented"),
+    (("ddp", "full_shard", 4, 1, 2), "tensor parallelism runs inside FSDP or HSDP"),
     (("fsdp", "full_shard", 1, 0), "dp_shard = 0: expected a degree >= 1"),
 ])
 def test_the_value_checks_its_own_arithmetic(fields, message):

@@ -88,9 +88,8 @@ MODES = ["fp32", "autocast", "bf16-weights"]
 def measured_held(shape, micro_batch, mode):
     """Bytes autograd saves in one forward (once per storage, parameters and buffers excluded) + the logits."""
     import torch
-    import torch.nn.functional as F
-
     from trainer.models.llama import Llama
+    from trainer.objective import micro_loss
 
     torch.manual_seed(0)
     net = Llama(shape)
@@ -108,7 +107,8 @@ def measured_held(shape, micro_batch, mode):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
             logits = net(tokens[:, :-1])
-        F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        micro_loss(logits, tokens, None, 1.0)  # as trainer.loop does (the chunked cross-entropy)
+    saved.pop(logits.untyped_storage().data_ptr(), None)  # the loss saves the logits themselves: counted below
     return sum(saved.values()) + logits.numel() * logits.element_size()
 
 

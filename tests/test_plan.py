@@ -59,12 +59,12 @@ SCENARIOS = [
      "ddp", ["agrees — ddp fits"]),
     # 1–10B → FSDP, but DDP fits on 80 GB and its all-reduce hides under compute: departs, with numbers
     ("1.3B on 8x80GB, grad_accum 1: departs from '1-10B -> FSDP'", NVSWITCH_8X80, dict(size="1.3b", global_batch=8),
-     "ddp", ["1–10B parameters → FSDP' (1.42B here): departs, because DDP fits (31.9 GB of 80.0 GB",
+     "ddp", ["1–10B parameters → FSDP' (1.42B here): departs, because DDP fits (31.7 GB of 80.0 GB",
              "is not hidden under"]),
     ("1.3B on 8x80GB, grad_accum 16: still DDP", NVSWITCH_8X80, dict(size="1.3b", global_batch=64, micro=4),
      "ddp", ["departs, because DDP fits"]),
     ("2.7B on 8x80GB: DDP fits at 59 GB and ties", NVSWITCH_8X80, dict(size="2.7b", global_batch=64),
-     "ddp", ["departs, because DDP fits (59.1 GB of 80.0 GB"]),
+     "ddp", ["departs, because DDP fits (58.9 GB of 80.0 GB"]),
     ("6.7B on 8x80GB: DDP does not fit -> FSDP", NVSWITCH_8X80, dict(size="6.7b", global_batch=64),
      "fsdp", ["1–10B parameters → FSDP' (6.86B here): agrees — DDP does not fit (140 GB of 80.0 GB"]),
     ("7B on 4x80GB PCIe -> FSDP", PCIE_4X80, dict(size="6.7b", global_batch=16),
@@ -78,7 +78,7 @@ SCENARIOS = [
                 "the one that keeps every micro-batch's all-gathers inside one node's NVLink domain"]),
     ("30B on 2 nodes: one node cannot hold a shard -> fsdp over 16", NVSWITCH_8X80,
      dict(size="30b", nodes=2, global_batch=128), "fsdp full_shard",
-     ["HYBRID_SHARD': departs, because sharded over one node (8 GPUs) it needs 86.0 GB of 80.0 GB"]),
+     ["HYBRID_SHARD': departs, because sharded over one node (8 GPUs) it needs 85.7 GB of 80.0 GB"]),
     ("70B on 16 nodes x 8x80GB -> shard group over several nodes", NVSWITCH_8X80,
      dict(size="70b", nodes=16, global_batch=1024), "hsdp 32", ["spans 4 nodes", "sharded over one node it needs"]),
     ("70B on one node with cpu_offload allowed -> offload is what fits", NVSWITCH_8X80,
@@ -91,7 +91,7 @@ SCENARIOS = [
     ("350M on 4x24GB PCIe: DDP still fits", PCIE_4X24, dict(size="350m", global_batch=16),
      "ddp", ["GPUs under 40 GB → FSDP' (24.0 GB here): departs, because ddp fits"]),
     ("1.3B on 4x24GB PCIe: DDP does not fit", PCIE_4X24, dict(size="1.3b", global_batch=16),
-     "fsdp", ["GPUs under 40 GB → FSDP' (24.0 GB here): agrees", "DDP does not fit (31.9 GB of 24.0 GB"]),
+     "fsdp", ["GPUs under 40 GB → FSDP' (24.0 GB here): agrees", "DDP does not fit (31.7 GB of 24.0 GB"]),
     # the decision tree: under 1B and it fits one GPU → no parallelism
     ("125M on one GPU -> none", ONE_24GB, dict(size="125m", global_batch=4), "none",
      ["fits one GPU → no parallelism': none agrees"]),
@@ -101,7 +101,7 @@ SCENARIOS = [
     # reduce-scatter (6 B/param) exposes less than DDP's fp32 all-reduce (8 B/param)
     ("1.3B on 4x80GB PCIe, micro 1 -> communication-bound", PCIE_4X80, dict(size="1.3b", global_batch=4),
      "fsdp shard_grad_op", ["communication-bound on pcie", "Runner-up of another kind: ddp, 0.36 s per step, 42% more",
-                            "1–10B parameters → FSDP' (1.42B here): agrees — DDP fits (31.9 GB of 80.0 GB"]),
+                            "1–10B parameters → FSDP' (1.42B here): agrees — DDP fits (31.7 GB of 80.0 GB"]),
     # … and with 64 micro-batches per step DDP's one all-reduce wins: the numbers say why
     ("1.3B on 4x80GB PCIe, grad_accum 64 -> DDP", PCIE_4X80, dict(size="1.3b", global_batch=256),
      "ddp", ["Runner-up of another kind: fsdp shard_grad_op", "of its 16.4 s of communication is not hidden",

@@ -66,6 +66,44 @@ def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> torch
     return count
 
 
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Per-target fp32 cross-entropy of ``logits`` [N, V] (any dtype) against ``targets`` [N], over
+    chunks of ``chunk`` rows: forward keeps no fp32 copy (only the logits it is given, which the loop
+    holds anyway), backward recomputes each chunk's fp32 log-softmax and writes its gradient into
+    one buffer of the logits' dtype. Each row is computed by the same ``F.cross_entropy`` as the whole
+    batch would be, so the values and gradients are those of the unchunked loss."""
+
+    @staticmethod
+    def forward(ctx: tp.Any, logits: torch.Tensor, targets: torch.Tensor, chunk: int) -> torch.Tensor:
+        losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for start in range(0, logits.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            losses[rows] = F.cross_entropy(logits[rows].float(), targets[rows], reduction="none")
+        ctx.save_for_backward(logits, targets)
+        ctx.chunk = chunk
+        return losses
+
+    @staticmethod
+    def backward(ctx: tp.Any, grad_losses: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, targets = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for start in range(0, logits.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            with torch.enable_grad():
+                part = logits[rows].detach().requires_grad_(True)
+                loss = F.cross_entropy(part.float(), targets[rows], reduction="none")
+                (grad[rows],) = torch.autograd.grad(loss, part, grad_losses[rows])
+        return grad, None, None
+
+
+def chunked_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-target fp32 cross-entropy of flat ``logits`` [N, V] against ``targets`` [N] in chunks of
+    ``hpc.core.models.decoder.LOSS_CHUNK_LOGITS`` logits (``ChunkedCrossEntropy``)."""
+    from hpc.core.models.decoder import loss_chunk_tokens
+
+    return ChunkedCrossEntropy.apply(logits, targets, loss_chunk_tokens(logits.shape[0], logits.shape[-1]))
+
+
 def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Per-target cross-entropy in fp32, shaped like ``tokens[:, 1:]``."""
     flat = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
@@ -75,11 +113,13 @@ def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 def micro_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None,
                scale: float | torch.Tensor) -> torch.Tensor:
     """The loss to back-propagate for one micro-batch: mean × ``scale`` (1/micro-steps) without a mask;
-    with one, the counted targets' sum × ``scale`` (world_size / global count)."""
+    with one, the counted targets' sum × ``scale`` (world_size / global count). The cross-entropy runs
+    in chunks (``chunked_token_losses``): no fp32 logits of the whole micro-batch are ever held."""
+    losses = chunked_token_losses(logits.flatten(0, 1), tokens[:, 1:].flatten())
     if mask is None:
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss = losses.mean()
     else:
-        loss = (token_losses(logits, tokens) * mask[:, 1:].to(logits.device, torch.float32)).sum()
+        loss = (losses * mask[:, 1:].flatten().to(logits.device, torch.float32)).sum()
     return loss if isinstance(scale, float) and scale == 1.0 else loss * scale
 
 

@@ -89,7 +89,9 @@ def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> t
 @site_option
 @set_option
 @click.option("--run-dir", default=None, help="Run folder shown in the script (default: a new one under the run root).")
-def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir: str | None) -> None:
+@click.option("--strict", is_flag=True, help="Refuse (exit 2) when the plan estimates that the spec's layout does "
+              "not fit in memory.")
+def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir: str | None, strict: bool) -> None:
     """Print exactly what `submit` would send (the sbatch script, or the local parameters).
 
     A summary of the launch goes to stderr, so `hpcx render job.toml > job.sh` keeps the script clean.
@@ -102,6 +104,7 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
     from hpc.core.validate import check_run_dir_option
 
     spec, site, launch = load_job(job, site_name, overrides)
+    check_memory(spec, site, launch, strict)
     check_run_dir_option(run_dir)
     run_dir = run_dir or str(run_root(spec, site) / run_dir_name(spec.job.name, "YYYYmmdd-HHMMSS", "XXXXXX"))
     warn_passthrough(spec)
@@ -114,8 +117,11 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 @site_option
 @set_option
 @click.option("--wait", is_flag=True, help="Block, show progress, and print the result when the job ends.")
+@click.option("--strict", is_flag=True, help="Refuse (exit 2) when the plan estimates that the spec's layout does "
+              "not fit in memory.")
 @json_option
-def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
+def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bool, strict: bool,
+           as_json: bool) -> None:
     """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
     from hpc.core import imports
     from hpc.login import submit as sub
@@ -125,6 +131,7 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
     from hpc.login.render import user_code_notice
 
     spec, site, launch = load_job(job, site_name, overrides)
+    check_memory(spec, site, launch, strict)
     check_init_from(spec)
     warn_passthrough(spec)
     if user_code_notice(spec):
@@ -175,6 +182,22 @@ def check_init_from(spec: tp.Any) -> None:
         problems = init_from_problems(spec)
         if problems:
             raise CheckpointError(problems)
+
+
+def check_memory(spec: tp.Any, site: tp.Any, launch: tp.Any, strict: bool) -> None:
+    """A strategy set in the spec that the plan estimates runs out of memory: a warning line with the figure
+    on stderr (``hpc.plan.warn``); under ``--strict`` a refusal (exit 2)."""
+    from hpc.plan.warn import memory_warning
+
+    if spec.job.command:  # script mode: the script's memory is its own
+        return
+    line = memory_warning(spec, site, launch)
+    if line is None:
+        return
+    if strict:
+        raise ConfigError([f"{spec.source}: {line.removeprefix('warning: ').replace('; --strict refuses', '')} "
+                           "(refused under --strict)"])
+    click.echo(line, err=True)
 
 
 def warn_passthrough(spec: tp.Any) -> None:
@@ -402,8 +425,10 @@ def site_list(as_json: bool) -> None:
 @set_option
 @click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
               help="The rank to build (its mesh coordinate, shards and checkpoint plan).")
+@click.option("--strict", is_flag=True, help="Refuse (exit 2) when the plan estimates that the spec's layout does "
+              "not fit in memory.")
 @json_option
-def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: int, as_json: bool) -> None:
+def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: int, strict: bool, as_json: bool) -> None:
     """Build JOB's real sharded model, mesh and optimizer as one rank of the full job, on this CPU.
 
     The trainer's own construction runs on torch's fake process group: no GPU, no weights (every
@@ -413,6 +438,7 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
     """
     spec, site, launch = load_job(job, site_name, overrides)
     refuse_script_mode(spec, "dryrun")
+    check_memory(spec, site, launch, strict)
     check_init_from(spec)
     if rank >= launch.world_size:
         raise ConfigError([f"--rank {rank}: {spec.source} runs {launch.nodes} node(s) × {launch.tasks_per_node} "

@@ -18,8 +18,9 @@ hsdp (any sharding)         world/shard   shard     (replicate, shard) (dp_repli
                                                     dp_shard)
 ==========================  ============  ========  ==============================  ==========
 
-``tp`` (tensor parallel) is carried as a degree of 1 and a named mesh dimension when it is
-larger, so a tensor-parallel strategy can be added here without touching the callers' arithmetic.
+``tp`` (tensor parallel) is the innermost degree (a named mesh dimension when larger than 1): its
+ranks sit inside one node and split each layer; fsdp and hsdp shard over the ``world / tp``
+data-parallel ranks (``parallel_dims(..., tp=N)``).
 Torch-free.
 """
 
@@ -52,8 +53,9 @@ class ParallelDims:
         for name in ("dp_replicate", "dp_shard", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: expected a degree >= 1")
-        if self.tp != 1:
-            raise ValueError(f"tp = {self.tp}: tensor parallelism is not implemented yet (expected 1)")
+        if self.tp > 1 and not self.fsdp_enabled:
+            raise ValueError(f"tp = {self.tp} under {self.strategy!r}: tensor parallelism runs inside FSDP or HSDP "
+                             "(expected tp = 1)")
         if self.single_process and self.world_size != 1:
             raise ValueError(f"strategy {self.strategy!r} runs one process, but dp_replicate={self.dp_replicate} "
                              f"× dp_shard={self.dp_shard} = {self.world_size} ranks")
@@ -152,9 +154,12 @@ class ParallelDims:
             return (f"fsdp no_shard (whole parameters on each of {world} ranks, mesh replicate={self.dp_replicate} "
                     f"× shard={self.dp_shard}; gradients all-reduced)")
         if self.strategy == "fsdp":
-            return f"fsdp {self.sharding} (sharded over {self.dp_shard} ranks)"
+            return f"fsdp {self.sharding} (sharded over {self.dp_shard} ranks){self._tp_text()}"
         return (f"hsdp {self.sharding} (mesh replicate={self.dp_replicate} × shard={self.dp_shard}: sharded within "
-                f"groups of {self.dp_shard}, replicated across {self.dp_replicate})")
+                f"groups of {self.dp_shard}, replicated across {self.dp_replicate}){self._tp_text()}")
+
+    def _tp_text(self) -> str:
+        return f" × tp {self.tp} (each layer split over {self.tp} ranks of a node)" if self.tp > 1 else ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -165,11 +170,18 @@ class ParallelDims:
 
 
 def parallel_dims(strategy: str, sharding: str, world_size: int, tasks_per_node: int = 1,
-                  shard_size: int = 0) -> ParallelDims:
+                  shard_size: int = 0, tp: int = 1) -> ParallelDims:
     """The one mapping from a strategy to degrees. ``shard_size`` is HSDP's shard group (0: one node's
-    ``tasks_per_node`` ranks); it is ignored by every other strategy. Raises ValueError with the numbers."""
+    data-parallel ranks, ``tasks_per_node / tp``); it is ignored by every other strategy. ``tp`` ranks
+    (innermost, inside a node) split each layer; the data-parallel dims take ``world_size / tp``.
+    Raises ValueError with the numbers."""
     if world_size < 1:
         raise ValueError(f"world size {world_size}: expected at least one rank")
+    if tp > 1:
+        if world_size % tp:
+            raise ValueError(f"tp = {tp} does not divide the world of {world_size} ranks")
+        dp = parallel_dims(strategy, sharding, world_size // tp, max(1, tasks_per_node // tp), shard_size)
+        return ParallelDims(dp.strategy, dp.sharding, dp.dp_replicate, dp.dp_shard, tp)
     if strategy in ("none", "dp"):
         return ParallelDims(strategy, sharding, 1, 1) if world_size == 1 else _one_process(strategy, world_size)
     if strategy == "ddp" or (strategy == "fsdp" and sharding == "no_shard"):

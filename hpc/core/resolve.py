@@ -189,7 +189,8 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
         gpus_per_node=gpus_per_node(spec, site),
         backend=site.backend,
         dims=dims,
-        grad_accum=max(1, spec.train.global_batch // (world * spec.train.micro_batch)),  # a script's: unused
+        # tp ranks share samples; a script's is unused (its batches are its own)
+        grad_accum=max(1, spec.train.global_batch // (world // dims.tp * spec.train.micro_batch)),
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
         **schedulers.get(site.scheduler.kind).placement(spec, site),
         plan_reasons=reasons,

@@ -62,12 +62,20 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     allowed = spec.parallel.cpu_offload  # allowed, not required: candidates with and without offload
     rows = [evaluate(facts, c, setup, site) for c in candidates(setup, allowed, gpu)]
     choice = pick(rows) if facts.n_params is not None else None
+    tp_lines: list[str] = []
+    if choice is None and facts.n_params is not None and spec.parallel.strategy == "auto" and setup.tp == 1:
+        from hpc.plan.tensor import smallest_tp
+
+        found = smallest_tp(facts, setup, site, allowed, rows)
+        if found is not None:
+            setup, rows, choice, tp_lines = found
     mfu, mfu_source = mfu_of(site)
     plan = Plan(job=spec.job.name, site=site.name, model=facts.label, n_params=facts.n_params,
                 nodes=setup.nodes, tasks_per_node=setup.tasks_per_node, micro_batch=setup.micro_batch,
                 grad_accum=setup.grad_accum, mixed_precision=setup.mixed_precision,
                 checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, mfu),
-                mfu=mfu, rows=rows, choice=choice, offload_allowed=allowed, mfu_source=mfu_source)
+                mfu=mfu, rows=rows, choice=choice, offload_allowed=allowed, mfu_source=mfu_source,
+                tp=setup.tp)
     plan.notes = plan_notes(site, setup, facts, spec.parallel.strategy)
     if facts.n_params is not None:
         plan.notes.append(peaks_note(facts, setup.async_save, gpu))
@@ -75,10 +83,26 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     if facts.n_params is None:
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:
-        plan.advice = advise(facts, setup, site, rows, allowed)
+        plan.advice = advise(facts, setup, site, rows, allowed, shorter_model(spec, facts))
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
+        plan.recommendation[1:1] = tp_lines
     return plan
+
+
+def shorter_model(spec: JobSpec, facts: ModelFacts) -> ModelFacts | None:
+    """The spec's model at half its sequence length (a lever on the floor), or None (a user model, or a
+    sequence too short to halve)."""
+    import dataclasses
+
+    from hpc.core.models import model_facts
+
+    if not facts.builtin or facts.seq_len < 256:
+        return None
+    try:
+        return model_facts(dataclasses.replace(spec.model, seq_len=facts.seq_len // 2))
+    except (ValueError, TypeError):
+        return None
 
 
 def launch_row(spec: JobSpec, site: SiteProfile, launch: Launch) -> Row:
@@ -89,7 +113,8 @@ def launch_row(spec: JobSpec, site: SiteProfile, launch: Launch) -> Row:
     from hpc.core.models import model_facts
     from hpc.plan.rows import evaluate, setup_of
 
-    setup = dataclasses.replace(setup_of(spec, site, launch.nodes), tasks_per_node=launch.tasks_per_node)
+    setup = dataclasses.replace(setup_of(spec, site, launch.nodes), tasks_per_node=launch.tasks_per_node,
+                                tp=launch.dims.tp)
     offload = bool(launch.cpu_offload) and launch.dims.fsdp_enabled
     return evaluate(model_facts(spec.model), (launch.dims, offload), setup, site)
 
@@ -108,7 +133,7 @@ def choose(spec: JobSpec, site: SiteProfile, nodes: int) -> Choice:
     p = spec.parallel
     tpn = tasks_per_node(p.strategy, spec.job.tasks_per_node, site.default_tasks_per_node())
     if p.strategy != "auto":
-        dims = parallel_dims(p.strategy, p.sharding, nodes * tpn, tpn, p.shard_size)
+        dims = parallel_dims(p.strategy, p.sharding, nodes * tpn, tpn, p.shard_size, int(getattr(p, "tp", 1) or 1))
         return Choice(dims, p.cpu_offload and dims.fsdp_enabled, [f"strategy {p.strategy!r} set in the spec"])
     plan = plan_job(spec, site, nodes)
     if plan.n_params is None:

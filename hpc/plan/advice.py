@@ -1,10 +1,13 @@
 """When nothing fits: the cheapest change that does, found by search, each tried change with its numbers.
 
 The changes are the knobs a user has: more nodes (powers of two times ``job.nodes``, up to the
-site's ``scheduler.max_nodes`` or 1024), ``parallel.cpu_offload = true``, activation checkpointing
-and ``train.micro_batch = 1``. Every combination is planned in full (all layouts, the same choice
-rule as ``hpcx plan``); the cheapest that fits is the one with the fewest GPUs, then the fewest
-changed knobs, then the shortest estimated step.
+site's ``scheduler.max_nodes`` or 1024), ``parallel.cpu_offload = true``, activation checkpointing,
+a smaller ``train.micro_batch`` (every one that keeps ``train.global_batch`` with more gradient
+accumulation, and 1) and ``parallel.tp`` (the degrees of the site's NVLink domain the model allows).
+Every combination is planned in full (all layouts, the same choice rule as ``hpcx plan``); the
+cheapest that fits is the one with the fewest GPUs, then the fewest changed knobs, then the shortest
+estimated step. Before the changes, the advice says why nothing fits: the per-rank floor
+(``hpc.plan.floor``) against the GPU's memory, and what each lever does to it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from hpc.core.site import SiteProfile
 from hpc.core.validate import check_batch
 
 from hpc.plan.explain import _fit_text, _gb, secs
-from hpc.plan.rows import Row, Setup, candidates, evaluate, pick
+from hpc.plan.rows import Row, Setup, candidates, evaluate, pick, tp_degrees
 
 MAX_NODES = 1024  # where the site does not say how many nodes a job may have
 
@@ -56,18 +59,28 @@ def _node_counts(setup: Setup, site: SiteProfile) -> list[int]:
     return counts or [setup.nodes]
 
 
-def _variants(setup: Setup, site: SiteProfile, allowed: bool, nodes: int) -> list[tuple[Setup, bool, tuple[str, ...]]]:
+def _variants(setup: Setup, site: SiteProfile, allowed: bool, nodes: int,
+              tp_options: tuple[int, ...] = ()) -> list[tuple[Setup, bool, tuple[str, ...]]]:
     """Every combination of the other knobs at ``nodes`` nodes, with the settings it changes."""
     gpu = site.node.gpus > 0
     offloads = [(allowed, ())] + ([(True, ("parallel.cpu_offload = true",))] if gpu and not allowed else [])
     ckpts = [(setup.checkpointing, ())] + ([(True, ("parallel.activation_checkpointing = true",))]
                                            if not setup.checkpointing else [])
-    micros = [(setup.micro_batch, ())] + ([(1, ("train.micro_batch = 1",))] if setup.micro_batch > 1 else [])
+    micros = [(setup.micro_batch, ())] + [(m, (f"train.micro_batch = {m}",)) for m in smaller_micro_batches(setup, nodes)]
+    tps = [(setup.tp, ())] + [(t, (f"parallel.tp = {t}",)) for t in tp_options]
     base = () if nodes == setup.nodes else (f"job.nodes = {nodes}",)
     out = []
-    for (off, a), (ck, b), (mb, c) in itertools.product(offloads, ckpts, micros):
-        out.append((replace(setup, nodes=nodes, checkpointing=ck, micro_batch=mb), off, base + a + b + c))
+    for (off, a), (ck, b), (mb, c), (t, d) in itertools.product(offloads, ckpts, micros, tps):
+        out.append((replace(setup, nodes=nodes, checkpointing=ck, micro_batch=mb, tp=t), off, base + a + b + c + d))
     return out
+
+
+def smaller_micro_batches(setup: Setup, nodes: int) -> list[int]:
+    """Micro batches below the spec's that keep ``train.global_batch`` at ``nodes`` nodes (it divides into
+    data-parallel ranks × micro batch, the rest made up by gradient accumulation), largest first; 1 always."""
+    dp = max(1, nodes * setup.tasks_per_node // setup.tp)
+    keep = [m for m in range(setup.micro_batch - 1, 1, -1) if setup.global_batch % (dp * m) == 0]
+    return keep + ([1] if setup.micro_batch > 1 else [])
 
 
 def search(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bool) -> list[Change]:
@@ -75,9 +88,10 @@ def search(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bool) ->
     search stops at the smallest node count where something fits, except for "more nodes alone"."""
     tried: list[Change] = []
     alone_found = False
+    tps = tuple(tp_degrees(facts, site, setup.tasks_per_node)[1:]) if setup.tp == 1 else ()
     for nodes in _node_counts(setup, site):
         found = any(c.row is not None for c in tried)
-        for s, off, knobs in _variants(setup, site, allowed, nodes):
+        for s, off, knobs in _variants(setup, site, allowed, nodes, tps):
             alone = len(knobs) <= 1 and (not knobs or knobs[0].startswith("job.nodes"))
             if found and not (alone and not alone_found):
                 continue
@@ -103,8 +117,8 @@ def change_text(c: Change, setup: Setup) -> str:
     text = f"with {what}: {row.label} fits ({_fit_text(row)}{_host_text(row)})"
     if row.step_s is not None:
         text += f", estimated step {secs(row.step_s)}"
-    per_step = c.setup.world * c.setup.micro_batch
-    if check_batch(setup.global_batch, c.setup.micro_batch, c.setup.world):
+    per_step = c.setup.dp_world * c.setup.micro_batch
+    if check_batch(setup.global_batch, c.setup.micro_batch, c.setup.dp_world):
         text += f" (train.global_batch {setup.global_batch} must then be a multiple of {per_step})"
     return text
 
@@ -146,10 +160,14 @@ def _nodes_alone(tried: list[Change]) -> Change | None:
     return min(alone, key=_cost, default=None)
 
 
-def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row], allowed: bool = False) -> list[str]:
-    """Nothing fits: the leanest row and why not, then what would, with numbers."""
+def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row], allowed: bool = False,
+           shorter: ModelFacts | None = None) -> list[str]:
+    """Nothing fits: the leanest row and why not, the per-rank floor and its levers, then what would
+    fit, with numbers. ``shorter``: the model at half the sequence length (a lever the floor weighs)."""
+    from hpc.plan.floor import floor_lines
+
     leanest = min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb or 0.0)
     head = f"Nothing fits: the leanest, {leanest.label}, needs {_fit_text(leanest)}"
     if leanest.cfg.offload and leanest.memory is not None:
         head += f" and {_gb(leanest.host_need_gb)} of host memory per node of {_gb(leanest.host_capacity_gb or 0)} usable"
-    return [head + "."] + advice_lines(facts, setup, site, allowed)
+    return [head + "."] + floor_lines(facts, setup, site, shorter) + advice_lines(facts, setup, site, allowed)

@@ -23,6 +23,14 @@ Which collectives run (per micro-batch unless said otherwise):
   gradients across the replicas once per optimizer step (FSDP2 ``set_requires_all_reduce(False)``
   on the accumulation micro-batches).
 - fsdp no_shard (FSDP2 on a (world, 1) mesh): the all-reduce across replicas, once per step.
+- tensor parallelism (``tp`` > 1, with sequence parallelism as torchtitan applies it) adds, every
+  micro-batch, inside the tp group of one node: per block in forward two all-gathers (the inputs
+  of attention and MLP) and two reduce-scatters (their outputs) of tokens × dim in the compute
+  dtype, plus the head's input all-gather and the embedding's reduce-scatter; backward runs the
+  same the other way round, and the recomputed forward (activation checkpointing) again. They wait
+  on the layer before and after them, so none of their time hides under compute (``unhidden_s``).
+  FSDP's collectives then run over the data-parallel shard group on ``1/tp`` of each unit, with
+  ``tasks_per_node / tp`` ranks of a group on each node.
 - CPU offload adds, every micro-batch, host→GPU copies of the fp32 parameter shard before each
   all-gather and GPU→host copies of the fp32 gradient shard, at HOST_LINK_GBS per GPU.
 
@@ -237,6 +245,8 @@ def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tas
         _add(comm, reduce, everyone, site, tasks_per_node, 1)
     elif cfg.dims.fsdp_enabled:
         _sharded_comm(comm, facts, cfg, site, tasks_per_node, grad_accum)
+    if cfg.dims.tp > 1:
+        _tp_comm(comm, facts, cfg, site, tasks_per_node, grad_accum)
     if cfg.offload:
         _offload_copies(comm, facts, cfg, grad_accum)
     return comm
@@ -246,7 +256,8 @@ def _offload_copies(comm: Comm, facts: ModelFacts, cfg: Config, grad_accum: int)
     """FSDP2 CPUOffloadPolicy: each micro-batch copies the fp32 parameter shard to the GPU before each
     all-gather (forward, and backward again under full_shard) and the reduced fp32 gradient shard
     back to the host, over each GPU's own PCIe link."""
-    shard, root = (facts.n_params or 0) / cfg.dims.dp_shard, (facts.root_params or 0) / cfg.dims.dp_shard
+    ranks = cfg.dims.dp_shard * cfg.dims.tp
+    shard, root = (facts.n_params or 0) / ranks, (facts.root_params or 0) / ranks
     gathers = [("forward", "host→GPU parameter shard (offload)")]
     if cfg.dims.reshard_after_forward:
         gathers.append(("backward", "host→GPU parameter shard again (offload)"))
@@ -263,9 +274,12 @@ def _offload_copies(comm: Comm, facts: ModelFacts, cfg: Config, grad_accum: int)
 def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile, tasks_per_node: int,
                   grad_accum: int) -> None:
     """FSDP/HSDP: gathers and reduce-scatters inside the shard group, HSDP's all-reduce across it."""
-    n, root, unit, units = facts.n_params or 0, facts.root_params or 0, facts.unit_params or 0, facts.n_units + 1
+    t = cfg.dims.tp  # each rank gathers and reduces its TP slice of every unit
+    n, root, unit = (facts.n_params or 0) / t, (facts.root_params or 0) / t, (facts.unit_params or 0) / t
+    units = facts.n_units + 1
     c, degree = compute_bytes(cfg.mixed_precision), cfg.dims.dp_shard
-    shard = Group(degree, min(degree, tasks_per_node))
+    dp_per_node = max(1, tasks_per_node // t)
+    shard = Group(degree, min(degree, dp_per_node))
     # forward gathers the root first; backward gathers the blocks again (the root stays gathered)
     _add(comm, Collective("all-gather forward", "all_gather", n * c, units, root * c, "forward"), shard, site,
          tasks_per_node, grad_accum)
@@ -276,6 +290,35 @@ def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile,
                           root * REDUCE_BYTES), shard, site, tasks_per_node, grad_accum)
     replicas = cfg.dims.dp_replicate
     if replicas > 1:
-        across = Group(replicas, max(1, tasks_per_node // degree))
+        across = Group(replicas, max(1, dp_per_node // degree))
         _add(comm, Collective("all-reduce across replicas", "all_reduce", n * REDUCE_BYTES / degree, units,
                               root * REDUCE_BYTES / degree), across, site, tasks_per_node, 1)
+
+
+def tp_calls(facts: ModelFacts, checkpointing: bool) -> dict[tuple[str, str], int]:
+    """Sequence-parallel collectives of one micro-batch, by (phase, kind): per block two all-gathers
+    and two reduce-scatters forward (+ the head's gather, the embedding's scatter), the mirror image
+    backward, and the forward again in backward when blocks are recomputed."""
+    layers = facts.n_units
+    fwd = 2 * layers + 1
+    again = 2 * layers if checkpointing else 0
+    return {("forward", "all_gather"): fwd, ("forward", "reduce_scatter"): fwd,
+            ("backward", "all_gather"): fwd + again, ("backward", "reduce_scatter"): fwd + again}
+
+
+def _tp_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile, tasks_per_node: int,
+             grad_accum: int) -> None:
+    """Tensor parallelism with sequence parallelism: activations gathered and scattered over the tp ranks
+    of one node, every micro-batch; none of it hides under compute."""
+    t, c = cfg.dims.tp, compute_bytes(cfg.mixed_precision)
+    d = getattr(facts.shape, "d_model", 0)
+    tokens = cfg.micro_batch * facts.seq_len
+    group = Group(t, t)
+    before = len(comm.parts)
+    for (phase, kind), calls in tp_calls(facts, cfg.checkpointing).items():
+        what = f"tp {'all-gather' if kind == 'all_gather' else 'reduce-scatter'} activations {phase}"
+        message = tokens * d * c  # the full (gathered) activation of one call
+        _add(comm, Collective(what, kind, message * calls, calls, message, phase), group, site, tasks_per_node,
+             grad_accum)
+    for part in comm.parts[before:]:  # on the critical path: every call waits for its layer
+        part.unhidden_s = (part.seconds or 0.0) / max(1, part.repeat)

@@ -247,13 +247,21 @@ def _versus(choice: Row, other: Row, by: str) -> str:
 def _tie_reason(choice: Row, other: Row) -> str:
     """What broke the tie between two rows: the first term of ``simplicity`` in which they differ."""
     mine, theirs = simplicity(choice), simplicity(other)
-    if mine[:2] != theirs[:2]:
+    if mine[0] != theirs[0]:
+        return f"the one that leaves a memory margin ({_margin_text(choice)}; {other.label} {_margin_text(other)})"
+    if mine[1:3] != theirs[1:3]:
         return "the simpler one"
-    if mine[2] != theirs[2]:
+    if mine[3] != theirs[3]:
         links = {p.link for p in (choice.comm.parts if choice.comm else []) if p.kind == "all_gather"}
         where = "one node's NVLink domain" if links & {"nvlink", "nvswitch"} else "one node"
         return f"the one that keeps every micro-batch's all-gathers inside {where} ({_gather_text(choice, other)})"
     return _less_communication(choice, other)
+
+
+def _margin_text(row: Row) -> str:
+    """How much of the GPU's memory a row needs: "39.2 GB of 40.0 GB per GPU, 98%"."""
+    share = (row.need_gb or 0.0) / row.capacity_gb if row.capacity_gb else 0.0
+    return f"{_fit_text(row)}, {share:.0%}"
 
 
 def _less_communication(a: Row, b: Row) -> str:

@@ -96,19 +96,48 @@ def sharded_numel(n_params: int, shard: int, shapes: tp.Sequence[tuple[int, ...]
     return sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for s in shapes if s)
 
 
-def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]] = ()) -> tuple[float, float, float]:
+def tp_shapes(shapes: tp.Sequence[tuple[int, ...]], split: tp.Sequence[int], degree: int) -> list[tuple[int, ...]]:
+    """Each parameter's local shape on one rank of a tensor-parallel group of ``degree`` (DTensor
+    ``Shard(dim)``: ceil(size / degree) on the fullest rank; -1 replicated). FSDP2 then shards the
+    local tensor on dim 0 over the data-parallel shard group."""
+    if degree <= 1:
+        return list(shapes)
+    out = []
+    for shape, dim in zip(shapes, split):
+        if dim < 0 or dim >= len(shape):
+            out.append(tuple(shape))
+        else:
+            out.append(tuple(math.ceil(n / degree) if i == dim else n for i, n in enumerate(shape)))
+    return out
+
+
+def rank_numel(facts: ModelFacts, dims: ParallelDims) -> int:
+    """Parameter elements one rank stores: its tensor-parallel slice of each tensor, FSDP-sharded."""
+    n = facts.n_params or 0
+    if dims.tp > 1 and not (facts.tp_split and facts.param_shapes):  # no TP plan: an even split, as a bound
+        return math.ceil(n / (dims.dp_shard * dims.tp))
+    return sharded_numel(n, dims.dp_shard, tp_shapes(facts.param_shapes, facts.tp_split, dims.tp))
+
+
+def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]] = (),
+                 facts: ModelFacts | None = None) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes resident per rank after an optimizer step (on the fullest
-    rank: with uneven dim-0 splits, later ranks hold shorter shards)."""
-    per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
+    rank: with uneven dim-0 splits, later ranks hold shorter shards); under tensor parallelism
+    (``facts`` with a TP plan) each tensor's TP slice is what FSDP shards."""
+    if facts is not None and cfg.dims.tp > 1:
+        per_rank = rank_numel(facts, cfg.dims)
+    else:
+        per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
     return per_rank * PARAM_BYTES, per_rank * GRAD_BYTES, per_rank * ADAM_BYTES
 
 
 def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     """Transient per-step memory on the device, with a note per term."""
-    n, unit, root = facts.n_params or 0, facts.unit_params or 0, facts.root_params or 0
+    t = cfg.dims.tp  # under TP every gathered unit is the rank's TP slice (norms, a few kB, counted split too)
+    n, unit, root = (facts.n_params or 0) / t, (facts.unit_params or 0) / t, (facts.root_params or 0) / t
     c = compute_bytes(cfg.mixed_precision)
     if not cfg.dims.fsdp_enabled:
-        return _replica_buffers(n if facts.matmul_params is None else facts.matmul_params, c, cfg)
+        return _replica_buffers(facts.n_params or 0 if facts.matmul_params is None else facts.matmul_params, c, cfg)
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
     grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
     if cfg.dims.reshard_after_forward:
@@ -140,14 +169,14 @@ def activation_bytes(facts: ModelFacts, cfg: Config) -> float | None:
     """Activation bytes of one micro-batch at its peak, from the model's family (``hpc.core.models``);
     None when unknown."""
     return models.activation_bytes(facts, cfg.micro_batch, cfg.checkpointing, cfg.mixed_precision, cfg.dropout,
-                                   autocast=not cfg.dims.fsdp_enabled)
+                                   autocast=not cfg.dims.fsdp_enabled, tp=cfg.dims.tp)
 
 
 def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | None:
     """Per-rank memory of ``cfg``; None when the parameter count is unknown."""
     if facts.n_params is None:
         return None
-    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes)
+    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes, facts)
     init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
     buffers, notes = buffer_bytes(facts, cfg)
     if cfg.document_mask:
@@ -197,7 +226,7 @@ def init_bytes(facts: ModelFacts, cfg: Config) -> float:
     under offload) plus, under FSDP, the largest module's full fp32 tensors, which are computed
     whole and sliced (whole replicas are initialised in place). Gradients and optimizer state do
     not exist yet."""
-    params = 0 if cfg.offload else sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
+    params = 0 if cfg.offload else rank_numel(facts, cfg.dims)
     module = (facts.largest_module_params or 0) if cfg.dims.fsdp_enabled else 0
     return (params + module) * PARAM_BYTES
 
@@ -207,10 +236,10 @@ def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
     optimizer state into host buffers kept from one save to the next (``ReusedStager``, pinned on
     CUDA); a synchronous save copies one tensor at a time to the host (about the largest module's
     share)."""
-    per_rank = sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
+    per_rank = rank_numel(facts, cfg.dims)
     if cfg.async_save:
         return per_rank * (PARAM_BYTES + ADAM_BYTES)
-    return math.ceil((facts.largest_module_params or 0) / cfg.dims.dp_shard) * PARAM_BYTES
+    return math.ceil((facts.largest_module_params or 0) / (cfg.dims.dp_shard * cfg.dims.tp)) * PARAM_BYTES
 
 
 def peaks_note(facts: ModelFacts, async_save: bool, gpu: bool) -> str:

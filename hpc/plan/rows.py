@@ -4,7 +4,8 @@ per step), and the choice among those that fit."""
 from __future__ import annotations
 
 import typing as tp
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from hpc.plan.comm import Comm, step_comm
 from hpc.core.dims import ParallelDims, parallel_dims
@@ -17,12 +18,15 @@ from hpc.plan.timing import StepTime, host_step_seconds, step_time
 
 MFU_DEFAULT = 0.4  # assumed model FLOPs utilisation where the site sets no node.mfu
 TIE = 0.05  # within 5% of the fastest estimated step counts as a tie; the simplest tied row wins
+MARGIN = 0.85  # a row that needs more than this share of the GPU's memory is tight: it loses every tie to one that
+# leaves a margin (the first tie-break)
 # Simplicity, the first tie-break: one process < whole replicas < sharded (any FSDP/HSDP layout);
 # then no offload before offload, then all-gathers inside one node (its NVLink domain) before
 # all-gathers across nodes, then the least communication.
 SIMPLICITY = {"none": 0, "ddp": 1, "fsdp": 2, "hsdp": 2}
-SIMPLICITY_TEXT = ("none < ddp < fsdp/hsdp, without offload before with, then all-gathers inside one node before "
-                   "across nodes, then the least communication")
+SIMPLICITY_TEXT = (f"a memory margin first (at most {MARGIN:.0%} of the GPU's memory with headroom), then none < ddp < "
+                   "fsdp/hsdp, without offload before with, then all-gathers inside one node before across nodes, "
+                   "then the least communication")
 
 
 @dataclass
@@ -44,7 +48,7 @@ class Row:
     @property
     def label(self) -> str:
         return self.family.replace("hsdp", f"hsdp {self.dims.dp_shard} {self.dims.sharding}") \
-            + (" + offload" if self.cfg.offload else "")
+            + (f" × tp {self.dims.tp}" if self.dims.tp > 1 else "") + (" + offload" if self.cfg.offload else "")
 
     @property
     def family(self) -> str:
@@ -137,6 +141,7 @@ class Plan:
     rows: list[Row]
     choice: Row | None
     offload_allowed: bool = False  # the spec's cpu_offload under auto: offload variants are candidates
+    tp: int = 1  # the tensor-parallel degree of the rows (the spec's, or the smallest that fits under auto)
     mfu_source: str = "assumed"
     recommendation: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
@@ -146,11 +151,11 @@ class Plan:
     def world(self) -> int:
         return self.nodes * self.tasks_per_node
 
-    def to_dict(self) -> dict[str, tp.Any]:
+    def to_dict(self) -> dict[str, Any]:  # (``tp`` is a field here, not the typing module)
         return {
             "job": self.job, "site": self.site, "model": self.model, "n_params": self.n_params,
             "nodes": self.nodes, "tasks_per_node": self.tasks_per_node, "world_size": self.world,
-            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum,
+            "micro_batch": self.micro_batch, "grad_accum": self.grad_accum, "tp": self.tp,
             "mixed_precision": self.mixed_precision, "activation_checkpointing": self.checkpointing,
             "compute_seconds_per_step": self.compute_s, "mfu": self.mfu, "mfu_source": self.mfu_source,
             "rows": [r.to_dict() for r in self.rows], "compared_by": measure(eligible(self.rows)), "tie": TIE,
@@ -175,14 +180,20 @@ class Setup:
     dropout: float
     async_save: bool = False
     document_mask: bool = False  # data.packing = "document"
+    tp: int = 1  # tensor-parallel degree: tp ranks share each micro-batch, world / tp take different ones
 
     @property
     def world(self) -> int:
         return self.nodes * self.tasks_per_node
 
     @property
+    def dp_world(self) -> int:
+        """Ranks that take different samples (the data-parallel ranks)."""
+        return max(1, self.world // self.tp)
+
+    @property
     def grad_accum(self) -> int:
-        return max(1, self.global_batch // (self.world * self.micro_batch))
+        return max(1, self.global_batch // (self.dp_world * self.micro_batch))
 
 
 def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
@@ -191,7 +202,12 @@ def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
                  global_batch=spec.train.global_batch,
                  mixed_precision=compute_precision(spec.parallel.mixed_precision, site.node.gpus > 0),
                  dropout=spec.model.dropout, async_save=spec.checkpoint.async_save,
-                 document_mask=spec.data.packing == "document")
+                 document_mask=spec.data.packing == "document", tp=spec_tp(spec))
+
+
+def spec_tp(spec: JobSpec) -> int:
+    """``parallel.tp`` of the spec (1 where the spec has no such field)."""
+    return int(getattr(spec.parallel, "tp", 1) or 1)
 
 
 Candidate = tuple[ParallelDims, bool]  # (layout, cpu offload)
@@ -201,6 +217,8 @@ def candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
     """(layout, offload) to evaluate. ``offload`` (the spec's cpu_offload) allows offload: every
     FSDP/HSDP layout is then evaluated with and without it, since offload is a cost, not a goal."""
     world, tpn = setup.world, setup.tasks_per_node
+    if setup.tp > 1:
+        return tp_candidates(setup, offload, gpu)
     if world == 1:
         layouts = [parallel_dims("none", "full_shard", 1)]
         sharded = [parallel_dims("fsdp", "full_shard", 1)] if offload and gpu else []
@@ -216,8 +234,39 @@ def candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
     return out
 
 
+def tp_candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
+    """Layouts with tensor parallelism inside a node: FSDP (full_shard, shard_grad_op) over the
+    data-parallel ranks, and HSDP with shard groups of whole nodes, each × tp."""
+    world, tpn, t = setup.world, setup.tasks_per_node, setup.tp
+    layouts = [parallel_dims("fsdp", s, world, tpn, tp=t) for s in ("shard_grad_op", "full_shard")]
+    if setup.nodes > 1:
+        per_node = max(1, tpn // t)
+        layouts += [parallel_dims("hsdp", s, world, tpn, per_node * k, tp=t) for k in range(1, setup.nodes)
+                    if setup.nodes % k == 0 for s in ("shard_grad_op", "full_shard")]
+    out = [(d, False) for d in layouts]
+    return out + ([(d, True) for d in layouts] if offload and gpu else [])
+
+
+def tp_degrees(facts: ModelFacts, site: SiteProfile, tasks_per_node: int) -> list[int]:
+    """The tensor-parallel degrees a plan may use: divisors of one NVLink domain (the GPUs of one node on
+    an NVLink or NVSwitch site) that also divide the node's ranks and the model's heads and KV heads;
+    [1] for a model without a TP plan."""
+    domain = nvlink_domain(site)
+    if not facts.tp_split or domain <= 1:
+        return [1]
+    return [t for t in range(1, domain + 1) if domain % t == 0 and tasks_per_node % t == 0
+            and all(n % t == 0 for n in facts.tp_divides)]
+
+
+def nvlink_domain(site: SiteProfile) -> int:
+    """GPUs of one NVLink domain: a node's on an NVLink or NVSwitch site, else 1 (TP over PCIe is not planned)."""
+    return site.node.gpus if site.node.intra_link in ("nvswitch", "nvlink") else 1
+
+
 def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> Row:
     dims, offload = cand
+    if dims.tp != setup.tp:
+        setup = replace(setup, tp=dims.tp)
     cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
                  setup.async_save, setup.grad_accum, setup.document_mask)
     gpu = site.node.gpus > 0
@@ -229,7 +278,8 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
         capacity = site.node.gpu_memory_gb or None
     else:
         capacity = site.node.memory_gb / tpn if site.node.memory_gb else None
-    host_s = host_step_seconds((facts.n_params or 0) / dims.dp_shard, site.node.cpus // tpn) if offload else 0.0
+    host_s = host_step_seconds((facts.n_params or 0) / (dims.dp_shard * dims.tp), site.node.cpus // tpn) \
+        if offload else 0.0
     time = step_time(comm, compute_seconds(facts, setup, site, mfu_of(site)[0]), setup.grad_accum,
                      setup.checkpointing, host_s)
     return Row(cfg, memory, comm, capacity, host, gpu, time)
@@ -246,7 +296,7 @@ def compute_seconds(facts: ModelFacts, setup: Setup, site: SiteProfile, mfu: flo
     """6N(+attention) FLOPs per token × tokens per rank per step / (peak × MFU); × 4/3 with recompute."""
     if facts.flops_per_token is None or not site.node.gpus or not site.node.gpu_peak_tflops:
         return None
-    flops = facts.flops_per_token * facts.seq_len * setup.micro_batch * setup.grad_accum
+    flops = facts.flops_per_token * facts.seq_len * setup.micro_batch * setup.grad_accum / setup.tp
     flops *= 4 / 3 if setup.checkpointing else 1.0
     return flops / (site.node.gpu_peak_tflops * 1e12 * mfu)
 
@@ -289,6 +339,13 @@ def eligible(rows: list[Row]) -> list[Row]:
     return [r for r in fit if not r.cfg.offload] or fit
 
 
+def roomy(row: Row) -> bool:
+    """Whether the row leaves a margin: it needs at most MARGIN of the memory per rank (unknown: yes)."""
+    if row.need_gb is None or not row.capacity_gb:
+        return True
+    return row.need_gb <= MARGIN * row.capacity_gb
+
+
 def tied(rows: list[Row]) -> list[Row]:
     """The eligible rows whose cost is within TIE of the cheapest."""
     fit = eligible(rows)
@@ -299,9 +356,9 @@ def tied(rows: list[Row]) -> list[Row]:
     return [r for r in fit if cost(r, by) <= best * (1 + TIE) + 1e-9]
 
 
-def simplicity(row: Row) -> tuple[int, bool, bool, float]:
-    """The tie-break key, in SIMPLICITY_TEXT's order (smaller wins)."""
-    return SIMPLICITY[row.dims.strategy], row.cfg.offload, row.gathers_cross_nodes, comm_cost(row)
+def simplicity(row: Row) -> tuple[bool, int, bool, bool, float]:
+    """The tie-break key, in SIMPLICITY_TEXT's order (smaller wins): a tight row loses to one with margin."""
+    return not roomy(row), SIMPLICITY[row.dims.strategy], row.cfg.offload, row.gathers_cross_nodes, comm_cost(row)
 
 
 def pick(rows: list[Row]) -> Row | None:

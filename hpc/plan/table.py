@@ -60,6 +60,6 @@ def format_plan(plan: Plan) -> str:
 
 def _header(plan: Plan) -> str:
     return (f"plan {plan.job}: {plan.model} on {plan.site}: {plan.nodes} node(s) × "
-            f"{plan.tasks_per_node} ranks = {plan.world}; micro_batch {plan.micro_batch} × grad_accum "
+            f"{plan.tasks_per_node} ranks = {plan.world}{f' (tp {plan.tp})' if plan.tp > 1 else ''}; micro_batch {plan.micro_batch} × grad_accum "
             f"{plan.grad_accum}; mixed_precision {plan.mixed_precision}; activation checkpointing "
             f"{'on' if plan.checkpointing else 'off'}")

@@ -120,6 +120,10 @@ class ModelFacts:
     param_shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape; empty when unknown
     largest_module_params: int | None = None  # the most parameters one module owns (init granularity)
     family: str = USER  # the ``Family.name`` of the family that describes it
+    # tensor parallelism (the family's TP plan), one entry per ``param_shapes`` entry: the dimension TP
+    # splits (0 column-wise, 1 row-wise) or -1 (replicated over tp: norms); empty: no TP plan
+    tp_split: tuple[int, ...] = ()
+    tp_divides: tuple[int, ...] = ()  # what a tp degree must divide (attention heads, kv heads)
 
     @property
     def builtin(self) -> bool:
@@ -215,9 +219,14 @@ def _either(phrases: list[str]) -> str:
 
 
 def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                     dropout: float = 0.0, autocast: bool = False) -> float | None:
-    """Activation memory of one micro-batch at its peak, by the model's family; None when unknown."""
-    return family_of(facts).activation_bytes(facts, micro_batch, checkpointing, mixed_precision, dropout, autocast)
+                     dropout: float = 0.0, autocast: bool = False, tp: int = 1) -> float | None:
+    """Activation memory of one micro-batch at its peak on one rank, by the model's family; None when
+    unknown. ``tp`` > 1 (tensor and sequence parallelism) only for a family with a TP plan (``tp_split``)."""
+    fam = family_of(facts)
+    if tp > 1:
+        return fam.activation_bytes(facts, micro_batch, checkpointing, mixed_precision, dropout, autocast,
+                                    tp=tp)  # type: ignore[call-arg]
+    return fam.activation_bytes(facts, micro_batch, checkpointing, mixed_precision, dropout, autocast)
 
 
 def code_notice(model: Model) -> str | None:

@@ -16,6 +16,28 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
 
 LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gradient in and out
+# The trainer's cross-entropy runs over chunks of at most this many logits (``trainer.objective``): the
+# fp32 log-softmax and its gradients exist for one chunk at a time, never for the whole micro-batch.
+LOSS_CHUNK_LOGITS = 2**26
+
+
+def loss_chunk_tokens(tokens: int, vocab: int) -> int:
+    """Tokens per chunk of the trainer's chunked cross-entropy (at least one, at most ``tokens``)."""
+    return max(1, min(tokens, LOSS_CHUNK_LOGITS // max(1, vocab)))
+
+
+def loss_terms(tokens: int, vocab: int, c: int, tp: int = 1) -> tuple[float, float, float]:
+    """(logits, log_probs, loss) bytes of one micro-batch's loss on one rank: the logits the loop holds
+    (compute dtype ``c``); what the loss saves for backward beyond them; what its backward adds. The
+    trainer's chunked cross-entropy (``trainer.objective.ChunkedCrossEntropy``) saves nothing beyond
+    the logits and, in backward, holds the logits' gradient (``c`` bytes each) and one chunk's fp32
+    log-softmax with its gradient in and out (``LOGIT_BYTES`` each). Under tensor parallelism (loss
+    parallel: the vocabulary split over ``tp`` ranks) the whole fp32 log-softmax of the rank's share
+    is saved and its backward takes ``LOGIT_BYTES`` per logit."""
+    logits = tokens * vocab * c / tp
+    if tp > 1:
+        return logits, tokens * vocab * 4 / tp, tokens * vocab * LOGIT_BYTES / tp
+    return logits, 0.0, tokens * vocab * c + loss_chunk_tokens(tokens, vocab) * vocab * LOGIT_BYTES
 
 
 @dataclass(frozen=True)
@@ -148,6 +170,15 @@ class LlamaShape:
         block = ((d,), (q, d), *bq, (kv, d), *bkv, (kv, d), *bkv, (d, q), (d,), (f, d), (d, f), (f, d))
         return ((v, d),) + block * self.n_layers + ((d,),) + (() if self.tied else ((v, d),))
 
+    def tp_split(self) -> tuple[int, ...]:
+        """Per ``param_shapes`` entry, the dimension tensor parallelism splits (torchtitan's Llama plan):
+        the embedding by rows (vocabulary) and the head column-wise (dim 0), q/k/v (and their biases) and
+        gate/up column-wise (dim 0), o and down row-wise (dim 1); the RMSNorms replicated (-1, sequence
+        parallel: each rank normalises its share of the tokens)."""
+        bias = (0,) if self.qkv_bias else ()
+        block = (-1, 0, *bias, 0, *bias, 0, *bias, 1, -1, 0, 1, 0)
+        return (0,) + block * self.n_layers + (-1,) + (() if self.tied else (0,))
+
     @property
     def largest_module_params(self) -> int:
         """The most parameters one module owns itself (the embedding or head, else an MLP matrix or ``wq``)."""
@@ -163,7 +194,7 @@ class LlamaShape:
 
 
 def block_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                      autocast: bool = False) -> Activations:
+                      autocast: bool = False, tp: int = 1) -> Activations:
     """Activation bytes of one micro-batch of a Llama-block model (``Activations``), as autograd saves
     them in ``trainer.models.decoder.LlamaBlock`` (checked by tests/test_llama.py).
 
@@ -177,6 +208,12 @@ def block_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     shorter than the sequence adds the [seq, seq] mask SDPA keeps, in the compute dtype, and k and v
     repeated to every query head (``trainer.models.decoder.causal_attention``). The peak
     follows the GPT's reasoning (``hpc.core.models.gpt.gpt_activations``).
+
+    With ``tp`` > 1 (tensor + sequence parallelism, torchtitan's plan): the norms, the residual stream
+    and a checkpointed block's input hold ``tokens / tp`` tokens; q/k/v, attention, the SwiGLU and
+    the logits (loss parallel: the vocabulary split) ``1/tp`` of the heads, ffn columns and
+    vocabulary; the inputs of the column-wise layers (one all-gathered tensor for q/k/v, one for
+    gate/up, the head's) are kept whole, as DTensor's autograd saves the gathered input.
     """
     from hpc.core.models import compute_bytes, residual_bytes
 
@@ -186,18 +223,17 @@ def block_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     inputs = (3 + 2) * d * c if autocast and c < 4 else 2 * d * c  # autocast casts per layer
     windowed = 0 < shape.window < shape.seq_len
     kept_kv = q if windowed else kv  # under a window SDPA keeps k and v repeated to every query head
-    block = tokens * (2 * norm + inputs + c * (2 * q + 2 * kept_kv) + 4 * shape.n_heads + 4 * f * c)
+    inner = c * (2 * q + 2 * kept_kv) + 4 * shape.n_heads + 4 * f * c  # split by heads / ffn columns under tp
+    block = tokens * (2 * norm / tp + inputs + inner / tp)
     if windowed:  # and the banded mask, as an additive one in the compute dtype
         block += shape.seq_len * shape.seq_len * c
     rope = 2 * shape.seq_len * shape.head_dim * r if shape.n_layers else 0
-    head = tokens * (norm + d * c)  # final norm, the head's input
-    logits = tokens * shape.vocab_size * c
-    log_probs = tokens * shape.vocab_size * 4  # cross_entropy's fp32 log-softmax, saved for backward
-    loss = tokens * shape.vocab_size * LOGIT_BYTES
-    grads = tokens * (d * r + 3 * f * c)  # the MLP's backward: residual gradient + three ffn-wide gradients
+    head = tokens * (norm / tp + d * c)  # final norm (sequence-parallel), the head's (gathered) input
+    logits, log_probs, loss = loss_terms(tokens, shape.vocab_size, c, tp)  # the chunked cross-entropy's
+    grads = tokens * (d * r / tp + 3 * f * c / tp)  # the MLP's backward: residual gradient + three ffn-wide
     small = tokens * 16 + rope  # token ids and targets; cos/sin
-    return decoder_activations(shape.n_layers, block, tokens * d * r, head, logits, log_probs, loss, grads, small,
-                               checkpointing)
+    return decoder_activations(shape.n_layers, block, tokens * d * r / tp, head, logits, log_probs, loss, grads,
+                               small, checkpointing)
 
 
 # ---------------------------------------------------------------- a family of the block: shape, facts, checks
@@ -236,7 +272,8 @@ def block_facts(arch: str, label: str, s: LlamaShape) -> ModelFacts:
                       root_params=s.embedding_params + s.head_params, n_units=s.n_layers,
                       flops_per_token=s.flops_per_token(), seq_len=s.seq_len, vocab_size=s.vocab_size,
                       matmul_params=s.matmul_params, source="counted from the shape", param_shapes=s.param_shapes(),
-                      largest_module_params=s.largest_module_params, shape=s, family=arch)
+                      largest_module_params=s.largest_module_params, shape=s, family=arch,
+                      tp_split=s.tp_split(), tp_divides=(s.n_heads, s.n_kv_heads))
 
 
 def block_problems(phrase: str, model: Model, presets: tp.Mapping[str, LlamaShape]) -> list[str]:
@@ -261,9 +298,9 @@ def block_problems(phrase: str, model: Model, presets: tp.Mapping[str, LlamaShap
 
 
 def block_activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                           dropout: float = 0.0, autocast: bool = False) -> float:
+                           dropout: float = 0.0, autocast: bool = False, tp: int = 1) -> float:
     """``block_activations(...).peak`` of the facts' shape (the block has no dropout)."""
-    return block_activations(facts.shape, micro_batch, checkpointing, mixed_precision, autocast).peak
+    return block_activations(facts.shape, micro_batch, checkpointing, mixed_precision, autocast, tp).peak
 
 
 def preset_text(presets: tp.Mapping[str, LlamaShape]) -> str:

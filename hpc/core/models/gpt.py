@@ -14,7 +14,7 @@ import typing as tp
 from dataclasses import dataclass
 
 from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
-from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations  # noqa: F401  (re-exported)
+from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations, loss_terms  # noqa: F401  (re-exported)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
@@ -173,9 +173,7 @@ def gpt_activations(shape: GPTShape, micro_batch: int, checkpointing: bool, mixe
     masks = 2 if dropout > 0 else 0
     block = tokens * d * (14 * c + 2 * r + masks) + tokens * 4 * r + tokens * shape.n_heads * 4
     head = tokens * d * (r + c) + 2 * tokens * r  # ln_f input (residual) and output (the head's input)
-    logits = tokens * shape.vocab_size * c
-    log_probs = tokens * shape.vocab_size * 4  # cross_entropy's fp32 log-softmax, saved for backward
-    loss = tokens * shape.vocab_size * LOGIT_BYTES  # … plus its fp32 gradient in and out
+    logits, log_probs, loss = loss_terms(tokens, shape.vocab_size, c)  # the chunked cross-entropy's
     grads = tokens * d * (r + 4 * c)  # the MLP's backward: residual gradient + 4h-wide input gradient
     small = tokens * 16 + (tokens * d if dropout > 0 else 0)  # token ids and targets; embedding dropout mask
     return decoder_activations(shape.n_layers, block, tokens * d * r, head, logits, log_probs, loss, grads, small,

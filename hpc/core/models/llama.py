@@ -122,7 +122,8 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
                       root_params=s.embedding_params + s.head_params, n_units=s.n_layers,
                       flops_per_token=s.flops_per_token(), seq_len=s.seq_len, vocab_size=s.vocab_size,
                       matmul_params=s.matmul_params, source="counted from the shape", param_shapes=s.param_shapes(),
-                      largest_module_params=s.largest_module_params, shape=s, family=ARCH)
+                      largest_module_params=s.largest_module_params, shape=s, family=ARCH,
+                      tp_split=s.tp_split(), tp_divides=(s.n_heads, s.n_kv_heads))
 
 
 def problems(model: Model) -> list[str]:
@@ -154,9 +155,9 @@ def code_notice(model: Model) -> str | None:
 
 
 def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, mixed_precision: str,
-                     dropout: float = 0.0, autocast: bool = False) -> float:
+                     dropout: float = 0.0, autocast: bool = False, tp: int = 1) -> float:
     """``llama_activations(...).peak`` of the facts' shape (a Llama has no dropout)."""
-    return llama_activations(facts.shape, micro_batch, checkpointing, mixed_precision, autocast).peak
+    return llama_activations(facts.shape, micro_batch, checkpointing, mixed_precision, autocast, tp).peak
 
 
 def preset_counts() -> str:
