@@ -93,11 +93,22 @@ def sharded_numel(n_params: int, shard: int, shapes: tp.Sequence[tuple[int, ...]
     return sum(math.ceil(s[0] / shard) * math.prod(s[1:]) for s in shapes if s)
 
 
-def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]] = ()) -> tuple[float, float, float]:
+def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]] = (),
+                 trainable: int | None = None, trainable_shapes: tp.Sequence[tuple[int, ...]] = ()
+                 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes resident per rank after an optimizer step (on the fullest
-    rank: with uneven dim-0 splits, later ranks hold shorter shards)."""
+    rank: with uneven dim-0 splits, later ranks hold shorter shards). Gradients and optimizer state
+    exist for the ``trainable`` parameters only (LoRA: ``ModelFacts.trainable_params``; None: all)."""
     per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
-    return per_rank * PARAM_BYTES, per_rank * GRAD_BYTES, per_rank * ADAM_BYTES
+    trained = per_rank if trainable is None else sharded_numel(trainable, cfg.dims.dp_shard, trainable_shapes)
+    return per_rank * PARAM_BYTES, trained * GRAD_BYTES, trained * ADAM_BYTES
+
+
+def trained_share(facts: ModelFacts) -> float:
+    """The share of the parameters that trains (1 unless LoRA freezes the base)."""
+    if facts.trainable_params is None or not facts.n_params:
+        return 1.0
+    return facts.trainable_params / facts.n_params
 
 
 def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
@@ -107,7 +118,7 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     if not cfg.dims.fsdp_enabled:
         return _replica_buffers(n if facts.matmul_params is None else facts.matmul_params, c, cfg)
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
-    grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
+    grads = (unit * (c + extra_reduce) + root * c) * trained_share(facts)  # one unit's unsharded grads (+ fp32), the root's
     if cfg.dims.reshard_after_forward:
         gathered = root * c + 2 * unit * c  # root stays gathered; current unit + the prefetched next
         note = f"root + 2 blocks gathered in {_dtype(c)}"
@@ -144,7 +155,8 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     """Per-rank memory of ``cfg``; None when the parameter count is unknown."""
     if facts.n_params is None:
         return None
-    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes)
+    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes, facts.trainable_params,
+                                      facts.trainable_shapes)
     init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
     buffers, notes = buffer_bytes(facts, cfg)
     act = activation_bytes(facts, cfg)
@@ -195,8 +207,8 @@ def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
     CUDA); a synchronous save copies one tensor at a time to the host (about the largest module's
     share)."""
     per_rank = sharded_numel(facts.n_params or 0, cfg.dims.dp_shard, facts.param_shapes)
-    if cfg.async_save:
-        return per_rank * (PARAM_BYTES + ADAM_BYTES)
+    if cfg.async_save:  # a frozen base is not saved: LoRA's checkpoints hold the trainable part only
+        return per_rank * (PARAM_BYTES + ADAM_BYTES) * trained_share(facts)
     return math.ceil((facts.largest_module_params or 0) / cfg.dims.dp_shard) * PARAM_BYTES
 
 

@@ -75,6 +75,13 @@ class HfMapped(tp.Protocol):
 
 
 @tp.runtime_checkable
+class LoraMapped(HfMapped, tp.Protocol):
+    """A family whose projections take LoRA adapters (``hpc.core.lora``): the export to PEFT names them."""
+
+    lora_targets: tuple[tuple[str, str], ...]  # (hpcx module name, Hugging Face module name) of each projection
+
+
+@tp.runtime_checkable
 class HfReader(HfMapped, tp.Protocol):
     """A family whose class's ``config.json`` a spec may name (``model.hf_config``)."""
 
@@ -114,6 +121,8 @@ class ModelFacts:
     param_shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape; empty when unknown
     largest_module_params: int | None = None  # the most parameters one module owns (init granularity)
     family: str = USER  # the ``Family.name`` of the family that describes it
+    trainable_params: int | None = None  # what has gradients and optimizer state (None: every parameter; LoRA)
+    trainable_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (``hpc.core.lora.with_lora``)
 
     @property
     def builtin(self) -> bool:

@@ -424,6 +424,8 @@ class Llama:
     hf_arch = HF_ARCH
     hf_model_type = HF_MODEL_TYPE
     hf_keys = HF_KEYS
+    lora_targets = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"), ("w1", "gate_proj"),
+                    ("w2", "down_proj"), ("w3", "up_proj"))
 
 
 FAMILY = Llama()
