@@ -230,8 +230,8 @@ def reload_base(trainer: Trainer, step: int, spec: JobSpec) -> dict[str, tp.Any]
             _local(p).copy_(value)
     folder = step_dir(trainer.run_dir, step)
     reader = DcpReader(folder)
-    try:
-        saved = reader.meta.get("base")
+    try:  # DCP flattens the meta dict: {"base.source": …, "base.sha256": …}
+        saved = {k.removeprefix("base."): v for k, v in reader.meta.items() if k.startswith("base.")} or None
     finally:
         reader.close()
     record = base_record(trainer.model)
