@@ -48,7 +48,7 @@ class LoraB(nn.Linear):
         nn.init.zeros_(self.weight)
 
 
-def _adapter_hook(module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+def _adapter_hook(module: tp.Any, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
     """``out`` + scaling · B A dropout(x) (the hook of each target)."""
     return out + module.lora_B(module.lora_A(module.lora_dropout(args[0]))) * module.lora_scaling
 
@@ -58,7 +58,7 @@ def add_adapters(linear: nn.Linear, lora: Lora) -> None:
     linear.lora_A = LoraA(linear.in_features, lora.rank)
     linear.lora_B = LoraB(lora.rank, linear.out_features)
     linear.lora_dropout = nn.Dropout(lora.dropout) if lora.dropout else nn.Identity()
-    linear.lora_scaling = lora.scaling
+    object.__setattr__(linear, "lora_scaling", lora.scaling)  # a plain float, not a module or tensor
     linear.register_forward_hook(_adapter_hook)
 
 
