@@ -246,3 +246,21 @@ def test_a_peft_folder_with_another_rank_is_refused(runs, tmp_path):
     spec = load_spec(TINY, [*LLAMA, f"checkpoint.init_from={str(adapter)!r}", *LORA, "lora.rank=8"])
     problems = init_from_problems(spec)
     assert any("r = 4, the spec's `lora.rank` = 8" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- the GPT family
+
+
+def test_a_gpt_lora_run_starts_at_the_base_loss_and_trains_only_adapters(tmp_path):
+    gpt = ["model.arch='gpt'", "model.size='tiny'", "train.steps=2", "train.global_batch=4", "train.log_every=1"]
+    full = make_run(tmp_path, "full", "ddp", 2, [*gpt, "train.lr=0.0"])
+    lora = make_run(tmp_path, "lora", "ddp", 2, [*gpt, "lora.rank=2", "lora.targets=['c_attn', 'proj']"])
+    for run in (full, lora):
+        out = run_ranks(run, 2)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert losses(lora)[0] == losses(full)[0]
+    reader = DcpReader(newest(lora))
+    model = [k for k in reader.entries if k.startswith("model.")]
+    reader.close()
+    # 2 layers × (qkv, attn.proj, mlp.proj) × (A, B): `proj` names both projections, as PEFT's c_proj does
+    assert len(model) == 12 and all(".lora_" in k for k in model)
