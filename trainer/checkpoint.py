@@ -62,6 +62,7 @@ from hpc.ckpt.entries import unflatten
 from hpc.ckpt.outputs import fsync_dir
 from hpc.core.dims import ParallelDims, dims_from_mesh
 from hpc.core.errors import CheckpointError, UserError
+from trainer.lora import base_record, state_options
 
 CHECKPOINTS = "checkpoints"
 STEP_DIR = re.compile(r"^step-(\d{7})$")
@@ -177,7 +178,7 @@ def _as_tuple(value: tp.Any) -> tp.Any:
 def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: tp.Any,
                 step: int, train_state: dict, dims: ParallelDims | None) -> dict[str, tp.Any]:
     """The DCP state dict of one save (see the module docstring for its keys)."""
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=state_options(model))
     # the Python objects are copied now: an async save stages (deep-copies) the state later
     state: dict[str, tp.Any] = {"model": msd, "train": copy.deepcopy(train_state),
                                 "rng": {f"rank{_rank()}": rng_state()}}
@@ -190,6 +191,8 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sched
                      "world_size": _world(), "strategy": dims.strategy, "sharding": dims.sharding,
                      "mesh": [dims.dp_replicate, dims.dp_shard],
                      "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    if base_record(model) is not None:  # a frozen base (LoRA) is not saved: named by its source and hash
+        state["meta"]["base"] = base_record(model)
     return state
 
 
@@ -541,8 +544,13 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return {**extra.get("train", {}), "meta": reader.meta, "rng_restored": rng is not None and restore_rng}
 
 
-def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [])
+def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  options: tp.Any = None, skip: tp.Callable[[str], bool] | None = None) -> None:
+    """DCP's load of the ``model`` (and ``optim``) entries; ``options`` default to the checkpoint's
+    (``trainer.lora.state_options``); ``skip`` leaves parameters out by name (``init_from`` into a LoRA model)."""
+    options = state_options(model) if options is None else options
+    msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
+    msd = {k: v for k, v in msd.items() if skip is None or not skip(k)}
     state = {"model": msd, "optim": osd} if optimizer is not None else {"model": msd}
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(reader), planner=SafeLoadPlanner(),
@@ -553,7 +561,7 @@ def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Op
             raise
         raise type(errors[0])(list(dict.fromkeys(m for e in errors for m in e.messages))) from None
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=msd,
-                   optim_state_dict=osd if optimizer is not None else {})
+                   optim_state_dict=osd if optimizer is not None else {}, options=options)
 
 
 def _read_prefix(reader: DcpReader, prefixes: tuple[str, ...]) -> dict[str, tp.Any]:

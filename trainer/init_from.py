@@ -38,8 +38,11 @@ from hpc.ckpt import formats
 from hpc.ckpt.entries import Scratch
 from hpc.ckpt.init_source import InitSource, open_source
 from hpc.ckpt.torch_zip import read_exact
+from hpc.ckpt.peft import is_adapter_folder, read_adapters
+from hpc.core.lora import is_adapter
 from hpc.core.models import model_facts
 from hpc.core.spec import JobSpec
+from trainer.lora import agreed_digest, base_record, check_base, has_frozen, set_base_record
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer, TrainState
@@ -86,8 +89,9 @@ def local_rows(param: torch.Tensor) -> tuple[int, int]:
 
 
 def named_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """(bare-model name, parameter) of every parameter, each once (a tied matrix under its first name)."""
-    return [(clean_name(n), p) for n, p in model.named_parameters()]
+    """(bare-model name, parameter) of every parameter, each once (a tied matrix under its first name);
+    LoRA's adapters are not the source's (``trainer.lora``)."""
+    return [(clean_name(n), p) for n, p in model.named_parameters() if not is_adapter(clean_name(n))]
 
 
 def read_plan(model: nn.Module, source: InitSource) -> list[Read]:
@@ -171,7 +175,9 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
     assert source.step is not None  # a dcp source names its step folder
     reader = formats.get(source.kind).open(source.step)
     try:
-        _load_modules(reader, model, None)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        _load_modules(reader, model, None, StateDictOptions(strict=False), skip=lambda k: is_adapter(clean_name(k)))
     finally:
         reader.close()
     return sum(_local(p).numel() * source.tensors[n].dtype.itemsize for n, p in named_params(model))
@@ -188,8 +194,12 @@ def initial_weights(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None
         return None
     tic = time.perf_counter()
     facts = model_facts(spec.model)
-    source = open_source(path, facts.family, facts.shape)
+    source = open_source(path, facts.family, facts.shape)  # a PEFT folder's base (``hpc.ckpt.peft``)
     read = LOADERS[formats.get(source.kind).init_reads](model, source)
+    if has_frozen(model):  # LoRA: checkpoints name this base instead of holding it
+        set_base_record(model, {"source": str(source.step or source.path), "sha256": agreed_digest(source)})
+    if is_adapter_folder(path):
+        read += load_adapters(model, Path(path), spec)
     report = {"init_from": str(source.step or source.path), "kind": source.kind, "bytes_read": read,
               "source_bytes": source.nbytes, "seconds": time.perf_counter() - tic}
     log.info("init_from %s (%s): read %d of %d bytes on this rank in %.2f s", report["init_from"], source.kind,
@@ -198,7 +208,47 @@ def initial_weights(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None
 
 
 def start_weights(trainer: Trainer, state: TrainState, spec: JobSpec) -> TrainState:
-    """After the resume decision: at step 0, the weights of ``checkpoint.init_from``; ``state`` as it is."""
+    """After the resume decision: at step 0, the weights of ``checkpoint.init_from``; resumed with a frozen
+    base (LoRA), that base again under the trained parameters the checkpoint restored, refused if it
+    changed since (``trainer.lora.check_base``). ``state`` as it is."""
     if state.step == 0 and spec.checkpoint.init_from:
         trainer.init_report = initial_weights(trainer.model, spec)
+    elif spec.checkpoint.init_from and has_frozen(trainer.model):
+        trainer.init_report = reload_base(trainer, state.step, spec)
     return state
+
+
+def reload_base(trainer: Trainer, step: int, spec: JobSpec) -> dict[str, tp.Any] | None:
+    """The frozen base read again at a resume; the trained parameters (adapters, ``lora.trainable``) kept."""
+    from hpc.ckpt.dcp import DcpReader
+    from trainer.checkpoint import step_dir
+
+    trained = [(p, _local(p).detach().clone()) for p in trainer.model.parameters() if p.requires_grad]
+    report = initial_weights(trainer.model, spec)
+    with torch.no_grad():
+        for p, value in trained:
+            _local(p).copy_(value)
+    folder = step_dir(trainer.run_dir, step)
+    reader = DcpReader(folder)
+    try:  # DCP flattens the meta dict: {"base.source": …, "base.sha256": …}
+        saved = {k.removeprefix("base."): v for k, v in reader.meta.items() if k.startswith("base.")} or None
+    finally:
+        reader.close()
+    record = base_record(trainer.model)
+    assert record is not None  # initial_weights records it for a model with a frozen base
+    check_base(saved, record, folder)
+    return report
+
+
+def load_adapters(model: nn.Module, folder: Path, spec: JobSpec) -> int:
+    """A PEFT folder's adapters into ``model``'s (each rank its rows); the bytes copied."""
+    facts = model_facts(spec.model)
+    values = read_adapters(folder, spec, facts.family, facts.shape)
+    done = 0
+    for name, param in ((clean_name(n), p) for n, p in model.named_parameters()):
+        if name in values:
+            start, stop = local_rows(param)
+            with torch.no_grad():
+                _local(param).copy_(values[name][start:stop].to(param.dtype))
+            done += values[name][start:stop].numel() * values[name].element_size()
+    return done

@@ -26,6 +26,7 @@ from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world,
                           init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
 from trainer.evaluate import build_eval
 from trainer.init_from import start_weights
+from trainer.lora import apply_lora
 from trainer.loop import Trainer, TrainState, set_determinism, train
 from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, build_model, local_numel, model_blocks
@@ -184,7 +185,7 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     ``hpcx dryrun`` checks it first) and parallelized there; with ``materialize`` each rank then allocates
     and initialises its part (``WeightInit``: the same full state under every layout), else it stays on
     meta (``hpcx dryrun``). The process group must be up (a fake one will do)."""
-    model = build_model(spec.model, "meta") if model is None else model
+    model = apply_lora(build_model(spec.model, "meta") if model is None else model, spec)
     blocks = model_blocks(model, spec.model.blocks)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)

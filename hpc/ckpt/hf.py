@@ -247,8 +247,10 @@ def _tensor(reader: Reader, t: HfTensor, dtype: torch.dtype, scratch: tuple[Scra
 
 
 def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_bytes: int = 5 * 10**9,
-              start: tp.Callable[[int], Progress] = lambda total: (lambda n: None)) -> dict[str, tp.Any]:
-    """``hpcx ckpt convert SRC DST --to hf``: a Hugging Face folder of the run's model at ``dst``."""
+              start: tp.Callable[[int], Progress] = lambda total: (lambda n: None),
+              merge_lora: bool = False) -> dict[str, tp.Any]:
+    """``hpcx ckpt convert SRC DST --to hf``: a Hugging Face folder of the run's model at ``dst``; with
+    ``merge_lora``, a LoRA run's adapters merged into its base (``hpc.ckpt.peft.merged_reader``)."""
     from hpc.ckpt.dcp import DcpReader
 
     if dtype not in DTYPES:
@@ -260,7 +262,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
         raise CheckpointError([f"{dst}: inside the checkpoint {step} it reads; hpcx never writes into a checkpoint"])
     arch, shape, resolved = run_model(run)
     plan, torch_dtype = tensor_plan(arch, shape), DTYPES[dtype]
-    reader = DcpReader(step)
+    reader = _lora_reader(run, step, resolved, arch, shape, merge_lora) or DcpReader(step)
     try:
         problems = _missing(reader, plan)
         if problems:
@@ -275,6 +277,21 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
         reader.close()
     return {"src": str(step), "dst": str(dst), "arch": hf_config(arch, shape)["architectures"][0],
             "tensors": len(plan), "files": len(shards), "bytes": total, "dtype": dtype}
+
+
+def _lora_reader(run: Path, step: Path, resolved: dict[str, tp.Any], arch: str, shape: tp.Any,
+                 merge: bool) -> Reader | None:
+    """``--merge-lora``'s reader (``hpc.ckpt.peft``); a LoRA run exported without it is refused in one line
+    (its checkpoints hold the adapters, not the frozen base)."""
+    lora = resolved.get("spec", {}).get("lora", {})
+    if not merge:
+        if isinstance(lora, dict) and lora.get("rank"):
+            raise ConfigError([f"{run}: a LoRA run (`lora.rank` = {lora['rank']}): its checkpoints hold the "
+                               "adapters; export --to peft, or --to hf --merge-lora for the merged model"])
+        return None
+    from hpc.ckpt.peft import merged_reader
+
+    return merged_reader(run, step, resolved, arch, shape)
 
 
 def _config(arch: str, shape: tp.Any, dtype: str) -> dict[str, tp.Any]:

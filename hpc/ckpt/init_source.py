@@ -157,6 +157,10 @@ def _name_map(kind: str, names: tp.Iterable[str], arch: str, shape: tp.Any) -> d
 def open_source(path: str | Path, arch: str, shape: tp.Any) -> InitSource:
     """The checked source for a model of ``arch`` and ``shape``; CheckpointError listing every problem."""
     path = Path(path)
+    if (path / "adapter_config.json").is_file():  # a PEFT folder: its base (the adapters: hpc.ckpt.peft)
+        from hpc.ckpt.peft import adapter_base
+
+        path = adapter_base(path)
     problems = _config_problems(path, arch, shape)
     kind, tensors, step = read_source(path)
     mapping = _name_map(kind, tensors, arch, shape)
@@ -219,6 +223,10 @@ def init_from_problems(spec: tp.Any) -> list[str]:
     facts = model_facts(spec.model)
     try:
         open_source(spec.checkpoint.init_from, facts.family, facts.shape)
+        from hpc.ckpt.peft import adapter_problems, is_adapter_folder
+
+        if is_adapter_folder(spec.checkpoint.init_from):
+            return adapter_problems(Path(spec.checkpoint.init_from), spec)
     except (CheckpointError, ConfigError) as exc:
         return [m if m.startswith("`checkpoint.init_from`") else f"`checkpoint.init_from`: {m}" for m in exc.messages]
     return []

@@ -162,12 +162,16 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
 @ckpt_group.command("convert")
 @click.argument("src", type=click.Path())
 @click.argument("dst", type=click.Path())
-@click.option("--to", "to", required=True, type=click.Choice([*TARGETS, "hf"]),
+@click.option("--to", "to", required=True, type=click.Choice([*TARGETS, "hf", "peft"]),
               help="Output format. Every direction is streamed: memory holds about the largest tensor "
                    "(a legacy non-zip torch source is the exception: it is loaded whole). hf: SRC is a run "
                    "or step folder of the built-in llama or gpt; DST a folder transformers' from_pretrained "
                    "loads (config.json, safetensors shards + index, the tokenizer's files when the run's "
-                   "data names one).")
+                   "data names one). peft: SRC is a LoRA run; DST a PEFT adapter folder (adapter_config.json, "
+                   "adapter_model.safetensors) that peft.PeftModel.from_pretrained loads on its base.")
+@click.option("--merge-lora", is_flag=True,
+              help="hf, of a LoRA run: the full model with each adapter merged into its weight (W + alpha/r·BA), "
+                   "the base read from the run's checkpoint.init_from.")
 @click.option("--model-only", is_flag=True,
               help="Only the model's weights: a plain model.state_dict() (torch), plain FQN keys (safetensors), "
                    "or a DCP folder of the model.* entries under their model. keys (dcp; load_checkpoint reads "
@@ -180,7 +184,7 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
 @click.option("--digest", is_flag=True,
               help="dcp: also write the shard's SHA-256 beside it (as training saves do), for verify and inspect "
                    "--deep to check later. Costs a hash of every byte (half the throughput on a busy 2-core machine).")
-def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str | None, dtype: str,
+def convert_cmd(src: str, dst: str, to: str, merge_lora: bool, model_only: bool, shard_size: str | None, dtype: str,
                 digest: bool) -> None:
     """Convert SRC (DCP folder, torch.save file or safetensors) to DST in another format.
 
@@ -190,8 +194,17 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str |
     from hpc.ckpt.convert import convert_checkpoint
 
     shard_bytes = parse_size(shard_size or ("5GB" if to == "hf" else "5GiB"))
+    if merge_lora and to != "hf":
+        raise click.UsageError(f"--merge-lora writes --to hf, not --to {to}")
     if to == "hf":
-        return _export_hf(src, dst, dtype, shard_bytes)
+        return _export_hf(src, dst, dtype, shard_bytes, merge_lora)
+    if to == "peft":
+        from hpc.ckpt.peft import export_peft
+
+        summary = export_peft(src, dst)
+        click.echo(f"wrote {summary['dst']} ({summary['arch']}, {summary['tensors']} tensors, "
+                   f"{human(summary['bytes'])}) from {summary['src']}")
+        return None
     with cleanup_on_sigterm(), Progress(to) as bar:
         summary = convert_checkpoint(src, dst, to, model_only=model_only, shard_bytes=shard_bytes, digest=digest,
                                      start=bar.start)
@@ -200,11 +213,11 @@ def convert_cmd(src: str, dst: str, to: str, model_only: bool, shard_size: str |
                f"{human(summary['bytes'])}){note}")
 
 
-def _export_hf(src: str, dst: str, dtype: str, shard_bytes: int) -> None:
+def _export_hf(src: str, dst: str, dtype: str, shard_bytes: int, merge_lora: bool = False) -> None:
     from hpc.ckpt.hf import export_hf
 
     with cleanup_on_sigterm(), Progress("hf") as bar:
-        summary = export_hf(src, dst, dtype=dtype, shard_bytes=shard_bytes, start=bar.start)
+        summary = export_hf(src, dst, dtype=dtype, shard_bytes=shard_bytes, start=bar.start, merge_lora=merge_lora)
     click.echo(f"wrote {summary['dst']} ({summary['arch']}, {summary['tensors']} tensors in {summary['files']} "
                f"file(s), {summary['dtype']}, {human(summary['bytes'])}) from {summary['src']}")
 

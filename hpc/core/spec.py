@@ -7,6 +7,7 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -17,6 +18,7 @@ from pathlib import Path
 from hpc import schedulers
 from hpc.core import validate as v
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
+from hpc.core.lora import Lora
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
@@ -223,6 +225,7 @@ class JobSpec:
     parallel: Parallel
     checkpoint: Checkpoint
     env: Env
+    lora: Lora = dataclasses.field(default_factory=Lora)
     source: str = ""
 
     def to_dict(self) -> dict[str, tp.Any]:
@@ -243,7 +246,7 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env}
+            "checkpoint": Checkpoint, "env": Env, "lora": Lora}
 
 
 def __getattr__(name: str) -> tp.Any:
@@ -274,6 +277,10 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
     if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
     errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
+    if _typed(errors, "lora", ("rank", "targets", "trainable")) and not errors:
+        from hpc.core.lora import lora_problems
+
+        errors += lora_problems(spec)
     if _typed(errors, "model", ("kwargs",)):
         errors += v.check_model_kwargs(spec.model.kwargs)
     if _typed(errors, "model", ("blocks",)):

@@ -276,7 +276,9 @@ def _where(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
 
 def add_plan(result: DryRun, spec: JobSpec, launch: Launch) -> None:
     """``hpcx plan``'s figures for this layout, and every difference over TOLERANCE as a problem."""
-    facts = model_facts(spec.model)
+    from hpc.core.lora import with_lora
+
+    facts = with_lora(model_facts(spec.model), spec)
     if facts.n_params is None:
         return  # a user model: the planner cannot count it without torch; nothing to compare
     parallel = launch_parallel(spec, launch)
@@ -284,7 +286,8 @@ def add_plan(result: DryRun, spec: JobSpec, launch: Launch) -> None:
     cfg = Config(launch.dims, offload, parallel.mixed_precision, parallel.activation_checkpointing,
                  spec.train.micro_batch, spec.model.dropout, spec.checkpoint.async_save,
                  document_mask=spec.data.packing == "document")
-    states = model_states(facts.n_params, cfg, facts.param_shapes)
+    states = model_states(facts.n_params, cfg, facts.param_shapes, facts, facts.trainable_params,
+                          facts.trainable_shapes)
     result.planned = {k: int(v) for k, v in zip(STATES, states)}
     result.plan_init, result.plan_staging = int(init_bytes(facts, cfg)), int(staging_bytes(facts, cfg))
     if result.n_params != facts.n_params:

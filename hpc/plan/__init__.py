@@ -56,7 +56,9 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     from hpc.plan.memory import peaks_note
     from hpc.plan.rows import Plan, candidates, compute_seconds, evaluate, mfu_of, pick, setup_of
 
-    facts = facts or model_facts(spec.model)
+    from hpc.core.lora import with_lora
+
+    facts = with_lora(facts or model_facts(spec.model), spec)
     setup = setup_of(spec, site, nodes)
     gpu = site.node.gpus > 0
     allowed = spec.parallel.cpu_offload  # allowed, not required: candidates with and without offload
@@ -116,7 +118,9 @@ def launch_row(spec: JobSpec, site: SiteProfile, launch: Launch) -> Row:
     setup = dataclasses.replace(setup_of(spec, site, launch.nodes), tasks_per_node=launch.tasks_per_node,
                                 tp=launch.dims.tp)
     offload = bool(launch.cpu_offload) and launch.dims.fsdp_enabled
-    return evaluate(model_facts(spec.model), (launch.dims, offload), setup, site)
+    from hpc.core.lora import with_lora
+
+    return evaluate(with_lora(model_facts(spec.model), spec), (launch.dims, offload), setup, site)
 
 
 @dataclass(frozen=True)

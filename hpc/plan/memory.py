@@ -120,15 +120,25 @@ def rank_numel(facts: ModelFacts, dims: ParallelDims) -> int:
 
 
 def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]] = (),
-                 facts: ModelFacts | None = None) -> tuple[float, float, float]:
+                 facts: ModelFacts | None = None, trainable: int | None = None,
+                 trainable_shapes: tp.Sequence[tuple[int, ...]] = ()) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes resident per rank after an optimizer step (on the fullest
     rank: with uneven dim-0 splits, later ranks hold shorter shards); under tensor parallelism
-    (``facts`` with a TP plan) each tensor's TP slice is what FSDP shards."""
+    (``facts`` with a TP plan) each tensor's TP slice is what FSDP shards. Gradients and optimizer state
+    exist for the ``trainable`` parameters only (LoRA: ``ModelFacts.trainable_params``; None: all)."""
     if facts is not None and cfg.dims.tp > 1:
         per_rank = rank_numel(facts, cfg.dims)
     else:
         per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
-    return per_rank * PARAM_BYTES, per_rank * GRAD_BYTES, per_rank * ADAM_BYTES
+    trained = per_rank if trainable is None else sharded_numel(trainable, cfg.dims.dp_shard, trainable_shapes)
+    return per_rank * PARAM_BYTES, trained * GRAD_BYTES, trained * ADAM_BYTES
+
+
+def trained_share(facts: ModelFacts) -> float:
+    """The share of the parameters that trains (1 unless LoRA freezes the base)."""
+    if facts.trainable_params is None or not facts.n_params:
+        return 1.0
+    return facts.trainable_params / facts.n_params
 
 
 def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
@@ -139,7 +149,7 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     if not cfg.dims.fsdp_enabled:
         return _replica_buffers(facts.n_params or 0 if facts.matmul_params is None else facts.matmul_params, c, cfg)
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
-    grads = unit * (c + extra_reduce) + root * c  # one unit's unsharded grads (+ fp32 copy), the root's
+    grads = (unit * (c + extra_reduce) + root * c) * trained_share(facts)  # one unit's unsharded grads (+ fp32), the root's
     if cfg.dims.reshard_after_forward:
         gathered = root * c + 2 * unit * c  # root stays gathered; current unit + the prefetched next
         note = f"root + 2 blocks gathered in {_dtype(c)}"
@@ -176,7 +186,8 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     """Per-rank memory of ``cfg``; None when the parameter count is unknown."""
     if facts.n_params is None:
         return None
-    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes, facts)
+    params, grads, opt = model_states(facts.n_params, cfg, facts.param_shapes, facts, facts.trainable_params,
+                                      facts.trainable_shapes)
     init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
     buffers, notes = buffer_bytes(facts, cfg)
     if cfg.document_mask:
@@ -237,8 +248,8 @@ def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
     CUDA); a synchronous save copies one tensor at a time to the host (about the largest module's
     share)."""
     per_rank = rank_numel(facts, cfg.dims)
-    if cfg.async_save:
-        return per_rank * (PARAM_BYTES + ADAM_BYTES)
+    if cfg.async_save:  # a frozen base is not saved: LoRA's checkpoints hold the trainable part only
+        return per_rank * (PARAM_BYTES + ADAM_BYTES) * trained_share(facts)
     return math.ceil((facts.largest_module_params or 0) / (cfg.dims.dp_shard * cfg.dims.tp)) * PARAM_BYTES
 
 

@@ -81,6 +81,13 @@ class HfMapped(tp.Protocol):
 
 
 @tp.runtime_checkable
+class LoraMapped(HfMapped, tp.Protocol):
+    """A family whose projections take LoRA adapters (``hpc.core.lora``): the export to PEFT names them."""
+
+    lora_targets: tuple[tuple[str, str], ...]  # (hpcx module name, Hugging Face module name) of each projection
+
+
+@tp.runtime_checkable
 class HfReader(HfMapped, tp.Protocol):
     """A family whose class's ``config.json`` a spec may name (``model.hf_config``)."""
 
@@ -124,6 +131,8 @@ class ModelFacts:
     # splits (0 column-wise, 1 row-wise) or -1 (replicated over tp: norms); empty: no TP plan
     tp_split: tuple[int, ...] = ()
     tp_divides: tuple[int, ...] = ()  # what a tp degree must divide (attention heads, kv heads)
+    trainable_params: int | None = None  # what has gradients and optimizer state (None: every parameter; LoRA)
+    trainable_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (``hpc.core.lora.with_lora``)
 
     @property
     def builtin(self) -> bool:

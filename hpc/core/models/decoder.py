@@ -15,6 +15,9 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.models import ModelFacts
     from hpc.core.spec import Model
 
+# LoRA's targets of a Llama-block model (``hpc.core.lora``): hpcx's module name, Hugging Face's
+BLOCK_LORA_TARGETS = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"), ("w1", "gate_proj"),
+                      ("w2", "down_proj"), ("w3", "up_proj"))
 LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gradient in and out
 # The trainer's cross-entropy runs over chunks of at most this many logits (``trainer.objective``): the
 # fp32 log-softmax and its gradients exist for one chunk at a time, never for the whole micro-batch.

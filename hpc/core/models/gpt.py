@@ -256,6 +256,7 @@ class Gpt:
     preset_counts = staticmethod(preset_counts)
     hf_config = staticmethod(hf_config)
     hf_tensor_plan = staticmethod(hf_tensor_plan)
+    lora_targets = (("qkv", "c_attn"), ("proj", "c_proj"), ("fc", "c_fc"))
 
 
 FAMILY = Gpt()

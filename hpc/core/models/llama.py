@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from hpc.core.config import field
 from hpc.core.models import Counted, ModelFacts, count_text
-from hpc.core.models.decoder import (REQUIRED, BlockFields, LlamaShape, block_activations, hf_names,  # noqa: F401
+from hpc.core.models.decoder import (BLOCK_LORA_TARGETS, REQUIRED, BlockFields, LlamaShape, block_activations, hf_names,  # noqa: F401
                                      hf_tensor_plan, impossible, rope_doc)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -254,6 +254,7 @@ class Llama:
     hf_arch = HF_ARCH
     hf_model_type = HF_MODEL_TYPE
     hf_keys = HF_KEYS
+    lora_targets = BLOCK_LORA_TARGETS
 
 
 FAMILY = Llama()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from hpc.core.config import field
 from hpc.core.models import Counted, ModelFacts
-from hpc.core.models.decoder import (BLOCK_HF_KEYS, INT_MAX, HeadFields, LlamaShape, block_activation_bytes,
+from hpc.core.models.decoder import (BLOCK_HF_KEYS, BLOCK_LORA_TARGETS, INT_MAX, HeadFields, LlamaShape, block_activation_bytes,
                                      block_facts, block_label, block_problems, block_shape, block_spec_fields,
                                      block_unsupported, hf_block_config, hf_tensor_plan, preset_text)
 
@@ -139,6 +139,7 @@ class Mistral:
     hf_arch = HF_ARCH
     hf_model_type = HF_MODEL_TYPE
     hf_keys = HF_KEYS
+    lora_targets = BLOCK_LORA_TARGETS
 
 
 FAMILY = Mistral()

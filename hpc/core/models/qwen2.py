@@ -20,7 +20,7 @@ import typing as tp
 from dataclasses import dataclass
 
 from hpc.core.models import Counted, ModelFacts
-from hpc.core.models.decoder import (BLOCK_HF_KEYS, HeadFields, LlamaShape, block_activation_bytes, block_facts,
+from hpc.core.models.decoder import (BLOCK_HF_KEYS, BLOCK_LORA_TARGETS, HeadFields, LlamaShape, block_activation_bytes, block_facts,
                                      block_label, block_problems, block_shape, block_spec_fields,
                                      block_unsupported, hf_block_config, hf_tensor_plan, preset_text)
 
@@ -133,6 +133,7 @@ class Qwen2:
     hf_arch = HF_ARCH
     hf_model_type = HF_MODEL_TYPE
     hf_keys = HF_KEYS
+    lora_targets = BLOCK_LORA_TARGETS
 
 
 FAMILY = Qwen2()
