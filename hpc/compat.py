@@ -223,3 +223,21 @@ def clear_sharding_cache() -> None:
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
+
+
+def is_strided_shard(placement: tp.Any) -> bool:
+    """Whether a DTensor placement is ``_StridedShard`` (``torch.distributed.tensor.placement_types``): FSDP2
+    over a tensor-parallel ``Shard`` of the same dimension; it is not a ``Shard`` and ``is_shard()`` is False."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, _StridedShard)
+
+
+def local_shape_and_offset(global_shape: tp.Sequence[int], mesh: tp.Any,
+                           placements: tp.Sequence[tp.Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's block of a DTensor of ``global_shape``: (local shape, offset of its first element in
+    the global tensor), strided shards included (``torch.distributed.tensor._utils.
+    compute_local_shape_and_global_offset``, what DCP plans its reads with)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(global_shape, mesh, placements)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 from hpc.core.spec import JobSpec
-from trainer.objective import split_batch, token_losses
+from trainer.objective import loss_context, split_batch, token_losses
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer  # which imports this module
@@ -76,7 +76,8 @@ def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
         tokens = tokens.to(t.device)
         with autocast:
             logits = t.model(tokens[:, :-1])
-        losses = token_losses(logits, tokens).double()
+        with loss_context(logits):  # tp: the vocabulary stays split (no backward here)
+            losses = token_losses(logits, tokens).double()
         weight = mask[:, 1:].to(t.device, torch.float64) if mask is not None else torch.ones_like(losses)
         if not indices:  # the padding pass: the collectives of a forward, nothing counted
             weight = torch.zeros_like(weight)

@@ -11,6 +11,7 @@ unmasked one.
 
 from __future__ import annotations
 
+import contextlib
 import typing as tp
 
 import torch
@@ -48,9 +49,28 @@ def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> torch
     return count
 
 
+def loss_context(logits: torch.Tensor) -> tp.ContextManager:
+    """Where the loss and its backward run: ``loss_parallel`` when the logits are a DTensor split over
+    the vocabulary (``parallel.tp`` > 1, ``trainer.tp``: each rank's log-softmax reduces its own columns
+    and exchanges one max and one sum per token, never the vocabulary), else nothing."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(logits, DTensor):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor loss (``loss_parallel``) as this rank's plain tensor; the backward stays DTensor."""
+    to_local = getattr(loss, "to_local", None)
+    return to_local() if to_local is not None else loss
+
+
 def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Per-target cross-entropy in fp32, shaped like ``tokens[:, 1:]``."""
-    flat = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    flat = _local(F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"))
     return flat.view(tokens.shape[0], -1)
 
 
@@ -59,7 +79,7 @@ def micro_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | 
     """The loss to back-propagate for one micro-batch: mean × ``scale`` (1/micro-steps) without a mask;
     with one, the counted targets' sum × ``scale`` (world_size / global count)."""
     if mask is None:
-        loss = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        loss = _local(F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()))
     else:
         loss = (token_losses(logits, tokens) * mask[:, 1:].to(logits.device, torch.float32)).sum()
     return loss if isinstance(scale, float) and scale == 1.0 else loss * scale
