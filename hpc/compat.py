@@ -240,7 +240,7 @@ def local_shape_and_offset(global_shape: tp.Sequence[int], mesh: tp.Any,
     compute_local_shape_and_global_offset``, what DCP plans its reads with)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    return compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
 
 
 @contextmanager
@@ -251,7 +251,7 @@ def memoized_strided_shards() -> tp.Iterator[None]:
     planner and AdamW's state) costs ``hpcx dryrun`` a minute for a few distinct answers."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    original = _StridedShard.local_shard_size_and_offset
+    original: tp.Callable[..., tp.Any] = _StridedShard.local_shard_size_and_offset
     cache: dict[tuple, tp.Any] = {}
 
     def remembered(self: tp.Any, curr_local_size: tp.Any, num_chunks: int, rank: tp.Any,

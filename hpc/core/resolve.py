@@ -184,7 +184,6 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
     """The launch of a checked spec (``cross_check`` found nothing) with the layout the planner chose
     (``hpc.plan.resolve``); its ``parallel`` is decided here, once (``launch_parallel``)."""
     tpn = tasks_per_node(spec, site)
-    world = spec.job.nodes * tpn
     launch = Launch(
         nodes=spec.job.nodes,
         tasks_per_node=tpn,
