@@ -45,15 +45,16 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from torch.distributed.tensor.parallel import ParallelStyle
 
 
-def family_of(model: nn.Module, blocks: nn.ModuleList) -> str:
-    """``llama`` (blocks with ``attn.wq`` and ``mlp.w1``), ``gpt`` (``attn.qkv``, ``mlp.fc``), or ``""``."""
+def plan_kind(model: nn.Module, blocks: nn.ModuleList) -> str:
+    """Which block plan the modules' names call for: ``separate`` (blocks with ``attn.wq wk wv wo`` and
+    ``mlp.w1 w2 w3``: the Llama modules), ``fused`` (``attn.qkv``, ``mlp.fc``: the GPT's), or ``""``."""
     block = blocks[0] if len(blocks) else None
     if block is None or not hasattr(model, "tok_emb") or not hasattr(model, "head"):
         return ""
     if _has(block, "attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w1", "mlp.w2", "mlp.w3"):
-        return "llama"
+        return "separate"
     if _has(block, "attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"):
-        return "gpt"
+        return "fused"
     return ""
 
 
@@ -70,13 +71,13 @@ def _get(module: nn.Module, path: str) -> nn.Module | None:
 
 
 def refuse_without_plan(model: nn.Module, blocks: nn.ModuleList, degree: int) -> str:
-    """The model's family plan, or ConfigError with the reason (a user model: refused above tp 1)."""
-    family = family_of(model, blocks)
-    if not family:
+    """The model's plan kind (``plan_kind``), or ConfigError with the reason (a user model: refused above tp 1)."""
+    kind = plan_kind(model, blocks)
+    if not kind:
         raise ConfigError(f"`parallel.tp` = {degree} but {type(model).__name__} is not a built-in family: hpcx has no "
                           "tensor-parallel plan for it (which of its matrices split by rows or columns is the "
                           "model's own); use tp = 1")
-    return family
+    return kind
 
 
 def outer_plan(model: nn.Module) -> dict[str, ParallelStyle]:
@@ -136,20 +137,20 @@ def gpt_block_plan() -> dict[str, ParallelStyle]:
 
 def apply_tp(model: nn.Module, blocks: nn.ModuleList, tp_mesh: DeviceMesh) -> str:
     """Shard ``model`` (on the meta device or allocated) over ``tp_mesh`` by its family's plan; returns
-    the family. A tied head keeps sharing the embedding's (row-split, Shard(0)) matrix."""
+    the plan kind. A tied head keeps sharing the embedding's (row-split, Shard(0)) matrix."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    family = refuse_without_plan(model, blocks, tp_mesh.size())
+    kind = refuse_without_plan(model, blocks, tp_mesh.size())
     tied = getattr(model, "head").weight is getattr(model, "tok_emb").weight
     parallelize_module(model, tp_mesh, outer_plan(model))
     if tied:  # both are Shard(0) over the vocabulary: one parameter again
         model.head.weight = model.tok_emb.weight  # type: ignore[union-attr]
-    plan = llama_block_plan() if family == "llama" else gpt_block_plan()
+    plan = llama_block_plan() if kind == "separate" else gpt_block_plan()
     for block in blocks:
         parallelize_module(block, tp_mesh, plan)
-    if family == "gpt":
+    if hasattr(model, "pos_emb"):  # learned positions (the GPT's)
         split_positions(model.pos_emb, tp_mesh)  # type: ignore[arg-type]
-    return family
+    return kind
 
 
 def split_positions(module: nn.Module, tp_mesh: DeviceMesh) -> None:
