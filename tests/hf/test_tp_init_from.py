@@ -1,6 +1,7 @@
 """``checkpoint.init_from`` under tensor parallelism reads each rank's block only: rows and, for the
 row-wise matrices (``wo``, ``w2``), columns (tp 2 × fsdp 2 on 4 gloo ranks): every byte of the source
-read by exactly one rank, about a quarter each, and the loaded weights bit-identical to the file's."""
+read by exactly one rank (the norms, replicated over tp, by one rank of each tp position), about a
+quarter each, and the loaded weights bit-identical to the file's."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_tp2_fsdp2_reads_a_quarter_each_and_loads_the_files_bits(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     reports = json.loads(out.read_text())
     source = reports[0]["source_bytes"]
-    assert sum(r["bytes_read"] for r in reports) == source  # every byte once, by exactly one rank
+    norms = (2 * WIDE["num_hidden_layers"] + 1) * WIDE["hidden_size"] * 4  # replicated over tp: read by both ranks
+    assert sum(r["bytes_read"] for r in reports) == source + norms  # every other byte once, by exactly one rank
     for r in reports:
         assert r["bytes_read"] <= source / 4 * 1.05, r  # model / (dp shard × tp), not model / dp shard
     shape = model_facts(load_run(run).spec.model).shape
