@@ -90,7 +90,7 @@ def test_impossible_layouts_say_their_numbers(args, message):
 @pytest.mark.parametrize("fields,message", [
     (("fsdp", "full_shard", 2, 4), "fsdp shards over every rank"),
     (("ddp", "full_shard", 2, 2), "ddp replicates whole parameters"),
-    (("ddp", "full_shard", 4, 1, 2), "tensor parallelism runs inside FSDP or HSDP"),
+    (("ddp", "full_shard", 4, 1, 2), "tensor parallelism runs inside fsdp or hsdp"),
     (("fsdp", "full_shard", 1, 0), "dp_shard = 0: expected a degree >= 1"),
 ])
 def test_the_value_checks_its_own_arithmetic(fields, message):
@@ -195,3 +195,32 @@ def test_dryrun_builds_the_same_layout(strategy, sharding, nodes, tpn, shard_siz
     assert (tuple(shape) if shape else None) == dims.mesh_shape
     assert (tuple(result.mesh["names"]) if result.mesh["names"] else None) == dims.mesh_dim_names
     assert result.problems == []
+
+
+@pytest.mark.parametrize("args,expected", [
+    (("fsdp", "full_shard", 8, 4, 0, 2), ((1, 4, 2), ("dp_shard", "tp"), ("dp_shard",))),
+    (("fsdp", "no_shard", 8, 4, 0, 2), ((4, 1, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"))),
+    (("hsdp", "full_shard", 16, 8, 0, 2), ((2, 4, 2), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"))),
+    (("hsdp", "full_shard", 16, 8, 2, 4), ((2, 2, 4), ("dp_replicate", "dp_shard", "tp"), ("dp_replicate", "dp_shard"))),
+    (("fsdp", "full_shard", 1024, 8, 0, 8), ((1, 128, 8), ("dp_shard", "tp"), ("dp_shard",))),
+])
+def test_tp_is_the_innermost_mesh_dimension_and_fsdp_sees_the_rest(args, expected):
+    dims = parallel_dims(*args)
+    degrees, names, fsdp_names = expected
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == degrees
+    assert dims.mesh_dim_names == names and dims.fsdp_dim_names == fsdp_names
+    assert dims.world_size == args[2] and dims.dp_world == args[2] // args[5]
+    assert [dims.dp_rank(r) for r in range(4)] == [r // args[5] for r in range(4)]
+    assert f"tp {args[5]}" in dims.describe()
+    assert dims_from_mesh(dims.mesh_dim_names, dims.mesh_shape, ddp=False, sharding=dims.sharding) == dims
+
+
+@pytest.mark.parametrize("args,message", [
+    (("ddp", "full_shard", 8, 4, 0, 2), "tensor parallelism runs inside fsdp or hsdp"),
+    (("fsdp", "full_shard", 8, 4, 0, 8), "tp = 8 does not divide the 4 ranks of a node"),
+    (("fsdp", "full_shard", 8, 4, 0, 3), "tp = 3 does not divide the 4 ranks of a node"),
+    (("hsdp", "full_shard", 16, 8, 3, 2), "shard group of 3 ranks does not divide the world of 8 ranks"),
+])
+def test_impossible_tp_layouts_say_their_numbers(args, message):
+    with pytest.raises(ValueError, match=message):
+        parallel_dims(*args)

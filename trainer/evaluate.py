@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 from hpc.core.spec import JobSpec
-from trainer.objective import batch_documents, split_batch, token_losses
+from trainer.objective import batch_documents, loss_context, split_batch, token_losses
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer  # which imports this module
@@ -78,7 +78,8 @@ def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
         with autocast:
             logits = (t.model(tokens[:, :-1]) if documents is None else
                       t.model(tokens[:, :-1], documents[:, :-1].to(t.device)))
-        losses = token_losses(logits, tokens).double()
+        with loss_context(logits):  # tp: the vocabulary stays split (no backward here)
+            losses = token_losses(logits, tokens).double()
         weight = mask[:, 1:].to(t.device, torch.float64) if mask is not None else torch.ones_like(losses)
         if not indices:  # the padding pass: the collectives of a forward, nothing counted
             weight = torch.zeros_like(weight)

@@ -13,13 +13,16 @@ How each rank reads (``hpc.ckpt.init_source.InitSource`` says where every tensor
   tensor, which a row-major file holds as one contiguous byte range; the rank reads exactly that
   range (``read_plan``) into one reusable buffer and copies it into its local shard. Bytes read per
   rank ≈ model bytes / shard degree; memory ≈ its shard + one tensor's shard in the file's dtype.
-  Whole replicas (ddp, none) read whole tensors, one at a time.
+  Whole replicas (ddp, none) read whole tensors, one at a time. Under tensor parallelism a
+  row-wise matrix is also split by columns (``Shard(1)``): the rank reads columns ``[c, d)`` of each
+  of its rows, one byte range per row, so bytes read per rank ≈ model bytes / (shard degree × tp).
 - DCP (an hpcx run or step folder): torch's own DCP load of the ``model`` entries through hpc/ckpt's
   checked reader (``trainer.checkpoint``), which reads only the stored chunks each rank's shard overlaps.
 - one ``torch.save`` file: as safetensors, this rank's rows of each tensor as one byte range of its
   record (``load_torch_file``), where the checked reader (hpc/ckpt/torch_zip.py) finds the tensor
   contiguous in an uncompressed record; otherwise (a transposed or other non-contiguous view, a
-  deflated record, a legacy file) the tensor is read whole through that reader, then sliced.
+  deflated record, a legacy file) the tensor is read whole through that reader, then sliced. A
+  column split (tp) reads its rows whole and keeps its columns.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ log = logging.getLogger("hpcx.trainer")
 
 @dataclass(frozen=True)
 class Read:
-    """One byte range a rank reads: rows ``[start, stop)`` of parameter ``name``'s source tensor."""
+    """What a rank reads of parameter ``name``'s source tensor: rows ``[start, stop)``, all their columns
+    (one byte range of ``length`` bytes at ``offset``) or columns ``cols`` of each (``stride`` bytes from
+    one row's range to the next; ``length`` counts every byte read)."""
 
     name: str
     file: Path
@@ -60,6 +65,16 @@ class Read:
     length: int
     start: int
     stop: int
+    cols: tuple[int, int] | None = None
+    stride: int = 0
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """(offset, bytes) of each contiguous range, in file order."""
+        if self.cols is None:
+            return [(self.offset, self.length)] if self.length else []
+        rows = self.stop - self.start
+        each = self.length // rows if rows else 0
+        return [(self.offset + i * self.stride, each) for i in range(rows)] if each else []
 
 
 def clean_name(name: str) -> str:
@@ -68,24 +83,33 @@ def clean_name(name: str) -> str:
 
 
 def local_rows(param: torch.Tensor) -> tuple[int, int]:
-    """Rows ``[start, stop)`` of dim 0 this rank holds: all of them for a plain tensor; for a DTensor,
-    ``torch.chunk``'s split along each mesh dimension that shards dim 0 (as ``trainer.model.local_slice``)."""
-    from torch.distributed.tensor import DTensor, Shard
+    """Rows ``[start, stop)`` of dim 0 this rank holds (``local_block``)."""
+    (start, stop), _ = local_block(param)
+    return start, stop
+
+
+def local_block(param: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int] | None]:
+    """(rows ``[start, stop)``, columns ``[c, d)`` or None for all) of the tensor this rank holds: all of
+    it for a plain tensor; for a DTensor, its block as DTensor and FSDP2 place it (Shard on dim 0 or 1,
+    strided shards of FSDP over tensor parallelism included: ``hpc.compat.local_shape_and_offset``)."""
+    from torch.distributed.tensor import DTensor
+
+    from hpc.compat import local_shape_and_offset
 
     rows = param.shape[0] if param.ndim else 1
     if not isinstance(param, DTensor):
-        return 0, rows
-    start, stop = 0, rows
-    coordinate = param.device_mesh.get_coordinate()
-    assert coordinate is not None  # this rank is in the mesh of its own parameters
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            if placement.dim != 0:
-                raise RuntimeError(f"init_from reads row ranges; a parameter is sharded on dim {placement.dim}")
-            chunk = -(-(stop - start) // param.device_mesh.size(mesh_dim))
-            first = start + coordinate[mesh_dim] * chunk
-            start, stop = min(first, stop), min(first + chunk, stop)
-    return start, stop
+        return (0, rows), None
+    shape, offset = local_shape_and_offset(param.shape, param.device_mesh, param.placements)
+    if not param.ndim:
+        return (0, 1), None
+    if any(size != param.shape[d] for d, size in enumerate(shape) if d >= 2):
+        raise RuntimeError(f"init_from reads rows and columns; a parameter of shape {tuple(param.shape)} is "
+                           f"split on a later dimension ({tuple(shape)} locally)")
+    start = min(offset[0], rows)
+    span = (start, start + shape[0])
+    if param.ndim < 2 or shape[1] == param.shape[1]:
+        return span, None
+    return span, (offset[1], offset[1] + shape[1])
 
 
 def named_params(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -100,10 +124,15 @@ def read_plan(model: nn.Module, source: InitSource) -> list[Read]:
     plan = []
     for name, param in named_params(model):
         t = source.tensors[name]
-        start, stop = local_rows(param)
+        (start, stop), cols = local_block(param)
         row = t.dtype.itemsize * (math.prod(t.shape[1:]) if len(t.shape) > 1 else 1)
         assert t.file is not None  # a safetensors source names each tensor's file
-        plan.append(Read(name, t.file, t.offset + start * row, (stop - start) * row, start, stop))
+        if cols is None:
+            plan.append(Read(name, t.file, t.offset + start * row, (stop - start) * row, start, stop))
+            continue
+        width = (cols[1] - cols[0]) * t.dtype.itemsize  # a 2-D matrix split by columns (tensor parallelism)
+        plan.append(Read(name, t.file, t.offset + start * row + cols[0] * t.dtype.itemsize,
+                         (stop - start) * width, start, stop, cols, row))
     return plan
 
 
@@ -124,10 +153,14 @@ def load_safetensors(model: nn.Module, source: InitSource) -> int:
         for r in read_plan(model, source):
             local = _local(params[r.name])
             t = source.tensors[r.name]
-            buf = scratch.view(t.dtype, (r.stop - r.start, *t.shape[1:]) if t.shape else ())
-            if r.length:
+            width = (r.cols[1] - r.cols[0],) if r.cols is not None else tuple(t.shape[1:])
+            buf = scratch.view(t.dtype, (r.stop - r.start, *width) if t.shape else ())
+            pieces = buf.view(torch.uint8).reshape(-1) if buf.ndim else buf.reshape(1).view(torch.uint8)
+            done_here = 0
+            for offset, nbytes in r.ranges():
                 f = files.get(r.file) or files.setdefault(r.file, open(r.file, "rb", buffering=0))
-                read_exact(f, r.offset, buf, str(r.file))
+                read_exact(f, offset, pieces[done_here:done_here + nbytes], str(r.file))
+                done_here += nbytes
             with torch.no_grad():
                 local.copy_(buf.view(local.shape))
             done += r.length
@@ -148,13 +181,15 @@ def load_torch_file(model: nn.Module, source: InitSource) -> int:
     try:
         for name, param in named_params(model):
             t = source.tensors[name]
-            start, stop, local = *local_rows(param), _local(param)
+            ((start, stop), cols), local = local_block(param), _local(param)
             buf = scratch.view(t.dtype, (stop - start, *t.shape[1:]) if t.shape else ())
             if reader.read_rows(t.key, start, stop, buf):
                 done += buf.numel() * buf.element_size()
             else:
                 buf, whole = _torch_rows(reader, t.key, start, stop)
                 done += whole
+            if cols is not None:  # tensor parallelism's column split: whole rows read, this rank's columns kept
+                buf = buf[:, cols[0]:cols[1]]
             with torch.no_grad():
                 local.copy_(buf.reshape(local.shape))
     finally:

@@ -32,8 +32,8 @@ from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
 from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
-from trainer.objective import (Batch, batch_documents, counted_targets, masked_scale, micro_loss, split_batch,
-                               to_device)
+from trainer.objective import (Batch, batch_documents, counted_targets, loss_context, masked_scale, micro_loss,
+                               split_batch, to_device)
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
@@ -114,9 +114,10 @@ def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> t
                 else contextlib.nullcontext())
     with autocast:  # packed documents: each position's document number too (``data.packing``)
         logits = t.model(tokens[:, :-1]) if documents is None else t.model(tokens[:, :-1], documents[:, :-1])
-    loss = micro_loss(logits, tokens, mask, scale)
-    t.clock.lap("forward")
-    (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
+    with loss_context(logits):  # loss_parallel under tp: the loss and its backward
+        loss = micro_loss(logits, tokens, mask, scale)
+        t.clock.lap("forward")
+        (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
     t.clock.lap("backward")
     return loss.detach()
 

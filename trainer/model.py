@@ -209,7 +209,17 @@ def copy_shard(param: DTensor, full: torch.Tensor) -> None:
 
 def local_slice(full: torch.Tensor, mesh: tp.Any, placements: tp.Sequence[tp.Any]) -> torch.Tensor:
     """This rank's view of ``full`` under ``placements`` on ``mesh``: ``torch.chunk`` along each sharded
-    dimension, as DTensor and FSDP2 split it (later ranks get a shorter chunk, or none)."""
+    dimension, as DTensor and FSDP2 split it (later ranks get a shorter chunk, or none); FSDP2 over a
+    tensor-parallel split of the same dimension (a strided shard) splits by TP first, one block still
+    (``hpc.compat.local_shape_and_offset``)."""
+    from hpc.compat import is_strided_shard, local_shape_and_offset
+
+    if any(is_strided_shard(p) for p in placements):
+        shape, offset = local_shape_and_offset(full.shape, mesh, placements)
+        out = full
+        for dim, (start, size) in enumerate(zip(offset, shape)):
+            out = out.narrow(dim, start, size) if size != full.shape[dim] else out
+        return out
     coordinate = mesh.get_coordinate()
     out = full
     for mesh_dim, placement in enumerate(placements):

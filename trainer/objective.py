@@ -16,6 +16,7 @@ of whole documents, as if each ran alone.
 
 from __future__ import annotations
 
+import contextlib
 import typing as tp
 
 import torch
@@ -104,9 +105,35 @@ def chunked_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return ChunkedCrossEntropy.apply(logits, targets, loss_chunk_tokens(logits.shape[0], logits.shape[-1]))
 
 
+def loss_context(logits: torch.Tensor) -> tp.ContextManager:
+    """Where the loss and its backward run: ``loss_parallel`` when the logits are a DTensor split over
+    the vocabulary (``parallel.tp`` > 1, ``trainer.tp``: each rank's log-softmax reduces its own columns
+    and exchanges one max and one sum per token, never the vocabulary), else nothing."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(logits, DTensor):
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def is_dtensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a DTensor (the logits of a tensor-parallel model)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def _local(loss: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor loss (``loss_parallel``) as this rank's plain tensor; the backward stays DTensor."""
+    to_local = getattr(loss, "to_local", None)
+    return to_local() if to_local is not None else loss
+
+
 def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Per-target cross-entropy in fp32, shaped like ``tokens[:, 1:]``."""
-    flat = F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    flat = _local(F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none"))
     return flat.view(tokens.shape[0], -1)
 
 
@@ -114,12 +141,20 @@ def micro_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | 
                scale: float | torch.Tensor) -> torch.Tensor:
     """The loss to back-propagate for one micro-batch: mean × ``scale`` (1/micro-steps) without a mask;
     with one, the counted targets' sum × ``scale`` (world_size / global count). The cross-entropy runs
-    in chunks (``chunked_token_losses``): no fp32 logits of the whole micro-batch are ever held."""
-    losses = chunked_token_losses(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    if mask is None:
-        loss = losses.mean()
+    in chunks (``chunked_token_losses``): no fp32 logits of the whole micro-batch are ever held. Under
+    tensor parallelism the logits are a DTensor split over the vocabulary and the loss is
+    ``loss_parallel``'s (``loss_context``): each rank holds its share of the vocabulary only."""
+    if is_dtensor(logits):
+        if mask is None:
+            loss = _local(F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()))
+        else:
+            loss = (token_losses(logits, tokens) * mask[:, 1:].to(logits.device, torch.float32)).sum()
     else:
-        loss = (losses * mask[:, 1:].flatten().to(logits.device, torch.float32)).sum()
+        losses = chunked_token_losses(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        if mask is None:
+            loss = losses.mean()
+        else:
+            loss = (losses * mask[:, 1:].flatten().to(logits.device, torch.float32)).sum()
     return loss if isinstance(scale, float) and scale == 1.0 else loss * scale
 
 

@@ -155,7 +155,7 @@ def _sum_of_squares(tensors: list[torch.Tensor], device: torch.device) -> torch.
 def _by_shard_dims(grads: tp.Iterable[DTensor]) -> dict:
     groups: dict = defaultdict(list)
     for g in grads:
-        dims = tuple(i for i, p in enumerate(g.placements) if isinstance(p, Shard))
+        dims = tuple(i for i, p in enumerate(g.placements) if isinstance(p, Shard) or compat.is_strided_shard(p))
         groups[(g.device_mesh, dims)].append(g)
     return groups
 

@@ -1,6 +1,7 @@
 """Parallelism as an ordered list of ``apply_*`` functions on a model and a device mesh.
 
-``parallelize`` applies, in this order: activation checkpointing per block,
+``parallelize`` applies, in this order: tensor parallelism (``parallel.tp`` > 1: ``trainer.tp``, on
+the mesh's ``"tp"`` dimension), activation checkpointing per block,
 ``torch.compile`` per block (optional), FSDP2 (fsdp/hsdp), the weights
 (``WeightInit.materialize``: a model built on the meta device gets its memory and values
 here), then DDP or DataParallel:
@@ -21,6 +22,10 @@ here), then DDP or DataParallel:
                sharded within a group of ``dims.dp_shard`` ranks (one node by default),
                replicated across the ``dims.dp_replicate`` groups.
 =============  ================================================================
+
+With ``tp`` > 1 the mesh has a third, innermost dimension ``"tp"``; ``fully_shard`` takes the
+data-parallel dimensions only (``dims.fsdp_dim_names``) and shards the TP-sharded DTensors again
+over them (2-D parameters: a shard of a tensor-parallel slice).
 
 Why materialization sits between FSDP and DDP: ``fully_shard`` on a meta model records each
 rank's shard without allocating anything, so ``to_empty`` then allocates only the shard;
@@ -79,13 +84,18 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
     refuse_undecided(parallel)
     if dims.dp_enabled and parallel.compile:
         refuse_dp_compile(torch.cuda.device_count() if device.type == "cuda" else 0)
+    if dims.tp_enabled:
+        from trainer.tp import apply_tp
+
+        assert mesh is not None  # tp runs inside fsdp/hsdp (ParallelDims), which have a mesh
+        apply_tp(model, blocks, mesh["tp"])
     if parallel.activation_checkpointing:
         apply_ac(blocks, preserve_rng)
     if parallel.compile:
         apply_compile(blocks)
     if dims.fsdp_enabled:
         assert mesh is not None  # build_mesh makes one for every FSDP strategy
-        apply_fsdp(model, blocks, mesh, dims.reshard_after_forward, parallel.mixed_precision,
+        apply_fsdp(model, blocks, fsdp_mesh(mesh, dims), dims.reshard_after_forward, parallel.mixed_precision,
                    parallel.cpu_offload, device)
     if init is not None:
         offloaded = dims.fsdp_enabled and parallel.cpu_offload
@@ -98,6 +108,14 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
     if dims.dp_enabled:
         return apply_dp(model, DTYPES[parallel.mixed_precision])
     return model
+
+
+def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The data-parallel dimensions of the mesh (all of it without tp), which ``fully_shard`` takes."""
+    names = dims.fsdp_dim_names
+    if not dims.tp_enabled or names is None:
+        return mesh
+    return mesh[names if len(names) > 1 else names[0]]
 
 
 def refuse_undecided(parallel: Parallel) -> None:

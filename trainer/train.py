@@ -160,8 +160,9 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     kind = launch.data_source  # decided once, at resolve (hpc.core.manifest.source_kind)
     assert kind is not None  # ``decided`` fills it for a resolved.json from before
     dataset = build_dataset(spec.data, kind, seq_len, facts.vocab_size, spec.train.seed)
-    sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, rank,  # type: ignore[arg-type]  # map-style: sized
-                            launch.world_size, spec.train.seed, shuffle_enabled(spec.data, kind))
+    dp_rank, dp_world = launch.dims.dp_rank(rank), launch.dims.dp_world  # a tp group shares its batches
+    sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, dp_rank,  # type: ignore[arg-type]  # map-style: sized
+                            dp_world, spec.train.seed, shuffle_enabled(spec.data, kind))
     workers = loader_workers(spec.data.num_workers, device.type == "cuda", launch.cpus_per_task)
     if rank == 0:
         record_data(run.run_dir, spec.data, kind)
@@ -175,7 +176,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
-        clock=PhaseClock(device), evaluator=build_eval(spec, kind, seq_len, rank, launch.world_size))
+        clock=PhaseClock(device), evaluator=build_eval(spec, kind, seq_len, dp_rank, dp_world))
     return trainer, TrainState()
 
 

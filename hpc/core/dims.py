@@ -18,10 +18,11 @@ hsdp (any sharding)         world/shard   shard     (replicate, shard) (dp_repli
                                                     dp_shard)
 ==========================  ============  ========  ==============================  ==========
 
-``tp`` (tensor parallel) is the innermost degree (a named mesh dimension when larger than 1): its
-ranks sit inside one node and split each layer; fsdp and hsdp shard over the ``world / tp``
-data-parallel ranks (``parallel_dims(..., tp=N)``).
-Torch-free.
+``tp`` (tensor parallel, ``parallel.tp``) multiplies the world: fsdp and hsdp only, the data-parallel
+degrees above are then of ``world / tp`` ranks and the mesh gains an innermost dimension ``"tp"``
+(``(dp_shard, tp)`` or ``(dp_replicate, dp_shard, tp)``), so the ``tp`` ranks of a group are
+consecutive: one node (its NVLink domain). FSDP shards over the data-parallel dimensions only
+(``fsdp_dim_names``); data is split over ``dp_world`` ranks. Torch-free.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ class ParallelDims:
         for name in ("dp_replicate", "dp_shard", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: expected a degree >= 1")
-        if self.tp > 1 and not self.fsdp_enabled:
-            raise ValueError(f"tp = {self.tp} under {self.strategy!r}: tensor parallelism runs inside FSDP or HSDP "
-                             "(expected tp = 1)")
+        if self.tp != 1 and not self.fsdp_enabled:
+            raise ValueError(f"tp = {self.tp} with strategy {self.strategy!r}: tensor parallelism runs inside "
+                             "fsdp or hsdp (expected tp = 1, or strategy fsdp/hsdp)")
         if self.single_process and self.world_size != 1:
             raise ValueError(f"strategy {self.strategy!r} runs one process, but dp_replicate={self.dp_replicate} "
                              f"× dp_shard={self.dp_shard} = {self.world_size} ranks")
@@ -73,6 +74,15 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_world(self) -> int:
+        """Ranks that see different data: the data-parallel degrees (the ``tp`` ranks of a group share a batch)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
 
     @property
     def single_process(self) -> bool:
@@ -115,6 +125,10 @@ class ParallelDims:
         """Every rank holds whole parameters and all-reduces gradients over all ranks (ddp, fsdp no_shard)."""
         return self.needs_process_group and self.dp_shard == 1 and self.dp_replicate == self.world_size
 
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (``tp`` is the innermost mesh dimension)."""
+        return rank // self.tp
+
     @property
     def reshard_after_forward(self) -> bool:
         """FSDP2 frees the gathered parameters after forward only under full_shard (shard_grad_op keeps
@@ -133,6 +147,12 @@ class ParallelDims:
         return names + (("tp",) if self.tp > 1 else ())
 
     @property
+    def fsdp_dim_names(self) -> tuple[str, ...] | None:
+        """The mesh dimensions FSDP shards and replicates over (every one but ``tp``)."""
+        names = self.mesh_dim_names
+        return None if names is None else tuple(n for n in names if n != "tp")
+
+    @property
     def mesh_shape(self) -> tuple[int, ...] | None:
         names = self.mesh_dim_names
         if names is None:
@@ -143,6 +163,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         """One phrase for people, with the numbers: what is sharded over how many ranks."""
+        if self.tp > 1:
+            return f"{_data_parallel(self).describe()} × tp {self.tp} (tensor parallel within groups of {self.tp})"
         world = self.world_size
         if self.strategy == "none":
             return "none (one process)"
@@ -169,19 +191,21 @@ class ParallelDims:
         return cls(**doc)
 
 
+def _data_parallel(dims: ParallelDims) -> ParallelDims:
+    """The same layout without its tensor-parallel dimension (for words)."""
+    return ParallelDims(dims.strategy, dims.sharding, dims.dp_replicate, dims.dp_shard)
+
+
 def parallel_dims(strategy: str, sharding: str, world_size: int, tasks_per_node: int = 1,
                   shard_size: int = 0, tp: int = 1) -> ParallelDims:
     """The one mapping from a strategy to degrees. ``shard_size`` is HSDP's shard group (0: one node's
-    data-parallel ranks, ``tasks_per_node / tp``); it is ignored by every other strategy. ``tp`` ranks
-    (innermost, inside a node) split each layer; the data-parallel dims take ``world_size / tp``.
-    Raises ValueError with the numbers."""
+    ``tasks_per_node`` ranks); it is ignored by every other strategy. ``tp`` > 1 (fsdp, hsdp) takes groups
+    of ``tp`` ranks within a node out of the data-parallel degrees (HSDP's default shard group is then
+    the node's ``tasks_per_node / tp`` groups). Raises ValueError with the numbers."""
     if world_size < 1:
         raise ValueError(f"world size {world_size}: expected at least one rank")
     if tp > 1:
-        if world_size % tp:
-            raise ValueError(f"tp = {tp} does not divide the world of {world_size} ranks")
-        dp = parallel_dims(strategy, sharding, world_size // tp, max(1, tasks_per_node // tp), shard_size)
-        return ParallelDims(dp.strategy, dp.sharding, dp.dp_replicate, dp.dp_shard, tp)
+        return _with_tp(strategy, sharding, world_size, tasks_per_node, shard_size, tp)
     if strategy in ("none", "dp"):
         return ParallelDims(strategy, sharding, 1, 1) if world_size == 1 else _one_process(strategy, world_size)
     if strategy == "ddp" or (strategy == "fsdp" and sharding == "no_shard"):
@@ -194,6 +218,18 @@ def parallel_dims(strategy: str, sharding: str, world_size: int, tasks_per_node:
             raise ValueError(f"hsdp shard group of {shard} ranks does not divide the world of {world_size} ranks")
         return ParallelDims(strategy, sharding, world_size // shard, shard)
     raise ValueError(f"strategy {strategy!r}: expected one of {', '.join(STRATEGIES)}")
+
+
+def _with_tp(strategy: str, sharding: str, world_size: int, tasks_per_node: int, shard_size: int,
+             tp: int) -> ParallelDims:
+    if strategy not in FSDP_STRATEGIES:
+        raise ValueError(f"tp = {tp} with strategy {strategy!r}: tensor parallelism runs inside fsdp or hsdp")
+    if world_size % tp or tasks_per_node % tp:
+        raise ValueError(f"tp = {tp} does not divide the {tasks_per_node} ranks of a node ({world_size} in all): "
+                         "a tensor-parallel group stays within one node")
+    dp = world_size // tp
+    inner = parallel_dims(strategy, sharding, dp, tasks_per_node // tp, shard_size)
+    return ParallelDims(strategy, sharding, inner.dp_replicate, inner.dp_shard, tp)
 
 
 def tasks_per_node(strategy: str, requested: int, site_default: int) -> int:
@@ -222,9 +258,9 @@ def dims_from_mesh(mesh_dim_names: tp.Sequence[str] | None, mesh_shape: tp.Seque
         world = mesh_shape[0] if ddp and mesh_shape else 1
         return parallel_dims("ddp" if ddp else "none", "full_shard", world)
     sizes = dict(zip(mesh_dim_names, mesh_shape))
-    replicate, shard = sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1)
+    replicate, shard, tp_ = sizes.get("dp_replicate", 1), sizes.get("dp_shard", 1), sizes.get("tp", 1)
     if "dp_replicate" not in sizes:
-        return ParallelDims("fsdp", sharding if sharding != "no_shard" else "full_shard", 1, shard)
+        return ParallelDims("fsdp", sharding if sharding != "no_shard" else "full_shard", 1, shard, tp_)
     if shard == 1:
-        return ParallelDims("fsdp", "no_shard", replicate, 1)
-    return ParallelDims("hsdp", sharding, replicate, shard)
+        return ParallelDims("fsdp", "no_shard", replicate, 1, tp_)
+    return ParallelDims("hsdp", sharding, replicate, shard, tp_)

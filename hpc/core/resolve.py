@@ -17,6 +17,7 @@ from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.core.manifest import source_kind
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, Parallel, compute_precision, script_mode
+from hpc.core.tensor_parallel import check_tp
 from hpc.core.validate import check_batch, check_world
 
 RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
@@ -108,8 +109,10 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
         errors.append(f"`job.nodes` = {spec.job.nodes} but site {site.name!r} has at most "
                       f"{site.scheduler.max_nodes} nodes")
     if not script_mode(spec):  # a script's batches and layout are its own
-        errors += check_batch(spec.train.global_batch, spec.train.micro_batch, world,
-                              f"{spec.job.nodes} nodes × {tpn} tasks")
+        errors += check_tp(spec, site, tpn)
+        tp_ = spec.parallel.tp if not tpn % spec.parallel.tp else 1  # data-parallel ranks: tp ranks share a batch
+        errors += check_batch(spec.train.global_batch, spec.train.micro_batch, world // tp_,
+                              f"{spec.job.nodes} nodes × {tpn} tasks" + (f" / tp {tp_}" if tp_ > 1 else ""))
     if spec.job.cpus_per_task and spec.job.cpus_per_task * tpn > site.node.cpus:
         errors.append(f"`job.cpus_per_task` = {spec.job.cpus_per_task} × {tpn} tasks = "
                       f"{spec.job.cpus_per_task * tpn} CPUs but site {site.name!r} nodes have {site.node.cpus}")
@@ -135,7 +138,8 @@ def _check_strategy(spec: JobSpec, site: SiteProfile, world: int, tpn: int) -> l
     if p.strategy == "dp":
         errors += _check_dp(spec, site, tpn)
     if p.strategy == "hsdp":
-        errors += _check_hsdp(spec, world, tpn)
+        tp_ = p.tp if not tpn % p.tp else 1
+        errors += _check_hsdp(spec, world // tp_, tpn // tp_)
     if p.shard_size and p.strategy not in ("hsdp", "auto"):
         errors.append(f"`parallel.shard_size` = {p.shard_size} applies to hsdp only, but strategy = {p.strategy!r}")
     if p.cpu_offload and p.strategy not in ("fsdp", "hsdp", "auto"):
@@ -181,7 +185,6 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
     """The launch of a checked spec (``cross_check`` found nothing) with the layout the planner chose
     (``hpc.plan.resolve``); its ``parallel`` is decided here, once (``launch_parallel``)."""
     tpn = tasks_per_node(spec, site)
-    world = spec.job.nodes * tpn
     launch = Launch(
         nodes=spec.job.nodes,
         tasks_per_node=tpn,
@@ -190,7 +193,7 @@ def launch_for(spec: JobSpec, site: SiteProfile, dims: ParallelDims, cpu_offload
         backend=site.backend,
         dims=dims,
         # tp ranks share samples; a script's is unused (its batches are its own)
-        grad_accum=max(1, spec.train.global_batch // (world // dims.tp * spec.train.micro_batch)),
+        grad_accum=max(1, spec.train.global_batch // (dims.dp_world * spec.train.micro_batch)),
         signal_lead_s=spec.job.signal_lead_s or site.scheduler.signal_lead_s,
         **schedulers.get(site.scheduler.kind).placement(spec, site),
         plan_reasons=reasons,
@@ -222,9 +225,10 @@ def refit(spec: JobSpec, site: SiteProfile, launch: Launch, world_size: int, loc
     errors = cross_check(resized, site)
     if errors:
         raise ConfigError([f"{spec.source}: started with {world_size} ranks: {e}" for e in errors])
-    dims = parallel_dims(launch.dims.strategy, launch.dims.sharding, world_size, local_world, spec.parallel.shard_size)
+    dims = parallel_dims(launch.dims.strategy, launch.dims.sharding, world_size, local_world, spec.parallel.shard_size,
+                         launch.dims.tp)
     return dataclasses.replace(launch, nodes=nodes, tasks_per_node=local_world, dims=dims,
-                               grad_accum=spec.train.global_batch // (world_size * spec.train.micro_batch))
+                               grad_accum=spec.train.global_batch // (dims.dp_world * spec.train.micro_batch))
 
 
 def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str) -> dict[str, tp.Any]:

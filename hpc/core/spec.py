@@ -163,6 +163,9 @@ class Parallel:
     sharding: str = field("full_shard", doc="FSDP sharding: full_shard, shard_grad_op or no_shard.",
                           choices=SHARDINGS)
     shard_size: int = field(0, doc="HSDP shard group size (0: one node's ranks).", minimum=0)
+    tp: int = field(1, doc="Tensor-parallel degree (1: none): each block's matrices split over groups of `tp` "
+                    "ranks within one node (fsdp or hsdp shard over the rest); must divide the node's GPUs (its "
+                    "NVLink domain) and the model's heads and key/value heads. Built-in families only.", minimum=1)
     mixed_precision: str = field("auto", doc="Compute dtype: `auto` (bf16 on a site with GPUs, fp32 on a CPU "
                                  "site), `none` (fp32), `bf16` or `fp16`; reductions stay fp32.",
                                  choices=("auto", "none", "bf16", "fp16"))

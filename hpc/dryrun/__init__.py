@@ -9,6 +9,10 @@ needed. What it reports is read off the real objects:
 
 - the mesh: its dimensions, this rank's coordinate, and which nodes each group spans;
 - the FSDP units (``trainer.parallelize.fsdp_units``) with their parameters and this rank's shard;
+- the DTensor placements of every parameter (``placements``: names with the block index as ``*``,
+  e.g. ``blocks.*.attn.wq.weight``; under ``parallel.tp`` a column-wise matrix is FSDP's strided
+  shard over TP's ``Shard(0)``, a row-wise one ``Shard(0)`` × ``Shard(1)``); a parameter that is no
+  DTensor under FSDP is a problem;
 - bytes per rank of parameters, gradients and optimizer state: parameters from the sharded
   DTensors' storage (FSDP2 pads each shard to the first rank's chunk), gradients in the same
   layout (FSDP2 reduce-scatters into it; DDP's buckets are views of whole gradients), optimizer
@@ -45,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from hpc.compat import memoized_strided_shards
 from hpc.dryrun.fake_pg import fake_process_group
 from hpc.plan.memory import Config, init_bytes, mask_bytes, model_states, staging_bytes
 from hpc.core.models import count_text, model_facts
@@ -92,6 +97,7 @@ class DryRun:
     peak_rss_bytes: int = 0
     problems: list[str] = field(default_factory=list)
     init_from: dict[str, tp.Any] | None = None  # this rank's reads of checkpoint.init_from
+    placements: dict[str, str] = field(default_factory=dict)  # parameter (blocks.* collapsed) -> its placements
     forward: str | None = None  # a user model's forward on a meta batch (hpc.dryrun.startup), None for built-ins
     mask: dict[str, int] | None = None  # data.packing = "document": the mask's bytes per micro-batch, built and planned
 
@@ -108,7 +114,7 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
 
     started = time.perf_counter()
     bare, forward = checked_model(spec)  # what would fail before step 1: one line each, exit 2
-    with fake_process_group(launch.world_size, rank):
+    with fake_process_group(launch.world_size, rank), memoized_strided_shards():  # tp: FSDP over TP rows
         model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False, model=bare)
         optimizer = build_optimizer(model, spec.train)
         step_on_meta(model, optimizer)
@@ -117,14 +123,17 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
         checkpoint = checkpoint_plan(model, optimizer, spec, launch, rank)
         mesh_doc = mesh_report(mesh, launch, rank)
         reads = init_reads(model, spec)
+        placements, plain = placement_report(model)
     result = DryRun(job=spec.job.name, site=site.name, model=model_facts(spec.model).label, rank=rank,
                     world_size=launch.world_size, tasks_per_node=launch.tasks_per_node,
                     layout=launch.dims.describe(), dims=launch.dims.to_dict(), mesh=mesh_doc, units=units,
                     n_params=sum(p.numel() for p in model.parameters()), measured=measured,
                     planned=None, where=_where(spec, site, launch), short_shards=short, checkpoint=checkpoint,
                     plan_init=None, plan_staging=None)
-    result.init_from, result.forward = reads, forward
+    result.init_from, result.forward, result.placements = reads, forward, placements
     result.mask = mask_report(spec)
+    if launch.dims.fsdp_enabled and plain:
+        result.problems.append(f"{len(plain)} parameters are no DTensor under FSDP: {', '.join(plain[:4])}")
     add_plan(result, spec, launch)
     result.seconds = time.perf_counter() - started
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -160,6 +169,29 @@ def mask_report(spec: JobSpec) -> dict[str, int] | None:
     built = document_mask(torch.zeros(batch, seq, dtype=torch.long, device="meta"))
     return {"micro_batch": batch, "seq_len": seq, "bytes": built.numel() * built.element_size(),
             "planned": mask_bytes(batch, seq)}
+
+
+def placement_report(model: nn.Module) -> tuple[dict[str, str], list[str]]:
+    """({parameter name, block index as ``*``: its mesh dimensions and placements}, names of plain
+    tensors). Blocks whose placements differ keep their own names."""
+    import re
+
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[str, set[str]] = {}
+    plain = []
+    for name, p in model.named_parameters():
+        name = name.replace("_checkpoint_wrapped_module.", "")
+        if not isinstance(p, DTensor):
+            plain.append(name)
+            continue
+        names = p.device_mesh.mesh_dim_names or ()
+        text = ", ".join(f"{n}: {pl}" for n, pl in zip(names, p.placements))
+        seen.setdefault(re.sub(r"\.\d+\.", ".*.", name, count=1), set()).add(text)
+    out = {}
+    for name, texts in seen.items():
+        out.update({name: next(iter(texts))} if len(texts) == 1 else {f"{name} [{i}]": t for i, t in enumerate(sorted(texts))})
+    return out, plain
 
 
 def step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -331,7 +363,7 @@ def format_dryrun(r: DryRun) -> str:
              f"{r.world_size} (node {r.mesh['node']}, local rank {r.mesh['local_rank']}); one CPU process on "
              "torch's fake process group, every tensor on the meta device",
              f"layout: {r.layout}"]
-    lines += _mesh_lines(r) + _unit_lines(r) + _bytes_lines(r)
+    lines += _mesh_lines(r) + _unit_lines(r) + _placement_lines(r) + _bytes_lines(r)
     c = r.checkpoint
     lines.append(f"checkpoint (DCP local plan of this rank): {c['tensors']} tensors ({c['shards']} DTensor shards), "
                  f"{_gb(c['bytes'])}, {c['other_items']} other items; replicated items are written by one rank "
@@ -396,6 +428,14 @@ def _unit_lines(r: DryRun) -> list[str]:
         lines.append(f"  {name}: {_count(u.params)} params; {_gb(u.shard_bytes)}; {flag}")
         i = j + 1
     return lines
+
+
+def _placement_lines(r: DryRun) -> list[str]:
+    """Placements of each parameter kind, shown under tensor parallelism (where they differ by matrix)."""
+    if r.dims.get("tp", 1) == 1 or not r.placements:
+        return []
+    return ["placements (mesh dimension: placement; _S(d, k): FSDP's strided shard over a TP split of dim d):"] + \
+        [f"  {name}: {text}" for name, text in r.placements.items()]
 
 
 def _same_kind(a: Unit, b: Unit) -> bool:

@@ -137,7 +137,7 @@ def choose(spec: JobSpec, site: SiteProfile, nodes: int) -> Choice:
     p = spec.parallel
     tpn = tasks_per_node(p.strategy, spec.job.tasks_per_node, site.default_tasks_per_node())
     if p.strategy != "auto":
-        dims = parallel_dims(p.strategy, p.sharding, nodes * tpn, tpn, p.shard_size, int(getattr(p, "tp", 1) or 1))
+        dims = parallel_dims(p.strategy, p.sharding, nodes * tpn, tpn, p.shard_size, p.tp)
         return Choice(dims, p.cpu_offload and dims.fsdp_enabled, [f"strategy {p.strategy!r} set in the spec"])
     plan = plan_job(spec, site, nodes)
     if plan.n_params is None:

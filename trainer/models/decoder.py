@@ -202,9 +202,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        q = rotate(heads(self.wq(x), self.n_heads, self.head_dim), cos, sin)
-        k = rotate(heads(self.wk(x), self.n_kv_heads, self.head_dim), cos, sin)
-        v = heads(self.wv(x), self.n_kv_heads, self.head_dim)
+        """Heads counted from the projections' width: under tensor parallelism (``trainer.tp``) each
+        rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads."""
+        q = rotate(heads(self.wq(x), -1, self.head_dim), cos, sin)
+        k = rotate(heads(self.wk(x), -1, self.head_dim), cos, sin)
+        v = heads(self.wv(x), -1, self.head_dim)
         return self.wo(causal_attention(q, k, v, mask=mask, window=self.window))
 
 

@@ -1,0 +1,73 @@
+"""``parallel.tp``: what a tensor-parallel degree must divide, checked on the login node. Torch-free.
+
+A tensor-parallel group splits each block's matrices by heads (attention) and by columns of the
+MLP, and exchanges activations inside every block (all-gathers and reduce-scatters of the sequence),
+so its ranks must sit in one NVLink domain: one node (``node.gpus`` GPUs; on a CPU site, the node's
+tasks). Each rank computes whole heads, so ``tp`` divides the query heads and the key/value heads.
+A user model has no plan: which of its matrices split by rows or columns is its own business.
+The trainer's side is ``trainer.tp``.
+"""
+
+from __future__ import annotations
+
+import typing as tp
+
+from hpc.core.dims import FSDP_STRATEGIES
+from hpc.core.models import model_facts
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.site import SiteProfile
+    from hpc.core.spec import JobSpec
+
+
+def nvlink_domain(site: SiteProfile, tasks_per_node: int) -> int:
+    """Ranks of one NVLink domain: a node's GPUs (a CPU site: its tasks)."""
+    return site.node.gpus or tasks_per_node
+
+
+def check_tp(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]:
+    """Every problem of ``parallel.tp`` against the strategy, the site and the model, with the arithmetic."""
+    degree = spec.parallel.tp
+    if degree == 1:
+        return []
+    key, errors = f"`parallel.tp` = {degree}", []
+    if spec.parallel.strategy not in FSDP_STRATEGIES:
+        errors.append(f"{key} needs strategy fsdp or hsdp (FSDP shards over the data-parallel ranks, TP inside "
+                      f"them), but `parallel.strategy` = {spec.parallel.strategy!r}")
+    domain = nvlink_domain(site, tasks_per_node)
+    what = f"{site.node.gpus} GPUs per node" if site.node.gpus else f"{tasks_per_node} tasks per node (a CPU site)"
+    if domain % degree:
+        errors.append(f"{key} does not divide the {domain} ranks of one NVLink domain on site {site.name!r} "
+                      f"({what}): {domain} / {degree} = {domain / degree:.4g}")
+    elif tasks_per_node % degree:
+        errors.append(f"{key} does not divide `job.tasks_per_node` = {tasks_per_node}: a tensor-parallel group "
+                      f"stays within one node ({tasks_per_node} / {degree} = {tasks_per_node / degree:.4g})")
+    if spec.lora.rank:
+        errors.append(f"{key} with `[lora]` (rank {spec.lora.rank}): the adapters have no tensor-parallel plan yet "
+                      "(LoRA fits 8B on one GPU and 70B on one node without TP); use tp = 1")
+    if spec.data.packing == "document":
+        errors.append(f"{key} with `data.packing` = 'document': the document mask has not been run under sequence "
+                      "parallelism yet; use tp = 1 or packing 'causal'")
+    return errors + model_problems(spec, degree, key)
+
+
+def model_problems(spec: JobSpec, degree: int, key: str) -> list[str]:
+    """What the model says against ``degree``: a user model, heads or key/value heads not divisible, dropout."""
+    facts = model_facts(spec.model)
+    if not facts.builtin:
+        return [f"{key} but `model.arch` = {spec.model.arch!r} is a user model: hpcx has a tensor-parallel plan "
+                "for its built-in families only (which matrices of a user's module split by rows or columns is "
+                "the model's own); use tp = 1"]
+    errors = []
+    for name, heads in (("n_heads", facts.shape.n_heads), ("n_kv_heads", getattr(facts.shape, "n_kv_heads", None))):
+        if heads is not None and heads % degree:
+            errors.append(f"{key} does not divide the model's {heads} {_heads_word(name)} (`model.{name}`): "
+                          f"{heads} / {degree} = {heads / degree:.4g} per rank; each rank computes whole heads")
+    if spec.model.dropout > 0:
+        errors.append(f"{key} with `model.dropout` = {spec.model.dropout}: the ranks of a tensor-parallel group "
+                      "would draw different dropout masks on the same activations; use dropout = 0")
+    return errors
+
+
+def _heads_word(name: str) -> str:
+    return "key/value heads" if name == "n_kv_heads" else "attention heads"
