@@ -18,6 +18,7 @@ from hpc import schedulers
 from hpc.core import validate as v
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
+from hpc.core.tasks import Task, apply_task, task_problems
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
@@ -207,11 +208,14 @@ class JobSpec:
     parallel: Parallel
     checkpoint: Checkpoint
     env: Env
+    task: Task
     source: str = ""
 
     def to_dict(self) -> dict[str, tp.Any]:
         out = asdict(self)
         out.pop("source")
+        if not self.task.target:  # a language model's resolved.json stays as it was
+            out.pop("task")
         return out
 
 
@@ -227,7 +231,7 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env}
+            "checkpoint": Checkpoint, "env": Env, "task": Task}
 
 
 def __getattr__(name: str) -> tp.Any:
@@ -260,6 +264,9 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
         errors += v.check_model_kwargs(spec.model.kwargs)
     if _typed(errors, "model", ("blocks",)):
         errors += v.check_model_blocks(spec.model.blocks)
+    if _typed(errors, "task", ("target", "kwargs")):
+        errors += task_problems(spec, doc)
+        apply_task(spec)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return spec
