@@ -332,7 +332,7 @@ def resolve_paths(spec: JobSpec) -> list[str]:
     facts = model_facts(spec.model)
     problems, spec.data.source, kind = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
                                                            facts.vocab_size)
-    if not problems:
+    if not problems and not spec.task.target:  # a task evaluates on its own eval_dataset()
         from hpc.core.manifest import check_validation
 
         more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size, kind)

@@ -114,3 +114,4 @@ def code_notice(spec: JobSpec) -> str | None:
     return (f"user code: every task will import the Python module {module!r} ({where}) and call "
             f"{cls}({', '.join(spec.task.kwargs) or 'no kwargs'}) (task.target); it runs with your permissions, "
             "so check it is the code you mean")
+
