@@ -89,3 +89,21 @@ class SequenceClassificationTask:
     def metrics(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict:
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         return {"accuracy": ((logits.argmax(dim=-1) == batch["labels"]).sum(), batch["labels"].numel())}
+
+
+def save_tiny(folder: str, seed: int = 0) -> None:
+    """A tiny randomly initialised BertForSequenceClassification (2 layers, width 32), saved with
+    ``save_pretrained``: something to fine-tune where nothing can be downloaded."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64, num_labels=2,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    BertForSequenceClassification(config).save_pretrained(folder)
+
+
+if __name__ == "__main__":
+    import sys
+
+    save_tiny(sys.argv[1] if len(sys.argv) > 1 else "bert-tiny")

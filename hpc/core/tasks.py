@@ -2,7 +2,8 @@
 and loss (the protocol is ``trainer.tasks.Task``), and what the spec loader checks of it.
 
 A spec with ``task.target`` set hands ``[model]`` to the task: the section must be left alone, and the
-loader records ``model.arch = "task"`` (``hpc.core.models.TASK``), the family whose facts are counted
+loader records ``model.arch = "task"`` (``hpc.core.models.TASK``, with ``model.seq_len`` the task's
+``tokens_per_sample``), the family whose facts are counted
 by building the task's model on the meta device (``hpc.core.models.task``; ``hpcx plan`` counts it,
 ``trainer.count.count_task``). ``[data]`` is the task's too (its datasets), and ``checkpoint.init_from``
 reads Hugging Face or hpcx checkpoints of the built-in families only: a task loads its own weights.
@@ -38,6 +39,9 @@ class Task:
     kwargs: dict[str, tp.Any] = field(doc="Keyword arguments of the task's class (each key a Python identifier): "
                                       "strings, finite numbers, booleans, arrays, tables; no credential-looking "
                                       "keys or values (they are written to resolved.json).", factory=dict)
+    tokens_per_sample: int = field(1, doc="Positions one sample holds (a sequence's tokens; 1 for an image): the "
+                                   "planner's FLOPs are 6 × parameters × these per sample, and `tokens_per_s` counts "
+                                   "them.", minimum=1, maximum=1 << 24)
 
 
 def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
@@ -70,9 +74,11 @@ def changed_model_fields(spec: JobSpec, model_doc: dict[str, tp.Any]) -> list[tu
     from hpc.core.models import TASK
 
     out = [("arch", model_doc["arch"])] if model_doc.get("arch", TASK) != TASK else []
+    recorded = {"arch": None, "seq_len": spec.task.tokens_per_sample}  # what ``apply_task`` sets
     for f in dataclasses.fields(spec.model):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
-        if f.name != "arch" and getattr(spec.model, f.name) != default:
+        value = getattr(spec.model, f.name)
+        if f.name != "arch" and value != default and value != recorded.get(f.name):
             out.append((f.name, getattr(spec.model, f.name)))
     return out
 
@@ -95,11 +101,12 @@ def kwargs_problems(kwargs: tp.Mapping[str, tp.Any]) -> list[str]:
 
 
 def apply_task(spec: JobSpec) -> None:
-    """A spec with a task: ``model.arch`` becomes the task family's (its facts are the counted model's)."""
+    """A spec with a task: ``model.arch`` becomes the task family's (its facts are the counted model's) and
+    ``model.seq_len`` the task's ``tokens_per_sample`` (the planner's FLOPs and the trainer's tokens/s)."""
     from hpc.core.models import TASK
 
     if spec.task.target:
-        spec.model.arch = TASK
+        spec.model.arch, spec.model.seq_len = TASK, spec.task.tokens_per_sample
 
 
 def code_notice(spec: JobSpec) -> str | None:

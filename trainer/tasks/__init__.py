@@ -118,7 +118,9 @@ def task_for(spec: JobSpec, data_source: str | None = None) -> LoopTask:
     """What ``spec`` trains: the user's task of ``[task]``, else the built-in language model's
     (``data_source``: ``Launch.data_source``, decided at resolve)."""
     if spec.task.target:
-        return UserTask(load_task(spec.task.target, spec.task.kwargs), spec.task.target, spec.data.shuffle)
+        task = UserTask(load_task(spec.task.target, spec.task.kwargs), spec.task.target, spec.data.shuffle)
+        task.tokens_per_sample = spec.task.tokens_per_sample
+        return task
     from trainer.tasks.lm import LanguageModelTask
 
     return LanguageModelTask(spec, data_source)

@@ -1,9 +1,9 @@
 """A task's model (``[task]``, ``hpc.core.tasks``), torch-free: the family the spec loader records as
 ``model.arch = "task"``. Nothing about the model is in the spec: its size is known only by building it
 on the meta device (``trainer.count.count_task``; ``hpcx plan`` and ``hpcx dryrun`` do), else unknown.
-A task's sample is one unit of work: the planner and the metrics count samples where a language
-model counts tokens (``seq_len`` 1), and FLOPs are 6 per parameter per sample (a lower bound for a
-network that reuses its weights across positions, as a convolution or an encoder does).
+A task's sample holds ``task.tokens_per_sample`` positions (recorded as ``model.seq_len``; 1 for an
+image): the planner's FLOPs are 6 per parameter per position (a lower bound for a convolution, which
+reuses its weights across pixels), and ``tokens_per_s`` counts positions.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
     """The counted model's numbers, else unknown."""
     if counted is None:
         return ModelFacts(label="the task's model (parameters unknown until built)", n_params=None,
-                          unit_params=None, root_params=None, n_units=0, flops_per_token=None, seq_len=1,
+                          unit_params=None, root_params=None, n_units=0, flops_per_token=None, seq_len=model.seq_len or 1,
                           vocab_size=1, source="unknown", family=TASK)
     return ModelFacts(label=f"the task's model ({count_text(counted.n_params)} params, counted)",
                       n_params=counted.n_params, unit_params=counted.unit_params,
                       root_params=counted.n_params - counted.unit_params * counted.n_units, n_units=counted.n_units,
-                      flops_per_token=6.0 * (counted.n_params - counted.embedding_params), seq_len=1, vocab_size=1,
+                      flops_per_token=6.0 * (counted.n_params - counted.embedding_params),
+                      seq_len=model.seq_len or 1, vocab_size=1,
                       source="counted on the meta device", family=TASK)
 
 
