@@ -2,7 +2,7 @@
 and loss (the protocol is ``trainer.tasks.Task``), and what the spec loader checks of it.
 
 A spec with ``task.target`` set hands ``[model]`` to the task: the section must be left alone, and the
-loader records ``model.arch = "task"`` (``hpc.core.models.TASK``, with ``model.seq_len`` the task's
+loader records ``model.arch = "task-model"`` (``hpc.core.models.TASK``, with ``model.seq_len`` the task's
 ``tokens_per_sample``), the family whose facts are counted
 by building the task's model on the meta device (``hpc.core.models.task``; ``hpcx plan`` counts it,
 ``trainer.count.count_task``). ``[data]`` is the task's too (its datasets), and ``checkpoint.init_from``

@@ -15,5 +15,5 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 
 def build(spec: ModelSpec) -> nn.Module:
     """Refused: ``[model]`` of a task's spec says nothing (``trainer.tasks.task_for(spec).meta_model()``)."""
-    raise ConfigError(["`model.arch` = 'task': a task's model is built by its `[task] target` "
+    raise ConfigError(["`model.arch` = 'task-model': a task's model is built by its `[task] target` "
                        "(trainer.tasks.task_for(spec).meta_model()), not from `[model]`"])

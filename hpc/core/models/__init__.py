@@ -31,7 +31,7 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 FAMILIES = {"gpt": "hpc.core.models.gpt", "llama": "hpc.core.models.llama"}
 USER = "user"
 USER_MODULE = "hpc.core.models.user"
-TASK = "task"  # the arch a spec with ``[task]`` records: the task's own model (``hpc.core.tasks``)
+TASK = "task-model"  # the arch a spec with ``[task]`` records: the task's own model (``hpc.core.tasks``)
 TASK_MODULE = "hpc.core.models.task"
 DEFAULT_ARCH = next(iter(FAMILIES))  # ``model.arch`` when a spec names none
 
@@ -148,8 +148,8 @@ def family_of(facts: ModelFacts) -> Family:
 
 
 def families() -> list[Family]:
-    """Every family: the registry's, then the user family, then a task's model."""
-    return [_load(module) for module in (*FAMILIES.values(), USER_MODULE, TASK_MODULE)]
+    """Every family: the registry's, then the user family (a task's model, ``TASK``, has no fields to join)."""
+    return [_load(module) for module in (*FAMILIES.values(), USER_MODULE)]
 
 
 def section_class(common: type) -> type:

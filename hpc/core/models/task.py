@@ -1,5 +1,5 @@
 """A task's model (``[task]``, ``hpc.core.tasks``), torch-free: the family the spec loader records as
-``model.arch = "task"``. Nothing about the model is in the spec: its size is known only by building it
+``model.arch = "task-model"``. Nothing about the model is in the spec: its size is known only by building it
 on the meta device (``trainer.count.count_task``; ``hpcx plan`` and ``hpcx dryrun`` do), else unknown.
 A task's sample holds ``task.tokens_per_sample`` positions (recorded as ``model.seq_len``; 1 for an
 image): the planner's FLOPs are 6 per parameter per position (a lower bound for a convolution, which
