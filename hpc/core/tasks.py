@@ -49,14 +49,14 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
     from hpc.core.models import TASK
 
     task = spec.task
-    model_doc = doc.get("model") if isinstance(doc.get("model"), dict) else {}
+    model_doc: dict[str, tp.Any] = doc["model"] if isinstance(doc.get("model"), dict) else {}
     if not task.target:
         return ([f"`model.arch` = {TASK!r} is set by `[task]`: set `task.target` = 'package.module:Class'"]
                 if model_doc.get("arch") == TASK else [])
     errors = target_problems(task.target) + kwargs_problems(task.kwargs)
     errors += [f"`model.{name}` = {value!r} is set, but `[model]` is the task's ({task.target!r} builds the "
                "model): remove it" for name, value in changed_model_fields(spec, model_doc)]
-    data_doc = doc.get("data") if isinstance(doc.get("data"), dict) else {}
+    data_doc: dict[str, tp.Any] = doc["data"] if isinstance(doc.get("data"), dict) else {}
     errors += [f"`data.{key}` = {data_doc[key]!r} is for the built-in language models: the task "
                f"{task.target!r} gives its own datasets" for key in ("source", "val_source")
                if data_doc.get(key) not in (None, "synthetic", "", "none")]
@@ -76,7 +76,7 @@ def changed_model_fields(spec: JobSpec, model_doc: dict[str, tp.Any]) -> list[tu
     out = [("arch", model_doc["arch"])] if model_doc.get("arch", TASK) != TASK else []
     recorded = {"arch": None, "seq_len": spec.task.tokens_per_sample}  # what ``apply_task`` sets
     for f in dataclasses.fields(spec.model):
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]
         value = getattr(spec.model, f.name)
         if f.name != "arch" and value != default and value != recorded.get(f.name):
             out.append((f.name, getattr(spec.model, f.name)))
