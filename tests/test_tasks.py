@@ -343,3 +343,22 @@ def test_plan_of_bert_large_on_one_a100_node_picks_ddp(tmp_path):
     plan = json.loads(out.stdout)
     assert 330e6 < plan["n_params"] < 340e6 and "counted" in plan["model"]
     assert plan["choice"]["strategy"] == "ddp" and plan["world_size"] == 8, plan["recommendation"]
+
+
+@pytest.mark.slow
+def test_dryrun_of_bert_large_with_fsdp_on_eight_ranks_shards_the_task_model_by_its_layers(tmp_path):
+    """The real size on the fake process group: the task's model built on meta, 24 encoder layers + the
+    root as FSDP units, rank 3's eighth of 335M parameters."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "bert-large"
+    transformers.BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                            intermediate_size=4096, num_labels=2).save_pretrained(folder)
+    (tmp_path / "a100.toml").write_text(A100)
+    out = hpcx("dryrun", str(REPO / "jobs" / "bert-fsdp.toml"), "--site", str(tmp_path / "a100.toml"), "--json",
+               "--rank", "3", "--set", f"task.kwargs.pretrained={json.dumps(str(folder))}",
+               "--set", "train.global_batch=64", "--set", "train.micro_batch=8", timeout=600)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["world_size"] == 8 and result["layout"].startswith("fsdp full_shard") and result["problems"] == []
+    assert 330e6 < result["n_params"] < 340e6 and len(result["units"]) == 25
+    assert abs(result["measured"]["params"] * 8 / 4 - result["n_params"]) < 1e5  # fp32 bytes of one eighth
