@@ -145,3 +145,50 @@ def test_the_bert_task_fine_tunes_from_save_pretrained_its_first_loss_is_transfo
     shows_accuracy(reference, tmp_path)
     loads_into_transformers(reference, tiny_bert, tmp_path)
     drilled_matches(job, sets, reference)
+
+
+BROKEN_TASK = '''
+import torch
+from torch import nn
+
+
+class Images:
+    def build_model(self):
+        return nn.Sequential(nn.Linear(4, 2))
+
+    def units(self, model):
+        return nn.ModuleList([model[0]])
+
+    def train_dataset(self):
+        return torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long))
+
+    def loss(self, model, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(model(x), y, reduction="none")  # per sample: not the mean
+'''
+
+
+def test_a_task_whose_loss_is_not_a_scalar_fails_its_start_in_one_line_and_is_not_requeued(tmp_path):
+    """The job's code is imported from the folder it was submitted from; its wrong loss stops the first
+    step with one line naming `loss(model, batch)`, and the failure is not requeued."""
+    import subprocess
+    import sys
+
+    (tmp_path / "my_broken.py").write_text(BROKEN_TASK)
+    (tmp_path / "job.toml").write_text('[job]\nname = "broken"\n[task]\ntarget = "my_broken:Images"\n'
+                                       '[train]\nsteps = 2\nglobal_batch = 4\nmicro_batch = 2\n'
+                                       '[parallel]\nstrategy = "ddp"\n')
+    out = subprocess.run([sys.executable, "-m", "hpc.cli", "submit", "job.toml", "--json", "--set",
+                          f"job.run_root={json.dumps(str(tmp_path / 'runs'))}"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "my_broken" in out.stderr and str(tmp_path / "my_broken.py") in out.stderr  # the user-code notice
+    run = Path(json.loads(out.stdout)["run_dir"])
+    info = wait_state(run, ("COMPLETED", "FAILED"), timeout=600)
+    assert info["state"] == "FAILED"
+    (start, stop) = ledger(run)
+    assert stop["reason"] == "failed" and not stop["requeued"] and "fail the same way" in stop["not_requeued"]
+    error = str(stop["error"])
+    assert "`task.target` = 'my_broken:Images': loss(model, batch) returned a torch.float32 tensor of shape (2,)" \
+        in error and len(error.splitlines()) == 1, error
+    assert info["last_stop"]["words"].startswith("failed at step 0: ConfigError")
