@@ -53,6 +53,7 @@ def test_a_task_spec_hands_the_model_to_the_task_and_round_trips():
     ({"task": {"target": "a:B"}, "checkpoint": {"init_from": "/w"}}, "`checkpoint.init_from` is for the built-in families"),
     ({"model": {"arch": TASK}}, f"`model.arch` = {TASK!r} is set by `[task]`: set `task.target`"),
     ({"task": {"target": "a:B", "tokens_per_sample": 0}}, "`task.tokens_per_sample`"),
+    ({"task": {"target": "a:B", "kwargs": {"api_token": "x"}}}, "`task.kwargs.api_token` looks like a secret"),
 ])
 def test_a_wrong_task_spec_is_one_line_naming_the_key(doc, expected):
     found = problems(doc)
