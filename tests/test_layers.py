@@ -20,10 +20,10 @@ REPO = Path(__file__).resolve().parents[1]
 TRAINER_ALLOWED = {"hpc.login.submit": {"trainer.task", "trainer.script"},  # both torch-free: what submitit pickles
                    # `hpcx dryrun` runs the trainer's own construction (it imports torch, unlike render/plan)
                    "hpc.dryrun": {"trainer.model", "trainer.optim", "trainer.train", "trainer.parallelize",
-                                  "trainer.checkpoint", "trainer.init_from",
+                                  "trainer.checkpoint", "trainer.init_from", "trainer.tasks",
                                   "trainer.models.decoder"},  # the document mask, built as the models build it
                    # its start-up checks build the bare user model on meta and run the loop's loss on its output
-                   "hpc.dryrun.startup": {"trainer.model", "trainer.objective"},
+                   "hpc.dryrun.startup": {"trainer.model", "trainer.objective", "trainer.tasks"},
                    # `hpcx plan --count-params` builds a user model on the meta device to count it
                    "hpc.cli.plan": {"trainer.count"}}
 # modules that import nothing else from hpc (the bottom of the graph)

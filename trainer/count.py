@@ -11,7 +11,7 @@ from torch import nn
 
 from hpc.core.errors import UserError
 from hpc.core.models import Counted
-from hpc.core.spec import Model as ModelSpec
+from hpc.core.spec import JobSpec, Model as ModelSpec
 from trainer.model import build_model, model_blocks
 
 
@@ -26,6 +26,23 @@ def count_model(spec: ModelSpec) -> Counted:
     if not len(blocks):
         raise UserError([f"`model.blocks` = {spec.blocks or 'blocks'!r} of {spec.arch!r} is empty: expected the "
                          "repeated units"])
+    return Counted(n_params=_numel(model), unit_params=max(_numel(b) for b in blocks), n_units=len(blocks),
+                   embedding_params=_embedding_params(model))
+
+
+def count_task(spec: JobSpec) -> Counted:
+    """Parameters of ``spec``'s task's model (``[task]``), counted on the meta device."""
+    from trainer.tasks import UserTask, load_task
+
+    task = UserTask(load_task(spec.task.target, spec.task.kwargs), spec.task.target, spec.data.shuffle)
+    try:
+        model = task.meta_model()
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001  (the user's code: whatever it raises is their error to read)
+        raise UserError([f"`task.target` = {spec.task.target!r}: could not build its model on the meta device to "
+                         f"count its parameters: {type(exc).__name__}: {exc}"]) from None
+    blocks = task.blocks(model)
     return Counted(n_params=_numel(model), unit_params=max(_numel(b) for b in blocks), n_units=len(blocks),
                    embedding_params=_embedding_params(model))
 

@@ -149,12 +149,13 @@ def build_dataset(data: Data, kind: str, seq_len: int, vocab_size: int, seed: in
 
 
 def build_loader(dataset: Dataset, sampler: GlobalSampler, data: Data, seed: int, pin_memory: bool,
-                 workers: int | None = None) -> DataLoader:
+                 workers: int | None = None, collate: tp.Callable[[list], tp.Any] | None = None) -> DataLoader:
     """A DataLoader with its own generator: creating its iterator must not draw from the global RNG.
     ``workers``: the launch's ``hpc.spec.loader_workers`` (default: ``data.num_workers``, -1 as 0);
-    workers persist across iterators, and pinned memory is used only with a GPU."""
+    workers persist across iterators, and pinned memory is used only with a GPU. ``collate``: the
+    task's (``LoopTask.collate``; default torch's)."""
     workers = max(0, data.num_workers) if workers is None else workers
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
+    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory, collate_fn=collate,
                       generator=torch.Generator().manual_seed(seed), persistent_workers=workers > 0)
 
 

@@ -11,19 +11,16 @@ only the counted (response) targets enter both sums.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import time
 import typing as tp
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, default_collate
+from torch.utils.data import Dataset
 
 from hpc.core.spec import JobSpec
-from trainer.objective import batch_documents, loss_context, split_batch, token_losses
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer  # which imports this module
@@ -39,6 +36,7 @@ class Evaluator:
     batches: list[list[int]]  # this rank's micro-batches of sample indices; [] is a pass that counts nothing
     every: int
     samples: int  # the validation samples each evaluation counts, once each
+    task: tp.Any = None  # the ``trainer.tasks.LoopTask`` whose terms it sums (None: the language model's)
 
     def due(self, step: int, last: int) -> bool:
         """After every ``every``-th step and after the last one."""
@@ -68,27 +66,31 @@ def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank:
 
 
 def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
-    """(sum of target losses, number of targets) over this rank's share, float64 on the device."""
-    sums = torch.zeros(2, dtype=torch.float64, device=t.device)
-    autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None else contextlib.nullcontext())
+    """The task's summed terms over this rank's share (``LoopTask.eval_terms``), float64 on the device."""
+    from trainer.tasks import autocast_of
+
+    task = ev.task if ev.task is not None else _token_task()
+    sums: torch.Tensor | None = None
     for indices in ev.batches:
-        batch = default_collate([ev.dataset[i] for i in indices or [0]])
-        (tokens, mask), documents = split_batch(batch), batch_documents(batch)
-        tokens = tokens.to(t.device)
-        with autocast:
-            logits = (t.model(tokens[:, :-1]) if documents is None else
-                      t.model(tokens[:, :-1], documents[:, :-1].to(t.device)))
-        with loss_context(logits):  # tp: the vocabulary stays split (no backward here)
-            losses = token_losses(logits, tokens).double()
-        weight = mask[:, 1:].to(t.device, torch.float64) if mask is not None else torch.ones_like(losses)
+        batch = task.to_device(task.collate([ev.dataset[i] for i in indices or [0]]), t.device)
+        terms = task.eval_terms(t.model, batch, len(indices) or 1, autocast_of(t.device, t.amp_dtype))
         if not indices:  # the padding pass: the collectives of a forward, nothing counted
-            weight = torch.zeros_like(weight)
-        sums += torch.stack([(losses * weight).sum(), weight.sum()])
+            terms = torch.zeros_like(terms)
+        sums = terms if sums is None else sums + terms
+    assert sums is not None  # every rank makes one pass at least (``eval_batches``)
     return sums
 
 
+def _token_task() -> tp.Any:
+    """The language model's terms, for an evaluator built without a task (they read no spec)."""
+    from trainer.tasks.lm import LanguageModelTask
+
+    return LanguageModelTask.__new__(LanguageModelTask)
+
+
 def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
-    """The eval record of ``step`` (every rank takes part): loss, perplexity, targets, seconds."""
+    """The eval record of ``step`` (every rank takes part): the task's values (a language model's loss,
+    perplexity and targets), samples, seconds."""
     started = time.perf_counter()
     t.model.eval()
     with torch.no_grad():
@@ -96,10 +98,9 @@ def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
     t.model.train()
     if t.world_size > 1 and dist.is_initialized():
         dist.all_reduce(sums)
-    loss_sum, count = (float(x) for x in sums.cpu())
-    loss = loss_sum / max(1.0, count)
-    return {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
-            "eval_tokens": int(count), "eval_samples": ev.samples, "eval_s": time.perf_counter() - started}
+    task = ev.task if ev.task is not None else _token_task()
+    return {"step": step, **task.eval_record([float(x) for x in sums.cpu()]), "eval_samples": ev.samples,
+            "eval_s": time.perf_counter() - started}
 
 
 def eval_step(t: Trainer, step: int) -> dict[str, tp.Any]:
@@ -109,10 +110,21 @@ def eval_step(t: Trainer, step: int) -> dict[str, tp.Any]:
         raise ValueError("eval_step: the trainer has no evaluator (train.eval_every = 0)")
     record = evaluate(t, t.evaluator, step)
     t.metrics.write(record)
-    log.info("step %d/%d | eval loss %.4f | perplexity %.2f | %d tokens | %.1f s", step, t.steps,
-             record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_s"])
+    log.info("step %d/%d | %s | %.1f s", step, t.steps, eval_words(record), record["eval_s"])
     t.clock.skip()
     return record
+
+
+def eval_words(record: dict[str, tp.Any]) -> str:
+    """"eval loss 2.3456 | perplexity 10.44 | 4096 tokens", or a task's "eval loss 0.4 | accuracy 0.91"."""
+    words = [f"eval loss {record['eval_loss']:.4f}"]
+    if "eval_perplexity" in record:
+        words += [f"perplexity {record['eval_perplexity']:.2f}", f"{record['eval_tokens']} tokens"]
+    words += [f"{k.removeprefix('eval_')} {v:.4g}" for k, v in record.items() if k not in EVAL_KEYS]
+    return " | ".join(words)
+
+
+EVAL_KEYS = ("step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_samples", "eval_s", "start")
 
 
 def build_eval(spec: JobSpec, kind: str, seq_len: int, rank: int, world_size: int) -> Evaluator | None:

@@ -32,11 +32,11 @@ from trainer.data import GlobalSampler
 from trainer.garbage import GarbageCollection
 from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
-from trainer.objective import (Batch, batch_documents, counted_targets, loss_context, masked_scale, micro_loss,
-                               split_batch, to_device)
+from trainer.objective import Batch, tp_loss_context
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
+from trainer.tasks import LoopTask, autocast_of
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -51,13 +51,16 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     sampler: dict[str, int] = field(default_factory=lambda: {"consumed_samples": 0, "epoch": 0})
+    task: dict[str, tp.Any] = field(default_factory=dict)  # the task's own (``LoopTask.state_dict``), plain data
 
     def state_dict(self) -> dict[str, tp.Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": dict(self.sampler)}
+        out = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": dict(self.sampler)}
+        return {**out, "task": dict(self.task)} if self.task else out
 
     def load_state_dict(self, state: dict[str, tp.Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.sampler = {k: int(v) for k, v in state["sampler"].items()}
+        self.task = dict(state.get("task", {}))
 
 
 @dataclass
@@ -78,6 +81,7 @@ class Trainer:
     world_size: int
     dims: ParallelDims
     metrics: MetricsWriter
+    task: LoopTask  # what is trained: its model's units, data, loss and evaluation (``trainer.tasks``)
     flops_per_token: float | None = None
     peak_tflops: float = 0.0
     amp_dtype: torch.dtype | None = None
@@ -107,15 +111,10 @@ def micro_step_context(model: nn.Module, sync: bool) -> tp.ContextManager:
 
 
 def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> torch.Tensor:
-    """Loss of one micro-batch (``trainer.objective.micro_loss``), back-propagated; returns it detached."""
-    batch = to_device(batch, t.device)  # ``train_step`` moved it already: a no-op there
-    (tokens, mask), documents = split_batch(batch), batch_documents(batch)
-    autocast = (torch.autocast(t.device.type, dtype=t.amp_dtype) if t.amp_dtype is not None
-                else contextlib.nullcontext())
-    with autocast:  # packed documents: each position's document number too (``data.packing``)
-        logits = t.model(tokens[:, :-1]) if documents is None else t.model(tokens[:, :-1], documents[:, :-1])
-    with loss_context(logits):  # loss_parallel under tp: the loss and its backward
-        loss = micro_loss(logits, tokens, mask, scale)
+    """Loss of one micro-batch (the task's, ``LoopTask.micro_loss``), back-propagated; returns it detached."""
+    batch = t.task.to_device(batch, t.device)  # ``train_step`` moved it already: a no-op there
+    with tp_loss_context(t.dims.tp_enabled):  # loss_parallel under tp: the loss and its backward
+        loss = t.task.micro_loss(t.model, batch, scale, autocast_of(t.device, t.amp_dtype))
         t.clock.lap("forward")
         (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
     t.clock.lap("backward")
@@ -125,9 +124,9 @@ def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> t
 def train_step(t: Trainer, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over this rank's micro-batches; returns (local mean loss, grad norm)."""
     n = len(micro_batches)
-    micro_batches = [to_device(b, t.device) for b in micro_batches]
-    count = t.counted = counted_targets(micro_batches, t.world_size)
-    scale = 1.0 / n if count is None else masked_scale(count, t.world_size)
+    micro_batches = [t.task.to_device(b, t.device) for b in micro_batches]
+    scale = t.task.step_scale(micro_batches, t.world_size)
+    t.counted = getattr(t.task, "counted", None)  # a masked loss's counted targets (the language models')
     total = torch.zeros((), device=t.device)
     for i, tokens in enumerate(micro_batches):
         with micro_step_context(t.model, sync=i == n - 1):
@@ -220,6 +219,7 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
     """Run from ``state.step`` to ``t.steps``; returns a summary (loss of the last logged step, …)."""
     set_float_math(t.device)
     t.sampler.load_state_dict(state.sampler)
+    t.task.load_state_dict(state.task)
     batches = iter(t.loader)
     accum = t.sampler.grad_accum
     history: list[dict] = []
@@ -236,6 +236,7 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
         state.step += 1
         state.tokens_seen += t.tokens_per_step
         state.sampler = t.sampler.state_dict()
+        state.task = t.task.state_dict()
         if logs_at(t, state.step):
             history.append(log_step(t, state, loss, norm, lr, state.step - last_logged))
             last_logged = state.step
@@ -276,4 +277,7 @@ def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -
             "step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
             "world_size": t.world_size, "strategy": t.dims.strategy, "preempted": stopped,
             "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir),
-            **({k: t.last_eval[k] for k in ("eval_loss", "eval_perplexity")} if t.last_eval else {})}
+            **{k: v for k, v in (t.last_eval or {}).items() if k.startswith("eval_") and k not in SUMMARY_LEFT_OUT}}
+
+
+SUMMARY_LEFT_OUT = ("eval_tokens", "eval_samples", "eval_s")  # of the last eval record: its values only

@@ -118,6 +118,16 @@ def loss_context(logits: torch.Tensor) -> tp.ContextManager:
     return loss_parallel()
 
 
+def tp_loss_context(tp_enabled: bool) -> tp.ContextManager:
+    """``loss_parallel`` around a micro-batch's loss and backward when the model is tensor-parallel (its
+    logits a DTensor split over the vocabulary), else nothing: the loop's side of ``loss_context``."""
+    if not tp_enabled:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def is_dtensor(x: torch.Tensor) -> bool:
     """Whether ``x`` is a DTensor (the logits of a tensor-parallel model)."""
     from torch.distributed.tensor import DTensor

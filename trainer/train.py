@@ -21,20 +21,20 @@ from hpc.core.dims import ParallelDims
 from hpc.core.models import model_facts
 from hpc.core.resolve import Launch, launch_parallel, refit
 from hpc.core.spec import JobSpec, loader_workers
-from trainer.data import GlobalSampler, build_dataset, build_loader, shuffle_enabled
+from trainer.data import GlobalSampler, build_loader
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
-from trainer.evaluate import build_eval
 from trainer.init_from import start_weights
 from trainer.lora import apply_lora
 from trainer.loop import Trainer, TrainState, set_determinism, train
 from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
-from trainer.model import WeightInit, build_model, local_numel, model_blocks
+from trainer.model import WeightInit, local_numel
 from trainer.optim import build_optimizer, build_scheduler, open_host_groups
 from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
 from trainer.resilience import report_unloadable, resilience_for
 from trainer.run import Run, load_run
+from trainer.tasks import LoopTask, task_for
 from trainer.tokens import record_data
 
 log = logging.getLogger("hpcx.trainer")
@@ -60,6 +60,8 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
         trainer.resilience = guard
         guard.phase = "resume"
         state = start_weights(trainer, resume(trainer, state), run.spec)
+        if state.step == 0:  # no checkpoint of the run's own: a task's pretrained weights
+            trainer.task.start_weights(trainer.model)
         guard.phase = "train"
         result = train(trainer, state)
     except BaseException as exc:
@@ -146,7 +148,10 @@ def build_trainer(run: Run, rank: int, device: torch.device,
                   preemption: PreemptionFlag | None = None) -> tuple[Trainer, TrainState]:
     """Model → parallelize (with the weights) → optimizer/schedule → data; the process group must be up."""
     spec, launch = run.spec, run.launch
-    model, mesh = build_parallel_model(spec, launch, device)
+    kind = launch.data_source  # decided once, at resolve (hpc.core.manifest.source_kind)
+    assert kind is not None  # ``decided`` fills it for a resolved.json from before
+    task = task_for(spec, kind)
+    model, mesh = build_parallel_model(spec, launch, device, task=task)
     if mesh is not None and rank == 0:
         write_mesh(run.run_dir, mesh_groups(mesh))
     parallel = launch_parallel(spec, launch)  # decided once, at resolve (hpc.core.resolve.launch_for)
@@ -155,39 +160,39 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
     optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)
-    facts = model_facts(spec.model)
-    seq_len = facts.seq_len
-    kind = launch.data_source  # decided once, at resolve (hpc.core.manifest.source_kind)
-    assert kind is not None  # ``decided`` fills it for a resolved.json from before
-    dataset = build_dataset(spec.data, kind, seq_len, facts.vocab_size, spec.train.seed)
+    dataset = task.train_dataset()
     dp_rank, dp_world = launch.dims.dp_rank(rank), launch.dims.dp_world  # a tp group shares its batches
     sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, dp_rank,  # type: ignore[arg-type]  # map-style: sized
-                            dp_world, spec.train.seed, shuffle_enabled(spec.data, kind))
+                            dp_world, spec.train.seed, task.shuffle())
     workers = loader_workers(spec.data.num_workers, device.type == "cuda", launch.cpus_per_task)
-    if rank == 0:
+    if rank == 0 and not spec.task.target:
         record_data(run.run_dir, spec.data, kind)
     trainer = Trainer(
         run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train),
-        sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda", workers),
+        sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda", workers,
+                                             collate=task.collate),
         device=device, steps=spec.train.steps, grad_clip=spec.train.grad_clip, log_every=spec.train.log_every,
-        tokens_per_step=spec.train.global_batch * seq_len, world_size=launch.world_size, dims=launch.dims,
-        metrics=MetricsWriter(run.run_dir, enabled=rank == 0),
-        flops_per_token=facts.flops_per_token, peak_tflops=run.site.node.gpu_peak_tflops,
+        tokens_per_step=spec.train.global_batch * task.tokens_per_sample, world_size=launch.world_size, dims=launch.dims,
+        metrics=MetricsWriter(run.run_dir, enabled=rank == 0), task=task,
+        flops_per_token=task.flops_per_token, peak_tflops=run.site.node.gpu_peak_tflops,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
-        clock=PhaseClock(device), evaluator=build_eval(spec, kind, seq_len, dp_rank, dp_world))
+        clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world))
     return trainer, TrainState()
 
 
 def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, materialize: bool = True,
-                         model: nn.Module | None = None) -> tuple[nn.Module, DeviceMesh | None]:
+                         model: nn.Module | None = None, task: LoopTask | None = None) -> tuple[nn.Module, DeviceMesh | None]:
     """(model, mesh): the model built on the meta device (or ``model``, a bare one already built there:
     ``hpcx dryrun`` checks it first) and parallelized there; with ``materialize`` each rank then allocates
     and initialises its part (``WeightInit``: the same full state under every layout), else it stays on
-    meta (``hpcx dryrun``). The process group must be up (a fake one will do)."""
-    model = apply_lora(build_model(spec.model, "meta") if model is None else model, spec)
-    blocks = model_blocks(model, spec.model.blocks)
+    meta (``hpcx dryrun``). The process group must be up (a fake one will do). ``task``: what builds the
+    model and names its units (default: ``spec``'s, ``trainer.tasks.task_for``); ``[lora]``'s adapters are
+    added to it (``trainer.lora``)."""
+    task = task_for(spec, launch.data_source) if task is None else task
+    model = apply_lora(task.meta_model() if model is None else model, spec)
+    blocks = task.blocks(model)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
     rng = uses_rng(spec.model.dropout, blocks, not model_facts(spec.model).builtin)  # a user model: unknown

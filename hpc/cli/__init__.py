@@ -259,8 +259,9 @@ def format_result(result: tp.Any) -> str:
         return f"{result['steps']} steps{stop}, no loss logged, {result.get('world_size')} ranks, {result.get('strategy')}"
     losses = result.get("losses") or [result["final_loss"]]
     rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
-    evaluated = (f", eval loss {result['eval_loss']:.4f} (perplexity {result['eval_perplexity']:.2f})"
-                 if result.get("eval_loss") is not None else "")
+    from hpc.login.status import eval_text
+
+    evaluated = eval_text(result, ", ")
     return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate} "
             f"(median after warm-up){evaluated}, {result['world_size']} ranks, {result['strategy']}")
 

@@ -41,6 +41,8 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     if errors:
         raise ConfigError(set_origins([f"{spec.source}: {e}" for e in errors], spec.source, overrides))
     facts = _counted_facts(spec.model) if count_params else model_facts(spec.model)
+    if spec.task.target:  # a task's model is known only by building it
+        facts = _counted_task_facts(spec)
     plan = plan_job(spec, site, facts=facts)
     if as_json:
         echo_json(plan.to_dict())
@@ -65,6 +67,17 @@ def _counted_facts(model: tp.Any) -> tp.Any:
                f"(largest {counted.unit_params}); state model.n_params = {counted.n_params}, model.n_layers = "
                f"{counted.n_units} and model.dim in the spec so `auto` uses them", err=True)
     return model_facts(model, counted)
+
+
+def _counted_task_facts(spec: tp.Any) -> tp.Any:
+    """A task's model's facts from a meta-device build (``trainer.count.count_task``; torch)."""
+    from hpc.core import imports
+    from hpc.core.models import model_facts
+
+    imports.check()  # before the trainer is imported
+    from trainer.count import count_task
+
+    return model_facts(spec.model, count_task(spec))
 
 
 @click.command("detect")

@@ -24,6 +24,13 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, [last[s] for s in steps]
 
 
+def metric_keys(records: list[dict]) -> list[str]:
+    """The ``eval_<name>`` metrics a task's eval lines carry (``eval_accuracy``), in first-seen order."""
+    from hpc.login.status import eval_metrics
+
+    return list(dict.fromkeys(k for r in records if "eval_loss" in r for k in eval_metrics(r)))
+
+
 def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
     """One row of panels (loss with eval loss, LR, tokens/s) with a line per run, written atomically to ``path``."""
     try:
@@ -41,6 +48,10 @@ def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
         steps, evals = series(records, "eval_loss")
         if steps:
             axes[0].plot(steps, evals, "o--", color=color, label=f"{name} eval")
+        for key in metric_keys(records):  # a task's eval metrics (accuracy), beside the learning rate
+            axes[1].plot(*series(records, key), "s:", color=color, label=f"{name} {key.removeprefix('eval_')}")
+            axes[1].set_ylabel("lr, eval metrics")
+            axes[1].legend(fontsize="small")
     for ax, (key, title) in zip(axes, PANELS):
         ax.set_xlabel("step")
         ax.set_title(title)

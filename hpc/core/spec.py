@@ -20,6 +20,7 @@ from hpc.core import validate as v
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.lora import Lora
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
+from hpc.core.tasks import Task, apply_task, task_problems
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
@@ -229,11 +230,14 @@ class JobSpec:
     checkpoint: Checkpoint
     env: Env
     lora: Lora = dataclasses.field(default_factory=Lora)
+    task: Task = dataclasses.field(default_factory=Task)
     source: str = ""
 
     def to_dict(self) -> dict[str, tp.Any]:
         out = asdict(self)
         out.pop("source")
+        if not self.task.target:  # a language model's resolved.json stays as it was
+            out.pop("task")
         return out
 
 
@@ -249,7 +253,7 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env, "lora": Lora}
+            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "task": Task}
 
 
 def __getattr__(name: str) -> tp.Any:
@@ -288,6 +292,9 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
         errors += v.check_model_kwargs(spec.model.kwargs)
     if _typed(errors, "model", ("blocks",)):
         errors += v.check_model_blocks(spec.model.blocks)
+    if _typed(errors, "task", ("target", "kwargs")):
+        errors += task_problems(spec, doc)
+        apply_task(spec)
     if errors:
         raise ConfigError([f"{source}: {e}" for e in errors])
     return spec
@@ -355,7 +362,7 @@ def resolve_paths(spec: JobSpec) -> list[str]:
                                                            facts.vocab_size)
     if not problems and spec.data.packing == "document":
         problems += _packing_problems(spec, kind)
-    if not problems:
+    if not problems and not spec.task.target:  # a task evaluates on its own eval_dataset()
         from hpc.core.manifest import check_validation
 
         more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size, kind)
@@ -387,7 +394,7 @@ def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:
 
 
 # What ``job.command`` replaces: hpcx's trainer reads these sections, a user's script does not.
-TRAINER_SECTIONS = ("model", "data", "train", "parallel", "checkpoint")
+TRAINER_SECTIONS = ("model", "data", "train", "parallel", "checkpoint", "lora", "task")
 
 
 def check_command(command: list[str]) -> list[str]:

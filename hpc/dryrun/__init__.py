@@ -107,8 +107,8 @@ class DryRun:
 
 def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> DryRun:
     """Build ``spec`` as rank ``rank`` of ``launch`` on the fake process group and measure it."""
-    from trainer.model import model_blocks
     from trainer.optim import build_optimizer
+    from trainer.tasks import task_for
     from hpc.dryrun.startup import checked_model
     from trainer.train import build_parallel_model
 
@@ -118,7 +118,7 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
         model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False, model=bare)
         optimizer = build_optimizer(model, spec.train)
         step_on_meta(model, optimizer)
-        units = unit_report(model, model_blocks(model, spec.model.blocks), launch.dims.reshard_after_forward)
+        units = unit_report(model, task_for(spec, launch.data_source).blocks(model), launch.dims.reshard_after_forward)
         measured, short = rank_bytes(model, optimizer)
         checkpoint = checkpoint_plan(model, optimizer, spec, launch, rank)
         mesh_doc = mesh_report(mesh, launch, rank)

@@ -32,17 +32,17 @@ BATCH, SEQ = 2, 8  # the meta batch of the forward check: [BATCH, min(SEQ, seq_l
 def checked_model(spec: JobSpec) -> tuple[nn.Module, str | None]:
     """(the bare model on meta, what the forward check found) when nothing above would fail the job;
     else a ConfigError with one line per problem, each prefixed by the spec's file."""
-    from trainer.model import model_blocks
+    from trainer.tasks import task_for
 
     model = built_model(spec)
     problems: list[str] = []
     try:
-        model_blocks(model, spec.model.blocks)
+        task_for(spec, "synthetic").blocks(model)  # the data is not read: the units only
     except ConfigError as exc:
         problems += exc.messages
     problems += reset_problems(model, spec)
     note = None
-    if not model_facts(spec.model).builtin:
+    if not model_facts(spec.model).builtin and not spec.task.target:  # a task's forward is its own loss's
         forward, note = forward_problems(model, spec)
         problems += forward
     if problems:
@@ -53,12 +53,16 @@ def checked_model(spec: JobSpec) -> tuple[nn.Module, str | None]:
 def built_model(spec: JobSpec) -> nn.Module:
     """``trainer.model.build_model`` on meta; whatever the user's function raises is one line."""
     from trainer.model import build_model
+    from trainer.tasks import task_for
 
     try:
-        return build_model(spec.model, "meta")
+        return task_for(spec, "synthetic").meta_model() if spec.task.target else build_model(spec.model, "meta")
     except ConfigError as exc:
         raise ConfigError([f"{spec.source}: {m}" for m in exc.messages]) from None
     except Exception as exc:  # noqa: BLE001  (the user's code: the job would raise the same in every start)
+        if spec.task.target:
+            raise ConfigError([f"{spec.source}: `task.target` = {spec.task.target!r}: build_model() raised "
+                               f"{type(exc).__name__}: {_one_line(exc)}; expected it to return the nn.Module"]) from None
         call = f"{spec.model.arch.split(':')[-1]}({', '.join(f'{k}={v!r}' for k, v in spec.model.kwargs.items())})"
         raise ConfigError([f"{spec.source}: `model.arch` = {spec.model.arch!r}: {call} (with `model.kwargs`) raised "
                            f"{type(exc).__name__}: {_one_line(exc)}; expected it to return the nn.Module"]) from None

@@ -56,7 +56,9 @@ def script_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
 def user_code_notice(spec: JobSpec) -> str | None:
     """What the model means for the tasks, from its family (a `module:function` model: that code is
     imported and called in every task); None for the built-in families."""
-    return code_notice(spec.model)
+    from hpc.core.tasks import code_notice as task_notice
+
+    return task_notice(spec) or code_notice(spec.model)
 
 
 def render(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:

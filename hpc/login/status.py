@@ -47,11 +47,31 @@ def format_status(info: dict) -> str:
     ledger = info["ledger"]
     return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
             f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
-            + (f"  eval loss {info['eval_loss']:.4f} (perplexity {info['eval_perplexity']:.2f})"
-               if info.get("eval_loss") is not None else "")
+            + eval_text(info, "  ")
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
                f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
             + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else ""))
+
+
+def eval_text(info: dict, lead: str) -> str:
+    """``lead`` + "eval loss 2.1234 (perplexity 8.37)", with a task's metrics ("…, accuracy 0.9531");
+    "" before the first evaluation."""
+    if info.get("eval_loss") is None:
+        return ""
+    perplexity = f" (perplexity {info['eval_perplexity']:.2f})" if info.get("eval_perplexity") is not None else ""
+    metrics = "".join(f", {k.removeprefix('eval_')} {v:.4g}" for k, v in eval_metrics(info).items())
+    return f"{lead}eval loss {info['eval_loss']:.4f}{perplexity}{metrics}"
+
+
+EVAL_NOT_METRICS = ("eval_loss", "eval_perplexity", "eval_tokens", "eval_samples", "eval_s", "eval_metrics")
+
+
+def eval_metrics(record: dict) -> dict[str, float]:
+    """A task's metrics in an eval record or summary (``eval_accuracy``: ``trainer.tasks``), also under
+    ``eval_metrics`` (status)."""
+    found = {k: v for k, v in record.items() if k.startswith("eval_") and k not in EVAL_NOT_METRICS
+             and isinstance(v, (int, float))}
+    return {**found, **(record.get("eval_metrics") or {})}
 
 
 def as_json(obj: tp.Any) -> str:

@@ -455,6 +455,8 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
     stops = [e for e in ledger if e.get("event") == "stop"]
     last = rd.last_train_metrics() or {}
     evaluated = rd.last_eval() or {}
+    from hpc.login.status import eval_metrics
+
     return {
         "run_dir": str(run_dir),
         "job_id": info.get("job_id"),
@@ -463,6 +465,7 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
         "loss": last.get("loss"),
         "eval_loss": evaluated.get("eval_loss"),
         "eval_perplexity": evaluated.get("eval_perplexity"),
+        **({"eval_metrics": metrics} if (metrics := eval_metrics(evaluated)) else {}),  # a task's (accuracy)
         "restarts": max(len(starts) - 1, sum(1 for e in stops if e.get("requeued")), 0),  # a start may die unlogged
         "strategy": launch.get("strategy"),
         "world_size": launch.get("world_size"),

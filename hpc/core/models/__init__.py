@@ -37,6 +37,8 @@ FAMILIES = {
 }
 USER = "user"
 USER_MODULE = "hpc.core.models.user"
+TASK = "task-model"  # the arch a spec with ``[task]`` records: the task's own model (``hpc.core.tasks``)
+TASK_MODULE = "hpc.core.models.task"
 DEFAULT_ARCH = next(iter(FAMILIES))  # ``model.arch`` when a spec names none
 
 
@@ -136,8 +138,8 @@ class ModelFacts:
 
     @property
     def builtin(self) -> bool:
-        """A family hpcx ships (its counts follow from its shape), not a user's ``pkg.mod:function``."""
-        return self.family != USER
+        """A family hpcx ships (its counts follow from its shape), not a user's ``pkg.mod:function`` or task."""
+        return self.family not in (USER, TASK)
 
 
 @dataclass(frozen=True)
@@ -155,17 +157,17 @@ def _load(module: str) -> Family:
 
 
 def family(arch: str) -> Family:
-    """The family ``arch`` belongs to (``FAMILIES``, else the user family)."""
-    return _load(FAMILIES.get(arch, USER_MODULE))
+    """The family ``arch`` belongs to (``FAMILIES``, a task's, else the user family)."""
+    return _load(FAMILIES.get(arch, TASK_MODULE if arch == TASK else USER_MODULE))
 
 
 def family_of(facts: ModelFacts) -> Family:
     """The family that described ``facts`` (by ``ModelFacts.family``)."""
-    return _load(FAMILIES.get(facts.family, USER_MODULE))
+    return _load(FAMILIES.get(facts.family, TASK_MODULE if facts.family == TASK else USER_MODULE))
 
 
 def families() -> list[Family]:
-    """Every family: the registry's, then the user family."""
+    """Every family: the registry's, then the user family (a task's model, ``TASK``, has no fields to join)."""
     return [_load(module) for module in (*FAMILIES.values(), USER_MODULE)]
 
 

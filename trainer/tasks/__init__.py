@@ -1,0 +1,325 @@
+"""The task seam: what a run trains, behind one interface the loop calls (``LoopTask``).
+
+A run trains a ``LoopTask``: the built-in language models' (``trainer.tasks.lm.LanguageModelTask``,
+the spec's ``[model]`` and ``[data]``), or a user's ``[task] target = "pkg.mod:Class"`` (``Task``, the
+protocol below, adapted and checked by ``UserTask``). Both go through the same calls of the loop, the
+evaluator, the checkpoint and ``hpcx plan``/``dryrun``; everything else (strategy, precision, AC,
+compile, gradient accumulation, clipping, optimizer, schedule, DCP checkpoints, the sampler,
+preemption, requeue) is hpcx's. docs/tasks.md is the user's page.
+
+The user's ``Task`` (a class; ``task.kwargs`` are its keyword arguments):
+
+- ``build_model() -> nn.Module``: called under ``torch.device("meta")``; every module that owns
+  parameters or buffers defines ``reset_parameters()`` (torch's layers do), so each rank initialises its
+  part (``trainer.model.WeightInit``); the root may define ``fsdp_units()`` (``trainer.model``).
+- ``units(model) -> nn.ModuleList``: the repeated units, each activation-checkpointed, compiled and
+  ``fully_shard``-ed on its own.
+- ``train_dataset() -> Dataset``: map-style (``__len__``, ``__getitem__``); hpcx's ``GlobalSampler``
+  draws its indices, so a resume at any world size continues with the same samples.
+- ``loss(model, batch) -> Tensor``: the mean loss of a micro-batch (a float scalar with a gradient).
+
+Optional: ``eval_dataset() -> Dataset | None`` (for ``train.eval_every``), ``collate(samples)`` (default:
+torch's ``default_collate``), ``metrics(model, batch) -> {name: (sum, count)}`` (summed over the
+evaluation on every rank, written as ``eval_<name>`` = sum / count), ``pretrained(model) -> {name:
+tensor}`` (the bare model's state to start from at step 0: a fine-tune's weights), and
+``state_dict()`` / ``load_state_dict(state)`` (plain data, saved in every checkpoint).
+
+A task that lacks a required method or returns the wrong thing fails the start with a ``ConfigError``
+naming it (``hpc.core.failures``: it would repeat, so it is not requeued).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import numbers
+import typing as tp
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from hpc.core.errors import ConfigError
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.spec import JobSpec
+    from trainer.evaluate import Evaluator
+
+REQUIRED = ("build_model", "units", "train_dataset", "loss")
+OPTIONAL = ("eval_dataset", "collate", "metrics", "pretrained", "state_dict", "load_state_dict")
+Batch = tp.Any
+
+
+@tp.runtime_checkable
+class Task(tp.Protocol):
+    """What a user's ``[task] target`` class gives (see the module docstring; the optional methods too)."""
+
+    def build_model(self) -> nn.Module: ...
+
+    def units(self, model: nn.Module) -> nn.ModuleList: ...
+
+    def train_dataset(self) -> Dataset: ...
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor: ...
+
+
+class LoopTask(tp.Protocol):
+    """What the loop, the evaluator, the checkpoint and ``hpcx dryrun`` call on whatever a run trains."""
+
+    tokens_per_sample: int  # what a sample counts in `tokens_per_s` (a language model's seq_len; a task's 1)
+    flops_per_token: float | None  # for MFU (None: unknown)
+
+    def meta_model(self) -> nn.Module:
+        """The bare model, on the meta device."""
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        """The repeated units of the bare model."""
+
+    def train_dataset(self) -> Dataset:
+        """The map-style training set the sampler draws from."""
+
+    def shuffle(self) -> bool:
+        """Whether the sampler permutes the samples each epoch."""
+
+    def collate(self, samples: list[tp.Any]) -> Batch:
+        """One micro-batch from its samples."""
+
+    def evaluator(self, spec: JobSpec, rank: int, world_size: int) -> Evaluator | None:
+        """This rank's evaluation (None: none)."""
+
+    def to_device(self, batch: Batch, device: torch.device) -> Batch:
+        """A micro-batch on ``device``, copied without waiting."""
+
+    def step_scale(self, micro_batches: tp.Sequence[Batch], world_size: int) -> float | torch.Tensor:
+        """The factor on each micro-batch's loss for one optimizer step (1/micro-steps, or a masked scale)."""
+
+    def micro_loss(self, model: nn.Module, batch: Batch, scale: float | torch.Tensor,
+                   autocast: tp.ContextManager) -> torch.Tensor:
+        """The scaled loss to back-propagate (the forward under ``autocast``)."""
+
+    def eval_terms(self, model: nn.Module, batch: Batch, samples: int, autocast: tp.ContextManager) -> torch.Tensor:
+        """The sums one evaluation micro-batch of ``samples`` adds (float64, always the same length)."""
+
+    def eval_record(self, sums: list[float]) -> dict[str, tp.Any]:
+        """The ``eval_*`` values of the evaluation's summed terms (over every rank)."""
+
+    def start_weights(self, model: nn.Module) -> None:
+        """After initialisation at step 0 (no checkpoint of the run's own): the task's pretrained weights."""
+
+    def state_dict(self) -> dict[str, tp.Any]:
+        """The task's own state to checkpoint (plain data; {} when none)."""
+
+    def load_state_dict(self, state: dict[str, tp.Any]) -> None:
+        """Restore what ``state_dict`` gave."""
+
+
+def task_for(spec: JobSpec, data_source: str | None = None) -> LoopTask:
+    """What ``spec`` trains: the user's task of ``[task]``, else the built-in language model's
+    (``data_source``: ``Launch.data_source``, decided at resolve)."""
+    if spec.task.target:
+        task = UserTask(load_task(spec.task.target, spec.task.kwargs), spec.task.target, spec.data.shuffle)
+        task.tokens_per_sample = spec.task.tokens_per_sample
+        return task
+    from trainer.tasks.lm import LanguageModelTask
+
+    return LanguageModelTask(spec, data_source)
+
+
+def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
+    """``pkg.mod:Class(**kwargs)``, imported from ``sys.path`` and then the submit folder
+    (``hpc.core.imports.submit_folder_last``); one line naming what is missing."""
+    from hpc.core.imports import submit_folder_last
+
+    module_name, class_name = target.split(":")
+    submit_folder_last()
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError([f"`task.target` = {target!r}: cannot import {module_name!r} here: {exc}"]) from None
+    cls = getattr(module, class_name, None)
+    if not callable(cls):
+        raise ConfigError([f"`task.target` = {target!r}: module {module_name!r} has no class {class_name!r}"])
+    try:
+        task = cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError([f"`task.target` = {target!r}: {class_name}(**task.kwargs) raised TypeError: {exc}"]) from None
+    missing = [name for name in REQUIRED if not callable(getattr(task, name, None))]
+    if missing:
+        raise ConfigError([f"`task.target` = {target!r}: the task has no {', '.join(f'{m}()' for m in missing)}: "
+                           f"a task defines {', '.join(f'{m}()' for m in REQUIRED)} (docs/tasks.md)"])
+    return task
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """Every tensor of a batch (nested tuples, lists, dicts) on ``device``, copied without waiting."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+class UserTask:
+    """A user's ``Task`` as a ``LoopTask``: hpcx's side of the seam, with the checks of what it returns."""
+
+    tokens_per_sample = 1
+    flops_per_token: float | None = None
+
+    def __init__(self, task: tp.Any, target: str, shuffle: bool):
+        self.task, self.target, self._shuffle = task, target, shuffle
+        self.metric_names: list[str] | None = None  # known after the first evaluation batch
+
+    def _wrong(self, method: str, what: str) -> ConfigError:
+        return ConfigError([f"`task.target` = {self.target!r}: {method} {what}"])
+
+    def meta_model(self) -> nn.Module:
+        with torch.device("meta"):
+            model = self.task.build_model()
+        if not isinstance(model, nn.Module):
+            raise self._wrong("build_model()", f"returned {type(model).__name__}, expected an nn.Module")
+        return model
+
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        units = self.task.units(model)
+        if not isinstance(units, nn.ModuleList) or not len(units):
+            raise self._wrong("units(model)", f"returned {_described(units)}, expected a non-empty nn.ModuleList of "
+                              "the model's repeated units")
+        return units
+
+    def train_dataset(self) -> Dataset:
+        return self._dataset("train_dataset()", self.task.train_dataset())
+
+    def _dataset(self, method: str, dataset: tp.Any) -> Dataset:
+        if not (callable(getattr(dataset, "__len__", None)) and callable(getattr(dataset, "__getitem__", None))):
+            raise self._wrong(method, f"returned {type(dataset).__name__}, expected a map-style Dataset "
+                              "(__len__ and __getitem__: hpcx's sampler draws the indices)")
+        if len(dataset) < 1:
+            raise self._wrong(method, "returned an empty dataset")
+        return dataset
+
+    def shuffle(self) -> bool:
+        return self._shuffle
+
+    def collate(self, samples: list[tp.Any]) -> Batch:
+        own = getattr(self.task, "collate", None)
+        return own(samples) if callable(own) else default_collate(samples)
+
+    def evaluator(self, spec: JobSpec, rank: int, world_size: int) -> Evaluator | None:
+        from trainer.evaluate import build_evaluator
+
+        make = getattr(self.task, "eval_dataset", None)
+        dataset = make() if spec.train.eval_every and callable(make) else None
+        if dataset is None:
+            return None
+        ev = build_evaluator(self._dataset("eval_dataset()", dataset), spec.train.global_batch,
+                             spec.train.micro_batch, rank, world_size, spec.train.eval_every, spec.train.eval_steps)
+        ev.task = self
+        return ev
+
+    def to_device(self, batch: Batch, device: torch.device) -> Batch:
+        return to_device(batch, device)
+
+    def step_scale(self, micro_batches: tp.Sequence[Batch], world_size: int) -> float:
+        return 1.0 / len(micro_batches)
+
+    def micro_loss(self, model: nn.Module, batch: Batch, scale: float | torch.Tensor,
+                   autocast: tp.ContextManager) -> torch.Tensor:
+        with autocast:
+            loss = self.checked_loss(model, batch)
+        return loss if isinstance(scale, float) and scale == 1.0 else loss * scale
+
+    def checked_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        loss = self.task.loss(model, batch)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+            raise self._wrong("loss(model, batch)", f"returned {_described(loss)}, expected a float scalar tensor "
+                              "(the mean loss of the batch)")
+        return loss.float()
+
+    def eval_terms(self, model: nn.Module, batch: Batch, samples: int, autocast: tp.ContextManager) -> torch.Tensor:
+        """(loss × samples, samples, then each metric's sum and count), float64."""
+        with autocast:
+            loss = self.checked_loss(model, batch)
+            metrics = self._metrics(model, batch)
+        device = loss.device
+        terms = [loss.double() * samples, torch.tensor(float(samples), dtype=torch.float64, device=device)]
+        for total, count in metrics.values():
+            terms += [torch.as_tensor(total, device=device).double(), torch.as_tensor(count, device=device).double()]
+        return torch.stack(terms)
+
+    def _metrics(self, model: nn.Module, batch: Batch) -> dict[str, tuple[tp.Any, tp.Any]]:
+        own = getattr(self.task, "metrics", None)
+        found = own(model, batch) if callable(own) else {}
+        problem = _metrics_problem(found)
+        if problem:
+            raise self._wrong("metrics(model, batch)", f"{problem}: expected {{name: (sum, count)}} of numbers or "
+                              "scalar tensors")
+        names = sorted(found)
+        if self.metric_names is not None and names != self.metric_names:
+            raise self._wrong("metrics(model, batch)", f"returned {names}, then {self.metric_names} before: expected "
+                              "the same names for every batch")
+        self.metric_names = names
+        return {k: found[k] for k in names}
+
+    def eval_record(self, sums: list[float]) -> dict[str, tp.Any]:
+        loss_sum, samples = sums[0], sums[1]
+        record: dict[str, tp.Any] = {"eval_loss": loss_sum / max(1.0, samples)}
+        for i, name in enumerate(self.metric_names or []):
+            total, count = sums[2 + 2 * i], sums[3 + 2 * i]
+            record[f"eval_{name}"] = total / count if count else math.nan
+        return record
+
+    def start_weights(self, model: nn.Module) -> None:
+        own = getattr(self.task, "pretrained", None)
+        state = own(model) if callable(own) else None
+        if state is None:
+            return
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise self._wrong("pretrained(model)", f"returned {_described(state)}, expected a dict of tensors by "
+                              "the bare model's parameter names")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        try:
+            set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        except (RuntimeError, KeyError, ValueError) as exc:
+            raise self._wrong("pretrained(model)", f"does not fit the model: {str(exc).splitlines()[0]}") from None
+
+    def state_dict(self) -> dict[str, tp.Any]:
+        own = getattr(self.task, "state_dict", None)
+        state = own() if callable(own) else {}
+        if not isinstance(state, dict):
+            raise self._wrong("state_dict()", f"returned {type(state).__name__}, expected a dict of plain data")
+        return state
+
+    def load_state_dict(self, state: dict[str, tp.Any]) -> None:
+        own = getattr(self.task, "load_state_dict", None)
+        if callable(own) and state:
+            own(state)
+
+
+def _described(value: tp.Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__ if not isinstance(value, nn.ModuleList) else "an empty nn.ModuleList"
+
+
+def _metrics_problem(found: tp.Any) -> str | None:
+    if not isinstance(found, dict):
+        return f"returned {type(found).__name__}"
+    for name, pair in found.items():
+        if not (isinstance(name, str) and name.isidentifier()):
+            return f"named a metric {name!r} (not an identifier)"
+        if not (isinstance(pair, tuple) and len(pair) == 2 and all(_scalar(x) for x in pair)):
+            return f"gave {name!r} as {_described(pair)}"
+    return None
+
+
+def _scalar(x: tp.Any) -> bool:
+    return (isinstance(x, torch.Tensor) and x.numel() == 1) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
+
+
+def autocast_of(device: torch.device, dtype: torch.dtype | None) -> tp.ContextManager:
+    """Autocast to ``dtype`` on ``device`` (None: none)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
