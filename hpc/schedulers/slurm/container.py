@@ -1,0 +1,120 @@
+"""The srun step in the site's container (``hpc.core.container``): only the step enters the image.
+
+The batch shell, the check after srun (``python -m hpc.requeue``), ``scontrol requeue`` and the signal
+traps stay on the host, so preemption, the one requeue, drills, cancel and failure records are the
+same as without a container. ``wrap_step`` is the one place that puts a runtime on the step:
+
+- ``oci``: Slurm's own OCI support, ``srun --container=BUNDLE``. The site's image is an OCI bundle; hpcx
+  writes a per-run bundle (RUN/container/bundle/config.json) that is the image's configuration with its
+  root file system by absolute path, the step's mounts and working folder. slurmstepd replaces its
+  ``process.args`` and ``process.env`` with the task's and runs the runtime oci.conf names (runc here).
+- ``pyxis``: ``srun --container-image=IMAGE --container-mounts=… --container-workdir=…`` (pyxis's
+  documented flags; ``--no-container-mount-home`` unless ``mount_home``; ``--container-env`` for ``env``).
+- ``apptainer``: the task is ``apptainer exec [--nv] --bind … --pwd … IMAGE COMMAND`` (``--nv`` on a GPU
+  site; ``--no-home`` unless ``mount_home``); names in ``env`` are passed as ``APPTAINERENV_NAME``.
+
+In each, the task's command is ``env PYTHONPATH=OVERLAY HPCX_CONTAINER_IMAGE=IMAGE PYTHON -u -c BOOT …``
+with the image's ``python``: hpcx's own code comes from the overlay (links into the submitting side's
+install, mounted read-only at the same paths).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import typing as tp
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hpc.core.container import BUNDLE, IMAGE_ENV, OVERLAY, Container, Mount, overlay_links, step_mounts, write_overlay
+
+
+@dataclass(frozen=True)
+class Step:
+    """How the srun step runs in the container: srun's own flags, the task's argv, shell lines for the batch
+    script before srun (each value taken from the batch shell's environment, never written)."""
+
+    srun_args: list[str]
+    argv: list[str]
+    setup: list[str] = field(default_factory=list)
+
+
+def inner_python(c: Container, run_dir: str) -> list[str]:
+    """The interpreter a task runs inside the image, with hpcx's overlay first on its path."""
+    return ["env", f"PYTHONPATH={run_dir}/{OVERLAY}", f"{IMAGE_ENV}={c.image}", c.python]
+
+
+def wrap_step(argv: list[str], c: Container, run_dir: str, mounts: list[Mount], workdir: str,
+              gpus: bool = False) -> Step:
+    """The step for ``argv`` (the task's command, already run by the image's python: ``inner_python``) in
+    container ``c``; without a container, ``argv`` as it is."""
+    workdir = c.workdir or workdir
+    if c.runtime == "oci":
+        return Step([f"--container={run_dir}/{BUNDLE}"], argv)
+    if c.runtime == "pyxis":
+        flags = [f"--container-image={c.image}", f"--container-mounts={','.join(m.text() for m in mounts)}",
+                 f"--container-workdir={workdir}"]
+        flags += [f"--container-env={','.join(c.env)}"] if c.env else []
+        flags += [] if c.mount_home else ["--no-container-mount-home"]
+        flags += ["--container-writable"] if c.writable else []
+        return Step([*flags, *c.flags], argv)
+    if c.runtime == "apptainer":
+        flags = ["--nv"] if gpus else []
+        flags += ["--bind", ",".join(m.text() for m in mounts), "--pwd", workdir]
+        flags += [] if c.mount_home else ["--no-home"]
+        flags += ["--writable-tmpfs"] if c.writable else []
+        setup = [f'[ -z "${{{name}+x}}" ] || export APPTAINERENV_{name}="${name}"  # passed into the image by name'
+                 for name in c.env]
+        return Step([], ["apptainer", "exec", *flags, *c.flags, c.image, *argv], setup)
+    return Step([], argv)
+
+
+def step_for(c: Container, run_dir: str, folder: str, workdir: str, gpus: bool,
+             links: tp.Mapping[str, str] | None = None) -> Step:
+    """The trainer's step (``python -m trainer.entry FOLDER`` under the task wrapper) in ``c``."""
+    from hpc.core.imports import python_command
+    from hpc.schedulers.base import TASK_WRAPPER
+
+    inner = inner_python(c, run_dir)
+    argv = [*TASK_WRAPPER, *inner[:-1], *python_command(inner[-1], "trainer.entry", folder, unbuffered=True)]
+    mounts = step_mounts(c, str(Path(run_dir).parent), workdir, links if links is not None else overlay_links())
+    return wrap_step(argv, c, run_dir, mounts, workdir, gpus)
+
+
+def prepare_run(c: Container, run_dir: Path, workdir: str) -> None:
+    """At submit: the overlay of links and, for ``oci``, the per-run bundle (RUN/container/…)."""
+    links = overlay_links()
+    write_overlay(run_dir, links)
+    if c.runtime == "oci":
+        mounts = step_mounts(c, str(run_dir.parent), workdir, links)
+        write_bundle(c, run_dir / BUNDLE, mounts, c.workdir or workdir)
+
+
+def bundle_config(image_config: dict[str, tp.Any], image: str, mounts: list[Mount], workdir: str,
+                  writable: bool) -> dict[str, tp.Any]:
+    """The per-run OCI configuration: the image's, its root by absolute path, the step's bind mounts and
+    working folder. (slurmstepd sets ``process.args``/``process.env`` per task.)"""
+    config = copy.deepcopy(image_config)
+    root = config.setdefault("root", {})
+    root["path"] = os.path.join(image, root.get("path", "rootfs"))
+    root["readonly"] = not writable
+    config.setdefault("process", {})["cwd"] = workdir
+    binds = [{"destination": m.target, "type": "none", "source": m.source,
+              "options": ["rbind", "nosuid", "nodev", "ro" if m.readonly else "rw"]} for m in mounts]
+    config["mounts"] = [*config.get("mounts", []), *binds]
+    return config
+
+
+def write_bundle(c: Container, bundle: Path, mounts: list[Mount], workdir: str) -> Path:
+    image_config = json.loads((Path(c.image) / "config.json").read_text())
+    bundle.mkdir(parents=True, exist_ok=True)
+    (bundle / "config.json").write_text(json.dumps(bundle_config(image_config, c.image, mounts, workdir, c.writable),
+                                                   indent=2) + "\n")
+    return bundle
+
+
+def step_text(step: Step) -> str:
+    """The srun arguments and command as the batch script has them (for the array tasks' scripts)."""
+    return shlex.join([*step.srun_args, *step.argv])
