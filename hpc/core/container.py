@@ -61,6 +61,9 @@ class Container:
                            "mounted folders are writable either way.")
     mount_home: bool = field(False, doc="Mount the user's home folder (off by default: a home's Python "
                              "packages would shadow the image's).")
+    oci_launch: str = field("scheduler", doc="runtime `oci` only: `scheduler` hands the bundle to the scheduler's own "
+                            "OCI support (one task per node on Slurm 22.05); `runc`: each task runs the bundle with "
+                            "`runc run` itself (any tasks per node).", choices=("scheduler", "runc"))
     python: str = field("python3", doc="The interpreter inside the image: a name on the image's PATH or an "
                         "absolute path.", max_len=256)
     flags: list[str] = field(factory=list, doc="More options for the runtime, as written (pyxis: on the step "
@@ -304,6 +307,16 @@ def inside_problem(env: tp.Mapping[str, str], gpus: bool) -> str | None:
             return (f"the container image {image} has torch {version} without CUDA or NCCL on a GPU site: "
                     f"use a PyTorch-CUDA image")
     return None
+
+
+def inside_record(env: tp.Mapping[str, str]) -> dict[str, tp.Any]:
+    """For the ledger's start line: the image this start ran in, its Python and torch; {} outside one."""
+    image = env.get(IMAGE_ENV)
+    if not image:
+        return {}
+    import platform
+
+    return {"container": {"image": image, "python": platform.python_version(), "torch": _version("torch")}}
 
 
 def _version(dist: str) -> str:

@@ -31,6 +31,29 @@ from pathlib import Path
 from hpc.core.container import BUNDLE, IMAGE_ENV, OVERLAY, Container, Mount, overlay_links, step_mounts, write_overlay
 
 
+OCI_TASK = "container/oci-task"  # oci_launch = "runc": the task's script on the host (OCI_TASK_SCRIPT)
+RUNC = ["runc", "--root=/run/hpcx-runc"]
+# Each task's own bundle: the per-run configuration with this task's folder for @TASKDIR@, its environment
+# and arguments in files there (NUL-separated: any value), read inside by LOADER before it execs them.
+OCI_TASK_SCRIPT = """#!/bin/sh
+# hpcx: run this task in the run's OCI bundle with runc (docs/containers.md); "$@" is the task's command
+set -eu
+run=$(dirname "$(dirname "$0")")
+id="hpcx-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}-${SLURM_STEP_ID}-${SLURM_PROCID}"
+dir="$run/container/tasks/$id"
+mkdir -p "$dir"
+env -0 > "$dir/environ"
+printf '%s\\0' "$@" > "$dir/argv"
+sed "s|@TASKDIR@|$dir|g" "$run/container/bundle/config.json" > "$dir/config.json"
+RUNC delete --force "$id" 2>/dev/null || true
+exec RUNC run --bundle "$dir" "$id"
+"""
+# Inside the image: the task's environment and arguments from its folder, then exec (no hpcx import).
+LOADER = ("import os, sys; d = sys.argv[1]; "
+          "env = dict(e.split(b'=', 1) for e in open(d + '/environ', 'rb').read().split(bytes(1)) if b'=' in e); "
+          "args = open(d + '/argv', 'rb').read().split(bytes(1))[:-1]; os.execvpe(args[0], args, env)")
+
+
 @dataclass(frozen=True)
 class Step:
     """How the srun step runs in the container: srun's own flags, the task's argv, shell lines for the batch
@@ -51,6 +74,8 @@ def wrap_step(argv: list[str], c: Container, run_dir: str, mounts: list[Mount], 
     """The step for ``argv`` (the task's command, already run by the image's python: ``inner_python``) in
     container ``c``; without a container, ``argv`` as it is."""
     workdir = c.workdir or workdir
+    if c.runtime == "oci" and c.oci_launch == "runc":
+        return Step([], ["/bin/sh", f"{run_dir}/{OCI_TASK}", *argv])
     if c.runtime == "oci":
         return Step([f"--container={run_dir}/{BUNDLE}"], argv)
     if c.runtime == "pyxis":
@@ -90,17 +115,21 @@ def prepare_run(c: Container, run_dir: Path, workdir: str) -> None:
     if c.runtime == "oci":
         mounts = step_mounts(c, str(run_dir.parent), workdir, links)
         write_bundle(c, run_dir / BUNDLE, mounts, c.workdir or workdir)
+        if c.oci_launch == "runc":
+            (run_dir / OCI_TASK).write_text(OCI_TASK_SCRIPT.replace("RUNC", shlex.join(RUNC)))
 
 
 def bundle_config(image_config: dict[str, tp.Any], image: str, mounts: list[Mount], workdir: str,
-                  writable: bool) -> dict[str, tp.Any]:
+                  writable: bool, args: list[str] | None = None) -> dict[str, tp.Any]:
     """The per-run OCI configuration: the image's, its root by absolute path, the step's bind mounts and
     working folder. (slurmstepd sets ``process.args``/``process.env`` per task.)"""
     config = copy.deepcopy(image_config)
     root = config.setdefault("root", {})
-    root["path"] = os.path.join(image, root.get("path", "rootfs"))
+    root["path"] = os.path.realpath(os.path.join(image, root.get("path", "rootfs")))  # runc takes no link
     root["readonly"] = not writable
     config.setdefault("process", {})["cwd"] = workdir
+    if args is not None:
+        config["process"]["args"] = args
     binds = [{"destination": m.target, "type": "none", "source": m.source,
               "options": ["rbind", "nosuid", "nodev", "ro" if m.readonly else "rw"]} for m in mounts]
     config["mounts"] = [*config.get("mounts", []), *binds]
@@ -110,8 +139,9 @@ def bundle_config(image_config: dict[str, tp.Any], image: str, mounts: list[Moun
 def write_bundle(c: Container, bundle: Path, mounts: list[Mount], workdir: str) -> Path:
     image_config = json.loads((Path(c.image) / "config.json").read_text())
     bundle.mkdir(parents=True, exist_ok=True)
-    (bundle / "config.json").write_text(json.dumps(bundle_config(image_config, c.image, mounts, workdir, c.writable),
-                                                   indent=2) + "\n")
+    args = [c.python, "-c", LOADER, "@TASKDIR@"] if c.oci_launch == "runc" else None
+    config = bundle_config(image_config, c.image, mounts, workdir, c.writable, args)
+    (bundle / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return bundle
 
 
