@@ -176,14 +176,28 @@ def test_oci_bundle(tmp_path):
     mounts = ct.step_mounts(c, "/runs", "/home/u/proj", LINKS)
     bundle = sc.write_bundle(c, tmp_path / "run" / "container" / "bundle", mounts, "/home/u/proj")
     config = json.loads((bundle / "config.json").read_text())
-    assert config["root"] == {"path": f"{image}/rootfs", "readonly": True}
-    assert config["process"]["cwd"] == "/home/u/proj"
-    binds = {m["destination"]: m["options"][-1] for m in config["mounts"][1:]}
+    # Slurm 22.05 takes BUNDLE/rootfs whatever root.path says: an empty folder, the image's root bound onto it
+    assert config["root"] == {"path": "rootfs", "readonly": True} and (bundle / "rootfs").is_dir()
+    assert config["mounts"][0] == {"destination": "/", "type": "none", "source": f"{image}/rootfs",
+                                   "options": ["rbind", "ro"]}
+    assert config["process"]["cwd"] == "/home/u/proj" and config["process"]["args"] == ["sh"]
+    binds = {m["destination"]: m["options"][-1] for m in config["mounts"][2:]}
     assert binds == {"/etc/hosts": "ro", "/runs": "rw", "/home/u/proj": "rw", "/opt/hpcx/src": "ro",
                      "/opt/hpcx/venv/lib/python3.11/site-packages": "ro"}
-    assert config["mounts"][0] == base["mounts"][0]
+    assert config["mounts"][1] == base["mounts"][0]
     step = sc.wrap_step(["x"], c, "/runs/r", mounts, "/w")
     assert step.srun_args == ["--container=/runs/r/container/bundle"] and step.argv == ["x"]
+    # each task runs the bundle with runc itself: the task's folder, environment and arguments at its start
+    c.oci_launch = "runc"
+    step = sc.wrap_step(["x", "y z"], c, "/runs/r", mounts, "/w")
+    assert step == sc.Step([], ["/bin/sh", "/runs/r/container/oci-task", "x", "y z"])
+    config = json.loads((sc.write_bundle(c, tmp_path / "b2", mounts, "/w") / "config.json").read_text())
+    assert config["process"]["args"] == ["python3", "-c", sc.LOADER, "@TASKDIR@"]
+
+
+def test_oci_is_never_writable():
+    assert any("`container.writable` = true: runtime 'oci'" in m for m in errors_of(runtime="oci", image="/b",
+                                                                                   writable=True))
 
 
 def test_overlay_brings_hpcx_and_pure_packages_only(tmp_path):

@@ -57,7 +57,7 @@ class Container:
     env: list[str] = field(factory=list, doc="Names of variables whose values on the submitting side are passed "
                            "into the image over the image's own (pyxis `--container-env`, apptainer `--env`).")
     writable: bool = field(False, doc="Let tasks write to the image's own file system (pyxis "
-                           "`--container-writable`, apptainer `--writable-tmpfs`, oci a writable root); the "
+                           "`--container-writable`, apptainer `--writable-tmpfs`; not oci, whose image all runs share); the "
                            "mounted folders are writable either way.")
     mount_home: bool = field(False, doc="Mount the user's home folder (off by default: a home's Python "
                              "packages would shadow the image's).")
@@ -86,6 +86,9 @@ def problems(c: Container, prefix: str = "container") -> list[str]:
     if not c.enabled:
         return out
     out += image_problems(c.runtime, c.image, f"{prefix}.image")
+    if c.runtime == "oci" and c.writable:
+        out.append(f"`{prefix}.writable` = true: runtime 'oci' binds one image's root file system into every run, "
+                   "read-only; write to the mounted folders instead")
     for i, mount in enumerate(c.mounts):
         out += mount_problems(mount, f"{prefix}.mounts[{i}]")
     if c.workdir and (not os.path.isabs(c.workdir) or "," in c.workdir or ":" in c.workdir):

@@ -41,7 +41,7 @@ set -eu
 run=$(dirname "$(dirname "$0")")
 id="hpcx-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}-${SLURM_STEP_ID}-${SLURM_PROCID}"
 dir="$run/container/tasks/$id"
-mkdir -p "$dir"
+mkdir -p "$dir/rootfs"  # the image is bound onto it (root.path is rootfs, as Slurm 22.05 wants)
 env -0 > "$dir/environ"
 printf '%s\\0' "$@" > "$dir/argv"
 sed "s|@TASKDIR@|$dir|g" "$run/container/bundle/config.json" > "$dir/config.json"
@@ -124,21 +124,23 @@ def bundle_config(image_config: dict[str, tp.Any], image: str, mounts: list[Moun
     """The per-run OCI configuration: the image's, its root by absolute path, the step's bind mounts and
     working folder. (slurmstepd sets ``process.args``/``process.env`` per task.)"""
     config = copy.deepcopy(image_config)
-    root = config.setdefault("root", {})
-    root["path"] = os.path.realpath(os.path.join(image, root.get("path", "rootfs")))  # runc takes no link
-    root["readonly"] = not writable
+    image_root = os.path.realpath(os.path.join(image, config.get("root", {}).get("path", "rootfs")))  # no link
+    # Slurm 22.05 takes BUNDLE/rootfs whatever root.path says: the per-run bundle has an empty rootfs/ and
+    # the image's root file system is bound onto it first (runc mounts it before the others).
+    config["root"] = {"path": "rootfs", "readonly": not writable}
+    whole = {"destination": "/", "type": "none", "source": image_root, "options": ["rbind", "ro" if not writable else "rw"]}
     config.setdefault("process", {})["cwd"] = workdir
     if args is not None:
         config["process"]["args"] = args
     binds = [{"destination": m.target, "type": "none", "source": m.source,
               "options": ["rbind", "nosuid", "nodev", "ro" if m.readonly else "rw"]} for m in mounts]
-    config["mounts"] = [*config.get("mounts", []), *binds]
+    config["mounts"] = [whole, *config.get("mounts", []), *binds]
     return config
 
 
 def write_bundle(c: Container, bundle: Path, mounts: list[Mount], workdir: str) -> Path:
     image_config = json.loads((Path(c.image) / "config.json").read_text())
-    bundle.mkdir(parents=True, exist_ok=True)
+    (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
     args = [c.python, "-c", LOADER, "@TASKDIR@"] if c.oci_launch == "runc" else None
     config = bundle_config(image_config, c.image, mounts, workdir, c.writable, args)
     (bundle / "config.json").write_text(json.dumps(config, indent=2) + "\n")
