@@ -142,3 +142,18 @@ def test_slurm_22_05_oci_support_runs_one_task_per_node_without_its_variables(im
     four = subprocess.run(["srun", "-N1", "-n2", f"--container={bundle}", "/usr/bin/python3", "-c", "1"],
                           capture_output=True, text=True, timeout=120)
     assert four.returncode != 0 and "Task launch for StepId=" in four.stderr
+
+
+def test_container_check_reports_from_inside_the_image(images):
+    out = hpcx("container", "check", "--site", SITE, "--json", timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["container"]["key"] == os.readlink(images / "torch")
+    assert len(report["ranks"]) == 2
+    for rank in report["ranks"]:
+        assert rank["executable"] == "/usr/bin/python3" and rank["torch"] == "2.13.0+cpu"
+        assert rank["hpcx_imports"] == "ok" and rank["image"] == str(images / "torch")
+        assert rank["backend"] == "gloo" and rank["all_reduce_ok"] and rank["host"] in ("n1", "n2")
+    assert report["transports"] == []  # a CPU site: gloo, no NCCL lines
+    text = hpcx("container", "check", "--site", SITE, timeout=600)
+    assert text.returncode == 0 and "hpcx imports: ok" in text.stdout and "torch 2.13.0+cpu" in text.stdout
