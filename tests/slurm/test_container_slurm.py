@@ -157,3 +157,20 @@ def test_container_check_reports_from_inside_the_image(images):
     assert report["transports"] == []  # a CPU site: gloo, no NCCL lines
     text = hpcx("container", "check", "--site", SITE, timeout=600)
     assert text.returncode == 0 and "hpcx imports: ok" in text.stdout and "torch 2.13.0+cpu" in text.stdout
+
+
+def test_a_data_prepare_array_in_the_image_writes_the_same_bytes_as_a_local_run(images, tmp_path):
+    from tests.slurm.test_data_slurm import folder_bytes
+    from tests.tokens.corpus import text_corpus, train_tokenizer
+
+    corpus = text_corpus(tmp_path / "txt", 12)
+    tokenizer = train_tokenizer(tmp_path / "tokenizer.json")
+    common = [str(corpus), "--tokenizer", str(tokenizer), "--group-bytes", "30000", "--val-fraction", "0.1"]
+    local = hpcx("data", "prepare", *common, "--out", str(tmp_path / "local"))
+    assert local.returncode == 0, local.stderr
+    array = hpcx("data", "prepare", *common, "--out", str(tmp_path / "array"), "--site", SITE, "--wait", timeout=900)
+    assert array.returncode == 0, array.stdout + array.stderr
+    script = (tmp_path / "array" / ".prepare" / "array.sh").read_text()
+    assert "/container/oci-task" in script and "/usr/bin/python3" in script  # each task ran in the image
+    assert len(list((tmp_path / "array" / ".prepare" / "container" / "tasks").iterdir())) >= 2
+    assert folder_bytes(tmp_path / "local") == folder_bytes(tmp_path / "array")

@@ -39,7 +39,7 @@ OCI_TASK_SCRIPT = """#!/bin/sh
 # hpcx: run this task in the run's OCI bundle with runc (docs/containers.md); "$@" is the task's command
 set -eu
 run=$(dirname "$(dirname "$0")")
-id="hpcx-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}-${SLURM_STEP_ID}-${SLURM_PROCID}"
+id="hpcx-${SLURM_JOB_ID}-${SLURM_RESTART_COUNT:-0}-${SLURM_STEP_ID:-batch}-${SLURM_PROCID:-0}"
 dir="$run/container/tasks/$id"
 mkdir -p "$dir/rootfs"  # the image is bound onto it (root.path is rootfs, as Slurm 22.05 wants)
 env -0 > "$dir/environ"
@@ -108,12 +108,13 @@ def step_for(c: Container, run_dir: str, folder: str, workdir: str, gpus: bool,
     return wrap_step(argv, c, run_dir, mounts, workdir, gpus)
 
 
-def prepare_run(c: Container, run_dir: Path, workdir: str) -> None:
-    """At submit: the overlay of links and, for ``oci``, the per-run bundle (RUN/container/…)."""
+def prepare_run(c: Container, run_dir: Path, workdir: str, writes: str | None = None) -> None:
+    """At submit: the overlay of links and, for ``oci``, the per-run bundle (RUN/container/…); ``writes``:
+    the folder mounted read-write (default: the run root, RUN's parent)."""
     links = overlay_links()
     write_overlay(run_dir, links)
     if c.runtime == "oci":
-        mounts = step_mounts(c, str(run_dir.parent), workdir, links)
+        mounts = step_mounts(c, writes or str(run_dir.parent), workdir, links)
         write_bundle(c, run_dir / BUNDLE, mounts, c.workdir or workdir)
         if c.oci_launch == "runc":
             (run_dir / OCI_TASK).write_text(OCI_TASK_SCRIPT.replace("RUNC", shlex.join(RUNC)))

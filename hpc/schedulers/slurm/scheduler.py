@@ -487,7 +487,8 @@ class SlurmScheduler(Scheduler):
     def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
         from hpc.schedulers.slurm.array import ARRAY_MINUTES, submit_prepare
 
-        return submit_prepare(folder, site.scheduler, python, groups, min(4, site.node.cpus), ARRAY_MINUTES)
+        return submit_prepare(folder, site.scheduler, python, groups, min(4, site.node.cpus), ARRAY_MINUTES,
+                              site.container)
 
 
 class SlurmJobSide(JobSide):
