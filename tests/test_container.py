@@ -179,7 +179,7 @@ def test_oci_bundle(tmp_path):
     # Slurm 22.05 takes BUNDLE/rootfs whatever root.path says: an empty folder, the image's root bound onto it
     assert config["root"] == {"path": "rootfs", "readonly": True} and (bundle / "rootfs").is_dir()
     assert config["mounts"][0] == {"destination": "/", "type": "none", "source": f"{image}/rootfs",
-                                   "options": ["rbind", "ro"]}
+                                   "options": ["rbind", "rw"]}  # runc makes mount points; root.readonly
     assert config["process"]["cwd"] == "/home/u/proj" and config["process"]["args"] == ["sh"]
     binds = {m["destination"]: m["options"][-1] for m in config["mounts"][2:]}
     assert binds == {"/etc/hosts": "ro", "/runs": "rw", "/home/u/proj": "rw", "/opt/hpcx/src": "ro",

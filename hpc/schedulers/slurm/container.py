@@ -127,9 +127,11 @@ def bundle_config(image_config: dict[str, tp.Any], image: str, mounts: list[Moun
     config = copy.deepcopy(image_config)
     image_root = os.path.realpath(os.path.join(image, config.get("root", {}).get("path", "rootfs")))  # no link
     # Slurm 22.05 takes BUNDLE/rootfs whatever root.path says: the per-run bundle has an empty rootfs/ and
-    # the image's root file system is bound onto it first (runc mounts it before the others).
+    # the image's root file system is bound onto it first (runc mounts it before the others). The bind is
+    # read-write so that runc can make the mount points of the mounts that follow (empty folders, as for any
+    # bundle); `root.readonly` then remounts the whole root read-only before the task starts.
     config["root"] = {"path": "rootfs", "readonly": not writable}
-    whole = {"destination": "/", "type": "none", "source": image_root, "options": ["rbind", "ro" if not writable else "rw"]}
+    whole = {"destination": "/", "type": "none", "source": image_root, "options": ["rbind", "rw"]}
     config.setdefault("process", {})["cwd"] = workdir
     if args is not None:
         config["process"]["args"] = args
