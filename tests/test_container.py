@@ -235,3 +235,23 @@ def test_inside_check(monkeypatch):
     # the check after srun reads it as a start that would fail the same way: not requeued
     found = loading_failure(f"hpcx: start of job 7.0\nhpcx: {line}\nsrun: error: n1: task 0: Exited with exit code 2\n")
     assert found["module"] == "/var/cache/img/python" and found["where"] == "starting in the container image"
+
+
+def test_the_loader_runs_the_task_with_its_own_environment_and_arguments(tmp_path):
+    """What each runc task does inside the image (``LOADER``), here with this machine's Python."""
+    import subprocess
+    import sys
+
+    nasty = "a b'$(echo no)`\n\"x"
+    (tmp_path / "environ").write_bytes(b"\0".join([b"HPCX_T=" + nasty.encode(), b"PATH=/usr/bin:/bin"]) + b"\0")
+    argv = [sys.executable, "-c", "import os, sys; print(repr(os.environ['HPCX_T']), sys.argv[1:])", nasty, ""]
+    (tmp_path / "argv").write_bytes(b"".join(a.encode() + b"\0" for a in argv))
+    out = subprocess.run([sys.executable, "-c", sc.LOADER, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{nasty!r} {[nasty, '']!r}"
+
+
+def test_the_task_script_names_one_container_per_task_and_start():
+    script = sc.OCI_TASK_SCRIPT
+    assert "${SLURM_RESTART_COUNT:-0}" in script and "${SLURM_PROCID:-0}" in script  # a requeue's own
+    assert "delete --force" in script and script.rstrip().endswith('run --bundle "$dir" "$id"')
