@@ -255,3 +255,27 @@ def test_the_task_script_names_one_container_per_task_and_start():
     script = sc.OCI_TASK_SCRIPT
     assert "${SLURM_RESTART_COUNT:-0}" in script and "${SLURM_PROCID:-0}" in script  # a requeue's own
     assert "delete --force" in script and script.rstrip().endswith('run --bundle "$dir" "$id"')
+
+
+def test_a_job_changes_its_sites_container(tmp_path, fixed_host):
+    from hpc.core.site import select_site
+
+    base = (REPO / "docs/sites/pyxis-h100.toml").read_text().replace('runtime = "pyxis"',
+                                                                      'runtime = "pyxis"\nruntimes = ["pyxis", "none"]')
+    (tmp_path / "p.toml").write_text(base)
+    job = REPO / "jobs/tiny-hsdp-2node.toml"
+    site = select_site(str(tmp_path / "p.toml"), load_spec(job, ['container.image=nvcr.io#me/torch:1',
+                                                                 'container.mounts=["/scratch:/scratch"]']))
+    assert site.container.image == "nvcr.io#me/torch:1" and site.container.runtime == "pyxis"
+    assert site.container.mounts == ["/lustre/datasets:/lustre/datasets:ro", "/scratch:/scratch"]
+    plain = select_site(str(tmp_path / "p.toml"), load_spec(job, ["container.runtime=none"]))
+    assert not plain.container.enabled
+    spec = load_spec(job, ["container.runtime=none"])
+    assert "--container" not in render(spec, plain, resolve(spec, plain), RUN_DIR, PYTHON)
+    with pytest.raises(ConfigError) as exc:
+        select_site(str(tmp_path / "p.toml"), load_spec(job, ["container.runtime=apptainer"]))
+    assert "`container.runtime` = 'apptainer' is not among the site's `container.runtimes` (pyxis, none)" in \
+        exc.value.messages[0]
+    with pytest.raises(ConfigError) as exc:
+        select_site(str(tmp_path / "p.toml"), load_spec(job, ['container.mounts=["/a,b"]']))
+    assert "`container.mounts[1]`" in exc.value.messages[0]

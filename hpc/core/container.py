@@ -74,6 +74,38 @@ class Container:
         return self.runtime != "none"
 
 
+@dataclass
+class JobContainer:
+    """A job spec's ``[container]``: what this job changes of its site's (empty: the site's value)."""
+
+    runtime: str = field("", doc="One of the site's `container.runtimes` (`none` runs this job without a "
+                         "container); empty: the site's `runtime`.", choices=("", *RUNTIMES))
+    image: str = field("", doc="Another image for the same runtime; empty: the site's.", max_len=4096)
+    mounts: list[str] = field(factory=list, doc="Mounts added to the site's, `SRC[:DST[:ro|rw]]`.")
+    env: list[str] = field(factory=list, doc="Variable names passed into the image, added to the site's.")
+    workdir: str = field("", doc="Working folder inside; empty: the site's, else the submit folder.")
+    python: str = field("", doc="The interpreter inside the image; empty: the site's.", max_len=256)
+
+
+def for_job(site: Container, job: JobContainer | None) -> Container:
+    """The site's container with the job's changes (``problems`` checks the result)."""
+    import dataclasses
+
+    if job is None:
+        return site
+    return dataclasses.replace(site, runtime=job.runtime or site.runtime, image=job.image or site.image,
+                               mounts=[*site.mounts, *job.mounts], env=[*site.env, *job.env],
+                               workdir=job.workdir or site.workdir, python=job.python or site.python,
+                               runtimes=site.runtimes or [site.runtime])
+
+
+def job_problems(site: Container, job: JobContainer, prefix: str = "container") -> list[str]:
+    """A job's ``[container]`` against its site's: a runtime the site declares, valid values once merged."""
+    if job == JobContainer():
+        return []
+    return problems(for_job(site, job), prefix)
+
+
 def problems(c: Container, prefix: str = "container") -> list[str]:
     """Every problem with a ``[container]`` section (``prefix``: the name messages give it)."""
     out: list[str] = []

@@ -7,6 +7,7 @@ validates the arithmetic against a site and prints the numbers it used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from hpc import schedulers
 from hpc.core import validate as v
+from hpc.core.container import JobContainer
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
@@ -207,6 +209,7 @@ class JobSpec:
     parallel: Parallel
     checkpoint: Checkpoint
     env: Env
+    container: JobContainer = dataclasses.field(default_factory=JobContainer)  # over the site's [container]
     source: str = ""
 
     def to_dict(self) -> dict[str, tp.Any]:
@@ -227,7 +230,7 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env}
+            "checkpoint": Checkpoint, "env": Env, "container": JobContainer}
 
 
 def __getattr__(name: str) -> tp.Any:
