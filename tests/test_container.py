@@ -135,8 +135,9 @@ def test_pyxis_flags_are_pyxis_own(fixed_host):
     assert "--container-env=WANDB_API_KEY" in words
     # the check after srun stays on the host: no container flag after the step line
     task = words[words.index("/bin/sh"):]
-    assert task[4:8] == ["env", f"PYTHONPATH={RUN_DIR}/container/path",
-                         "HPCX_CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3", "python"]
+    assert task[4:9] == ["env", f"PYTHONPATH={RUN_DIR}/container/path",
+                         "HPCX_CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3",
+                         f"HPCX_HOST_REQUEUE={RUN_DIR}/container/requeue-request", "python"]
 
 
 def test_apptainer_exec_wraps_the_task(fixed_host):
@@ -279,3 +280,19 @@ def test_a_job_changes_its_sites_container(tmp_path, fixed_host):
     with pytest.raises(ConfigError) as exc:
         select_site(str(tmp_path / "p.toml"), load_spec(job, ['container.mounts=["/a,b"]']))
     assert "`container.mounts[1]`" in exc.value.messages[0]
+
+
+def test_rank_0_inside_the_image_asks_the_host_for_the_requeue(tmp_path, monkeypatch):
+    """The image has no scontrol: rank 0 leaves a request, the batch shell on the host requeues after srun."""
+    from hpc.schedulers.slurm.scheduler import SlurmJobSide
+
+    request = tmp_path / "requeue-request"
+    monkeypatch.setenv("HPCX_HOST_REQUEUE", str(request))
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.setattr("hpc.schedulers.slurm.scheduler.show_job", lambda job: pytest.fail("asked scontrol"))
+    assert SlurmJobSide().requeue() is None
+    assert (tmp_path / "requeue-request.42.1").read_text() == "42 1\n"
+    line = sc.host_requeue_line("/runs/r")
+    assert line.startswith('[ ! -e /runs/r/container/requeue-request."$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}" ] ||')
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in line

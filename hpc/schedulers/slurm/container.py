@@ -64,9 +64,31 @@ class Step:
     setup: list[str] = field(default_factory=list)
 
 
+HOST_REQUEUE_ENV = "HPCX_HOST_REQUEUE"  # inside the image: where rank 0 asks the host for the one requeue
+HOST_REQUEUE = "container/requeue-request"  # under the run folder, + .JOB.RESTARTS
+
+
 def inner_python(c: Container, run_dir: str) -> list[str]:
-    """The interpreter a task runs inside the image, with hpcx's overlay first on its path."""
-    return ["env", f"PYTHONPATH={run_dir}/{OVERLAY}", f"{IMAGE_ENV}={c.image}", c.python]
+    """The interpreter a task runs inside the image, with hpcx's overlay first on its path (and where to
+    ask the host for a requeue: the image has no scontrol)."""
+    return ["env", f"PYTHONPATH={run_dir}/{OVERLAY}", f"{IMAGE_ENV}={c.image}",
+            f"{HOST_REQUEUE_ENV}={run_dir}/{HOST_REQUEUE}", c.python]
+
+
+def host_requeue_line(run_dir: str) -> str:
+    """After srun, in the batch shell on the host: the requeue rank 0 asked for from inside the image."""
+    request = f'{shlex.quote(f"{run_dir}/{HOST_REQUEUE}")}."$SLURM_JOB_ID.${{SLURM_RESTART_COUNT:-0}}"'
+    return (f'[ ! -e {request} ] || scontrol requeue "$SLURM_JOB_ID"  # asked for by rank 0 inside the image '
+            "(it has no scontrol)")
+
+
+def request_host_requeue(env: tp.Mapping[str, str], job: str, restarts: int) -> bool:
+    """Inside the image: leave the request for ``host_requeue_line``; False outside a container."""
+    path = env.get(HOST_REQUEUE_ENV)
+    if not path:
+        return False
+    Path(f"{path}.{job}.{restarts}").write_text(f"{job} {restarts}\n")
+    return True
 
 
 def wrap_step(argv: list[str], c: Container, run_dir: str, mounts: list[Mount], workdir: str,

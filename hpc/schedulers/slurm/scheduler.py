@@ -141,6 +141,10 @@ def in_container(params: dict[str, tp.Any], site: SiteProfile, launch: Launch, r
     step = step_for(site.container, run_dir, f"{run_dir}/{SUBMITIT_DIR}", workdir, bool(launch.gpus_per_node))
     params["srun_args"] = [*params["srun_args"], *step.srun_args]
     params["setup"] = [*params["setup"], *step.setup]
+    from hpc.schedulers.slurm.container import host_requeue_line
+
+    teardown = list(params["teardown"])  # after the line that keeps srun's status
+    params["teardown"] = [teardown[0], host_requeue_line(run_dir), *teardown[1:]]
     return shlex.join(step.argv)
 
 
@@ -522,6 +526,11 @@ class SlurmJobSide(JobSide):
         failure, say); a restart count different from ours means another incarnation: never requeue then.
         """
         job = self.job_id() or ""
+        from hpc.schedulers.slurm.container import request_host_requeue
+
+        if request_host_requeue(os.environ, job, self.restart_count()):  # inside an image without scontrol
+            _log().warning("requeue of job %s asked of the batch script on the host (after srun)", job)
+            return None
         fields = show_job(job)
         state = fields.get("JobState", "UNKNOWN")
         if state != "RUNNING":
