@@ -296,3 +296,34 @@ def test_rank_0_inside_the_image_asks_the_host_for_the_requeue(tmp_path, monkeyp
     line = sc.host_requeue_line("/runs/r")
     assert line.startswith('[ ! -e /runs/r/container/requeue-request."$SLURM_JOB_ID.${SLURM_RESTART_COUNT:-0}" ] ||')
     assert 'scontrol requeue "$SLURM_JOB_ID"' in line
+
+
+# TensorProperties(dtype=torch.float32) as Debian bookworm's Python 3.11.2 (the sandbox image's) pickles it: the
+# memory-format enum member as builtins.getattr(_MEM_FORMAT_ENCODING, 'TORCH_CONTIGUOUS_FORMAT')
+PICKLED_BY_3_11_2 = (b'\x80\x04\x95\xe5\x00\x00\x00\x00\x00\x00\x00\x8c%torch.distributed.checkpoint.metadata\x94\x8c'
+                     b'\x10TensorProperties\x94\x93\x94)\x81\x94(\x8c\x05torch\x94\x8c\x07float32\x94\x93\x94\x8c\x13'
+                     b'torch.serialization\x94\x8c\x0b_get_layout\x94\x93\x94\x8c\rtorch.strided\x94\x85\x94R\x94\x89'
+                     b'\x8c\x08builtins\x94\x8c\x07getattr\x94\x93\x94h\x00\x8c\x14_MEM_FORMAT_ENCODING\x94\x93\x94'
+                     b'\x8c\x17TORCH_CONTIGUOUS_FORMAT\x94\x86\x94R\x94\x89t\x94b.')
+
+
+def test_checkpoints_written_in_the_image_read_back():
+    """A drill inside the image found its own checkpoint "incomplete": its Python pickles enum members by getattr."""
+    import io
+    import pickle
+
+    import torch
+
+    from hpc.ckpt.safe_pickle import MetadataUnpickler, RefusedGlobal
+
+    props = MetadataUnpickler(io.BytesIO(PICKLED_BY_3_11_2)).load()
+    assert props.dtype == torch.float32 and props.memory_format == torch.contiguous_format
+    for target in (b'\x8c\x02os\x94\x8c\x06system', b'\x8c\x08builtins\x94\x8c\x04eval'):  # never any other getattr
+        planted = b'\x80\x04\x8c\x08builtins\x94\x8c\x07getattr\x94\x93\x94' + target + b'\x94\x86\x94R\x94.'
+        with pytest.raises(RefusedGlobal):
+            MetadataUnpickler(io.BytesIO(planted)).load()
+    enum_cls = type(props).__module__  # a member name that is not one: refused too
+    bad = PICKLED_BY_3_11_2.replace(b'\x8c\x17TORCH_CONTIGUOUS_FORMAT', b'\x8c\x17TORCH_CONTIGUOUS_FORMAX')
+    with pytest.raises((RefusedGlobal, pickle.UnpicklingError)):
+        MetadataUnpickler(io.BytesIO(bad)).load()
+    assert enum_cls

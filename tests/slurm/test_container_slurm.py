@@ -116,9 +116,6 @@ def test_cancel_never_requeues(images, tokens):
     assert "REQUEUED" not in states(folder)
 
 
-@pytest.mark.xfail(strict=False, reason="open: after the drill's requeue (asked of the host), the restart finds the "
-                   "preemption checkpoint incomplete ('checkpoint …/step-N is incomplete: set aside as .step-N.torn') "
-                   "and resumes from the last interval save; the requeue itself and the losses are as the twin's")
 def test_a_drill_resumes_bit_identical_to_an_uncontained_twin(images, tokens):
     steps = 30
     reference = submit(HSDP, *sets(tokens, "oci-twin", f"train.steps={steps}"), site="sandbox")
