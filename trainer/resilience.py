@@ -43,6 +43,7 @@ from hpc.core import runs
 from hpc.core.failures import record_saves, repeat_reason, would_repeat
 from hpc import schedulers
 from hpc.core.requeue import requeue_verdict
+from hpc.core.container import inside_record
 from hpc.core.procs import process_start_time
 from hpc.schedulers.base import JobSide, wait_since_last_stop
 from hpc.core.spec import Checkpoint
@@ -361,7 +362,7 @@ def start_line(run_dir: Path, step: int, checkpoint: Path | None, restore_s: flo
             "restore_s": round(restore_s, 3), "queue_wait_s": None if wait is None else round(wait, 3),
             "queue_wait_source": source, "startup_s": round(time.time() - process_start_time(), 3),
             "job_id": side.job_id() if side else None,
-            "slurm_restart_count": side.restart_count() if side else 0}
+            "slurm_restart_count": side.restart_count() if side else 0, **inside_record(os.environ)}
 
 
 def record_start(run_dir: Path, side: JobSide | None) -> None:

@@ -45,6 +45,17 @@ ALLOWED: dict[tuple[str, str], tp.Any] = {
 }
 
 
+def _enum_member(cls: tp.Any, name: tp.Any) -> tp.Any:
+    """``getattr(ENUM, NAME)``, as Python 3.11.0–3.11.4 (Debian bookworm's 3.11.2, so many images) pickle an
+    enum member: only for an allow-listed enum class and one of its members' names."""
+    import enum
+
+    allowed = [v for v in ALLOWED.values() if isinstance(v, type) and issubclass(v, enum.Enum)]
+    if cls not in allowed or not isinstance(name, str) or name not in cls.__members__:
+        raise RefusedGlobal(f"builtins.getattr({short_repr(cls)}, {short_repr(name)})")
+    return cls.__members__[name]
+
+
 class RefusedGlobal(pickle.UnpicklingError):
     """The pickle names a global outside the allow-list."""
 
@@ -55,6 +66,8 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> tp.Any:
         if (module, name) in ALLOWED:
             return ALLOWED[(module, name)]
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise RefusedGlobal(f"{module}.{name}")

@@ -46,7 +46,7 @@ class LazyGroup(ErrorsGroup):
 # Commands in their own modules (each torch-free at import).
 LAZY = {"plan": ("hpc.cli.plan", "plan_command"), "ckpt": ("hpc.cli.ckpt", "ckpt_group"),
         "scale": ("hpc.cli.scale", "scale_group"), "data": ("hpc.cli.data", "data_group"),
-        "plot": ("hpc.cli.plot", "plot_command")}
+        "plot": ("hpc.cli.plot", "plot_command"), "container": ("hpc.cli.container", "container_group")}
 
 
 @click.group(cls=LazyGroup, lazy=LAZY, context_settings={"help_option_names": ["-h", "--help"]})

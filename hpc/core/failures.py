@@ -210,6 +210,8 @@ MODULE_SPEC = re.compile(r"^(?P<python>\S+): Error while finding module specific
 NO_MODULE = re.compile(r"^(?P<python>\S+): No module named (?P<target>[\w.]+)$")
 # ``hpc.core.imports.main`` refusing a foreign ``hpc`` or ``trainer`` (another package's) prints one line.
 REFUSED = re.compile(r"^hpcx: (?P<msg>`(?P<name>hpc|trainer)` .*)$")
+# the first task's check inside a container image (``hpc.core.container.inside_problem``)
+IMAGE_REFUSED = re.compile(r"^hpcx: (?P<msg>the container image (?P<image>\S+) has .*)$")
 NAMED_MODULE = (re.compile(r"No module named '(?P<module>[\w.]+)'"),
                 re.compile(r"cannot import name '[\w.]+' from '(?P<module>[\w.]+)'"),
                 re.compile(r"on <module '(?P<module>[\w.]+)'"))
@@ -277,6 +279,10 @@ def _refused(lines: list[str]) -> tuple[int, dict[str, str]] | None:
         if match:
             return i, {"error": f"ImportError: {match.group('msg')}"[:300], "module": match.group("name"),
                        "where": "starting hpcx's own code"}
+        match = IMAGE_REFUSED.match(lines[i])
+        if match:
+            return i, {"error": f"ImportError: {match.group('msg')}"[:300], "module": match.group("image"),
+                       "where": "starting in the container image"}
     return None
 
 

@@ -42,13 +42,22 @@ def main() -> None:
     """``BOOT``'s second half (``sys.argv`` is ``["-c", MODULE, ARGS...]``): refuse foreign packages in
     one line (exit 2), then run ``MODULE`` as ``python -m MODULE ARGS`` would."""
     module = sys.argv.pop(1)
-    found = problem()
+    found = problem() or _image_problem()
     if found:
         print(f"hpcx: {found}", file=sys.stderr, flush=True)
         sys.exit(2)
     import runpy
 
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+def _image_problem() -> str | None:
+    """Inside a container (``HPCX_CONTAINER_IMAGE`` set by the step): what the image lacks for hpcx."""
+    if not os.environ.get("HPCX_CONTAINER_IMAGE"):
+        return None
+    from hpc.core.container import inside_problem
+
+    return inside_problem(os.environ, gpus=bool(os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 
 def rank() -> None:

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from hpc import schedulers
 from hpc.core.config import ConfigError
+from hpc.core.container import identity
 from hpc.core.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.core.manifest import source_kind
@@ -239,6 +240,7 @@ def resolved_document(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir:
         "spec": spec.to_dict(),
         "site": asdict(site),
         "launch": launch.to_dict(),
+        **({"container": identity(site.container)} if site.container.enabled else {}),
     }
 
 

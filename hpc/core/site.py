@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hpc import schedulers
 from hpc.core import validate as v
+from hpc.core.container import Container, JobContainer, for_job, job_problems, problems as container_problems
 from hpc.core.config import (ConfigError, build_document, check_table, field, read_toml, suggest, type_hints,
                              untouched)
 
@@ -99,6 +100,7 @@ class SiteProfile:
     storage: Storage
     nccl: dict[str, str]
     source: str = ""
+    container: Container = dataclasses.field(default_factory=Container)
 
     @property
     def multi_node(self) -> bool:
@@ -124,7 +126,7 @@ class SiteProfile:
         return v.expand_run_root(self.storage.run_root, where)
 
 
-SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage": Storage}
+SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage": Storage, "container": Container}
 
 
 def list_sites() -> list[str]:
@@ -160,6 +162,7 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
                                                         for key in _TABLE_FIELDS})
     errors += schedulers.section_problems(raw)
     errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
+    errors += container_problems(sections["container"])  # a field of the wrong type was left at its default
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
     if untouched(errors, CROSS_CHECKED):  # cross-checks see the values given, not defaults left by a type error
         errors += cross_check_site(site)
@@ -253,7 +256,18 @@ def site_choice(cli: str | None, spec_site: str | None, spec_source: str = "the 
 def select_site(cli: str | None, spec: tp.Any) -> SiteProfile:
     """The site a command runs ``spec`` on (``site_choice``), loaded; a message names where it came from."""
     name, label = site_choice(cli, spec.job.site, spec.source)
-    return load_site(name, label)
+    return job_site(load_site(name, label), spec)
+
+
+def job_site(site: SiteProfile, spec: tp.Any) -> SiteProfile:
+    """The site as this job runs on it: its ``[container]`` with the spec's changes (``container.for_job``)."""
+    job = getattr(spec, "container", None)
+    if job is None or job == JobContainer():
+        return site
+    found = job_problems(site.container, job)
+    if found:
+        raise ConfigError([f"{spec.source}: {m} (the job's [container] over {site.source})" for m in found])
+    return dataclasses.replace(site, container=for_job(site.container, job))
 
 
 def site_as_dict(site: SiteProfile) -> dict[str, tp.Any]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hpc import schedulers
 from hpc.core import validate as v
+from hpc.core.container import JobContainer
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.lora import Lora
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
@@ -231,6 +232,7 @@ class JobSpec:
     env: Env
     lora: Lora = dataclasses.field(default_factory=Lora)
     task: Task = dataclasses.field(default_factory=Task)
+    container: JobContainer = dataclasses.field(default_factory=JobContainer)  # over the site's [container]
     source: str = ""
 
     def to_dict(self) -> dict[str, tp.Any]:
@@ -253,7 +255,7 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "task": Task}
+            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "task": Task, "container": JobContainer}
 
 
 def __getattr__(name: str) -> tp.Any:

@@ -122,11 +122,30 @@ def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: 
     return params
 
 
-def render_sbatch(params: dict[str, tp.Any], python: str, folder: str) -> str:
-    """The sbatch script submitit will write for these parameters."""
+def render_sbatch(params: dict[str, tp.Any], python: str, folder: str, command: str | None = None) -> str:
+    """The sbatch script submitit will write for these parameters (``command``: the step's, when the
+    site has a container; else ``task_command``)."""
     from hpc.compat import make_sbatch_string
 
-    return make_sbatch_string(command=task_command(python, folder), folder=folder, **params)
+    return make_sbatch_string(command=command or task_command(python, folder), folder=folder, **params)
+
+
+def in_container(params: dict[str, tp.Any], site: SiteProfile, launch: Launch, run_dir: str,
+                 workdir: str) -> str | None:
+    """With a ``[container]``: its srun flags and setup lines added to ``params``, and the step's command
+    (``hpc.schedulers.slurm.container``); None without one (``params`` as they were)."""
+    if not site.container.enabled:
+        return None
+    from hpc.schedulers.slurm.container import step_for
+
+    step = step_for(site.container, run_dir, f"{run_dir}/{SUBMITIT_DIR}", workdir, bool(launch.gpus_per_node))
+    params["srun_args"] = [*params["srun_args"], *step.srun_args]
+    params["setup"] = [*params["setup"], *step.setup]
+    from hpc.schedulers.slurm.container import host_requeue_line
+
+    teardown = list(params["teardown"])  # after the line that keeps srun's status
+    params["teardown"] = [teardown[0], host_requeue_line(run_dir), *teardown[1:]]
+    return shlex.join(step.argv)
 
 
 @functools.cache
@@ -414,12 +433,25 @@ class SlurmScheduler(Scheduler):
         from hpc.schedulers.slurm.executor import SlurmExecutor
 
         executor = SlurmExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
-        executor.update_parameters(**slurm_parameters(spec, site, launch, str(Path(folder).parent), sys.executable))
+        run_dir = str(Path(folder).parent)
+        params = slurm_parameters(spec, site, launch, run_dir, sys.executable)
+        executor.hpcx_command = in_container(params, site, launch, run_dir, os.getcwd())
+        if executor.hpcx_command:
+            from hpc.core.container import submit_problems
+            from hpc.schedulers.slurm.container import prepare_run
+
+            found = submit_problems(site.container, site.source)
+            if found:
+                raise UserError(found)
+
+            prepare_run(site.container, Path(run_dir), os.getcwd())
+        executor.update_parameters(**params)
         return executor
 
     def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
-        return render_sbatch(slurm_parameters(spec, site, launch, run_dir, python), python,
-                             f"{run_dir}/{SUBMITIT_DIR}")
+        params = slurm_parameters(spec, site, launch, run_dir, python)
+        command = in_container(params, site, launch, run_dir, os.getcwd())
+        return render_sbatch(params, python, f"{run_dir}/{SUBMITIT_DIR}", command)
 
     def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
         deadline = time.monotonic() + timeout
@@ -459,7 +491,8 @@ class SlurmScheduler(Scheduler):
     def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
         from hpc.schedulers.slurm.array import ARRAY_MINUTES, submit_prepare
 
-        return submit_prepare(folder, site.scheduler, python, groups, min(4, site.node.cpus), ARRAY_MINUTES)
+        return submit_prepare(folder, site.scheduler, python, groups, min(4, site.node.cpus), ARRAY_MINUTES,
+                              site.container)
 
 
 class SlurmJobSide(JobSide):
@@ -493,6 +526,11 @@ class SlurmJobSide(JobSide):
         failure, say); a restart count different from ours means another incarnation: never requeue then.
         """
         job = self.job_id() or ""
+        from hpc.schedulers.slurm.container import request_host_requeue
+
+        if request_host_requeue(os.environ, job, self.restart_count()):  # inside an image without scontrol
+            _log().warning("requeue of job %s asked of the batch script on the host (after srun)", job)
+            return None
         fields = show_job(job)
         state = fields.get("JobState", "UNKNOWN")
         if state != "RUNNING":

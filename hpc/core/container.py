@@ -1,0 +1,372 @@
+"""The site's ``[container]`` section: the image every task of a job runs in, and what hpcx brings into it.
+
+The image is used as it is: it provides Python and torch (on a GPU site CUDA and NCCL too) and needs
+nothing of hpcx. hpcx brings its own code and its pure-Python dependencies in: an *overlay* folder in the
+run folder holds links to hpcx's ``hpc`` and ``trainer`` and to each pure-Python package they need, as
+installed where the job is submitted; the folders those links point into are mounted read-only at the
+same paths, and the overlay is put first on ``PYTHONPATH`` inside. The run root and the job's folder are
+mounted at the same paths as on the host, so every path in resolved.json means the same inside.
+Compiled packages (numpy, and for ``hpcx data prepare`` tokenizers, pyarrow, zstandard) must be the
+image's own: a host build may not fit the image's Python.
+
+What can be checked before submitting is checked here (strict keys, absolute image paths, mount
+strings no runtime would read as another option; at submit, that the image is there: ``submit_problems``); what only the image can
+answer (torch importable, its version, CUDA/NCCL) is checked by the first task (``inside_problem``),
+which fails the start with one line naming the image, not requeued. How each runtime is put on the
+command line is the scheduler's (``hpc/schedulers/<kind>/container.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+import typing as tp
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpc.core.config import field
+
+RUNTIMES = ("none", "pyxis", "apptainer", "oci")
+IMAGE_ENV = "HPCX_CONTAINER_IMAGE"  # set inside the step: the image a task runs in (for its start check)
+OVERLAY = "container/path"  # under the run folder: links to hpcx's code and its pure-Python dependencies
+BUNDLE = "container/bundle"  # under the run folder: the per-run OCI bundle (oci)
+# URI schemes of images the login node cannot look at (pulled by the runtime on the node)
+IMAGE_URIS = ("docker://", "docker-daemon://", "library://", "oras://", "shub://", "dockerd://", "podman://")
+MOUNT_OPTIONS = ("ro", "rw")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class Container:
+    runtime: str = field("none", doc="How each task enters the image: `none` (the nodes' own Python), `pyxis` "
+                         "(enroot through pyxis), `apptainer` (`apptainer exec`), `oci` (the scheduler's own OCI "
+                         "support, an OCI bundle).", choices=RUNTIMES)
+    runtimes: list[str] = field(factory=list, doc="The runtimes this site has, for a job's `[container]` to "
+                                "choose among (empty: only `runtime`).", max_len=16)
+    image: str = field("", doc="pyxis: an enroot URI (`nvcr.io#nvidia/pytorch:24.05-py3`) or an absolute `.sqsh` "
+                       "path; apptainer: an absolute `.sif` path (or a `docker://` URI); oci: the absolute path "
+                       "of an OCI bundle folder (`config.json` and its root file system).", max_len=4096)
+    mounts: list[str] = field(factory=list, doc="More mounts, each `SRC[:DST[:ro|rw]]` with absolute paths "
+                              "(no `,`; DST defaults to SRC). The run root, the job's folder and hpcx's own code "
+                              "are mounted without being listed.")
+    workdir: str = field("", doc="Working folder inside (absolute); empty: the folder the job was submitted "
+                         "from, at the same path.")
+    env: list[str] = field(factory=list, doc="Names of variables whose values on the submitting side are passed "
+                           "into the image over the image's own (pyxis `--container-env`, apptainer `--env`).")
+    writable: bool = field(False, doc="Let tasks write to the image's own file system (pyxis "
+                           "`--container-writable`, apptainer `--writable-tmpfs`; not oci, whose image all runs share); the "
+                           "mounted folders are writable either way.")
+    mount_home: bool = field(False, doc="Mount the user's home folder (off by default: a home's Python "
+                             "packages would shadow the image's).")
+    oci_launch: str = field("scheduler", doc="runtime `oci` only: `scheduler` hands the bundle to the scheduler's own "
+                            "OCI support (one task per node on Slurm 22.05); `runc`: each task runs the bundle with "
+                            "`runc run` itself (any tasks per node).", choices=("scheduler", "runc"))
+    python: str = field("python3", doc="The interpreter inside the image: a name on the image's PATH or an "
+                        "absolute path.", max_len=256)
+    flags: list[str] = field(factory=list, doc="More options for the runtime, as written (pyxis: on the step "
+                             "line; apptainer: after `exec`), each starting with `-`.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.runtime != "none"
+
+
+@dataclass
+class JobContainer:
+    """A job spec's ``[container]``: what this job changes of its site's (empty: the site's value)."""
+
+    runtime: str = field("", doc="One of the site's `container.runtimes` (`none` runs this job without a "
+                         "container); empty: the site's `runtime`.", choices=("", *RUNTIMES))
+    image: str = field("", doc="Another image for the same runtime; empty: the site's.", max_len=4096)
+    mounts: list[str] = field(factory=list, doc="Mounts added to the site's, `SRC[:DST[:ro|rw]]`.")
+    env: list[str] = field(factory=list, doc="Variable names passed into the image, added to the site's.")
+    workdir: str = field("", doc="Working folder inside; empty: the site's, else the submit folder.")
+    python: str = field("", doc="The interpreter inside the image; empty: the site's.", max_len=256)
+
+
+def for_job(site: Container, job: JobContainer | None) -> Container:
+    """The site's container with the job's changes (``problems`` checks the result)."""
+    import dataclasses
+
+    if job is None:
+        return site
+    return dataclasses.replace(site, runtime=job.runtime or site.runtime, image=job.image or site.image,
+                               mounts=[*site.mounts, *job.mounts], env=[*site.env, *job.env],
+                               workdir=job.workdir or site.workdir, python=job.python or site.python,
+                               runtimes=site.runtimes or [site.runtime])
+
+
+def job_problems(site: Container, job: JobContainer, prefix: str = "container") -> list[str]:
+    """A job's ``[container]`` against its site's: a runtime the site declares, valid values once merged."""
+    if job == JobContainer():
+        return []
+    return problems(for_job(site, job), prefix)
+
+
+def problems(c: Container, prefix: str = "container") -> list[str]:
+    """Every problem with a ``[container]`` section (``prefix``: the name messages give it)."""
+    out: list[str] = []
+    declared = c.runtimes or [c.runtime]
+    out += [f"`{prefix}.runtimes` names {r!r}: expected some of {', '.join(map(repr, RUNTIMES))}"
+            for r in c.runtimes if r not in RUNTIMES]
+    if c.runtime not in declared:
+        out.append(f"`{prefix}.runtime` = {c.runtime!r} is not among the site's `container.runtimes` "
+                   f"({', '.join(declared)})")
+    if not c.enabled:
+        return out
+    out += image_problems(c.runtime, c.image, f"{prefix}.image")
+    if c.runtime == "oci" and c.writable:
+        out.append(f"`{prefix}.writable` = true: runtime 'oci' binds one image's root file system into every run, "
+                   "read-only; write to the mounted folders instead")
+    for i, mount in enumerate(c.mounts):
+        out += mount_problems(mount, f"{prefix}.mounts[{i}]")
+    if c.workdir and (not os.path.isabs(c.workdir) or "," in c.workdir or ":" in c.workdir):
+        out.append(f"`{prefix}.workdir` = {c.workdir!r}: expected an absolute path without `,` or `:`")
+    out += [f"`{prefix}.env` names {name!r}: expected a variable name (letters, digits, `_`)"
+            for name in c.env if not ENV_NAME.match(name)]
+    if not c.python or any(ch.isspace() for ch in c.python) or (os.sep in c.python and not os.path.isabs(c.python)):
+        out.append(f"`{prefix}.python` = {c.python!r}: expected a command name or an absolute path, no spaces")
+    out += [f"`{prefix}.flags` has {flag!r}: expected options, each starting with `-`"
+            for flag in c.flags if not flag.startswith("-")]
+    return out
+
+
+def image_problems(runtime: str, image: str, where: str, look: bool = False) -> list[str]:
+    """The image: absolute, the right kind for the runtime; with ``look`` (at submit, on the login node), also
+    present. A profile loads without looking: `hpcx render` and `hpcx site list` work where the image is not."""
+    if not image:
+        return [f"`{where}` is empty: expected the image for runtime {runtime!r}"]
+    if image.startswith(IMAGE_URIS) or (runtime == "pyxis" and not image.startswith((os.sep, ".")) and "#" in image):
+        if runtime == "oci":
+            return [f"`{where}` = {image!r}: runtime 'oci' takes the absolute path of an OCI bundle folder"]
+        return [f"`{where}` = {image!r}: expected no `,`"] if "," in image else []
+    if runtime == "pyxis" and not image.startswith((os.sep, ".")) and not image.endswith(".sqsh"):
+        return [f"`{where}` = {image!r}: expected no `,`"] if "," in image else []  # a registry name, e.g. ubuntu:24.04
+    if not os.path.isabs(image):
+        return [f"`{where}` = {image!r}: expected an absolute path (the nodes resolve it from their own folder)"]
+    if "," in image or ":" in image:
+        return [f"`{where}` = {image!r}: expected a path without `,` or `:` (the runtime would split it)"]
+    if not look:
+        return []
+    path = Path(image)
+    if runtime == "oci":
+        if not (path / "config.json").is_file():
+            return [f"`{where}` = {image!r}: no OCI bundle there (expected a folder with config.json)"]
+    elif not path.is_file():
+        return [f"`{where}` = {image!r}: no such file"]
+    return []
+
+
+def mount_problems(mount: str, where: str) -> list[str]:
+    """``SRC[:DST[:ro|rw]]``: absolute paths, nothing the runtimes would read as another mount or option."""
+    parts = mount.split(":")
+    if "," in mount or len(parts) > 3 or not all(parts[:2]):
+        return [f"`{where}` = {mount!r}: expected `SRC[:DST[:ro|rw]]` (no `,`; at most two `:`)"]
+    if not all(os.path.isabs(p) for p in parts[:2]):
+        return [f"`{where}` = {mount!r}: expected absolute paths"]
+    if len(parts) == 3 and parts[2] not in MOUNT_OPTIONS:
+        return [f"`{where}` = {mount!r}: expected `ro` or `rw` after the second `:`, not {parts[2]!r}"]
+    return []
+
+
+def submit_problems(c: Container, source: str) -> list[str]:
+    """At submit, on the login node: the image is there (an image given by URI is the runtime's to pull)."""
+    found = image_problems(c.runtime, c.image, "container.image", look=True) if c.enabled else []
+    return [f"{source}: {p}" for p in found]
+
+
+# ---------------------------------------------------------------- what a step brings into the image
+
+
+@dataclass(frozen=True)
+class Mount:
+    source: str
+    target: str
+    readonly: bool
+
+    def text(self) -> str:
+        """``SRC:DST[:ro]``, as pyxis and apptainer take it."""
+        return f"{self.source}:{self.target}" + (":ro" if self.readonly else "")
+
+
+def parse_mount(mount: str) -> Mount:
+    parts = mount.split(":")
+    return Mount(parts[0], parts[1] if len(parts) > 1 else parts[0], len(parts) > 2 and parts[2] == "ro")
+
+
+def overlay_links() -> dict[str, str]:
+    """{name in the overlay: host path}: hpcx's ``hpc`` and ``trainer``, and every pure-Python package
+    among hpcx's dependencies (recursively; torch's own are the image's), as this Python imports them."""
+    import importlib.util
+
+    links = {name: _package_dir(name) for name in ("hpc", "trainer")}
+    for dist in pure_dependencies():
+        for top in _top_level(dist):
+            spec = importlib.util.find_spec(top)
+            if spec is None or spec.origin in (None, "built-in", "frozen"):
+                continue
+            origin = str(spec.origin)
+            entry = os.path.dirname(origin) if origin.endswith("__init__.py") else origin
+            links[os.path.basename(entry)] = entry
+    return links
+
+
+def _package_dir(name: str) -> str:
+    import importlib
+
+    return os.path.dirname(os.path.abspath(importlib.import_module(name).__file__ or ""))
+
+
+# distributions the image provides, never brought in: torch and what comes with it
+IMAGE_PROVIDES = ("torch", "numpy", "triton", "sympy", "networkx", "jinja2", "markupsafe", "filelock", "fsspec",
+                  "mpmath", "setuptools")
+
+
+def pure_dependencies() -> list[tp.Any]:
+    """hpcx's dependency distributions (recursively) that have no compiled files, less what the image provides."""
+    import importlib.metadata as md
+
+    seen: dict[str, tp.Any] = {}
+    todo = ["hpcx"]
+    while todo:
+        name = todo.pop()
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        for req in dist.requires or []:
+            if "extra ==" in req:
+                continue
+            dep = re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0].lower().replace("_", "-")
+            if dep in seen or dep.replace("-", "_") in IMAGE_PROVIDES or dep in IMAGE_PROVIDES:
+                continue
+            try:
+                seen[dep] = md.distribution(dep)
+            except md.PackageNotFoundError:
+                continue
+            todo.append(dep)
+    return [d for d in seen.values() if not any(str(f).endswith((".so", ".pyd")) for f in d.files or [])]
+
+
+def _top_level(dist: tp.Any) -> list[str]:
+    text = dist.read_text("top_level.txt")
+    if text:
+        return [line.strip() for line in text.splitlines() if line.strip()]
+    tops = {str(f).split("/")[0].removesuffix(".py") for f in dist.files or []
+            if not str(f).split("/")[0].endswith((".dist-info", ".data")) and not str(f).startswith("..")}
+    return sorted(t for t in tops if t.isidentifier())
+
+
+def write_overlay(run_dir: Path, links: tp.Mapping[str, str]) -> Path:
+    """RUN/container/path with one link per entry of ``links``; returns it."""
+    overlay = run_dir / OVERLAY
+    overlay.mkdir(parents=True, exist_ok=True)
+    for name, target in links.items():
+        link = overlay / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return overlay
+
+
+def step_mounts(c: Container, run_root: str, workdir: str, links: tp.Mapping[str, str]) -> list[Mount]:
+    """What a task sees besides the image: the site's mounts, the run root (read-write) and the job's folder
+    at the same paths, the folders the overlay's links point into (read-only), the home folder if asked."""
+    mounts = [parse_mount(m) for m in c.mounts]
+    mounts.append(Mount(run_root, run_root, False))
+    mounts.append(Mount(workdir, workdir, False))
+    for folder in sorted({os.path.dirname(p) for p in links.values()}):
+        mounts.append(Mount(folder, folder, True))
+    if c.mount_home:
+        home = os.path.expanduser("~")
+        mounts.append(Mount(home, home, False))
+    return _outermost(mounts)
+
+
+def _outermost(mounts: list[Mount]) -> list[Mount]:
+    """The mounts without repeats and without one inside another of the same kind already listed."""
+    out: list[Mount] = []
+    for m in mounts:
+        if any(m.target == o.target or (m.target.startswith(o.target.rstrip("/") + "/") and m.source.startswith(
+                o.source.rstrip("/") + "/") and m.readonly >= o.readonly) for o in out):
+            continue
+        out.append(m)
+    return out
+
+
+def identity(c: Container) -> dict[str, tp.Any]:
+    """The runtime, the image, and what identifies the image where the login node sees it: an OCI bundle's
+    resolved folder and the digest of its config.json (and its image.json's key, if it has one), an image
+    file's size, modification time and inode; an image given by URI is only named."""
+    out: dict[str, tp.Any] = {"runtime": c.runtime, "image": c.image}
+    if not c.enabled or not os.path.isabs(c.image):
+        return out
+    path = Path(c.image)
+    try:
+        if path.is_dir():
+            out["resolved"] = str(path.resolve())
+            out["config_sha256"] = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
+            info = path / "image.json"
+            if info.is_file():
+                out["key"] = json.loads(info.read_text()).get("key")
+        else:
+            st = path.stat()
+            out.update(size=st.st_size, mtime=int(st.st_mtime), inode=st.st_ino)
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+# ---------------------------------------------------------------- inside the image, at a task's start
+
+
+def inside_problem(env: tp.Mapping[str, str], gpus: bool) -> str | None:
+    """Why this image cannot run hpcx's trainer, in one line naming the image; None when it can. Run by each
+    task before anything imports torch (``hpc.core.imports.main``), only inside a container."""
+    import importlib.util
+
+    image = env.get(IMAGE_ENV)
+    if not image:
+        return None
+    missing = [name for name in ("torch", "numpy") if importlib.util.find_spec(name) is None]
+    if missing:
+        return (f"the container image {image} has no {' and no '.join(missing)} for its Python "
+                f"({sys.executable}): use an image with PyTorch (hpcx brings only its own code and pure-Python "
+                f"packages)")
+    if gpus:  # a CPU build of torch on a GPU site (its version says +cpu; CUDA builds ship their NCCL)
+        version = _version("torch")
+        if version.endswith("+cpu") or _version("nvidia-nccl-cu12") == "" and not _has_cuda_libs():
+            return (f"the container image {image} has torch {version} without CUDA or NCCL on a GPU site: "
+                    f"use a PyTorch-CUDA image")
+    return None
+
+
+def inside_record(env: tp.Mapping[str, str]) -> dict[str, tp.Any]:
+    """For the ledger's start line: the image this start ran in, its Python and torch; {} outside one."""
+    image = env.get(IMAGE_ENV)
+    if not image:
+        return {}
+    import platform
+
+    return {"container": {"image": image, "python": platform.python_version(), "torch": _version("torch")}}
+
+
+def _version(dist: str) -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return ""
+
+
+def _has_cuda_libs() -> bool:
+    """torch's own CUDA libraries (a CUDA wheel's ``torch/lib/libtorch_cuda.so``), found without importing it."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    return any(os.path.exists(os.path.join(f, "lib", "libtorch_cuda.so")) for f in folders)

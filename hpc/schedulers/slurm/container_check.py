@@ -1,0 +1,78 @@
+"""``hpcx container check --site S``: a short job on one node, two tasks in the site's image
+(``trainer.probe``), through the same step as a training job (``hpc.schedulers.slurm.container``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+import typing as tp
+from pathlib import Path
+
+from hpc.core.errors import UserError
+from hpc.schedulers.base import try_command
+
+TASKS = 2
+CHECK_MINUTES = 10
+
+
+def check_script(step_words: list[str], srun_args: list[str], folder: Path, setup: list[str]) -> str:
+    srun = ["srun", "--nodes=1", f"--ntasks={TASKS}", f"--output={folder}/task-%t.out",
+            f"--error={folder}/task-%t.err", *srun_args]
+    return "\n".join(["#!/bin/bash", "export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH", *setup,
+                      f"{shlex.join(srun)} {shlex.join(step_words)}", ""])
+
+
+def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
+    """Submit the check, wait for it, and gather what each task saw (``trainer.probe``) and NCCL's transports."""
+    from hpc.core.container import Container, step_mounts, overlay_links
+    from hpc.core.imports import python_command
+    from hpc.schedulers.slurm.container import inner_python, prepare_run, wrap_step
+    from hpc.core.container import submit_problems
+
+    c: Container = site.container
+    if c.enabled:
+        found = submit_problems(c, site.source)
+        if found:
+            raise UserError(found)
+    folder = site.run_root() / f"container-check-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    folder.mkdir(parents=True)
+    workdir = os.getcwd()
+    if c.enabled:
+        prepare_run(c, folder, workdir)
+        inner = inner_python(c, str(folder))
+        argv = [*inner[:-1], *python_command(inner[-1], "trainer.probe", str(folder))]
+        mounts = step_mounts(c, str(folder.parent), workdir, overlay_links())
+        step = wrap_step(argv, c, str(folder), mounts, workdir, bool(site.node.gpus))
+        srun_args, words, setup = step.srun_args, step.argv, step.setup
+    else:
+        import sys
+
+        srun_args, words, setup = [], python_command(sys.executable, "trainer.probe", str(folder)), []
+    script = folder / "check.sh"
+    script.write_text(check_script(words, srun_args, folder, setup))
+    options = ["--parsable", "--wait", "--job-name=hpcx-container-check", "--nodes=1", f"--ntasks={TASKS}",
+               f"--time={CHECK_MINUTES}", f"--output={folder}/batch.out", "--no-requeue"]
+    options += [f"--gres=gpu:{TASKS}"] if site.node.gpus and site.scheduler.gpu_directive == "gres" else []
+    options += [f"--gpus-per-node={TASKS}"] if site.node.gpus and site.scheduler.gpu_directive == "gpus-per-node" else []
+    for key in ("partition", "account", "qos"):
+        if getattr(site.scheduler, key, None):
+            options.append(f"--{key}={getattr(site.scheduler, key)}")
+    ok, out = try_command(["sbatch", *options, str(script)], timeout=timeout)
+    return gather(folder, ok, out, c)
+
+
+def gather(folder: Path, ok: bool, out: str, c: tp.Any) -> dict[str, tp.Any]:
+    from hpc.core.container import identity
+    from hpc.login.nccl import describe, parse_files
+
+    ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
+    info = parse_files(sorted(folder.glob("task-*.err")))
+    transports = sorted(info.transports())
+    errors = [line for p in sorted(folder.glob("task-*.err")) for line in p.read_text(errors="replace").splitlines()
+              if line.startswith(("hpcx:", "srun: error", "Traceback")) or "error" in line.lower()][:10]
+    return {"folder": str(folder), "job_ok": ok, "sbatch": out.strip()[-500:], "container": identity(c),
+            "ranks": ranks, "nccl": describe(info) if info.connections else None, "transports": transports,
+            "errors": errors, "ok": ok and len(ranks) == TASKS and all(r.get("all_reduce_ok") and
+                                                                      r.get("hpcx_imports") == "ok" for r in ranks)}
