@@ -235,7 +235,8 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        # the mask only when there is one: the tensor-parallel plan prepares (x, cos, sin) (``trainer.tp``)
+        x = x + (self.attn(self.attn_norm(x), cos, sin) if mask is None else self.attn(self.attn_norm(x), cos, sin, mask))
         return x + self.mlp(self.mlp_norm(x))
 
 

@@ -65,7 +65,8 @@ class Block(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x), mask))
+        # the mask only when there is one: the tensor-parallel plan prepares the one input (``trainer.tp``)
+        x = x + self.drop(self.attn(self.ln1(x)) if mask is None else self.attn(self.ln1(x), mask))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
