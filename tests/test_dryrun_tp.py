@@ -78,6 +78,8 @@ def test_bytes_per_rank_are_the_exact_arithmetic(result):
     assert abs(r.measured["params"] / (whole / 1024) - 1) < 0.01  # ≈ the model over dp × tp
     assert r.checkpoint["shards"] >= 126 * 9 + 3  # every parameter a DTensor shard in DCP's local plan
     assert math.isclose(exact_param_bytes(shape, 128, 8), exact, rel_tol=0.01)  # the first rank: within 1%
+    assert r.problems == [], r.problems  # and the plan, which knows tp, agrees within 1% (exit 0)
+    assert r.planned is not None and abs(r.planned["params"] / r.measured["params"] - 1) < 0.01
 
 
 def test_it_takes_under_a_minute_and_1_gb(result):
