@@ -99,4 +99,4 @@ def test_the_cli_offers_the_tables_targets_and_hf_without_importing_torch():
     code = ("import sys, hpc.cli.ckpt as c; opt = next(p for p in c.convert_cmd.params if p.name == 'to'); "
             "print(list(opt.type.choices), 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == f"{[*formats.TARGETS, 'hf']} False"
+    assert out.strip() == f"{[*formats.TARGETS, 'hf', 'peft']} False"  # hf and peft: the exports of a model, not a table's

@@ -232,3 +232,49 @@ def test_a_fine_tune_from_the_folder_exports_back_bit_for_bit(tmp_path, arch, co
     assert logits_diff(hpcx_model(run), loaded(tmp_path / "out"), 256) <= 1e-5
     config_out = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config_out["max_position_embeddings"] == 64 and config_out.get("sliding_window") == config.get("sliding_window")
+
+
+@pytest.mark.parametrize("arch,config", [("qwen2", {}), ("mistral", {"sliding_window": 16})])
+def test_a_lora_fine_tune_of_the_family_exports_what_peft_loads_with_hpcxs_logits(tmp_path, arch, config):
+    """LoRA through the family seam: Qwen2's targeted q/k/v carry biases, Mistral's attention a window; the
+    first loss is the base model's, ``--to peft`` loads in PeftModel with no missing or unexpected keys
+    and hpcx's logits, ``--merge-lora`` is that model."""
+    peft = extra("peft")
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from hpc.ckpt.dcp import DcpReader
+    from hpc.ckpt.peft import ADAPTER_WEIGHTS, export_peft
+    from tests.hf.hf_helpers import losses
+    from trainer.lora import apply_lora
+    from trainer.run import load_run
+
+    folder = tiny_folder(tmp_path / "src", arch, **config)
+    common = [f"model.arch={arch!r}", f"model.hf_config={str(folder)!r}", f"checkpoint.init_from={str(folder)!r}",
+              "train.steps=3", "train.global_batch=4", "train.log_every=1", "data.shuffle=false", "model.seq_len=32"]
+    lora = ["lora.rank=4", "lora.alpha=8.0", "lora.targets=['q_proj', 'k_proj', 'v_proj', 'o_proj', 'w2']"]
+    base_run = make_run(tmp_path, "base", "none", 1, [*common, "train.steps=1"])
+    run = make_run(tmp_path, "lora", "none", 1, [*common, *lora])
+    for r in (base_run, run):
+        out = run_ranks(r, 1)
+        assert out.returncode == 0, out.stderr[-4000:]
+    first, *rest = losses(run)
+    assert first == losses(base_run)[0] and rest != [first] * len(rest)
+
+    spec = load_run(run).spec
+    ours = apply_lora(build_model(spec.model, "cpu"), spec).eval()
+    theirs, names = hf_tensors(folder), hf_names(model_facts(spec.model).shape)
+    reader = DcpReader(sorted((run / "checkpoints").glob("step-*"))[-1])
+    with torch.no_grad():
+        for name, p in ours.named_parameters():
+            p.copy_(reader.read(f"model.{name}") if "lora_" in name else theirs[names[name][0]])
+    reader.close()
+
+    export_peft(run, tmp_path / "adapter")
+    base = CLASSES[arch][1].from_pretrained(folder, torch_dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    written = load_file(tmp_path / "adapter" / ADAPTER_WEIGHTS)
+    assert set(written) == set(get_peft_model_state_dict(model))
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert (ours(tokens) - model(tokens).logits).abs().max().item() <= 1e-5

@@ -437,3 +437,40 @@ def hf_block_config(s: LlamaShape, arch: str, model_type: str) -> dict[str, tp.A
             "num_key_value_heads": s.n_kv_heads, "head_dim": s.head_dim, "vocab_size": s.vocab_size,
             "max_position_embeddings": s.context, "rms_norm_eps": s.norm_eps, "rope_theta": s.rope_theta,
             "tie_word_embeddings": s.tied, "hidden_act": "silu", "attention_dropout": 0.0, "torch_dtype": "float32"}
+
+
+class BlockFamily:
+    """What the families of the Llama block that add no shape rule of their own (Qwen2, Mistral) share as
+    a ``hpc.core.models.Family``: facts, problems and preset counts from their ``presets`` and ``shape``,
+    the block's activations, LoRA targets and Hugging Face tensor plan. A subclass names the rest (``name``,
+    ``phrase``, ``fields``, ``builder``, its config.json mapping)."""
+
+    name: str
+    phrase: str
+    presets: tp.Mapping[str, LlamaShape]
+    counted_by_building = False  # the count follows from the shape
+    activation_bytes = staticmethod(block_activation_bytes)
+    hf_tensor_plan = staticmethod(hf_tensor_plan)
+    lora_targets = BLOCK_LORA_TARGETS
+
+    def shape(self, model: Model) -> LlamaShape:
+        """The preset with the spec's shape fields in its place (``block_shape``)."""
+        return block_shape(model, self.presets[model.size])
+
+    def facts(self, model: Model, counted: tp.Any = None) -> ModelFacts:
+        """What the planner and the trainer know about the spec (``counted`` does not apply)."""
+        s = self.shape(model)
+        return block_facts(self.name, block_label(self.name, model, s), s)
+
+    def problems(self, model: Model) -> list[str]:
+        """What is wrong with the ``[model]`` section (a known preset, shapes that divide)."""
+        return block_problems(self.phrase, model, self.presets)
+
+    def code_notice(self, model: Model) -> str | None:
+        """Built in: nothing of the user's is imported."""
+        return None
+
+    def preset_counts(self) -> str:
+        """The presets with their parameter counts."""
+        return preset_text(self.presets)
+

@@ -22,10 +22,8 @@ import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.config import field
-from hpc.core.models import Counted, ModelFacts
-from hpc.core.models.decoder import (BLOCK_HF_KEYS, BLOCK_LORA_TARGETS, INT_MAX, HeadFields, LlamaShape, block_activation_bytes,
-                                     block_facts, block_label, block_problems, block_shape, block_spec_fields,
-                                     block_unsupported, hf_block_config, hf_tensor_plan, preset_text)
+from hpc.core.models.decoder import (BLOCK_HF_KEYS, INT_MAX, BlockFamily, HeadFields, LlamaShape, block_shape,
+                                     block_spec_fields, block_unsupported, hf_block_config)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
@@ -61,25 +59,12 @@ def mistral_shape(model: Model) -> LlamaShape:
     return replace(s, window=s.window if not model.sliding_window else max(0, model.sliding_window))
 
 
-def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
-    """What the planner and the trainer know about a Mistral spec (``counted`` does not apply)."""
-    s = mistral_shape(model)
-    return block_facts(ARCH, block_label(ARCH, model, s), s)
 
 
-def problems(model: Model) -> list[str]:
-    """What is wrong with a Mistral ``[model]`` section (a known preset, shapes that divide)."""
-    return block_problems(PHRASE, model, MISTRAL_PRESETS)
 
 
-def code_notice(model: Model) -> str | None:
-    """Built in: nothing of the user's is imported."""
-    return None
 
 
-def preset_counts() -> str:
-    """The Mistral presets with their parameter counts."""
-    return preset_text(MISTRAL_PRESETS)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -120,26 +105,23 @@ def _unsupported(path: tp.Any, doc: dict[str, tp.Any]) -> list[str]:
     return out
 
 
-class Mistral:
+class Mistral(BlockFamily):
     """The built-in Mistral as a ``hpc.core.models.Family`` (and ``HfReader``: ``MistralForCausalLM``)."""
 
     name = ARCH
     phrase = PHRASE
+    presets = MISTRAL_PRESETS
     fields = Fields
     builder = "trainer.models.mistral"
-    counted_by_building = False  # the count follows from the shape
-    facts = staticmethod(facts)
-    problems = staticmethod(problems)
-    activation_bytes = staticmethod(block_activation_bytes)
-    code_notice = staticmethod(code_notice)
-    preset_counts = staticmethod(preset_counts)
     hf_config = staticmethod(hf_config)
-    hf_tensor_plan = staticmethod(hf_tensor_plan)
     hf_spec_fields = staticmethod(hf_spec_fields)
     hf_arch = HF_ARCH
     hf_model_type = HF_MODEL_TYPE
     hf_keys = HF_KEYS
-    lora_targets = BLOCK_LORA_TARGETS
+
+    def shape(self, model: Model) -> LlamaShape:
+        """The preset with the spec's fields, and its sliding window (``mistral_shape``)."""
+        return mistral_shape(model)
 
 
 FAMILY = Mistral()

@@ -19,13 +19,10 @@ from __future__ import annotations
 import typing as tp
 from dataclasses import dataclass
 
-from hpc.core.models import Counted, ModelFacts
-from hpc.core.models.decoder import (BLOCK_HF_KEYS, BLOCK_LORA_TARGETS, HeadFields, LlamaShape, block_activation_bytes, block_facts,
-                                     block_label, block_problems, block_shape, block_spec_fields,
-                                     block_unsupported, hf_block_config, hf_tensor_plan, preset_text)
+from hpc.core.models.decoder import (BLOCK_HF_KEYS, BlockFamily, HeadFields, LlamaShape, block_spec_fields, block_unsupported, hf_block_config)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.core.spec import Model
+    pass
 
 ARCH = "qwen2"
 PHRASE = "arch = 'qwen2'"
@@ -50,30 +47,14 @@ QWEN2_PRESETS: dict[str, LlamaShape] = {
 }
 
 
-def qwen2_shape(model: Model) -> LlamaShape:
-    """The preset's shape with every non-zero shape field of ``model`` in its place."""
-    return block_shape(model, QWEN2_PRESETS[model.size])
 
 
-def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
-    """What the planner and the trainer know about a Qwen2 spec (``counted`` does not apply)."""
-    s = qwen2_shape(model)
-    return block_facts(ARCH, block_label(ARCH, model, s), s)
 
 
-def problems(model: Model) -> list[str]:
-    """What is wrong with a Qwen2 ``[model]`` section (a known preset, shapes that divide)."""
-    return block_problems(PHRASE, model, QWEN2_PRESETS)
 
 
-def code_notice(model: Model) -> str | None:
-    """Built in: nothing of the user's is imported."""
-    return None
 
 
-def preset_counts() -> str:
-    """The Qwen2 presets with their parameter counts."""
-    return preset_text(QWEN2_PRESETS)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -114,26 +95,19 @@ def _unsupported(path: tp.Any, doc: dict[str, tp.Any]) -> list[str]:
     return out
 
 
-class Qwen2:
+class Qwen2(BlockFamily):
     """The built-in Qwen2 as a ``hpc.core.models.Family`` (and ``HfReader``: ``Qwen2ForCausalLM``)."""
 
     name = ARCH
     phrase = PHRASE
+    presets = QWEN2_PRESETS
     fields = Fields
     builder = "trainer.models.qwen2"
-    counted_by_building = False  # the count follows from the shape
-    facts = staticmethod(facts)
-    problems = staticmethod(problems)
-    activation_bytes = staticmethod(block_activation_bytes)
-    code_notice = staticmethod(code_notice)
-    preset_counts = staticmethod(preset_counts)
     hf_config = staticmethod(hf_config)
-    hf_tensor_plan = staticmethod(hf_tensor_plan)
     hf_spec_fields = staticmethod(hf_spec_fields)
     hf_arch = HF_ARCH
     hf_model_type = HF_MODEL_TYPE
     hf_keys = HF_KEYS
-    lora_targets = BLOCK_LORA_TARGETS
 
 
 FAMILY = Qwen2()
