@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import REPO, hpcx
 
-BUNDLED = {"local", "sandbox", "dgx-h100", "pcie-4gpu"}
+BUNDLED = {"local", "sandbox", "sandbox-oci", "dgx-h100", "pcie-4gpu"}
 
 
 @pytest.fixture(scope="module")

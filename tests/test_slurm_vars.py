@@ -86,7 +86,7 @@ def site_path_with(tmp_path: Path, root: Path) -> dict[str, str]:
     """Environment where the only run root is ``root`` (a site profile named like the bundled ones)."""
     sites = tmp_path / "sites"
     sites.mkdir()
-    for name in ("local", "sandbox", "dgx-h100", "pcie-4gpu"):
+    for name in sorted(p.stem for p in (REPO / "site").glob("*.toml")):  # every shipped profile, shadowed
         text = (REPO / "site" / f"{name}.toml").read_text().replace("\nrun_root", "\n# run_root")
         (sites / f"{name}.toml").write_text(text.rstrip() + f"\nrun_root = {json.dumps(str(root))}\n"
                                             if "[storage]" in text else text)

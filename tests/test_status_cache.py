@@ -25,6 +25,9 @@ CONSOLE_SCRIPT = "import sys; from hpc.entry import main; main()"
 # ---------------------------------------------------------------- the profiles' run roots
 
 
+# every profile shipped in site/ (hpc._sites): each is shadowed, so no run root of the machine's is listed
+BUNDLED = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "site").glob("*.toml"))
+
 @pytest.fixture
 def sites(tmp_path: Path, monkeypatch) -> Path:
     """A site path of its own (the bundled profiles shadowed by three of ours) and a cache of its own."""
@@ -33,7 +36,7 @@ def sites(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setenv("HPCX_SITE_PATH", str(folder))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.config/hpcx/sites of the user's
-    for name in ("local", "sandbox", "dgx-h100", "pcie-4gpu"):  # the bundled ones, shadowed: none of the user's
+    for name in BUNDLED:  # the bundled ones, shadowed: none of the user's
         profile(folder, name, tmp_path / f"runs-{name}")
     return folder
 
@@ -86,7 +89,7 @@ def loads(monkeypatch) -> list[str]:
 
 def test_a_second_list_loads_no_profile(sites, loads):
     first = listed()
-    assert sorted(loads) == ["dgx-h100", "local", "pcie-4gpu", "sandbox"]
+    assert sorted(loads) == sorted(BUNDLED)
     loads.clear()
     assert listed() == first and loads == []
     assert first == expected()
@@ -193,7 +196,7 @@ def test_a_record_of_other_code_is_not_believed(sites, loads, change):
     cache.write(siteroots.CACHE, record)
     loads.clear()
     now = listed()
-    assert len(loads) == 4 and now == expected()
+    assert len(loads) == len(BUNDLED) and now == expected()
 
 
 def test_the_code_key_covers_the_modules_that_load_a_profile(sites):
@@ -362,7 +365,7 @@ def tools(tmp_path: Path, monkeypatch) -> Path:
     fake_runs(root, 3)
     folder = tmp_path / "sites"
     folder.mkdir()
-    for name in ("local", "sandbox", "dgx-h100", "pcie-4gpu"):
+    for name in BUNDLED:
         profile(folder, name, root)
     env = {"PATH": f"{shims}:{os.environ['PATH']}", "SLURM_CONF": str(conf), "HPCX_SITE_PATH": str(folder),
            "XDG_CACHE_HOME": str(tmp_path / "cache"), "XDG_STATE_HOME": str(tmp_path / "state"),

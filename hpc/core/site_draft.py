@@ -35,6 +35,8 @@ def _value(v: tp.Any) -> str:
         return repr(v)
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (list, tuple)):  # e.g. [container] runtimes, mounts, env
+        return "[" + ", ".join(_value(x) for x in v) + "]"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 

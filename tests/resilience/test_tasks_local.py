@@ -18,8 +18,10 @@ from tests.resilience.resilience_lib import ledger, same_checkpoint_tensors, sub
 
 pytestmark = pytest.mark.slow
 
-STEPS = 8
-COMMON = ["train.log_every=1", f"train.steps={STEPS}", "train.eval_every=4", "checkpoint.interval_steps=4",
+# a drill at step 3 must land before the last step: the examples' steps take milliseconds, and the drill polls
+# metrics.jsonl every 0.5 s, so the runs are long enough for a busy machine's polls to arrive mid-run
+STEPS = 64
+COMMON = ["train.log_every=1", f"train.steps={STEPS}", "train.eval_every=16", "checkpoint.interval_steps=16",
           "train.warmup_steps=2"]
 
 

@@ -267,7 +267,12 @@ def test_the_loop_and_the_evaluator_pass_the_documents(prepared):
         with torch.no_grad():
             total += float((token_losses(model(ids[None, :-1]), ids[None])[0] * counted[1:]).sum())
         count += int(counted[1:].sum())
-    t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, scaler=None, clock=PhaseClock())
+    from hpc.core.dims import parallel_dims
+    from trainer.evaluate import _token_task
+
+    # the loop's view of a trainer: the language-model task (its terms read no spec) on one process
+    t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, scaler=None, clock=PhaseClock(),
+                        task=_token_task(), dims=parallel_dims("none", "full_shard", 1))
     batch = default_collate([data[i] for i in range(len(data))])
     loss = forward_backward(t, batch, masked_scale(counted_targets([batch], 1), 1))
     assert float(loss) == pytest.approx(total / count, rel=1e-5)
