@@ -88,8 +88,9 @@ def site_path_with(tmp_path: Path, root: Path) -> dict[str, str]:
     sites.mkdir()
     for name in sorted(p.stem for p in (REPO / "site").glob("*.toml")):  # every shipped profile, shadowed
         text = (REPO / "site" / f"{name}.toml").read_text().replace("\nrun_root", "\n# run_root")
-        (sites / f"{name}.toml").write_text(text.rstrip() + f"\nrun_root = {json.dumps(str(root))}\n"
-                                            if "[storage]" in text else text)
+        # the root right under [storage] (not at the end: [container] may come after it)
+        (sites / f"{name}.toml").write_text(text.replace("[storage]\n", f"[storage]\nrun_root = {json.dumps(str(root))}\n", 1)
+                                            if "[storage]\n" in text else text)
     # and an empty index of remembered run roots (hpc/roots.py): earlier tests' submissions are not listed,
     # and caches of its own (hpc/login/cache.py): no queries an earlier test's list remembered
     return {"HPCX_SITE_PATH": str(sites), "HOME": str(tmp_path), "XDG_STATE_HOME": str(tmp_path / "state"),
