@@ -279,19 +279,22 @@ def block_facts(arch: str, label: str, s: LlamaShape) -> ModelFacts:
                       tp_split=s.tp_split(), tp_divides=(s.n_heads, s.n_kv_heads))
 
 
-def block_problems(phrase: str, model: Model, presets: tp.Mapping[str, LlamaShape]) -> list[str]:
+def block_problems(phrase: str, model: Model, presets: tp.Mapping[str, LlamaShape],
+                   shape_of: tp.Callable[[Model], LlamaShape] | None = None,
+                   head_words: str = "head size") -> list[str]:
     """What is wrong with the ``[model]`` of a Llama-block family (``phrase``: "arch = 'qwen2'"): a known
-    preset, no learned parameter count or dropout, shapes that divide, ``seq_len`` within the context."""
+    preset, no learned parameter count or dropout, shapes that divide, ``seq_len`` within the context.
+    ``shape_of``: the family's shape of the spec (default ``block_shape`` of its preset)."""
     if model.size not in presets:
         return [f"`model.size` = {model.size!r}: expected one of {', '.join(presets)} for {phrase}"]
     errors = [f"`model.{key}` = {getattr(model, key)!r} is not used by {phrase} (no learned "
               f"{'parameter count' if key == 'n_params' else 'dropout'})" for key in ("n_params", "dropout")
               if getattr(model, key)]
-    s = block_shape(model, presets[model.size])
+    s = shape_of(model) if shape_of is not None else block_shape(model, presets[model.size])
     if not s.head_size and s.d_model % s.n_heads:
         errors.append(f"`model.dim` = {s.d_model} is not divisible by `model.n_heads` = {s.n_heads}")
     elif s.head_dim % 2:
-        errors.append(f"head size {s.head_dim} is odd: rotary embeddings rotate pairs")
+        errors.append(f"{head_words} {s.head_dim} is odd: rotary embeddings rotate pairs")
     if s.n_heads % s.n_kv_heads:
         errors.append(f"`model.n_heads` = {s.n_heads} is not divisible by `model.n_kv_heads` = {s.n_kv_heads}")
     if model.context_len and s.seq_len > model.context_len:

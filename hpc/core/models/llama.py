@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from hpc.core.config import field
 from hpc.core.models import Counted, ModelFacts, count_text
-from hpc.core.models.decoder import (BLOCK_LORA_TARGETS, REQUIRED, BlockFields, LlamaShape, block_activations, hf_names,  # noqa: F401
+from hpc.core.models.decoder import (BLOCK_LORA_TARGETS, REQUIRED, BlockFields, block_problems, LlamaShape, block_activations, hf_names,  # noqa: F401
                                      hf_tensor_plan, impossible, rope_doc)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -127,22 +127,12 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
 
 
 def problems(model: Model) -> list[str]:
-    """What is wrong with a Llama ``[model]`` section (a known preset, shapes that divide)."""
+    """What is wrong with a Llama ``[model]`` section (a known preset, shapes that divide: the block's
+    checks, ``block_problems``), and Llama 3's rope scaling factors in order."""
+    errors = block_problems("arch = 'llama'", model, LLAMA_PRESETS, llama_shape, "head size dim / n_heads =")
     if model.size not in LLAMA_PRESETS:
-        return [f"`model.size` = {model.size!r}: expected one of {', '.join(LLAMA_PRESETS)} for arch = 'llama'"]
-    errors = [f"`model.{key}` = {getattr(model, key)!r} is not used by arch = 'llama' (no learned "
-              f"{'parameter count' if key == 'n_params' else 'dropout'})" for key in ("n_params", "dropout")
-              if getattr(model, key)]
+        return errors
     s = llama_shape(model)
-    if s.d_model % s.n_heads:
-        errors.append(f"`model.dim` = {s.d_model} is not divisible by `model.n_heads` = {s.n_heads}")
-    elif s.head_dim % 2:
-        errors.append(f"head size dim / n_heads = {s.head_dim} is odd: rotary embeddings rotate pairs")
-    if s.n_heads % s.n_kv_heads:
-        errors.append(f"`model.n_heads` = {s.n_heads} is not divisible by `model.n_kv_heads` = {s.n_kv_heads}")
-    if model.context_len and s.seq_len > model.context_len:
-        errors.append(f"`model.seq_len` = {s.seq_len} is longer than the model's context `model.context_len` = "
-                      f"{model.context_len}: train at most {model.context_len} tokens a sample")
     if s.rope_factor > 1 and s.rope_high_freq_factor <= s.rope_low_freq_factor:
         errors.append(f"`model.rope_high_freq_factor` = {s.rope_high_freq_factor:g} must be above "
                       f"`model.rope_low_freq_factor` = {s.rope_low_freq_factor:g}")
