@@ -30,7 +30,7 @@ from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, allocate, checke
 from hpc.ckpt.files import not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.safe_pickle import METADATA_FILE, load_dcp_metadata
-from hpc.ckpt.torch_write import Sink, Stored, TorchWriter
+from hpc.ckpt.torch_write import Sink, Stored, TorchWriter, signals_held
 from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported, zip_load_problems
 from hpc.core.errors import CheckpointError
 
@@ -214,7 +214,8 @@ def load_object(f: tp.BinaryIO, where: str) -> tp.Any:
     raise_problems(zip_load_problems(f, where))
     f.seek(0)
     try:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        with signals_held():  # torch's C++ zip reader calls f.read from C
+            return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointError([f"{where}: refused a stored object ({load_error(exc)})"]) from None
     except OSError as exc:
@@ -403,9 +404,12 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
     if entry.is_tensor:
         assert entry.dtype is not None and entry.shape is not None  # a tensor entry
         writer = TorchWriter(f, Stored(entry.key, entry.dtype, entry.shape), crc32=False)
-        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch,
-                              source=str(getattr(reader, "path", "")))
-        writer.finish()
+        try:
+            writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch,
+                                  source=str(getattr(reader, "path", "")))
+            writer.finish()
+        finally:
+            writer.close()
         zeros = [0] * len(entry.shape)
         md: tp.Any = dcp_md.TensorStorageMetadata(
             dcp_md.TensorProperties(dtype=entry.dtype), torch.Size(entry.shape),
@@ -413,8 +417,9 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
         index = dcp_md.MetadataIndex(entry.key, zeros, 0)
     else:
         sink = Sink(f)  # a failed write surfaces here, not inside torch's C++ writer
-        with compat.crc32_off():  # as hpcx's DCP saves
-            torch.save(reader.read(entry.key), sink)  # type: ignore[arg-type]  # a file-like writer
+        value = reader.read(entry.key)
+        with compat.crc32_off(), signals_held():  # as hpcx's DCP saves; torch's C++ writer calls sink.write
+            torch.save(value, sink)  # type: ignore[arg-type]  # a file-like writer
         sink.check()
         md, index = dcp_md.BytesStorageMetadata(), dcp_md.MetadataIndex(entry.key)
     return md, index, compat.storage_info(SHARD_FILE, offset, f.tell() - offset)

@@ -17,8 +17,10 @@ import dataclasses
 import functools
 import io
 import pickle
+import signal
 import sys
 import typing as tp
+from contextlib import contextmanager
 
 import torch
 
@@ -102,6 +104,23 @@ class _LayoutPickler(pickle.Pickler):
         return compat.rebuild_function(compat.REBUILD_TENSOR_V3), args + (obj.dtype,)
 
 
+#: Signals whose Python handlers raise (SIGTERM as the CLI sets it, SIGINT's KeyboardInterrupt).
+HELD = frozenset({signal.SIGINT, signal.SIGTERM})
+
+
+@contextmanager
+def signals_held() -> tp.Iterator[None]:
+    """Hold SIGINT and SIGTERM while torch's C++ zip writer runs: it calls back into Python
+    (``Sink.write``) from C, and an exception a signal handler raises there crosses C frames
+    and aborts the process. A signal that arrives meanwhile is delivered when the call returns,
+    and its handler raises in Python, where ``staged`` cleans up."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class Sink:
     """A binary file as torch's C++ zip writer sees it: a write that fails is remembered, not raised
     into the C++ writer (an exception there, or in its destructor, which writes the end records of
@@ -149,14 +168,16 @@ class TorchWriter:
         data = buf.getvalue()
         alignment = ts_config.config.save.storage_alignment
         self.sink = f if isinstance(f, Sink) else Sink(f)
-        self.zip = compat.torch_file_writer(self.sink, crc, alignment)
+        with signals_held():
+            self.zip: tp.Any = compat.torch_file_writer(self.sink, crc, alignment)
         self._record("data.pkl", data, len(data))
         self._record(".format_version", "1", 1)
         self._record(".storage_alignment", str(alignment), len(str(alignment)))
         self._record("byteorder", sys.byteorder, len(sys.byteorder))
 
     def _record(self, name: str, data: tp.Any, size: int) -> None:
-        self.zip.write_record(name, data, size)
+        with signals_held():
+            self.zip.write_record(name, data, size)
         self.sink.check()
 
     def write_storages(self, fill: tp.Callable[[Stored, torch.Tensor], None], scratch: Scratch,
@@ -190,5 +211,12 @@ class TorchWriter:
 
     def finish(self) -> None:
         """Write the end records (``version``, the serialization id) and the zip directory."""
-        self.zip.write_end_of_file()
+        with signals_held():
+            self.zip.write_end_of_file()
         self.sink.check()
+
+    def close(self) -> None:
+        """Drop torch's writer with signals held: its destructor writes the end records of an
+        unfinished archive through ``Sink.write`` (into a file about to be removed)."""
+        with signals_held():
+            self.zip = None

@@ -211,9 +211,11 @@ def write_torch(reader: Reader, dst: Path, keys: list[str], *, model_only: bool,
     obj = nested.get("model", {}) if model_only else nested
     with staged(dst) as tmp, open(tmp, "wb") as f:
         writer = TorchWriter(f, obj)
-        writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch, progress,
-                              str(getattr(reader, "path", "")))
-        writer.finish()
-        del writer
+        try:
+            writer.write_storages(lambda stored, out: reader.read_into(stored.key, out), scratch, progress,
+                                  str(getattr(reader, "path", "")))
+            writer.finish()
+        finally:
+            writer.close()
         fsync_file(f)
     return dst
