@@ -19,6 +19,7 @@ from hpc.core.errors import ConfigError
 from hpc.core.models import TASK, family, model_facts
 from hpc.core.spec import spec_from_dict
 from tests.conftest import REPO, hpcx
+from tests.extras import extra
 
 RESNET = {"task": {"target": "examples.resnet:ImageTask", "kwargs": {"width": 8, "train_samples": 64}}}
 
@@ -272,7 +273,7 @@ def test_the_generated_images_are_the_same_from_the_seed_and_the_resnet_counts_o
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> Path:
     """A tiny BertForSequenceClassification, saved with save_pretrained (nothing downloaded)."""
-    transformers = pytest.importorskip("transformers")
+    transformers = extra("transformers")
     folder = tmp_path_factory.mktemp("bert-tiny")
     config = transformers.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=48, max_position_embeddings=32, num_labels=3,
@@ -331,7 +332,7 @@ latency_us = 5
 
 def test_plan_of_bert_large_on_one_a100_node_picks_ddp(tmp_path):
     """BERT-large (335M) fine-tuning on 512-token sequences, counted on the meta device: DDP."""
-    transformers = pytest.importorskip("transformers")
+    transformers = extra("transformers")
     folder = tmp_path / "bert-large"
     transformers.BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                             intermediate_size=4096, num_labels=2).save_pretrained(folder)
@@ -350,7 +351,7 @@ def test_plan_of_bert_large_on_one_a100_node_picks_ddp(tmp_path):
 def test_dryrun_of_bert_large_with_fsdp_on_eight_ranks_shards_the_task_model_by_its_layers(tmp_path):
     """The real size on the fake process group: the task's model built on meta, 24 encoder layers + the
     root as FSDP units, rank 3's eighth of 335M parameters."""
-    transformers = pytest.importorskip("transformers")
+    transformers = extra("transformers")
     folder = tmp_path / "bert-large"
     transformers.BertConfig(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                             intermediate_size=4096, num_labels=2).save_pretrained(folder)

@@ -14,15 +14,23 @@ import torch
 
 from hpc.core import runs
 from tests.conftest import REPO, hpcx
+from tests.extras import extra
 from tests.resilience.resilience_lib import ledger, same_checkpoint_tensors, submit, wait_state
 
 pytestmark = pytest.mark.slow
 
-# a drill at step 3 must land before the last step: the examples' steps take milliseconds, and the drill polls
-# metrics.jsonl every 0.5 s, so the runs are long enough for a busy machine's polls to arrive mid-run
-STEPS = 64
-COMMON = ["train.log_every=1", f"train.steps={STEPS}", "train.eval_every=16", "checkpoint.interval_steps=16",
+# The drilled runs hold at HOLD_STEP's samples (tests/resilience/held.py) until the drill has signalled, so the
+# drill lands mid-run however busy the machine is; without the hold the tasks are the examples' own.
+STEPS, DRILL_AT, HOLD_STEP = 24, 3, 6
+COMMON = ["train.log_every=1", f"train.steps={STEPS}", "train.eval_every=8", "checkpoint.interval_steps=8",
           "train.warmup_steps=2"]
+HELD = {"resnet-ddp": "tests.resilience.held:HeldImageTask",
+        "bert-ddp": "tests.resilience.held:HeldSequenceClassificationTask",
+        "bert-fsdp": "tests.resilience.held:HeldSequenceClassificationTask"}
+
+
+def held_target(job: str) -> str:
+    return f"task.target={HELD[Path(job).stem]!r}"
 
 
 def train_losses(run_dir: Path) -> dict[int, float]:
@@ -45,15 +53,33 @@ def finished(run: Path) -> Path:
     return run
 
 
-def drilled_matches(job: str, sets: list[str], reference: Path) -> Path:
-    """A run of the same spec drilled at step 3: requeued once, resumed from its preemption save, and
-    equal to ``reference`` bit for bit."""
-    run = submit(job, *sets, "job.name=drilled")
-    out = hpcx("drill", str(run), "--at-step", "3", "--json", timeout=300)
+def step_samples(run: Path, step: int) -> list[int]:
+    """The samples (every rank's) of optimizer step ``step`` (1-based) of ``run``'s spec."""
+    import importlib
+
+    from hpc.core.spec import spec_from_dict
+    from trainer.data import GlobalSampler
+
+    spec = spec_from_dict(json.loads((run / "resolved.json").read_text())["spec"])
+    module, _, name = spec.task.target.partition(":")
+    dataset = getattr(importlib.import_module(module), name)(**spec.task.kwargs).train_dataset()
+    g = spec.train.global_batch
+    return GlobalSampler(len(dataset), g, g, 0, 1, spec.train.seed, spec.data.shuffle).step_batches((step - 1) * g)[0]
+
+
+def drilled_matches(job: str, sets: list[str], reference: Path, tmp_path: Path) -> Path:
+    """A run of the same spec drilled at step 3 while it holds at step 6's samples: requeued once,
+    resumed from its preemption save, and equal to ``reference`` bit for bit."""
+    marker = tmp_path / "release-the-hold"
+    hold = f"{marker}:{','.join(map(str, step_samples(reference, HOLD_STEP)))}"
+    run = submit(job, *sets, "job.name=drilled", f"env.set.DRILL_HOLD={json.dumps(hold)}")
+    out = hpcx("drill", str(run), "--at-step", str(DRILL_AT), "--json", timeout=300)
     assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["step"] < HOLD_STEP, "the run went past its hold"
+    marker.touch()
     finished(run)
     start0, stop0, start1, stop1 = ledger(run)
-    assert stop0["reason"] == "preempted" and stop0["requeued"] and 3 <= stop0["step"] < STEPS
+    assert stop0["reason"] == "preempted" and stop0["requeued"] and DRILL_AT <= stop0["step"] <= HOLD_STEP + 1
     assert start1["step"] == stop0["step"] and start1["checkpoint"] == f"step-{stop0['step']:07d}"
     assert stop1["reason"] == "completed" and stop1["step"] == STEPS
     assert train_losses(run) == train_losses(reference) and sorted(train_losses(run)) == list(range(1, STEPS + 1))
@@ -82,10 +108,11 @@ def test_the_resnet_task_trains_reports_accuracy_and_resumes_bit_identical(tmp_p
     sets = [f"job.run_root={json.dumps(str(tmp_path / 'runs'))}", f"parallel.strategy={strategy!r}", *COMMON,
             "train.global_batch=16", "train.micro_batch=4"]
     job = str(REPO / "jobs" / "resnet-ddp.toml")
+    sets.append(held_target(job))
     reference = finished(submit(job, *sets, "job.name=reference"))
     assert json.loads((reference / "world.json").read_text())["world_size"] == 2
     shows_accuracy(reference, tmp_path)
-    drilled_matches(job, sets, reference)
+    drilled_matches(job, sets, reference, tmp_path)
 
 
 def loads_into_transformers(run: Path, folder: Path, tmp_path: Path) -> None:
@@ -106,7 +133,7 @@ def loads_into_transformers(run: Path, folder: Path, tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def tiny_bert(tmp_path_factory) -> Path:
-    transformers = pytest.importorskip("transformers")
+    transformers = extra("transformers")
     folder = tmp_path_factory.mktemp("bert") / "bert-tiny"
     config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, max_position_embeddings=32, num_labels=2,
@@ -141,12 +168,13 @@ def test_the_bert_task_fine_tunes_from_save_pretrained_its_first_loss_is_transfo
             "train.micro_batch=2", f"task.kwargs.pretrained={json.dumps(str(tiny_bert))}", "task.kwargs.seq_len=12",
             "task.tokens_per_sample=12"]
     job = str(REPO / "jobs" / f"bert-{strategy}.toml")
+    sets.append(held_target(job))
     reference = finished(submit(job, *sets, "job.name=reference"))
     first = train_losses(reference)[1]
     assert first == pytest.approx(first_batch_loss(tiny_bert, reference), rel=1e-5, abs=1e-6)
     shows_accuracy(reference, tmp_path)
     loads_into_transformers(reference, tiny_bert, tmp_path)
-    drilled_matches(job, sets, reference)
+    drilled_matches(job, sets, reference, tmp_path)
 
 
 BROKEN_TASK = '''

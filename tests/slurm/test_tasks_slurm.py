@@ -11,17 +11,19 @@ import pytest
 import torch
 
 from tests.conftest import REPO, hpcx
+from tests.extras import extra
 from tests.resilience.resilience_lib import ledger, same_checkpoint_tensors, submit, wait_state
-from tests.resilience.test_tasks_local import evals, train_losses
+from tests.resilience.test_tasks_local import HELD, evals, step_samples, train_losses
 
-STEPS = 8
+# the drilled run holds at HOLD_STEP's samples until its drill has signalled (tests/resilience/held.py)
+STEPS, DRILL_AT, HOLD_STEP = 8, 3, 6
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
 
 
 @pytest.fixture(scope="module")
 def tiny_bert(sandbox) -> Path:
     """A tiny BertForSequenceClassification saved with save_pretrained where the nodes read it."""
-    transformers = pytest.importorskip("transformers")
+    transformers = extra("transformers")
     folder = sandbox / "tasks-test-data" / "bert-tiny"
     if not (folder / "model.safetensors").exists():
         config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -50,18 +52,23 @@ def finished(run: Path) -> dict:
 @pytest.mark.parametrize("example,strategy", [("resnet", "ddp"), ("resnet", "fsdp"), ("bert", "ddp"), ("bert", "fsdp")])
 def test_a_task_drilled_on_two_nodes_resumes_bit_identical(tiny_bert, example, strategy):
     job = str(REPO / "jobs" / ("resnet-ddp.toml" if example == "resnet" else f"bert-{strategy}.toml"))
-    spec_sets = sets(example, strategy, tiny_bert)
+    spec_sets = [*sets(example, strategy, tiny_bert), f"task.target={HELD[Path(job).stem]!r}"]
     reference = submit(job, *spec_sets, f"job.name='task-{example}-{strategy}-ref'", site="sandbox")
-    drilled = submit(job, *spec_sets, f"job.name='task-{example}-{strategy}-drill'", site="sandbox")
-    out = hpcx("drill", str(drilled), "--at-step", "3", "--json", timeout=300)
+    marker = tiny_bert.parent / f"release-{example}-{strategy}-{reference.name}"
+    hold = f"{marker}:{','.join(map(str, step_samples(reference, HOLD_STEP)))}"
+    drilled = submit(job, *spec_sets, f"job.name='task-{example}-{strategy}-drill'",
+                     f"env.set.DRILL_HOLD={json.dumps(hold)}", site="sandbox")
+    out = hpcx("drill", str(drilled), "--at-step", str(DRILL_AT), "--json", timeout=300)
     assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["step"] < HOLD_STEP, "the run went past its hold"
+    marker.touch()
     assert json.loads(out.stdout)["scheduler"] == "slurm"
     finished(reference)
     info = finished(drilled)
     hosts = json.loads((drilled / "world.json").read_text())
     assert hosts["world_size"] == 2 and sorted(hosts["hosts"]) == ["n1", "n2"], hosts
     start0, stop0, start1, stop1 = ledger(drilled)
-    assert stop0["reason"] == "preempted" and stop0["requeued"] and 3 <= stop0["step"] < STEPS
+    assert stop0["reason"] == "preempted" and stop0["requeued"] and DRILL_AT <= stop0["step"] <= HOLD_STEP + 1 < STEPS
     assert start1["restart"] == 1 and start1["checkpoint"] == f"step-{stop0['step']:07d}"
     assert stop1["reason"] == "completed" and info["restarts"] == 1
     assert train_losses(drilled) == train_losses(reference) and sorted(train_losses(drilled)) == list(range(1, STEPS + 1))
