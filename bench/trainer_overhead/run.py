@@ -158,6 +158,9 @@ class Interleaved:
     def __init__(self, resilience, hand: HandLoop):
         self.resilience, self.hand, self.hand_s = resilience, hand, {}
 
+    def __getattr__(self, name: str):  # the rest of the trainer's Resilience (restart, …) as it is
+        return getattr(self.resilience, name)
+
     def resume(self, t, state):
         return self.resilience.resume(t, state)
 
