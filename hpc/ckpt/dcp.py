@@ -28,9 +28,9 @@ from hpc.ckpt.digests import HashingWriter, write_digest
 from hpc.ckpt.entries import (Entry, Progress, Reader, Scratch, allocate, checked_object, checked_paths, default_paths,
                               dims, load_error, raise_problems, short_repr, tensor_entry)
 from hpc.ckpt.files import not_regular, open_regular, relative_name_problem
-from hpc.ckpt.outputs import describe, fsync_file, staged
+from hpc.ckpt.outputs import describe, fsync_file, staged, stops_deferred
 from hpc.ckpt.safe_pickle import METADATA_FILE, load_dcp_metadata
-from hpc.ckpt.torch_write import Sink, Stored, TorchWriter, signals_held
+from hpc.ckpt.torch_write import Sink, Stored, TorchWriter
 from hpc.ckpt.torch_zip import FileSlice, TorchZip, Unsupported, zip_load_problems
 from hpc.core.errors import CheckpointError
 
@@ -214,7 +214,7 @@ def load_object(f: tp.BinaryIO, where: str) -> tp.Any:
     raise_problems(zip_load_problems(f, where))
     f.seek(0)
     try:
-        with signals_held():  # torch's C++ zip reader calls f.read from C
+        with stops_deferred():  # torch's C++ zip reader calls f.read from C
             return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         raise CheckpointError([f"{where}: refused a stored object ({load_error(exc)})"]) from None
@@ -418,7 +418,7 @@ def _write_item(f: tp.Any, reader: Reader, entry: Entry, scratch: Scratch) -> tu
     else:
         sink = Sink(f)  # a failed write surfaces here, not inside torch's C++ writer
         value = reader.read(entry.key)
-        with compat.crc32_off(), signals_held():  # as hpcx's DCP saves; torch's C++ writer calls sink.write
+        with compat.crc32_off(), stops_deferred():  # as hpcx's DCP saves; torch's C++ writer calls sink.write
             torch.save(value, sink)  # type: ignore[arg-type]  # a file-like writer
         sink.check()
         md, index = dcp_md.BytesStorageMetadata(), dcp_md.MetadataIndex(entry.key)

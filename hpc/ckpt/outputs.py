@@ -77,6 +77,43 @@ def sweep(folder: Path) -> list[Path]:
     return stale
 
 
+class _Stops:
+    """A stop asked for by a signal (SIGTERM's SystemExit, Ctrl-C's KeyboardInterrupt) while torch's C++
+    zip writer or reader runs: it calls back into Python (a file's ``write``/``read``) from C, and an
+    exception a handler raised there would cross those C frames and abort the process, leaving the
+    partial behind. Inside ``stops_deferred`` the handler records the stop; the block raises it on
+    exit, in Python. (Blocking the signal would not do: the kernel hands a process-directed signal to
+    another thread, and CPython runs the handler in the main thread wherever it is.)"""
+
+    depth = 0
+    pending: BaseException | None = None
+
+
+_STOPS = _Stops()  # process-wide, as signal handlers are
+
+
+def stop_now_or_later(stop: BaseException) -> None:
+    """From a signal handler: raise ``stop`` now, or, inside ``stops_deferred``, when that block ends."""
+    if _STOPS.depth:
+        if _STOPS.pending is None:
+            _STOPS.pending = stop
+        return
+    raise stop
+
+
+@contextmanager
+def stops_deferred() -> tp.Iterator[None]:
+    """Run a call into torch's C++ zip code; a stop that came meanwhile is raised when it returns."""
+    _STOPS.depth += 1
+    try:
+        yield
+    finally:
+        _STOPS.depth -= 1
+        if not _STOPS.depth and _STOPS.pending is not None:
+            stop, _STOPS.pending = _STOPS.pending, None
+            raise stop
+
+
 def check_destination(dst: Path, make_parents: bool = False) -> None:
     """Refuse a ``dst`` that exists or whose folder does not (before anything is read); with
     ``make_parents``, a missing folder is fine (``parents_made`` creates it), one that is a file is not."""

@@ -17,15 +17,14 @@ import dataclasses
 import functools
 import io
 import pickle
-import signal
 import sys
 import typing as tp
-from contextlib import contextmanager
 
 import torch
 
 from hpc import compat
 from hpc.ckpt.entries import Scratch, owned
+from hpc.ckpt.outputs import stops_deferred
 from hpc.ckpt.torch_zip import _legacy_storage_dtypes
 
 PICKLE_PROTOCOL = 2  # torch.save's default
@@ -104,23 +103,6 @@ class _LayoutPickler(pickle.Pickler):
         return compat.rebuild_function(compat.REBUILD_TENSOR_V3), args + (obj.dtype,)
 
 
-#: Signals whose Python handlers raise (SIGTERM as the CLI sets it, SIGINT's KeyboardInterrupt).
-HELD = frozenset({signal.SIGINT, signal.SIGTERM})
-
-
-@contextmanager
-def signals_held() -> tp.Iterator[None]:
-    """Hold SIGINT and SIGTERM while torch's C++ zip writer runs: it calls back into Python
-    (``Sink.write``) from C, and an exception a signal handler raises there crosses C frames
-    and aborts the process. A signal that arrives meanwhile is delivered when the call returns,
-    and its handler raises in Python, where ``staged`` cleans up."""
-    before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
-
-
 class Sink:
     """A binary file as torch's C++ zip writer sees it: a write that fails is remembered, not raised
     into the C++ writer (an exception there, or in its destructor, which writes the end records of
@@ -168,15 +150,20 @@ class TorchWriter:
         data = buf.getvalue()
         alignment = ts_config.config.save.storage_alignment
         self.sink = f if isinstance(f, Sink) else Sink(f)
-        with signals_held():
+        self.finished = False
+        with stops_deferred():
             self.zip: tp.Any = compat.torch_file_writer(self.sink, crc, alignment)
-        self._record("data.pkl", data, len(data))
-        self._record(".format_version", "1", 1)
-        self._record(".storage_alignment", str(alignment), len(str(alignment)))
-        self._record("byteorder", sys.byteorder, len(sys.byteorder))
+        try:
+            self._record("data.pkl", data, len(data))
+            self._record(".format_version", "1", 1)
+            self._record(".storage_alignment", str(alignment), len(str(alignment)))
+            self._record("byteorder", sys.byteorder, len(sys.byteorder))
+        except BaseException:
+            self.close()
+            raise
 
     def _record(self, name: str, data: tp.Any, size: int) -> None:
-        with signals_held():
+        with stops_deferred():
             self.zip.write_record(name, data, size)
         self.sink.check()
 
@@ -211,12 +198,23 @@ class TorchWriter:
 
     def finish(self) -> None:
         """Write the end records (``version``, the serialization id) and the zip directory."""
-        with signals_held():
+        with stops_deferred():
+            self.finished = True  # torch marks its writer finalized even when this raises
             self.zip.write_end_of_file()
         self.sink.check()
 
     def close(self) -> None:
-        """Drop torch's writer with signals held: its destructor writes the end records of an
-        unfinished archive through ``Sink.write`` (into a file about to be removed)."""
-        with signals_held():
+        """Drop torch's writer. Unfinished, its destructor would write the end records through ``Sink.write``
+        and abort the process on any error there (a C++ exception in a destructor); writing them here
+        first, an error is a Python one, ignored (the archive is being discarded), and the writer is
+        marked finalized, so its destructor writes nothing."""
+        if self.zip is None:
+            return
+        with stops_deferred():
+            if not self.finished:
+                self.finished = True
+                try:
+                    self.zip.write_end_of_file()
+                except Exception:  # noqa: BLE001  (an abandoned archive: whatever its end records do)
+                    pass
             self.zip = None

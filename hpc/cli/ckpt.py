@@ -144,19 +144,28 @@ class Progress:
 
 @contextmanager
 def cleanup_on_sigterm() -> tp.Iterator[None]:
-    """SIGTERM raises SystemExit while the block runs, so partial outputs are removed as on Ctrl-C."""
+    """SIGTERM raises SystemExit (and Ctrl-C KeyboardInterrupt) while the block runs, so partial outputs
+    are removed as on any error; while torch's C++ zip code runs, the stop waits for it to return
+    (``hpc.ckpt.outputs.stops_deferred``)."""
+    from hpc.ckpt.outputs import stop_now_or_later
+
     def stop(signum: int, frame: tp.Any) -> None:
-        raise SystemExit(128 + signum)
+        stop_now_or_later(SystemExit(128 + signum))
+
+    def interrupt(signum: int, frame: tp.Any) -> None:
+        stop_now_or_later(KeyboardInterrupt())
 
     try:
         before = signal.signal(signal.SIGTERM, stop)
     except ValueError:  # not the main thread: leave signals alone
         yield
         return
+    before_int = signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGINT, before_int)
 
 
 @ckpt_group.command("convert")
