@@ -16,8 +16,9 @@ Which collectives run (per micro-batch unless said otherwise):
 
 - ddp: one all-reduce of the fp32 gradients per optimizer step (``no_sync`` on the
   accumulation micro-batches), in 25 MB buckets.
-- fsdp full_shard: all-gather (compute dtype) in forward, again in backward (except the root,
-  which stays gathered), reduce-scatter (fp32) of the gradients.
+- fsdp full_shard: all-gather (compute dtype) in forward, again in backward (except final norm +
+  head, and the root, which stay gathered: ``ModelFacts.kept_params``; the embedding unit is gathered
+  again), reduce-scatter (fp32) of the gradients.
 - fsdp shard_grad_op: one all-gather (forward) and the reduce-scatter.
 - hsdp: the fsdp collectives inside the shard group, plus an all-reduce of the sharded fp32
   gradients across the replicas once per optimizer step (FSDP2 ``set_requires_all_reduce(False)``
@@ -31,6 +32,9 @@ Which collectives run (per micro-batch unless said otherwise):
   on the layer before and after them, so none of their time hides under compute (``unhidden_s``).
   FSDP's collectives then run over the data-parallel shard group on ``1/tp`` of each unit, with
   ``tasks_per_node / tp`` ranks of a group on each node.
+- LoRA (``[lora]``): the gradient collectives (all-reduces, reduce-scatters) carry the trained share
+  of the parameters only (``memory.trained_share``: DDP buckets and FSDP2 reduces only parameters
+  that require gradients); the all-gathers carry them all.
 - CPU offload adds, every micro-batch, host→GPU copies of the fp32 parameter shard before each
   all-gather and GPU→host copies of the fp32 gradient shard, at HOST_LINK_GBS per GPU.
 
@@ -41,10 +45,12 @@ and how often it runs per step (``repeat``); ``hpc.plan.timing`` turns that into
 from __future__ import annotations
 
 import math
+import typing as tp
 from dataclasses import dataclass, field
 
 from hpc.plan import collectives
-from hpc.plan.memory import DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, compute_bytes
+from hpc.plan.memory import (DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, compute_bytes, sharded_numel,
+                             trained_share)
 from hpc.core.models import ModelFacts
 from hpc.core.site import SiteProfile
 
@@ -233,15 +239,17 @@ def step_comm(facts: ModelFacts, cfg: Config, site: SiteProfile, nodes: int, tas
     if facts.n_params is None:
         return None
     n, world, root = facts.n_params, nodes * tasks_per_node, facts.root_params or 0
+    share = trained_share(facts)
     comm = Comm()
     if cfg.dims.replicated:  # ddp, fsdp no_shard
         everyone = Group(world, tasks_per_node)
-        grads = n * REDUCE_BYTES
+        grads = n * share * REDUCE_BYTES
         if cfg.dims.ddp_enabled:  # 25 MB buckets, the last one after backward
-            buckets = math.ceil(grads / DDP_BUCKET_BYTES)
+            buckets = max(1, math.ceil(grads / DDP_BUCKET_BYTES))
             reduce = Collective("all-reduce gradients", "all_reduce", grads, buckets, min(grads, DDP_BUCKET_BYTES))
         else:  # one all-reduce per FSDP unit; the root's (embeddings) comes last
-            reduce = Collective("all-reduce gradients", "all_reduce", grads, facts.n_units + 1, root * REDUCE_BYTES)
+            reduce = Collective("all-reduce gradients", "all_reduce", grads, facts.n_units + 1,
+                                root * share * REDUCE_BYTES)
         _add(comm, reduce, everyone, site, tasks_per_node, 1)
     elif cfg.dims.fsdp_enabled:
         _sharded_comm(comm, facts, cfg, site, tasks_per_node, grad_accum)
@@ -276,23 +284,35 @@ def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile,
     """FSDP/HSDP: gathers and reduce-scatters inside the shard group, HSDP's all-reduce across it."""
     t = cfg.dims.tp  # each rank gathers and reduces its TP slice of every unit
     n, root, unit = (facts.n_params or 0) / t, (facts.root_params or 0) / t, (facts.unit_params or 0) / t
+    kept = root if facts.kept_params is None else facts.kept_params / t  # gathered through backward
     units = facts.n_units + 1
     c, degree = compute_bytes(cfg.mixed_precision), cfg.dims.dp_shard
+    trained = n * trained_share(facts)
+    if t == 1:  # FSDP2 pads each tensor's dim 0 to a multiple of the shard group: the messages are padded
+        n, trained = padded(n, facts.param_shapes, degree), padded(
+            trained, facts.trainable_shapes if facts.trainable_params is not None else facts.param_shapes, degree)
     dp_per_node = max(1, tasks_per_node // t)
     shard = Group(degree, min(degree, dp_per_node))
     # forward gathers the root first; backward gathers the blocks again (the root stays gathered)
     _add(comm, Collective("all-gather forward", "all_gather", n * c, units, root * c, "forward"), shard, site,
          tasks_per_node, grad_accum)
     if cfg.dims.reshard_after_forward:
-        _add(comm, Collective("all-gather backward", "all_gather", (n - root) * c, units - 1, unit * c), shard,
+        _add(comm, Collective("all-gather backward", "all_gather", (n - kept) * c, units - 1, unit * c), shard,
              site, tasks_per_node, grad_accum)
-    _add(comm, Collective("reduce-scatter gradients", "reduce_scatter", n * REDUCE_BYTES, units,
-                          root * REDUCE_BYTES), shard, site, tasks_per_node, grad_accum)
+    share = trained_share(facts)  # gradients exist for the trained parameters only
+    _add(comm, Collective("reduce-scatter gradients", "reduce_scatter", trained * REDUCE_BYTES, units,
+                          root * share * REDUCE_BYTES), shard, site, tasks_per_node, grad_accum)
     replicas = cfg.dims.dp_replicate
     if replicas > 1:
         across = Group(replicas, max(1, dp_per_node // degree))
-        _add(comm, Collective("all-reduce across replicas", "all_reduce", n * REDUCE_BYTES / degree, units,
-                              root * REDUCE_BYTES / degree), across, site, tasks_per_node, 1)
+        _add(comm, Collective("all-reduce across replicas", "all_reduce", trained * REDUCE_BYTES / degree, units,
+                              root * share * REDUCE_BYTES / degree), across, site, tasks_per_node, 1)
+
+
+def padded(numel: float, shapes: tp.Sequence[tuple[int, ...]], degree: int) -> float:
+    """``numel`` elements as FSDP2 shards them over ``degree`` ranks, padding included (``shapes``: the
+    tensors; without them, ``numel``)."""
+    return float(sharded_numel(int(numel), degree, shapes) * degree) if shapes and degree > 1 else numel
 
 
 def tp_calls(facts: ModelFacts, checkpointing: bool) -> dict[tuple[str, str], int]:

@@ -135,7 +135,9 @@ def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]
 
 
 def trained_share(facts: ModelFacts) -> float:
-    """The share of the parameters that trains (1 unless LoRA freezes the base)."""
+    """The share of the parameters that trains (1 unless LoRA freezes the base): gradients, optimizer
+    state and the gradient collectives (DDP buckets and FSDP2 reduces only parameters with
+    ``requires_grad``; the all-gathers still carry every parameter) are for this share."""
     if facts.trainable_params is None or not facts.n_params:
         return 1.0
     return facts.trainable_params / facts.n_params

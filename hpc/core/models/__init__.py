@@ -135,6 +135,10 @@ class ModelFacts:
     tp_divides: tuple[int, ...] = ()  # what a tp degree must divide (attention heads, kv heads)
     trainable_params: int | None = None  # what has gradients and optimizer state (None: every parameter; LoRA)
     trainable_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (``hpc.core.lora.with_lora``)
+    # of ``root_params``, those FSDP keeps gathered from forward through backward (final norm + head, the
+    # unit backward needs first; all of them when a tied head keeps them in the root unit); the embedding
+    # unit is resharded after forward and gathered again in backward. None: all of ``root_params``
+    kept_params: int | None = None
 
     @property
     def builtin(self) -> bool:

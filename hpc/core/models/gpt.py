@@ -113,6 +113,7 @@ def preset_counts() -> str:
 def gpt_facts(label: str, shape: GPTShape) -> ModelFacts:
     return ModelFacts(label=f"{label} ({count_text(shape.n_params)} params)", n_params=shape.n_params,
                       unit_params=shape.block_params, root_params=shape.embedding_params + shape.head_params,
+                      kept_params=shape.embedding_params + shape.head_params if shape.tied else shape.head_params,
                       n_units=shape.n_layers, flops_per_token=shape.flops_per_token(), seq_len=shape.seq_len,
                       vocab_size=shape.vocab_size, shape=shape, matmul_params=shape.matmul_params,
                       source="counted from the shape", param_shapes=shape.param_shapes(),

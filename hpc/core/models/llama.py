@@ -119,7 +119,8 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
     """What the planner and the trainer know about a Llama spec (``counted`` does not apply)."""
     s = llama_shape(model)
     return ModelFacts(label=llama_label(model, s), n_params=s.n_params, unit_params=s.block_params,
-                      root_params=s.embedding_params + s.head_params, n_units=s.n_layers,
+                      root_params=s.embedding_params + s.head_params,
+                      kept_params=s.embedding_params + s.head_params if s.tied else s.head_params, n_units=s.n_layers,
                       flops_per_token=s.flops_per_token(), seq_len=s.seq_len, vocab_size=s.vocab_size,
                       matmul_params=s.matmul_params, source="counted from the shape", param_shapes=s.param_shapes(),
                       largest_module_params=s.largest_module_params, shape=s, family=ARCH,
