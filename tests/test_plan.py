@@ -263,8 +263,9 @@ def test_fsdp_step_comm_by_hand():
     shape = gpt_shape("tiny")
     facts = gpt_facts("tiny", shape)
     comm = step_comm(facts, Config(parallel_dims("fsdp", "full_shard", 2), False, "bf16", False, 1), s, 1, 2, grad_accum=3)
-    n, root = shape.n_params, shape.embedding_params + shape.head_params
-    sent = 3 * 0.5 * (2 * n + 2 * (n - root) + 4 * n)  # AG fwd + AG bwd (bf16) + RS (fp32), per micro-batch
+    n, kept = shape.n_params, shape.head_params  # final norm + head stay gathered; the embeddings do not
+    assert not shape.tied
+    sent = 3 * 0.5 * (2 * n + 2 * (n - kept) + 4 * n)  # AG fwd + AG bwd (bf16) + RS (fp32), per micro-batch
     assert comm.gb == pytest.approx(sent / GB)
 
 
