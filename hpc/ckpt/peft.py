@@ -8,11 +8,19 @@
   target weight ``W + (alpha / r) · B A`` read from the base (``checkpoint.init_from``) and the
   adapters, one tensor at a time; ``hpc.ckpt.hf.export_hf`` writes it as any run.
 - ``adapter_base`` / ``read_adapters``: a PEFT folder as ``checkpoint.init_from`` (continue training
-  it): the base it names, and its adapters by hpcx's names.
+  it): the base it names, and its adapters and ``modules_to_save`` parameters by hpcx's names.
 
-A run's parameters ``trainable`` in full beside the adapters (``lora.trainable``) are in the merged
-export; the PEFT export refuses them (PEFT keeps those as ``modules_to_save`` copies, which hpcx does
-not write).
+A run's parameters trained in full beside the adapters (``lora.trainable``) are PEFT's
+``modules_to_save``: ``adapter_config.json`` lists the Hugging Face modules they make up, by full
+dotted name (``model.norm``, ``model.layers.0.input_layernorm``, ``lm_head``: PEFT wraps every module
+whose name ends with one of them), and ``adapter_model.safetensors`` holds each of those modules'
+parameters under the key PEFT saves, ``base_model.model.<module>.<param>`` (``modules_to_save.default``
+stripped), mapped from the checkpoint's ``model.<hpcx name>`` by the family's tensor plan. PEFT copies
+whole modules, so a ``lora.trainable`` that trains only some of a module's parameters (GPT-2's
+``ln_f.weight`` without its bias; a ``Conv1D`` weight, whose bias hpcx does not have), a LoRA target's
+own weight, or a tied embedding is refused in one line. A PEFT folder as ``init_from`` gives them back
+by hpcx's names when its ``modules_to_save`` cover exactly the modules of the spec's ``lora.trainable``,
+and is refused in one line otherwise. The merged export (``--to hf --merge-lora``) has them too.
 """
 
 from __future__ import annotations
@@ -59,10 +67,66 @@ def adapter_config(spec: tp.Any, arch: str, shape: tp.Any) -> dict[str, tp.Any]:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": spec.checkpoint.init_from or None,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
             "target_modules": hf_targets(lora, arch), "bias": "none", "fan_in_fan_out": fan_in_fan_out(arch, shape),
-            "modules_to_save": None, "inference_mode": True, "init_lora_weights": True, "use_rslora": False,
-            "use_dora": False, "revision": None,
+            "modules_to_save": list(full_modules(lora, arch, shape)) or None, "inference_mode": True,
+            "init_lora_weights": True, "use_rslora": False, "use_dora": False, "revision": None,
             "auto_mapping": {"base_model_class": hf_config(arch, shape)["architectures"][0],
                              "parent_library": "transformers"}}
+
+
+def full_modules(lora: tp.Any, arch: str, shape: tp.Any) -> dict[str, list[HfTensor]]:
+    """The Hugging Face modules whose parameters ``lora.trainable`` trains in full (PEFT's
+    ``modules_to_save``, by full dotted name) → their tensors, in the plan's order; ConfigError, one
+    line (``module_problems``), when PEFT cannot save them as they trained."""
+    modules, problems = _modules_of(lora, arch, shape)
+    if problems:
+        raise ConfigError([f"{p}; export the merged model with --to hf --merge-lora" for p in problems])
+    return modules
+
+
+def module_problems(lora: tp.Any, arch: str, shape: tp.Any) -> list[str]:
+    """Why the modules ``lora.trainable`` trains are not whole modules PEFT can save: one line, or none."""
+    return _modules_of(lora, arch, shape)[1]
+
+
+def _modules_of(lora: tp.Any, arch: str, shape: tp.Any) -> tuple[dict[str, list[HfTensor]], list[str]]:
+    from hpc.core.hf import hf_config
+    from hpc.core.lora import resolved_targets, trains_in_full
+
+    if not lora.trainable:
+        return {}, []
+    plan = tensor_plan(arch, shape)
+    by_module: dict[str, list[HfTensor]] = {}
+    for t in plan:
+        by_module.setdefault(t.name.rpartition(".")[0], []).append(t)
+    chosen = set(resolved_targets(lora, arch))
+    targets = {t.name.rpartition(".")[0] for t in plan
+               if t.source.endswith(".weight") and t.source.split(".")[-2] in chosen}
+    modules, why = {}, []
+    for module, tensors in by_module.items():
+        full = [t for t in tensors if t.source and trains_in_full(t.source, lora)]
+        if not full:
+            continue
+        if len(full) < len(tensors):
+            rest = ", ".join(t.name.rpartition(".")[2] + (" (not in hpcx's model)" if t.op == "zeros" else "")
+                             for t in tensors if t not in full)
+            why.append(f"{module} would have {rest} untrained")
+        elif module in targets:
+            why.append(f"{module} is a LoRA target")
+        elif any(t.source == "tok_emb.weight" for t in tensors) and hf_config(arch, shape).get("tie_word_embeddings"):
+            why.append(f"{module} is tied to the head, which PEFT's copy unties")
+        else:
+            modules[module] = tensors
+    if why:
+        more = f"; and {len(why) - 3} more modules" if len(why) > 3 else ""
+        return {}, [f"`lora.trainable` = {lora.trainable}: PEFT's modules_to_save copies whole modules, and "
+                    f"{'; '.join(why[:3])}{more}"]
+    return modules, []
+
+
+def module_plan(lora: tp.Any, arch: str, shape: tp.Any) -> list[HfTensor]:
+    """The tensors of ``full_modules`` under PEFT's keys (``base_model.model.model.norm.weight``)."""
+    return [HfTensor(PREFIX + t.name, t.source, t.op, t.shape)
+            for tensors in full_modules(lora, arch, shape).values() for t in tensors]
 
 
 def run_lora(resolved: dict[str, tp.Any], run: Path) -> tp.Any:
@@ -80,10 +144,12 @@ def _adapter_plan(reader: tp.Any, spec: tp.Any, arch: str, shape: tp.Any) -> lis
 
     shapes = adapter_shapes(spec.model, spec.lora)
     names = peft_names(arch, shape, shapes)
-    missing = [f"{reader.path}: no tensor model.{n}" for n in shapes if f"model.{n}" not in reader.entries]
+    saved = module_plan(spec.lora, arch, shape)
+    missing = [f"{reader.path}: no tensor model.{n}" for n in [*shapes, *(t.source for t in saved)]
+               if f"model.{n}" not in reader.entries]
     if missing:
         raise CheckpointError(missing)
-    return [HfTensor(names[n], n, "copy", s) for n, s in shapes.items()]
+    return [HfTensor(names[n], n, "copy", s) for n, s in shapes.items()] + saved
 
 
 def export_peft(src: str | Path, dst: str | Path) -> dict[str, tp.Any]:
@@ -98,9 +164,9 @@ def export_peft(src: str | Path, dst: str | Path) -> dict[str, tp.Any]:
     run, step = run_of(src)
     arch, shape, resolved = run_model(run)
     spec = run_lora(resolved, run)
-    if spec.lora.trainable:
-        raise ConfigError([f"{run}: `lora.trainable` = {spec.lora.trainable}: parameters trained in full are not "
-                           "adapters; export the merged model with --to hf --merge-lora"])
+    problems = module_problems(spec.lora, arch, shape)
+    if problems:
+        raise ConfigError([f"{run}: {p}; export the merged model with --to hf --merge-lora" for p in problems])
     reader = DcpReader(step)
     try:
         plan = _adapter_plan(reader, spec, arch, shape)
@@ -215,7 +281,8 @@ def adapter_base(folder: str | Path) -> Path:
 
 
 def adapter_problems(folder: Path, spec: tp.Any) -> list[str]:
-    """A PEFT folder's settings that differ from the spec's ``[lora]`` (rank, alpha, targets)."""
+    """A PEFT folder's settings that differ from the spec's ``[lora]`` (rank, alpha, targets, and
+    ``modules_to_save`` against ``trainable``)."""
     from hpc.core.lora import hf_targets
 
     doc, lora, where = read_adapter_config(folder), spec.lora, f"`checkpoint.init_from`: {folder / ADAPTER_CONFIG}"
@@ -228,11 +295,46 @@ def adapter_problems(folder: Path, spec: tp.Any) -> list[str]:
     if sorted(theirs if isinstance(theirs, list) else [theirs]) != sorted(hf_targets(lora, spec.model.arch)):
         out.append(f"{where}: target_modules = {theirs!r}, the spec's `lora.targets` are "
                    f"{hf_targets(lora, spec.model.arch)}")
-    return out
+    return out + _saved_problems(doc, spec, where)
+
+
+def _saved_problems(doc: dict[str, tp.Any], spec: tp.Any, where: str) -> list[str]:
+    """One line when the folder's ``modules_to_save`` (matched as PEFT matches them: every module whose
+    name ends with one) are not the modules the spec's ``lora.trainable`` trains in full."""
+    from hpc.core.models import model_facts
+
+    theirs = doc.get("modules_to_save")
+    names = [theirs] if isinstance(theirs, str) else theirs or []
+    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
+        return [f"{where}: modules_to_save = {theirs!r}: expected a list of module names"]
+    if not names and not spec.lora.trainable:
+        return []
+    facts = model_facts(spec.model)
+    problems = module_problems(spec.lora, facts.family, facts.shape)
+    if problems:
+        return [f"{where}: {p}: no PEFT folder holds what the spec trains" for p in problems]
+    want = set(full_modules(spec.lora, facts.family, facts.shape))
+    got = _peft_matched(names, {t.name.rpartition(".")[0] for t in tensor_plan(facts.family, facts.shape)})
+    if got == want:
+        return []
+    lacks, more = sorted(want - got), sorted(got - want)
+    diff = "; ".join(f"{label} {', '.join(ms[:3])}{f' and {len(ms) - 3} more' if len(ms) > 3 else ''}"
+                     for label, ms in (("lacks", lacks), ("also has", more)) if ms)
+    return [f"{where}: modules_to_save = {theirs!r} are not the modules the spec's `lora.trainable` = "
+            f"{spec.lora.trainable} trains in full ({len(want)}): the folder {diff}"]
+
+
+def _peft_matched(names: list[str], modules: set[str]) -> set[str]:
+    """The modules (with parameters) that PEFT's ``modules_to_save`` = ``names`` copy: it wraps every
+    module whose dotted name ends with one of ``names`` (``str.endswith``), the wrapped one's whole subtree."""
+    prefixes = {".".join(parts[:i]) for m in modules for parts in [m.split(".")] for i in range(1, len(parts) + 1)}
+    wrapped = {p for p in prefixes if any(p.endswith(n) for n in names)}
+    return {m for m in modules if any(m == w or m.startswith(w + ".") for w in wrapped)}
 
 
 def read_adapters(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> dict[str, torch.Tensor]:
-    """The adapters of a PEFT folder by hpcx's parameter names, every one the spec's model has, checked."""
+    """The adapters of a PEFT folder by hpcx's parameter names, every one the spec's model has, checked;
+    with them its ``modules_to_save`` parameters (``lora.trainable``), by hpcx's names too."""
     from hpc.ckpt.safetensors import SafetensorsReader
     from hpc.core.lora import adapter_shapes
 
@@ -241,21 +343,27 @@ def read_adapters(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> dict[
         raise CheckpointError(problems)
     shapes = adapter_shapes(spec.model, spec.lora)
     names = peft_names(arch, shape, shapes)
+    saved = {t.source: t for t in module_plan(spec.lora, arch, shape)}  # modules_to_save: checked to agree
+    full = {t.source: (t.shape[::-1] if t.op == "transpose" else t.shape) for t in saved.values()}
     reader = SafetensorsReader(folder / ADAPTER_WEIGHTS)
     try:
         keys = {_no_adapter_name(k.removeprefix(reader.prefix)): k for k, e in reader.entries.items() if e.is_tensor}
         out, missing = {}, []
-        for ours, theirs in names.items():
+        for ours, theirs, want in [*((n, names[n], shapes[n]) for n in shapes),
+                                   *((n, t.name, full[n]) for n, t in saved.items())]:
             if theirs not in keys:
                 missing.append(f"`checkpoint.init_from`: {folder / ADAPTER_WEIGHTS}: no tensor {theirs}")
                 continue
-            out[ours] = reader.read(keys[theirs])
-            if tuple(out[ours].shape) != shapes[ours]:
-                missing.append(f"`checkpoint.init_from`: {keys[theirs]} is {list(out[ours].shape)}, the model's "
-                               f"{ours} is {list(shapes[ours])}")
-        extra = sorted(set(keys) - set(names.values()))
-        missing += [f"`checkpoint.init_from`: {folder / ADAPTER_WEIGHTS}: {k} matches no adapter of the model"
-                    for k in extra]
+            value = reader.read(keys[theirs])
+            if ours in saved and saved[ours].op == "transpose" and value.dim() == 2:
+                value = value.t().contiguous()
+            out[ours] = value
+            if tuple(value.shape) != tuple(want):
+                missing.append(f"`checkpoint.init_from`: {keys[theirs]} is {list(value.shape)}, the model's "
+                               f"{ours} is {list(want)}")
+        extra = sorted(set(keys) - set(names.values()) - {t.name for t in saved.values()})
+        missing += [f"`checkpoint.init_from`: {folder / ADAPTER_WEIGHTS}: {k} matches no adapter or "
+                    "modules_to_save parameter of the model" for k in extra]
     finally:
         reader.close()
     if missing:
@@ -264,5 +372,7 @@ def read_adapters(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> dict[
 
 
 def _no_adapter_name(key: str) -> str:
-    """PEFT saves ``….lora_A.weight``; a state dict taken in memory has ``….lora_A.default.weight``."""
-    return key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+    """PEFT saves ``….lora_A.weight`` and ``model.norm.weight``; a state dict taken in memory has
+    ``….lora_A.default.weight`` and ``model.norm.modules_to_save.default.weight``."""
+    return (key.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B.")
+            .replace(".modules_to_save.default.", "."))
