@@ -300,14 +300,16 @@ def adapter_problems(folder: Path, spec: tp.Any) -> list[str]:
 
 def _saved_problems(doc: dict[str, tp.Any], spec: tp.Any, where: str) -> list[str]:
     """One line when the folder's ``modules_to_save`` (matched as PEFT matches them: every module whose
-    name ends with one) are not the modules the spec's ``lora.trainable`` trains in full."""
+    name ends with one) are not the modules the spec's ``lora.trainable`` trains in full. A folder without
+    any is fine: the parameters the spec trains in full start from the base (PEFT's model has the
+    base's there too)."""
     from hpc.core.models import model_facts
 
     theirs = doc.get("modules_to_save")
     names = [theirs] if isinstance(theirs, str) else theirs or []
     if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
         return [f"{where}: modules_to_save = {theirs!r}: expected a list of module names"]
-    if not names and not spec.lora.trainable:
+    if not names:  # a plain adapter folder: what the spec trains in full starts from the base, as in PEFT
         return []
     facts = model_facts(spec.model)
     problems = module_problems(spec.lora, facts.family, facts.shape)
@@ -343,7 +345,8 @@ def read_adapters(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> dict[
         raise CheckpointError(problems)
     shapes = adapter_shapes(spec.model, spec.lora)
     names = peft_names(arch, shape, shapes)
-    saved = {t.source: t for t in module_plan(spec.lora, arch, shape)}  # modules_to_save: checked to agree
+    has_saved = bool(read_adapter_config(folder).get("modules_to_save"))  # checked to agree with the spec
+    saved = {t.source: t for t in module_plan(spec.lora, arch, shape)} if has_saved else {}
     full = {t.source: (t.shape[::-1] if t.op == "transpose" else t.shape) for t in saved.values()}
     reader = SafetensorsReader(folder / ADAPTER_WEIGHTS)
     try:

@@ -144,3 +144,33 @@ def test_a_folder_whose_modules_to_save_differ_is_refused_in_one_line(exported, 
     problems = init_from_problems(spec)
     assert len(problems) == 1, problems
     assert "modules_to_save" in problems[0] and "`lora.trainable`" in problems[0] and expected in problems[0]
+
+
+def test_a_plain_adapter_folder_continues_with_what_the_spec_trains_in_full_from_the_base(exported, base, tmp_path):
+    """A folder without modules_to_save (a LoRA run without ``lora.trainable``, or PEFT's own): its adapters
+    are read; the norms the spec now trains in full start from the base, as PeftModel has them."""
+    from safetensors.torch import load_file, save_file
+
+    from hpc.ckpt.init_source import init_from_problems
+    from hpc.ckpt.peft import read_adapters
+    from hpc.core.models import model_facts
+    from hpc.core.spec import load_spec
+    from tests.trainer.trainer_testlib import TINY
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    config = json.loads((exported["norms"] / ADAPTER_CONFIG).read_text())
+    (plain / ADAPTER_CONFIG).write_text(json.dumps({**config, "modules_to_save": None}))
+    tensors = load_file(exported["norms"] / ADAPTER_WEIGHTS)
+    save_file({k: v for k, v in tensors.items() if ".lora_" in k}, plain / ADAPTER_WEIGHTS)
+    spec = load_spec(TINY, [*LLAMA, f"checkpoint.init_from={str(plain)!r}", *LORA, NORMS])
+    assert init_from_problems(spec) == []
+    facts = model_facts(spec.model)
+    read = read_adapters(plain, spec, facts.family, facts.shape)
+    assert read and all(".lora_" in k for k in read)
+    assert sum(".lora_" in k for k in tensors) == len(read)
+    # the same folder with a norm tensor left in, undeclared: refused, one line naming it
+    save_file({k: v for k, v in tensors.items() if ".lora_" in k or k.endswith("model.norm.weight")},
+              plain / ADAPTER_WEIGHTS)
+    with pytest.raises(Exception, match="model.norm.weight matches no adapter"):
+        read_adapters(plain, spec, facts.family, facts.shape)
