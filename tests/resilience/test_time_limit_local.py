@@ -211,3 +211,25 @@ def test_the_result_line_says_which_stop_it_was(stop, words):
     assert line.startswith(f"12 steps {words}, loss 5.5000 -> 2.5000") and line.endswith("1 ranks, none")
     early = format_result(describe_result(("success", {**summary, "final_loss": None, "losses": []}), stop))
     assert early == f"12 steps {words}, no loss logged, 1 ranks, none"  # stopped before its first log line
+
+
+@pytest.mark.parametrize("result", [None, "failure", "success"])
+def test_a_local_job_cancelled_before_its_ranks_recorded_a_stop_is_cancelled_not_failed(tmp_path, result):
+    """`hpcx cancel` at once after submit: the controller dies of the SIGTERM before any rank wrote a stop
+    (no ledger, perhaps no result); the cancel's marker makes it CANCELLED. A job that completed stays
+    COMPLETED; without the marker an ended job with no result is FAILED, as before."""
+    import pickle
+
+    from hpc.schedulers.local.scheduler import cancel_marker
+
+    run = tmp_path / "run"
+    (run / "submitit").mkdir(parents=True)
+    job = ended_pid()
+    if result is not None:
+        outcome = ("success", None) if result == "success" else ("error", "Traceback: killed")
+        (run / "submitit" / f"{job}_0_result.pkl").write_bytes(pickle.dumps(outcome))
+    assert local_state(job, run).state == ("COMPLETED" if result == "success" else "FAILED")
+    cancel_marker(run, job).touch()
+    assert local_state(job, run).state == ("COMPLETED" if result == "success" else "CANCELLED")
+    other = ended_pid()  # another job's marker in a reused folder says nothing of this one
+    assert local_state(other, run).state == "FAILED"

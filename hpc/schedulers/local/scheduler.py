@@ -109,6 +109,13 @@ def task_pids(controller_pid: int) -> list[int]:
     return sorted(pids)
 
 
+def cancel_marker(run_dir: Path, job_id: str) -> Path:
+    """Written by ``LocalScheduler.cancel`` before its SIGTERM: a controller cancelled before it started
+    its tasks (or before they installed their handlers) dies of it with no stop in the ledger and no
+    result, and is CANCELLED (as Slurm says of a job cancelled while pending), not FAILED."""
+    return Path(run_dir) / SUBMITIT_DIR / f"{job_id}_cancelled"
+
+
 def local_state(job_id: str, run_dir: Path) -> JobState:
     """RUNNING while the controller lives; then CANCELLED when the ledger's last stop followed a
     SIGTERM (``hpcx cancel``), TIMEOUT when it was the time limit with no requeue left (the controller
@@ -127,11 +134,13 @@ def local_state(job_id: str, run_dir: Path) -> JobState:
     if last.get("reason") == "time_limit" and not last.get("requeued"):
         return JobState("TIMEOUT", "localhost", "ledger")
     result = result_path(Path(run_dir) / SUBMITIT_DIR, job_id)
-    if not result.exists():
-        return JobState("FAILED", "localhost", "process", {"reason": "no result written"})
-    outcome = read_result(result)
-    if outcome[0] == "success":
+    outcome = read_result(result) if result.exists() else None
+    if outcome is not None and outcome[0] == "success":
         return JobState("COMPLETED", "localhost", "result")
+    if cancel_marker(run_dir, job_id).exists():  # `hpcx cancel` before the ranks could record their stop
+        return JobState("CANCELLED", "localhost", "cancel", {"reason": "cancelled before its ranks recorded a stop"})
+    if outcome is None:
+        return JobState("FAILED", "localhost", "process", {"reason": "no result written"})
     loading = failures.loading_failure(str(outcome[1]))
     why = {"reason": f"{loading['error']}, while {loading['where']}: not retried"} if loading else {}
     return JobState("FAILED", "localhost", "result", why)
@@ -168,6 +177,10 @@ class LocalScheduler(Scheduler):
         at their next step boundary. Never sent to a pid that is no longer the job's controller."""
         if not controller_alive(job_id, run_dir):
             return False
+        try:
+            cancel_marker(run_dir, job_id).touch()
+        except OSError:
+            pass  # a read-only run folder: a cancel still stops the job, its state may then read FAILED
         try:
             os.kill(int(job_id), signals.SIGTERM)
         except ProcessLookupError:
