@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import os
-import socket
 
 import pytest
 import torch
@@ -34,6 +33,7 @@ from hpc.core.site import load_site
 from hpc.core.spec import spec_from_dict
 from hpc.plan.comm import step_comm
 from hpc.plan.memory import GB, Config
+from tests.test_plan_exact import _free_port
 
 pytestmark = pytest.mark.slow
 
@@ -130,12 +130,6 @@ def _worker(rank: int, port: int, queue) -> None:
             queue.put((rank, i, _measure(*case)))
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

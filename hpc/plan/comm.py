@@ -287,19 +287,19 @@ def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile,
     kept = root if facts.kept_params is None else facts.kept_params / t  # gathered through backward
     units = facts.n_units + 1
     c, degree = compute_bytes(cfg.mixed_precision), cfg.dims.dp_shard
-    trained = n * trained_share(facts)
+    share = trained_share(facts)  # gradients exist for the trained parameters only
+    trained = n * share
     if t == 1:  # FSDP2 pads each tensor's dim 0 to a multiple of the shard group: the messages are padded
         n, trained = padded(n, facts.param_shapes, degree), padded(
             trained, facts.trainable_shapes if facts.trainable_params is not None else facts.param_shapes, degree)
     dp_per_node = max(1, tasks_per_node // t)
     shard = Group(degree, min(degree, dp_per_node))
-    # forward gathers the root first; backward gathers the blocks again (the root stays gathered)
+    # forward gathers the root first; backward gathers all but ``kept`` again
     _add(comm, Collective("all-gather forward", "all_gather", n * c, units, root * c, "forward"), shard, site,
          tasks_per_node, grad_accum)
     if cfg.dims.reshard_after_forward:
         _add(comm, Collective("all-gather backward", "all_gather", (n - kept) * c, units - 1, unit * c), shard,
              site, tasks_per_node, grad_accum)
-    share = trained_share(facts)  # gradients exist for the trained parameters only
     _add(comm, Collective("reduce-scatter gradients", "reduce_scatter", trained * REDUCE_BYTES, units,
                           root * share * REDUCE_BYTES), shard, site, tasks_per_node, grad_accum)
     replicas = cfg.dims.dp_replicate
