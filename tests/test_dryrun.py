@@ -332,6 +332,30 @@ def test_a_user_model_the_job_cannot_start_is_one_line_and_exit_2(tmp_path, monk
     assert words in _one_error(job, out)
 
 
+@pytest.mark.parametrize("sets", [(), ("--set", "parallel.strategy='none'"), ("--set", "parallel.strategy='ddp'")])
+def test_a_user_model_without_blocks_runs_where_no_feature_needs_them(tmp_path, monkeypatch, sets):
+    """ddp (and none) wrap the whole model: no `blocks` attribute is asked for (the default `fsdp` of
+    ``_startup`` is replaced by the last --set)."""
+    _, out = _startup(tmp_path, monkeypatch, "no_blocks", *(sets or ("--set", "parallel.strategy='ddp'")))
+    assert out.exit_code == 0, out.output
+    assert "forward (user model, on the meta device)" in out.stdout
+
+
+@pytest.mark.parametrize("sets,feature", [
+    ((), "needed by strategy 'fsdp' (an FSDP unit per block)"),
+    (("--set", "parallel.strategy='ddp'", "--set", "parallel.activation_checkpointing=true"),
+     "needed by parallel.activation_checkpointing"),
+    (("--set", "parallel.strategy='ddp'", "--set", "parallel.compile=true"), "needed by parallel.compile"),
+    (("--set", "parallel.activation_checkpointing=true"),
+     "needed by parallel.activation_checkpointing, strategy 'fsdp' (an FSDP unit per block)"),
+])
+def test_a_user_model_without_blocks_is_refused_naming_the_feature_that_needs_them(tmp_path, monkeypatch, sets,
+                                                                                feature):
+    job, out = _startup(tmp_path, monkeypatch, "no_blocks", *sets)
+    line = _one_error(job, out)
+    assert "`model.blocks` = 'blocks': Trunk has no attribute 'blocks' (children: trunk)" in line and feature in line
+
+
 def test_a_module_import_error_is_one_line_and_exit_2(tmp_path, monkeypatch):
     job, out = _startup(tmp_path, monkeypatch, "good", "--set", "model.arch='dryrun_models_absent_hpcx:make'")
     assert "cannot import 'dryrun_models_absent_hpcx' here" in _one_error(job, out)

@@ -88,3 +88,20 @@ def test_submit_returns_while_the_job_runs_its_controller_holding_none_of_the_ca
 
         assert hpcx("cancel", str(run_dir)).returncode == 0
         assert wait_state(run_dir, ("CANCELLED", "FAILED", "COMPLETED"))["state"] == "CANCELLED"
+
+
+def test_a_user_model_without_blocks_trains_under_ddp(run_root: Path, tmp_path: Path):
+    """ddp wraps the whole model: a user model with no ``blocks`` (its layers in a Sequential) trains;
+    the same model with activation checkpointing is refused at start naming that feature."""
+    (tmp_path / "noblocks.py").write_text((REPO / "tests" / "trainer" / "dryrun_models.py").read_text())
+    sets = ["--set", f"job.run_root={json.dumps(str(run_root))}", "--set", "train.steps=3", "--set",
+            "model.seq_len=16", "--set", "model.vocab_size=64"]
+    job = tmp_path / "job.toml"
+    job.write_text((REPO / "jobs" / "tiny-ddp.toml").read_text().replace('arch = "gpt"\nsize = "tiny"',
+                                                                         'arch = "noblocks:no_blocks"'))
+    out = hpcx("submit", str(job), *sets, "--wait", timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert next(ln for ln in out.stdout.splitlines() if ln.startswith("result: ")).endswith("2 ranks, ddp")
+    refused = hpcx("dryrun", str(job), *sets, "--set", "parallel.activation_checkpointing=true", cwd=tmp_path,
+                   timeout=300)
+    assert refused.returncode == 2 and "needed by parallel.activation_checkpointing" in refused.stderr, refused.stderr

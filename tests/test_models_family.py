@@ -111,7 +111,6 @@ def test_the_hugging_face_sides_are_protocols_too():
 
 @pytest.mark.parametrize("fam", models.families(), ids=lambda f: f.name)
 def test_every_familys_torch_half_implements_the_builder(fam):
-    pytest.importorskip("torch")
     from trainer import models as trainer_models
 
     builder = importlib.import_module(fam.builder)

@@ -140,6 +140,29 @@ def on_meta(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
+def block_features(parallel: Parallel, dims: ParallelDims) -> list[str]:
+    """The features asked for that work block by block (so need the model's ``blocks``): tensor
+    parallelism, activation checkpointing, compile and FSDP's per-block units. Under none, dp or ddp
+    without them a model needs no ``blocks`` attribute."""
+    asked = [("parallel.tp", dims.tp_enabled), ("parallel.activation_checkpointing", parallel.activation_checkpointing),
+             ("parallel.compile", parallel.compile), (f"strategy {parallel.strategy!r} (an FSDP unit per block)",
+                                                      dims.fsdp_enabled)]
+    return [name for name, on in asked if on]
+
+
+def blocks_for(task_blocks: tp.Callable[[nn.Module], nn.ModuleList], model: nn.Module, parallel: Parallel,
+               dims: ParallelDims) -> nn.ModuleList:
+    """``task_blocks(model)`` where a feature needs the blocks (``block_features``), else an empty list;
+    a model without them is refused in one line naming the feature that needs them."""
+    needed = block_features(parallel, dims)
+    if not needed:
+        return nn.ModuleList()
+    try:
+        return task_blocks(model)
+    except ConfigError as exc:
+        raise ConfigError([f"{exc.messages[0]}; needed by {', '.join(needed)}"]) from None
+
+
 def uses_rng(dropout: float, blocks: nn.ModuleList, user_model: bool) -> bool:
     """Whether a block's forward draws random numbers (so a recomputation must replay the RNG): the
     spec's dropout, an ``nn.Dropout`` with p > 0 inside a block, or a user model (its code is unknown)."""

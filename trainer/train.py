@@ -30,7 +30,7 @@ from trainer.loop import Trainer, TrainState, set_determinism, train
 from trainer.metrics import MetricsWriter, PhaseClock, flush_logging, setup_logging
 from trainer.model import WeightInit, local_numel
 from trainer.optim import build_optimizer, build_scheduler, open_host_groups
-from trainer.parallelize import autocast_dtype, build_mesh, mesh_groups, parallelize, uses_rng
+from trainer.parallelize import autocast_dtype, blocks_for, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
 from trainer.resilience import report_unloadable, resilience_for
 from trainer.run import Run, load_run
@@ -192,11 +192,12 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     added to it (``trainer.lora``)."""
     task = task_for(spec, launch.data_source) if task is None else task
     model = apply_lora(task.meta_model() if model is None else model, spec)
-    blocks = task.blocks(model)
+    parallel = launch_parallel(spec, launch)
+    blocks = blocks_for(task.blocks, model, parallel, launch.dims)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
     rng = uses_rng(spec.model.dropout, blocks, not model_facts(spec.model).builtin)  # a user model: unknown
-    model = parallelize(model, blocks, launch_parallel(spec, launch), launch.dims, mesh, device, init, rng)
+    model = parallelize(model, blocks, parallel, launch.dims, mesh, device, init, rng)
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",

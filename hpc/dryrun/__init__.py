@@ -108,17 +108,19 @@ class DryRun:
 def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> DryRun:
     """Build ``spec`` as rank ``rank`` of ``launch`` on the fake process group and measure it."""
     from trainer.optim import build_optimizer
+    from trainer.parallelize import blocks_for
     from trainer.tasks import task_for
     from hpc.dryrun.startup import checked_model
     from trainer.train import build_parallel_model
 
     started = time.perf_counter()
-    bare, forward = checked_model(spec)  # what would fail before step 1: one line each, exit 2
+    bare, forward = checked_model(spec, launch)  # what would fail before step 1: one line each, exit 2
     with fake_process_group(launch.world_size, rank), memoized_strided_shards():  # tp: FSDP over TP rows
         model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False, model=bare)
         optimizer = build_optimizer(model, spec.train)
         step_on_meta(model, optimizer)
-        units = unit_report(model, task_for(spec, launch.data_source).blocks(model), launch.dims.reshard_after_forward)
+        blocks = blocks_for(task_for(spec, launch.data_source).blocks, model, launch_parallel(spec, launch), launch.dims)
+        units = unit_report(model, blocks, launch.dims.reshard_after_forward)
         measured, short = rank_bytes(model, optimizer)
         checkpoint = checkpoint_plan(model, optimizer, spec, launch, rank)
         mesh_doc = mesh_report(mesh, launch, rank)

@@ -24,20 +24,22 @@ from torch import nn
 
 from hpc.core.errors import ConfigError
 from hpc.core.models import model_facts
+from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.spec import JobSpec
 
 BATCH, SEQ = 2, 8  # the meta batch of the forward check: [BATCH, min(SEQ, seq_len)] token ids
 
 
-def checked_model(spec: JobSpec) -> tuple[nn.Module, str | None]:
+def checked_model(spec: JobSpec, launch: Launch) -> tuple[nn.Module, str | None]:
     """(the bare model on meta, what the forward check found) when nothing above would fail the job;
     else a ConfigError with one line per problem, each prefixed by the spec's file."""
+    from trainer.parallelize import blocks_for
     from trainer.tasks import task_for
 
     model = built_model(spec)
     problems: list[str] = []
-    try:
-        task_for(spec, "synthetic").blocks(model)  # the data is not read: the units only
+    try:  # the data is not read: the units only, where a feature works per block
+        blocks_for(task_for(spec, "synthetic").blocks, model, launch_parallel(spec, launch), launch.dims)
     except ConfigError as exc:
         problems += exc.messages
     problems += reset_problems(model, spec)

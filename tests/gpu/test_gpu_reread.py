@@ -6,10 +6,10 @@ and the flight recorder that holds NCCL's entries. ``gpu``-marked: skipped where
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.gpu.test_gpu import gpu_run
 
-torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.gpu
 
 

@@ -123,7 +123,6 @@ def test_a_plan_no_group_finished_is_replaced(tmp_path, tokenizer):
 def test_a_rank_names_the_shard_of_an_id_past_the_vocabulary(tmp_path, tokenizer):
     """What the login checks cannot see (a manifest without max_id, edited after the check) fails at
     the first sample in one line naming the shard, not with torch's IndexError naming nothing."""
-    pytest.importorskip("torch")
     from tests.tokens.hostile import prepared
     from trainer.tokens import ManifestTokens
 

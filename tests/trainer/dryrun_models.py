@@ -101,3 +101,20 @@ def sequential_blocks(vocab: int = 64) -> nn.Module:
     model = LM(vocab, 16, 2)
     model.blocks = nn.Sequential(*model.blocks)
     return model
+
+
+class Trunk(nn.Module):
+    """Token ids → logits with its layers in a Sequential named ``trunk`` and no ``blocks``: fine under
+    none, dp and ddp; AC, compile, tp and FSDP need a ModuleList to work on."""
+
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Embedding(vocab, width), nn.Linear(width, width), nn.GELU(),
+                                   nn.Linear(width, vocab))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.trunk(tokens)
+
+
+def no_blocks(vocab: int = 64) -> nn.Module:
+    return Trunk(vocab, 16)
