@@ -6,7 +6,10 @@ The samples are cut into micro-batches of ``micro_batch`` consecutive samples, d
 turn; every rank makes the same number of forward passes (FSDP gathers in each), a rank short of one
 passes over sample 0 and counts nothing. Each rank sums its targets' losses and counts in float64, and
 one all-reduce adds them: the same samples and the same mean at every world size. With a loss mask
-only the counted (response) targets enter both sums.
+only the counted (response) targets enter both sums. The ranks of a tensor-parallel group evaluate the
+same samples, so only one of them adds its sums (``sum_over_data``): the counts are the true ones. The
+losses are the training's chunked cross-entropy (``eval_token_losses``), and the batches come through a
+DataLoader with the training loader's workers and pinned memory (``Evaluator.loader``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import typing as tp
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from hpc.core.spec import JobSpec
+from trainer.objective import sum_over_data
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer  # which imports this module
@@ -37,10 +40,22 @@ class Evaluator:
     every: int
     samples: int  # the validation samples each evaluation counts, once each
     task: tp.Any = None  # the ``trainer.tasks.LoopTask`` whose terms it sums (None: the language model's)
+    workers: int = 0  # loader processes (the launch's ``hpc.core.spec.loader_workers``, as training's)
+    pin_memory: bool = False  # page-locked batches (with a GPU), copied to it without waiting
+    _loader: DataLoader | None = None
 
     def due(self, step: int, last: int) -> bool:
         """After every ``every``-th step and after the last one."""
         return step % self.every == 0 or step == last
+
+    def loader(self, collate: tp.Callable[[list], tp.Any]) -> DataLoader:
+        """This rank's micro-batches in order (a padding pass ``[]`` reads sample 0), through ``workers``
+        processes kept from one evaluation to the next, into pinned memory where asked: made once."""
+        if self._loader is None:
+            self._loader = DataLoader(self.dataset, batch_sampler=[b or [0] for b in self.batches],
+                                      num_workers=self.workers, pin_memory=self.pin_memory, collate_fn=collate,
+                                      persistent_workers=self.workers > 0)
+        return self._loader
 
 
 def eval_samples(available: int, steps: int, global_batch: int) -> int:
@@ -71,8 +86,8 @@ def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
 
     task = ev.task if ev.task is not None else _token_task()
     sums: torch.Tensor | None = None
-    for indices in ev.batches:
-        batch = task.to_device(task.collate([ev.dataset[i] for i in indices or [0]]), t.device)
+    for indices, batch in zip(ev.batches, ev.loader(task.collate)):
+        batch = task.to_device(batch, t.device)
         terms = task.eval_terms(t.model, batch, len(indices) or 1, autocast_of(t.device, t.amp_dtype))
         if not indices:  # the padding pass: the collectives of a forward, nothing counted
             terms = torch.zeros_like(terms)
@@ -96,8 +111,7 @@ def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
     with torch.no_grad():
         sums = _sums(t, ev)
     t.model.train()
-    if t.world_size > 1 and dist.is_initialized():
-        dist.all_reduce(sums)
+    sums = sum_over_data(sums, t.world_size, t.dims.tp)  # a tp group's ranks evaluated the same samples
     task = ev.task if ev.task is not None else _token_task()
     return {"step": step, **task.eval_record([float(x) for x in sums.cpu()]), "eval_samples": ev.samples,
             "eval_s": time.perf_counter() - started}

@@ -55,16 +55,28 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return tuple(t.to(device, non_blocking=True) for t in batch)
 
 
-def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int) -> torch.Tensor | None:
+def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int, tp_degree: int = 1) -> torch.Tensor | None:
     """Targets the loss counts in the whole global batch (None without a mask): this rank's
-    micro-batches, summed over ranks; an int64 tensor on the masks' device, never read by the host."""
+    micro-batches, summed over the data-parallel ranks (``sum_over_data``); an int64 tensor on the masks'
+    device, never read by the host."""
     masks = [split_batch(b)[1] for b in micro_batches]
     if masks[0] is None:
         return None
     count = torch.stack([m[:, 1:].sum(dtype=torch.int64) for m in masks if m is not None]).sum()
-    if world_size > 1 and dist.is_initialized():
-        dist.all_reduce(count)
-    return count
+    return sum_over_data(count, world_size, tp_degree)
+
+
+def sum_over_data(value: torch.Tensor, world_size: int, tp_degree: int) -> torch.Tensor:
+    """``value`` summed over the data-parallel ranks, in one all-reduce over the world: the ``tp_degree``
+    ranks of a tensor-parallel group hold the same batch (and, under ``loss_parallel``, the same
+    losses), so only the group's first rank (tp is the innermost mesh dimension) adds its value; the
+    others add zeros, and the sum is the true one, not ``tp`` times it."""
+    if world_size <= 1 or not dist.is_initialized():
+        return value
+    if tp_degree > 1 and dist.get_rank() % tp_degree:
+        value = torch.zeros_like(value)
+    dist.all_reduce(value)
+    return value
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -139,6 +151,15 @@ def _local(loss: torch.Tensor) -> torch.Tensor:
     """A replicated DTensor loss (``loss_parallel``) as this rank's plain tensor; the backward stays DTensor."""
     to_local = getattr(loss, "to_local", None)
     return to_local() if to_local is not None else loss
+
+
+def eval_token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Per-target fp32 cross-entropy shaped like ``tokens[:, 1:]``, as the training loss computes it:
+    in chunks (``chunked_token_losses``: no fp32 logits of the whole micro-batch), or under tensor
+    parallelism ``loss_parallel``'s over this rank's share of the vocabulary (``token_losses``)."""
+    if is_dtensor(logits):
+        return token_losses(logits, tokens)
+    return chunked_token_losses(logits.flatten(0, 1), tokens[:, 1:].flatten()).view(tokens.shape[0], -1)
 
 
 def token_losses(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -179,6 +179,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
         clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world))
+    if trainer.evaluator is not None:  # the training loader's settings (``data.num_workers``, pinned with a GPU)
+        trainer.evaluator.workers, trainer.evaluator.pin_memory = workers, device.type == "cuda"
     return trainer, TrainState()
 
 

@@ -19,8 +19,9 @@ needed. What it reports is read off the real objects:
   state from the real AdamW state after one step on meta tensors (fused AdamW has no meta kernel,
   so that one step runs unfused: same state tensors);
 - the DCP local save plan of this rank (``torch.distributed.checkpoint``'s own planner);
-- with ``data.packing = "document"``, the document mask of one micro-batch, built by the models' own
-  ``document_mask`` on meta, beside the planner's ``mask_bytes``;
+- with ``data.packing = "document"``, the attention kernel of packed documents at the site and, for
+  flex_attention's, its BlockMask of one micro-batch built by the models' own ``block_mask`` on meta,
+  beside the planner's ``block_mask_bytes``;
 - with ``checkpoint.init_from``, what this rank will read of it (``trainer.init_from.read_plan``:
   its shard's byte ranges of a safetensors source).
 
@@ -51,7 +52,8 @@ from torch import nn
 
 from hpc.compat import memoized_strided_shards
 from hpc.dryrun.fake_pg import fake_process_group
-from hpc.plan.memory import Config, init_bytes, mask_bytes, model_states, staging_bytes
+from hpc.core.models.decoder import FLEX_BLOCK
+from hpc.plan.memory import Config, init_bytes, model_states, staging_bytes
 from hpc.core.models import count_text, model_facts
 from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.site import SiteProfile
@@ -99,7 +101,7 @@ class DryRun:
     init_from: dict[str, tp.Any] | None = None  # this rank's reads of checkpoint.init_from
     placements: dict[str, str] = field(default_factory=dict)  # parameter (blocks.* collapsed) -> its placements
     forward: str | None = None  # a user model's forward on a meta batch (hpc.dryrun.startup), None for built-ins
-    mask: dict[str, int] | None = None  # data.packing = "document": the mask's bytes per micro-batch, built and planned
+    mask: dict[str, tp.Any] | None = None  # data.packing = "document": its kernel, the mask's bytes built and planned
 
     def to_dict(self) -> dict[str, tp.Any]:
         return asdict(self)
@@ -133,10 +135,10 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
                     planned=None, where=_where(spec, site, launch), short_shards=short, checkpoint=checkpoint,
                     plan_init=None, plan_staging=None)
     result.init_from, result.forward, result.placements = reads, forward, placements
-    result.mask = mask_report(spec)
+    result.mask = mask_report(spec, site.node.gpus > 0)
     if launch.dims.fsdp_enabled and plain:
         result.problems.append(f"{len(plain)} parameters are no DTensor under FSDP: {', '.join(plain[:4])}")
-    add_plan(result, spec, launch)
+    add_plan(result, spec, launch, site.node.gpus > 0)
     result.seconds = time.perf_counter() - started
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
@@ -161,16 +163,23 @@ def init_reads(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None:
             "source_bytes": source.nbytes}
 
 
-def mask_report(spec: JobSpec) -> dict[str, int] | None:
-    """The document mask of one micro-batch as the models build it (on meta) and as the planner counts it."""
+def mask_report(spec: JobSpec, gpu: bool) -> dict[str, tp.Any] | None:
+    """Packed documents' attention kernel at the site (``hpc.core.models.decoder.document_kernel``) and
+    what it holds per micro-batch: flex_attention's BlockMask as the models build it (on meta) beside
+    the planner's count; the per-span kernel holds no mask (0 and 0)."""
     if spec.data.packing != "document":
         return None
-    from trainer.models.decoder import document_mask
+    from hpc.core.models.decoder import FLEX, block_mask_bytes, document_kernel
+    from trainer.models.decoder import block_mask
 
     batch, seq = spec.train.micro_batch, model_facts(spec.model).seq_len
-    built = document_mask(torch.zeros(batch, seq, dtype=torch.long, device="meta"))
-    return {"micro_batch": batch, "seq_len": seq, "bytes": built.numel() * built.element_size(),
-            "planned": mask_bytes(batch, seq)}
+    kernel = document_kernel(gpu, spec.model.dropout)
+    built = planned = 0
+    if kernel == FLEX:
+        mask = block_mask(torch.zeros(batch, seq, dtype=torch.long, device="meta"), 0)
+        built = sum(t.numel() * t.element_size() for t in mask.as_tuple() if isinstance(t, torch.Tensor))
+        planned = block_mask_bytes(batch, seq)
+    return {"kernel": kernel, "micro_batch": batch, "seq_len": seq, "bytes": built, "planned": planned}
 
 
 def placement_report(model: nn.Module) -> tuple[dict[str, str], list[str]]:
@@ -308,7 +317,7 @@ def _where(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
 # ---------------------------------------------------------------- beside the plan
 
 
-def add_plan(result: DryRun, spec: JobSpec, launch: Launch) -> None:
+def add_plan(result: DryRun, spec: JobSpec, launch: Launch, gpu: bool = True) -> None:
     """``hpcx plan``'s figures for this layout, and every difference over TOLERANCE as a problem."""
     from hpc.core.lora import with_lora
 
@@ -319,7 +328,7 @@ def add_plan(result: DryRun, spec: JobSpec, launch: Launch) -> None:
     offload = launch.dims.fsdp_enabled and parallel.cpu_offload
     cfg = Config(launch.dims, offload, parallel.mixed_precision, parallel.activation_checkpointing,
                  spec.train.micro_batch, spec.model.dropout, spec.checkpoint.async_save,
-                 document_mask=spec.data.packing == "document")
+                 document_mask=spec.data.packing == "document", gpu=gpu)
     states = model_states(facts.n_params, cfg, facts.param_shapes, facts, facts.trainable_params,
                           facts.trainable_shapes)
     result.planned = {k: int(v) for k, v in zip(STATES, states)}
@@ -380,12 +389,21 @@ def format_dryrun(r: DryRun) -> str:
         lines.append(f"forward (user model, on the meta device): {r.forward}")
     if r.mask is not None:
         m = r.mask
-        lines.append(f"document mask (data.packing = document): [{m['micro_batch']}, 1, {m['seq_len']}, {m['seq_len']}] "
-                     f"bool per micro-batch, {_gb(m['bytes'])} built on meta; plan {_gb(m['planned'])}, in buffers")
+        lines.append(mask_line(m))
     lines.append(f"took {r.seconds:.1f} s, peak RSS {r.peak_rss_bytes / 2**30:.2f} GiB")
     if r.problems:
         lines += ["", f"dryrun and plan differ by more than {TOLERANCE:.0%}:"] + [f"  {p}" for p in r.problems]
     return "\n".join(lines)
+
+
+def mask_line(m: dict[str, tp.Any]) -> str:
+    """The document attention line of ``format_dryrun``."""
+    if m["kernel"] != "flex":
+        return ("document attention (data.packing = document): SDPA per document span, no mask; the plan keeps "
+                "one more attention output per block in the activations")
+    n = -(-m["seq_len"] // FLEX_BLOCK)
+    return (f"document attention (data.packing = document): flex_attention, BlockMask [{m['micro_batch']}, 1, {n}, {n}] "
+            f"int32 ×4 and counts per micro-batch, {m['bytes']:,} bytes built on meta; plan {m['planned']:,}, in buffers")
 
 
 def _mesh_lines(r: DryRun) -> list[str]:

@@ -17,8 +17,11 @@ What is modelled, and why (see docs/planner.md for the derivations):
   weight copies).
 - Activations: each model family's own (``hpc.core.models``; the built-in GPT's is Korthikanti et
   al. 2022 accounting with fused SDPA attention, with and without per-block checkpointing).
-- The document mask (``data.packing = "document"``): one boolean ``micro_batch × seq_len²`` per
-  micro-batch, built once per forward and shared by every layer (``mask_bytes``, in ``buffers``).
+- Packed documents (``data.packing = "document"``): what their attention kernel holds
+  (``hpc.core.models.decoder.document_kernel``; ``document_bytes``). On a GPU flex_attention's BlockMask,
+  O(seq²/128²) int32 per micro-batch, in ``buffers``; on a CPU (or with dropout) SDPA per document span,
+  which keeps one more attention output per block (the spans' outputs and their concatenation) in
+  ``activations``. No dense ``seq²`` mask on either.
 - Start-up and checkpoint peaks (separate terms, beside the training total): ``init_bytes``
   while the trainer materializes the model (``trainer.model.WeightInit``), ``staging_bytes``
   for the host copy checkpoint saves keep.
@@ -58,7 +61,8 @@ class Config:
     dropout: float = 0.0
     async_save: bool = False  # checkpoint.async_save: saves keep a host copy of the states
     grad_accum: int = 1  # micro-steps per optimizer step: FSDP's gradients outlive a micro-step only when > 1
-    document_mask: bool = False  # data.packing = "document": a block-diagonal mask per micro-batch (mask_bytes)
+    document_mask: bool = False  # data.packing = "document": its attention kernel's holdings (document_bytes)
+    gpu: bool = True  # a GPU site (the document kernel is flex_attention there, SDPA per span on CPUs)
 
 
 @dataclass
@@ -192,10 +196,12 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
                                       facts.trainable_shapes)
     init, staging = init_bytes(facts, cfg), staging_bytes(facts, cfg)
     buffers, notes = buffer_bytes(facts, cfg)
-    if cfg.document_mask:
-        buffers += mask_bytes(cfg.micro_batch, facts.seq_len)
-        notes.append(f"document mask: {cfg.micro_batch} × {facts.seq_len}² bool per micro-batch, shared by the layers")
     act = activation_bytes(facts, cfg)
+    if cfg.document_mask:
+        held, kept, note = document_bytes(facts, cfg)
+        buffers += held
+        act = None if act is None else act + kept
+        notes.append(note)
     if cfg.dims.fsdp_enabled and not cfg.offload and cfg.grad_accum == 1 and act is not None:
         grads = peak_grads(grads, act)
         notes.append("gradients: none at the loss backward (freed after every step); counted where "
@@ -212,11 +218,30 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
                   staging_per_node=staging * tasks_per_node / GB)
 
 
+def document_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, float, str]:
+    """(buffer bytes, activation bytes, note) of packed documents' attention at ``cfg``'s kernel
+    (``trainer.models.decoder.DocumentAttention``): flex_attention's BlockMask of one micro-batch, shared
+    by the layers; or, SDPA per document span, the spans' outputs each block keeps beside their
+    concatenation (one [tokens, q_dim] tensor per block; one block's under activation checkpointing)."""
+    from hpc.core.models.decoder import FLEX, block_mask_bytes, document_kernel
+
+    b, s = cfg.micro_batch, facts.seq_len
+    if document_kernel(cfg.gpu, cfg.dropout) == FLEX:
+        held = block_mask_bytes(b, s)
+        return held, 0.0, f"document BlockMask (flex_attention): {held / 2**20:.1f} MiB per micro-batch, O(seq²/128²)"
+    shape = facts.shape
+    q_dim = getattr(shape, "q_dim", getattr(shape, "d_model", 0))
+    blocks = 1 if cfg.checkpointing else getattr(shape, "n_layers", 0)
+    kept = blocks * b * s * q_dim * compute_bytes(cfg.mixed_precision) / cfg.dims.tp
+    return 0.0, kept, "documents attend by SDPA per span (no mask): one more attention output per block"
+
+
 def mask_bytes(micro_batch: int, seq_len: int) -> int:
-    """The document mask of one micro-batch (``trainer.models.decoder.document_mask``): a boolean
-    ``[micro_batch, 1, seq_len, seq_len]``, held from forward to backward (every layer's attention
-    saves the same tensor)."""
-    return micro_batch * seq_len * seq_len
+    """The dense boolean document mask of one micro-batch (the ``mask`` kernel: ``hpcx dryrun``'s meta
+    build, never a training step's): ``[micro_batch, 1, seq_len, seq_len]``."""
+    from hpc.core.models.decoder import dense_mask_bytes
+
+    return dense_mask_bytes(micro_batch, seq_len)
 
 
 def peak_grads(grads: float, activations: float) -> float:

@@ -268,7 +268,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
     if dims.tp != setup.tp:
         setup = replace(setup, tp=dims.tp)
     cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
-                 setup.async_save, setup.grad_accum, setup.document_mask)
+                 setup.async_save, setup.grad_accum, setup.document_mask, site.node.gpus > 0)
     gpu = site.node.gpus > 0
     tpn = setup.tasks_per_node
     memory = estimate(facts, cfg, tpn)

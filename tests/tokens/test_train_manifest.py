@@ -205,11 +205,29 @@ def test_gpu_site_loads_with_workers_and_pinned_memory_and_evaluates(prepared, t
                                                 "job.tasks_per_node=1"])
     trainer, state = build_trainer(load_run(run_dir), 0, torch.device("cuda:0"))
     assert trainer.loader.num_workers == 2 and trainer.loader.pin_memory and trainer.loader.persistent_workers
+    assert trainer.evaluator is not None and trainer.evaluator.workers == 2 and trainer.evaluator.pin_memory
     result = train(trainer, state)
     assert result["steps"] == 6 and result["eval_loss"] > 0
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "eval_loss" in r] == [3, 6]
     assert all(r["phases_s"]["data"] >= 0 for r in lines if "phases_s" in r)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_evaluator_loads_with_the_training_loaders_workers(prepared, tmp_path, workers):
+    """``data.num_workers`` reaches the eval loader as the training's (pinned memory only with a GPU)."""
+    import torch
+
+    from trainer.run import load_run
+    from trainer.train import build_trainer
+
+    run_dir = make_run(tmp_path, "eval-workers", "none", 1, [f"data.source={str(prepared)!r}", "model.vocab_size=640",
+                                                             f"data.num_workers={workers}", "train.eval_every=3"])
+    trainer, _ = build_trainer(load_run(run_dir), 0, torch.device("cpu"))
+    assert trainer.evaluator is not None and trainer.evaluator.workers == trainer.loader.num_workers == workers
+    assert not trainer.evaluator.pin_memory
+    loader = trainer.evaluator.loader(trainer.task.collate)
+    assert loader.num_workers == workers and loader.persistent_workers == (workers > 0)
 
 
 def test_the_source_kind_is_one_rule(prepared, tmp_path):
@@ -266,7 +284,7 @@ def test_a_padding_pass_counts_nothing(prepared):
 
     torch.manual_seed(0)
     t = SimpleNamespace(model=build_model(Model(size="tiny", vocab_size=640), "cpu"), device=torch.device("cpu"),
-                        amp_dtype=None, world_size=1)
+                        amp_dtype=None, world_size=1, dims=SimpleNamespace(tp=1))
     dataset = ManifestTokens(prepared, "val", 64)
     plain, padded = (evaluate(t, Evaluator(dataset, batches, 1, 1), 0) for batches in ([[1]], [[1], []]))
     assert (padded["eval_loss"], padded["eval_tokens"]) == (plain["eval_loss"], plain["eval_tokens"]) == (

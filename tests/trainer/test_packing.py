@@ -17,7 +17,7 @@ import torch
 
 from hpc.core.models.gpt import GPTShape
 from hpc.core.models.llama import LlamaShape
-from trainer.models.decoder import document_mask, document_positions
+from trainer.models.decoder import document_mask, document_positions, document_spans
 from trainer.models.gpt import GPT
 from trainer.models.llama import Llama
 from trainer.objective import document_targets, masked_scale, micro_loss, token_losses
@@ -98,8 +98,9 @@ def _one_by_one(model: torch.nn.Module, pieces) -> float:
     return total / count
 
 
-def _packed(model: torch.nn.Module, tokens, mask, docs, with_documents: bool) -> float:
+def _packed(model: torch.nn.Module, tokens, mask, docs, with_documents: bool, kernel: str | None = None) -> float:
     counted = document_targets(mask, docs)
+    model.document_kernel = kernel
     with torch.no_grad():
         logits = model(tokens[:, :-1], docs[:, :-1]) if with_documents else model(tokens[:, :-1])
         loss = micro_loss(logits, tokens, counted, masked_scale(counted[:, 1:].sum(), 1))
@@ -109,12 +110,13 @@ def _packed(model: torch.nn.Module, tokens, mask, docs, with_documents: bool) ->
 @pytest.mark.parametrize("family", sorted(MODELS))
 @pytest.mark.parametrize("pattern", ["whole", "ones", "short", "mixed"])
 @pytest.mark.parametrize("prompt_masks", [False, True])
-def test_packed_loss_with_document_masks_equals_one_by_one(family, pattern, prompt_masks):
+@pytest.mark.parametrize("kernel", ["mask", "segments", "flex"])  # flex: its forward (the CPU has no backward)
+def test_packed_loss_with_document_masks_equals_one_by_one(family, pattern, prompt_masks, kernel):
     rng = random.Random(f"{family}{pattern}{prompt_masks}")
     model = MODELS[family]
     tokens, mask, docs, pieces = _batch(_lengths(pattern, rng), rng, prompt_masks)
     alone = _one_by_one(model, pieces)
-    packed = _packed(model, tokens, mask, docs, with_documents=True)
+    packed = _packed(model, tokens, mask, docs, with_documents=True, kernel=kernel)
     assert packed == pytest.approx(alone, rel=1e-5, abs=1e-6)
     if pattern != "whole":  # one document per window: plain causal attention is the same thing
         assert abs(_packed(model, tokens, mask, docs, with_documents=False) - alone) > 1e-2
@@ -124,6 +126,7 @@ def test_document_positions_and_mask():
     docs = torch.tensor([[0, 0, 0, 1, 2, 2], [5, 5, 5, 5, 5, 5]])
     assert document_positions(docs).tolist() == [[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]]
     mask = document_mask(docs)
+    assert document_spans(docs) == (((0, 3), (3, 4), (4, 6)), ((0, 6),))
     assert mask.shape == (2, 1, 6, 6) and mask.dtype == torch.bool
     assert mask[1, 0].equal(torch.ones(6, 6, dtype=torch.bool).tril())
     assert mask[0, 0, 4].tolist() == [False, False, False, False, True, False]

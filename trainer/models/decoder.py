@@ -18,12 +18,15 @@ tensors has ``reset_parameters`` so ``WeightInit`` builds it on the meta device.
 from __future__ import annotations
 
 import math
+import typing as tp
+import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpc.core.models.decoder import LlamaShape
+from hpc.core.models.decoder import FLEX, MASK, SEGMENTS, LlamaShape, document_kernel
 
 GPT2_STD = 0.02
 
@@ -61,34 +64,171 @@ def heads(x: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float = 0.0,
-                     mask: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """SDPA over heads ([batch, heads, seq, head_dim]; fewer key/value heads than query heads share
-    them, grouped-query attention), back to [batch, seq, heads·head_dim]. ``mask``: None is plain
-    causal attention (SDPA's ``is_causal``, its fused kernels); else a boolean ``[batch, 1, seq, seq]``,
-    True where a query may see a key, causality included (``document_mask``). ``window`` > 0 shorter than
-    the sequence: each query sees the last ``window`` keys, itself included (a banded causal mask, as
-    transformers' sliding window: key > query - window), within its document when both are given."""
-    gqa = k.shape[1] != q.shape[1]
-    windowed = 0 < window < q.shape[2]
-    if mask is None and not windowed:
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+                     mask: DocumentAttention | None = None, window: int = 0) -> torch.Tensor:
+    """Causal attention over heads ([batch, heads, seq, head_dim]; fewer key/value heads than query heads
+    share them, grouped-query attention), back to [batch, seq, heads·head_dim]. ``mask``: None is plain
+    causal attention (SDPA's ``is_causal``, its fused kernels); else the packed documents of the batch
+    (``DocumentAttention``: a query sees the keys of its own document up to itself) through its kernel.
+    ``window`` > 0 shorter than the sequence: each query sees the last ``window`` keys, itself included
+    (a banded causal mask, as transformers' sliding window: key > query - window), within its document
+    when both are given."""
+    if mask is not None:
+        y = mask.attend(q, k, v, dropout, window)
+    elif 0 < window < q.shape[2]:
+        y = sdpa(q, k, v, dropout, sliding_window_mask(q.shape[2], window, q.device), repeat_kv=True)
     else:
-        if windowed:
-            band = sliding_window_mask(q.shape[2], window, q.device)
-            mask = band if mask is None else mask & band
-        if gqa:  # a mask with enable_gqa leaves SDPA only its math kernel (every head's scores materialized)
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        y = sdpa(q, k, v, dropout)
     b, _, s, _ = q.shape
     return y.transpose(1, 2).reshape(b, s, -1)
 
 
+def native_gqa(device_type: str, dtype: torch.dtype, masked: bool) -> bool:
+    """Whether SDPA's kernel for ``q`` takes fewer key/value heads itself (``enable_gqa``): the CPU's
+    flash kernel does in every dtype, mask or not; on CUDA only the flash kernel does (bf16/fp16, no
+    mask), and anything else with ``enable_gqa`` leaves SDPA its math kernel (every head's scores
+    materialized), so there k and v are repeated for the memory-efficient kernel instead."""
+    return device_type != "cuda" or (dtype in (torch.float16, torch.bfloat16) and not masked)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float,
+         mask: torch.Tensor | None = None, repeat_kv: bool = False) -> torch.Tensor:
+    """SDPA, causal (``mask`` None) or under a boolean ``mask`` (True: may attend), [batch, heads, seq,
+    head_dim]; ``repeat_kv``: k and v repeated to every query head whatever the kernel (what the planner
+    counts for a sliding window, ``hpc.core.models.decoder.block_activations``)."""
+    if k.shape[1] != q.shape[1] and (repeat_kv or not native_gqa(q.device.type, q.dtype, mask is not None)):
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    gqa = k.shape[1] != q.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+
+
+@dataclass
+class DocumentAttention:
+    """How every layer of one forward attends within the packed documents of its micro-batch, prepared
+    once (``document_attention``) and shared by the layers. The kernel (``hpc.core.models.decoder.document_kernel``):
+
+    - ``flex``: ``flex_attention`` (compiled) over a BlockMask whose mask_mod is causal within a document
+      id (torchtune's ``packed_block_causal_mask``, torchtitan's flex path): it skips the blocks no query
+      may see, takes GQA without repeating k/v (``enable_gqa``), and holds O(seq²/128²) int32
+      (``block_mask_bytes``) instead of a dense mask. Its backward runs on CUDA only (torch 2.13).
+    - ``segments``: SDPA's causal kernel once per document span (rows × documents calls per layer), exact
+      and fused on the CPU, with dropout too; it reads the spans on the host once per forward.
+    - ``mask``: the dense boolean ``[batch, 1, seq, seq]`` (``document_mask``): kept for the meta device
+      (``hpcx dryrun``, where no span can be read) and as the reference the others are tested against.
+    """
+
+    kernel: str
+    documents: torch.Tensor
+    block_mask: tp.Any = None  # flex
+    spans: tuple[tuple[tuple[int, int], ...], ...] = ()  # segments: each row's (start, end) per document
+    dense: torch.Tensor | None = None  # mask
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float, window: int) -> torch.Tensor:
+        """[batch, heads, seq, head_dim] attended within documents (and ``window``)."""
+        if self.kernel == FLEX:
+            return flex(q, k, v, self.block_mask if not 0 < window < q.shape[2] else self.windowed(window))
+        if self.kernel == SEGMENTS:
+            return segment_attention(q, k, v, self.spans, dropout, window)
+        mask = self.dense
+        assert mask is not None
+        if 0 < window < q.shape[2]:
+            mask = mask & sliding_window_mask(q.shape[2], window, q.device)
+        return sdpa(q, k, v, dropout, mask)
+
+    def windowed(self, window: int) -> tp.Any:
+        """The BlockMask with a sliding window as well (made on first use, kept for the other layers)."""
+        if getattr(self, "_windowed", None) is None:
+            self._windowed = block_mask(self.documents, window)
+        return self._windowed
+
+
+def document_attention(documents: torch.Tensor, kernel: str | None = None, dropout: float = 0.0) -> DocumentAttention:
+    """The packed documents of a micro-batch (``documents`` [batch, seq]: each position's document
+    number, non-decreasing along a window) prepared for ``kernel`` (None: the device's,
+    ``document_kernel``; always ``mask`` on the meta device)."""
+    if documents.device.type == "meta":
+        kernel = MASK
+    elif kernel is None:
+        kernel = document_kernel(documents.device.type == "cuda", dropout)
+    if kernel == FLEX:
+        return DocumentAttention(FLEX, documents, block_mask=block_mask(documents, 0))
+    if kernel == SEGMENTS:
+        return DocumentAttention(SEGMENTS, documents, spans=document_spans(documents))
+    if kernel == MASK:
+        return DocumentAttention(MASK, documents, dense=document_mask(documents))
+    raise ValueError(f"document attention kernel {kernel!r}: expected {FLEX}, {SEGMENTS} or {MASK}")
+
+
+def block_mask(documents: torch.Tensor, window: int) -> tp.Any:
+    """flex_attention's BlockMask of packed documents: key ≤ query in the same document (and within
+    ``window``). Built by evaluating the mask_mod block by block (compiled on CUDA, as torchtitan does:
+    eager, ``create_block_mask`` materializes the dense mask once while it builds)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        keep = (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+        return keep & (q_idx - kv_idx < window) if window else keep
+
+    batch, seq = documents.shape
+    return create_block_mask(mask_mod, batch, None, seq, seq, device=documents.device,
+                             _compile=documents.device.type == "cuda")
+
+
+_COMPILED_FLEX: list[tp.Callable] = []
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tp.Any) -> torch.Tensor:
+    """``flex_attention`` under ``mask``, GQA by ``enable_gqa``: compiled on CUDA (eager it is a reference
+    that materializes the scores); eager elsewhere (the CPU runs its forward only: tests, no-grad eval)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = k.shape[1] != q.shape[1]
+    if q.device.type == "cuda":
+        if not _COMPILED_FLEX:
+            _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+        return _COMPILED_FLEX[0](q, k, v, block_mask=mask, enable_gqa=gqa)
+    with warnings.catch_warnings():  # "called without torch.compile()": meant, off CUDA
+        warnings.simplefilter("ignore", UserWarning)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+def document_spans(documents: torch.Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each row's documents as (start, end) position spans, read on the host (one copy per forward)."""
+    seq = documents.shape[1]
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    rows = []
+    for row in starts.cpu():
+        first = row.nonzero().flatten().tolist()
+        rows.append(tuple(zip(first, first[1:] + [seq])))
+    return tuple(rows)
+
+
+@torch.compiler.disable  # a compiled block breaks its graph here rather than specializing on every batch's spans
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      spans: tuple[tuple[tuple[int, int], ...], ...], dropout: float, window: int) -> torch.Tensor:
+    """SDPA's causal kernel over each document span of each row (a span longer than ``window`` under its
+    band mask, the span's own), concatenated back to [batch, heads, seq, head_dim]. Each output is
+    [1, span, heads, head_dim] in memory, so the concatenation is the layout the output projection reads."""
+    rows = []
+    for r, row in enumerate(spans):
+        parts = []
+        for start, end in row:
+            cut = slice(start, end)
+            band = sliding_window_mask(end - start, window, q.device) if 0 < window < end - start else None
+            y = sdpa(q[r:r + 1, :, cut], k[r:r + 1, :, cut], v[r:r + 1, :, cut], dropout, band)
+            parts.append(y.transpose(1, 2))
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0).transpose(1, 2)
+
+
 def document_mask(documents: torch.Tensor) -> torch.Tensor:
-    """The block-diagonal causal mask of packed documents: ``documents`` [batch, seq] numbers each
-    position's document (non-decreasing along a window); a query sees the keys of its own document up
-    to itself. Boolean [batch, 1, seq, seq] (one byte per pair, built once per forward and shared by
-    every layer: the planner's ``mask`` term); every row sees at least its own key, so none is all -inf."""
+    """The block-diagonal causal mask of packed documents (the ``mask`` kernel): ``documents`` [batch,
+    seq] numbers each position's document (non-decreasing along a window); a query sees the keys of its
+    own document up to itself. Boolean [batch, 1, seq, seq], built once per forward and shared by every
+    layer; every row sees at least its own key, so none is all -inf."""
     seq = documents.shape[1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
     return ((documents[:, :, None] == documents[:, None, :]) & causal).unsqueeze(1)
@@ -201,7 +341,7 @@ class Attention(nn.Module):
         self.wo = Linear(shape.q_dim, shape.d_model, residual_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocumentAttention | None = None) -> torch.Tensor:
         """Heads counted from the projections' width: under tensor parallelism (``trainer.tp``) each
         rank holds ``n_heads / tp`` query and ``n_kv_heads / tp`` key/value heads."""
         q = rotate(heads(self.wq(x), -1, self.head_dim), cos, sin)
@@ -234,7 +374,7 @@ class LlamaBlock(nn.Module):
         self.mlp = SwiGLU(shape, residual_std)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: DocumentAttention | None = None) -> torch.Tensor:
         # the mask only when there is one: the tensor-parallel plan prepares (x, cos, sin) (``trainer.tp``)
         x = x + (self.attn(self.attn_norm(x), cos, sin) if mask is None else self.attn(self.attn_norm(x), cos, sin, mask))
         return x + self.mlp(self.mlp_norm(x))
@@ -242,6 +382,8 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
     """The Llama-block model of ``shape`` (Llama, Qwen2, Mistral); ``Llama(shape).num_params() == shape.n_params``."""
+
+    document_kernel: str | None = None  # packed documents' attention kernel (None: the device's; ``DocumentAttention``)
 
     def __init__(self, shape: LlamaShape):
         super().__init__()
@@ -258,7 +400,7 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens`` [batch, seq]; with ``documents`` (each position's document number, packed
         windows: ``data.packing = "document"``) rotary positions restart per document and attention
-        stays inside it."""
+        stays inside it (``DocumentAttention``, prepared once for every layer)."""
         x = self.tok_emb(tokens)
         if documents is None:
             cos, sin = self.rope(tokens.shape[1], x.dtype)
@@ -266,7 +408,7 @@ class Llama(nn.Module):
                 x = block(x, cos, sin)
         else:
             cos, sin = self.rope(tokens.shape[1], x.dtype, document_positions(documents))
-            mask = document_mask(documents)
+            mask = document_attention(documents, self.document_kernel)
             for block in self.blocks:
                 x = block(x, cos, sin, mask)
         return self.head(self.norm(x))

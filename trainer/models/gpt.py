@@ -17,8 +17,8 @@ from torch import nn
 from hpc.core.models import model_facts
 from hpc.core.models.gpt import GPTShape
 from hpc.core.spec import Model as ModelSpec
-from trainer.models.decoder import (GPT2_STD, Embedding, Linear, causal_attention, document_mask, document_positions,
-                                    heads, num_params, residual_std)
+from trainer.models.decoder import (GPT2_STD, DocumentAttention, Embedding, Linear, causal_attention,
+                                    document_attention, document_positions, heads, num_params, residual_std)
 
 __all__ = ["GPT", "GPT2_STD", "Block", "CausalSelfAttention", "Embedding", "Linear", "MLP", "build"]
 
@@ -37,7 +37,7 @@ class CausalSelfAttention(nn.Module):
         self.qkv = Linear(d_model, 3 * d_model)
         self.proj = Linear(d_model, d_model, residual_std)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentAttention | None = None) -> torch.Tensor:
         d = x.shape[-1]
         q, k, v = (heads(t, self.n_heads, d // self.n_heads) for t in self.qkv(x).split(d, dim=2))
         return self.proj(causal_attention(q, k, v, self.dropout if self.training else 0.0, mask))
@@ -64,7 +64,7 @@ class Block(nn.Module):
         self.mlp = MLP(d_model, residual_std)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: DocumentAttention | None = None) -> torch.Tensor:
         # the mask only when there is one: the tensor-parallel plan prepares the one input (``trainer.tp``)
         x = x + self.drop(self.attn(self.ln1(x)) if mask is None else self.attn(self.ln1(x), mask))
         return x + self.drop(self.mlp(self.ln2(x)))
@@ -72,6 +72,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """The built-in GPT; ``GPT(shape).num_params() == shape.n_params``."""
+
+    document_kernel: str | None = None  # packed documents' attention kernel (None: the device's; ``DocumentAttention``)
 
     def __init__(self, shape: GPTShape, dropout: float = 0.0):
         super().__init__()
@@ -88,11 +90,13 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of ``tokens`` [batch, seq]; with ``documents`` (each position's document number, packed
-        windows: ``data.packing = "document"``) positions restart per document and attention stays inside it."""
+        windows: ``data.packing = "document"``) positions restart per document and attention stays inside it
+        (``DocumentAttention``, prepared once for every layer)."""
         if documents is None:
             pos, mask = torch.arange(tokens.shape[1], device=tokens.device), None
         else:
-            pos, mask = document_positions(documents), document_mask(documents)
+            dropout = self.drop.p if self.training else 0.0  # flex_attention has none: then the segments kernel
+            pos, mask = document_positions(documents), document_attention(documents, self.document_kernel, dropout)
         x = self.drop(self.tok_emb(tokens) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x) if mask is None else block(x, mask)

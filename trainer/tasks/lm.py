@@ -15,8 +15,8 @@ from torch.utils.data import Dataset, default_collate
 from hpc.core.models import model_facts
 from trainer.data import build_dataset, shuffle_enabled
 from trainer.model import build_model, model_blocks
-from trainer.objective import (batch_documents, counted_targets, loss_context, masked_scale, micro_loss, split_batch,
-                               to_device, token_losses)
+from trainer.objective import (batch_documents, counted_targets, eval_token_losses, loss_context, masked_scale,
+                               micro_loss, split_batch, to_device)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
@@ -65,8 +65,10 @@ class LanguageModelTask:
         return to_device(batch, device)
 
     def step_scale(self, micro_batches: tp.Sequence[tp.Any], world_size: int) -> float | torch.Tensor:
-        count = self.counted = counted_targets(micro_batches, world_size)
-        return 1.0 / len(micro_batches) if count is None else masked_scale(count, world_size)
+        tp_degree = int(getattr(self.spec.parallel, "tp", 1) or 1)  # a tp group shares its batches
+        count = self.counted = counted_targets(micro_batches, world_size, tp_degree)
+        # gradients are averaged over the data-parallel ranks: world / tp of them
+        return 1.0 / len(micro_batches) if count is None else masked_scale(count, world_size // tp_degree)
 
     def micro_loss(self, model: nn.Module, batch: tp.Any, scale: float | torch.Tensor,
                    autocast: tp.ContextManager) -> torch.Tensor:
@@ -88,7 +90,7 @@ class LanguageModelTask:
         """(sum of target losses, number of targets), float64; a loss mask counts its targets only."""
         (tokens, mask), logits = split_batch(batch), self._logits(model, batch, autocast)
         with loss_context(logits):  # tp: the vocabulary stays split (no backward here)
-            losses = token_losses(logits, tokens).double()
+            losses = eval_token_losses(logits, tokens).double()  # chunked, as the training loss
         weight = mask[:, 1:].to(losses.device, torch.float64) if mask is not None else torch.ones_like(losses)
         return torch.stack([(losses * weight).sum(), weight.sum()])
 

@@ -24,6 +24,34 @@ LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gra
 LOSS_CHUNK_LOGITS = 2**26
 
 
+# Packed documents (``data.packing = "document"``) attend through one of three kernels
+# (``trainer.models.decoder.DocumentAttention``), chosen by ``document_kernel`` on both sides:
+FLEX = "flex"  # a GPU: torch's compiled flex_attention over a document BlockMask (no dense mask)
+SEGMENTS = "segments"  # a CPU (or dropout): SDPA's causal kernel once per document span
+MASK = "mask"  # the dense [batch, 1, seq, seq] boolean mask: the meta device (hpcx dryrun) and the reference
+FLEX_BLOCK = 128  # flex_attention's BlockMask block (queries and keys per block)
+BLOCK_MASK_TENSORS = 4  # kv and q blocks, partial and full: each a count [b, 1, n] and an index [b, 1, n, n]
+
+
+def document_kernel(gpu: bool, dropout: float) -> str:
+    """The kernel packed documents attend through: flex_attention on a GPU (its backward runs on CUDA
+    only in torch 2.13, and it has no dropout), SDPA per document span otherwise."""
+    return FLEX if gpu and dropout == 0 else SEGMENTS
+
+
+def block_mask_bytes(micro_batch: int, seq_len: int) -> int:
+    """What flex_attention's document BlockMask of one micro-batch holds: int32 counts [b, 1, n] and
+    indices [b, 1, n, n] of n = seq/128 blocks, for the kv and q directions, partial and full blocks
+    (``create_block_mask``'s eight tensors): O(seq²/128²), 4 MB at 8 × 16k tokens."""
+    n = -(-seq_len // FLEX_BLOCK)
+    return BLOCK_MASK_TENSORS * 4 * micro_batch * (n + n * n)
+
+
+def dense_mask_bytes(micro_batch: int, seq_len: int) -> int:
+    """The dense boolean document mask of one micro-batch (the ``mask`` kernel): ``micro_batch × seq²``."""
+    return micro_batch * seq_len * seq_len
+
+
 def loss_chunk_tokens(tokens: int, vocab: int) -> int:
     """Tokens per chunk of the trainer's chunked cross-entropy (at least one, at most ``tokens``)."""
     return max(1, min(tokens, LOSS_CHUNK_LOGITS // max(1, vocab)))
