@@ -30,7 +30,10 @@ naming it (``hpc.core.failures``: it would repeat, so it is not requeued).
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import contextlib
+import dataclasses
 import importlib
 import math
 import numbers
@@ -152,14 +155,37 @@ def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor of a batch (nested tuples, lists, dicts) on ``device``, copied without waiting."""
+    """Every tensor of a batch on ``device``, copied without waiting: tensors; dicts (and other mappings),
+    lists and tuples, nested; namedtuples and dataclasses, moved field by field and rebuilt as the same
+    type; and any other object with a ``to(device)`` method (a transformers ``BatchEncoding``, a task's own
+    batch class), whose ``to`` is trusted to return the moved batch. Anything else is kept as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: positional fields
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return _dataclass_to(batch, device)
+    if isinstance(batch, dict) and type(batch) in (dict, collections.OrderedDict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)) and type(batch) in (list, tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    if callable(getattr(batch, "to", None)):
+        return batch.to(device)
+    if isinstance(batch, collections.abc.Mapping):  # a mapping of its own class without `to`: a plain dict
         return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)):  # a subclass without `to`: its own class from an iterable
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+def _dataclass_to(batch: tp.Any, device: torch.device) -> tp.Any:
+    """A dataclass instance rebuilt as its own type with every field moved (``init=False`` fields set after)."""
+    fields = dataclasses.fields(batch)
+    moved = dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device) for f in fields if f.init})
+    for f in fields:
+        if not f.init and hasattr(batch, f.name):
+            object.__setattr__(moved, f.name, to_device(getattr(batch, f.name), device))
+    return moved
 
 
 class UserTask:
