@@ -44,6 +44,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from hpc.core.errors import ConfigError
+from hpc.core.failures import code_roots, looks_like_infrastructure, one_line, traceback_frames, user_code_error
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
@@ -140,6 +141,9 @@ def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError([f"`task.target` = {target!r}: cannot import {module_name!r} here: {exc}"]) from None
+    except Exception as exc:  # noqa: BLE001  (the module's own code: SyntaxError, NameError, … at import)
+        raise ConfigError([f"`task.target` = {target!r}: importing {module_name!r} raised "
+                           f"{raised_at(exc, module_name)}"]) from None
     cls = getattr(module, class_name, None)
     if not callable(cls):
         raise ConfigError([f"`task.target` = {target!r}: module {module_name!r} has no class {class_name!r}"])
@@ -147,11 +151,40 @@ def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
         task = cls(**kwargs)
     except TypeError as exc:
         raise ConfigError([f"`task.target` = {target!r}: {class_name}(**task.kwargs) raised TypeError: {exc}"]) from None
+    except Exception as exc:  # noqa: BLE001  (the task's __init__; the machine's failures stay themselves)
+        if looks_like_infrastructure(exc):
+            raise
+        raise ConfigError([f"`task.target` = {target!r}: {class_name}(**task.kwargs) raised "
+                           f"{raised_at(exc, module_name)}"]) from None
     missing = [name for name in REQUIRED if not callable(getattr(task, name, None))]
     if missing:
         raise ConfigError([f"`task.target` = {target!r}: the task has no {', '.join(f'{m}()' for m in missing)}: "
                            f"a task defines {', '.join(f'{m}()' for m in REQUIRED)} (docs/tasks.md)"])
     return task
+
+
+def raised_at(exc: BaseException, module_name: str) -> str:
+    """``NameError: name 'x' is not defined (at pkg/mod.py:3 in <module>)``: the exception in one line, at the
+    innermost line of the job's own code (the package of ``module_name``), or of the file python could not
+    compile (a SyntaxError), or the innermost frame outside python's import machinery."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return one_line(exc, f"{exc.filename}:{exc.lineno}")
+    where = user_code_error(exc, code_roots([module_name]))
+    if where is None:
+        frames = [f for f in traceback_frames(exc) if not f[0].startswith("<frozen")]
+        where = f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}" if frames else None
+    return one_line(exc, where)
+
+
+def method_at(method: tp.Any) -> str:
+    """`` (defined at file:line)`` of a task's method, for a message about what it returned; "" if unknown."""
+    import inspect
+
+    try:
+        func = inspect.unwrap(getattr(method, "__func__", method))
+        return f" (defined at {inspect.getsourcefile(func)}:{func.__code__.co_firstlineno})"
+    except (TypeError, AttributeError, OSError):
+        return ""
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -261,7 +294,10 @@ class UserTask:
         loss = self.task.loss(model, batch)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
             raise self._wrong("loss(model, batch)", f"returned {_described(loss)}, expected a float scalar tensor "
-                              "(the mean loss of the batch)")
+                              f"(the mean loss of the batch){method_at(self.task.loss)}")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise self._wrong(f"loss(model, batch){method_at(self.task.loss)}", "returned a loss that does not "
+                              "require grad: computed without the model's parameters, under no_grad, or detached")
         return loss.float()
 
     def eval_terms(self, model: nn.Module, batch: Batch, samples: int, autocast: tp.ContextManager) -> torch.Tensor:
