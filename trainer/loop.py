@@ -275,9 +275,16 @@ def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -
     return {"final_loss": history[-1]["loss"] if history else None, "steps": state.step,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
-            "world_size": t.world_size, "strategy": t.dims.strategy, "preempted": stopped,
+            "world_size": t.world_size, "strategy": t.dims.strategy, **stopped_how(t, stopped),
             "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir),
             **{k: v for k, v in (t.last_eval or {}).items() if k.startswith("eval_") and k not in SUMMARY_LEFT_OUT}}
+
+
+def stopped_how(t: Trainer, stopped: bool) -> dict[str, bool]:
+    """``preempted`` (stopped at an agreed preemption, saved) or ``cancelled`` (SIGTERM agreed: ``hpcx
+    cancel``, no save), as the resilience's stop reason says; without one, every early stop is a preemption."""
+    reason = getattr(t.resilience, "reason", None) if stopped else None
+    return {"preempted": stopped and reason != "terminated", "cancelled": reason == "terminated"}
 
 
 SUMMARY_LEFT_OUT = ("eval_tokens", "eval_samples", "eval_s")  # of the last eval record: its values only

@@ -348,8 +348,22 @@ class ScriptRank:
             self.side.leave_for_requeue()
         if failures:  # not requeued: rank 0's task fails too, so the job does not look completed
             raise RuntimeError(failures[0]["error"])
-        return {"reason": reason, "requeued": requeue_reason is not None and why_not is None, "step": step,
-                "command": command, "status": status}
+        return self._summary({"reason": reason, "requeued": requeue_reason is not None and why_not is None,
+                              "step": step, "command": command, "status": status})
+
+    def _summary(self, ended: dict[str, tp.Any]) -> dict[str, tp.Any]:
+        """The result on rank 0: how the command ended, and the trainer's summary keys (``steps``, the
+        losses this start logged with ``hpc.job.log``, ranks; ``strategy`` "script") so that ``hpcx submit
+        --wait`` prints the same line for a script as for the trainer (``hpc.cli.format_result``)."""
+        from hpc.core.runs import read_jsonl
+
+        lines = read_jsonl(self.rd.metrics) if self.rd.metrics.exists() else []
+        losses = [r["loss"] for r in lines if r.get("start") == self.restart and isinstance(r.get("loss"), (int, float))]
+        reason = ended["reason"]
+        return {**ended, "steps": ended["step"], "final_loss": losses[-1] if losses else None, "losses": losses,
+                "tokens_per_s": None, "world_size": self.env.world_size, "strategy": "script",
+                "preempted": reason == "preempted", "cancelled": reason == "terminated",
+                "time_limit": reason == "time_limit", "run_dir": str(self.run.run_dir)}
 
     def _verdict(self, reason: str, step: int) -> str | None:
         from hpc.core.requeue import requeue_verdict

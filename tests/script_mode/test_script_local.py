@@ -157,3 +157,12 @@ def test_the_rank_whose_command_failed_first_is_named_not_the_last_one_standing(
     assert f"exited with status 1 on rank {first}" in stop["error"]
     # torch's @record wrote the script's exception to TORCHELASTIC_ERROR_FILE: its words and line are named
     assert "(ValueError: a bad batch on this rank at " in stop["error"] and "first.py:11)" in stop["error"], stop
+
+
+def test_wait_prints_the_trainers_summary_line_for_a_script(tmp_path, run_root):
+    code = "from hpc import job; job.log(1, loss=2.0); job.log(2, loss=1.5); job.log(3, loss=1.25)"
+    spec = script_folder(tmp_path / "user", ["python", "-c", code], name="wait", run_root=run_root)
+    out = hpcx("submit", str(spec), "--site", "local", "--wait", cwd=spec.parent, timeout=300)
+    assert out.returncode == 0, out.stderr
+    line = [t for t in out.stdout.splitlines() if t.startswith("result: ")]
+    assert line == ["result: 3 steps, loss 2.0000 -> 1.2500, 2 ranks, script"], out.stdout
