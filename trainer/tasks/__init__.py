@@ -230,6 +230,8 @@ class UserTask:
     def __init__(self, task: tp.Any, target: str, shuffle: bool):
         self.task, self.target, self._shuffle = task, target, shuffle
         self.metric_names: list[str] | None = None  # known after the first evaluation batch
+        self.scalar_names: list[str] | None = None  # the extra scalars ``loss`` returns, known after its first call
+        self._scalars: dict[str, list[torch.Tensor]] = {}  # this step's, per micro-batch
 
     def _wrong(self, method: str, what: str) -> ConfigError:
         return ConfigError([f"`task.target` = {self.target!r}: {method} {what}"])
@@ -287,11 +289,44 @@ class UserTask:
     def micro_loss(self, model: nn.Module, batch: Batch, scale: float | torch.Tensor,
                    autocast: tp.ContextManager) -> torch.Tensor:
         with autocast:
-            loss = self.checked_loss(model, batch)
+            loss = self.checked_loss(model, batch, keep_scalars=True)
         return loss if isinstance(scale, float) and scale == 1.0 else loss * scale
 
-    def checked_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        loss = self.task.loss(model, batch)
+    def step_scalars(self) -> dict[str, torch.Tensor]:
+        """The task's own scalars of the step just done (``loss`` returned them beside the loss), each the
+        mean over this rank's micro-batches, on the device (no host sync); emptied for the next step."""
+        out = {name: torch.stack(values).mean() for name, values in sorted(self._scalars.items())}
+        self._scalars = {}
+        return out
+
+    def _split(self, found: tp.Any) -> tuple[tp.Any, dict[str, tp.Any]]:
+        """(loss, extra scalars) of what ``loss(model, batch)`` returned: a tensor; ``(loss, {name: scalar})``;
+        or ``{"loss": loss, name: scalar, …}``."""
+        if isinstance(found, tuple) and len(found) == 2 and isinstance(found[1], dict):
+            return found[0], found[1]
+        if isinstance(found, dict) and "loss" in found:
+            return found["loss"], {k: v for k, v in found.items() if k != "loss"}
+        return found, {}
+
+    def _keep_scalars(self, extras: dict[str, tp.Any], device: torch.device) -> None:
+        names = sorted(extras)
+        bad = next((n for n in names if not (isinstance(n, str) and n.isidentifier() and n != "loss")), None)
+        if bad is not None or not all(_scalar(extras[n]) for n in names):
+            what = f"named a scalar {bad!r} (expected an identifier other than 'loss')" if bad is not None else \
+                f"gave {next(n for n in names if not _scalar(extras[n]))!r} as not a number or a one-element tensor"
+            raise self._wrong("loss(model, batch)", f"{what}: expected the loss, or (loss, {{name: scalar}})")
+        if self.scalar_names is not None and names != self.scalar_names:
+            raise self._wrong("loss(model, batch)", f"returned the scalars {names}, then {self.scalar_names} before: "
+                              "expected the same names at every step (every rank logs them together)")
+        self.scalar_names = names
+        for name in names:
+            value = torch.as_tensor(extras[name], device=device).detach().float().reshape(())
+            self._scalars.setdefault(name, []).append(value)
+
+    def checked_loss(self, model: nn.Module, batch: Batch, keep_scalars: bool = False) -> torch.Tensor:
+        loss, extras = self._split(self.task.loss(model, batch))
+        if keep_scalars and isinstance(loss, torch.Tensor):
+            self._keep_scalars(extras, loss.device)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
             raise self._wrong("loss(model, batch)", f"returned {_described(loss)}, expected a float scalar tensor "
                               f"(the mean loss of the batch){method_at(self.task.loss)}")
