@@ -82,9 +82,12 @@ class ImageTask:
     def eval_dataset(self) -> Dataset:
         return GeneratedImages(self.eval_samples, self.classes, self.size, self.seed, split=1)
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        """The loss, and the batch's accuracy beside it (logged per step as ``train_accuracy``)."""
         images, labels = batch
-        return F.cross_entropy(model(images), labels)
+        logits = model(images)
+        accuracy = (logits.argmax(dim=-1) == labels).float().mean()
+        return F.cross_entropy(logits, labels), {"accuracy": accuracy}
 
     def metrics(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
         images, labels = batch

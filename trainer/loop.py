@@ -145,17 +145,20 @@ def train_step(t: Trainer, micro_batches: list[Batch]) -> tuple[torch.Tensor, to
     return total, norm
 
 
-def logged_values(loss: torch.Tensor, norm: torch.Tensor, world_size: int) -> tuple[float, float]:
-    """(mean loss over ranks, gradient norm), copied from the device together: one host sync.
+def logged_values(loss: torch.Tensor, norm: torch.Tensor, world_size: int,
+                  scalars: dict[str, torch.Tensor] | None = None) -> tuple[float, float, dict[str, float]]:
+    """(mean loss over ranks, gradient norm, the task's scalars as means over ranks), copied from the device
+    together: one all-reduce, one host sync.
 
     Every rank holds the mean over its share of the global batch; gloo has no AVG, so sum and divide.
     """
+    names = sorted(scalars or {})
+    means = torch.stack([loss, *((scalars or {})[n].to(loss.device, loss.dtype) for n in names)])
     if world_size > 1 and dist.is_initialized():
-        loss = loss.clone()
-        dist.all_reduce(loss)
-        loss /= world_size
-    host = torch.stack([loss.double(), norm.to(loss.device, torch.float64)]).cpu()
-    return float(host[0]), float(host[1])
+        dist.all_reduce(means)
+        means /= world_size
+    host = torch.cat([means.double(), norm.to(loss.device, torch.float64).reshape(1)]).cpu().tolist()
+    return host[0], host[-1], {f"train_{n}": v for n, v in zip(names, host[1:-1])}
 
 
 def step_record(t: Trainer, state: TrainState, loss: float, norm: float, lr: float,
@@ -232,13 +235,14 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
         micro_batches = [next(batches) for _ in range(accum)]
         t.clock.lap("data")
         loss, norm = train_step(t, micro_batches)
+        scalars = t.task.step_scalars() if hasattr(t.task, "step_scalars") else {}  # the task's own, on the device
         t.sampler.advance()
         state.step += 1
         state.tokens_seen += t.tokens_per_step
         state.sampler = t.sampler.state_dict()
         state.task = t.task.state_dict()
         if logs_at(t, state.step):
-            history.append(log_step(t, state, loss, norm, lr, state.step - last_logged))
+            history.append(log_step(t, state, loss, norm, lr, state.step - last_logged, scalars))
             last_logged = state.step
         if t.evaluator is not None and t.evaluator.due(state.step, t.steps):
             t.last_eval = eval_step(t, state.step)
@@ -257,12 +261,13 @@ def logs_at(t: Trainer, step: int) -> bool:
 
 
 def log_step(t: Trainer, state: TrainState, loss: torch.Tensor, norm: torch.Tensor, lr: float,
-             steps: int) -> dict:
-    """The metrics line of the ``steps`` steps up to this one (every rank reduces the loss; rank 0
-    writes). Writing it is charged to the next line's ``log`` phase."""
-    mean_loss, grad_norm = logged_values(loss, norm, t.world_size)  # also waits for the step's work
+             steps: int, scalars: dict[str, torch.Tensor] | None = None) -> dict:
+    """The metrics line of the ``steps`` steps up to this one (every rank reduces the loss and the task's
+    scalars of this step, ``train_<name>``; rank 0 writes). Writing it is charged to the next line's ``log``
+    phase."""
+    mean_loss, grad_norm, own = logged_values(loss, norm, t.world_size, scalars)  # also waits for the step
     t.clock.lap("log")
-    record = step_record(t, state, mean_loss, grad_norm, lr, t.clock.take(steps))
+    record = {**step_record(t, state, mean_loss, grad_norm, lr, t.clock.take(steps)), **own}
     t.metrics.write(record)
     log.info(progress_line(record, t.steps))
     t.clock.lap("log")
@@ -275,9 +280,16 @@ def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -
     return {"final_loss": history[-1]["loss"] if history else None, "steps": state.step,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
-            "world_size": t.world_size, "strategy": t.dims.strategy, "preempted": stopped,
+            "world_size": t.world_size, "strategy": t.dims.strategy, **stopped_how(t, stopped),
             "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir),
             **{k: v for k, v in (t.last_eval or {}).items() if k.startswith("eval_") and k not in SUMMARY_LEFT_OUT}}
+
+
+def stopped_how(t: Trainer, stopped: bool) -> dict[str, bool]:
+    """``preempted`` (stopped at an agreed preemption, saved) or ``cancelled`` (SIGTERM agreed: ``hpcx
+    cancel``, no save), as the resilience's stop reason says; without one, every early stop is a preemption."""
+    reason = getattr(t.resilience, "reason", None) if stopped else None
+    return {"preempted": stopped and reason != "terminated", "cancelled": reason == "terminated"}
 
 
 SUMMARY_LEFT_OUT = ("eval_tokens", "eval_samples", "eval_s")  # of the last eval record: its values only

@@ -49,3 +49,16 @@ def apply_job_env(nccl: dict[str, str], env_set: dict[str, str]) -> None:
     for name, value in nccl.items():
         os.environ.setdefault(name, value)
     os.environ.update(env_set)
+
+
+def export_rank_variables(env: RankEnv) -> None:
+    """Task mode: this rank's torchrun variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and the group/role ones) in ``os.environ``, as
+    torchrun would set them, for a task's code that reads them (``int(os.environ["RANK"])``, a library that
+    picks its device by ``LOCAL_RANK``). Under torchrun they are already torchrun's own: unchanged."""
+    from trainer.script import rank_variables
+
+    if env.launcher == "torchrun":
+        return
+    os.environ.update(rank_variables(env.rank, env.local_rank, env.world_size, env.local_world_size,
+                                     env.master_addr, env.master_port))

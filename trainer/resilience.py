@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from hpc.core import requeue as policy_
 from hpc.core import runs
-from hpc.core.failures import record_saves, repeat_reason, would_repeat
+from hpc.core.failures import (code_roots, first_failure_account, one_line, record_saves, repeat_reason,
+                               user_code_error, would_repeat)
 from hpc import schedulers
 from hpc.core.requeue import requeue_verdict
 from hpc.core.container import inside_record
@@ -86,6 +87,7 @@ class Resilience:
     phase: str = "load"  # where this rank is (hpc.core.failures.PHASES): a failure's report says it
     vote: BoundaryVote = field(default_factory=BoundaryVote)
     boundaries: int = 0  # step boundaries seen by this incarnation
+    code_modules: tuple[str, ...] = ()  # the job's own modules (task.target's, a user model's): user errors
     checkpointer: Checkpointer = field(init=False, repr=False)  # this run folder's saves (and the one in flight)
 
     def __post_init__(self) -> None:
@@ -238,10 +240,11 @@ class Resilience:
         the echo of a SIGTERM that ended the step); then, where no check after srun decides, rank 0
         records it and requeues unless this is a cancel, the budget is spent, or there was no progress."""
         terminated = self.preemption is not None and self.preemption.terminated
-        error = f"{type(exc).__name__}: {exc}"
-        repeats = not terminated and would_repeat(exc, self.phase, self.boundaries)
+        where = None if terminated else user_code_error(exc, code_roots(self.code_modules))
+        error = one_line(exc, where)
+        repeats = not terminated and (where is not None or would_repeat(exc, self.phase, self.boundaries))
         if self.rank == 0 or not terminated:
-            self._report(error, terminated, repeats)
+            self._report(error, terminated, repeats, user_code=where)
         if self.rank != 0 or (self.side is not None and self.side.decides_failures):
             return
         try:
@@ -253,14 +256,28 @@ class Resilience:
                 why_not = f"{type(exc).__name__} is a cancel or an exit, not a failure"
             else:
                 why_not = self._repeating() or self._requeue(reason="failed")
-            self._record_stop(reason, why_not, error=error)
+            account = self._first_failure(terminated)
+            self._record_stop(reason, why_not, error=account.pop("error", error), **account)
         except Exception:  # never mask the original failure
             log.exception("could not record the failure in %s", runs.RunDir.LEDGER)
             return
         if why_not is None:
             self._leave_for_requeue()
 
-    def _report(self, error: str, terminated: bool, repeats: bool = False) -> None:
+    def _first_failure(self, terminated: bool) -> dict[str, tp.Any]:
+        """Rank 0 deciding (no check after srun): the rank that failed first on its own, from the ranks'
+        reports (in the order they were written) and the scheduler's account of the tasks that are gone,
+        not rank 0 itself when it only lost its connection to that rank (``first_failure_account``)."""
+        if terminated or self.side is None:
+            return {}
+        try:
+            reports = policy_.failure_reports(self.run_dir, self.side.incarnation(self.restart))
+            return first_failure_account(reports, self.side.task_ends(self.run_dir))
+        except (OSError, ValueError, runs.ConfigError) as exc:
+            log.warning("could not read the ranks' failure reports: %s", exc)
+            return {}
+
+    def _report(self, error: str, terminated: bool, repeats: bool = False, user_code: str | None = None) -> None:
         """This rank's failure report for whoever writes the stop line (``hpc.core.requeue``): where it
         failed (``phase``) and whether a restart would fail the same way (``repeats``)."""
         if self.side is None:
@@ -269,7 +286,8 @@ class Resilience:
             policy_.report_failure(self.run_dir, self.side.incarnation(self.restart), self.rank, step=self.step,
                                    error=error.splitlines()[0][:300] if error else "", terminated=terminated,
                                    host=os.uname().nodename, save_s=round(self.save_s, 3), saves=self.saves,
-                                   phase=self.phase, repeats=repeats)
+                                   phase=self.phase, repeats=repeats,
+                                   **({"user_code": user_code} if user_code else {}))
         except OSError as exc:
             log.warning("could not write the failure report: %s", exc)
 
@@ -296,10 +314,10 @@ class Resilience:
             return "no scheduler to requeue (torchrun or one process): run the same command again to resume"
         return policy_.request(self.side, self.run_dir, self.side.incarnation(self.restart), "rank 0", reason)
 
-    def _record_stop(self, reason: str, why_not: str | None, error: str | None = None) -> None:
+    def _record_stop(self, reason: str, why_not: str | None, error: str | None = None, **account: tp.Any) -> None:
         extra = {"error": error.splitlines()[0][:300] if error else ""} if error is not None else {}
         line = policy_.stop_line(self.step, reason, why_not, self.side, "rank 0", save_s=round(self.save_s, 3),
-                                 saves=self.saves, **extra)
+                                 saves=self.saves, **extra, **account)
         if line.get("not_requeued") and reason not in ("completed", "terminated"):
             log.warning("not requeued: %s", why_not)
         runs.append_jsonl(runs.RunDir(self.run_dir).ledger, line)
@@ -315,7 +333,13 @@ def resilience_for(run: Run, rank: int, preemption: PreemptionFlag | None) -> Re
     return Resilience(run_dir=run.run_dir, policy=run.spec.checkpoint, max_requeues=run.spec.job.max_requeues,
                       seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side(),
                       timeouts=CollectiveTimeouts(parallel.timeout_s, parallel.step_timeout_s),
-                      signal_lead_s=run.launch.signal_lead_s)
+                      signal_lead_s=run.launch.signal_lead_s, code_modules=code_modules(run.spec))
+
+
+def code_modules(spec: tp.Any) -> tuple[str, ...]:
+    """The job's own modules: ``task.target``'s and a user model's (``model.arch = "pkg.mod:build"``)."""
+    targets = [spec.task.target, spec.model.arch]
+    return tuple(t.split(":")[0] for t in targets if t and ":" in t)
 
 
 def report_unloadable(run_dir: Path, rank: int, exc: Exception) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,6 +85,20 @@ def rank_variables(rank: int, local_rank: int, world: int, local_world: int, mas
               "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default", "MASTER_ADDR": master_addr,
               "MASTER_PORT": master_port}
     return {name: str(value) for name, value in values.items()}
+
+
+def elastic_variables(restart: int, max_restarts: int, run_id: str, error_file: str) -> dict[str, str]:
+    """The ``TORCHELASTIC_*`` variables torchrun's agent gives each worker (torch's
+    ``LocalElasticAgent._start_workers`` and ``elastic.multiprocessing``): the restart count is this start's
+    number (the requeues so far), the most restarts ``job.max_requeues``, the run id the job's; no agent
+    store (the script's ``init_process_group`` starts its own on ``MASTER_PORT``, as under a plain launch);
+    ``@record``'s error file in the run folder (``RUN/requeue/``)."""
+    return {"TORCHELASTIC_RESTART_COUNT": str(restart), "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "TORCHELASTIC_ERROR_FILE": error_file}
+
+
+TORCHRUN_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}  # torchrun's, where not already set
 
 
 def child_env(base: tp.Mapping[str, str], ranks: dict[str, str], site_env: dict[str, str],
@@ -141,6 +156,7 @@ class ScriptRank:
         self.preempted_at: float | None = None
         self.terminated = False
         self.child: subprocess.Popen | None = None
+        self.exited_at: float | None = None
 
     # ------------------------------------------------------------ the command
 
@@ -150,6 +166,7 @@ class ScriptRank:
             self._record_start()
         self._take_signals()
         status = self._run_command()
+        self.exited_at = self.clock()  # when this rank's command ended: the first to fail is named
         return self._ended(status)
 
     def argv(self) -> list[str]:
@@ -160,10 +177,17 @@ class ScriptRank:
 
         e, launch = self.env, self.run.launch
         ranks = rank_variables(e.rank, e.local_rank, e.world_size, e.local_world_size, e.master_addr, e.master_port)
+        run_id = (self.side.job_id() if self.side else None) or self.run.run_dir.name
+        ranks.update(elastic_variables(self.restart, self.run.spec.job.max_requeues, str(run_id),
+                                       str(self.error_file(e.rank))))
         hpcx = {job.RUN_DIR: str(self.run.run_dir), job.PREEMPT_FLAG: str(self.flag),
                 job.REQUEUE_FILE: str(self.asked), job.RESTART: str(self.restart)}
-        return child_env(os.environ, ranks, self.run.site.nccl, self.run.spec.env.set, hpcx, launch.cpus_per_task,
+        return child_env(os.environ, ranks, {**TORCHRUN_DEFAULTS, **self.run.site.nccl}, self.run.spec.env.set, hpcx, launch.cpus_per_task,
                          launch.gpus_per_node > 0)
+
+    def error_file(self, rank: int) -> Path:
+        """Where torch's ``@record`` writes the command's exception on ``rank`` (``TORCHELASTIC_ERROR_FILE``)."""
+        return self.requeue_dir / f"{self.incarnation}.error-rank-{rank}.json"
 
     def _run_command(self) -> int:
         from trainer.preemption import preempt_signal
@@ -252,11 +276,12 @@ class ScriptRank:
 
         failed = status != 0 and not self.terminated
         error = f"job.command {exit_words(status)} on rank {self.env.rank}: {' '.join(self.run.spec.job.command)}"
+        error += recorded_error(self.error_file(self.env.rank)) if failed else ""
         if failed:
             policy.report_failure(self.run.run_dir, self.incarnation, self.env.rank, step=self._step(), error=error,
                                   phase="script", exit_status=status)
-        write_json(self._ended_path(self.env.rank), {"status": status, "terminated": self.terminated,
-                                                     "error": error if failed else None})
+        write_json(self._ended_path(self.env.rank), {"rank": self.env.rank, "status": status, "time": self.exited_at,
+                                                     "terminated": self.terminated, "error": error if failed else None})
         outside = self.side is not None and self.side.decides_failures
         result = self._decide(status) if self.env.is_rank0 and not (failed and outside) else None
         if failed:
@@ -283,7 +308,8 @@ class ScriptRank:
             if time.monotonic() > deadline:
                 missing = sorted(set(found) - set(ready))
                 return [read_json(p) for p in ready.values()] + [
-                    {"status": None, "terminated": False, "error": f"rank {r} never said how its command ended"}
+                    {"rank": r, "status": None, "terminated": False,
+                     "error": f"rank {r} never said how its command ended"}
                     for r in missing]
             time.sleep(poll_s)
 
@@ -294,7 +320,7 @@ class ScriptRank:
         step, command = self._step(), list(self.run.spec.job.command)
         ranks = self._await_ranks()
         ended_by = self.side.ended_by() if self.terminated and self.side is not None else None
-        failures = [r for r in ranks or [] if r.get("error")]
+        failures = first_failures(ranks or [])
         outside = self.side is not None and self.side.decides_failures
         if ended_by == "step" or (failures and outside):  # srun's step failed: the check after srun records it
             return {"reason": "failed", "requeued": False, "step": step, "command": command, "status": status}
@@ -315,14 +341,29 @@ class ScriptRank:
             why_not = self._verdict(requeue_reason, step) or (
                 policy.request(self.side, self.run.run_dir, self.incarnation, "rank 0", requeue_reason)
                 if self.side else "no scheduler started this process: run the command again to resume")
-        extra = {"error": failures[0]["error"]} if failures else {}
+        extra = {"error": failures[0]["error"], "failed_ranks": [failures[0].get("rank")],
+                 "reported_ranks": sorted(r.get("rank") for r in failures)} if failures else {}
         self._write_stop(step, reason, why_not, command_status=status, **extra)
         if requeue_reason is not None and why_not is None and self.side is not None:
             self.side.leave_for_requeue()
         if failures:  # not requeued: rank 0's task fails too, so the job does not look completed
             raise RuntimeError(failures[0]["error"])
-        return {"reason": reason, "requeued": requeue_reason is not None and why_not is None, "step": step,
-                "command": command, "status": status}
+        return self._summary({"reason": reason, "requeued": requeue_reason is not None and why_not is None,
+                              "step": step, "command": command, "status": status})
+
+    def _summary(self, ended: dict[str, tp.Any]) -> dict[str, tp.Any]:
+        """The result on rank 0: how the command ended, and the trainer's summary keys (``steps``, the
+        losses this start logged with ``hpc.job.log``, ranks; ``strategy`` "script") so that ``hpcx submit
+        --wait`` prints the same line for a script as for the trainer (``hpc.cli.format_result``)."""
+        from hpc.core.runs import read_jsonl
+
+        lines = read_jsonl(self.rd.metrics) if self.rd.metrics.exists() else []
+        losses = [r["loss"] for r in lines if r.get("start") == self.restart and isinstance(r.get("loss"), (int, float))]
+        reason = ended["reason"]
+        return {**ended, "steps": ended["step"], "final_loss": losses[-1] if losses else None, "losses": losses,
+                "tokens_per_s": None, "world_size": self.env.world_size, "strategy": "script",
+                "preempted": reason == "preempted", "cancelled": reason == "terminated",
+                "time_limit": reason == "time_limit", "run_dir": str(self.run.run_dir)}
 
     def _verdict(self, reason: str, step: int) -> str | None:
         from hpc.core.requeue import requeue_verdict
@@ -338,6 +379,28 @@ class ScriptRank:
         if self.preempted_at is not None:
             line["preempt_signal_at"] = self.preempted_at
         append_jsonl(self.rd.ledger, line)
+
+
+def first_failures(ended: tp.Sequence[dict]) -> list[dict]:
+    """The ranks' accounts of a failed command (``.ended`` records with an error), the first to end first:
+    a peer whose command only failed because that one went away (a broken collective) ended later. Accounts
+    without a time (a rank that never said) come last, by rank."""
+    failed = [r for r in ended if r.get("error")]
+    return sorted(failed, key=lambda r: (not isinstance(r.get("time"), (int, float)), r.get("time") or 0.0,
+                                         r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30))
+
+
+def recorded_error(path: Path) -> str:
+    """`` (ValueError: … at train.py:12)``: the exception torch's ``@record`` wrote for this rank
+    (``TORCHELASTIC_ERROR_FILE``), with the innermost file and line of its traceback; "" when none."""
+    try:
+        message = json.loads(path.read_text())["message"]
+        words, stack = str(message["message"]).splitlines()[0], str(message["extraInfo"]["py_callstack"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)', stack)
+    where = f" at {frames[-1][0]}:{frames[-1][1]}" if frames else ""
+    return f" ({words[:200]}{where})"
 
 
 def describe(command: tp.Sequence[str]) -> str:

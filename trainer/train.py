@@ -32,6 +32,7 @@ from trainer.model import WeightInit, local_numel
 from trainer.optim import build_optimizer, build_scheduler, open_host_groups
 from trainer.parallelize import autocast_dtype, blocks_for, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
+from trainer.ranks import export_rank_variables
 from trainer.resilience import report_unloadable, resilience_for
 from trainer.run import Run, load_run
 from trainer.tasks import LoopTask, task_for
@@ -48,6 +49,7 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
     try:
         setup_logging(run.logs_dir, env.rank)
         apply_job_env(run.site.nccl, run.spec.env.set)
+        export_rank_variables(env)  # torchrun's RANK, LOCAL_RANK, WORLD_SIZE, … for the task's code
         set_determinism(run.spec.train.deterministic)  # before any CUDA work (cuBLAS reads its variable once)
         launch = fit_launch(run, env.world_size, env.local_world_size)
         set_cpu_threads(launch)

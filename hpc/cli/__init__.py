@@ -243,8 +243,10 @@ def describe_result(outcome: tuple | None, last_stop: dict | None = None) -> tp.
         return f"no result (the job did not finish its work{why})"
     kind, value = outcome
     if kind == "success":
-        at_limit = isinstance(value, dict) and last_stop is not None and last_stop.get("reason") == "time_limit"
-        return {**value, "time_limit": True} if at_limit else value
+        reason = last_stop.get("reason") if isinstance(value, dict) and last_stop is not None else None
+        if reason == "time_limit":
+            return {**value, "time_limit": True}
+        return {**value, "cancelled": True, "preempted": False} if reason == "terminated" else value
     lines = str(value).strip().splitlines()
     return "failed: " + (lines[-1] if lines else "unknown error")
 
@@ -254,16 +256,17 @@ def format_result(result: tp.Any) -> str:
     if not isinstance(result, dict) or "steps" not in result:
         return str(result)
     stop = (" (stopped at the time limit)" if result.get("time_limit") else
+            " (cancelled)" if result.get("cancelled") else
             " (stopped for a preemption)" if result.get("preempted") else "")
     if result.get("final_loss") is None:  # stopped before its first metrics line
         return f"{result['steps']} steps{stop}, no loss logged, {result.get('world_size')} ranks, {result.get('strategy')}"
     losses = result.get("losses") or [result["final_loss"]]
-    rate = f", {result['tokens_per_s']:,.0f} tokens/s" if result.get("tokens_per_s") else ""
+    rate = f", {result['tokens_per_s']:,.0f} tokens/s (median after warm-up)" if result.get("tokens_per_s") else ""
     from hpc.login.status import eval_text
 
     evaluated = eval_text(result, ", ")
-    return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate} "
-            f"(median after warm-up){evaluated}, {result['world_size']} ranks, {result['strategy']}")
+    return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate}"
+            f"{evaluated}, {result['world_size']} ranks, {result['strategy']}")
 
 
 def run_roots() -> list[Path]:

@@ -1,5 +1,6 @@
 """``hpcx plot RUN… [--out PNG]``: a run's curves against step — train and eval loss, learning rate,
-tokens/s — from its ``metrics.jsonl``; several runs on one figure to compare them. Torch-free;
+accuracy and other fractions, tokens/s, a task's own metrics — from its ``metrics.jsonl``, each kind on an
+axis of its own (``metric_kind``); several runs on one figure to compare them. Torch-free;
 matplotlib (the ``plot`` extra) is imported only to draw."""
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ import click
 
 from hpc.core.errors import UserError
 
-PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+# Each metric is drawn on the axis of its kind (``metric_kind``), never beside another kind's scale.
+KINDS = (("loss", "loss"), ("lr", "learning rate"), ("fraction", "accuracy and fractions"),
+         ("throughput", "throughput"), ("other", "other metrics"))
+FRACTION_WORDS = ("acc", "frac", "precision", "recall", "f1", "auc", "rate", "ratio", "share", "iou")
+LEFT_OUT = ("step", "start", "time", "step_time_s", "data_s", "mem_gb", "grad_norm", "phases_s",
+            "eval_tokens", "eval_samples", "eval_s")
 
 
 def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -24,47 +30,69 @@ def series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return steps, [last[s] for s in steps]
 
 
-def metric_keys(records: list[dict]) -> list[str]:
-    """The ``eval_<name>`` metrics a task's eval lines carry (``eval_accuracy``), in first-seen order."""
-    from hpc.login.status import eval_metrics
+def metric_kind(key: str, values: tp.Sequence[float]) -> str:
+    """The axis a metric belongs on: ``loss`` (any ``*loss*``), ``lr``, ``throughput`` (``*_per_s``),
+    ``fraction`` (accuracy-like names, or values all within [0, 1]: counted_fraction, a task's accuracy),
+    else ``other`` (perplexity, a task's own scalars of any scale)."""
+    name = key.removeprefix("eval_").removeprefix("train_").lower()
+    if "loss" in name:
+        return "loss"
+    if name in ("lr", "learning_rate"):
+        return "lr"
+    if name.endswith("_per_s") or "throughput" in name:
+        return "throughput"
+    if any(w in name for w in FRACTION_WORDS) or (values and all(0.0 <= v <= 1.0 for v in values)):
+        return "fraction"
+    return "other"
 
-    return list(dict.fromkeys(k for r in records if "eval_loss" in r for k in eval_metrics(r)))
+
+def plotted_keys(records: list[dict]) -> dict[str, list[str]]:
+    """kind → the numeric keys of ``records`` drawn on that axis, in first-seen order (train loss first)."""
+    keys = dict.fromkeys(k for r in records for k, v in r.items()
+                         if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in LEFT_OUT)
+    out: dict[str, list[str]] = {kind: [] for kind, _ in KINDS}
+    for key in keys:
+        out[metric_kind(key, series(records, key)[1])].append(key)
+    return out
 
 
 def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
-    """One row of panels (loss with eval loss, LR, tokens/s) with a line per run, written atomically to ``path``."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise UserError(["hpcx plot needs matplotlib: pip install 'hpcx[plot]'"]) from None
-    fig = Figure(figsize=(15, 4.2))
-    FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(1, len(PANELS), i + 1) for i in range(len(PANELS))]
-    for n, (name, records) in enumerate(curves):
-        color = f"C{n % 10}"
-        for ax, (key, _) in zip(axes, PANELS):
-            ax.plot(*series(records, key), "-", color=color, label=name if key != "loss" else f"{name} train")
-        steps, evals = series(records, "eval_loss")
-        if steps:
-            axes[0].plot(steps, evals, "o--", color=color, label=f"{name} eval")
-        for key in metric_keys(records):  # a task's eval metrics (accuracy), beside the learning rate
-            axes[1].plot(*series(records, key), "s:", color=color, label=f"{name} {key.removeprefix('eval_')}")
-            axes[1].set_ylabel("lr, eval metrics")
-            axes[1].legend(fontsize="small")
-    for ax, (key, title) in zip(axes, PANELS):
-        ax.set_xlabel("step")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize="small")
-    if len(curves) > 1:
-        axes[2].legend(fontsize="small")
-    fig.tight_layout()
+    """``figure(curves)`` as a PNG, written atomically to ``path``."""
+    fig = figure(curves)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     from hpc.core.runs import write_atomic
 
     write_atomic(path, buf.getvalue())
+
+
+def figure(curves: list[tuple[str, list[dict]]]) -> tp.Any:
+    """One panel per kind of metric present (loss with eval loss, learning rate, accuracy and fractions,
+    throughput, other), with a line per run and metric."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UserError(["hpcx plot needs matplotlib: pip install 'hpcx[plot]'"]) from None
+    found = [plotted_keys(records) for _, records in curves]
+    kinds = [(kind, title) for kind, title in KINDS if kind in ("loss", "lr", "throughput") or any(f[kind] for f in found)]
+    fig = Figure(figsize=(5 * len(kinds), 4.2))
+    FigureCanvasAgg(fig)
+    axes = {kind: fig.add_subplot(1, len(kinds), i + 1) for i, (kind, _) in enumerate(kinds)}
+    for n, ((name, records), keys) in enumerate(zip(curves, found)):
+        for kind, ax in axes.items():
+            for key in keys[kind]:
+                style = "o--" if key.startswith("eval_") else "-"
+                label = f"{name} train" if key == "loss" else name if key in ("lr", "tokens_per_s") else f"{name} {key}"
+                ax.plot(*series(records, key), style, color=f"C{n % 10}", label=label)
+    for kind, title in kinds:
+        axes[kind].set_xlabel("step")
+        axes[kind].set_title(title)
+        axes[kind].grid(True, alpha=0.3)
+        if axes[kind].lines and (kind not in ("lr", "throughput") or len(curves) > 1):
+            axes[kind].legend(fontsize="small")
+    fig.tight_layout()
+    return fig
 
 
 def run_curves(refs: tp.Sequence[str], roots: list[Path]) -> list[tuple[str, list[dict]]]:
@@ -86,7 +114,8 @@ def run_curves(refs: tp.Sequence[str], roots: list[Path]) -> list[tuple[str, lis
 @click.option("--out", "out", default="hpcx-plot.png", show_default=True, type=click.Path(dir_okay=False),
               help="Where the PNG goes.")
 def plot_command(refs: tuple[str, ...], out: str) -> None:
-    """Draw train and eval loss, learning rate and tokens/s against step for RUN… (folders, names or job ids)."""
+    """Draw train and eval loss, learning rate, accuracy, tokens/s and a task's metrics against step for RUN…
+    (folders, names or job ids), each kind of metric on an axis of its own."""
     from hpc.cli import run_roots
 
     curves = run_curves(refs, run_roots())

@@ -22,6 +22,7 @@ Torch-free: exceptions are judged by the names of their classes, so torch's need
 
 from __future__ import annotations
 
+import os
 import re
 import typing as tp
 from pathlib import Path
@@ -54,17 +55,113 @@ def would_repeat(exc: BaseException, phase: str, steps_done: int) -> bool:
     """True when a restart would fail the same way: before this start's first step, in a phase other
     than joining the job, with an exception class from the code or the inputs (``REPEATING``) and none
     that blames the machine or the network (``TRANSIENT``)."""
+    names = class_names(exc)
+    if any(n in ALWAYS_REPEATING for n in names) and not looks_like_infrastructure(exc):
+        return True  # hpcx's own check of the job's code or inputs (a task's loss without grad): at any step
     if steps_done > 0 or phase not in REPEATING_PHASES:
         return False
-    names = class_names(exc)
     if any(n in TRANSIENT for n in names):
         return False
     return any(n in REPEATING for n in names) and not is_echo(str(exc))
 
 
+# What a failure of the machine or the network says, whatever its class (a RuntimeError from NCCL, gloo,
+# the c10d store or the CUDA driver): never blamed on the job's code, even when raised under it.
+INFRA = re.compile(r"nccl|gloo|c10d|ProcessGroup|TCPStore|CUDA error|CUDA driver|CUDA-capable|cuDNN error|"
+                   r"CUBLAS_STATUS|ECC error|NVML|Xid|unspecified launch failure|illegal memory access|"
+                   r"uncorrectable|Input/output error|Stale file handle|No space left on device", re.I)
+# Exceptions a scheduler's stop raises in the task (a cancel, the time limit's SIGINT), never the code's.
+STOPS = ("KeyboardInterrupt", "SystemExit", "GeneratorExit")
+# An exception of the job's own code (a user error) found by ``user_code_error``: repeats at any step.
+ALWAYS_REPEATING = ("UserError", "TaskCodeError")
+FRAME_TEXT = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+
+def looks_like_infrastructure(exc: BaseException) -> bool:
+    """Whether an exception blames the machine or the network: its class (``TRANSIENT``) or its words
+    (a peer gone: ``ECHO``; NCCL, gloo, the store, CUDA: ``INFRA``)."""
+    text = str(exc)
+    return (any(n in TRANSIENT for n in class_names(exc)) or is_echo(text) or bool(INFRA.search(text)))
+
+
+def user_code_error(exc: BaseException, roots: tp.Sequence[str]) -> str | None:
+    """``file:line in function`` of the job's own code where ``exc`` came from, when it is a user error:
+    not a stop, not the machine's or the network's (``looks_like_infrastructure``), and raised while the
+    job's code ran: the innermost frame of its traceback (or of the traceback a DataLoader worker wrote
+    into its message) inside one of ``roots`` (the folders or files of the task's or the model's package).
+    None otherwise: the failure may be the node's, and is requeued as one."""
+    if any(n in STOPS for n in class_names(exc)) or looks_like_infrastructure(exc):
+        return None
+    frames = traceback_frames(exc)
+    mine = [f for f in frames if in_roots(f[0], roots)]
+    if not mine:
+        return None
+    file, line, func = mine[-1]
+    return f"{file}:{line} in {func}"
+
+
+def traceback_frames(exc: BaseException) -> list[tuple[str, int, str]]:
+    """(file, line, function) of every frame of ``exc``'s traceback, outermost first, then those of a
+    traceback printed in its message (a DataLoader worker's "Original Traceback")."""
+    import traceback
+
+    frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
+    return frames + [(m["file"], int(m["line"]), m["func"]) for m in FRAME_TEXT.finditer(str(exc))]
+
+
+def in_roots(file: str, roots: tp.Sequence[str]) -> bool:
+    """Whether ``file`` is one of ``roots`` or inside one of them (a folder)."""
+    path = os.path.realpath(file)
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
+def one_line(exc: BaseException, where: str | None = None) -> str:
+    """``Class: first line of the message`` (at ``where``: the job's own code, when it is to blame)."""
+    words = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {words[0] if words else ''}".rstrip(": ")
+    return f"{text[:240]} (at {where})" if where else text
+
+
+def code_roots(modules: tp.Sequence[str]) -> list[str]:
+    """The folders (a package's) or files (a plain module's) of the job's own ``modules``, as imported in
+    this process: where its code lives. A plain module's file alone when it sits among installed packages."""
+    import sys
+
+    roots: list[str] = []
+    for name in modules:
+        top = sys.modules.get(name.split(".")[0])
+        paths = list(getattr(top, "__path__", []) or []) or [getattr(top, "__file__", None) or ""]
+        roots += [os.path.realpath(p) for p in paths if p]
+    return roots
+
+
+def first_failure_account(reports: tp.Sequence[dict], task_ends: tp.Sequence[dict]) -> dict[str, tp.Any]:
+    """Where rank 0 writes the stop line (no check after srun): ``failed_ranks`` (the rank whose own failure
+    was reported first; ranks that only lost a peer never count), ``reported_ranks`` and its ``error``.
+    Without such a report, the ranks the scheduler says are gone without a word (killed: out of memory,
+    SIGKILL) failed. ``reports`` in the order written (``hpc.core.requeue.failure_reports``)."""
+    own = own_failures(reports)
+    reported = sorted({r["rank"] for r in reports if "rank" in r})
+    if own:
+        first = own[0]
+        return {"failed_ranks": [first.get("rank")], "reported_ranks": reported, "error": str(first.get("error"))}
+    gone = sorted({r for e in task_ends for r in e.get("ranks", [])} - set(reported))
+    if not gone:
+        return {"failed_ranks": reported[:1], "reported_ranks": reported} if reported else {}
+    lost = f"; {ranks_words(reported)} then lost the connection to it" if reported else ""
+    return {"failed_ranks": gone, "reported_ranks": reported,
+            "error": f"{ranks_words(gone)} ended without a Python error (killed: out of memory, SIGKILL){lost}"}
+
+
 def repeat_reason(report: dict) -> str:
     """The ``not_requeued`` words for a failure that would repeat (``report``: a rank's failure report)."""
     error = str(report.get("error", "")).split(":", 1)[0] or "an error"
+    if report.get("user_code"):
+        return (f"{error} on rank {report.get('rank', '?')} in the job's own code at {report['user_code']}: it "
+                "would fail the same way on a restart")
+    if report.get("phase") == "train" and int(report.get("step") or 0) > 0:
+        return (f"{error} on rank {report.get('rank', '?')} at step {report['step']}: the job's code or inputs "
+                "are at fault; it would fail the same way on a restart")
     return (f"{error} on rank {report.get('rank', '?')} while {phase_words(report.get('phase', ''))}, before the "
             "first step: it would fail the same way on a restart")
 

@@ -63,8 +63,11 @@ def built_model(spec: JobSpec) -> nn.Module:
         raise ConfigError([f"{spec.source}: {m}" for m in exc.messages]) from None
     except Exception as exc:  # noqa: BLE001  (the user's code: the job would raise the same in every start)
         if spec.task.target:
+            from trainer.tasks import raised_at
+
             raise ConfigError([f"{spec.source}: `task.target` = {spec.task.target!r}: build_model() raised "
-                               f"{type(exc).__name__}: {_one_line(exc)}; expected it to return the nn.Module"]) from None
+                               f"{raised_at(exc, spec.task.target.split(':')[0])}; expected it to return the "
+                               "nn.Module"]) from None
         call = f"{spec.model.arch.split(':')[-1]}({', '.join(f'{k}={v!r}' for k, v in spec.model.kwargs.items())})"
         raise ConfigError([f"{spec.source}: `model.arch` = {spec.model.arch!r}: {call} (with `model.kwargs`) raised "
                            f"{type(exc).__name__}: {_one_line(exc)}; expected it to return the nn.Module"]) from None

@@ -187,21 +187,33 @@ def test_torchrun_preempted_then_killed_then_resumed_matches(reference, tmp_path
     assert same_checkpoint_tensors(final(run), final(reference)) == []
 
 
-def test_a_deterministic_failure_is_requeued_once_then_not_again(workdir):
-    root, _ = workdir
-    run = submit(JOB, f"job.run_root={json.dumps(str(root))}", "job.name=failing", "job.tasks_per_node=1",
+def failing_run(root: Path, name: str, *sets: str) -> tuple[Path, list[dict]]:
+    run = submit(JOB, f"job.run_root={json.dumps(str(root))}", f"job.name={name}", "job.tasks_per_node=1",
                  'parallel.strategy="none"', 'model.arch="tests.resilience.failing_model:build"',
-                 "model.seq_len=8", "model.vocab_size=64", "model.kwargs={fail_after = 4}",
-                 "train.global_batch=2", "train.micro_batch=2", "train.steps=10", "train.log_every=1",
-                 "checkpoint.interval_steps=3", "job.max_requeues=5")
+                 "model.seq_len=8", "model.vocab_size=64", "train.global_batch=2", "train.micro_batch=2",
+                 "train.steps=10", "train.log_every=1", "checkpoint.interval_steps=3", "job.max_requeues=5", *sets)
     info = wait_state(run, ("COMPLETED", "FAILED"))
     assert info["state"] == "FAILED"
-    lines = ledger(run)
+    return run, ledger(run)
+
+
+def test_a_failure_that_looks_like_the_machines_is_requeued_once_then_not_again(workdir):
+    root, _ = workdir
+    run, lines = failing_run(root, "failing", 'model.kwargs={fail_after = 4, words = "NCCL error: unhandled system error"}')
     assert [(e["event"], e["step"]) for e in lines] == [("start", 0), ("stop", 4), ("start", 3), ("stop", 4)]
-    assert lines[1]["reason"] == "failed" and lines[1]["requeued"] and "deterministic failure" in lines[1]["error"]
+    assert lines[1]["reason"] == "failed" and lines[1]["requeued"] and "NCCL error" in lines[1]["error"]
     assert lines[3]["reason"] == "failed" and not lines[3]["requeued"]
     assert lines[3]["not_requeued"] == "failed twice at step 4 without progress"
     assert lines[2]["steps_recomputed"] == 1
+
+
+def test_an_error_raised_by_a_user_models_own_code_fails_after_one_attempt(workdir):
+    root, _ = workdir
+    run, lines = failing_run(root, "user-error", "model.kwargs={fail_after = 4}")
+    assert [(e["event"], e["step"]) for e in lines] == [("start", 0), ("stop", 4)]
+    assert not lines[1]["requeued"] and "in the job's own code at" in lines[1]["not_requeued"]
+    assert lines[1]["error"].startswith("RuntimeError: deterministic failure in forward call 5 (at ")
+    assert "failing_model.py:" in lines[1]["error"] and lines[1]["failed_ranks"] == [0]
 
 
 def test_a_preemption_past_max_requeues_saves_and_fails_loudly(workdir):

@@ -94,6 +94,10 @@ def shows_accuracy(run: Path, tmp_path: Path) -> None:
     """eval_accuracy in metrics.jsonl, `hpcx status` (text and JSON) and `hpcx plot`."""
     last = evals(run)[-1]
     assert last["step"] == STEPS and 0.0 <= last["eval_accuracy"] <= 1.0 and "eval_perplexity" not in last
+    if "ImageTask" in json.loads((run / "resolved.json").read_text())["spec"]["task"]["target"]:
+        # the task's own scalar beside its loss (examples/resnet.py): every train line, averaged over ranks
+        train = [r for r in runs.read_jsonl(run / "metrics.jsonl") if "loss" in r]
+        assert all(0.0 <= r["train_accuracy"] <= 1.0 for r in train) and len(train) >= STEPS
     status = hpcx("status", str(run))
     assert status.returncode == 0 and f"accuracy {last['eval_accuracy']:.4g}" in status.stdout, status.stdout
     info = json.loads(hpcx("status", str(run), "--json").stdout)

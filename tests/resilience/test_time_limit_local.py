@@ -201,6 +201,7 @@ def test_a_failure_on_a_short_limit_stays_a_failure(run_root):
 @pytest.mark.parametrize("stop,words", [
     ({"reason": "time_limit"}, "(stopped at the time limit)"),
     ({"reason": "preempted"}, "(stopped for a preemption)"),
+    ({"reason": "terminated"}, "(cancelled)"),  # `hpcx cancel`: the trainer's summary said preempted before
 ])
 def test_the_result_line_says_which_stop_it_was(stop, words):
     from hpc.cli import describe_result, format_result
@@ -233,3 +234,17 @@ def test_a_local_job_cancelled_before_its_ranks_recorded_a_stop_is_cancelled_not
     assert local_state(job, run).state == ("COMPLETED" if result == "success" else "CANCELLED")
     other = ended_pid()  # another job's marker in a reused folder says nothing of this one
     assert local_state(other, run).state == "FAILED"
+
+
+@pytest.mark.parametrize("reason,expected", [
+    ("terminated", {"preempted": False, "cancelled": True}), ("preempted", {"preempted": True, "cancelled": False}),
+    (None, {"preempted": True, "cancelled": False}),  # no resilience attached: the agreed preemption flag
+])
+def test_the_trainers_summary_tells_a_cancel_from_a_preemption(reason, expected):
+    from types import SimpleNamespace
+
+    from trainer.loop import stopped_how
+
+    t = SimpleNamespace(resilience=SimpleNamespace(reason=reason) if reason else None)
+    assert stopped_how(t, True) == expected
+    assert stopped_how(t, False) == {"preempted": False, "cancelled": False}

@@ -30,6 +30,10 @@ def test_a_plain_ddp_script_sees_torchruns_environment(tmp_path, run_root):
         assert env["LOCAL_WORLD_SIZE"] == "2" and env["GROUP_RANK"] == "0" and env["HPCX_RESTART"] == "0"
         assert env["MASTER_PORT"] == seen(out, 0, 0)["MASTER_PORT"] and int(env["MASTER_PORT"]) >= 20000
         assert env["OMP_NUM_THREADS"] == "1"  # the local site's 2 CPUs over 2 tasks
+        # torchrun's agent variables (torch's LocalElasticAgent): no agent store, so init_process_group works
+        assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+        assert env["TORCHELASTIC_RUN_ID"] == ledger(run)[0]["job_id"] and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "2" and env["TORCHELASTIC_ERROR_FILE"].endswith(f".error-rank-{rank}.json")
     start, stop = ledger(run)
     assert start["by"] == "script" and start["command"] == ddp("out")
     assert stop["reason"] == "completed" and stop["command_status"] == 0 and stop["step"] == STEPS
@@ -51,6 +55,7 @@ def test_a_drilled_script_saves_asks_requeues_and_ends_equal_to_an_uninterrupted
     assert start1["restart"] == 1 and start1["step"] == 5
     assert stop1["reason"] == "completed" and stop1["step"] == STEPS
     assert seen(drilled.parent / "out", 1, 1)["HPCX_RESTART"] == "1"
+    assert seen(drilled.parent / "out", 1, 1)["TORCHELASTIC_RESTART_COUNT"] == "1"
     assert losses(runs[1]) == losses(runs[0])
     assert same_weights(final_weights(drilled.parent / "out"), final_weights(twin.parent / "out"))
     assert status(runs[1])["restarts"] == 1
@@ -120,3 +125,44 @@ def test_resume_of_a_cancelled_script_starts_it_again_in_its_folder(tmp_path, ru
     out = hpcx("resume", str(run))
     assert out.returncode == 2 and "its command completed: nothing to resume" in out.stderr
     assert json.loads((run / "resolved.json").read_text())["workdir"] == str(spec.parent)
+
+
+FIRST_FAILS = '''
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    dist.init_process_group("gloo")
+    if dist.get_rank() == {first}:
+        raise ValueError("a bad batch on this rank")
+    dist.all_reduce(torch.ones(1))  # the other ranks wait here and fail when that one is gone
+
+
+main()
+'''
+
+
+@pytest.mark.parametrize("first", [1, 0])
+def test_the_rank_whose_command_failed_first_is_named_not_the_last_one_standing(tmp_path, run_root, first):
+    spec = script_folder(tmp_path / "user", ["python", "first.py"], name="first", run_root=run_root,
+                         extra="")
+    (spec.parent / "first.py").write_text(FIRST_FAILS.replace("{first}", str(first)))
+    run = submit_in(spec.parent, "--site", "local")
+    assert wait_state(run)["state"] == "FAILED"
+    stop = next(e for e in ledger(run) if e["event"] == "stop")
+    assert stop["failed_ranks"] == [first] and stop["reported_ranks"] == [0, 1], stop
+    assert f"exited with status 1 on rank {first}" in stop["error"]
+    # torch's @record wrote the script's exception to TORCHELASTIC_ERROR_FILE: its words and line are named
+    assert "(ValueError: a bad batch on this rank at " in stop["error"] and "first.py:11)" in stop["error"], stop
+
+
+def test_wait_prints_the_trainers_summary_line_for_a_script(tmp_path, run_root):
+    code = "from hpc import job; job.log(1, loss=2.0); job.log(2, loss=1.5); job.log(3, loss=1.25)"
+    spec = script_folder(tmp_path / "user", ["python", "-c", code], name="wait", run_root=run_root)
+    out = hpcx("submit", str(spec), "--site", "local", "--wait", cwd=spec.parent, timeout=300)
+    assert out.returncode == 0, out.stderr
+    line = [t for t in out.stdout.splitlines() if t.startswith("result: ")]
+    assert line == ["result: 3 steps, loss 2.0000 -> 1.2500, 2 ranks, script"], out.stdout

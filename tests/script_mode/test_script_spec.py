@@ -169,3 +169,28 @@ def test_the_script_task_is_torch_free_as_submitit_unpickles_it_before_any_rank_
     code = "import sys, trainer.script, trainer.ranks; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_the_first_rank_to_end_with_a_failure_comes_first():
+    from trainer.script import first_failures
+
+    ended = [{"rank": 0, "status": 1, "time": 12.5, "error": "r0"}, {"rank": 1, "status": 0, "time": 10.0, "error": None},
+             {"rank": 2, "status": 3, "time": 11.0, "error": "r2"}, {"rank": 3, "status": None, "error": "never said"},
+             {"rank": 4, "status": -9, "time": 11.5, "error": "r4"}]
+    assert [r["rank"] for r in first_failures(ended)] == [2, 4, 0, 3]
+    assert first_failures([{"rank": 1, "status": 0, "time": 1.0, "error": None}]) == []
+
+
+def test_the_error_torchs_record_wrote_is_read_with_its_innermost_line(tmp_path):
+    from trainer.script import recorded_error
+
+    path = tmp_path / "error.json"
+    stack = ('Traceback (most recent call last):\n  File "/x/torch/errors/__init__.py", line 357, in wrapper\n'
+             '  File "/u/train.py", line 40, in main\n  File "/u/model.py", line 7, in forward\n'
+             "NameError: name 'y' is not defined\n")
+    path.write_text(json.dumps({"message": {"message": "NameError: name 'y' is not defined",
+                                            "extraInfo": {"py_callstack": stack, "timestamp": "1"}}}))
+    assert recorded_error(path) == " (NameError: name 'y' is not defined at /u/model.py:7)"
+    assert recorded_error(tmp_path / "none.json") == ""
+    path.write_text("{not json")
+    assert recorded_error(path) == ""

@@ -88,3 +88,38 @@ def test_missing_tensorboard_is_said_once(tmp_path, monkeypatch):
         metrics.log.setLevel(level)
     assert len([m for m in seen if "TensorBoard is not installed" in m]) == 1
     assert "pip install 'hpcx[tensorboard]'" in seen[0]
+
+
+def task_records() -> list[dict]:
+    """A task's metrics lines: train lines with its own scalars (``train_<name>``), eval lines with accuracy."""
+    train = [{"step": s, "loss": 1.0 / s, "lr": 3e-4 * s, "tokens_per_s": 900.0, "mfu": None, "grad_norm": 1.0,
+              "train_accuracy": 0.5 + s / 100, "train_margin": 2.0 * s, "counted_fraction": 0.75} for s in range(1, 9)]
+    evals = [{"step": s, "eval_loss": 0.9 / s, "eval_accuracy": 0.6, "eval_perplexity": 3.0} for s in (4, 8)]
+    return train + evals
+
+
+def test_each_metric_is_on_the_axis_of_its_kind():
+    from hpc.cli.plot import metric_kind, plotted_keys
+
+    keys = plotted_keys(task_records())
+    assert keys["loss"] == ["loss", "eval_loss"] and keys["lr"] == ["lr"] and keys["throughput"] == ["tokens_per_s"]
+    assert keys["fraction"] == ["train_accuracy", "counted_fraction", "eval_accuracy"]
+    assert keys["other"] == ["train_margin", "eval_perplexity"]
+    assert metric_kind("eval_accuracy", [0.4]) == "fraction" and metric_kind("eval_top5_acc", [0.9]) == "fraction"
+    assert metric_kind("train_aux_loss", [3.0]) == "loss" and metric_kind("samples_per_s", [10.0]) == "throughput"
+    assert metric_kind("train_agreement", [0.2, 1.0]) == "fraction" and metric_kind("train_agreement", [2.0]) == "other"
+
+
+def test_a_tasks_accuracy_is_never_drawn_on_the_learning_rate_axis(tmp_path):
+    extra("matplotlib")
+    from hpc.cli.plot import figure
+
+    fig = figure([("a", task_records()), ("b", task_records())])
+    lines = {ax.get_title(): [line.get_label() for line in ax.lines] for ax in fig.axes}
+    assert lines["learning rate"] == ["a", "b"]
+    assert lines["accuracy and fractions"] == ["a train_accuracy", "a counted_fraction", "a eval_accuracy",
+                                               "b train_accuracy", "b counted_fraction", "b eval_accuracy"]
+    assert lines["loss"] == ["a train", "a eval_loss", "b train", "b eval_loss"]
+    assert lines["other metrics"][:2] == ["a train_margin", "a eval_perplexity"] and lines["throughput"] == ["a", "b"]
+    plain = figure([("lm", [{"step": 1, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 5.0}])])
+    assert [ax.get_title() for ax in plain.axes] == ["loss", "learning rate", "throughput"]

@@ -169,7 +169,9 @@ def test_metrics_lines_split_the_step_into_phases(tmp_path):
 
 def test_logged_values_are_the_loss_and_the_norm():
     loss, norm = torch.tensor(2.5), torch.tensor(0.75, dtype=torch.float64)
-    assert logged_values(loss, norm, world_size=1) == (2.5, 0.75)
+    assert logged_values(loss, norm, world_size=1) == (2.5, 0.75, {})
+    scalars = {"accuracy": torch.tensor(0.5), "aux_loss": torch.tensor(0.125)}
+    assert logged_values(loss, norm, 1, scalars) == (2.5, 0.75, {"train_accuracy": 0.5, "train_aux_loss": 0.125})
 
 
 def test_phase_clock_charges_every_lap_once():

@@ -30,7 +30,10 @@ naming it (``hpc.core.failures``: it would repeat, so it is not requeued).
 
 from __future__ import annotations
 
+import collections
+import collections.abc
 import contextlib
+import dataclasses
 import importlib
 import math
 import numbers
@@ -41,6 +44,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from hpc.core.errors import ConfigError
+from hpc.core.failures import code_roots, looks_like_infrastructure, one_line, traceback_frames, user_code_error
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
@@ -137,6 +141,9 @@ def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError([f"`task.target` = {target!r}: cannot import {module_name!r} here: {exc}"]) from None
+    except Exception as exc:  # noqa: BLE001  (the module's own code: SyntaxError, NameError, … at import)
+        raise ConfigError([f"`task.target` = {target!r}: importing {module_name!r} raised "
+                           f"{raised_at(exc, module_name)}"]) from None
     cls = getattr(module, class_name, None)
     if not callable(cls):
         raise ConfigError([f"`task.target` = {target!r}: module {module_name!r} has no class {class_name!r}"])
@@ -144,6 +151,11 @@ def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
         task = cls(**kwargs)
     except TypeError as exc:
         raise ConfigError([f"`task.target` = {target!r}: {class_name}(**task.kwargs) raised TypeError: {exc}"]) from None
+    except Exception as exc:  # noqa: BLE001  (the task's __init__; the machine's failures stay themselves)
+        if looks_like_infrastructure(exc):
+            raise
+        raise ConfigError([f"`task.target` = {target!r}: {class_name}(**task.kwargs) raised "
+                           f"{raised_at(exc, module_name)}"]) from None
     missing = [name for name in REQUIRED if not callable(getattr(task, name, None))]
     if missing:
         raise ConfigError([f"`task.target` = {target!r}: the task has no {', '.join(f'{m}()' for m in missing)}: "
@@ -151,15 +163,62 @@ def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
     return task
 
 
+def raised_at(exc: BaseException, module_name: str) -> str:
+    """``NameError: name 'x' is not defined (at pkg/mod.py:3 in <module>)``: the exception in one line, at the
+    innermost line of the job's own code (the package of ``module_name``), or of the file python could not
+    compile (a SyntaxError), or the innermost frame outside python's import machinery."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return one_line(exc, f"{exc.filename}:{exc.lineno}")
+    where = user_code_error(exc, code_roots([module_name]))
+    if where is None:
+        frames = [f for f in traceback_frames(exc) if not f[0].startswith("<frozen")]
+        where = f"{frames[-1][0]}:{frames[-1][1]} in {frames[-1][2]}" if frames else None
+    return one_line(exc, where)
+
+
+def method_at(method: tp.Any) -> str:
+    """`` (defined at file:line)`` of a task's method, for a message about what it returned; "" if unknown."""
+    import inspect
+
+    try:
+        func = inspect.unwrap(getattr(method, "__func__", method))
+        return f" (defined at {inspect.getsourcefile(func)}:{func.__code__.co_firstlineno})"
+    except (TypeError, AttributeError, OSError):
+        return ""
+
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Every tensor of a batch (nested tuples, lists, dicts) on ``device``, copied without waiting."""
+    """Every tensor of a batch on ``device``, copied without waiting: tensors; dicts (and other mappings),
+    lists and tuples, nested; namedtuples and dataclasses, moved field by field and rebuilt as the same
+    type; and any other object with a ``to(device)`` method (a transformers ``BatchEncoding``, a task's own
+    batch class), whose ``to`` is trusted to return the moved batch. Anything else is kept as it is."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
-    if isinstance(batch, dict):
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple: positional fields
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return _dataclass_to(batch, device)
+    if isinstance(batch, dict) and type(batch) in (dict, collections.OrderedDict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)) and type(batch) in (list, tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    if callable(getattr(batch, "to", None)):
+        return batch.to(device)
+    if isinstance(batch, collections.abc.Mapping):  # a mapping of its own class without `to`: a plain dict
         return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
+    if isinstance(batch, (list, tuple)):  # a subclass without `to`: its own class from an iterable
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+def _dataclass_to(batch: tp.Any, device: torch.device) -> tp.Any:
+    """A dataclass instance rebuilt as its own type with every field moved (``init=False`` fields set after)."""
+    fields = dataclasses.fields(batch)
+    moved = dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device) for f in fields if f.init})
+    for f in fields:
+        if not f.init and hasattr(batch, f.name):
+            object.__setattr__(moved, f.name, to_device(getattr(batch, f.name), device))
+    return moved
 
 
 class UserTask:
@@ -171,6 +230,8 @@ class UserTask:
     def __init__(self, task: tp.Any, target: str, shuffle: bool):
         self.task, self.target, self._shuffle = task, target, shuffle
         self.metric_names: list[str] | None = None  # known after the first evaluation batch
+        self.scalar_names: list[str] | None = None  # the extra scalars ``loss`` returns, known after its first call
+        self._scalars: dict[str, list[torch.Tensor]] = {}  # this step's, per micro-batch
 
     def _wrong(self, method: str, what: str) -> ConfigError:
         return ConfigError([f"`task.target` = {self.target!r}: {method} {what}"])
@@ -228,14 +289,50 @@ class UserTask:
     def micro_loss(self, model: nn.Module, batch: Batch, scale: float | torch.Tensor,
                    autocast: tp.ContextManager) -> torch.Tensor:
         with autocast:
-            loss = self.checked_loss(model, batch)
+            loss = self.checked_loss(model, batch, keep_scalars=True)
         return loss if isinstance(scale, float) and scale == 1.0 else loss * scale
 
-    def checked_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        loss = self.task.loss(model, batch)
+    def step_scalars(self) -> dict[str, torch.Tensor]:
+        """The task's own scalars of the step just done (``loss`` returned them beside the loss), each the
+        mean over this rank's micro-batches, on the device (no host sync); emptied for the next step."""
+        out = {name: torch.stack(values).mean() for name, values in sorted(self._scalars.items())}
+        self._scalars = {}
+        return out
+
+    def _split(self, found: tp.Any) -> tuple[tp.Any, dict[str, tp.Any]]:
+        """(loss, extra scalars) of what ``loss(model, batch)`` returned: a tensor; ``(loss, {name: scalar})``;
+        or ``{"loss": loss, name: scalar, …}``."""
+        if isinstance(found, tuple) and len(found) == 2 and isinstance(found[1], dict):
+            return found[0], found[1]
+        if isinstance(found, dict) and "loss" in found:
+            return found["loss"], {k: v for k, v in found.items() if k != "loss"}
+        return found, {}
+
+    def _keep_scalars(self, extras: dict[str, tp.Any], device: torch.device) -> None:
+        names = sorted(extras)
+        bad = next((n for n in names if not (isinstance(n, str) and n.isidentifier() and n != "loss")), None)
+        if bad is not None or not all(_scalar(extras[n]) for n in names):
+            what = f"named a scalar {bad!r} (expected an identifier other than 'loss')" if bad is not None else \
+                f"gave {next(n for n in names if not _scalar(extras[n]))!r} as not a number or a one-element tensor"
+            raise self._wrong("loss(model, batch)", f"{what}: expected the loss, or (loss, {{name: scalar}})")
+        if self.scalar_names is not None and names != self.scalar_names:
+            raise self._wrong("loss(model, batch)", f"returned the scalars {names}, then {self.scalar_names} before: "
+                              "expected the same names at every step (every rank logs them together)")
+        self.scalar_names = names
+        for name in names:
+            value = torch.as_tensor(extras[name], device=device).detach().float().reshape(())
+            self._scalars.setdefault(name, []).append(value)
+
+    def checked_loss(self, model: nn.Module, batch: Batch, keep_scalars: bool = False) -> torch.Tensor:
+        loss, extras = self._split(self.task.loss(model, batch))
+        if keep_scalars and isinstance(loss, torch.Tensor):
+            self._keep_scalars(extras, loss.device)
         if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
             raise self._wrong("loss(model, batch)", f"returned {_described(loss)}, expected a float scalar tensor "
-                              "(the mean loss of the batch)")
+                              f"(the mean loss of the batch){method_at(self.task.loss)}")
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise self._wrong(f"loss(model, batch){method_at(self.task.loss)}", "returned a loss that does not "
+                              "require grad: computed without the model's parameters, under no_grad, or detached")
         return loss.float()
 
     def eval_terms(self, model: nn.Module, batch: Batch, samples: int, autocast: tp.ContextManager) -> torch.Tensor:

@@ -109,6 +109,17 @@ def task_pids(controller_pid: int) -> list[int]:
     return sorted(pids)
 
 
+def task_rank(pid: int) -> int | None:
+    """The rank of a local task process (its ``SUBMITIT_LOCAL_GLOBALID``), None when unreadable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            variables = f.read().split(b"\0")
+    except OSError:
+        return None
+    found = [v.split(b"=", 1)[1] for v in variables if v.startswith(b"SUBMITIT_LOCAL_GLOBALID=")]
+    return int(found[0]) if found and found[0].isdigit() else None
+
+
 def cancel_marker(run_dir: Path, job_id: str) -> Path:
     """Written by ``LocalScheduler.cancel`` before its SIGTERM: a controller cancelled before it started
     its tasks (or before they installed their handlers) dies of it with no stop in the ledger and no
@@ -241,3 +252,13 @@ class LocalJobSide(JobSide):
 
     def queue_wait(self, run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
         return wait_since_last_stop(run_dir, ledger)
+
+    def task_ends(self, run_dir: Path) -> list[dict]:
+        """The ranks whose task process has ended (no longer a live child of the controller), as one account:
+        the controller keeps no order of its own, so the ranks' reports say who failed first."""
+        ntasks, controller = os.environ.get("SUBMITIT_LOCAL_NTASKS"), self.job_id()
+        if not (ntasks and ntasks.isdigit() and controller and controller.isdigit()):
+            return []
+        alive = {task_rank(pid) for pid in task_pids(int(controller))}
+        gone = sorted(set(range(int(ntasks))) - alive)
+        return [{"ranks": gone, "host": "localhost", "what": "ended", "first": True}] if gone else []
