@@ -24,7 +24,7 @@ from hpc.core.config import field
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
 
-TASK_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:Class
+TASK_TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # package.module:Class (no `..`)
 
 
 @dataclass
@@ -54,6 +54,10 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
         return ([f"`model.arch` = {TASK!r} is set by `[task]`: set `task.target` = 'package.module:Class'"]
                 if model_doc.get("arch") == TASK else [])
     errors = target_problems(task.target) + kwargs_problems(task.kwargs)
+    if spec.lora.enabled:
+        errors.append(f"`lora.rank` = {spec.lora.rank} with the task {task.target!r}: hpcx adds LoRA adapters to the "
+                      "projections of its built-in families only, and a task builds its own model: remove `[lora]` "
+                      "(a task adapts its model in its `build_model`)")
     errors += [f"`model.{name}` = {value!r} is set, but `[model]` is the task's ({task.target!r} builds the "
                "model): remove it" for name, value in changed_model_fields(spec, model_doc)]
     data_doc: dict[str, tp.Any] = doc["data"] if isinstance(doc.get("data"), dict) else {}
@@ -64,6 +68,17 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
         errors.append(f"`checkpoint.init_from` is for the built-in families: the task {task.target!r} loads "
                       "pretrained weights in its `build_model` (or `load_state_dict`)")
     return errors
+
+
+def without_target(doc: dict[str, tp.Any]) -> list[str]:
+    """``[task]`` keys other than ``target`` given without one: they configure no task (one line)."""
+    given = doc.get("task") if isinstance(doc.get("task"), dict) else {}
+    keys = [k for k in given if k != "target"]
+    if not keys or given.get("target"):
+        return []
+    return [f"`task.{keys[0]}` is set but `task.target` is not: {', '.join(f'`task.{k}`' for k in keys)} configure "
+            "a task of your own, and without `task.target` = 'package.module:Class' the run trains the built-in "
+            "language model: set `task.target` or remove them"]
 
 
 def changed_model_fields(spec: JobSpec, model_doc: dict[str, tp.Any]) -> list[tuple[str, tp.Any]]:
