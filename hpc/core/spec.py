@@ -365,6 +365,10 @@ def resolve_paths(spec: JobSpec) -> list[str]:
                                                            facts.vocab_size)
     if not problems and spec.data.packing == "document":
         problems += _packing_problems(spec, kind)
+    if spec.task.target:  # its class, read from its source (hpcx never imports a user's module here)
+        from hpc.core.tasks import class_problems
+
+        problems += class_problems(spec)
     if not problems and not spec.task.target:  # a task evaluates on its own eval_dataset()
         from hpc.core.manifest import check_validation
 
