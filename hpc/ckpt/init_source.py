@@ -157,11 +157,13 @@ def _name_map(kind: str, names: tp.Iterable[str], arch: str, shape: tp.Any) -> d
 def open_source(path: str | Path, arch: str, shape: tp.Any) -> InitSource:
     """The checked source for a model of ``arch`` and ``shape``; CheckpointError listing every problem."""
     path = Path(path)
-    if (path / "adapter_config.json").is_file():  # a PEFT folder: its base (the adapters: hpc.ckpt.peft)
-        from hpc.ckpt.peft import adapter_base
+    from hpc.ckpt.peft import adapter_base, is_adapter_folder
 
+    if is_adapter_folder(path):  # a PEFT folder: its base (the adapters: hpc.ckpt.peft)
         path = adapter_base(path)
     problems = _config_problems(path, arch, shape)
+    if problems:  # another model: its tensors differ too, which says nothing more
+        raise CheckpointError(problems)
     kind, tensors, step = read_source(path)
     mapping = _name_map(kind, tensors, arch, shape)
     ours = expected(arch, shape)
@@ -176,20 +178,24 @@ def open_source(path: str | Path, arch: str, shape: tp.Any) -> InitSource:
 
 def _tensor_problems(path: Path, source: InitSource, ours: dict[str, tuple[int, ...]], unmatched: set[str],
                      arch: str, shape: tp.Any) -> list[str]:
-    where = f"`checkpoint.init_from`: {path}"
-    out = [f"{where}: no tensor for the model's {name} {list(want)}" for name, want in ours.items()
-           if name not in source.tensors]
-    for name, t in source.tensors.items():
-        if t.shape != ours[name]:
-            out.append(f"{where}: {t.key} is {list(t.shape)}, the model's {name} is {list(ours[name])}")
-        if t.dtype not in FLOATS:
-            out.append(f"{where}: {t.key} is {str(t.dtype).removeprefix('torch.')}, expected floating point")
+    """One line per kind of problem (missing, shapes, dtypes, unmatched), each naming the first few: a
+    base of another size differs in every tensor, and that is one problem, not one per tensor."""
+    from hpc.ckpt.peft import listed
+
+    missing = [f"{name} {list(want)}" for name, want in ours.items() if name not in source.tensors]
+    shapes = [f"{t.key} is {list(t.shape)}, the model's {name} is {list(ours[name])}"
+              for name, t in source.tensors.items() if t.shape != ours[name]]
+    dtypes = [f"{t.key} ({str(t.dtype).removeprefix('torch.')})" for t in source.tensors.values()
+              if t.dtype not in FLOATS]
     tied_extra = {"lm_head.weight", "model.head.weight", "head.weight"} if getattr(shape, "tied", False) else set()
     prefix_ok = formats.get(source.kind).saves  # a saved step holds optimizer state and more beside model.*
-    out += [f"{where}: {name} matches no parameter of the model" for name in sorted(unmatched)
-            if name not in tied_extra and not (prefix_ok and not name.startswith("model."))
-            and not name.endswith("rotary_emb.inv_freq")]
-    return out
+    extra = [name for name in sorted(unmatched) if name not in tied_extra and not (prefix_ok and not name.startswith(
+        "model.")) and not name.endswith("rotary_emb.inv_freq")]
+    lines = (listed(f"no tensor for {len(missing)} of the model's parameters", missing),
+             listed(f"{len(shapes)} tensors have other shapes", shapes),
+             listed(f"{len(dtypes)} tensors are not floating point", dtypes),
+             listed(f"{len(extra)} tensors match no parameter of the model", extra))
+    return [f"`checkpoint.init_from`: {path}: {line}" for line in lines if line]
 
 
 def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
@@ -208,9 +214,13 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
     ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
     from hpc.core.models import HfReader, family
 
+    from hpc.ckpt.peft import listed
+
     names = {"arch": "architectures", **{o: t for t, o in tp.cast(HfReader, family(arch)).hf_keys}}
-    return [f"`checkpoint.init_from`: {config}: {names.get(key, key)} = {theirs.get(key)!r}, the run's model has "
-            f"{ours[key]!r}" for key in ours if key not in IGNORED and theirs.get(key) != ours[key]]
+    differ = [f"{names.get(key, key)} = {theirs.get(key)!r} (the run's model has {ours[key]!r})" for key in ours
+              if key not in IGNORED and theirs.get(key) != ours[key]]
+    line = listed("describes another model", differ, most=4)
+    return [f"`checkpoint.init_from`: {config}: {line}"] if line else []
 
 
 def init_from_problems(spec: tp.Any) -> list[str]:
@@ -223,10 +233,12 @@ def init_from_problems(spec: tp.Any) -> list[str]:
     facts = model_facts(spec.model)
     try:
         open_source(spec.checkpoint.init_from, facts.family, facts.shape)
-        from hpc.ckpt.peft import adapter_problems, is_adapter_folder
+        from hpc.ckpt.peft import adapter_problems, is_adapter_folder, weight_problems
 
         if is_adapter_folder(spec.checkpoint.init_from):
-            return adapter_problems(Path(spec.checkpoint.init_from), spec)
+            folder = Path(spec.checkpoint.init_from)
+            problems = adapter_problems(folder, spec) or weight_problems(folder, spec, facts.family, facts.shape)
+            return [p if p.startswith("`checkpoint.init_from`") else f"`checkpoint.init_from`: {p}" for p in problems]
     except (CheckpointError, ConfigError) as exc:
         return [m if m.startswith("`checkpoint.init_from`") else f"`checkpoint.init_from`: {m}" for m in exc.messages]
     return []

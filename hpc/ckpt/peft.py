@@ -251,20 +251,76 @@ def merged_reader(run: Path, step: Path, resolved: dict[str, tp.Any], arch: str,
 
 
 def is_adapter_folder(path: str | Path) -> bool:
-    """Whether ``path`` is a PEFT adapter folder (``adapter_config.json``)."""
-    return (Path(path) / ADAPTER_CONFIG).is_file()
+    """Whether ``path`` is a PEFT adapter folder (``adapter_config.json``, whatever kind of file it is:
+    a FIFO or a device there is refused by ``read_adapter_config``, not taken for a base folder)."""
+    config = Path(path) / ADAPTER_CONFIG
+    return Path(path).is_dir() and (config.exists() or config.is_symlink())
+
+
+MAX_CONFIG_BYTES = 1 << 20  # PEFT writes ~1 KB; a bigger adapter_config.json is not one
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 
 
 def read_adapter_config(folder: Path) -> dict[str, tp.Any]:
-    """``adapter_config.json`` of a PEFT folder, checked to be a LoRA one."""
+    """``adapter_config.json`` of a PEFT folder, read bounded (a regular file of at most 1 MiB, JSON
+    nested at most 32 deep) and checked to be a LoRA one whose fields have PEFT's types."""
     from hpc.core.config import load_json_bounded
+    from hpc.core.validate import open_regular
 
     where = folder / ADAPTER_CONFIG
-    doc = load_json_bounded(where.read_bytes(), str(where), CheckpointError)
+    with open_regular(where, str(where), "PEFT's adapter_config.json", CheckpointError) as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise CheckpointError([f"{where}: over {MAX_CONFIG_BYTES >> 20} MiB: expected PEFT's adapter_config.json "
+                               "of a few KB"])
+    doc = load_json_bounded(data, str(where), CheckpointError)
     if not isinstance(doc, dict) or doc.get("peft_type") != "LORA":
         raise CheckpointError([f"{where}: peft_type {doc.get('peft_type') if isinstance(doc, dict) else doc!r}; "
                                "hpcx continues LoRA adapters ('LORA')"])
+    problems = config_field_problems(doc)
+    if problems:
+        raise CheckpointError([f"{where}: {'; '.join(problems)}"])
     return doc
+
+
+def _number(x: tp.Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _names(x: tp.Any) -> bool:
+    return isinstance(x, list) and all(isinstance(n, str) and n for n in x)
+
+
+# field → (whether a value is well-typed, what is expected); absent fields take PEFT's defaults
+CONFIG_FIELDS: dict[str, tuple[tp.Callable[[tp.Any], bool], str]] = {
+    "r": (lambda x: isinstance(x, int) and not isinstance(x, bool) and 0 < x <= 65536, "an integer rank from 1"),
+    "lora_alpha": (lambda x: _number(x) and x >= 0, "a number"),
+    "lora_dropout": (lambda x: _number(x) and 0 <= x < 1, "a number from 0 to below 1"),
+    "target_modules": (lambda x: _names(x) and bool(x) or (isinstance(x, str) and bool(x)),
+                       "a list of module names"),
+    "modules_to_save": (lambda x: x is None or _names(x), "a list of module names, or null"),
+    "base_model_name_or_path": (lambda x: x is None or isinstance(x, str), "a path"),
+    "fan_in_fan_out": (lambda x: isinstance(x, bool), "true or false"),
+    "bias": (lambda x: x == "none", "'none' (hpcx's adapters train no biases)"),
+    "use_dora": (lambda x: x is False or x is None, "false (hpcx trains LoRA, not DoRA)"),
+    "use_rslora": (lambda x: x is False or x is None, "false (hpcx scales by alpha / r)"),
+    "layers_to_transform": (lambda x: x is None, "null (hpcx adapts the targets of every layer)"),
+    "rank_pattern": (lambda x: not x, "{} (one rank for every target)"),
+    "alpha_pattern": (lambda x: not x, "{} (one alpha for every target)"),
+}
+
+
+def config_field_problems(doc: dict[str, tp.Any]) -> list[str]:
+    """Each field of ``CONFIG_FIELDS`` present with another type or a value hpcx does not train."""
+    return [f"{key} = {shown_value(doc[key])}: expected {what}" for key, (ok, what) in CONFIG_FIELDS.items()
+            if key in doc and not ok(doc[key])] + (["r is missing: expected an integer rank from 1"]
+                                                   if "r" not in doc else [])
+
+
+def shown_value(value: tp.Any) -> str:
+    """A JSON value as the file has it, cut (a 1 MiB string stays a line)."""
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def adapter_base(folder: str | Path) -> Path:
@@ -288,10 +344,24 @@ def adapter_problems(folder: Path, spec: tp.Any) -> list[str]:
     doc, lora, where = read_adapter_config(folder), spec.lora, f"`checkpoint.init_from`: {folder / ADAPTER_CONFIG}"
     if not lora.enabled:
         return [f"{where}: a LoRA adapter folder, but `lora.rank` = 0"]
-    out = [f"{where}: {key} = {doc.get(key)!r}, the spec's `lora.{ours}` = {want!r}"
-           for key, ours, want in (("r", "rank", lora.rank), ("lora_alpha", "alpha", lora.alpha))
-           if doc.get(key) != want]
+    out = [f"{where}: {key} = {doc.get(key, default)!r}, the spec's `lora.{ours}` = {want!r}"
+           for key, ours, want, default in (("r", "rank", lora.rank, 8), ("lora_alpha", "alpha", lora.alpha, 8))
+           if doc.get(key, default) != want]
+    from hpc.core.models import model_facts
+
+    facts = model_facts(spec.model)
+    if doc.get("fan_in_fan_out", False) != fan_in_fan_out(facts.family, facts.shape):
+        out.append(f"{where}: fan_in_fan_out = {doc.get('fan_in_fan_out', False)}, but {spec.model.arch!r} stores "
+                   f"its targets {'transposed (Conv1D)' if not doc.get('fan_in_fan_out') else 'as nn.Linear does'}")
     theirs = doc.get("target_modules")
+    from hpc.core.lora import family_targets
+
+    known = [hf for _, hf in family_targets(spec.model.arch)]
+    unknown = [t for t in (theirs if isinstance(theirs, list) else [])]
+    unknown = [t for t in unknown if t not in known]
+    if unknown:
+        return out + [f"{where}: target_modules = {theirs!r}: {', '.join(map(repr, unknown))} is no module of "
+                      f"{spec.model.arch!r} (its projections: {', '.join(known)})"]
     if sorted(theirs if isinstance(theirs, list) else [theirs]) != sorted(hf_targets(lora, spec.model.arch)):
         out.append(f"{where}: target_modules = {theirs!r}, the spec's `lora.targets` are "
                    f"{hf_targets(lora, spec.model.arch)}")
@@ -306,9 +376,7 @@ def _saved_problems(doc: dict[str, tp.Any], spec: tp.Any, where: str) -> list[st
     from hpc.core.models import model_facts
 
     theirs = doc.get("modules_to_save")
-    names = [theirs] if isinstance(theirs, str) else theirs or []
-    if not isinstance(names, list) or not all(isinstance(n, str) and n for n in names):
-        return [f"{where}: modules_to_save = {theirs!r}: expected a list of module names"]
+    names = theirs or []  # a list of names or null (read_adapter_config)
     if not names:  # a plain adapter folder: what the spec trains in full starts from the base, as in PEFT
         return []
     facts = model_facts(spec.model)
@@ -334,43 +402,72 @@ def _peft_matched(names: list[str], modules: set[str]) -> set[str]:
     return {m for m in modules if any(m == w or m.startswith(w + ".") for w in wrapped)}
 
 
+def wanted_tensors(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> list[tuple[str, str, tuple, bool]]:
+    """(hpcx name, PEFT key, hpcx shape, stored transposed) of every tensor the folder must hold: the
+    adapters of the spec's targets, and its ``modules_to_save`` parameters when it has any."""
+    from hpc.core.lora import adapter_shapes
+
+    shapes = adapter_shapes(spec.model, spec.lora)
+    names = peft_names(arch, shape, shapes)
+    has_saved = bool(read_adapter_config(folder).get("modules_to_save"))  # checked to agree with the spec
+    saved = module_plan(spec.lora, arch, shape) if has_saved else []
+    return [(n, names[n], shapes[n], False) for n in shapes] + [
+        (t.source, t.name, t.shape[::-1] if t.op == "transpose" else t.shape, t.op == "transpose") for t in saved]
+
+
+def weight_problems(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> list[str]:
+    """``adapter_model.safetensors`` against the spec from its header alone (the login node's check): a
+    regular file, every wanted tensor there with its shape and a floating dtype, nothing else; one line
+    per kind of problem."""
+    from hpc.ckpt.safetensors import ST_DTYPES, SafetensorsReader
+    from hpc.core.validate import check_regular
+
+    path = folder / ADAPTER_WEIGHTS
+    check_regular(path, str(path), "PEFT's adapter weights (adapter_model.safetensors)", CheckpointError)
+    reader = SafetensorsReader(path)
+    try:
+        found = {_no_adapter_name(k.removeprefix(reader.prefix)): e for k, e in reader.entries.items() if e.is_tensor}
+    finally:
+        reader.close()
+    wanted = wanted_tensors(folder, spec, arch, shape)
+    missing = [key for _, key, _, _ in wanted if key not in found]
+    wrong = [f"{key} is {list(found[key].shape)}, the model's {ours} is {list(want[::-1] if t else want)}"
+             for ours, key, want, t in wanted if key in found and tuple(found[key].shape) != tuple(
+                 want[::-1] if t else want)]
+    dtypes = [f"{key} ({ST_DTYPES.get(found[key].dtype, found[key].dtype)})" for _, key, _, _ in wanted
+              if key in found and ST_DTYPES.get(found[key].dtype) not in FLOAT_DTYPES]
+    extra = sorted(set(found) - {key for _, key, _, _ in wanted})
+    return [f"{path}: {line}" for line in (
+        listed("no tensor", missing), listed("shapes differ", wrong), listed("not floating point", dtypes),
+        listed("tensors that match no adapter or modules_to_save parameter of the model", extra)) if line]
+
+
+def listed(label: str, items: list[str], most: int = 3) -> str:
+    """``label: a, b, c and 5 more`` (empty for no items): one line however many there are."""
+    if not items:
+        return ""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return f"{label}: {', '.join(items[:most])}{more}"
+
+
 def read_adapters(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> dict[str, torch.Tensor]:
     """The adapters of a PEFT folder by hpcx's parameter names, every one the spec's model has, checked;
     with them its ``modules_to_save`` parameters (``lora.trainable``), by hpcx's names too."""
     from hpc.ckpt.safetensors import SafetensorsReader
-    from hpc.core.lora import adapter_shapes
 
-    problems = adapter_problems(folder, spec)
+    problems = adapter_problems(folder, spec) or weight_problems(folder, spec, arch, shape)
     if problems:
-        raise CheckpointError(problems)
-    shapes = adapter_shapes(spec.model, spec.lora)
-    names = peft_names(arch, shape, shapes)
-    has_saved = bool(read_adapter_config(folder).get("modules_to_save"))  # checked to agree with the spec
-    saved = {t.source: t for t in module_plan(spec.lora, arch, shape)} if has_saved else {}
-    full = {t.source: (t.shape[::-1] if t.op == "transpose" else t.shape) for t in saved.values()}
+        raise CheckpointError([p if p.startswith("`checkpoint.init_from`") else f"`checkpoint.init_from`: {p}"
+                               for p in problems])
     reader = SafetensorsReader(folder / ADAPTER_WEIGHTS)
     try:
         keys = {_no_adapter_name(k.removeprefix(reader.prefix)): k for k, e in reader.entries.items() if e.is_tensor}
-        out, missing = {}, []
-        for ours, theirs, want in [*((n, names[n], shapes[n]) for n in shapes),
-                                   *((n, t.name, full[n]) for n, t in saved.items())]:
-            if theirs not in keys:
-                missing.append(f"`checkpoint.init_from`: {folder / ADAPTER_WEIGHTS}: no tensor {theirs}")
-                continue
+        out = {}
+        for ours, theirs, _, transposed in wanted_tensors(folder, spec, arch, shape):
             value = reader.read(keys[theirs])
-            if ours in saved and saved[ours].op == "transpose" and value.dim() == 2:
-                value = value.t().contiguous()
-            out[ours] = value
-            if tuple(value.shape) != tuple(want):
-                missing.append(f"`checkpoint.init_from`: {keys[theirs]} is {list(value.shape)}, the model's "
-                               f"{ours} is {list(want)}")
-        extra = sorted(set(keys) - set(names.values()) - {t.name for t in saved.values()})
-        missing += [f"`checkpoint.init_from`: {folder / ADAPTER_WEIGHTS}: {k} matches no adapter or "
-                    "modules_to_save parameter of the model" for k in extra]
+            out[ours] = value.t().contiguous() if transposed and value.dim() == 2 else value
     finally:
         reader.close()
-    if missing:
-        raise CheckpointError(missing)
     return out
 
 

@@ -105,6 +105,7 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 
     spec, site, launch = load_job(job, site_name, overrides)
     check_memory(spec, site, launch, strict)
+    check_init_from(spec)  # what submit refuses, render refuses too
     check_run_dir_option(run_dir)
     run_dir = run_dir or str(run_root(spec, site) / run_dir_name(spec.job.name, "YYYYmmdd-HHMMSS", "XXXXXX"))
     warn_passthrough(spec)

@@ -149,5 +149,9 @@ def verify_command(folder: str, as_json: bool) -> None:
     if as_json:
         echo_json(result)
         return
+    recorded = result.pop("max_id_recorded", 0)
     parts = [f"{s}: {m['shards']} shards, {m['tokens']:,} tokens, {m['documents']:,} documents" for s, m in result.items()]
     click.echo(f"{folder}: every file matches its manifest ({'; '.join(parts)})")
+    if recorded:  # an older manifest: what the login node checks against the model's vocabulary at submit
+        click.echo(f"{folder}: recorded max_id (the largest token id) of {recorded} shards in its manifest.json, "
+                   "which `hpcx submit` compares with `model.vocab_size`")

@@ -120,6 +120,18 @@ def lora_problems(spec: JobSpec) -> list[str]:
     return errors
 
 
+def without_rank(doc: dict[str, tp.Any]) -> list[str]:
+    """``[lora]`` keys written while ``lora.rank`` is 0 or absent: LoRA is off and they mean nothing (one
+    line; a rank of the wrong type is its own problem)."""
+    given = doc.get("lora") if isinstance(doc.get("lora"), dict) else {}
+    keys = [k for k in given if k != "rank"]
+    rank = given.get("rank", 0)
+    if not keys or type(rank) is not int or rank != 0:
+        return []
+    return [f"`lora.{keys[0]}` is set but `lora.rank` = 0: LoRA is off, so "
+            f"{', '.join(f'`lora.{k}`' for k in keys)} would mean nothing: set `lora.rank` above 0 (or remove them)"]
+
+
 def _base_shapes(model: tp.Any) -> dict[str, tuple[int, ...]]:
     """hpcx parameter name → shape of a family with a tensor plan (``HfMapped``); {} otherwise."""
     from hpc.core.models import HfMapped, family, model_facts

@@ -287,8 +287,32 @@ def verify(folder: str | Path) -> dict[str, tp.Any]:
         problems = _hash_problems(path.parent, manifest) + _content_problems(path.parent, manifest)
     if problems:  # one line: the first file that differs, and how many more do
         raise Mismatch([problems[0] + (f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else "")])
+    recorded = record_max_ids(path, manifest)
     return {split: {k: manifest["splits"][split][k] for k in ("tokens", "documents")} | {
-        "shards": len(manifest["splits"][split]["shards"])} for split in manifest["splits"]}
+        "shards": len(manifest["splits"][split]["shards"])} for split in manifest["splits"]} | (
+        {"max_id_recorded": recorded} if recorded else {})
+
+
+def record_max_ids(path: Path, manifest: dict) -> int:
+    """A manifest from before shards recorded ``max_id`` (which ``check_source`` compares with the
+    model's vocabulary at submit) gets each shard's, as ``verify`` just read it, once every file
+    matched: written atomically; the number of shards that got one."""
+    from hpc.core.runs import write_json
+
+    missing = [(split, s) for split in manifest["splits"] for s in manifest["splits"][split]["shards"]
+               if "max_id" not in s]
+    for split, shard in missing:
+        shard["max_id"] = _shard_max(path.parent / shard["file"], manifest["dtype"])
+    if missing:
+        write_json(path, manifest)
+    return len(missing)
+
+
+def _shard_max(file: Path, dtype: str) -> int:
+    import numpy as np
+
+    tokens = np.memmap(file, dtype=dtype, mode="r")
+    return int(tokens.max()) if len(tokens) else 0
 
 
 def _hash_problems(folder: Path, manifest: dict) -> list[str]:

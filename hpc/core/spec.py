@@ -317,7 +317,8 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
-    as_written = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel")) + trainer_sections_given(doc)]
+    as_written = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel")) + trainer_sections_given(doc)
+                  + given_for_nothing(doc)]
     try:
         spec = spec_from_dict(doc, str(path))
     except ConfigError as exc:
@@ -364,6 +365,10 @@ def resolve_paths(spec: JobSpec) -> list[str]:
                                                            facts.vocab_size)
     if not problems and spec.data.packing == "document":
         problems += _packing_problems(spec, kind)
+    if spec.task.target:  # its class, read from its source (hpcx never imports a user's module here)
+        from hpc.core.tasks import class_problems
+
+        problems += class_problems(spec)
     if not problems and not spec.task.target:  # a task evaluates on its own eval_dataset()
         from hpc.core.manifest import check_validation
 
@@ -404,7 +409,7 @@ def check_command(command: list[str]) -> list[str]:
     string holding a whole command line (hpcx never runs a shell; a path with spaces is one program)."""
     if not command:
         return []
-    errors = []
+    errors: list[str] = []
     if not command[0].strip() or command[0] != command[0].strip():
         errors.append(f"`job.command[0]` = {command[0]!r}: expected the program to run (e.g. \"python\"), "
                       "without surrounding spaces")
@@ -415,6 +420,18 @@ def check_command(command: list[str]) -> list[str]:
         errors.append(f"`job.command` = [{command[0]!r}] is one string holding a command line: expected an "
                       f"argument list, e.g. {json_list(words)} (hpcx never runs a shell)")
     return errors
+
+
+def given_for_nothing(doc: dict) -> list[str]:
+    """Keys the file sets that cannot mean anything (checked as written: a run's resolved.json records
+    every field): an empty ``job.command``, ``[lora]`` keys with LoRA off, ``[task]`` keys without a task."""
+    from hpc.core.lora import without_rank
+    from hpc.core.tasks import without_target
+
+    job = doc.get("job") if isinstance(doc.get("job"), dict) else {}
+    errors = (["`job.command` = []: an empty command runs nothing: give the program and its arguments, e.g. "
+               "[\"python\", \"train.py\"], or remove the key to run hpcx's trainer"] if job.get("command") == [] else [])
+    return errors + without_rank(doc) + without_target(doc)
 
 
 def trainer_sections_given(doc: dict) -> list[str]:

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 
 from hpc.core import validate as v
 from hpc.core.config import field
+from hpc.core.errors import ConfigError
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
 
-TASK_TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # package.module:Class
+TASK_TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")  # package.module:Class (no `..`)
 
 
 @dataclass
@@ -54,6 +55,10 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
         return ([f"`model.arch` = {TASK!r} is set by `[task]`: set `task.target` = 'package.module:Class'"]
                 if model_doc.get("arch") == TASK else [])
     errors = target_problems(task.target) + kwargs_problems(task.kwargs)
+    if spec.lora.enabled:
+        errors.append(f"`lora.rank` = {spec.lora.rank} with the task {task.target!r}: hpcx adds LoRA adapters to the "
+                      "projections of its built-in families only, and a task builds its own model: remove `[lora]` "
+                      "(a task adapts its model in its `build_model`)")
     errors += [f"`model.{name}` = {value!r} is set, but `[model]` is the task's ({task.target!r} builds the "
                "model): remove it" for name, value in changed_model_fields(spec, model_doc)]
     data_doc: dict[str, tp.Any] = doc["data"] if isinstance(doc.get("data"), dict) else {}
@@ -64,6 +69,17 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
         errors.append(f"`checkpoint.init_from` is for the built-in families: the task {task.target!r} loads "
                       "pretrained weights in its `build_model` (or `load_state_dict`)")
     return errors
+
+
+def without_target(doc: dict[str, tp.Any]) -> list[str]:
+    """``[task]`` keys other than ``target`` given without one: they configure no task (one line)."""
+    given = doc.get("task") if isinstance(doc.get("task"), dict) else {}
+    keys = [k for k in given if k != "target"]
+    if not keys or given.get("target"):
+        return []
+    return [f"`task.{keys[0]}` is set but `task.target` is not: {', '.join(f'`task.{k}`' for k in keys)} configure "
+            "a task of your own, and without `task.target` = 'package.module:Class' the run trains the built-in "
+            "language model: set `task.target` or remove them"]
 
 
 def changed_model_fields(spec: JobSpec, model_doc: dict[str, tp.Any]) -> list[tuple[str, tp.Any]]:
@@ -122,3 +138,114 @@ def code_notice(spec: JobSpec) -> str | None:
             f"{cls}({', '.join(spec.task.kwargs) or 'no kwargs'}) (task.target); it runs with your permissions, "
             "so check it is the code you mean")
 
+
+
+# ---------------------------------------------------------------- the class, read without importing it
+
+TASK_METHODS = ("build_model", "units", "train_dataset", "loss")  # trainer.tasks.REQUIRED, torch-free
+MAX_MODULE_BYTES = 4 << 20  # a task's module is source code of some KB
+
+
+def class_problems(spec: JobSpec) -> list[str]:
+    """The user's ``task.target`` class read from its source without importing it (its module imports
+    torch, and importing runs the user's code on the login node): the module must define the class,
+    ``task.kwargs`` must fit its ``__init__``, and a class of no base must define the protocol's
+    methods. One line, naming the user's file and class; nothing when the module is not found here (the
+    notice says so) or the class is made in ways a parse cannot follow (a base class, an import)."""
+    import ast
+
+    from hpc.core.models.user import module_file
+
+    module, name = spec.task.target.split(":", 1)
+    path = module_file(module)
+    if path is None or not path.endswith(".py"):
+        return []
+    label = f"`task.target` = {spec.task.target!r}"
+    try:
+        tree = ast.parse(_module_source(path, label), path)
+    except SyntaxError as exc:
+        return [f"{label}: {path}:{exc.lineno}: {exc.msg}: expected Python source"]
+    except (ConfigError, ValueError, RecursionError) as exc:
+        return list(getattr(exc, "messages", [f"{label}: {path}: cannot parse: {exc}"]))[:1]
+    return _class_problems(tree, name, path, label, spec.task.kwargs)
+
+
+def _module_source(path: str, label: str) -> bytes:
+    with v.open_regular(path, f"{label}: {path}", "the task's Python module") as f:
+        data = f.read(MAX_MODULE_BYTES + 1)
+    if len(data) > MAX_MODULE_BYTES:
+        raise ConfigError([f"{label}: {path}: over {MAX_MODULE_BYTES >> 20} MiB: expected a Python module"])
+    return data
+
+
+def _class_problems(tree: tp.Any, name: str, path: str, label: str, kwargs: tp.Mapping[str, tp.Any]) -> list[str]:
+    import ast
+
+    bound = _top_level_bindings(tree)
+    if name not in bound and not bound.get("*") and "__getattr__" not in bound:
+        classes = sorted(n for n, node in bound.items() if isinstance(node, ast.ClassDef))
+        return [f"{label}: {path} defines no {name!r}"
+                + (f" (its classes: {', '.join(classes[:5])})" if classes else " (it defines no class)")]
+    node = bound.get(name)
+    if not isinstance(node, ast.ClassDef):
+        return []  # a function or an assignment: what it makes is known only when it runs
+    if node.bases and not all(isinstance(b, ast.Name) and b.id == "object" for b in node.bases) or node.decorator_list:
+        return []  # methods and __init__ may come from a base, or a decorator may change the class
+    members = {n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    members.update({t.id: n for n in node.body if isinstance(n, ast.Assign) for t in n.targets
+                    if isinstance(t, ast.Name)})
+    where = f"{label}: class {name} ({path}:{node.lineno})"
+    problems = _init_problems(members.get("__init__"), kwargs)
+    if problems:
+        return [f"{where}: {problems}"]
+    missing = [m for m in TASK_METHODS if m not in members]
+    if missing:
+        return [f"{where} has no {', '.join(f'{m}()' for m in missing)}: a task defines "
+                f"{', '.join(f'{m}()' for m in TASK_METHODS)} (docs/tasks.md)"]
+    return []
+
+
+def _top_level_bindings(tree: tp.Any) -> dict[str, tp.Any]:
+    """Name → the statement that binds it at the module's top level (inside ``if``/``try`` blocks too);
+    ``"*"`` for a star import, which may bind anything."""
+    import ast
+
+    out: dict[str, tp.Any] = {}
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            out[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update({(a.asname or a.name).split(".")[0]: node for a in node.names})
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out.update({n.id: node for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)})
+        elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(s for h in getattr(node, "handlers", []) for s in h.body)]
+    return out
+
+
+def _init_problems(init: tp.Any, kwargs: tp.Mapping[str, tp.Any]) -> str:
+    """What ``Class(**kwargs)`` would raise TypeError for, from ``__init__``'s signature; "" when it fits."""
+    import ast
+
+    if not isinstance(init, ast.FunctionDef):
+        given = ", ".join(kwargs)
+        return (f"takes no keyword arguments (it defines no __init__), but `task.kwargs` gives {given}"
+                if kwargs and init is None else "")
+    a = init.args
+    positional = [x.arg for x in [*a.posonlyargs, *a.args][1:]]  # after self
+    named = [x.arg for x in a.args[1:] if x not in a.posonlyargs] + [x.arg for x in a.kwonlyargs]
+    unknown = [k for k in kwargs if k not in named]
+    if unknown and a.kwarg is None:
+        return (f"__init__ takes no keyword argument {unknown[0]!r} (it takes "
+                f"{', '.join(named) or 'none'}), but `task.kwargs` gives it")
+    with_default = positional[len(positional) - len(a.defaults):] if a.defaults else []
+    required = [p for p in positional if p not in with_default]
+    required += [x.arg for x, d in zip(a.kwonlyargs, a.kw_defaults) if d is None]
+    missing = [p for p in required if p not in kwargs]
+    if missing:
+        return f"__init__ requires {', '.join(missing)}, which `task.kwargs` does not give"
+    return ""

@@ -48,7 +48,16 @@ def check_tp(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]
     if spec.data.packing == "document":
         errors.append(f"{key} with `data.packing` = 'document': the document mask has not been run under sequence "
                       "parallelism yet; use tp = 1 or packing 'causal'")
-    return errors + model_problems(spec, degree, key)
+    return one_line(errors + model_problems(spec, degree, key), key)
+
+
+def one_line(errors: list[str], key: str) -> list[str]:
+    """The problems of one value as one line: the first whole, each further one after "; and" without
+    the key it repeats (a tp of 3 on 4 heads and 2 GPUs is one bad value, not three)."""
+    if len(errors) <= 1:
+        return errors
+    rest = [e.removeprefix(f"{key} ").removeprefix("with ") for e in errors[1:]]
+    return [f"{errors[0]}; and {'; and '.join(rest)}"]
 
 
 def model_problems(spec: JobSpec, degree: int, key: str) -> list[str]:

@@ -174,15 +174,17 @@ def _compile_or_refuse(text: str, source: str) -> tp.Any:
 # ---------------------------------------------------------------- the environment (transformers' own)
 
 
-def environment(now: str | None = None) -> tp.Any:
+def environment(now: str | None = None, chars: int = 1 << 24) -> tp.Any:
     """The sandboxed Jinja environment of ``transformers.utils.chat_template_utils``: the same options,
     filters, globals and ``{% generation %}`` tag, so a template renders the same characters
-    (``strftime_now`` renders ``now``, an ISO time, where given: the plan's, not each group's own)."""
+    (``strftime_now`` renders ``now``, an ISO time, where given: the plan's, not each group's own); bounded
+    by ``hpc.data.template_bounds`` to values of ``chars`` characters and a million steps a rendering."""
     import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_tracker_class(), jinja2.ext.loopcontrols])
+    from hpc.data.template_bounds import BoundedEnvironment, Budget
+
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, budget=Budget(chars),
+                             extensions=[_tracker_class(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now if now is None else _strftime_at(now)
@@ -304,10 +306,10 @@ class ChatRenderer:
     text cut into the assistant's characters (counted) and the rest."""
 
     def __init__(self, entry: dict[str, tp.Any], limits: Limits = Limits()):
-        self.entry, self.env = entry, environment(entry.get("now"))
+        self.max_chars = limits.document_bytes + (1 << 20)
+        self.entry, self.env = entry, environment(entry.get("now"), self.max_chars)
         self.compiled = {name: self.env.from_string(text) for name, text in entry["templates"].items()}
         self.tracker = self.env.generation_tracker
-        self.max_chars = limits.document_bytes + (1 << 20)
         self.budget = RENDER_BUDGET * max(limits.document_bytes, 1 << 20)
         self.spent = 0
 
@@ -318,6 +320,8 @@ class ChatRenderer:
             return chat
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             return BadInput(where, f"'tools' is a {type(tools).__name__}: expected a list of JSON schemas")
+        from hpc.data.template_bounds import TemplateBomb
+
         template = self.compiled.get("tool_use" if tools is not None else "default", self.compiled["default"])
         self.spent = 0
         try:
@@ -331,6 +335,9 @@ class ChatRenderer:
                             "(raise --max-document-bytes)")
         except _Refused as exc:
             return exc.bad
+        except TemplateBomb as exc:
+            return BadInput(where, f"{exc} ({self.entry['source']}): expected a template that renders a "
+                            "conversation in bounded time and size")
         except Exception as exc:  # noqa: BLE001  (a template may raise anything: raise_exception, TypeError, …)
             first = (str(exc).splitlines() or [""])[0][:200]
             return BadInput(where, f"the chat template ({self.entry['source']}) raised {type(exc).__name__}: "
@@ -366,6 +373,7 @@ class ChatRenderer:
         blocks: list[str] = []
         spans: list[tuple[int, int]] = []
         total = 0
+        self.env.budget.reset()
         self.tracker.tracking = (lambda: total, spans) if track else None
         try:
             for block in template.generate(messages=chat, tools=tools, documents=None, add_generation_prompt=prompt,

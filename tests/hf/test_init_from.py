@@ -154,14 +154,16 @@ def refused(args):
     return [line.removeprefix("error: ") for line in out.stderr.strip().splitlines()]
 
 
-def test_a_model_that_disagrees_is_refused_with_every_mismatch(tmp_path):
-    src = hf_folder(tmp_path / "wide", num_key_value_heads=4)
+def test_a_model_that_disagrees_is_refused_in_one_line_per_kind(tmp_path):
+    """Another model is one problem: its config.json in one line (issue 47: a wrong base printed a line per
+    tensor); the same weights without their config.json: one line for every tensor of another shape."""
+    src = hf_folder(tmp_path / "wide", shard="10GB", num_key_value_heads=4)
     lines = refused(["dryrun", job(tmp_path, src), "--site", "local"])
-    assert any("config.json: num_key_value_heads = 4, the run's model has 2" in line for line in lines)
-    shapes = [line for line in lines if "the model's blocks" in line and "attn.w" in line]
-    assert len(shapes) == 4  # k_proj and v_proj of both layers, all at once
-    assert "model.layers.0.self_attn.k_proj.weight is [64, 64], the model's blocks.0.attn.wk.weight is [32, 64]" \
-        in "\n".join(shapes)
+    assert len(lines) == 1 and "config.json: describes another model: num_key_value_heads = 4 (the run's model " \
+        "has 2)" in lines[0], lines
+    lines = refused(["dryrun", job(tmp_path, src / "model.safetensors"), "--site", "local"])
+    assert len(lines) == 1 and "4 tensors have other shapes: model.layers.0.self_attn.k_proj.weight is [64, 64], " \
+        "the model's blocks.0.attn.wk.weight is [32, 64]" in lines[0] and "and 1 more" in lines[0], lines
 
 
 def test_missing_unexpected_and_non_float_tensors(tmp_path):
@@ -174,9 +176,9 @@ def test_missing_unexpected_and_non_float_tensors(tmp_path):
     save_file(state, tmp_path / "bad.safetensors")
     lines = refused(["dryrun", job(tmp_path, tmp_path / "bad.safetensors"), "--site", "local"])
     assert len(lines) == 3, lines
-    assert "no tensor for the model's norm.weight [64]" in lines[0]
-    assert "model.layers.0.mlp.gate_proj.weight is int64, expected floating point" in lines[1]
-    assert "extra.weight matches no parameter of the model" in lines[2]
+    assert "no tensor for 1 of the model's parameters: norm.weight [64]" in lines[0]
+    assert "1 tensors are not floating point: model.layers.0.mlp.gate_proj.weight (int64)" in lines[1]
+    assert "1 tensors match no parameter of the model: extra.weight" in lines[2]
 
 
 @pytest.mark.parametrize("case", ["nothing-there", "truncated", "gpt-from-hf"])

@@ -3,6 +3,9 @@ one case per sub-folder, never committed (the big ones are hundreds of MB once e
 
     python -m tests.tokens.hostile OUT [CLASS]   # write the cases under OUT/CLASS/NAME/ to look at
 
+The classes of issue 47 (chat templates, PEFT adapters, tasks, types, keys that mean nothing, one
+line per problem) are built by ``tests/tokens/hostile_surfaces.py`` and registered here.
+
 A case is a function that writes its files into an empty folder and returns the ``hpcx`` command
 line and what it must give: the exit code and, for a refusal, words the one ``error:`` line must
 hold (the file, and the key or line). ``test_hostile`` runs each through the real CLI in a fresh
@@ -859,7 +862,7 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__.split("\n\n")[1], file=sys.stderr)
         return 2
-    root, classes = Path(argv[0]), argv[1:] or list(CLASSES)
+    root, classes = Path(argv[0]), argv[1:] or list(CASES)
     tok = root / "tokenizer.json"
     if not tok.exists():
         from tests.tokens.corpus import train_tokenizer
@@ -874,6 +877,8 @@ def main(argv: list[str]) -> int:
             (folder.parent / f"{name}.cmd").write_text(" ".join(["hpcx", *expect.argv]) + "\n")
     return 0
 
+
+from tests.tokens import hostile_surfaces  # noqa: E402,F401  (registers issue 47's classes into CASES)
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -238,7 +238,7 @@ def activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: bool, m
     """Activation memory of one micro-batch at its peak on one rank, by the model's family; None when
     unknown. ``tp`` > 1 (tensor and sequence parallelism) only for a family with a TP plan (``tp_split``)."""
     fam = family_of(facts)
-    if tp > 1:
+    if tp > 1 and facts.tp_split:  # without a counted split (the GPT's): the unsplit figure, an upper bound
         return fam.activation_bytes(facts, micro_batch, checkpointing, mixed_precision, dropout, autocast,
                                     tp=tp)  # type: ignore[call-arg]
     return fam.activation_bytes(facts, micro_batch, checkpointing, mixed_precision, dropout, autocast)
