@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ PYTHON = "/venv/bin/python"
 LINKS = {"hpc": "/opt/hpcx/src/hpc", "trainer": "/opt/hpcx/src/trainer",
          "submitit": "/opt/hpcx/venv/lib/python3.11/site-packages/submitit",
          "cloudpickle": "/opt/hpcx/venv/lib/python3.11/site-packages/cloudpickle"}
-EXAMPLES = {"pyxis": REPO / "docs/sites/pyxis-h100.toml", "apptainer": REPO / "docs/sites/apptainer-h100.toml"}
+EXAMPLES = {"pyxis": REPO / "docs/sites/pyxis-h100.toml", "apptainer": REPO / "docs/sites/apptainer-h100.toml",
+            "oci": REPO / "docs/sites/oci-h100.toml"}
 
 
 def site_doc(**container) -> dict:
@@ -125,19 +127,24 @@ def srun_words(script: str) -> list[str]:
 def test_pyxis_flags_are_pyxis_own(fixed_host):
     spec = load_spec(REPO / "jobs/tiny-hsdp-2node.toml")
     site = load_site(str(EXAMPLES["pyxis"]))
-    words = srun_words(render(spec, site, resolve(spec, site), RUN_DIR, PYTHON))
-    assert "--container-image=nvcr.io#nvidia/pytorch:24.05-py3" in words
+    script = render(spec, site, resolve(spec, site), RUN_DIR, PYTHON)
+    words = srun_words(script)
+    image = "nvcr.io#nvidia/pytorch:25.12-py3"
+    assert f"--container-image={image}" in words
     mounts = next(w for w in words if w.startswith("--container-mounts=")).split("=", 1)[1].split(",")
     assert mounts == ["/lustre/datasets:/lustre/datasets:ro", "/hpcx-runs:/hpcx-runs", "/home/u/proj:/home/u/proj",
                       "/opt/hpcx/src:/opt/hpcx/src:ro",
-                      "/opt/hpcx/venv/lib/python3.11/site-packages:/opt/hpcx/venv/lib/python3.11/site-packages:ro"]
+                      "/opt/hpcx/venv/lib/python3.11/site-packages:/opt/hpcx/venv/lib/python3.11/site-packages:ro",
+                      "/dev/infiniband:/dev/infiniband", "/dev/shm:/dev/shm"]  # infiniband, shm_gb: the node's
     assert "--container-workdir=/home/u/proj" in words and "--no-container-mount-home" in words
     assert "--container-env=WANDB_API_KEY" in words
+    # GPUs: pyxis (enroot's NVIDIA hook) brings in the GPUs Slurm gave the step; hpcx adds nothing for them
+    assert "#SBATCH --gpus-per-node=2" in script
+    assert not [w for w in words if w.startswith("--") and "nvidia" in w.lower() and image not in w]
     # the check after srun stays on the host: no container flag after the step line
     task = words[words.index("/bin/sh"):]
-    assert task[4:9] == ["env", f"PYTHONPATH={RUN_DIR}/container/path",
-                         "HPCX_CONTAINER_IMAGE=nvcr.io#nvidia/pytorch:24.05-py3",
-                         f"HPCX_HOST_REQUEUE={RUN_DIR}/container/requeue-request", "python"]
+    assert task[4:10] == ["env", f"PYTHONPATH={RUN_DIR}/container/path", f"HPCX_CONTAINER_IMAGE={image}",
+                          f"HPCX_HOST_REQUEUE={RUN_DIR}/container/requeue-request", "HPCX_SHM_GB=64", "python"]
 
 
 def test_apptainer_exec_wraps_the_task(fixed_host):
@@ -146,13 +153,61 @@ def test_apptainer_exec_wraps_the_task(fixed_host):
     script = render(spec, site, resolve(spec, site), RUN_DIR, PYTHON)
     words = srun_words(script)
     at = words.index("apptainer")
-    assert words[at:at + 3] == ["apptainer", "exec", "--nv"]
+    assert words[at:at + 3] == ["apptainer", "exec", "--nv"]  # the GPUs; ROCm's --rocm is refused at load
+    binds = words[words.index("--bind") + 1].split(",")
+    assert binds[-2:] == ["/dev/infiniband:/dev/infiniband", "/dev/shm:/dev/shm"]
     assert words[words.index("--pwd") + 1] == "/home/u/proj" and "--no-home" in words
-    assert words[words.index("/shared/images/pytorch-24.05.sif") + 1] == "/bin/sh"
+    assert words[words.index("/shared/images/pytorch-25.12.sif") + 1] == "/bin/sh"
     # the variable's value is the batch shell's, never written into the script
     assert 'export APPTAINERENV_WANDB_API_KEY="$WANDB_API_KEY"' in script
     teardown = script.split("# teardown", 1)[1]
     assert "apptainer" not in teardown and PYTHON in teardown
+
+
+def test_oci_runs_each_task_through_its_nodes_script(fixed_host):
+    spec = load_spec(REPO / "jobs/tiny-hsdp-2node.toml")
+    site = load_site(str(EXAMPLES["oci"]))
+    words = srun_words(render(spec, site, resolve(spec, site), RUN_DIR, PYTHON))
+    at = words.index(f"{RUN_DIR}/container/oci-task")
+    assert words[at - 1] == "/bin/sh" and not [w for w in words[:at] if w.startswith("--container")]
+    assert "HPCX_SHM_GB=64" in words  # the tmpfs each container gets, checked again inside
+
+
+def test_gpus_fabric_and_shm_keys_are_strict():
+    bad = errors_of(runtime="oci", image="/b", oci_launch="runc", cdi=["nvidia.com/gpu", "gpu=all", "Nvidia.com/gpu=0"],
+                    devices=["nvidia0", "/sys/x", "/dev/../etc/shadow"], gpu_libraries=["libcuda.so", "/a,b", "/a:b"],
+                    shm_gb=-1, infiniband="yes")
+    joined = "\n".join(bad)
+    for needle in ("'nvidia.com/gpu'", "'gpu=all'", "'Nvidia.com/gpu=0'", "'nvidia0'", "'/sys/x'", "'/dev/../etc/shadow'",
+                   "'libcuda.so'", "'/a,b'", "'/a:b'", "container.shm_gb", "container.infiniband"):
+        assert needle in joined, needle
+    # what only a task that runs runc itself can add: not with the scheduler's own OCI support
+    for key, value in (("cdi", ["nvidia.com/gpu=all"]), ("devices", ["/dev/nvidia*"]), ("infiniband", True),
+                       ("gpu_libraries", ["/usr/lib/libcuda.so.1"])):
+        (line,) = errors_of(runtime="oci", image="/b", oci_launch="scheduler", **{key: value})
+        assert f"`container.{key}` needs `container.oci_launch` = 'runc'" in line
+    # pyxis and apptainer bring the GPUs themselves; oci on a GPU site must be told how
+    for runtime, image in (("pyxis", "a#b"), ("apptainer", "/i.sif")):
+        (line,) = errors_of(runtime=runtime, image=image, cdi=["nvidia.com/gpu=all"])
+        assert f"`container.cdi` is for runtime 'oci' ({runtime} brings the node's GPUs itself)" in line
+    doc = site_doc(runtime="oci", image="/b", oci_launch="runc")
+    doc["node"].update(gpus=8, gpu_memory_gb=80, intra_link="nvswitch", intra_bandwidth_gbs=450, intra_latency_us=3)
+    doc["scheduler"]["gpu_directive"] = "gpus-per-node"
+    with pytest.raises(ConfigError) as exc:
+        parse_site(doc, "s", "s.toml")
+    assert "on a GPU site: expected `cdi`" in exc.value.messages[0]
+    doc["container"]["cdi"] = ["nvidia.com/gpu=all"]
+    assert parse_site(doc, "s", "s.toml").container.cdi == ["nvidia.com/gpu=all"]
+    doc["container"]["oci_launch"] = "scheduler"
+    with pytest.raises(ConfigError):
+        parse_site(doc, "s", "s.toml")
+
+
+@pytest.mark.parametrize("flag", ["--rocm", "--rocm=true"])
+def test_rocm_is_refused_in_one_line(flag):
+    (line,) = errors_of(runtime="apptainer", image="/i.sif", flags=["--cleanenv", flag])
+    assert line == f"s.toml: `container.flags` has {flag!r}: hpcx trains on NVIDIA GPUs (CUDA, NCCL); apptainer " \
+        "gets `--nv` on a GPU site"
 
 
 @pytest.mark.parametrize("writable,home", [(False, False), (True, True)])
@@ -167,33 +222,96 @@ def test_writable_and_home(writable, home):
     assert sc.wrap_step(["x"], ct.Container(), RUN_DIR, [], "/w") == sc.Step([], ["x"])
 
 
-def test_oci_bundle(tmp_path):
-    image = tmp_path / "image"
-    image.mkdir()
-    base = {"root": {"path": "rootfs", "readonly": True}, "process": {"cwd": "/", "args": ["sh"]},
-            "mounts": [{"destination": "/proc", "type": "proc", "source": "proc"}]}
-    (image / "config.json").write_text(json.dumps(base))
+def image_bundle(folder: Path, config: dict | None = None) -> Path:
+    """An OCI bundle folder: config.json (``config``, default a plain one) and an empty rootfs/."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "rootfs").mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config if config is not None else {"root": {"path": "rootfs"}}))
+    return folder
+
+
+# an image's configuration that tries every way out of its container: hpcx takes its root, env and user only
+HOSTILE = {"root": {"path": "rootfs", "readonly": False},
+           "process": {"cwd": "/", "args": ["sh"], "env": ["PATH=/opt/bin:/usr/bin", "LANG=C.UTF-8"],
+                       "user": {"uid": 1000, "gid": 1000, "additionalGids": [44]},
+                       "capabilities": {"bounding": ["CAP_SYS_ADMIN"], "effective": ["CAP_SYS_ADMIN"]}},
+           "hooks": {"prestart": [{"path": "/bin/sh", "args": ["sh", "-c", "touch /tmp/owned"]}],
+                     "createRuntime": [{"path": "/bin/true"}]},
+           "mounts": [{"destination": "/host-etc", "type": "none", "source": "/etc", "options": ["rbind", "rw"]},
+                      {"destination": "/proc", "type": "proc", "source": "proc"}],
+           "linux": {"namespaces": [{"type": "network"}, {"type": "pid"}, {"type": "user"}, {"type": "mount"}],
+                     "devices": [{"path": "/dev/sda", "type": "b", "major": 8, "minor": 0}],
+                     "resources": {"devices": [{"allow": True, "access": "rwm"}]},
+                     "uidMappings": [{"containerID": 0, "hostID": 0, "size": 1}]}}
+
+
+def test_oci_bundle_takes_only_root_env_and_user_from_the_image(tmp_path):
+    image = image_bundle(tmp_path / "image", HOSTILE)
     c = ct.Container(runtime="oci", image=str(image), mounts=["/etc/hosts:/etc/hosts:ro"])
     mounts = ct.step_mounts(c, "/runs", "/home/u/proj", LINKS)
     bundle = sc.write_bundle(c, tmp_path / "run" / "container" / "bundle", mounts, "/home/u/proj")
     config = json.loads((bundle / "config.json").read_text())
+    assert set(config) == {"ociVersion", "process", "root", "mounts", "linux"}  # no hooks
     # Slurm 22.05 takes BUNDLE/rootfs whatever root.path says: an empty folder, the image's root bound onto it
     assert config["root"] == {"path": "rootfs", "readonly": True} and (bundle / "rootfs").is_dir()
     assert config["mounts"][0] == {"destination": "/", "type": "none", "source": f"{image}/rootfs",
                                    "options": ["rbind", "rw"]}  # runc makes mount points; root.readonly
-    assert config["process"]["cwd"] == "/home/u/proj" and config["process"]["args"] == ["sh"]
-    binds = {m["destination"]: m["options"][-1] for m in config["mounts"][2:]}
+    assert config["process"] == {"terminal": False, "user": {"uid": 1000, "gid": 1000, "additionalGids": [44]},
+                                 "args": ["true"], "env": ["PATH=/opt/bin:/usr/bin", "LANG=C.UTF-8"],
+                                 "cwd": "/home/u/proj", "noNewPrivileges": True}  # no capabilities
+    assert config["linux"] == {"namespaces": [{"type": "mount"}], "devices": [], "resources": {"devices": []}}
+    assert not any(m["source"] == "/etc" or m["destination"] == "/host-etc" for m in config["mounts"])
+    assert [m["destination"] for m in config["mounts"][1:7]] == ["/proc", "/dev", "/dev/pts", "/dev/shm", "/sys",
+                                                                 "/tmp"]
+    assert config["mounts"][4]["source"] == "/dev/shm"  # shm_gb = 0: the node's own, shared by its tasks
+    binds = {m["destination"]: m["options"][-1] for m in config["mounts"][7:]}
     assert binds == {"/etc/hosts": "ro", "/runs": "rw", "/home/u/proj": "rw", "/opt/hpcx/src": "ro",
                      "/opt/hpcx/venv/lib/python3.11/site-packages": "ro"}
-    assert config["mounts"][1] == base["mounts"][0]
     step = sc.wrap_step(["x"], c, "/runs/r", mounts, "/w")
     assert step.srun_args == ["--container=/runs/r/container/bundle"] and step.argv == ["x"]
     # each task runs the bundle with runc itself: the task's folder, environment and arguments at its start
-    c.oci_launch = "runc"
+    c.oci_launch, c.shm_gb = "runc", 16
     step = sc.wrap_step(["x", "y z"], c, "/runs/r", mounts, "/w")
     assert step == sc.Step([], ["/bin/sh", "/runs/r/container/oci-task", "x", "y z"])
     config = json.loads((sc.write_bundle(c, tmp_path / "b2", mounts, "/w") / "config.json").read_text())
     assert config["process"]["args"] == ["python3", "-c", sc.LOADER, "@TASKDIR@"]
+    assert config["mounts"][4] == {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+                                   "options": ["nosuid", "nodev", "mode=1777", "size=16g"]}
+
+
+def big_file(path: Path) -> None:
+    with open(path, "wb") as f:  # 100 MB, sparse: nothing is written but the size
+        f.truncate(100 << 20)
+
+
+@pytest.mark.parametrize("make,expected", [
+    (big_file, "larger than 1 MiB"),
+    (lambda p: p.write_text("[" * 200_000 + "]" * 200_000), "nested deeper than"),
+    (lambda p: p.symlink_to("/dev/zero"), "character device"),
+    (lambda p: os.mkfifo(p), "FIFO"),
+    (lambda p: p.write_text('{"root": '), "not valid JSON"),
+    (lambda p: p.write_bytes(b'{"a": "\xff"}'), "not UTF-8"),
+    (lambda p: p.write_text("[1, 2]"), "expected an object"),
+    (lambda p: p.write_text('{"root": {"path": "../../etc"}}'), "outside the bundle folder"),
+    (lambda p: p.write_text('{"root": {"path": "/"}}'), "outside the bundle folder"),
+    (lambda p: p.write_text('{"root": {"path": "."}}'), "outside the bundle folder"),
+    (lambda p: p.write_text('{"process": {"env": "PATH=/bin"}}'), "NAME=VALUE"),
+    (lambda p: p.write_text('{"process": {"user": {"uid": "root", "gid": 0}}}'), "numeric uid and gid"),
+    (lambda p: p.write_text('{"process": {"user": {"uid": 0, "gid": 0, "additionalGids": [-1]}}}'), "group ids"),
+], ids=["100MB", "nested", "dev-zero", "fifo", "truncated", "latin1", "array", "root-up", "root-slash", "root-dot",
+        "env", "user", "gids"])
+def test_an_image_config_is_read_bounded_and_checked(tmp_path, make, expected):
+    image = tmp_path / "img"
+    image.mkdir()
+    (image / "rootfs").mkdir()
+    make(image / "config.json")
+    c = ct.Container(runtime="oci", image=str(image))
+    with pytest.raises(ConfigError) as exc:
+        sc.write_bundle(c, tmp_path / "bundle", [], "/w", where="job.toml: `container.image`")
+    (line,) = exc.value.messages
+    assert line.startswith(f"job.toml: `container.image` = '{image}': its config.json") and expected in line, line
+    assert "\n" not in line
+    assert set(ct.identity(c)) <= {"runtime", "image", "resolved", "config_sha256"}  # never a stall, never a raise
 
 
 def test_oci_is_never_writable():
@@ -252,10 +370,16 @@ def test_the_loader_runs_the_task_with_its_own_environment_and_arguments(tmp_pat
     assert out.stdout.strip() == f"{nasty!r} {[nasty, '']!r}"
 
 
-def test_the_task_script_names_one_container_per_task_and_start():
+def test_the_task_script_names_one_container_per_task_and_start(tmp_path):
     script = sc.OCI_TASK_SCRIPT
     assert "${SLURM_RESTART_COUNT:-0}" in script and "${SLURM_PROCID:-0}" in script  # a requeue's own
-    assert "delete --force" in script and script.rstrip().endswith('run --bundle "$dir" "$id"')
+    c = ct.Container(runtime="oci", image=str(image_bundle(tmp_path / "img")), oci_launch="runc")
+    sc.prepare_run(c, tmp_path / "run", "/w")
+    written = (tmp_path / "run" / "container" / "oci-task").read_text()
+    # the node's side is the host's Python (devices, CDI), which then becomes `runc run`
+    last = shlex.split(written.rstrip().splitlines()[-1])
+    assert last[:2] == ["exec", sys.executable] and last[-4:] == ["hpc.schedulers.slurm.oci", "$run", "$dir", "$id"]
+    assert "hpc.core.imports" in last[3]  # BOOT: never the current folder's `hpc`
 
 
 def test_a_job_changes_its_sites_container(tmp_path, fixed_host):
