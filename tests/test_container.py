@@ -451,3 +451,126 @@ def test_checkpoints_written_in_the_image_read_back():
     with pytest.raises((RefusedGlobal, pickle.UnpicklingError)):
         MetadataUnpickler(io.BytesIO(bad)).load()
     assert enum_cls
+
+
+# ---------------------------------------------------------------- paths hpcx derives, in the runtimes' mount lists
+
+ODD = {"comma": ",", "colon": ":", "newline": "\n"}
+# which runtimes read each character as list syntax: pyxis' --container-mounts and apptainer's --bind split at
+# `,` and `:`; a newline breaks every runtime's step line. (An OCI bundle is JSON: `,` and `:` are only text.)
+REFUSES = {"pyxis": ",:\n", "apptainer": ",:\n", "oci": "\n"}
+SITES = {"pyxis": {"image": "a#b"}, "apptainer": {"image": "/i.sif"}, "oci": {"image": "/b", "oci_launch": "runc"}}
+
+
+def odd_folder(tmp_path: Path, what: str, ch: str) -> Path:
+    """A real folder whose name holds ``ch``."""
+    folder = tmp_path / f"{what}{ch}x"
+    folder.mkdir(parents=True)
+    return folder
+
+
+def step_of(runtime: str, run_dir: str, workdir: str, links=None, reads=(), **more):
+    c = ct.Container(runtime=runtime, **SITES[runtime], **more)
+    return sc.step_for(c, run_dir, f"{run_dir}/submitit", workdir, False, links or LINKS, reads)
+
+
+def refused(runtime: str, ch: str, call) -> str | None:
+    """The one line ``call`` was refused with, or None; checks it is refused exactly where it must be."""
+    try:
+        call()
+    except ct.UserError as exc:
+        (line,) = exc.messages
+        assert ch in REFUSES[runtime] or ch == ":", (runtime, line)
+        return line
+    assert ch not in REFUSES[runtime], f"{runtime} took a path holding {ch!r}"
+    return None
+
+
+@pytest.mark.parametrize("runtime", sorted(REFUSES))
+@pytest.mark.parametrize("name,ch", sorted(ODD.items()))
+def test_each_derived_path_with_list_syntax_is_refused_naming_it(tmp_path, monkeypatch, runtime, name, ch):
+    ok = odd_folder(tmp_path, "plain", "")
+    cases = {
+        "the folder the job is submitted from": lambda f: step_of(runtime, f"{ok}/RUN", str(f)),
+        "the run root": lambda f: step_of(runtime, f"{f}/RUN", str(ok)),
+        "hpcx's install": lambda f: step_of(runtime, f"{ok}/RUN", str(ok), {"hpc": f"{f}/hpc", "trainer": f"{f}/trainer"}),
+        "the folder of `data.source`": lambda f: step_of(runtime, f"{ok}/RUN", str(ok), reads=[
+            ("job.toml: the folder of `data.source`", str(f))]),
+        "the home folder": lambda f: (monkeypatch.setenv("HOME", str(f)),
+                                      step_of(runtime, f"{ok}/RUN", str(ok), mount_home=True)),
+    }
+    for what, call in cases.items():
+        folder = odd_folder(tmp_path, what.split()[-1].strip("`'"), ch)
+        line = refused(runtime, ch, lambda: call(folder))
+        if line is not None and what == "the run root" and ch in ":\n":  # the run folder inside it, first
+            assert line.startswith("the run folder ") and repr(str(folder))[1:-1] in line, line
+        elif line is not None:
+            assert what in line.split(" '")[0] and repr(str(folder))[1:-1] in line and runtime in line, line
+    # the run folder itself (hpcx render --run-dir, a run root's name): on PYTHONPATH inside, split at `:`
+    run = odd_folder(tmp_path, "run", ch)
+    if ch == ",":  # only its parent, the run root, is in the mount list
+        assert step_of(runtime, str(run), str(ok)).argv
+        return
+    with pytest.raises(ct.UserError) as exc:
+        step_of(runtime, str(run), str(ok))
+    assert exc.value.messages[0].startswith(f"the run folder {str(run)!r} holds ")
+
+
+def test_a_jobs_inputs_are_mounted_read_only_and_checked(tmp_path):
+    """`data.source`, `data.val_source` and `checkpoint.init_from` come from the spec: their folders are mounted
+    read-only, and one holding `,` is refused naming the spec and the key."""
+    from types import SimpleNamespace as Ns
+
+    data, weights = odd_folder(tmp_path, "data", ""), odd_folder(tmp_path, "w", ",")
+    (data / "tokens.bin").write_bytes(b"\0" * 8)
+    spec = Ns(source="job.toml", data=Ns(source=str(data / "tokens.bin"), val_source="none"),
+              checkpoint=Ns(init_from=str(weights)))
+    reads = ct.job_reads(spec)
+    assert reads == [("job.toml: the folder of `data.source`", str(data)),
+                     ("job.toml: the folder of `checkpoint.init_from`", str(weights))]
+    step = step_of("oci", f"{tmp_path}/RUN", "/home/u/proj", reads=reads)  # oci: a `,` is only text in JSON
+    with pytest.raises(ct.UserError) as exc:
+        step_of("pyxis", f"{tmp_path}/RUN", "/home/u/proj", reads=reads)
+    assert exc.value.messages == [f"job.toml: the folder of `checkpoint.init_from` {str(weights)!r} holds `,`, which "
+                                  "runtime 'pyxis' would read as the start of another mount or option: use a folder "
+                                  "without `,`, `:` or a newline"]
+    c = ct.Container(runtime="pyxis", image="a#b")
+    mounts = ct.step_mounts(c, "/runs", "/home/u/proj", LINKS, [reads[0]])
+    assert ct.Mount(str(data), str(data), True) in mounts and step.argv
+
+
+def test_a_submit_from_a_folder_with_a_comma_leaves_nothing_behind(tmp_path):
+    """`hpcx submit` end to end: one line naming the folder, exit 2, and no run folder (nothing reaches sbatch)."""
+    from tests.conftest import hpcx
+
+    root = tmp_path / "runs"
+    site = tmp_path / "pyxis.toml"
+    site.write_text(EXAMPLES["pyxis"].read_text().replace('run_root = "$HOME/hpcx-runs"', f'run_root = "{root}"'))
+    here = odd_folder(tmp_path, "proj", ",")
+    out = hpcx("submit", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", str(site), cwd=here, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"the folder the job is submitted from {str(here)!r} holds `,`" in lines[0], out.stderr
+    assert "Traceback" not in out.stderr and not list(root.glob("*/*")), list(root.rglob("*"))
+
+
+def test_an_image_the_spec_names_is_blamed_on_the_spec_and_leaves_nothing(tmp_path):
+    from tests.conftest import hpcx
+
+    root = tmp_path / "runs"
+    site = tmp_path / "oci.toml"
+    site.write_text(EXAMPLES["oci"].read_text().replace('run_root = "$HOME/hpcx-runs"', f'run_root = "{root}"')
+                    .replace('/shared/images/pytorch-25.12', str(image_bundle(tmp_path / "image"))))
+    spec = tmp_path / "job.toml"
+    spec.write_text((REPO / "jobs/tiny-hsdp-2node.toml").read_text() + f'\n[container]\nimage = "{tmp_path}/gone"\n')
+    out = hpcx("submit", str(spec), "--site", str(site), cwd=tmp_path, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{spec}: `container.image` = '{tmp_path}/gone': no OCI bundle there" in out.stderr, out.stderr
+    assert str(site) not in out.stderr and not list(root.glob("*/*"))
+    # the site's own image, broken: the site profile is named
+    (tmp_path / "image" / "config.json").write_text("[" * 100_000)
+    spec.write_text((REPO / "jobs/tiny-hsdp-2node.toml").read_text())
+    out = hpcx("submit", str(spec), "--site", str(site), cwd=tmp_path, timeout=300)
+    assert out.returncode == 2 and f"{site}: `container.image` = '{tmp_path}/image': its config.json: JSON nested " \
+        "deeper than" in out.stderr, out.stdout + out.stderr
+    assert not list(root.glob("*/*"))

@@ -364,8 +364,11 @@ def step_mounts(c: Container, run_root: str, workdir: str, links: tp.Mapping[str
     where the site asks (pyxis, apptainer; an OCI bundle has its own: ``oci``). UserError naming each derived
     path the runtime's mount list would split."""
     rw = [("the run root", run_root), ("the folder the job is submitted from", workdir)]
-    ro = [(f"hpcx's install (a folder the overlay links into: {name})", os.path.dirname(p))
-          for name, p in sorted(links.items())] + list(reads)
+    into: dict[str, list[str]] = {}
+    for name, p in sorted(links.items()):
+        into.setdefault(os.path.dirname(p), []).append(name)
+    ro = [(f"hpcx's install (the folder of its {', '.join(names)})", folder) for folder, names in into.items()]
+    ro += list(reads)
     rw += [("the home folder (`container.mount_home`)", os.path.expanduser("~"))] if c.mount_home else []
     found = derived_problems(c.runtime, [*rw, *ro])
     if found:
