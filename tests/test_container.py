@@ -574,3 +574,156 @@ def test_an_image_the_spec_names_is_blamed_on_the_spec_and_leaves_nothing(tmp_pa
     assert out.returncode == 2 and f"{site}: `container.image` = '{tmp_path}/image': its config.json: JSON nested " \
         "deeper than" in out.stderr, out.stdout + out.stderr
     assert not list(root.glob("*/*"))
+
+
+# ---------------------------------------------------------------- each task's own configuration, on its node
+
+
+def bundle_for(tmp_path: Path, **more) -> Path:
+    """A run folder with the per-run bundle of a runc site (``more``: [container] values); returns it."""
+    c = ct.Container(runtime="oci", image=str(image_bundle(tmp_path / "img", HOSTILE)), oci_launch="runc", **more)
+    run = tmp_path / "run"
+    sc.write_bundle(c, run / "container" / "bundle", [], "/w", gpus=0, source="site.toml")
+    return run
+
+
+def test_a_task_gets_its_nodes_devices_libraries_and_cdi_edits(tmp_path, monkeypatch):
+    from hpc.schedulers.slurm import oci
+
+    libs = odd_folder(tmp_path, "driver", "")
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        (libs / name).write_text("")
+    cdi = odd_folder(tmp_path, "cdi", "")
+    (cdi / "fake.json").write_text(json.dumps({
+        "cdiVersion": "0.6.0", "kind": "example.com/gpu",
+        "containerEdits": {"env": ["FAKE_DRIVER=1"], "hooks": [{"hookName": "createContainer", "path": "/bin/true"}]},
+        "devices": [{"name": "all", "containerEdits": {
+            "deviceNodes": [{"path": "/dev/nvidia0", "hostPath": "/dev/null"}],
+            "mounts": [{"hostPath": str(libs), "containerPath": "/usr/local/nvidia/lib64", "options": ["ro", "rbind"]}]}},
+            {"name": "1", "containerEdits": {"deviceNodes": [{"path": "/dev/zero"}]}}]}))
+    monkeypatch.setattr(oci, "CDI_DIRS", (str(cdi), str(tmp_path / "absent")))
+    run = bundle_for(tmp_path, devices=["/dev/nul*"], gpu_libraries=[f"{libs}/libcuda.so*", f"{libs}/libnvidia-ml.so.1"],
+                     cdi=["example.com/gpu=all"], shm_gb=2)
+    config = oci.task_config(run, tmp_path / "task")
+    null = os.stat("/dev/null")
+    assert config["process"]["args"][-1] == str(tmp_path / "task")
+    assert [d["path"] for d in config["linux"]["devices"]] == ["/dev/null", "/dev/nvidia0"]
+    assert config["linux"]["devices"][1] == {"path": "/dev/nvidia0", "type": "c", "major": os.major(null.st_rdev),
+                                             "minor": os.minor(null.st_rdev), "fileMode": 0o666, "uid": 0, "gid": 0}
+    assert {"allow": True, "type": "c", "major": 1, "minor": 3, "access": "rwm"} in config["linux"]["resources"]["devices"]
+    binds = {m["destination"]: m for m in config["mounts"]}
+    assert binds[f"{libs}/libcuda.so.1"]["options"][-1] == "ro" and f"{libs}/libnvidia-ml.so.1" in binds
+    assert binds["/usr/local/nvidia/lib64"]["source"] == str(libs)
+    assert f"LD_LIBRARY_PATH={libs}" in config["process"]["env"] and "FAKE_DRIVER=1" in config["process"]["env"]
+    assert config["hooks"] == {"createContainer": [{"path": "/bin/true"}]}  # the site's CDI spec: its hooks run
+    assert binds["/dev/shm"]["options"][-1] == "size=2g"
+
+
+def test_what_a_node_lacks_is_one_line(tmp_path, monkeypatch, capsys):
+    from hpc.schedulers.slurm import oci
+
+    monkeypatch.setattr(oci, "CDI_DIRS", (str(tmp_path / "none"),))
+    cases = [({"devices": ["/dev/hpcx-no-such-gpu*"]}, "no device node matches '/dev/hpcx-no-such-gpu*' on "),
+             ({"infiniband": True, "devices": ["/dev/null"]}, "no device node matches '/dev/infiniband/*'"),
+             ({"gpu_libraries": ["/no/libcuda.so*"]}, "no file matches '/no/libcuda.so*'"),
+             ({"cdi": ["nvidia.com/gpu=all"]}, "CDI device 'nvidia.com/gpu=all' is in no CDI spec on ")]
+    if os.path.exists("/dev/infiniband"):
+        cases.pop(1)
+    for more, expected in cases:
+        run = bundle_for(tmp_path / str(len(expected)), **more)
+        (tmp_path / "task").mkdir(exist_ok=True)
+        with pytest.raises(SystemExit) as exc:
+            oci.main([str(run), str(tmp_path / "task"), "hpcx-test"])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.count("\n") == 1 and err.startswith(f"hpcx: {expected}"), err
+        assert "site.toml" in err or "CDI" in err
+
+
+def test_the_loader_keeps_the_images_search_paths_and_gives_the_task_the_rest(tmp_path):
+    """What each runc task does inside the image (``LOADER``), here with this machine's Python: the image's
+    environment (runc's process.env) is the base, the task's goes over it but for PATH and LD_LIBRARY_PATH."""
+    import subprocess
+
+    task = [b"HPCX_T=task", b"PATH=/host/venv/bin:/usr/bin:/bin", b"LD_LIBRARY_PATH=/host/lib", b"SHARED=task"]
+    (tmp_path / "environ").write_bytes(b"\0".join(task) + b"\0")
+    probe = "import os; print(*(os.environ.get(k) for k in ('HPCX_T', 'PATH', 'LD_LIBRARY_PATH', 'SHARED', 'LANG')))"
+    (tmp_path / "argv").write_bytes(b"\0".join(a.encode() for a in [sys.executable, "-c", probe]) + b"\0")
+    image = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LD_LIBRARY_PATH": "/usr/local/nvidia/lib64", "SHARED": "image",
+             "LANG": "C.UTF-8"}
+    out = subprocess.run([sys.executable, "-c", sc.LOADER, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         env=image)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["task", "/usr/local/bin:/usr/bin:/bin", "/usr/local/nvidia/lib64", "task", "C.UTF-8"]
+
+
+# ---------------------------------------------------------------- torch, CUDA, NCCL and /dev/shm inside the image
+
+
+def test_the_torch_floor_is_pyprojects():
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch,) = [d for d in deps if d.replace(" ", "").startswith("torch>=")]
+    floor = torch.split(">=", 1)[1].split(",")[0]
+    assert ct.TORCH_FLOOR == ct.release(floor)
+    assert ct.release("2.6.0a0+ecf3bae") >= ct.TORCH_FLOOR > ct.release("2.5.1+cu124") > ct.release("")
+    assert ct.release("2.10.0a0+b4e4ee8") > ct.release("2.9.1")  # numbers, not text
+
+
+def fake_image_python(tmp_path: Path, torch_version: str, cuda: str = "None", nccl: str = "") -> Path:
+    """A folder that, first on PYTHONPATH, makes this Python look like an image with that torch (and numpy)."""
+    site = tmp_path / f"site-{torch_version}"
+    for name, version in (("torch", torch_version), ("numpy", "2.0.0")) + ((("nvidia_nccl_cu12", nccl),) if nccl else ()):
+        package = site / name
+        package.mkdir(parents=True)
+        (package / "__init__.py").write_text("raise ImportError('a stand-in: never imported by the check')\n")
+        meta = site / f"{name}-{version}.dist-info"
+        meta.mkdir()
+        (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n")
+    (site / "torch" / "version.py").write_text(f"__version__ = '{torch_version}'\ncuda: str | None = {cuda}\n")
+    return site
+
+
+@pytest.mark.parametrize("version,cuda,nccl,ok", [("2.4.0a0+3bcc3cd", "'12.4'", "", False), ("2.5.1", "None", "", False),
+                                                  ("2.6.0a0+ecf3bae", "'12.8'", "2.25.1", True),
+                                                  ("2.10.0a0+b4e4ee8", "'13.1'", "2.28.9", True)])
+def test_each_node_prints_what_the_image_holds_and_refuses_an_old_torch(tmp_path, version, cuda, nccl, ok):
+    """The first action of each task (``BOOT``), in a real Python whose `torch` is an old or a new one."""
+    import subprocess
+
+    from hpc.core.imports import python_command
+
+    site = fake_image_python(tmp_path, version, cuda, nccl)
+    env = {**os.environ, "PYTHONPATH": f"{site}:{REPO}", "HPCX_CONTAINER_IMAGE": "/images/pt", "SLURM_LOCALID": "0"}
+    out = subprocess.run(python_command(sys.executable, "platform"), capture_output=True, text=True, env=env,
+                         timeout=120, cwd=tmp_path)
+    lines = out.stderr.splitlines()
+    import platform
+
+    assert lines[0] == (f"hpcx: image /images/pt on {platform.node()}: python {platform.python_version()}, torch "
+                        f"{version}, CUDA {cuda.strip(chr(39)) if cuda != 'None' else 'none'}, NCCL {nccl or 'none'}")
+    if ok:
+        assert out.returncode == 0 and len(lines) == 1, out.stderr
+        return
+    assert out.returncode == 2 and len(lines) == 2, out.stderr
+    assert lines[1] == (f"hpcx: the container image /images/pt has torch {version}, below the 2.6 hpcx's trainer needs "
+                        "(pyproject.toml's torch range): use an image with torch 2.6 or newer (docs/containers.md "
+                        "names some)")
+    # the check after srun reads it as a start that would fail the same way: not requeued
+    found = loading_failure(out.stderr + "srun: error: n1: task 0: Exited with exit code 2\n")
+    assert found["module"] == "/images/pt" and found["where"] == "starting in the container image"
+    # only the first task of a node prints the versions
+    quiet = subprocess.run(python_command(sys.executable, "platform"), capture_output=True, text=True, timeout=120,
+                           env={**env, "SLURM_LOCALID": "1"}, cwd=tmp_path)
+    assert quiet.stderr.splitlines() == lines[1:]
+
+
+def test_a_dev_shm_smaller_than_the_site_asks_is_refused(tmp_path):
+    size = os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize
+    assert ct.shm_problem("/img", {}) is None and ct.shm_problem("/img", {ct.SHM_ENV: "0"}) is None
+    assert ct.shm_problem("/img", {ct.SHM_ENV: str(max(1, size >> 30))}) is None or size < 1 << 30
+    line = ct.shm_problem("/img", {ct.SHM_ENV: str((size >> 30) + 1)})
+    assert line.startswith(f"the container image /img has a /dev/shm of {size / 2**30:.2f} GiB on ")
+    assert line.endswith(f"below the site's `container.shm_gb` = {(size >> 30) + 1}: ask the site for nodes with a "
+                         "larger one, or lower it")
+    assert "has no" in ct.shm_problem("/img", {ct.SHM_ENV: "1"}, str(tmp_path / "gone"))

@@ -189,13 +189,14 @@ def set_env(config: dict[str, tp.Any], name: str, value: str, prepend: bool = Fa
     env.append(f"{name}={value}")
 
 
-def cdi_specs(folders: tp.Sequence[str] = CDI_DIRS) -> list[tuple[str, dict[str, tp.Any]]]:
-    """(file, spec) of each CDI spec in ``folders``: JSON, or YAML where PyYAML is installed; bounded."""
+def cdi_specs(folders: tp.Sequence[str] | None = None) -> list[tuple[str, dict[str, tp.Any]]]:
+    """(file, spec) of each CDI spec in ``folders`` (default ``CDI_DIRS``): JSON, or YAML where PyYAML is
+    installed; each bounded in size and depth."""
     from hpc.core.config import load_json_bounded
     from hpc.core.container import image_file
 
     out = []
-    for folder in folders:
+    for folder in CDI_DIRS if folders is None else folders:
         for path in sorted(glob.glob(os.path.join(folder, "*"))):
             if not path.endswith((".json", ".yaml", ".yml")):
                 continue
