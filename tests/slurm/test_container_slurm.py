@@ -274,3 +274,13 @@ def test_container_check_refuses_an_image_below_the_torch_floor_naming_it(images
     (line,) = [x for x in out.stderr.splitlines() if x.strip()]
     assert f"the container image {image} has torch 2.4.0a0+3bcc3cd, below the 2.6 hpcx's trainer needs" in line
     assert site in line and "Traceback" not in out.stderr
+
+
+def test_the_container_start_bench_runs_at_its_smallest_size(images, tmp_path):
+    """bench/container_start (tests/test_bench_runs.py lists it here: it needs the sandbox and its images)."""
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "container_start" / "run.py"), "--reps", "1",
+                          "--nodes", "1", "--tasks", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "the image adds" in out.stdout and "ratio oci / bare" in out.stdout, out.stdout
