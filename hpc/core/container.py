@@ -47,7 +47,7 @@ class Container:
                          "support, an OCI bundle).", choices=RUNTIMES)
     runtimes: list[str] = field(factory=list, doc="The runtimes this site has, for a job's `[container]` to "
                                 "choose among (empty: only `runtime`).", max_len=16)
-    image: str = field("", doc="pyxis: an enroot URI (`nvcr.io#nvidia/pytorch:24.05-py3`) or an absolute `.sqsh` "
+    image: str = field("", doc="pyxis: an enroot URI (`nvcr.io#nvidia/pytorch:25.12-py3`) or an absolute `.sqsh` "
                        "path; apptainer: an absolute `.sif` path (or a `docker://` URI); oci: the absolute path "
                        "of an OCI bundle folder (`config.json` and its root file system).", max_len=4096)
     mounts: list[str] = field(factory=list, doc="More mounts, each `SRC[:DST[:ro|rw]]` with absolute paths "
@@ -80,8 +80,9 @@ class Container:
                            "(/etc/cdi, /var/run/cdi; JSON, or YAML where the host Python has PyYAML), e.g. "
                            "`[\"nvidia.com/gpu=all\"]`: their device nodes, mounts, variables and hooks.", max_len=256)
     devices: list[str] = field(factory=list, doc="runtime `oci`: device nodes to add, absolute paths under /dev "
-                               "(glob patterns; resolved on each node at the task's start). Empty on a GPU site "
-                               "without `cdi`: `/dev/nvidia*` and `/dev/nvidia-caps/*`.")
+                               "(glob patterns, each of which must match on every node; resolved there at the task's "
+                               "start). Empty on a GPU site without `cdi`: `/dev/nvidia*` (add `/dev/nvidia-caps/*` "
+                               "for MIG).")
     gpu_libraries: list[str] = field(factory=list, doc="runtime `oci` without `cdi`: the node's driver libraries "
                                      "(absolute paths, glob patterns, e.g. `/usr/lib/x86_64-linux-gnu/libcuda.so*`), "
                                      "bound read-only at the same paths, their folders put first on the image's "
@@ -157,7 +158,7 @@ def problems(c: Container, prefix: str = "container", gpus: int = 0) -> list[str
 
 CDI_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*=[a-zA-Z0-9_][a-zA-Z0-9_.:-]*$")
 NODE_DEVICES = ("devices", "gpu_libraries", "cdi")  # resolved on each node at the task's start (oci, runc)
-GPU_DEVICES = ["/dev/nvidia*", "/dev/nvidia-caps/*"]  # `devices` on a GPU site without `cdi`
+GPU_DEVICES = ["/dev/nvidia*"]  # `devices` on a GPU site without `cdi` (MIG's /dev/nvidia-caps/*: list it)
 
 
 def device_problems(c: Container, prefix: str, gpus: int) -> list[str]:
