@@ -727,3 +727,15 @@ def test_a_dev_shm_smaller_than_the_site_asks_is_refused(tmp_path):
     assert line.endswith(f"below the site's `container.shm_gb` = {(size >> 30) + 1}: ask the site for nodes with a "
                          "larger one, or lower it")
     assert "has no" in ct.shm_problem("/img", {ct.SHM_ENV: "1"}, str(tmp_path / "gone"))
+
+
+def test_render_with_a_run_dir_whose_root_holds_a_comma_is_one_line(tmp_path):
+    """`hpcx render --run-dir`: its parent is the run root, which pyxis would mount."""
+    from tests.conftest import hpcx
+
+    root = odd_folder(tmp_path, "runs", ",")
+    out = hpcx("render", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", str(EXAMPLES["pyxis"]), "--run-dir",
+               f"{root}/RUN", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.startswith("hpcx")] or [out.stderr]
+    assert f"the run root {str(root)!r} holds `,`, which runtime 'pyxis'" in line, out.stderr
