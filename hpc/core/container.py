@@ -10,10 +10,13 @@ Compiled packages (numpy, and for ``hpcx data prepare`` tokenizers, pyarrow, zst
 image's own: a host build may not fit the image's Python.
 
 What can be checked before submitting is checked here (strict keys, absolute image paths, mount
-strings no runtime would read as another option; at submit, that the image is there: ``submit_problems``); what only the image can
-answer (torch importable, its version, CUDA/NCCL) is checked by the first task (``inside_problem``),
-which fails the start with one line naming the image, not requeued. How each runtime is put on the
-command line is the scheduler's (``hpc/schedulers/<kind>/container.py``).
+strings no runtime would read as another option, the GPU/InfiniBand/shm keys per runtime: ``problems``;
+every path hpcx derives itself before it enters a runtime's mount list: ``derived_problems``; at submit,
+that the image is there: ``submit_problems``); what only the image can answer (torch importable, at least
+``TORCH_FLOOR``, CUDA/NCCL, the size of /dev/shm) is checked by the first task (``inside_problem``), which
+fails the start with one line naming the image, not requeued, after the first task of each node printed
+what the image holds (``versions_line``). How each runtime is put on the command line is the scheduler's
+(``hpc/schedulers/<kind>/container.py``; an OCI bundle's parts: ``hpc/schedulers/slurm/oci.py``).
 """
 
 from __future__ import annotations

@@ -226,6 +226,9 @@ def fake_gpus(sandbox):
             {"path": "/dev/nvidiactl", "hostPath": str(folder / "nvidiactl")}]}}]}))
     yield folder
     FAKE_CDI.unlink(missing_ok=True)
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_fake_gpus_and_the_shm_size_given_reach_every_task_on_both_nodes(images, sandbox, fake_gpus, tmp_path):
