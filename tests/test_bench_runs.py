@@ -5,7 +5,9 @@ users run it (``python bench/NAME/run.py ARGS``, from a bare checkout's folder) 
 0 and print its result line. Only that: the figures are timings, which tests never check.
 
 bench/gpu_check (tests/test_gpu_check.py) and bench/dryrun (its 70B cases take minutes; tests/test_dryrun.py
-builds the same models) are tested where they are.
+builds the same models) are tested where they are; bench/container_start submits jobs to the Slurm sandbox in
+its image, so it runs at its smallest size in tests/slurm/test_container_slurm.py, whose fixtures know whether
+the sandbox and its images are there.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ BENCHES = [
 def test_every_bench_is_listed():
     scripts = {str(p.relative_to(REPO / "bench")) for p in (REPO / "bench").glob("*/*.py")
                if p.name in ("run.py", "step_impact.py")}
-    listed = {b for b, _, _ in BENCHES} | {"gpu_check/run.py", "dryrun/run.py"}
+    listed = {b for b, _, _ in BENCHES} | {"gpu_check/run.py", "dryrun/run.py", "container_start/run.py"}
     assert scripts == listed
 
 

@@ -33,15 +33,20 @@ def check_command(site_name: str, as_json: bool) -> None:
     report = module.run_check(site)
     if as_json:
         echo_json(report)
+    elif report.get("refused"):  # the image's own check refused it: what it holds, then the one line
+        for line in report.get("images", []):
+            click.echo(line)
+        raise UserError([f"{site.source}: {report['refused']}"])
     else:
         click.echo(summary(report))
     if not report["ok"]:
-        raise SystemExit(1)
+        raise SystemExit(2 if report.get("refused") else 1)
 
 
 def summary(report: dict[str, tp.Any]) -> str:
     c = report["container"]
     lines = [f"image: {c.get('image') or '(none: the nodes own Python)'} (runtime {c['runtime']})"]
+    lines += [f"  {line}" for line in report.get("images", [])]
     for r in report["ranks"]:
         lines.append(f"  {r.get('host')}: python {r.get('python')} ({r.get('executable')}), torch {r.get('torch')}, "
                      f"CUDA {r.get('cuda') or 'none'}, NCCL {r.get('nccl') or 'none'}, GPUs {len(r.get('gpus', []))}, "

@@ -10,10 +10,13 @@ Compiled packages (numpy, and for ``hpcx data prepare`` tokenizers, pyarrow, zst
 image's own: a host build may not fit the image's Python.
 
 What can be checked before submitting is checked here (strict keys, absolute image paths, mount
-strings no runtime would read as another option; at submit, that the image is there: ``submit_problems``); what only the image can
-answer (torch importable, its version, CUDA/NCCL) is checked by the first task (``inside_problem``),
-which fails the start with one line naming the image, not requeued. How each runtime is put on the
-command line is the scheduler's (``hpc/schedulers/<kind>/container.py``).
+strings no runtime would read as another option, the GPU/InfiniBand/shm keys per runtime: ``problems``;
+every path hpcx derives itself before it enters a runtime's mount list: ``derived_problems``; at submit,
+that the image is there: ``submit_problems``); what only the image can answer (torch importable, at least
+``TORCH_FLOOR``, CUDA/NCCL, the size of /dev/shm) is checked by the first task (``inside_problem``), which
+fails the start with one line naming the image, not requeued, after the first task of each node printed
+what the image holds (``versions_line``). How each runtime is put on the command line is the scheduler's
+(``hpc/schedulers/<kind>/container.py``; an OCI bundle's parts: ``hpc/schedulers/slurm/oci.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.core.config import field
+from hpc.core.errors import ConfigError, UserError
 
 RUNTIMES = ("none", "pyxis", "apptainer", "oci")
 IMAGE_ENV = "HPCX_CONTAINER_IMAGE"  # set inside the step: the image a task runs in (for its start check)
@@ -46,7 +50,7 @@ class Container:
                          "support, an OCI bundle).", choices=RUNTIMES)
     runtimes: list[str] = field(factory=list, doc="The runtimes this site has, for a job's `[container]` to "
                                 "choose among (empty: only `runtime`).", max_len=16)
-    image: str = field("", doc="pyxis: an enroot URI (`nvcr.io#nvidia/pytorch:24.05-py3`) or an absolute `.sqsh` "
+    image: str = field("", doc="pyxis: an enroot URI (`nvcr.io#nvidia/pytorch:25.12-py3`) or an absolute `.sqsh` "
                        "path; apptainer: an absolute `.sif` path (or a `docker://` URI); oci: the absolute path "
                        "of an OCI bundle folder (`config.json` and its root file system).", max_len=4096)
     mounts: list[str] = field(factory=list, doc="More mounts, each `SRC[:DST[:ro|rw]]` with absolute paths "
@@ -68,6 +72,24 @@ class Container:
                         "absolute path.", max_len=256)
     flags: list[str] = field(factory=list, doc="More options for the runtime, as written (pyxis: on the step "
                              "line; apptainer: after `exec`), each starting with `-`.")
+    shm_gb: int = field(0, doc="GiB of /dev/shm inside (NCCL and DataLoader workers need a large one). oci: a "
+                        "tmpfs of that size in each task's container; pyxis and apptainer: the node's own /dev/shm "
+                        "is bound in, and the first task on each node refuses one smaller than this. 0: the "
+                        "node's /dev/shm bound in, unchecked.", minimum=0, maximum=65536)
+    infiniband: bool = field(False, doc="Bring the node's /dev/infiniband (the RDMA devices NCCL's IB transport "
+                             "opens) into the container: bound in for pyxis and apptainer, each device node "
+                             "added for oci.")
+    cdi: list[str] = field(factory=list, doc="runtime `oci`: CDI devices to add from the node's CDI specs "
+                           "(/etc/cdi, /var/run/cdi; JSON, or YAML where the host Python has PyYAML), e.g. "
+                           "`[\"nvidia.com/gpu=all\"]`: their device nodes, mounts, variables and hooks.", max_len=256)
+    devices: list[str] = field(factory=list, doc="runtime `oci`: device nodes to add, absolute paths under /dev "
+                               "(glob patterns, each of which must match on every node; resolved there at the task's "
+                               "start). Empty on a GPU site without `cdi`: `/dev/nvidia*` (add `/dev/nvidia-caps/*` "
+                               "for MIG).")
+    gpu_libraries: list[str] = field(factory=list, doc="runtime `oci` without `cdi`: the node's driver libraries "
+                                     "(absolute paths, glob patterns, e.g. `/usr/lib/x86_64-linux-gnu/libcuda.so*`), "
+                                     "bound read-only at the same paths, their folders put first on the image's "
+                                     "`LD_LIBRARY_PATH`.")
 
     @property
     def enabled(self) -> bool:
@@ -99,15 +121,16 @@ def for_job(site: Container, job: JobContainer | None) -> Container:
                                runtimes=site.runtimes or [site.runtime])
 
 
-def job_problems(site: Container, job: JobContainer, prefix: str = "container") -> list[str]:
+def job_problems(site: Container, job: JobContainer, prefix: str = "container", gpus: int = 0) -> list[str]:
     """A job's ``[container]`` against its site's: a runtime the site declares, valid values once merged."""
     if job == JobContainer():
         return []
-    return problems(for_job(site, job), prefix)
+    return problems(for_job(site, job), prefix, gpus)
 
 
-def problems(c: Container, prefix: str = "container") -> list[str]:
-    """Every problem with a ``[container]`` section (``prefix``: the name messages give it)."""
+def problems(c: Container, prefix: str = "container", gpus: int = 0) -> list[str]:
+    """Every problem with a ``[container]`` section (``prefix``: the name messages give it; ``gpus``: the
+    site's GPUs per node, which the runtime must bring in)."""
     out: list[str] = []
     declared = c.runtimes or [c.runtime]
     out += [f"`{prefix}.runtimes` names {r!r}: expected some of {', '.join(map(repr, RUNTIMES))}"
@@ -131,6 +154,65 @@ def problems(c: Container, prefix: str = "container") -> list[str]:
         out.append(f"`{prefix}.python` = {c.python!r}: expected a command name or an absolute path, no spaces")
     out += [f"`{prefix}.flags` has {flag!r}: expected options, each starting with `-`"
             for flag in c.flags if not flag.startswith("-")]
+    out += [f"`{prefix}.flags` has {flag!r}: hpcx trains on NVIDIA GPUs (CUDA, NCCL); apptainer gets `--nv` "
+            "on a GPU site" for flag in c.flags if flag.split("=")[0] == "--rocm"]
+    return out + device_problems(c, prefix, gpus)
+
+
+CDI_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*=[a-zA-Z0-9_][a-zA-Z0-9_.:-]*$")
+NODE_DEVICES = ("devices", "gpu_libraries", "cdi")  # resolved on each node at the task's start (oci, runc)
+GPU_DEVICES = ["/dev/nvidia*"]  # `devices` on a GPU site without `cdi` (MIG's /dev/nvidia-caps/*: list it)
+
+
+def device_problems(c: Container, prefix: str, gpus: int) -> list[str]:
+    """GPUs, InfiniBand and driver libraries: pyxis and apptainer bring them themselves; an OCI bundle is
+    given them on each node, which only a task that runs runc itself can do (``oci_launch = "runc"``)."""
+    given = [key for key in NODE_DEVICES if getattr(c, key)] + (["infiniband"] if c.infiniband else [])
+    if c.runtime != "oci":
+        return [f"`{prefix}.{key}` is for runtime 'oci' ({c.runtime} brings the node's GPUs itself)"
+                for key in NODE_DEVICES if getattr(c, key)]
+    out = [f"`{prefix}.cdi` names {name!r}: expected a CDI device `VENDOR/CLASS=NAME`, e.g. 'nvidia.com/gpu=all'"
+           for name in c.cdi if not CDI_NAME.match(name)]
+    out += [f"`{prefix}.devices` has {d!r}: expected an absolute path under /dev/" for d in c.devices
+            if not d.startswith("/dev/") or "/../" in d or "\n" in d]
+    out += [f"`{prefix}.gpu_libraries` has {lib!r}: expected an absolute path without `,`, `:` or a newline"
+            for lib in c.gpu_libraries if not os.path.isabs(lib) or any(ch in lib for ch in ",:\n")]
+    if c.oci_launch == "scheduler" and (given or gpus):
+        what = f"`{prefix}.{given[0]}`" if given else f"a GPU site ({gpus} GPUs per node)"
+        out.append(f"{what} needs `{prefix}.oci_launch` = 'runc': devices are found on each node when its task "
+                   "starts, and the scheduler's `srun --container` takes the bundle as written at submit")
+    elif gpus and not c.cdi and not c.gpu_libraries:
+        out.append(f"`{prefix}` runtime 'oci' on a GPU site: expected `cdi` (e.g. ['nvidia.com/gpu=all'], from the "
+                   "node's CDI spec) or `gpu_libraries` (the driver's libcuda, libnvidia-ml … on the nodes)")
+    return out
+
+
+def node_devices(c: Container, gpus: int) -> list[str]:
+    """The device patterns a task's container gets on its node: `devices`, else the NVIDIA ones on a GPU site
+    without CDI; /dev/infiniband's with `infiniband`."""
+    found = list(c.devices) or (list(GPU_DEVICES) if gpus and not c.cdi else [])
+    return found + (["/dev/infiniband/*"] if c.infiniband else [])
+
+
+# characters each runtime's mount list reads as syntax: pyxis' --container-mounts and apptainer's --bind
+# split at `,` (mounts) and `:` (source, target, options); every runtime's step is a line of a shell script
+LIST_SYNTAX = {"pyxis": ",:\n", "apptainer": ",:\n", "oci": "\n", "none": ""}
+
+
+def derived_problems(runtime: str, named: tp.Sequence[tuple[str, str]]) -> list[str]:
+    """Each path hpcx derives itself (``named``: (what it is, path)) that the runtime's mount list would
+    read as another mount or option: one line naming it."""
+    from hpc.core.validate import char_label
+
+    out = []
+    for what, path in named:
+        bad = next((ch for ch in path if ch in LIST_SYNTAX.get(runtime, "\n")), None)
+        if bad is None:
+            continue
+        shown = char_label(bad) if bad == "\n" else f"`{bad}`"
+        out.append(f"{what} {path!r} holds {shown}, which runtime "
+                   f"{runtime!r} would read as the start of another mount or option: use a folder without "
+                   f"`,`, `:` or a newline")
     return out
 
 
@@ -170,6 +252,12 @@ def mount_problems(mount: str, where: str) -> list[str]:
     if len(parts) == 3 and parts[2] not in MOUNT_OPTIONS:
         return [f"`{where}` = {mount!r}: expected `ro` or `rw` after the second `:`, not {parts[2]!r}"]
     return []
+
+
+def image_source(spec: tp.Any, site: tp.Any) -> str:
+    """The file that named the job's image: the spec when its own `[container]` gives one, else the site's."""
+    job = getattr(spec, "container", None)
+    return spec.source if job is not None and job.image else site.source
 
 
 def submit_problems(c: Container, source: str) -> list[str]:
@@ -272,18 +360,45 @@ def write_overlay(run_dir: Path, links: tp.Mapping[str, str]) -> Path:
     return overlay
 
 
-def step_mounts(c: Container, run_root: str, workdir: str, links: tp.Mapping[str, str]) -> list[Mount]:
+def step_mounts(c: Container, run_root: str, workdir: str, links: tp.Mapping[str, str],
+                reads: tp.Sequence[tuple[str, str]] = ()) -> list[Mount]:
     """What a task sees besides the image: the site's mounts, the run root (read-write) and the job's folder
-    at the same paths, the folders the overlay's links point into (read-only), the home folder if asked."""
-    mounts = [parse_mount(m) for m in c.mounts]
-    mounts.append(Mount(run_root, run_root, False))
-    mounts.append(Mount(workdir, workdir, False))
-    for folder in sorted({os.path.dirname(p) for p in links.values()}):
-        mounts.append(Mount(folder, folder, True))
-    if c.mount_home:
-        home = os.path.expanduser("~")
-        mounts.append(Mount(home, home, False))
+    at the same paths, the folders the overlay's links point into and ``reads`` ((what, folder): the job's
+    data, its init_from …) read-only, the home folder if asked, the node's /dev/infiniband and /dev/shm
+    where the site asks (pyxis, apptainer; an OCI bundle has its own: ``oci``). UserError naming each derived
+    path the runtime's mount list would split."""
+    rw = [("the run root", run_root), ("the folder the job is submitted from", workdir)]
+    into: dict[str, list[str]] = {}
+    for name, p in sorted(links.items()):
+        into.setdefault(os.path.dirname(p), []).append(name)
+    ro = [(f"hpcx's install (the folder of its {', '.join(names)})", folder) for folder, names in into.items()]
+    ro += list(reads)
+    rw += [("the home folder (`container.mount_home`)", os.path.expanduser("~"))] if c.mount_home else []
+    found = derived_problems(c.runtime, [*rw, *ro])
+    if found:
+        from hpc.core.errors import UserError
+
+        raise UserError(found)
+    mounts = [parse_mount(m) for m in c.mounts] + [Mount(p, p, False) for _, p in rw]
+    mounts += [Mount(p, p, True) for p in sorted({p for _, p in ro})]
+    if c.runtime in ("pyxis", "apptainer"):
+        mounts += [Mount(d, d, False) for d in (["/dev/infiniband"] if c.infiniband else []) +
+                   (["/dev/shm"] if c.shm_gb else [])]
     return _outermost(mounts)
+
+
+def job_reads(spec: tp.Any) -> list[tuple[str, str]]:
+    """(what, folder) of each input a job reads from outside the run folder, mounted read-only: the
+    folders of `data.source`, `data.val_source` and `checkpoint.init_from` (absolute once loaded)."""
+    named = [("data.source", spec.data.source), ("data.val_source", spec.data.val_source),
+             ("checkpoint.init_from", spec.checkpoint.init_from)]
+    out = []
+    for key, value in named:
+        if not value or value in ("synthetic", "none") or not os.path.isabs(value):
+            continue
+        folder = value if os.path.isdir(value) else os.path.dirname(value)
+        out.append((f"{spec.source}: the folder of `{key}`", folder))
+    return out
 
 
 def _outermost(mounts: list[Mount]) -> list[Mount]:
@@ -308,16 +423,49 @@ def identity(c: Container) -> dict[str, tp.Any]:
     try:
         if path.is_dir():
             out["resolved"] = str(path.resolve())
-            out["config_sha256"] = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()
-            info = path / "image.json"
-            if info.is_file():
-                out["key"] = json.loads(info.read_text()).get("key")
+            out["config_sha256"] = hashlib.sha256(image_file(path / "config.json", "config.json")).hexdigest()
+            info = image_file(path / "image.json", "image.json")
+            key = json.loads(info).get("key") if len(info) < 4096 else None
+            if isinstance(key, str):
+                out["key"] = key
         else:
             st = path.stat()
             out.update(size=st.st_size, mtime=int(st.st_mtime), inode=st.st_ino)
-    except (OSError, ValueError):
+    except (OSError, ValueError, UserError):
         pass
     return out
+
+
+IMAGE_CONFIG_MAX = 1 << 20  # an OCI runtime configuration is a few KB
+
+
+def image_file(path: Path, label: str, limit: int = IMAGE_CONFIG_MAX) -> bytes:
+    """The bytes of an image's small file: a regular one (no FIFO, no /dev/zero) of at most ``limit``
+    bytes, else one line (a ConfigError whose ``label`` names it); b"" when it is absent."""
+    from hpc.core.validate import open_regular
+
+    if not os.path.lexists(path):
+        return b""
+    with open_regular(path, label, "a regular file") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ConfigError([f"{label}: larger than {limit >> 20} MiB: expected a file of a few KB"])
+    return data
+
+
+def read_image_config(image: str, where: str) -> dict[str, tp.Any]:
+    """An OCI bundle's config.json, bounded in size and depth (``where``: the file and key that named the
+    image, which every message starts with)."""
+    from hpc.core.config import load_json_bounded
+
+    label = f"{where} = {image!r}: its config.json"
+    data = image_file(Path(image) / "config.json", label)
+    if not data:
+        raise ConfigError([f"{label}: no such file: expected an OCI bundle folder"])
+    doc = load_json_bounded(data, label)
+    if not isinstance(doc, dict):
+        raise ConfigError([f"{label}: a JSON {type(doc).__name__}: expected an object (an OCI runtime configuration)"])
+    return doc
 
 
 # ---------------------------------------------------------------- inside the image, at a task's start
@@ -336,12 +484,90 @@ def inside_problem(env: tp.Mapping[str, str], gpus: bool) -> str | None:
         return (f"the container image {image} has no {' and no '.join(missing)} for its Python "
                 f"({sys.executable}): use an image with PyTorch (hpcx brings only its own code and pure-Python "
                 f"packages)")
+    version = torch_version()
+    if release(version) < TORCH_FLOOR:
+        return (f"the container image {image} has torch {version or '(no version)'}, below the "
+                f"{'.'.join(map(str, TORCH_FLOOR))} hpcx's trainer needs (pyproject.toml's torch range): use an "
+                f"image with torch {'.'.join(map(str, TORCH_FLOOR))} or newer (docs/containers.md names some)")
     if gpus:  # a CPU build of torch on a GPU site (its version says +cpu; CUDA builds ship their NCCL)
-        version = _version("torch")
         if version.endswith("+cpu") or _version("nvidia-nccl-cu12") == "" and not _has_cuda_libs():
             return (f"the container image {image} has torch {version} without CUDA or NCCL on a GPU site: "
                     f"use a PyTorch-CUDA image")
+    return shm_problem(image, env)
+
+
+# The oldest torch hpcx's trainer runs on: the lower bound of pyproject.toml's `torch>=…` (a test keeps them
+# equal). Only the release counts: NGC builds call theirs X.Y.0a0+COMMIT, cut from the X.Y release branch.
+TORCH_FLOOR = (2, 6)
+SHM_ENV = "HPCX_SHM_GB"  # set inside the step when the site sizes /dev/shm (`container.shm_gb`)
+
+
+def release(version: str) -> tuple[int, ...]:
+    """(2, 6, 0) of '2.6.0a0+ecf3bae', (2, 13, 0) of '2.13.0+cpu'; () of no version."""
+    found = re.match(r"^(\d+(?:\.\d+)*)", version)
+    return tuple(int(x) for x in found.group(1).split(".")) if found else ()
+
+
+def shm_problem(image: str, env: tp.Mapping[str, str], shm: str = "/dev/shm") -> str | None:
+    """A /dev/shm smaller than the site's `container.shm_gb` (the node's own, bound in by pyxis/apptainer)."""
+    wanted = int(env.get(SHM_ENV) or 0)
+    if not wanted:
+        return None
+    try:
+        st = os.statvfs(shm)
+    except OSError as exc:
+        return f"the container image {image} has no {shm} ({exc.strerror}): the site asks for {wanted} GiB"
+    size = st.f_blocks * st.f_frsize
+    if size < wanted << 30:
+        import platform
+
+        return (f"the container image {image} has a {shm} of {size / 2**30:.2f} GiB on {platform.node()}, below "
+                f"the site's `container.shm_gb` = {wanted}: ask the site for nodes with a larger one, or lower it")
     return None
+
+
+def versions_line(env: tp.Mapping[str, str]) -> str:
+    """What the image holds, without importing torch: Python, torch, its CUDA and NCCL (printed by the first
+    task on each node, and by ``hpcx container check``)."""
+    import platform
+
+    cuda, nccl = _torch_file("cuda"), _nccl_version()
+    return (f"image {env.get(IMAGE_ENV)} on {platform.node()}: python {platform.python_version()}, torch "
+            f"{torch_version() or 'none'}, CUDA {cuda or 'none'}, NCCL {nccl or 'none'}")
+
+
+def _torch_file(key: str) -> str:
+    """A value of torch/version.py (``__version__``, ``cuda``: None in a CPU build), read as text."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    for folder in list(spec.submodule_search_locations or []) if spec else []:
+        try:
+            text = Path(folder, "version.py").read_text(errors="replace")[:10000]
+        except OSError:
+            continue
+        found = re.search(rf"^{re.escape(key)}\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.M)
+        return found.group(1) if found else ""
+    return ""
+
+
+def torch_version() -> str:
+    """torch's version: its distribution's, else torch/version.py's (a build without metadata)."""
+    return _version("torch") or _torch_file("__version__")
+
+
+def _nccl_version() -> str:
+    """NCCL's version: the pip wheel's (nvidia-nccl-cu*), else the library file an NGC image ships."""
+    for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
+        if _version(dist):
+            return _version(dist)
+    import glob
+
+    for lib in sorted(glob.glob("/usr/lib/*/libnccl.so.2.*") + glob.glob("/usr/local/lib/libnccl.so.2.*")):
+        found = re.search(r"libnccl\.so\.(\d+\.\d+\.\d+)$", lib)
+        if found:
+            return found.group(1)
+    return ""
 
 
 def inside_record(env: tp.Mapping[str, str]) -> dict[str, tp.Any]:

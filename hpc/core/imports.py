@@ -55,8 +55,10 @@ def _image_problem() -> str | None:
     """Inside a container (``HPCX_CONTAINER_IMAGE`` set by the step): what the image lacks for hpcx."""
     if not os.environ.get("HPCX_CONTAINER_IMAGE"):
         return None
-    from hpc.core.container import inside_problem
+    from hpc.core.container import inside_problem, versions_line
 
+    if os.environ.get("SLURM_LOCALID", "0") == "0":  # once per node: what this node's image holds
+        print(f"hpcx: {versions_line(os.environ)}", file=sys.stderr, flush=True)
     return inside_problem(os.environ, gpus=bool(os.environ.get("CUDA_VISIBLE_DEVICES")))
 
 

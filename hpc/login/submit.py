@@ -60,12 +60,16 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
         rd = runs.RunDir(run_dir)
         try:
             write_run_files(spec, site, launch, rd, spec_path, overrides)
+            executor = sched.executor(spec, site, launch, rd.submitit)  # a container's overlay and bundle
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
                                "submitted and the folder was removed"]) from None
+        except UserError:  # refused before anything was submitted (the job's image, a mount): nothing left
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         task = rank_task(spec, run_dir, os.getcwd())
-        job = submit_or_clean_up(sched.executor(spec, site, launch, rd.submitit), task, run_dir)
+        job = submit_or_clean_up(executor, task, run_dir)
         try:
             record_job(rd, job, site, sched)
         except OSError as exc:

@@ -49,7 +49,7 @@ def sets(tokens: Path, name: str, *extra: str) -> list[str]:
             "train.log_every=1", "checkpoint.interval_steps=10", *extra]
 
 
-def site_with(tmp_path: Path, **values: str) -> str:
+def site_with(tmp_path: Path, **values: object) -> str:
     """site/sandbox-oci.toml with some [container] values replaced (TOML strings)."""
     lines = (REPO / "site" / f"{SITE}.toml").read_text().splitlines()
     for i, line in enumerate(lines):
@@ -174,3 +174,116 @@ def test_a_data_prepare_array_in_the_image_writes_the_same_bytes_as_a_local_run(
     assert "/container/oci-task" in script and "/usr/bin/python3" in script  # each task ran in the image
     assert len(list((tmp_path / "array" / ".prepare" / "container" / "tasks").iterdir())) >= 2
     assert folder_bytes(tmp_path / "local") == folder_bytes(tmp_path / "array")
+
+
+# ---------------------------------------------------------------- GPUs, shared memory and the torch floor
+
+# What each rank of the script below sees inside its container: the fake GPUs the CDI spec names, whether
+# it may write to one (the device cgroup lets it), the size of /dev/shm, and the CDI spec's variable.
+SEE = """import json, os, platform, stat
+seen = {"host": platform.node(), "fake": os.environ.get("HPCX_FAKE_GPU_DRIVER")}
+for name in ("nvidia0", "nvidiactl"):
+    st = os.stat("/dev/" + name)
+    seen[name] = [stat.S_ISCHR(st.st_mode), os.major(st.st_rdev), os.minor(st.st_rdev)]
+with open("/dev/nvidia0", "w") as f:
+    seen["wrote"] = f.write("x")
+shm = os.statvfs("/dev/shm")
+seen["shm"] = shm.f_blocks * shm.f_frsize
+os.makedirs("out", exist_ok=True)
+with open("out/rank-%s.json" % os.environ["RANK"], "w") as f:
+    json.dump(seen, f)
+"""
+FAKE_CDI = Path("/var/run/cdi/hpcx-sandbox-fake-gpu.json")
+
+
+def site_plus(tmp_path: Path, *lines: str, **values: str) -> str:
+    """site/sandbox-oci.toml (``values`` replaced, as ``site_with``) with ``lines`` added to its [container]."""
+    path = Path(site_with(tmp_path, **values) if values else tmp_path / f"{SITE}.toml")
+    if not values:
+        path.write_text((REPO / "site" / f"{SITE}.toml").read_text())
+    path.write_text(path.read_text() + "\n".join(lines) + "\n")  # [container] is the profile's last section
+    return str(path)
+
+
+@pytest.fixture
+def fake_gpus(sandbox):
+    """Two fake GPU device nodes (the devices /dev/null and /dev/zero are) in a folder both nodes see, and a
+    CDI spec on the nodes (they share this machine's /run) that puts them at /dev/nvidia0 and /dev/nvidiactl."""
+    import secrets
+    import stat as st
+
+    folder = sandbox / "fake-gpu" / secrets.token_hex(4)
+    folder.mkdir(parents=True)
+    for name, minor in (("nvidia0", 3), ("nvidiactl", 5)):
+        os.mknod(folder / name, 0o666 | st.S_IFCHR, os.makedev(1, minor))
+        os.chmod(folder / name, 0o666)
+    FAKE_CDI.parent.mkdir(parents=True, exist_ok=True)
+    FAKE_CDI.write_text(json.dumps({
+        "cdiVersion": "0.6.0", "kind": "sandbox.hpcx/gpu",
+        "containerEdits": {"env": ["HPCX_FAKE_GPU_DRIVER=1"]},
+        "devices": [{"name": "all", "containerEdits": {"deviceNodes": [
+            {"path": "/dev/nvidia0", "hostPath": str(folder / "nvidia0")},
+            {"path": "/dev/nvidiactl", "hostPath": str(folder / "nvidiactl")}]}}]}))
+    yield folder
+    FAKE_CDI.unlink(missing_ok=True)
+    import shutil
+
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_fake_gpus_and_the_shm_size_given_reach_every_task_on_both_nodes(images, sandbox, fake_gpus, tmp_path):
+    import secrets
+
+    from tests.script_mode.script_lib import script_folder, submit_in
+    from tests.script_mode.script_lib import wait_state as wait_script
+
+    site = site_plus(tmp_path, 'cdi = ["sandbox.hpcx/gpu=all"]', "shm_gb = 1")
+    folder = sandbox / "container-gpu" / secrets.token_hex(4)
+    spec = script_folder(folder, ["python3", "see.py"], name="oci-fake-gpu", nodes=2, tasks=2)
+    (folder / "see.py").write_text(SEE)
+    run = submit_in(folder, "--site", site)
+    assert wait_script(run, timeout=400)["state"] == "COMPLETED", (run / "submitit").glob("*_0_log.err")
+    seen = [json.loads((folder / "out" / f"rank-{r}.json").read_text()) for r in range(4)]
+    assert {s["host"] for s in seen} == {"n1", "n2"}
+    for s in seen:
+        assert s["nvidia0"] == [True, 1, 3] and s["nvidiactl"] == [True, 1, 5] and s["wrote"] == 1
+        assert s["shm"] == 1 << 30 and s["fake"] == "1"
+    task = json.loads(next((run / "container" / "tasks").glob("*/config.json")).read_text())
+    assert [d["path"] for d in task["linux"]["devices"]] == ["/dev/nvidia0", "/dev/nvidiactl"]
+    assert spec.exists()
+
+
+def fake_old_torch(folder: Path) -> Path:
+    """A dist-packages folder holding a torch 2.4.0 and a numpy (their metadata: the check never imports them)."""
+    for name, version in (("torch", "2.4.0a0+3bcc3cd"), ("numpy", "1.26.4")):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "__init__.py").write_text("raise ImportError('a stand-in')\n")
+        (folder / f"{name}-{version}.dist-info").mkdir()
+        (folder / f"{name}-{version}.dist-info" / "METADATA").write_text(f"Name: {name}\nVersion: {version}\n")
+    (folder / "torch" / "version.py").write_text("__version__ = '2.4.0a0+3bcc3cd'\ncuda = '12.4'\n")
+    return folder
+
+
+def test_container_check_refuses_an_image_below_the_torch_floor_naming_it(images, sandbox, tmp_path):
+    import secrets
+
+    old = fake_old_torch(sandbox / "old-torch" / secrets.token_hex(4))
+    image = str(images / "python")  # Debian's python3 (no torch), with the old torch bound where its pip puts packages
+    site = site_with(tmp_path, image=image, mounts=["/etc/hosts:/etc/hosts:ro", "/etc/resolv.conf:/etc/resolv.conf:ro",
+                                                   f"{old}:/usr/local/lib/python3.11/dist-packages:ro"])
+    out = hpcx("container", "check", "--site", site, timeout=600)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"image {image} on n" in out.stdout and "torch 2.4.0a0+3bcc3cd, CUDA 12.4, NCCL none" in out.stdout
+    (line,) = [x for x in out.stderr.splitlines() if x.strip()]
+    assert f"the container image {image} has torch 2.4.0a0+3bcc3cd, below the 2.6 hpcx's trainer needs" in line
+    assert site in line and "Traceback" not in out.stderr
+
+
+def test_the_container_start_bench_runs_at_its_smallest_size(images, tmp_path):
+    """bench/container_start (tests/test_bench_runs.py lists it here: it needs the sandbox and its images)."""
+    import sys
+
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "container_start" / "run.py"), "--reps", "1",
+                          "--nodes", "1", "--tasks", "1"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert "the image adds" in out.stdout and "ratio oci / bare" in out.stdout, out.stdout

@@ -20,21 +20,20 @@ install, mounted read-only at the same paths).
 
 from __future__ import annotations
 
-import copy
-import json
-import os
 import shlex
 import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc.core.container import BUNDLE, IMAGE_ENV, OVERLAY, Container, Mount, overlay_links, step_mounts, write_overlay
+from hpc.core.container import (BUNDLE, IMAGE_ENV, OVERLAY, SHM_ENV, Container, Mount, overlay_links, step_mounts, write_overlay)
+from hpc.core.errors import UserError
+from hpc.schedulers.slurm.oci import LOADER, RUNC, loader_args, write_bundle  # noqa: F401 (LOADER, RUNC, loader_args: for tests)
 
 
 OCI_TASK = "container/oci-task"  # oci_launch = "runc": the task's script on the host (OCI_TASK_SCRIPT)
-RUNC = ["runc", "--root=/run/hpcx-runc"]
-# Each task's own bundle: the per-run configuration with this task's folder for @TASKDIR@, its environment
-# and arguments in files there (NUL-separated: any value), read inside by LOADER before it execs them.
+# Each task's own bundle: its environment and arguments in files of its folder (NUL-separated: any value),
+# read inside by LOADER before it execs them; its config.json written on its node by the host's Python
+# (``hpc.schedulers.slurm.oci``: this node's devices), which then execs runc.
 OCI_TASK_SCRIPT = """#!/bin/sh
 # hpcx: run this task in the run's OCI bundle with runc (docs/containers.md); "$@" is the task's command
 set -eu
@@ -44,14 +43,8 @@ dir="$run/container/tasks/$id"
 mkdir -p "$dir/rootfs"  # the image is bound onto it (root.path is rootfs, as Slurm 22.05 wants)
 env -0 > "$dir/environ"
 printf '%s\\0' "$@" > "$dir/argv"
-sed "s|@TASKDIR@|$dir|g" "$run/container/bundle/config.json" > "$dir/config.json"
-RUNC delete --force "$id" 2>/dev/null || true
-exec RUNC run --bundle "$dir" "$id"
+exec HOST_PYTHON "$run" "$dir" "$id"
 """
-# Inside the image: the task's environment and arguments from its folder, then exec (no hpcx import).
-LOADER = ("import os, sys; d = sys.argv[1]; "
-          "env = dict(e.split(b'=', 1) for e in open(d + '/environ', 'rb').read().split(bytes(1)) if b'=' in e); "
-          "args = open(d + '/argv', 'rb').read().split(bytes(1))[:-1]; os.execvpe(args[0], args, env)")
 
 
 @dataclass(frozen=True)
@@ -71,8 +64,20 @@ HOST_REQUEUE = "container/requeue-request"  # under the run folder, + .JOB.RESTA
 def inner_python(c: Container, run_dir: str) -> list[str]:
     """The interpreter a task runs inside the image, with hpcx's overlay first on its path (and where to
     ask the host for a requeue: the image has no scontrol)."""
+    shm = [f"{SHM_ENV}={c.shm_gb}"] if c.shm_gb else []
     return ["env", f"PYTHONPATH={run_dir}/{OVERLAY}", f"{IMAGE_ENV}={c.image}",
-            f"{HOST_REQUEUE_ENV}={run_dir}/{HOST_REQUEUE}", c.python]
+            f"{HOST_REQUEUE_ENV}={run_dir}/{HOST_REQUEUE}", *shm, c.python]
+
+
+def check_run_folder(run_dir: str) -> None:
+    """The run folder is on PYTHONPATH inside the image (split at `:`) and in every runtime's step line."""
+    bad = next((ch for ch in run_dir if ch in ":\n"), None)
+    if bad:
+        from hpc.core.validate import char_label
+
+        shown = "`:`" if bad == ":" else char_label(bad)
+        raise UserError([f"the run folder {run_dir!r} holds {shown}, which PYTHONPATH inside the image would split: "
+                         "use a run root and job name without `:` or a newline"])
 
 
 def host_requeue_line(run_dir: str) -> str:
@@ -119,57 +124,37 @@ def wrap_step(argv: list[str], c: Container, run_dir: str, mounts: list[Mount], 
 
 
 def step_for(c: Container, run_dir: str, folder: str, workdir: str, gpus: bool,
-             links: tp.Mapping[str, str] | None = None) -> Step:
-    """The trainer's step (``python -m trainer.entry FOLDER`` under the task wrapper) in ``c``."""
+             links: tp.Mapping[str, str] | None = None, reads: tp.Sequence[tuple[str, str]] = ()) -> Step:
+    """The trainer's step (``python -m trainer.entry FOLDER`` under the task wrapper) in ``c`` (``reads``: the
+    job's input folders, mounted read-only)."""
     from hpc.core.imports import python_command
     from hpc.schedulers.base import TASK_WRAPPER
 
+    check_run_folder(run_dir)
     inner = inner_python(c, run_dir)
     argv = [*TASK_WRAPPER, *inner[:-1], *python_command(inner[-1], "trainer.entry", folder, unbuffered=True)]
-    mounts = step_mounts(c, str(Path(run_dir).parent), workdir, links if links is not None else overlay_links())
+    mounts = step_mounts(c, str(Path(run_dir).parent), workdir, links if links is not None else overlay_links(), reads)
     return wrap_step(argv, c, run_dir, mounts, workdir, gpus)
 
 
-def prepare_run(c: Container, run_dir: Path, workdir: str, writes: str | None = None) -> None:
+def prepare_run(c: Container, run_dir: Path, workdir: str, writes: str | None = None,
+                reads: tp.Sequence[tuple[str, str]] = (), gpus: int = 0, where: str = "container.image",
+                source: str = "") -> None:
     """At submit: the overlay of links and, for ``oci``, the per-run bundle (RUN/container/…); ``writes``:
-    the folder mounted read-write (default: the run root, RUN's parent)."""
+    the folder mounted read-write (default: the run root, RUN's parent); ``where``: the file and key that
+    named the image, ``source``: the site profile (for messages)."""
+    import sys
+
+    from hpc.core.imports import python_command
+
     links = overlay_links()
-    write_overlay(run_dir, links)
     if c.runtime == "oci":
-        mounts = step_mounts(c, writes or str(run_dir.parent), workdir, links)
-        write_bundle(c, run_dir / BUNDLE, mounts, c.workdir or workdir)
-        if c.oci_launch == "runc":
-            (run_dir / OCI_TASK).write_text(OCI_TASK_SCRIPT.replace("RUNC", shlex.join(RUNC)))
-
-
-def bundle_config(image_config: dict[str, tp.Any], image: str, mounts: list[Mount], workdir: str,
-                  writable: bool, args: list[str] | None = None) -> dict[str, tp.Any]:
-    """The per-run OCI configuration: the image's, its root by absolute path, the step's bind mounts and
-    working folder. (slurmstepd sets ``process.args``/``process.env`` per task.)"""
-    config = copy.deepcopy(image_config)
-    image_root = os.path.realpath(os.path.join(image, config.get("root", {}).get("path", "rootfs")))  # no link
-    # Slurm 22.05 takes BUNDLE/rootfs whatever root.path says: the per-run bundle has an empty rootfs/ and
-    # the image's root file system is bound onto it first (runc mounts it before the others). The bind is
-    # read-write so that runc can make the mount points of the mounts that follow (empty folders, as for any
-    # bundle); `root.readonly` then remounts the whole root read-only before the task starts.
-    config["root"] = {"path": "rootfs", "readonly": not writable}
-    whole = {"destination": "/", "type": "none", "source": image_root, "options": ["rbind", "rw"]}
-    config.setdefault("process", {})["cwd"] = workdir
-    if args is not None:
-        config["process"]["args"] = args
-    binds = [{"destination": m.target, "type": "none", "source": m.source,
-              "options": ["rbind", "nosuid", "nodev", "ro" if m.readonly else "rw"]} for m in mounts]
-    config["mounts"] = [whole, *config.get("mounts", []), *binds]
-    return config
-
-
-def write_bundle(c: Container, bundle: Path, mounts: list[Mount], workdir: str) -> Path:
-    image_config = json.loads((Path(c.image) / "config.json").read_text())
-    (bundle / "rootfs").mkdir(parents=True, exist_ok=True)
-    args = [c.python, "-c", LOADER, "@TASKDIR@"] if c.oci_launch == "runc" else None
-    config = bundle_config(image_config, c.image, mounts, workdir, c.writable, args)
-    (bundle / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return bundle
+        mounts = step_mounts(c, writes or str(run_dir.parent), workdir, links, reads)
+        write_bundle(c, run_dir / BUNDLE, mounts, c.workdir or workdir, where, gpus, source)
+    write_overlay(run_dir, links)
+    if c.runtime == "oci" and c.oci_launch == "runc":
+        host = shlex.join(python_command(sys.executable, "hpc.schedulers.slurm.oci"))
+        (run_dir / OCI_TASK).write_text(OCI_TASK_SCRIPT.replace("HOST_PYTHON", host))
 
 
 def step_text(step: Step) -> str:

@@ -40,10 +40,17 @@ def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
     folder.mkdir(parents=True)
     workdir = os.getcwd()
     if c.enabled:
-        prepare_run(c, folder, workdir)
+        try:
+            prepare_run(c, folder, workdir, gpus=site.node.gpus, where=f"{site.source}: `container.image`",
+                        source=site.source)
+            mounts = step_mounts(c, str(folder.parent), workdir, overlay_links())
+        except UserError:
+            import shutil
+
+            shutil.rmtree(folder, ignore_errors=True)  # nothing left behind by a check that never ran
+            raise
         inner = inner_python(c, str(folder))
         argv = [*inner[:-1], *python_command(inner[-1], "trainer.probe", str(folder))]
-        mounts = step_mounts(c, str(folder.parent), workdir, overlay_links())
         step = wrap_step(argv, c, str(folder), mounts, workdir, bool(site.node.gpus))
         srun_args, words, setup = step.srun_args, step.argv, step.setup
     else:
@@ -70,9 +77,14 @@ def gather(folder: Path, ok: bool, out: str, c: tp.Any) -> dict[str, tp.Any]:
     ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
     info = parse_files(sorted(folder.glob("task-*.err")))
     transports = sorted(info.transports())
-    errors = [line for p in sorted(folder.glob("task-*.err")) for line in p.read_text(errors="replace").splitlines()
-              if line.startswith(("hpcx:", "srun: error", "Traceback")) or "error" in line.lower()][:10]
+    lines = [line for p in sorted(folder.glob("task-*.err")) for line in p.read_text(errors="replace").splitlines()]
+    images = [line.removeprefix("hpcx: ") for line in lines if line.startswith("hpcx: image ")]  # versions_line
+    errors = [line for line in lines if not line.startswith("hpcx: image ") and (
+        line.startswith(("hpcx:", "srun: error", "Traceback")) or "error" in line.lower())][:10]
+    refused = next((line.removeprefix("hpcx: ") for line in errors if line.startswith("hpcx: the container image ")),
+                   None)
     return {"folder": str(folder), "job_ok": ok, "sbatch": out.strip()[-500:], "container": identity(c),
+            "images": sorted(set(images)), "refused": refused,
             "ranks": ranks, "nccl": describe(info) if info.connections else None, "transports": transports,
             "errors": errors, "ok": ok and len(ranks) == TASKS and all(r.get("all_reduce_ok") and
                                                                       r.get("hpcx_imports") == "ok" for r in ranks)}

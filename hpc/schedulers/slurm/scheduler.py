@@ -131,14 +131,17 @@ def render_sbatch(params: dict[str, tp.Any], python: str, folder: str, command: 
 
 
 def in_container(params: dict[str, tp.Any], site: SiteProfile, launch: Launch, run_dir: str,
-                 workdir: str) -> str | None:
+                 workdir: str, spec: JobSpec | None = None) -> str | None:
     """With a ``[container]``: its srun flags and setup lines added to ``params``, and the step's command
-    (``hpc.schedulers.slurm.container``); None without one (``params`` as they were)."""
+    (``hpc.schedulers.slurm.container``; ``spec``'s input folders mounted read-only); None without one
+    (``params`` as they were)."""
     if not site.container.enabled:
         return None
+    from hpc.core.container import job_reads
     from hpc.schedulers.slurm.container import step_for
 
-    step = step_for(site.container, run_dir, f"{run_dir}/{SUBMITIT_DIR}", workdir, bool(launch.gpus_per_node))
+    step = step_for(site.container, run_dir, f"{run_dir}/{SUBMITIT_DIR}", workdir, bool(launch.gpus_per_node),
+                    reads=job_reads(spec) if spec is not None else ())
     params["srun_args"] = [*params["srun_args"], *step.srun_args]
     params["setup"] = [*params["setup"], *step.setup]
     from hpc.schedulers.slurm.container import host_requeue_line
@@ -435,22 +438,23 @@ class SlurmScheduler(Scheduler):
         executor = SlurmExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
         run_dir = str(Path(folder).parent)
         params = slurm_parameters(spec, site, launch, run_dir, sys.executable)
-        executor.hpcx_command = in_container(params, site, launch, run_dir, os.getcwd())
+        executor.hpcx_command = in_container(params, site, launch, run_dir, os.getcwd(), spec)
         if executor.hpcx_command:
-            from hpc.core.container import submit_problems
+            from hpc.core.container import image_source, job_reads, submit_problems
             from hpc.schedulers.slurm.container import prepare_run
 
-            found = submit_problems(site.container, site.source)
+            source = image_source(spec, site)  # the file that named the image: the spec's [container] or the site
+            found = submit_problems(site.container, source)
             if found:
                 raise UserError(found)
-
-            prepare_run(site.container, Path(run_dir), os.getcwd())
+            prepare_run(site.container, Path(run_dir), os.getcwd(), reads=job_reads(spec), gpus=site.node.gpus,
+                        where=f"{source}: `container.image`", source=site.source)
         executor.update_parameters(**params)
         return executor
 
     def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
         params = slurm_parameters(spec, site, launch, run_dir, python)
-        command = in_container(params, site, launch, run_dir, os.getcwd())
+        command = in_container(params, site, launch, run_dir, os.getcwd(), spec)
         return render_sbatch(params, python, f"{run_dir}/{SUBMITIT_DIR}", command)
 
     def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
