@@ -18,6 +18,7 @@ from pathlib import Path
 from hpc import schedulers
 from hpc.core import validate as v
 from hpc.core.container import JobContainer
+from hpc.core.health import Health
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.lora import Lora
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
@@ -233,6 +234,7 @@ class JobSpec:
     lora: Lora = dataclasses.field(default_factory=Lora)
     task: Task = dataclasses.field(default_factory=Task)
     container: JobContainer = dataclasses.field(default_factory=JobContainer)  # over the site's [container]
+    health: Health = dataclasses.field(default_factory=Health)  # node exclusion, hang watchdog (hpc.core.health)
     source: str = ""
 
     def to_dict(self) -> dict[str, tp.Any]:
@@ -255,7 +257,8 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "task": Task, "container": JobContainer}
+            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "task": Task, "container": JobContainer,
+            "health": Health}
 
 
 def __getattr__(name: str) -> tp.Any:
@@ -294,6 +297,8 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
         errors += v.check_model_kwargs(spec.model.kwargs)
     if _typed(errors, "model", ("blocks",)):
         errors += v.check_model_blocks(spec.model.blocks)
+    if _typed(errors, "health", ("hang_timeout_s",)) and _typed(errors, "parallel", ("step_timeout_s", "timeout_s")):
+        errors += _check_health(spec)
     if _typed(errors, "task", ("target", "kwargs")):
         errors += task_problems(spec, doc)
         apply_task(spec)
@@ -390,6 +395,15 @@ def _packing_problems(spec: JobSpec, kind: str) -> list[str]:
     if not model_facts(spec.model).builtin:
         return [f"`data.packing` = 'document': `model.arch` = {spec.model.arch!r} is a user model: expected a "
                 "built-in family (its forward takes each position's document number)"]
+    return []
+
+
+def _check_health(spec: JobSpec) -> list[str]:
+    """A hang timeout the collective timeout would beat (the waiting ranks fail first, naming no one)."""
+    hang, step = spec.health.hang_timeout_s, min(spec.parallel.step_timeout_s, spec.parallel.timeout_s)
+    if hang and hang >= step:
+        return [f"`health.hang_timeout_s` = {hang:g} is not below the collective timeout "
+                f"(`parallel.step_timeout_s` = {step}): expected less, or raise `parallel.step_timeout_s`"]
     return []
 
 

@@ -50,7 +50,18 @@ def format_status(info: dict) -> str:
             + eval_text(info, "  ")
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
                f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
-            + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else ""))
+            + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else "")
+            + health_text(info))
+
+
+def health_text(info: dict) -> str:
+    """"  excluded n1 (41 min more)": the nodes the job keeps out now (``hpc.core.health``); "" if none."""
+    import time
+
+    from hpc.core.health import exclusion_words
+
+    words = exclusion_words(info.get("excluded_nodes") or {}, time.time())
+    return f"  {words}" if words else ""
 
 
 def eval_text(info: dict, lead: str) -> str:

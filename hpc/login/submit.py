@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.login import roots
-from hpc.core import runs
+from hpc.core import health, runs
 from hpc import schedulers
 from hpc.core.config import ConfigError
 from hpc.core.errors import UserError
@@ -475,6 +475,7 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
         "world_size": launch.get("world_size"),
         "ledger": ledger_summary(ledger),
         "last_stop": stop_summary(stops[-1]) if stops else None,
+        "excluded_nodes": health.active(ledger, time.time()),  # node → until when (hpc.core.health)
     }
 
 
@@ -484,7 +485,8 @@ STOP_WORDS = {"completed": "completed", "preempted": "preempted", "time_limit": 
 
 def stop_summary(stop: dict) -> dict[str, tp.Any]:
     """The ledger's last stop line as status shows it: why, where, requeued or why not, what failed."""
-    keys = ("reason", "step", "requeued", "not_requeued", "error", "failed_ranks", "signal", "by")
+    keys = ("reason", "step", "requeued", "not_requeued", "error", "failed_ranks", "signal", "by", "failed_nodes",
+            "node_fault", "excluded_nodes", "hang")
     found = {k: stop[k] for k in keys if k in stop}
     reason = str(stop.get("reason", "?"))
     words = f"{STOP_WORDS.get(reason, reason)} at step {stop.get('step', '?')}"

@@ -370,6 +370,15 @@ class JobSide(abc.ABC):
         ``what``, ``signal`` or ``exit_code``, ``first``: before the rest were ended); [] when it has none."""
         return []
 
+    def exclude(self, nodes: tp.Sequence[str]) -> str | None:
+        """After a granted requeue: keep the next start off ``nodes`` (exactly these: an empty list lets
+        every node back, ``hpc.core.health``); None when done, else why not."""
+        return f"a {self.kind or 'this'} job cannot exclude nodes" if nodes else None
+
+    def spare_nodes(self) -> int | None:
+        """Nodes of the job's partition it does not need (how many may be excluded); None: unknown."""
+        return None
+
 
 def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | None, str]:
     """This process's start minus the previous stop (after a requeue) or ``job.json``'s ``submitted_at``

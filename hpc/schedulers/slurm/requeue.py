@@ -9,10 +9,11 @@ reports and asks for the requeue unless the policy says no. Torch-free.
 from __future__ import annotations
 
 import sys
+import time
 import typing as tp
 from pathlib import Path
 
-from hpc.core import failures
+from hpc.core import failures, health
 from hpc.core.requeue import failure_reports, request, requeue_verdict, stop_line
 from hpc.core.runs import RunDir, append_jsonl
 
@@ -48,7 +49,8 @@ def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] |
     incarnation = side.incarnation(sum(1 for e in ledger if e.get("event") == "start") - (mine is not None))
     reports = failure_reports(run_dir, incarnation)
     step = _failed_step(rd, ledger, mine, reports)
-    account = failures.failure_account(reports, _task_ends(side, run_dir), status)
+    ends = _task_ends(side, run_dir)
+    account = failures.failure_account(reports, ends, status)
     loading = _loading_failure(side, run_dir) if mine is None and not reports else None
     if loading is not None:  # the job's code did not load: its own error, not srun's words for the exit
         account.update(error=loading["error"], module=loading["module"])
@@ -56,10 +58,32 @@ def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] |
     spec = rd.read_resolved().get("spec", {})
     why_not = ((failures.loading_reason(loading) if loading else _policy(spec, ledger, step, side, reports))
                or request(side, run_dir, incarnation, "batch script", "failed"))
+    account.update(node_health(ledger, spec, side, account, reports, ends, requeued=why_not is None))
     line = stop_line(step, "failed", why_not, side, "batch script", srun_status=status, started=mine is not None,
                      save_s=save_s, saves=saves, **account)
     append_jsonl(rd.ledger, line)
     return line
+
+
+def node_health(ledger: list[dict], spec: dict, side: JobSide, account: dict, reports: list[dict],
+                ends: list[dict], requeued: bool) -> dict[str, tp.Any]:
+    """The stop line's node fields (``hpc.core.health``): the failed ranks' nodes, whether the failure is
+    theirs, and after a granted requeue the nodes the next start excludes (set anew each time, so that a
+    node whose window has passed comes back), or why they could not be."""
+    nodes = health.failed_nodes(account.get("failed_ranks", []), reports, ends)
+    out: dict[str, tp.Any] = {"failed_nodes": nodes, "node_fault": bool(nodes) and health.node_fault(account, reports)}
+    if not requeued:
+        return out
+    settings = health.health_of(spec)
+    found = [*health.faults(ledger), *((n, time.time()) for n in nodes if out["node_fault"])]
+    until = health.exclusions(found, time.time(), settings, side.spare_nodes() if found else None)
+    if not until and not health.active(ledger, 0.0):
+        return out  # nothing excluded before or now: nothing to ask the scheduler
+    why_not = side.exclude(list(until))
+    out.update(excluded_nodes=list(until), excluded_until=until)
+    if why_not:
+        out["exclude_failed"] = why_not
+    return out
 
 
 def _loading_failure(side: JobSide, run_dir: Path) -> dict[str, str] | None:

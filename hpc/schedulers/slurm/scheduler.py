@@ -583,6 +583,22 @@ class SlurmJobSide(JobSide):
         while time.monotonic() < deadline:
             time.sleep(2.0)
 
+    def exclude(self, nodes: tp.Sequence[str]) -> str | None:
+        """``scontrol update JobId=J ExcNodeList=…`` of the requeued job (Slurm 22.05 refuses it while
+        the job runs; it takes it once ``scontrol requeue`` was granted: COMPLETING, then PENDING)."""
+        job = self.job_id() or ""
+        ok, why = try_command(["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"], timeout=60)
+        return None if ok else f"scontrol update JobId={job} ExcNodeList={','.join(nodes)} failed: {why.strip()}"
+
+    def spare_nodes(self) -> int | None:
+        """The nodes of the job's partition (``sinfo``) less the job's own (``NumNodes``)."""
+        fields = show_job(self.job_id() or "")
+        ok, out = try_command(["sinfo", "-h", "-p", fields.get("Partition", ""), "-o", "%D"])
+        need = fields.get("NumNodes", "").split("-")[0]
+        if not ok or not need.isdigit() or not all(n.strip().isdigit() for n in out.split()):
+            return None
+        return sum(int(n) for n in out.split()) - int(need)
+
     def task_ends(self, run_dir: Path) -> list[dict]:
         """srun's lines about this start's tasks in the batch log (``srun_task_ends``)."""
         return srun_task_ends(self.start_log(run_dir))

@@ -1,0 +1,119 @@
+"""Node health across the starts of a job: which node a failure came from, and which nodes to keep out.
+
+A failed start's stop line (written by the batch script's check after srun, ``hpc.schedulers.slurm.requeue``)
+names the nodes of its failed ranks (``failed_nodes``) and whether the node is to blame (``node_fault``):
+
+- a failed rank ended by a signal (SIGKILL, SIGBUS, SIGSEGV …: the kernel, the OOM killer, a lost GPU;
+  a Python error is the code's and excludes nothing),
+- a rank that hung and did not answer the watchdog (``trainer.watchdog``: its process never dumped its
+  stacks: stopped, or stuck in the kernel or the driver),
+- an error whose words blame the hardware (``HARDWARE``: an uncorrectable ECC error, a GPU fallen off the bus).
+
+On the requeue after such a failure the job excludes the nodes that failed it within the last
+``health.exclude_minutes`` (newest first, at most ``health.exclude_nodes``, and never so many that the job
+no longer fits its partition: ``JobSide.spare_nodes``); the stop line records the list
+(``excluded_nodes``) and until when (``excluded_until``). Each requeue after a failure sets the list anew,
+so a node whose window has passed comes back then. Torch-free and pure but for ``Health`` defaults.
+"""
+
+from __future__ import annotations
+
+import re
+import typing as tp
+from dataclasses import dataclass, fields
+
+from hpc.core.config import field
+
+# Words of an error that blame the node's hardware rather than the code.
+HARDWARE = re.compile(r"uncorrectable ECC|ECC error|fallen off the bus|GPU is lost|Xid \d+|"
+                      r"CUDA-capable device.*(busy|unavailable)|NVLink (error|failure)|Bus error", re.I)
+HANG_EXIT = 86  # the status a rank's watchdog ends it with (``trainer.watchdog``): srun names it first
+
+
+@dataclass
+class Health:
+    exclude_nodes: int = field(2, doc="Nodes the job keeps out at once after they failed it (a rank killed by "
+                               "a signal, a hang its rank did not answer, a failed pre-flight check): each "
+                               "requeue after a failure asks the scheduler to exclude them (Slurm: `scontrol "
+                               "update ExcNodeList`), never so many that the job no longer fits its partition. "
+                               "0: exclude none.", minimum=0, maximum=1024)
+    exclude_minutes: float = field(60.0, doc="How long a node that failed the job stays excluded; it comes "
+                                   "back at the first requeue after that.", minimum=0)
+    hang_timeout_s: float = field(0.0, doc="Hang watchdog: no step boundary on a rank for this long dumps "
+                                  "every rank's Python stacks into `RUN/hangs/`, names the rank that hung and "
+                                  "ends the job step, which is requeued. 0: `hang_factor` × the median step "
+                                  "time measured so far, at least `hang_floor_s` and below "
+                                  "`parallel.step_timeout_s` (the collective timeout would fire first).",
+                                  minimum=0)
+    hang_factor: float = field(10.0, doc="The automatic hang timeout in step times (see `hang_timeout_s`).",
+                               minimum=1)
+    hang_floor_s: float = field(60.0, doc="The automatic hang timeout's least value in seconds.", minimum=1)
+    watchdog: bool = field(True, doc="Run the hang watchdog in every rank (hpcx's trainer).")
+
+
+def health_of(spec: tp.Mapping[str, tp.Any]) -> Health:
+    """The ``[health]`` section of a resolved spec as a dict (a run folder from before it: the defaults)."""
+    given = spec.get("health") if isinstance(spec.get("health"), dict) else {}
+    names = {f.name for f in fields(Health)}
+    return Health(**{k: v for k, v in (given or {}).items() if k in names})
+
+
+# ---------------------------------------------------------------- one failure (pure)
+
+
+def failed_nodes(failed_ranks: tp.Sequence[int], reports: tp.Sequence[dict],
+                 task_ends: tp.Sequence[dict]) -> list[str]:
+    """The nodes of the failed ranks: where srun saw them end, else where they reported from."""
+    failed = set(failed_ranks)
+    nodes = [e["host"] for e in task_ends if e.get("host") and set(e.get("ranks", [])) & failed]
+    nodes += [r["host"] for r in reports if r.get("host") and r.get("rank") in failed]
+    return list(dict.fromkeys(nodes))
+
+
+def node_fault(account: tp.Mapping[str, tp.Any], reports: tp.Sequence[dict]) -> bool:
+    """Whether the failure in ``account`` (``hpc.core.failures.failure_account``) is the node's: a failed
+    rank ended by a signal, a failed rank's report that says so (a hang without an answer, a pre-flight
+    check), or an error whose words blame the hardware."""
+    failed = set(account.get("failed_ranks", []))
+    if account.get("signal"):
+        return True
+    if any(r.get("node_fault") and r.get("rank") in failed for r in reports):
+        return True
+    return bool(HARDWARE.search(str(account.get("error") or "")))
+
+
+# ---------------------------------------------------------------- exclusions across starts (pure)
+
+
+def faults(ledger: tp.Sequence[dict]) -> list[tuple[str, float]]:
+    """(node, time) of each failure the ledger blames on a node, oldest first."""
+    return [(node, float(e.get("time", 0.0))) for e in ledger
+            if e.get("event") == "stop" and e.get("node_fault") for node in e.get("failed_nodes", [])]
+
+
+def exclusions(found: tp.Sequence[tuple[str, float]], now: float, health: Health,
+               spare: int | None) -> dict[str, float]:
+    """Node → until when it is excluded: those that failed within the window, newest first, at most
+    ``health.exclude_nodes`` and ``spare`` (the partition's nodes the job does not need; None: unknown)."""
+    window = 60.0 * health.exclude_minutes
+    cap = health.exclude_nodes if spare is None else min(health.exclude_nodes, max(0, spare))
+    latest: dict[str, float] = {}
+    for node, when in found:
+        latest[node] = max(when, latest.get(node, when))
+    recent = sorted(((when, node) for node, when in latest.items() if when + window > now), reverse=True)
+    return {node: round(when + window, 3) for when, node in recent[:cap]}
+
+
+def active(ledger: tp.Sequence[dict], now: float) -> dict[str, float]:
+    """The nodes still excluded at ``now`` by the newest stop line that set the list (for ``hpcx status``)."""
+    for e in reversed(ledger):
+        if e.get("event") == "stop" and "excluded_until" in e:
+            return {n: float(t) for n, t in (e.get("excluded_until") or {}).items() if float(t) > now}
+    return {}
+
+
+def exclusion_words(until: tp.Mapping[str, float], now: float) -> str:
+    """``excluded n1 (41 min more), n3 (5 min more)``; "" when none."""
+    if not until:
+        return ""
+    return "excluded " + ", ".join(f"{n} ({max(1, round((t - now) / 60))} min more)" for n, t in until.items())
