@@ -178,6 +178,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
+        keep_gathered=launch.dims.fsdp_enabled and not parallel.reshard_after_forward,
         clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world))
     return trainer, TrainState()
 

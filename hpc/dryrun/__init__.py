@@ -118,7 +118,8 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
         model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False, model=bare)
         optimizer = build_optimizer(model, spec.train)
         step_on_meta(model, optimizer)
-        units = unit_report(model, task_for(spec, launch.data_source).blocks(model), launch.dims.reshard_after_forward)
+        units = unit_report(model, task_for(spec, launch.data_source).blocks(model),
+                            launch.dims.reshard_after_forward and spec.parallel.reshard_after_forward)
         measured, short = rank_bytes(model, optimizer)
         checkpoint = checkpoint_plan(model, optimizer, spec, launch, rank)
         mesh_doc = mesh_report(mesh, launch, rank)
