@@ -177,7 +177,17 @@ def test_auto_takes_the_fastest_tp_that_fits_with_margin(size, nodes, seq, micro
     assert dims.tp == expected and dims.world_size == nodes * 8 and dims.mesh_dim_names[-1] == "tp"
 
 
-@pytest.mark.parametrize("size,nodes,seq", [("llama3-8b", 1, 8192), ("llama3.1-70b", 4, 8192), ("llama3-8b", 4, 4096)])
+def test_a_tight_tp_1_loses_to_a_tp_with_margin():
+    """70B on 4 × 8 H100, seq 8192: fsdp at tp 1 needs 69.2 GB of 80 (86 %, above the 85 % margin); tp 2 needs
+    64.5 GB (81 %) at 13.7 s against tp 1's 13.3 s: the margin comes first, then tp 2 is the fastest left."""
+    plan = plan_job(llama("llama3.1-70b", 4, 8192), DGX)
+    one = plan.tp_rows[0]
+    assert one.dims.tp == 1 and one.fits and not roomy(one)
+    assert plan.choice.dims.tp == 2 and roomy(plan.choice) and plan.choice.step_s > one.step_s
+    assert "tight (>85%)" in format_plan(plan)
+
+
+@pytest.mark.parametrize("size,nodes,seq", [("llama3-8b", 1, 8192), ("llama3-8b", 2, 8192), ("llama3-8b", 4, 4096)])
 def test_no_tp_where_tp_1_fits_and_is_fastest(size, nodes, seq):
     plan = plan_job(llama(size, nodes, seq), DGX)
     assert plan.choice is not None and plan.choice.dims.tp == 1 and plan.tp == 1
