@@ -203,6 +203,8 @@ class Setup:
     tp: int = 1  # tensor-parallel degree: tp ranks share each micro-batch, world / tp take different ones
     tp_cross_domain: bool = False  # parallel.tp_cross_domain: tp groups may span NVLink islands (within a node)
     reshard_after_forward: bool = True  # parallel.reshard_after_forward (false: units stay gathered all step)
+    batch_checked: bool = False  # mark rows whose global batch does not divide illegal (the tp search of `auto`;
+    # the advice's changes say the global_batch they need instead)
 
     @property
     def world(self) -> int:
@@ -314,7 +316,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
         if offload else 0.0
     time = step_time(comm, compute_seconds(facts, setup, site, mfu_of(site)[0]), setup.grad_accum,
                      setup.checkpointing, host_s)
-    return Row(cfg, memory, comm, capacity, host, gpu, time, setup.batch_problem)
+    return Row(cfg, memory, comm, capacity, host, gpu, time, setup.batch_problem if setup.batch_checked else "")
 
 
 def mfu_of(site: SiteProfile) -> tuple[float, str]:
