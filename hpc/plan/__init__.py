@@ -94,7 +94,8 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
                             "does not divide):"] + ["  " + x for x in tried_lines(found, setup.tasks_per_node)]
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
-        plan.recommendation[1:1] = tp_words(choice, found, plan.tp_rows, site, setup.tp_cross_domain)
+        if facts.tp_split and choice.dims.fsdp_enabled:  # a family with a tensor-parallel plan, in a sharded layout
+            plan.recommendation[1:1] = tp_words(choice, found, plan.tp_rows, site, setup.tp_cross_domain)
     return plan
 
 
