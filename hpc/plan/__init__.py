@@ -65,8 +65,8 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     gpu = site.node.gpus > 0
     allowed = spec.parallel.cpu_offload  # allowed, not required: candidates with and without offload
     searched = facts.n_params is not None and spec.parallel.strategy == "auto" and setup.tp == 1
-    found = evaluate_degrees(facts, replace(setup, batch_checked=searched), site, allowed,
-                             planned_degrees(facts, setup, site, searched))
+    degrees = planned_degrees(facts, setup, site, searched)
+    found = evaluate_degrees(facts, replace(setup, batch_checked=len(degrees) > 1), site, allowed, degrees)
     if found.best is not None and facts.n_params is not None:
         setup = replace(setup, tp=found.best)
     rows = found.rows.get(setup.tp) or next(iter(found.rows.values()))
