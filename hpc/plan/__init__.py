@@ -55,7 +55,7 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     from hpc.plan.explain import plan_notes, recommend, unknown_model
     from hpc.plan.memory import peaks_note
     from dataclasses import replace
-    from hpc.plan.degrees import evaluate_degrees, family_rows, planned_degrees, tried_lines
+    from hpc.plan.degrees import cross_advice, evaluate_degrees, family_rows, planned_degrees, tried_lines
     from hpc.plan.rows import Plan, compute_seconds, mfu_of, nvlink_domain, setup_of
 
     from hpc.core.lora import with_lora
@@ -92,6 +92,8 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
         plan.advice = advise(facts, setup, site, rows, allowed, shorter_model(spec, facts))
         plan.advice[1:1] = ["Layouts tried, one line per family (none can run: it does not fit, or its global batch "
                             "does not divide):"] + ["  " + x for x in tried_lines(found, setup.tasks_per_node)]
+        wide = cross_advice(facts, setup, site, allowed) if searched else ""
+        plan.advice += [wide] if wide else []
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
         if facts.tp_split and choice.dims.fsdp_enabled:  # a family with a tensor-parallel plan, in a sharded layout
@@ -103,7 +105,7 @@ def tp_words(choice: Row, found: tp.Any, family: list[Row], site: SiteProfile, c
     """Why this tensor-parallel degree (against the next best) and what crossing NVLink islands costs."""
     from hpc.plan.degrees import cross_line, why_line
 
-    lines = [why_line(choice, family, found.picks, site), cross_line(choice, family, site, cross)]
+    lines = [why_line(choice, found), cross_line(choice, family, site, cross)]
     return [x for x in lines if x]
 
 

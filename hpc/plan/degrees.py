@@ -132,11 +132,13 @@ def tp_seconds(row: Row) -> float:
 
 # --- words --------------------------------------------------------------------------------------
 
-def why_line(choice: Row, rows: list[Row], picks: dict[int, Row | None], site: SiteProfile) -> str:
-    """Why the chosen degree beat the next best, in one line with the numbers."""
+def why_line(choice: Row, found: Degrees) -> str:
+    """Why the chosen degree beat the next best (each other degree's pick, or its leanest row where nothing fits
+    there), in one line with the numbers."""
     from hpc.plan.explain import _fit_text, secs
 
-    others = [r for t, r in picks.items() if r is not None and t != choice.dims.tp]
+    others = [found.picks[t] or leanest(rows) for t, rows in found.rows.items() if t != choice.dims.tp]
+    others = [r for r in others if r is not None]
     if not others:
         return ""
     nxt = _next_best(others)
@@ -160,10 +162,38 @@ def why_line(choice: Row, rows: list[Row], picks: dict[int, Row | None], site: S
                    f"tp {choice.dims.tp} needs less memory ({_fit_text(choice)} vs {nxt.need_gb or 0:.1f} GB).")
 
 
+def leanest(rows: list[Row]) -> Row | None:
+    """The row that needs the least memory per rank (None when no row knows its memory)."""
+    return min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb or 0.0, default=None)
+
+
+def cross_advice(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bool) -> str:
+    """When nothing fits within the NVLink islands: what ``parallel.tp_cross_domain = true`` would give, and its cost."""
+    from hpc.plan.explain import _fit_text, secs
+
+    if setup.tp_cross_domain or site.node.gpus <= nvlink_domain(site) or not facts.tp_split:
+        return ""
+    wide = [t for t in tp_degrees(facts, site, setup.tasks_per_node, True) if t > nvlink_domain(site)
+            and setup.world % t == 0]
+    found = evaluate_degrees(facts, replace(setup, batch_checked=True), site, allowed, wide)
+    if found.best is None:
+        return ""
+    row = found.picks[found.best]
+    assert row is not None
+    return (f"with parallel.tp_cross_domain = true: {row.label} fits ({_fit_text(row)}), its tp groups spanning "
+            f"NVLink islands of {nvlink_domain(site)}: {secs(tp_seconds(row))} per step of tp collectives over "
+            f"{site.node.intra_link} ({site.node.intra_bandwidth_gbs:g} GB/s per GPU), not hidden"
+            + (f"; estimated step {secs(row.step_s)}" if row.step_s is not None else "") + ".")
+
+
 def _next_best(rows: list[Row]) -> Row:
-    """The other degree that came closest: fitting with margin first, then fitting, then the fastest."""
-    return min(rows, key=lambda r: (not r.fits, not roomy(r), r.step_s if r.step_s is not None else float("inf"),
-                                    r.need_gb or 0.0))
+    """The other degree that came closest: fitting with margin first, then fitting (the fastest), then the one
+    that misses by the least memory."""
+    def key(r: Row) -> tuple[bool, bool, float, float]:
+        step = r.step_s if r.step_s is not None else float("inf")
+        return (not r.fits, not roomy(r), step if r.fits else r.need_gb or 0.0, r.need_gb or 0.0)
+
+    return min(rows, key=key)
 
 
 def cross_line(choice: Row, family: list[Row], site: SiteProfile, cross: bool) -> str:
