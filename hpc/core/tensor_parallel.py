@@ -74,14 +74,15 @@ def check_tp(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]
     domain = nvlink_domain(site, tasks_per_node)
     what = f"{site.node.gpus} GPUs per node" if site.node.gpus else f"{tasks_per_node} tasks per node (a CPU site)"
     node = site.node.gpus or tasks_per_node
-    if domain % degree and not spec.parallel.tp_cross_domain:
-        errors.append(f"{key} does not divide the {domain} ranks of one NVLink domain on site {site.name!r} "
-                      f"({what}, `node.nvlink_domain` {domain}): {domain} / {degree} = {domain / degree:.4g}"
-                      + (f"; `parallel.tp_cross_domain` = true allows a group across islands, over "
-                         f"{site.node.intra_link}" if degree <= node and not node % degree else ""))
-    elif node % degree:
+    islands = '' if domain == node else f', NVLink islands of {domain}: `node.nvlink_domain`'
+    if node % degree and domain != node:
         errors.append(f"{key} does not divide the {node} ranks of a node on site {site.name!r} ({what}): "
                       f"{node} / {degree} = {node / degree:.4g}; a tensor-parallel group stays within one node")
+    elif domain % degree and (node % degree or not spec.parallel.tp_cross_domain):
+        hint = "" if node % degree else (f"; `parallel.tp_cross_domain` = true allows a group across islands, over "
+                                         f"{site.node.intra_link}")
+        errors.append(f"{key} does not divide the {domain} ranks of one NVLink domain on site {site.name!r} "
+                      f"({what}{islands}): {domain} / {degree} = {domain / degree:.4g}{hint}")
     elif tasks_per_node % degree:
         errors.append(f"{key} does not divide `job.tasks_per_node` = {tasks_per_node}: a tensor-parallel group "
                       f"stays within one node ({tasks_per_node} / {degree} = {tasks_per_node / degree:.4g})")
