@@ -46,8 +46,9 @@ def count_task(spec: JobSpec) -> Counted:
         raise UserError([f"`task.target` = {spec.task.target!r}: could not build its model on the meta device to "
                          f"count its parameters: {type(exc).__name__}: {exc}"]) from None
     blocks = task.blocks(model)
-    if spec.task.flops_per_sample:
-        flops, source = spec.task.flops_per_sample, "declared (task.flops_per_sample)"
+    flops: float | None = spec.task.flops_per_sample
+    if flops:
+        source = "declared (task.flops_per_sample)"
     else:
         flops = forward_flops(task, model)
         source = ("counted on the meta device (a forward pass on the first sample)" if flops

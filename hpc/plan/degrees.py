@@ -17,7 +17,6 @@ says why the choice beat the next best degree.
 
 from __future__ import annotations
 
-import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.models import ModelFacts
@@ -137,8 +136,8 @@ def why_line(choice: Row, found: Degrees) -> str:
     there), in one line with the numbers."""
     from hpc.plan.explain import _fit_text, secs
 
-    others = [found.picks[t] or leanest(rows) for t, rows in found.rows.items() if t != choice.dims.tp]
-    others = [r for r in others if r is not None]
+    candidates = [found.picks[t] or leanest(rows) for t, rows in found.rows.items() if t != choice.dims.tp]
+    others = [r for r in candidates if r is not None]
     if not others:
         return ""
     nxt = _next_best(others)
