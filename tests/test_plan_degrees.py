@@ -141,3 +141,11 @@ def test_the_why_line_names_the_next_best_and_its_number():
     plan = plan_job(llama("llama3.1-405b", 128, 8192, 4, 4096), DGX)
     line = next(r for r in plan.recommendation if r.startswith("Tensor parallelism:"))
     assert "beats tp 4" in line and "leaves no 85% memory margin (77.8 GB of 80.0 GB per GPU" in line
+
+
+def test_the_hsdp_rule_counts_nodes_under_tp():
+    """hsdp 32 × tp 8 shards over 32 data-parallel ranks, one per node (8 GPUs / tp 8): 32 nodes, not 32 / 8 = 4;
+    its one-node shard group is hsdp 1 × tp 8 (930 GB of 80)."""
+    plan = plan_job(llama("llama3.1-405b", 128, 8192, 4, 4096), DGX)
+    line = next(r for r in plan.recommendation if "HYBRID_SHARD" in r)
+    assert "the shard group of 32 spans 32 nodes (sharded over one node it needs 930 GB of 80.0 GB per GPU)" in line
