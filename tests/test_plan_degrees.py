@@ -149,3 +149,25 @@ def test_the_hsdp_rule_counts_nodes_under_tp():
     plan = plan_job(llama("llama3.1-405b", 128, 8192, 4, 4096), DGX)
     line = next(r for r in plan.recommendation if "HYBRID_SHARD" in r)
     assert "the shard group of 32 spans 32 nodes (sharded over one node it needs 930 GB of 80.0 GB per GPU)" in line
+
+
+def test_hpcx_plan_json_on_the_256_node_405b_torch_free(tmp_path):
+    """The CLI: the spec passes its checks, `--json` carries every degree, and the login-side plan imports no torch."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    job = tmp_path / "405b.toml"
+    job.write_text('[job]\nname = "405b"\nnodes = 256\n[model]\narch = "llama"\nsize = "llama3.1-405b"\n'
+                   'seq_len = 8192\n[train]\nglobal_batch = 4096\nmicro_batch = 4\n'
+                   '[parallel]\nstrategy = "auto"\nactivation_checkpointing = true\n')
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['hpcx', 'plan', {str(job)!r}, '--site', 'dgx-h100', '--json']\n"
+            "try:\n    runpy.run_module('hpc.cli', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('torch imported' if 'torch' in sys.modules else 'torch-free', file=sys.stderr)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.stderr.strip().splitlines()[-1] == "torch-free", out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["tp"] == 8 and [d["tp"] for d in doc["tp_degrees"]] == [1, 2, 4, 8]
+    assert doc["tp_degrees"][0]["illegal"].startswith("global_batch 4096 is not divisible by 2048 ranks")
