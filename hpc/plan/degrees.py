@@ -100,7 +100,7 @@ def family_rows(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: boo
     for t in tp_degrees(facts, site, setup.tasks_per_node, setup.tp_cross_domain):
         if setup.world % t:
             continue
-        rows = found.rows.get(t) or rows_at(facts, setup, site, allowed, t)
+        rows = found.rows.get(t) or rows_at(facts, replace(setup, batch_checked=True), site, allowed, t)
         out += [r for r in rows if family_key(r, setup.tasks_per_node) == key][:1]
     return out if len(out) > 1 else []
 
