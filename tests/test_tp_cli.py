@@ -26,7 +26,12 @@ def _sets(*sets: str) -> list[str]:
     (LLAMA, "dgx-h100", ["parallel.tp=4"], ["does not divide the model's 2 key/value heads (`model.n_kv_heads`): "
                                             "2 / 4 = 0.5 per rank"]),
     (LLAMA, "pcie-4gpu", ["parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8", "model.dim=64"],
-     ["`parallel.tp` = 8 does not divide the 4 ranks of one NVLink domain on site 'pcie-4gpu' (4 GPUs per node)"]),
+     ["`parallel.tp` = 8 does not divide the 4 ranks of a node on site 'pcie-4gpu' (4 GPUs per node)"]),
+    # issue 45: PCIe only is NVLink islands of 1 GPU; tp over PCIe only when asked (parallel.tp_cross_domain)
+    (LLAMA, "pcie-4gpu", ["parallel.tp=2"], ["`parallel.tp` = 2 does not divide the 1 ranks of one NVLink domain on "
+                                             "site 'pcie-4gpu' (4 GPUs per node, NVLink islands of 1: "
+                                             "`node.nvlink_domain`): 1 / 2 = 0.5; `parallel.tp_cross_domain` = true "
+                                             "allows a group across islands, over pcie"]),
     (LLAMA, "sandbox", ["parallel.tp=4", "job.nodes=2", "job.tasks_per_node=2", "model.n_kv_heads=4"],
      ["does not divide the 2 ranks of one NVLink domain on site 'sandbox' (2 tasks per node (a CPU site))"]),
     (GPT, "dgx-h100", ["parallel.tp=2", "parallel.strategy='ddp'"], ["`parallel.tp` = 2 needs strategy fsdp or hsdp"]),

@@ -7,6 +7,9 @@
 
 from __future__ import annotations
 
+import typing as tp
+
+import torch
 from torch import nn
 
 from hpc.core.errors import UserError
@@ -43,8 +46,33 @@ def count_task(spec: JobSpec) -> Counted:
         raise UserError([f"`task.target` = {spec.task.target!r}: could not build its model on the meta device to "
                          f"count its parameters: {type(exc).__name__}: {exc}"]) from None
     blocks = task.blocks(model)
+    flops: float | None = spec.task.flops_per_sample
+    if flops:
+        source = "declared (task.flops_per_sample)"
+    else:
+        flops = forward_flops(task, model)
+        source = ("counted on the meta device (a forward pass on the first sample)" if flops
+                  else "unknown (the forward on the meta device failed): 6 per parameter")
     return Counted(n_params=_numel(model), unit_params=max(_numel(b) for b in blocks), n_units=len(blocks),
-                   embedding_params=_embedding_params(model))
+                   embedding_params=_embedding_params(model), flops_per_sample=flops or None, flops_source=source,
+                   units_params=sum(_numel(b) for b in blocks))
+
+
+def forward_flops(task: tp.Any, model: nn.Module) -> float | None:
+    """Forward FLOPs of one sample (torch's FlopCounterMode: 2 per multiply-add of matmuls and convolutions), from
+    the task's loss on its first training sample, on the meta device (no memory, no compute); None where the
+    task's forward cannot run there (it reads a value, say)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from trainer.tasks import to_device
+
+    try:
+        batch = to_device(task.collate([task.train_dataset()[0]]), torch.device("meta"))
+        with FlopCounterMode(display=False) as counter:
+            task.checked_loss(model, batch)
+    except Exception:  # noqa: BLE001  (the user's code: a forward that needs real values is not countable here)
+        return None
+    return float(counter.get_total_flops()) or None
 
 
 def _numel(module: nn.Module) -> int:

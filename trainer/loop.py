@@ -34,7 +34,7 @@ from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
 from trainer.objective import Batch, tp_loss_context
 from trainer.optim import clip_grad_norm
-from trainer.parallelize import set_gradient_sync
+from trainer.parallelize import set_gradient_sync, set_reshard_after_backward
 from trainer.preemption import PreemptionFlag
 from trainer.tasks import LoopTask, autocast_of
 
@@ -88,6 +88,7 @@ class Trainer:
     scaler: torch.amp.GradScaler | None = None  # fp16 only (ShardedGradScaler under FSDP)
     preemption: PreemptionFlag | None = None
     warmup_metrics_steps: int = 2
+    keep_gathered: bool = False  # parallel.reshard_after_forward = false under FSDP: no reshard between micro-batches
     resilience: StepBoundary | None = None  # trainer.resilience.Resilience (checkpoints, preemption, ledger), set by run_rank
     clock: PhaseClock = field(default_factory=PhaseClock)
     gc_every: int = 0  # train.gc_every: collect every N steps on all ranks, automatic GC off (0: Python's own)
@@ -101,10 +102,14 @@ class Trainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-def micro_step_context(model: nn.Module, sync: bool) -> tp.ContextManager:
+def micro_step_context(model: nn.Module, sync: bool, keep_gathered: bool = False) -> tp.ContextManager:
     """Inner micro-steps: DDP skips its all-reduce (``no_sync``); FSDP2 keeps reduce-scattering and
-    HSDP skips only the all-reduce across replicas (see ``set_gradient_sync``)."""
+    HSDP skips only the all-reduce across replicas (see ``set_gradient_sync``). ``keep_gathered``
+    (``parallel.reshard_after_forward`` = false): FSDP2 keeps the gathered units after every backward
+    but the last micro-batch's, so later micro-batches gather nothing (``set_reshard_after_backward``)."""
     set_gradient_sync(model, sync)
+    if keep_gathered:
+        set_reshard_after_backward(model, sync)
     if not sync and isinstance(model, nn.parallel.DistributedDataParallel):
         return model.no_sync()
     return contextlib.nullcontext()
@@ -129,7 +134,7 @@ def train_step(t: Trainer, micro_batches: list[Batch]) -> tuple[torch.Tensor, to
     t.counted = getattr(t.task, "counted", None)  # a masked loss's counted targets (the language models')
     total = torch.zeros((), device=t.device)
     for i, tokens in enumerate(micro_batches):
-        with micro_step_context(t.model, sync=i == n - 1):
+        with micro_step_context(t.model, sync=i == n - 1, keep_gathered=t.keep_gathered):
             total += forward_backward(t, tokens, scale)
     if t.scaler is not None:
         t.scaler.unscale_(t.optimizer)

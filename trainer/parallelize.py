@@ -95,7 +95,7 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
         apply_compile(blocks)
     if dims.fsdp_enabled:
         assert mesh is not None  # build_mesh makes one for every FSDP strategy
-        apply_fsdp(model, blocks, fsdp_mesh(mesh, dims), dims.reshard_after_forward, parallel.mixed_precision,
+        apply_fsdp(model, blocks, fsdp_mesh(mesh, dims), reshards(parallel, dims), parallel.mixed_precision,
                    parallel.cpu_offload, device)
     if init is not None:
         offloaded = dims.fsdp_enabled and parallel.cpu_offload
@@ -296,6 +296,21 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(enabled)
+
+
+def reshards(parallel: Parallel, dims: ParallelDims) -> bool:
+    """FSDP2's ``reshard_after_forward`` for the blocks: the sharding's (full_shard frees after forward), unless
+    ``parallel.reshard_after_forward`` = false keeps every unit gathered."""
+    return dims.reshard_after_forward and getattr(parallel, "reshard_after_forward", True)
+
+
+def set_reshard_after_backward(model: nn.Module, last: bool) -> None:
+    """``parallel.reshard_after_forward`` = false: FSDP2 frees the gathered units after the step's last backward
+    only; on the micro-batches before it they stay gathered, so the next forward and backward gather nothing."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_reshard_after_backward(last)
 
 
 def autocast_dtype(parallel: Parallel, dims: ParallelDims) -> torch.dtype | None:

@@ -180,6 +180,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
+        keep_gathered=launch.dims.fsdp_enabled and not parallel.reshard_after_forward,
         clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world))
     if trainer.evaluator is not None:  # the training loader's settings (``data.num_workers``, pinned with a GPU)
         trainer.evaluator.workers, trainer.evaluator.pin_memory = workers, device.type == "cuda"

@@ -18,8 +18,8 @@ from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.core.manifest import source_kind
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, Parallel, compute_precision, script_mode
-from hpc.core.tensor_parallel import check_tp
-from hpc.core.validate import check_batch, check_world
+from hpc.core.tensor_parallel import batch_problems, check_tp
+from hpc.core.validate import check_world
 
 RESOLVED_VERSION = 2  # 2: the parallel layout is one ParallelDims (`launch.dims`)
 
@@ -111,9 +111,7 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
                       f"{site.scheduler.max_nodes} nodes")
     if not script_mode(spec):  # a script's batches and layout are its own
         errors += check_tp(spec, site, tpn)
-        tp_ = spec.parallel.tp if not tpn % spec.parallel.tp else 1  # data-parallel ranks: tp ranks share a batch
-        errors += check_batch(spec.train.global_batch, spec.train.micro_batch, world // tp_,
-                              f"{spec.job.nodes} nodes × {tpn} tasks" + (f" / tp {tp_}" if tp_ > 1 else ""))
+        errors += batch_problems(spec, site, tpn)  # data-parallel ranks: tp ranks share a batch
     if spec.job.cpus_per_task and spec.job.cpus_per_task * tpn > site.node.cpus:
         errors.append(f"`job.cpus_per_task` = {spec.job.cpus_per_task} × {tpn} tasks = "
                       f"{spec.job.cpus_per_task * tpn} CPUs but site {site.name!r} nodes have {site.node.cpus}")
@@ -145,6 +143,10 @@ def _check_strategy(spec: JobSpec, site: SiteProfile, world: int, tpn: int) -> l
         errors.append(f"`parallel.shard_size` = {p.shard_size} applies to hsdp only, but strategy = {p.strategy!r}")
     if p.cpu_offload and p.strategy not in ("fsdp", "hsdp", "auto"):
         errors.append(f"`parallel.cpu_offload` needs strategy fsdp or hsdp, not {p.strategy!r}")
+    if not p.reshard_after_forward and (p.strategy not in ("fsdp", "hsdp", "auto") or p.sharding == "no_shard"):
+        what = f"strategy {p.strategy!r}" if p.strategy not in ("fsdp", "hsdp", "auto") else "sharding 'no_shard'"
+        errors.append(f"`parallel.reshard_after_forward` = false keeps sharded parameters gathered, but {what} "
+                      "shards none: expected strategy fsdp or hsdp with full_shard or shard_grad_op (or leave it true)")
     return errors
 
 

@@ -63,6 +63,14 @@ class Node:
     intra_link: str = field("none", doc="Link between the GPUs of a node.",
                             choices=("nvswitch", "nvlink", "pcie", "none"))
     intra_bandwidth_gbs: float = field(0.0, doc="Per-GPU bus bandwidth inside a node, GB/s.", minimum=0)
+    nvlink_domain: int = field(0, doc="GPUs per NVLink island: consecutive GPUs joined by NVLink (e.g. 2 on 4× H100 NVL, "
+                               "bridged in pairs over PCIe). 0: the whole node where `intra_link` is nvswitch or "
+                               "nvlink, 1 on pcie. Must divide `gpus`. A tensor-parallel group stays inside one "
+                               "(`parallel.tp_cross_domain` allows more, at `intra_link`'s speed).", minimum=0,
+                               maximum=schedulers.LIMITS["gpus"])
+    nvlink_bandwidth_gbs: float = field(0.0, doc="Per-GPU bus bandwidth inside one NVLink island, GB/s (0: "
+                                        "`intra_bandwidth_gbs`); needed where the islands are smaller than the node "
+                                        "(`intra_link` then is the slower link between them).", minimum=0)
     intra_latency_us: float = field(5.0, doc="Latency of one intra-node ring step (NCCL's Simple protocol), "
                                     "microseconds; NCCL's own figures are 3.4 for NVLink and 5.7 for PCIe.",
                                     minimum=0)
@@ -190,7 +198,7 @@ def _printable_keys(table: tp.Any) -> dict[str, tp.Any]:
 
 # The fields ``cross_check_site`` reads.
 CROSS_CHECKED = ("scheduler.kind", "node.gpus", "node.gpu_model", "node.gpu_memory_gb", "node.gpu_peak_tflops",
-                 "node.intra_link") + schedulers.cross_checked()
+                 "node.intra_link", "node.nvlink_domain", "node.nvlink_bandwidth_gbs") + schedulers.cross_checked()
 
 
 def cross_check_site(site: SiteProfile) -> list[str]:
@@ -199,14 +207,42 @@ def cross_check_site(site: SiteProfile) -> list[str]:
         errors.append(f"`node.gpu_memory_gb` is unset but `node.gpus` = {site.node.gpus}: expected the memory per GPU")
     if site.node.gpus > 1 and site.node.intra_link == "none":
         errors.append(f"`node.intra_link` = 'none' with {site.node.gpus} GPUs per node: expected nvswitch, nvlink or pcie")
-    return errors + _gpu_fields_without_gpus(site.node)
+    return errors + _domain_problems(site.node) + _gpu_fields_without_gpus(site.node)
+
+
+def nvlink_domain(node: Node) -> int:
+    """GPUs of one NVLink island: ``node.nvlink_domain``, else the node's on an nvswitch or nvlink site, else 1."""
+    if node.nvlink_domain:
+        return node.nvlink_domain
+    return node.gpus if node.intra_link in ("nvswitch", "nvlink") and node.gpus else 1
+
+
+def nvlink_bandwidth(node: Node) -> float:
+    """Bus bandwidth inside one NVLink island, GB/s (``node.nvlink_bandwidth_gbs``, else the node's)."""
+    return node.nvlink_bandwidth_gbs or node.intra_bandwidth_gbs
+
+
+def _domain_problems(node: Node) -> list[str]:
+    """``node.nvlink_domain`` against the node: it divides the GPUs, and islands smaller than an NVLink node
+    or on a pcie node say their own bandwidth."""
+    domain, gpus = node.nvlink_domain, node.gpus
+    if not domain or not gpus:
+        return []
+    if domain > gpus or gpus % domain:
+        return [f"`node.nvlink_domain` = {domain} does not divide `node.gpus` = {gpus}: expected the GPUs of one "
+                f"NVLink island, a divisor of {gpus}"]
+    if domain > 1 and node.intra_link == "pcie" and not node.nvlink_bandwidth_gbs:
+        return [f"`node.nvlink_domain` = {domain} on a pcie node (`node.intra_link`) but `node.nvlink_bandwidth_gbs` "
+                "is unset: expected the bus bandwidth inside one NVLink island (e.g. NV12 × 25 GB/s = 300)"]
+    return []
 
 
 def _gpu_fields_without_gpus(node: Node) -> list[str]:
     """`gpus = 0` beside fields that describe GPUs: planned as a CPU site (gloo) without a word otherwise."""
     if node.gpus:
         return []
-    named = [f"`node.{key}` = {getattr(node, key)!r}" for key in ("gpu_model", "gpu_memory_gb", "gpu_peak_tflops")
+    named = [f"`node.{key}` = {getattr(node, key)!r}" for key in ("gpu_model", "gpu_memory_gb", "gpu_peak_tflops",
+                                                                   "nvlink_domain", "nvlink_bandwidth_gbs")
              if getattr(node, key)]
     named += [f"`node.intra_link` = {node.intra_link!r}"] if node.intra_link != "none" else []
     if not named:

@@ -169,6 +169,16 @@ class Parallel:
     tp: int = field(1, doc="Tensor-parallel degree (1: none): each block's matrices split over groups of `tp` "
                     "ranks within one node (fsdp or hsdp shard over the rest); must divide the node's GPUs (its "
                     "NVLink domain) and the model's heads and key/value heads. Built-in families only.", minimum=1)
+    tp_cross_domain: bool = field(False, doc="Allow a tensor-parallel group wider than the site's NVLink island "
+                                  "(`node.nvlink_domain`, e.g. 2 on 4× H100 NVL): its per-layer collectives then "
+                                  "run over `node.intra_link` (pcie), and `hpcx plan` says what that costs. Off: "
+                                  "`tp` stays within one island, under `auto` too.")
+    reshard_after_forward: bool = field(True, doc="FSDP2's `reshard_after_forward`. false: each unit's gathered "
+                                        "parameters stay gathered from its forward to its backward (as "
+                                        "shard_grad_op's do) and across the gradient-accumulation micro-batches of "
+                                        "a step (no reshard after backward until the last): one all-gather per unit "
+                                        "per step instead of one or two per micro-batch, for the whole unsharded "
+                                        "compute copy held all step. fsdp/hsdp only.")
     mixed_precision: str = field("auto", doc="Compute dtype: `auto` (bf16 on a site with GPUs, fp32 on a CPU "
                                  "site), `none` (fp32), `bf16` or `fp16`; reductions stay fp32.",
                                  choices=("auto", "none", "bf16", "fp16"))

@@ -43,6 +43,10 @@ class Task:
     tokens_per_sample: int = field(1, doc="Positions one sample holds (a sequence's tokens; 1 for an image): the "
                                    "planner's FLOPs are 6 × parameters × these per sample, and `tokens_per_s` counts "
                                    "them.", minimum=1, maximum=1 << 24)
+    flops_per_sample: float = field(0.0, doc="Forward FLOPs of one sample (2 per multiply-add; a ResNet-50 at "
+                                    "224²: 8.2e9), for the planner's compute time (training: 3 × this). 0: counted "
+                                    "by `hpcx plan` on the meta device from a forward pass on the task's first sample "
+                                    "(torch's FlopCounterMode).", minimum=0)
 
 
 def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:

@@ -21,8 +21,45 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 
 
 def nvlink_domain(site: SiteProfile, tasks_per_node: int) -> int:
-    """Ranks of one NVLink domain: a node's GPUs (a CPU site: its tasks)."""
-    return site.node.gpus or tasks_per_node
+    """Ranks of one NVLink domain: ``node.nvlink_domain`` (by default the node's GPUs on an NVLink or NVSwitch
+    node, 1 on pcie; ``hpc.core.site.nvlink_domain``); a CPU site's node (its tasks)."""
+    from hpc.core.site import nvlink_domain as site_domain
+
+    return site_domain(site.node) if site.node.gpus else tasks_per_node
+
+
+def allowed_degrees(facts: tp.Any, site: SiteProfile, tasks_per_node: int, cross_domain: bool = False) -> list[int]:
+    """The tensor-parallel degrees a plan may use: divisors of one NVLink domain (``node.nvlink_domain``; with
+    ``cross_domain``, the node) that divide the node's ranks and the model's heads and KV heads; [1] for a model
+    without a TP plan or a site without NVLink."""
+    domain = site.node.gpus if cross_domain and site.node.gpus else nvlink_domain(site, tasks_per_node)
+    if not site.node.gpus:
+        domain = 1  # the planner plans tp on GPU sites (a CPU site's explicit tp is the dryrun's)
+    if not facts.tp_split or domain <= 1:
+        return [1]
+    return [t for t in range(1, domain + 1) if domain % t == 0 and tasks_per_node % t == 0
+            and all(n % t == 0 for n in facts.tp_divides)]
+
+
+def batch_problems(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]:
+    """``train.global_batch`` against the data-parallel ranks: at the spec's ``tp``, or, under ``auto`` at tp 1,
+    at every degree the planner may choose (it picks among the degrees where the batch divides)."""
+    from hpc.core.validate import check_batch
+
+    world, micro, batch = spec.job.nodes * tasks_per_node, spec.train.micro_batch, spec.train.global_batch
+    tp_ = spec.parallel.tp if not tasks_per_node % spec.parallel.tp else 1
+    degrees = [tp_]
+    if spec.parallel.strategy == "auto" and tp_ == 1:
+        degrees = allowed_degrees(model_facts(spec.model), site, tasks_per_node, spec.parallel.tp_cross_domain)
+    fails = [check_batch(batch, micro, world // t, f"{spec.job.nodes} nodes × {tasks_per_node} tasks"
+                         + (f" / tp {t}" if t > 1 else "")) for t in degrees]
+    if not all(fails):
+        return []
+    if len(degrees) == 1:
+        return fails[0]
+    return [f"`train.global_batch` = {batch} is not divisible by the data-parallel ranks × micro_batch at any "
+            f"tensor-parallel degree `auto` may use: " + "; ".join(
+                f"tp {t}: {world // t} × {micro} = {world // t * micro}" for t in degrees)]
 
 
 def check_tp(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]:
@@ -36,9 +73,16 @@ def check_tp(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]
                       f"them), but `parallel.strategy` = {spec.parallel.strategy!r}")
     domain = nvlink_domain(site, tasks_per_node)
     what = f"{site.node.gpus} GPUs per node" if site.node.gpus else f"{tasks_per_node} tasks per node (a CPU site)"
-    if domain % degree:
+    node = site.node.gpus or tasks_per_node
+    islands = '' if domain == node else f', NVLink islands of {domain}: `node.nvlink_domain`'
+    if node % degree and domain != node:
+        errors.append(f"{key} does not divide the {node} ranks of a node on site {site.name!r} ({what}): "
+                      f"{node} / {degree} = {node / degree:.4g}; a tensor-parallel group stays within one node")
+    elif domain % degree and (node % degree or not spec.parallel.tp_cross_domain):
+        hint = "" if node % degree else (f"; `parallel.tp_cross_domain` = true allows a group across islands, over "
+                                         f"{site.node.intra_link}")
         errors.append(f"{key} does not divide the {domain} ranks of one NVLink domain on site {site.name!r} "
-                      f"({what}): {domain} / {degree} = {domain / degree:.4g}")
+                      f"({what}{islands}): {domain} / {degree} = {domain / degree:.4g}{hint}")
     elif tasks_per_node % degree:
         errors.append(f"{key} does not divide `job.tasks_per_node` = {tasks_per_node}: a tensor-parallel group "
                       f"stays within one node ({tasks_per_node} / {degree} = {tasks_per_node / degree:.4g})")

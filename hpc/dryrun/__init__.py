@@ -122,7 +122,7 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
         optimizer = build_optimizer(model, spec.train)
         step_on_meta(model, optimizer)
         blocks = blocks_for(task_for(spec, launch.data_source).blocks, model, launch_parallel(spec, launch), launch.dims)
-        units = unit_report(model, blocks, launch.dims.reshard_after_forward)
+        units = unit_report(model, blocks, launch.dims.reshard_after_forward and spec.parallel.reshard_after_forward)
         measured, short = rank_bytes(model, optimizer)
         checkpoint = checkpoint_plan(model, optimizer, spec, launch, rank)
         mesh_doc = mesh_report(mesh, launch, rank)

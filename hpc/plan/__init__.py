@@ -54,7 +54,9 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     from hpc.plan.advice import advise
     from hpc.plan.explain import plan_notes, recommend, unknown_model
     from hpc.plan.memory import peaks_note
-    from hpc.plan.rows import Plan, candidates, compute_seconds, evaluate, mfu_of, pick, setup_of
+    from dataclasses import replace
+    from hpc.plan.degrees import cross_advice, evaluate_degrees, family_rows, planned_degrees, tried_lines
+    from hpc.plan.rows import Plan, compute_seconds, mfu_of, nvlink_domain, setup_of
 
     from hpc.core.lora import with_lora
 
@@ -62,15 +64,13 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
     setup = setup_of(spec, site, nodes)
     gpu = site.node.gpus > 0
     allowed = spec.parallel.cpu_offload  # allowed, not required: candidates with and without offload
-    rows = [evaluate(facts, c, setup, site) for c in candidates(setup, allowed, gpu)]
-    choice = pick(rows) if facts.n_params is not None else None
-    tp_lines: list[str] = []
-    if choice is None and facts.n_params is not None and spec.parallel.strategy == "auto" and setup.tp == 1:
-        from hpc.plan.tensor import smallest_tp
-
-        found = smallest_tp(facts, setup, site, allowed, rows)
-        if found is not None:
-            setup, rows, choice, tp_lines = found
+    searched = facts.n_params is not None and spec.parallel.strategy == "auto" and setup.tp == 1
+    degrees = planned_degrees(facts, setup, site, searched)
+    found = evaluate_degrees(facts, replace(setup, batch_checked=len(degrees) > 1), site, allowed, degrees)
+    if found.best is not None and facts.n_params is not None:
+        setup = replace(setup, tp=found.best)
+    rows = found.rows.get(setup.tp) or next(iter(found.rows.values()))
+    choice = found.picks.get(setup.tp) if facts.n_params is not None and found.best is not None else None
     mfu, mfu_source = mfu_of(site)
     plan = Plan(job=spec.job.name, site=site.name, model=facts.label, n_params=facts.n_params,
                 nodes=setup.nodes, tasks_per_node=setup.tasks_per_node, micro_batch=setup.micro_batch,
@@ -78,6 +78,10 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
                 checkpointing=setup.checkpointing, compute_s=compute_seconds(facts, setup, site, mfu),
                 mfu=mfu, rows=rows, choice=choice, offload_allowed=allowed, mfu_source=mfu_source,
                 tp=setup.tp)
+    if choice is not None:
+        family = family_rows(facts, setup, site, allowed, choice, found)
+        plan.tp_rows, plan.tp_cross_domain = family, setup.tp_cross_domain
+    plan.nvlink_domain = nvlink_domain(site)
     plan.notes = plan_notes(site, setup, facts, spec.parallel.strategy)
     if facts.n_params is not None:
         plan.notes.append(peaks_note(facts, setup.async_save, gpu))
@@ -86,10 +90,23 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
         plan.recommendation = unknown_model(plan, setup)
     elif choice is None:
         plan.advice = advise(facts, setup, site, rows, allowed, shorter_model(spec, facts))
+        plan.advice[1:1] = ["Layouts tried, one line per family (none can run: it does not fit, or its global batch "
+                            "does not divide):"] + ["  " + x for x in tried_lines(found, setup.tasks_per_node)]
+        wide = cross_advice(facts, setup, site, allowed) if searched else ""
+        plan.advice += [wide] if wide else []
     else:
         plan.recommendation = recommend(plan, site, facts, setup)
-        plan.recommendation[1:1] = tp_lines
+        if facts.tp_split and choice.dims.fsdp_enabled:  # a family with a tensor-parallel plan, in a sharded layout
+            plan.recommendation[1:1] = tp_words(choice, found, plan.tp_rows, site, setup.tp_cross_domain)
     return plan
+
+
+def tp_words(choice: Row, found: tp.Any, family: list[Row], site: SiteProfile, cross: bool) -> list[str]:
+    """Why this tensor-parallel degree (against the next best) and what crossing NVLink islands costs."""
+    from hpc.plan.degrees import cross_line, why_line
+
+    lines = [why_line(choice, found), cross_line(choice, family, site, cross)]
+    return [x for x in lines if x]
 
 
 def shorter_model(spec: JobSpec, facts: ModelFacts) -> ModelFacts | None:

@@ -217,6 +217,20 @@ class Collective:
     phase: str = "backward"
 
 
+def island_site(site: SiteProfile, tp: int) -> SiteProfile:
+    """The site a tensor-parallel group of ``tp`` GPUs sees: inside one NVLink island (``node.nvlink_domain``)
+    its link is NVLink at ``nvlink_bandwidth``; wider (``parallel.tp_cross_domain``), the node's own link."""
+    import dataclasses
+
+    from hpc.core.site import nvlink_bandwidth, nvlink_domain
+
+    domain = nvlink_domain(site.node)
+    if tp > domain or site.node.intra_link in ("nvswitch", "nvlink") or domain <= 1:
+        return site
+    node = dataclasses.replace(site.node, intra_link="nvlink", intra_bandwidth_gbs=nvlink_bandwidth(site.node))
+    return dataclasses.replace(site, node=node)
+
+
 def _add(comm: Comm, c: Collective, group: Group, site: SiteProfile, tasks_per_node: int, repeat: int) -> None:
     sent = ring_bytes(c.kind, c.message, group.size) * repeat
     if not sent:
@@ -267,7 +281,7 @@ def _offload_copies(comm: Comm, facts: ModelFacts, cfg: Config, grad_accum: int)
     ranks = cfg.dims.dp_shard * cfg.dims.tp
     shard, root = (facts.n_params or 0) / ranks, (facts.root_params or 0) / ranks
     gathers = [("forward", "host→GPU parameter shard (offload)")]
-    if cfg.dims.reshard_after_forward:
+    if cfg.reshards:
         gathers.append(("backward", "host→GPU parameter shard again (offload)"))
     copies = [(phase, what, PARAM_BYTES) for phase, what in gathers]
     copies.append(("backward", "GPU→host gradient shard (offload)", REDUCE_BYTES))
@@ -294,10 +308,11 @@ def _sharded_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile,
             trained, facts.trainable_shapes if facts.trainable_params is not None else facts.param_shapes, degree)
     dp_per_node = max(1, tasks_per_node // t)
     shard = Group(degree, min(degree, dp_per_node))
-    # forward gathers the root first; backward gathers all but ``kept`` again
+    # forward gathers the root first; backward gathers all but ``kept`` again. Kept gathered
+    # (reshard_after_forward = false): the first micro-batch's forward gathers, nothing after it does.
     _add(comm, Collective("all-gather forward", "all_gather", n * c, units, root * c, "forward"), shard, site,
-         tasks_per_node, grad_accum)
-    if cfg.dims.reshard_after_forward:
+         tasks_per_node, 1 if cfg.keeps_gathered else grad_accum)
+    if cfg.reshards:
         _add(comm, Collective("all-gather backward", "all_gather", (n - kept) * c, units - 1, unit * c), shard,
              site, tasks_per_node, grad_accum)
     _add(comm, Collective("reduce-scatter gradients", "reduce_scatter", trained * REDUCE_BYTES, units,
@@ -334,6 +349,7 @@ def _tp_comm(comm: Comm, facts: ModelFacts, cfg: Config, site: SiteProfile, task
     d = getattr(facts.shape, "d_model", 0)
     tokens = cfg.micro_batch * facts.seq_len
     group = Group(t, t)
+    site = island_site(site, t)  # NVLink inside an island, the node's link across islands
     before = len(comm.parts)
     for (phase, kind), calls in tp_calls(facts, cfg.checkpointing).items():
         what = f"tp {'all-gather' if kind == 'all_gather' else 'reduce-scatter'} activations {phase}"

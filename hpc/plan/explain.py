@@ -465,16 +465,18 @@ def _pcie_rule(plan: Plan, choice: Row, site: SiteProfile) -> str:
 def _hsdp_rule(plan: Plan, choice: Row, rows: list[Row]) -> str:
     head = "Rule of thumb 'many nodes → HYBRID_SHARD'"
     by = measure(eligible(rows))
-    nodal = [r for r in rows if r.dims.hsdp_enabled and r.dims.dp_shard == plan.tasks_per_node and not r.cfg.offload]
+    nodal = [r for r in rows if r.dims.hsdp_enabled and r.dims.dp_shard * r.dims.tp == plan.tasks_per_node
+             and not r.cfg.offload]  # shard groups of one node (under tp, its tasks / tp data-parallel ranks)
     fit = [r for r in nodal if r.fits is not False]
     node = min(fit, key=lambda r: cost(r, by)) if fit else min(nodal, key=lambda r: r.need_gb or 0.0, default=None)
     if choice.dims.hsdp_enabled:
-        if choice.dims.dp_shard <= plan.tasks_per_node:
+        per_node = max(1, plan.tasks_per_node // choice.dims.tp)  # data-parallel ranks of a node (tp ranks share one)
+        if choice.dims.dp_shard <= per_node:
             return (f"{head}: agrees; the shard group of {choice.dims.dp_shard} keeps all-gathers inside one node"
                     f"{_cross_node_text(plan, choice, _flat(plan, rows, by))}.")
         why = f" (sharded over one node it needs {_fit_text(node)})" if node is not None and node.fits is False else ""
         return (f"{head}: agrees, but the shard group of {choice.dims.dp_shard} spans "
-                f"{choice.dims.dp_shard // plan.tasks_per_node} nodes{why}.")
+                f"{choice.dims.dp_shard // per_node} nodes{why}.")
     if node is None:
         return f"{head}: no node-sized shard group here."
     if node.fits is False:

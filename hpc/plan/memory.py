@@ -63,6 +63,18 @@ class Config:
     grad_accum: int = 1  # micro-steps per optimizer step: FSDP's gradients outlive a micro-step only when > 1
     document_mask: bool = False  # data.packing = "document": its attention kernel's holdings (document_bytes)
     gpu: bool = True  # a GPU site (the document kernel is flex_attention there, SDPA per span on CPUs)
+    reshard_after_forward: bool = True  # parallel.reshard_after_forward: false keeps every unit gathered all step
+
+    @property
+    def reshards(self) -> bool:
+        """Whether FSDP frees each unit's gathered parameters after its forward (full_shard, and the spec's
+        ``reshard_after_forward`` left true)."""
+        return self.dims.reshard_after_forward and self.reshard_after_forward
+
+    @property
+    def keeps_gathered(self) -> bool:
+        """Whether gathered units outlive a micro-batch (``reshard_after_forward`` = false under FSDP)."""
+        return self.dims.fsdp_enabled and not self.reshard_after_forward
 
 
 @dataclass
@@ -156,12 +168,13 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
         return _replica_buffers(facts.n_params or 0 if facts.matmul_params is None else facts.matmul_params, c, cfg)
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
     grads = (unit * (c + extra_reduce) + root * c) * trained_share(facts)  # one unit's unsharded grads (+ fp32), the root's
-    if cfg.dims.reshard_after_forward:
+    if cfg.reshards:
         gathered = root * c + 2 * unit * c  # root stays gathered; current unit + the prefetched next
         note = f"root + 2 blocks gathered in {_dtype(c)}"
-    else:  # shard_grad_op / no_shard: every unit stays unsharded from forward to backward
+    else:  # shard_grad_op / no_shard / reshard_after_forward = false: every unit unsharded from forward to backward
         gathered = n * c
-        note = f"all parameters unsharded in {_dtype(c)} from forward to backward"
+        note = f"all parameters unsharded in {_dtype(c)} from forward to backward" + (
+            " and across micro-batches (reshard_after_forward = false)" if cfg.keeps_gathered else "")
     return gathered + grads, [note, "one block's unsharded gradients before the reduce-scatter"]
 
 

@@ -40,6 +40,7 @@ class Row:
     host_capacity_gb: float | None  # usable host memory per node, for offload
     gpu: bool
     time: StepTime | None = None  # None where compute or a bandwidth is unknown
+    illegal: str = ""  # why this layout cannot run the spec (its global batch does not divide); "" if it can
 
     @property
     def dims(self) -> ParallelDims:
@@ -96,6 +97,8 @@ class Row:
 
     @property
     def fits(self) -> bool | None:
+        if self.illegal:
+            return False
         if self.need_gb is None or self.capacity_gb is None:
             return None
         if self.need_gb > self.capacity_gb or self.host_fits is False:
@@ -115,6 +118,7 @@ class Row:
                 "init": m.init, "peak": self.peak_gb, "staging_per_rank": m.staging,
                 "staging_per_node": m.staging_per_node, "host_need_per_node": self.host_need_gb},
             "capacity_gb": self.capacity_gb, "host_capacity_gb": self.host_capacity_gb, "fits": self.fits,
+            "illegal": self.illegal or None, "margin": None if self.need_gb is None else roomy(self),
             "comm": None if c is None else {
                 "gb_per_step": c.gb, "seconds_per_step": c.seconds, "cross_node_gb_per_node": c.cross_node_gb,
                 "gathers_cross_nodes": self.gathers_cross_nodes, "parts": [p.to_dict() for p in c.parts]},
@@ -141,7 +145,10 @@ class Plan:
     rows: list[Row]
     choice: Row | None
     offload_allowed: bool = False  # the spec's cpu_offload under auto: offload variants are candidates
-    tp: int = 1  # the tensor-parallel degree of the rows (the spec's, or the smallest that fits under auto)
+    tp: int = 1  # the tensor-parallel degree of the rows (the spec's, or the chosen one under auto)
+    tp_rows: list[Row] = field(default_factory=list)  # the chosen family at every degree the site allows
+    tp_cross_domain: bool = False  # parallel.tp_cross_domain: degrees across NVLink islands were planned
+    nvlink_domain: int = 1  # GPUs per NVLink island of the site (hpc.core.site.nvlink_domain)
     mfu_source: str = "assumed"
     recommendation: list[str] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
@@ -160,9 +167,22 @@ class Plan:
             "compute_seconds_per_step": self.compute_s, "mfu": self.mfu, "mfu_source": self.mfu_source,
             "rows": [r.to_dict() for r in self.rows], "compared_by": measure(eligible(self.rows)), "tie": TIE,
             "eligible": [r.label for r in eligible(self.rows)], "tie_break": SIMPLICITY_TEXT,
+            "nvlink_domain": self.nvlink_domain, "tp_cross_domain": self.tp_cross_domain,
+            "tp_degrees": [degree_dict(r, self.nvlink_domain) for r in self.tp_rows],
             "choice": None if self.choice is None else self.choice.to_dict(),
             "recommendation": self.recommendation, "advice": self.advice, "notes": self.notes,
         }
+
+
+def degree_dict(row: Row, domain: int) -> dict[str, tp.Any]:
+    """One tensor-parallel degree of the chosen family, for ``--json`` (``hpc.plan.degrees``)."""
+    from hpc.plan.degrees import crosses_domain_by, intra_gb, network_gb, tp_seconds
+
+    return {"tp": row.dims.tp, "label": row.label, "need_gb": row.need_gb, "capacity_gb": row.capacity_gb,
+            "fits": row.fits, "margin": roomy(row) if row.need_gb is not None else None,
+            "illegal": row.illegal or None, "step_s": row.step_s, "tp_comm_s": tp_seconds(row),
+            "intra_node_gb_per_gpu": intra_gb(row), "network_gb_per_node": network_gb(row),
+            "crosses_nvlink_domain": crosses_domain_by(row, domain)}
 
 
 # --- inputs ---------------------------------------------------------------------------------
@@ -181,6 +201,10 @@ class Setup:
     async_save: bool = False
     document_mask: bool = False  # data.packing = "document"
     tp: int = 1  # tensor-parallel degree: tp ranks share each micro-batch, world / tp take different ones
+    tp_cross_domain: bool = False  # parallel.tp_cross_domain: tp groups may span NVLink islands (within a node)
+    reshard_after_forward: bool = True  # parallel.reshard_after_forward (false: units stay gathered all step)
+    batch_checked: bool = False  # mark rows whose global batch does not divide illegal (the tp search of `auto`;
+    # the advice's changes say the global_batch they need instead)
 
     @property
     def world(self) -> int:
@@ -195,6 +219,16 @@ class Setup:
     def grad_accum(self) -> int:
         return max(1, self.global_batch // (self.dp_world * self.micro_batch))
 
+    @property
+    def batch_problem(self) -> str:
+        """Why ``global_batch`` does not split into whole micro-batches over the data-parallel ranks ("" if it does)."""
+        per_step = self.dp_world * self.micro_batch
+        if self.global_batch % per_step == 0:
+            return ""
+        ranks = f"{self.world} ranks / tp {self.tp}" if self.tp > 1 else f"{self.world} ranks"
+        return (f"global_batch {self.global_batch} is not divisible by {ranks} × micro_batch {self.micro_batch} "
+                f"= {per_step}")
+
 
 def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
     return Setup(nodes=nodes or spec.job.nodes, tasks_per_node=spec.job.tasks_per_node or site.default_tasks_per_node(),
@@ -202,7 +236,9 @@ def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
                  global_batch=spec.train.global_batch,
                  mixed_precision=compute_precision(spec.parallel.mixed_precision, site.node.gpus > 0),
                  dropout=spec.model.dropout, async_save=spec.checkpoint.async_save,
-                 document_mask=spec.data.packing == "document", tp=spec_tp(spec))
+                 document_mask=spec.data.packing == "document", tp=spec_tp(spec),
+                 tp_cross_domain=spec.parallel.tp_cross_domain,
+                 reshard_after_forward=spec.parallel.reshard_after_forward)
 
 
 def spec_tp(spec: JobSpec) -> int:
@@ -247,20 +283,18 @@ def tp_candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
     return out + ([(d, True) for d in layouts] if offload and gpu else [])
 
 
-def tp_degrees(facts: ModelFacts, site: SiteProfile, tasks_per_node: int) -> list[int]:
-    """The tensor-parallel degrees a plan may use: divisors of one NVLink domain (the GPUs of one node on
-    an NVLink or NVSwitch site) that also divide the node's ranks and the model's heads and KV heads;
-    [1] for a model without a TP plan."""
-    domain = nvlink_domain(site)
-    if not facts.tp_split or domain <= 1:
-        return [1]
-    return [t for t in range(1, domain + 1) if domain % t == 0 and tasks_per_node % t == 0
-            and all(n % t == 0 for n in facts.tp_divides)]
+def tp_degrees(facts: ModelFacts, site: SiteProfile, tasks_per_node: int, cross_domain: bool = False) -> list[int]:
+    """The tensor-parallel degrees a plan may use (``hpc.core.tensor_parallel.allowed_degrees``)."""
+    from hpc.core.tensor_parallel import allowed_degrees
+
+    return allowed_degrees(facts, site, tasks_per_node, cross_domain)
 
 
 def nvlink_domain(site: SiteProfile) -> int:
-    """GPUs of one NVLink domain: a node's on an NVLink or NVSwitch site, else 1 (TP over PCIe is not planned)."""
-    return site.node.gpus if site.node.intra_link in ("nvswitch", "nvlink") else 1
+    """GPUs of one NVLink domain (``hpc.core.site.nvlink_domain``); 0 GPUs: 1."""
+    from hpc.core.site import nvlink_domain as of_node
+
+    return of_node(site.node) if site.node.gpus else 1
 
 
 def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile) -> Row:
@@ -268,7 +302,8 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
     if dims.tp != setup.tp:
         setup = replace(setup, tp=dims.tp)
     cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
-                 setup.async_save, setup.grad_accum, setup.document_mask, site.node.gpus > 0)
+                 setup.async_save, setup.grad_accum, setup.document_mask, site.node.gpus > 0,
+                 setup.reshard_after_forward)
     gpu = site.node.gpus > 0
     tpn = setup.tasks_per_node
     memory = estimate(facts, cfg, tpn)
@@ -282,7 +317,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
         if offload else 0.0
     time = step_time(comm, compute_seconds(facts, setup, site, mfu_of(site)[0]), setup.grad_accum,
                      setup.checkpointing, host_s)
-    return Row(cfg, memory, comm, capacity, host, gpu, time)
+    return Row(cfg, memory, comm, capacity, host, gpu, time, setup.batch_problem if setup.batch_checked else "")
 
 
 def mfu_of(site: SiteProfile) -> tuple[float, str]:

@@ -45,6 +45,7 @@ def format_plan(plan: Plan) -> str:
     for row in table:
         lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
     lines.append("")
+    lines += _degree_table(plan)
     if plan.compute_s is not None:
         lines.append(f"compute per step: {_secs(plan.compute_s)} s at MFU {plan.mfu:.2f}, {plan.mfu_source}"
                      f"{' (+1/3 recompute)' if plan.checkpointing else ''}")
@@ -63,3 +64,30 @@ def _header(plan: Plan) -> str:
             f"{plan.tasks_per_node} ranks = {plan.world}{f' (tp {plan.tp})' if plan.tp > 1 else ''}; micro_batch {plan.micro_batch} × grad_accum "
             f"{plan.grad_accum}; mixed_precision {plan.mixed_precision}; activation checkpointing "
             f"{'on' if plan.checkpointing else 'off'}")
+
+
+def _degree_table(plan: Plan) -> list[str]:
+    """The chosen family at every tensor-parallel degree the site allows: memory against the margin, step, and
+    the bytes each GPU sends inside its node and each node sends over its network per step."""
+    from hpc.plan.degrees import crosses_domain_by, intra_gb, network_gb
+    from hpc.plan.rows import MARGIN, roomy
+
+    if not plan.tp_rows:
+        return []
+    head = ["tp", "layout", "+headroom", "of GPU", "fits", "step s", "tp comm s", "intra-node GB/GPU", "network GB/node"]
+    table = [head]
+    for r in plan.tp_rows:
+        share = f"{r.need_gb / r.capacity_gb:.0%}" if r.need_gb is not None and r.capacity_gb else "?"
+        fits = "no (batch)" if r.illegal else {True: "yes" if roomy(r) else f"tight (>{MARGIN:.0%})", False: "no",
+                                                None: "?"}[r.fits]
+        mark = "* " if r is plan.choice else "  "
+        tp_s = sum(p.seconds or 0.0 for p in r.comm.parts if p.what.startswith("tp ")) if r.comm else 0.0
+        table.append([mark + str(r.dims.tp) + (" (across islands)" if crosses_domain_by(r, plan.nvlink_domain) else ""),
+                      r.label, _num(r.need_gb), share, fits, _secs(r.step_s), _secs(tp_s), _num(intra_gb(r)),
+                      _num(network_gb(r))])
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ["tensor-parallel degrees of the chosen family (the choice: the fastest that fits with the margin, "
+             "ties within 1% to less memory):"]
+    for row in table:
+        lines.append("  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    return lines + [""]

@@ -39,7 +39,8 @@ def need_figures(spec: JobSpec, site: SiteProfile, launch: Launch) -> tuple[floa
     offload = bool(launch.cpu_offload) and launch.dims.fsdp_enabled
     cfg = Config(launch.dims, offload, compute_precision(spec.parallel.mixed_precision, gpu),
                  spec.parallel.activation_checkpointing, spec.train.micro_batch, spec.model.dropout,
-                 spec.checkpoint.async_save, max(1, launch.grad_accum), spec.data.packing == "document", gpu)
+                 spec.checkpoint.async_save, max(1, launch.grad_accum), spec.data.packing == "document", gpu,
+                 spec.parallel.reshard_after_forward)
     m = estimate(facts, cfg, launch.tasks_per_node)
     if m is None:
         return None

@@ -154,6 +154,11 @@ class Counted:
     unit_params: int  # the largest block under ``model.blocks``
     n_units: int
     embedding_params: int  # nn.Embedding weights that no linear layer shares
+    # forward FLOPs of one sample (2 per multiply-add): a task's declared ``task.flops_per_sample``, or counted on the
+    # meta device (``trainer.count.forward_flops``); None: unknown (the planner then takes 6 per parameter per position)
+    flops_per_sample: float | None = None
+    flops_source: str = ""
+    units_params: int | None = None  # all blocks together (they may differ in size: a ResNet's stages); None: unknown
 
 
 def _load(module: str) -> Family:

@@ -461,10 +461,66 @@ def _from_topo(d: Draft, topo: Topology, query: GpuQuery | None) -> None:
         d.assumed.append(f"node.intra_latency_us = {d.node['intra_latency_us']:g}: typical for {link}, not measured")
     d.found.append(why[0])
     d.assumed += why[1:]
+    _nvlink_islands(d, n, topo, link, query)
     numa = sorted({x for x in topo.numa if x and x != "N/A"})
     if len(numa) > 1:
         d.found.append(f"GPUs sit on {len(numa)} NUMA nodes ({', '.join(numa)})")
     _from_nics(d, topo)
+
+
+def nvlink_islands(n: int, topo: Topology) -> list[list[int]]:
+    """The GPUs NVLink joins, as islands (connected by NV# cells), in GPU order; a GPU without NVLink is its own."""
+    island = list(range(n))
+
+    def root(i: int) -> int:
+        while island[i] != i:
+            i = island[i]
+        return i
+
+    for (i, j), cell in topo.links.items():
+        if NV.match(cell):
+            island[root(i)] = root(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(root(i), []).append(i)
+    return sorted(groups.values())
+
+
+def island_domain(n: int, topo: Topology) -> tuple[int, int, str]:
+    """(GPUs per NVLink island, the fewest NV# links inside one, why): islands of one size k, each k consecutive GPUs
+    joined pairwise, give k (a tensor-parallel group of consecutive ranks then stays on NVLink); otherwise 1."""
+    islands = nvlink_islands(n, topo)
+    sizes = sorted({len(x) for x in islands})
+    shown = " ".join("{" + ",".join(f"GPU{i}" for i in x) + "}" for x in islands if len(x) > 1)
+    if sizes == [1]:
+        return 1, 0, ""
+    k = len(islands[0])
+    consecutive = all(x == list(range(x[0], x[0] + k)) for x in islands)
+    counts = [int(m.group(1)) for x in islands for i in x for j in x if i != j
+              if (m := NV.match(topo.links[(i, j)]))]
+    clique = len(counts) == len(islands) * k * (k - 1)
+    if len(sizes) == 1 and consecutive and clique:
+        return k, min(counts), f"NVLink islands of {k} GPUs: {shown}"
+    why = ("islands of different sizes" if len(sizes) > 1 else "islands that are not consecutive GPUs"
+           if not consecutive else "islands whose GPUs are not all joined pairwise")
+    return 1, 0, f"NVLink joins {shown} only, {why}: nvlink_domain = 1 (no tensor-parallel group stays on NVLink)"
+
+
+def _nvlink_islands(d: Draft, n: int, topo: Topology, link: str, query: GpuQuery | None) -> None:
+    """``node.nvlink_domain`` (and the islands' own bandwidth) on a node whose NVLink joins only some GPU pairs."""
+    if n <= 1 or link in ("nvswitch", "nvlink") or topo.nvlink_visible is not True:
+        return
+    domain, links, why = island_domain(n, topo)
+    if not why:
+        return
+    d.node["nvlink_domain"] = domain
+    d.found.append(why)
+    if domain > 1:
+        rtx = bool(query and any("RTX" in x for x in query.names))
+        per_link = BRIDGE_GBS_PER_LINK if rtx else NVLINK_GBS_PER_LINK
+        d.node["nvlink_bandwidth_gbs"] = links * per_link
+        d.assumed.append(f"node.nvlink_bandwidth_gbs = {links * per_link:g}: NV{links} × {per_link:g} GB/s per link per "
+                         f"direction inside an island ({'RTX bridge' if rtx else 'NVLink 2–4'})")
 
 
 def _intra_link(n: int, topo: Topology, query: GpuQuery | None) -> tuple[str, float, list[str]]:
