@@ -191,12 +191,14 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     model and names its units (default: ``spec``'s, ``trainer.tasks.task_for``); ``[lora]``'s adapters are
     added to it (``trainer.lora``)."""
     task = task_for(spec, launch.data_source) if task is None else task
-    model = apply_lora(task.meta_model() if model is None else model, spec)
+    parallel = launch_parallel(spec, launch)
+    model = apply_lora(task.meta_model() if model is None else model, spec, parallel.mixed_precision,
+                       launch.dims.strategy)
     blocks = task.blocks(model)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
     rng = uses_rng(spec.model.dropout, blocks, not model_facts(spec.model).builtin)  # a user model: unknown
-    model = parallelize(model, blocks, launch_parallel(spec, launch), launch.dims, mesh, device, init, rng)
+    model = parallelize(model, blocks, parallel, launch.dims, mesh, device, init, rng)
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",
