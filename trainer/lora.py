@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hpc.compat import is_nf4_tensor, to_nf4
 from hpc.core.errors import CheckpointError, ConfigError
 from hpc.core.lora import Lora, base_dtype_problems, is_adapter, is_nf4, rest_dtype, resolved_targets, trains_in_full
 
@@ -120,27 +121,6 @@ def _stored(p: torch.Tensor, dtype: torch.dtype, nf4: bool) -> nn.Parameter:
     if p.dtype == dtype:
         return p  # type: ignore[return-value]
     return nn.Parameter(p.detach().to(dtype), requires_grad=False)
-
-
-def to_nf4(value: torch.Tensor) -> torch.Tensor:
-    """torchao's NF4 of ``value`` (QLoRA's block sizes, ``hpc.core.lora.NF4_BLOCK``); torchao is the
-    `qlora` extra, imported only here."""
-    try:
-        from torchao.quantization import to_nf4 as quantize
-    except ImportError:
-        raise ConfigError(["`lora.base_dtype` = 'nf4' needs torchao (pip install 'hpcx[qlora]')"]) from None
-    from hpc.core.lora import NF4_BLOCK, NF4_SCALER_BLOCK
-
-    if value.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
-        raise ConfigError([f"`lora.base_dtype` = 'nf4': a projection of shape {tuple(value.shape)} has "
-                           f"{value.numel()} weights, not a multiple of {NF4_BLOCK * NF4_SCALER_BLOCK} "
-                           f"(NF4 blocks of {NF4_BLOCK} weights, scales in blocks of {NF4_SCALER_BLOCK})"])
-    return quantize(value, block_size=NF4_BLOCK, scaler_block_size=NF4_SCALER_BLOCK)
-
-
-def is_nf4_tensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` is torchao's NF4Tensor (told by its class, so torchao is not imported for others)."""
-    return type(t).__name__ == "NF4Tensor"
 
 
 def copy_into(local: torch.Tensor, value: torch.Tensor) -> None:

@@ -168,7 +168,7 @@ def init_module(module: nn.Module, name: str, seed: int, device: torch.device) -
     with torch.no_grad():
         for k, p in sharded.items():
             if _is_nf4(p):  # a frozen LoRA base in 4 bits: quantized whole, a new tensor (trainer.lora)
-                from trainer.lora import to_nf4
+                from hpc.compat import to_nf4
 
                 setattr(module, k, nn.Parameter(to_nf4(values[k].to(p.dtype)), requires_grad=False))
             else:

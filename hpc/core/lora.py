@@ -225,6 +225,15 @@ def with_lora(facts: ModelFacts, spec: JobSpec) -> ModelFacts:
     extra = [s for n, s in _base_shapes(spec.model).items() if trains_in_full(n, lora)]
     added = sum(math.prod(s) for s in adapters.values())
     trainable = tuple(adapters.values()) + tuple(extra)
+    nf4 = sum(math.prod(s) for n, s in _base_shapes(spec.model).items() if is_nf4(n, lora, spec.model.arch))
     return dataclasses.replace(facts, n_params=facts.n_params + added, param_shapes=facts.param_shapes + tuple(
         adapters.values()), trainable_params=sum(math.prod(s) for s in trainable), trainable_shapes=trainable,
-        label=f"{facts.label}, LoRA r={lora.rank}")
+        label=f"{facts.label}, LoRA r={lora.rank}" + ("" if lora.base_dtype == "auto" else f" {lora.base_dtype}"),
+        base_dtype=lora.base_dtype, nf4_params=nf4)
+
+
+def base_bytes(base_dtype: str, mixed_precision: str) -> tuple[int, float]:
+    """(bytes per frozen parameter, bytes per NF4 one) of a LoRA base stored at ``base_dtype`` in a run
+    computing in ``mixed_precision`` (what ``trainer.lora.keep_base`` allocates)."""
+    rest = 2 if rest_dtype(Lora(base_dtype=base_dtype), mixed_precision) == "bf16" else 4
+    return rest, nf4_bytes(rest)
