@@ -1,7 +1,9 @@
 """Peak memory of a LoRA step against a full fine-tune step of the same model, on CPU, and the ratio the
-planner predicted for the two (``hpc.plan.memory.estimate``, with ``hpc.core.lora.with_lora``).
+planner predicted for the two (``hpc.plan.memory.estimate``, with ``hpc.core.lora.with_lora``); then a
+LoRA step at each frozen-base dtype (``lora.base_dtype``: fp32, bf16, nf4, under bf16 autocast) against
+the planner's total for it, and the measured and planned ratio of each to the fp32 base.
 
-    python bench/lora_memory/run.py [--dim 1024] [--layers 8] [--rank 16] [--micro-batch 2]
+    python bench/lora_memory/run.py [--dim 1024] [--layers 8] [--rank 16] [--micro-batch 2] [--no-dtypes]
 
 Each mode runs in a fresh process (strategy none, fp32, no activation checkpointing): the trainer's
 own model construction (``trainer.train.build_parallel_model``, so LoRA is ``trainer.lora.apply_lora``)
@@ -33,13 +35,15 @@ def status_bytes(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def overrides(args: argparse.Namespace, lora: bool) -> list[str]:
+def overrides(args: argparse.Namespace, lora: bool, base: str = "") -> list[str]:
+    """The bench's spec: fp32 compute, or with ``base`` (a ``lora.base_dtype``) bf16 autocast."""
     sets = ["model.arch='llama'", "model.size='small'", f"model.dim={args.dim}", f"model.n_layers={args.layers}",
             "model.n_heads=16", "model.n_kv_heads=4", "model.seq_len=256", "model.vocab_size=8192",
             "parallel.strategy='none'", "job.tasks_per_node=1", f"train.micro_batch={args.micro_batch}",
-            f"train.global_batch={args.micro_batch}", "parallel.mixed_precision='none'",
+            f"train.global_batch={args.micro_batch}", f"parallel.mixed_precision={'bf16' if base else 'none'!r}",
             "parallel.activation_checkpointing=false"]
-    return sets + ([f"lora.rank={args.rank}", f"lora.targets={TARGETS}"] if lora else [])
+    return sets + ([f"lora.rank={args.rank}", f"lora.targets={TARGETS}"] if lora else []) + (
+        [f"lora.base_dtype={base!r}"] if base else [])
 
 
 def worker(sets: list[str], out: str) -> None:
@@ -58,9 +62,11 @@ def worker(sets: list[str], out: str) -> None:
     model, _ = build_parallel_model(spec, launch, torch.device("cpu"))
     optimizer = build_optimizer(model, spec.train)
     tokens = torch.randint(0, spec.model.vocab_size, (spec.train.micro_batch, spec.model.seq_len + 1))
+    amp = launch.parallel.mixed_precision == "bf16"  # the trainer's autocast for a replica (strategy none)
     started = time.perf_counter()
     for _ in range(2):
-        logits = model(tokens[:, :-1])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         optimizer.step()
@@ -88,12 +94,28 @@ def measure(sets: list[str]) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def base_dtypes(args: argparse.Namespace) -> None:
+    """A LoRA step at each ``lora.base_dtype`` under bf16 autocast: measured step peak against the
+    planner's total (its error), and each one's ratio to the fp32 base, measured and planned."""
+    got = {}
+    for base in ("fp32", "bf16", "nf4"):
+        sets = overrides(args, True, base)
+        r, plan = measure(sets), planned(sets)
+        got[base] = step, _ = r["peak"] - r["baseline"], plan
+        print(f"base {base}: step peak +{step / GB:.3f} GB | planner {plan:.3f} GB | planned / measured "
+              f"{plan * GB / step:.3f} | {r['seconds']:.1f} s per step", flush=True)
+    for base in ("bf16", "nf4"):
+        print(f"base {base} / fp32: measured {got[base][0] / got['fp32'][0]:.3f}, planner "
+              f"{got[base][1] / got['fp32'][1]:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--no-dtypes", dest="dtypes", action="store_false", help="skip the base-dtype runs")
     args = parser.parse_args()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     got = {}
@@ -106,6 +128,8 @@ def main() -> None:
               f"(peak RSS {r['peak'] / GB:.3f} GB) | planner {plan:.3f} GB | {r['seconds']:.1f} s per step", flush=True)
     (lora, lora_plan), (full, full_plan) = got["lora"], got["full"]
     print(f"LoRA / full: measured {lora / full:.3f}, planner {lora_plan / full_plan:.3f}")
+    if args.dtypes:
+        base_dtypes(args)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 

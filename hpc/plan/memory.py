@@ -166,7 +166,13 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     n, unit, root = (facts.n_params or 0) / t, (facts.unit_params or 0) / t, (facts.root_params or 0) / t
     c = compute_bytes(cfg.mixed_precision)
     if not cfg.dims.fsdp_enabled:
-        return _replica_buffers(copied_matmuls(facts, cfg), c, cfg)
+        total, notes = _replica_buffers(copied_matmuls(facts, cfg), c, cfg)
+        if facts.nf4_largest:
+            from hpc.core.lora import NF4_DEQUANT_BYTES
+
+            notes.append("one NF4 projection dequantized at a time for its matmul")
+            total += facts.nf4_largest * NF4_DEQUANT_BYTES
+        return total, notes
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
     grads = (unit * (c + extra_reduce) + root * c) * trained_share(facts)  # one unit's unsharded grads (+ fp32), the root's
     if cfg.dims.reshard_after_forward:
