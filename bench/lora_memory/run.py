@@ -5,11 +5,12 @@ the planner's total for it, and the measured and planned ratio of each to the fp
 
     python bench/lora_memory/run.py [--dim 1024] [--layers 8] [--rank 16] [--micro-batch 2] [--no-dtypes]
 
-Each mode runs in a fresh process (strategy none, fp32, no activation checkpointing): the trainer's
+Each mode runs in a fresh process (strategy none, no activation checkpointing): the trainer's
 own model construction (``trainer.train.build_parallel_model``, so LoRA is ``trainer.lora.apply_lora``)
 and optimizer (``trainer.optim.build_optimizer``), then two optimizer steps of forward, cross-entropy,
 backward, AdamW; the peak RSS (VmHWM, reset once torch is imported) minus the RSS before the build is
-the step's memory. Printed beside each: the planner's total for the same configuration, and for the
+the step's memory (the build is run once on the meta device first, so the modules it imports are
+not counted). Printed beside each: the planner's total for the same configuration, and for the
 pair the measured ratio LoRA / full against the planner's ratio, from the same run.
 """
 
@@ -56,6 +57,7 @@ def worker(sets: list[str], out: str) -> None:
 
     torch.set_num_threads(1)
     spec, _, launch = load_job(str(REPO / "jobs" / "tiny-ddp.toml"), "local", sets)
+    build_parallel_model(spec, launch, torch.device("meta"), materialize=False)  # its imports (torchao's too)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     baseline = status_bytes("VmRSS")
