@@ -238,11 +238,13 @@ def initial_weights(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None
         set_base_record(model, {"source": str(source.step or source.path), "sha256": agreed_digest(source)})
     if is_adapter_folder(path):
         read += load_adapters(model, Path(path), spec)
-    report = {"init_from": str(source.step or source.path), "kind": source.kind, "bytes_read": read,
-              "source_bytes": source.nbytes, "seconds": time.perf_counter() - tic}
+    total = source.nbytes
     if is_adapter_folder(path):  # the adapters' bytes are in bytes_read, so in the total too
+        total += sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    report: dict[str, tp.Any] = {"init_from": str(source.step or source.path), "kind": source.kind,
+                                 "bytes_read": read, "source_bytes": total, "seconds": time.perf_counter() - tic}
+    if is_adapter_folder(path):
         report["adapters"] = str(Path(path).resolve())
-        report["source_bytes"] += sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     log.info(init_line(report))
     return report
 

@@ -95,8 +95,8 @@ def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
 def tokenizer_files(resolved: dict[str, tp.Any], run: Path | None = None) -> list[Path]:
     """The tokenizer files of the run's data, when it names a tokenizer: the ``tokenizer.path`` of
     ``RUN/data.json`` (what the run trained on) or of the manifest of a prepared ``data.source``
-    folder, else a ``data.tokenizer`` path; a ``tokenizer.json`` brings the files beside it. None
-    named: nothing (the export then has no tokenizer)."""
+    folder; a ``tokenizer.json`` brings the files beside it. None named (synthetic tokens, a flat
+    ``.bin``): nothing (the export then has no tokenizer)."""
     named = _tokenizer_path(resolved, run)
     if named is None:
         return []
@@ -124,8 +124,7 @@ def _tokenizer(resolved: dict[str, tp.Any], run: Path | None) -> tuple[Path | No
         path = tok.get("path") if isinstance(tok, dict) else tok
         if isinstance(path, str) and Path(path).exists():
             return Path(path), tok if isinstance(tok, dict) else {}
-    name = data.get("tokenizer")
-    return (Path(name) if isinstance(name, str) and name and Path(name).exists() else None), {}
+    return None, {}  # `[data]` names no tokenizer of its own: only prepared data records one
 
 
 def chat_templates(resolved: dict[str, tp.Any], run: Path | None = None) -> dict[str, str]:

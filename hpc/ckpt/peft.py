@@ -267,8 +267,10 @@ def run_precision(resolved: dict[str, tp.Any]) -> str:
     backend decides it, as ``hpc.core.resolve.decide_parallel`` does)."""
     from hpc.core.spec import compute_precision
 
-    launch = resolved.get("launch") if isinstance(resolved.get("launch"), dict) else {}
-    decided = (launch.get("parallel") or {}).get("mixed_precision") if isinstance(launch, dict) else None
+    launch = resolved.get("launch")
+    launch = launch if isinstance(launch, dict) else {}
+    parallel = launch.get("parallel")
+    decided = parallel.get("mixed_precision") if isinstance(parallel, dict) else None
     if isinstance(decided, str) and decided != "auto":
         return decided
     spec = resolved.get("spec", {}).get("parallel", {})
