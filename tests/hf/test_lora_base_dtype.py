@@ -137,6 +137,13 @@ def test_the_nf4_first_loss_is_within_qloras_tolerance_of_the_bf16_base(runs):
     assert 1e-5 < abs(nf4[0] - bf16[0]) / bf16[0] < QLORA_TOLERANCE, (nf4[0], bf16[0])
 
 
+def test_an_nf4_base_under_ddp_trains_as_one_process(runs, base, tmp_path):
+    """Each DDP rank holds the whole NF4 base (quantized the same way from the same file); the
+    adapters' gradients are all-reduced over gloo: the losses are the one-process run's."""
+    ddp = run_of(tmp_path, "ddp", base, "nf4", "ddp", 2)
+    assert losses(ddp) == pytest.approx(losses(runs["nf4"]), abs=1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "nf4"])
 def test_the_adapters_train_and_checkpoints_hold_them_only(runs, dtype):
     reader = DcpReader(sorted((runs[dtype] / "checkpoints").glob("step-*"))[-1])
