@@ -270,3 +270,33 @@ def memoized_strided_shards() -> tp.Iterator[None]:
         yield
     finally:
         _StridedShard.local_shard_size_and_offset = original  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------- torchao (the `qlora` extra)
+
+
+def to_nf4(value: tp.Any) -> tp.Any:
+    """torchao's NF4 of ``value`` at QLoRA's block sizes (``hpc.core.lora.NF4_BLOCK``): public as
+    ``torchao.quantization.to_nf4`` since torchao 0.13, ``torchao.dtypes.nf4tensor.to_nf4`` before (the
+    path torchtune imports). A projection NF4 cannot block, or torchao missing, is one line."""
+    from hpc.core.errors import ConfigError
+    from hpc.core.lora import NF4_BLOCK, NF4_SCALER_BLOCK
+
+    try:
+        from torchao.quantization import to_nf4 as quantize
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import to_nf4 as quantize
+        except ImportError:
+            raise ConfigError(["`lora.base_dtype` = 'nf4' needs torchao (pip install 'hpcx[qlora]')"]) from None
+    if value.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
+        raise ConfigError([f"`lora.base_dtype` = 'nf4': a projection of shape {tuple(value.shape)} has "
+                           f"{value.numel()} weights, not a multiple of {NF4_BLOCK * NF4_SCALER_BLOCK} "
+                           f"(NF4 blocks of {NF4_BLOCK} weights, scales in blocks of {NF4_SCALER_BLOCK})"])
+    return quantize(value, block_size=NF4_BLOCK, scaler_block_size=NF4_SCALER_BLOCK)
+
+
+def is_nf4_tensor(t: tp.Any) -> bool:
+    """Whether ``t`` is torchao's NF4Tensor, told by its class name so torchao is imported only by a run
+    that quantizes."""
+    return type(t).__name__ == "NF4Tensor"

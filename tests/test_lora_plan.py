@@ -124,7 +124,8 @@ def test_a_lora_8b_fits_one_h100_where_the_full_fine_tune_does_not(spec_file):
     row = plan.choice
     assert row.memory.grads == pytest.approx(41_943_040 * 4 / 1e9)  # fp32 gradients of the adapters only
     assert row.memory.optimizer == pytest.approx(41_943_040 * 8 / 1e9)
-    assert row.memory.params == pytest.approx((8_030_261_248 + 41_943_040) * 4 / 1e9)  # the frozen base stays fp32
+    # the frozen base in bf16 (lora.base_dtype = "auto" under bf16 compute), the adapters in fp32
+    assert row.memory.params == pytest.approx((8_030_261_248 * 2 + 41_943_040 * 4) / 1e9)
     full, _, _ = load_job(str(spec_file), "dgx-h100", ["parallel.strategy='none'"])
     assert not plan_job(full, site).rows[0].fits
 
@@ -156,3 +157,51 @@ def test_dryrun_of_a_lora_8b_agrees_with_the_plan(spec_file, sets):
     shard = launch.dims.dp_shard
     assert result.measured["optimizer"] == pytest.approx(41_943_040 * 8 / shard, rel=0.01)
     assert result.n_params == 8_030_261_248 + 41_943_040 and math.isfinite(result.seconds)
+
+
+# ---------------------------------------------------------------- the frozen base's dtype (issue 44/45)
+
+ONE_24GB = """
+[scheduler]
+kind = "local"
+
+[node]
+gpus = 1
+gpu_model = "NVIDIA L4"
+gpu_memory_gb = 24
+gpu_peak_tflops = 121
+cpus = 16
+memory_gb = 128
+"""
+
+
+@pytest.mark.parametrize("dtype,params_gb,fits", [
+    # 8,030,261,248 base × 2 B + 41,943,040 adapters × 4 B
+    ("auto", (8_030_261_248 * 2 + 41_943_040 * 4) / 1e9, True),
+    ("fp32", (8_030_261_248 + 41_943_040) * 4 / 1e9, False),
+    # the 32 layers' 7 projections (6,979,321,856 weights) × (0.5 + 1/64 + 2/16384) B, embedding and head
+    # (1,050,673,152) and norms (266,240) × 2 B, adapters × 4 B
+    ("nf4", (6_979_321_856 * (0.5 + 1 / 64 + 2 / 16384) + (8_030_261_248 - 6_979_321_856) * 2
+             + 41_943_040 * 4) / 1e9, True),
+])
+def test_an_8b_lora_fits_one_24gb_gpu_in_bf16(spec_file, tmp_path, dtype, params_gb, fits):
+    site_file = tmp_path / "one24.toml"
+    site_file.write_text(ONE_24GB)
+    sets = [*lora(16), f"lora.base_dtype={dtype!r}", "model.seq_len=2048", "parallel.strategy='none'"]
+    spec, site, _ = load_job(str(spec_file), str(site_file), sets)
+    row = plan_job(spec, site).rows[0]
+    assert row.memory.params == pytest.approx(params_gb, rel=1e-6)
+    assert row.fits is fits and not row.memory.host_per_node  # without offload
+    if dtype == "auto":  # 16.2 + 0.17 + 0.34 + 0.08 + 3.0 = 19.8 GB, 23.8 with 2 GB context + 10 %
+        assert 19 < row.memory.total < 20.5 and row.memory.buffers < 0.1  # no autocast copies of a bf16 base
+    out = hpcx("plan", str(spec_file), "--site", str(site_file), *(f"--set={s}" for s in sets))
+    assert out.returncode == 0 and ("yes" in out.stdout) is fits, out.stdout
+
+
+def test_an_nf4_base_counts_its_dequantized_projection(spec_file):
+    spec, site, _ = load_job(str(spec_file), "dgx-h100", [*lora(16), "lora.base_dtype='nf4'", "parallel.strategy='none'"])
+    facts = with_lora(model_facts(spec.model), spec)
+    assert facts.nf4_params == 6_979_321_856 and facts.nf4_largest == 14_336 * 4_096  # w1/w2/w3
+    bf16, _, _ = load_job(str(spec_file), "dgx-h100", [*lora(16), "lora.base_dtype='bf16'", "parallel.strategy='none'"])
+    gap = plan_job(spec, site).rows[0].memory.buffers - plan_job(bf16, site).rows[0].memory.buffers
+    assert gap == pytest.approx(14_336 * 4_096 * 15 / 1e9)

@@ -42,10 +42,11 @@ from hpc.ckpt.entries import Scratch
 from hpc.ckpt.init_source import InitSource, open_source
 from hpc.ckpt.torch_zip import read_exact
 from hpc.ckpt.peft import is_adapter_folder, read_adapters
+from hpc.core.errors import ConfigError
 from hpc.core.lora import is_adapter
 from hpc.core.models import model_facts
 from hpc.core.spec import JobSpec
-from trainer.lora import agreed_digest, base_record, check_base, has_frozen, set_base_record
+from trainer.lora import agreed_digest, base_record, check_base, copy_into, has_frozen, is_nf4_tensor, set_base_record
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer, TrainState
@@ -161,8 +162,7 @@ def load_safetensors(model: nn.Module, source: InitSource) -> int:
                 f = files.get(r.file) or files.setdefault(r.file, open(r.file, "rb", buffering=0))
                 read_exact(f, offset, pieces[done_here:done_here + nbytes], str(r.file))
                 done_here += nbytes
-            with torch.no_grad():
-                local.copy_(buf.view(local.shape))
+            copy_into(local, buf.view(local.shape))
             done += r.length
     finally:
         for f in files.values():
@@ -190,8 +190,7 @@ def load_torch_file(model: nn.Module, source: InitSource) -> int:
                 done += whole
             if cols is not None:  # tensor parallelism's column split: whole rows read, this rank's columns kept
                 buf = buf[:, cols[0]:cols[1]]
-            with torch.no_grad():
-                local.copy_(buf.reshape(local.shape))
+            copy_into(local, buf.reshape(local.shape))
     finally:
         reader.close()
     return done
@@ -208,6 +207,10 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
     from trainer.checkpoint import _load_modules
 
     assert source.step is not None  # a dcp source names its step folder
+    if any(is_nf4_tensor(p) for _, p in named_params(model)):
+        raise ConfigError([f"`checkpoint.init_from` = {source.path}: a DCP checkpoint into an NF4 base "
+                           "(`lora.base_dtype` = 'nf4'); export it first (hpcx ckpt convert --to hf) and start "
+                           "from that folder"])
     reader = formats.get(source.kind).open(source.step)
     try:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -235,11 +238,24 @@ def initial_weights(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None
         set_base_record(model, {"source": str(source.step or source.path), "sha256": agreed_digest(source)})
     if is_adapter_folder(path):
         read += load_adapters(model, Path(path), spec)
-    report = {"init_from": str(source.step or source.path), "kind": source.kind, "bytes_read": read,
-              "source_bytes": source.nbytes, "seconds": time.perf_counter() - tic}
-    log.info("init_from %s (%s): read %d of %d bytes on this rank in %.2f s", report["init_from"], source.kind,
-             read, source.nbytes, report["seconds"])
+    total = source.nbytes
+    if is_adapter_folder(path):  # the adapters' bytes are in bytes_read, so in the total too
+        total += sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    report: dict[str, tp.Any] = {"init_from": str(source.step or source.path), "kind": source.kind,
+                                 "bytes_read": read, "source_bytes": total, "seconds": time.perf_counter() - tic}
+    if is_adapter_folder(path):
+        report["adapters"] = str(Path(path).resolve())
+    log.info(init_line(report))
     return report
+
+
+def init_line(report: dict[str, tp.Any]) -> str:
+    """The log line of ``initial_weights``: the folder read (a run's step folder; a PEFT folder and the
+    base it adapts), and the bytes this rank read of the source's total (adapters included)."""
+    base, adapters = report["init_from"], report.get("adapters")
+    where = f"{adapters} (PEFT adapters) of base {base}" if adapters else base
+    return (f"init_from {where} ({report['kind']}): {report['bytes_read']:,} of {report['source_bytes']:,} bytes "
+            f"read on this rank in {report['seconds']:.2f} s")
 
 
 def start_weights(trainer: Trainer, state: TrainState, spec: JobSpec) -> TrainState:

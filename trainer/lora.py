@@ -11,6 +11,13 @@ is frozen (``requires_grad = False``): the optimizer and gradient clipping take 
 only (``trainer.optim``), FSDP2 shards frozen and trainable parameters of a unit together and
 reduce-scatters only the gradients there are, and checkpoints leave the frozen base out
 (``state_options``), recording where it came from (``base_record``) instead.
+
+The frozen base then takes ``lora.base_dtype`` (``keep_base``, still on the meta device, so ``to_empty``
+allocates it at that size): bf16 tensors, and under `nf4` torchao's ``NF4Tensor`` for the blocks'
+projections (``hpc.core.lora.is_nf4``), which ``nn.Linear`` runs through torchao's ``F.linear`` (the
+weight dequantized to the input's dtype for the matmul, never stored dequantized). ``WeightInit``
+initialises an NF4 weight whole in its dtype and quantizes it (``trainer.model.init_module``);
+``init_from`` copies each tensor in, quantized as it lands (``copy_into``).
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hpc.compat import is_nf4_tensor, to_nf4
 from hpc.core.errors import CheckpointError, ConfigError
-from hpc.core.lora import Lora, is_adapter, resolved_targets, trains_in_full
+from hpc.core.lora import Lora, base_dtype_problems, is_adapter, is_nf4, rest_dtype, resolved_targets, trains_in_full
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.ckpt.init_source import InitSource
@@ -62,9 +70,10 @@ def add_adapters(linear: nn.Linear, lora: Lora) -> None:
     linear.register_forward_hook(_adapter_hook)
 
 
-def apply_lora(model: nn.Module, spec: JobSpec) -> nn.Module:
+def apply_lora(model: nn.Module, spec: JobSpec, mixed_precision: str = "none", strategy: str = "none") -> nn.Module:
     """Adapters on every target of ``spec.lora``, on the device the model is on; every other parameter
-    frozen but ``lora.trainable``. The model as it was when LoRA is off."""
+    frozen but ``lora.trainable``, and kept at ``lora.base_dtype`` for a run computing in
+    ``mixed_precision`` with ``strategy`` (both decided; ``keep_base``). The model as it was when LoRA is off."""
     lora = spec.lora
     if not lora.enabled:
         return model
@@ -78,7 +87,47 @@ def apply_lora(model: nn.Module, spec: JobSpec) -> nn.Module:
             add_adapters(linear, lora)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter(name) or trains_in_full(name, lora))
+    keep_base(model, spec, mixed_precision, strategy)
     return model
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def keep_base(model: nn.Module, spec: JobSpec, mixed_precision: str, strategy: str) -> None:
+    """Every frozen parameter at ``lora.base_dtype`` (a tied one converted once, and tied again): NF4
+    for ``is_nf4`` names, else ``rest_dtype``. Refused in one line where the strategy or compute
+    dtype cannot run that base (``base_dtype_problems``)."""
+    lora = spec.lora
+    problems = base_dtype_problems(lora, strategy, mixed_precision)
+    if problems:
+        raise ConfigError(problems)
+    dtype, done = DTYPES[rest_dtype(lora, mixed_precision)], {}
+    for name, module in list(model.named_modules()):
+        for key, p in list(module.named_parameters(recurse=False)):
+            if p.requires_grad:
+                continue
+            full = f"{name}.{key}" if name else key
+            if id(p) not in done:
+                done[id(p)] = _stored(p, dtype, is_nf4(full, lora, spec.model.arch))
+            if done[id(p)] is not p:
+                setattr(module, key, done[id(p)])
+
+
+def _stored(p: torch.Tensor, dtype: torch.dtype, nf4: bool) -> nn.Parameter:
+    """``p`` frozen in ``dtype``, or in NF4 quantized from ``dtype``; ``p`` itself when nothing changes."""
+    if nf4:
+        return nn.Parameter(to_nf4(p.detach().to(dtype)), requires_grad=False)
+    if p.dtype == dtype:
+        return p  # type: ignore[return-value]
+    return nn.Parameter(p.detach().to(dtype), requires_grad=False)
+
+
+def copy_into(local: torch.Tensor, value: torch.Tensor) -> None:
+    """``local.copy_(value)``; into an NF4 weight, ``value`` cast to its dtype first and quantized (torchao's
+    ``copy_``), as the export's merge dequantizes it again (``hpc.ckpt.peft``)."""
+    with torch.no_grad():
+        local.copy_(value.to(local.dtype) if is_nf4_tensor(local) else value)
 
 
 def has_frozen(model: nn.Module) -> bool:

@@ -160,14 +160,19 @@ def init_module(module: nn.Module, name: str, seed: int, device: torch.device) -
         raise UserError(f"module {name or '(root)'!r} ({type(module).__name__}) owns {owned} but has no "
                         "reset_parameters(): every module with parameters or buffers of its own must define one "
                         "(hpcx initialises models built on the meta device module by module; see trainer/README.md)")
-    sharded = {k: p for k, p in module.named_parameters(recurse=False) if _is_dtensor(p)}
+    sharded = {k: p for k, p in module.named_parameters(recurse=False) if _is_dtensor(p) or _is_nf4(p)}
     full = {k: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
             for k, p in sharded.items()}
     with torch.no_grad(), _seeded(module_seed(seed, name), device), _swapped(module, full) as values:
         reset()
     with torch.no_grad():
         for k, p in sharded.items():
-            copy_shard(p, values[k])
+            if _is_nf4(p):  # a frozen LoRA base in 4 bits: quantized whole, a new tensor (trainer.lora)
+                from hpc.compat import to_nf4
+
+                setattr(module, k, nn.Parameter(to_nf4(values[k].to(p.dtype)), requires_grad=False))
+            else:
+                copy_shard(p, values[k])  # type: ignore[arg-type]  # a DTensor: _is_dtensor chose it
 
 
 @contextlib.contextmanager
@@ -228,6 +233,12 @@ def local_slice(full: torch.Tensor, mesh: tp.Any, placements: tp.Sequence[tp.Any
             index = coordinate[mesh_dim]
             out = chunks[index] if index < len(chunks) else out.narrow(placement.dim, 0, 0)
     return out
+
+
+def _is_nf4(t: torch.Tensor) -> bool:
+    """torchao's NF4Tensor (``lora.base_dtype = "nf4"``): ``to_empty`` leaves parts of it on meta, so
+    ``init_module`` makes it anew, whole, like a sharded parameter's full tensor."""
+    return type(t).__name__ == "NF4Tensor"
 
 
 def _is_dtensor(t: torch.Tensor) -> tp.TypeGuard[DTensor]:

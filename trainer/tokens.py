@@ -100,7 +100,8 @@ def data_record(data: Data, kind: str) -> dict[str, tp.Any]:
             "tokenizer": manifest["tokenizer"], "dtype": manifest["dtype"], "masked": bool(manifest.get("masked")),
             "splits": {s: {k: m[k] for k in ("tokens", "documents")} | window_totals(m)
                        for s, m in manifest["splits"].items()},
-            "window": manifest.get("window", 0), "val_source": val_split_source(data, kind), "packing": data.packing}
+            "window": manifest.get("window", 0), "val_source": val_split_source(data, kind), "packing": data.packing,
+            "chat_template": manifest.get("chat_template")}  # what a model export writes (hpc.ckpt.hf)
 
 
 def record_data(run_dir: Path, data: Data, kind: str) -> None:

@@ -196,8 +196,9 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     model and names its units (default: ``spec``'s, ``trainer.tasks.task_for``); ``[lora]``'s adapters are
     added to it (``trainer.lora``)."""
     task = task_for(spec, launch.data_source) if task is None else task
-    model = apply_lora(task.meta_model() if model is None else model, spec)
     parallel = launch_parallel(spec, launch)
+    model = apply_lora(task.meta_model() if model is None else model, spec, parallel.mixed_precision,
+                       launch.dims.strategy)
     blocks = blocks_for(task.blocks, model, parallel, launch.dims)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)

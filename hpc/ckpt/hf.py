@@ -95,8 +95,8 @@ def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
 def tokenizer_files(resolved: dict[str, tp.Any], run: Path | None = None) -> list[Path]:
     """The tokenizer files of the run's data, when it names a tokenizer: the ``tokenizer.path`` of
     ``RUN/data.json`` (what the run trained on) or of the manifest of a prepared ``data.source``
-    folder, else a ``data.tokenizer`` path; a ``tokenizer.json`` brings the files beside it. None
-    named: nothing (the export then has no tokenizer)."""
+    folder; a ``tokenizer.json`` brings the files beside it. None named (synthetic tokens, a flat
+    ``.bin``): nothing (the export then has no tokenizer)."""
     named = _tokenizer_path(resolved, run)
     if named is None:
         return []
@@ -124,8 +124,43 @@ def _tokenizer(resolved: dict[str, tp.Any], run: Path | None) -> tuple[Path | No
         path = tok.get("path") if isinstance(tok, dict) else tok
         if isinstance(path, str) and Path(path).exists():
             return Path(path), tok if isinstance(tok, dict) else {}
-    name = data.get("tokenizer")
-    return (Path(name) if isinstance(name, str) and name and Path(name).exists() else None), {}
+    return None, {}  # `[data]` names no tokenizer of its own: only prepared data records one
+
+
+def chat_templates(resolved: dict[str, tp.Any], run: Path | None = None) -> dict[str, str]:
+    """The chat templates the run's data was rendered with, by name (``default``, ``tool_use``): those
+    ``RUN/data.json`` (or the prepared manifest) recorded; a manifest from before it kept them names
+    the template by SHA-256, and the tokenizer folder's must still be that one. {} when the data used
+    none."""
+    from hpc.data.chat import folder_templates, template_digest
+
+    record = _recorded(resolved, run, "chat_template")
+    if not isinstance(record, dict):
+        return {}
+    if isinstance(record.get("templates"), dict):
+        return {k: v for k, v in record["templates"].items() if isinstance(v, str)}
+    named = _tokenizer_path(resolved, run)
+    folder = named if named is None or named.is_dir() else named.parent
+    found = folder_templates(folder) if folder is not None else {}
+    if template_digest(found) != record.get("sha256"):
+        raise CheckpointError([f"{run}: its data was rendered with the chat template {record.get('source')} (sha256 "
+                               f"{str(record.get('sha256'))[:12]}…), which the tokenizer folder {folder} no longer "
+                               "holds: expected that template, to export it with the model; restore it, or prepare "
+                               "the data again"])
+    return found
+
+
+def _recorded(resolved: dict[str, tp.Any], run: Path | None, key: str) -> tp.Any:
+    """``key`` of ``RUN/data.json``, else of the manifest of a prepared ``data.source``; None when neither has it."""
+    data = resolved.get("spec", {}).get("data", {})
+    docs = [run / "data.json"] if run is not None else []
+    if isinstance(data, dict) and isinstance(data.get("source"), str):
+        docs.append(Path(data["source"]) / "manifest.json")
+    for doc in docs:
+        found = _read_json(doc)
+        if key in found:
+            return found[key]
+    return None
 
 
 SPECIAL = ("bos", "eos", "pad")  # the tokens generate() needs: what starts, ends and pads a sequence
@@ -269,10 +304,11 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
             raise CheckpointError(problems)
         shards = hf_shards(plan, torch_dtype.itemsize, shard_bytes)
         total = sum(math.prod(t.shape) for t in plan) * torch_dtype.itemsize
-        special = special_token_ids(resolved, run)
+        special, tokenizer = special_token_ids(resolved, run), tokenizer_files(resolved, run)
+        templates = chat_templates(resolved, run) if tokenizer else {}
         with parents_made(dst):
             _write_folder(dst, reader, shards, {**_config(arch, shape, dtype), **special}, torch_dtype,
-                          start(total), tokenizer_files(resolved, run), special)
+                          start(total), tokenizer, special, templates)
     finally:
         reader.close()
     return {"src": str(step), "dst": str(dst), "arch": hf_config(arch, shape)["architectures"][0],
@@ -301,7 +337,8 @@ def _config(arch: str, shape: tp.Any, dtype: str) -> dict[str, tp.Any]:
 
 
 def _write_folder(dst: Path, reader: Reader, shards: list[list[HfTensor]], config: dict[str, tp.Any],
-                  dtype: torch.dtype, progress: Progress, tokenizer: list[Path], special: dict[str, int]) -> None:
+                  dtype: torch.dtype, progress: Progress, tokenizer: list[Path], special: dict[str, int],
+                  templates: dict[str, str] | None = None) -> None:
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     scratch = (Scratch(), Scratch())
@@ -319,6 +356,24 @@ def _write_folder(dst: Path, reader: Reader, shards: list[list[HfTensor]], confi
         if special:  # generate() stops at the EOS the model trained on (a copied file's other settings kept)
             generation = {**_read_json(tmp / GENERATION_FILE), **special}
             _write_text(tmp / GENERATION_FILE, json.dumps(generation, indent=2) + "\n")
+        if templates:
+            _write_templates(tmp, templates)
+
+
+def _write_templates(folder: Path, templates: dict[str, str]) -> None:
+    """The chat templates as transformers' ``save_pretrained`` writes them today: ``chat_template.jinja``
+    (the default), ``additional_chat_templates/NAME.jinja`` (the others), and no ``chat_template`` left in
+    ``tokenizer_config.json`` (a copied one could be another template than the run's)."""
+    from hpc.data.chat import CONFIG_FILE, TEMPLATE_DIR, TEMPLATE_FILE
+
+    _write_text(folder / TEMPLATE_FILE, templates["default"])
+    for name, text in sorted(templates.items()):
+        if name != "default":
+            (folder / TEMPLATE_DIR).mkdir(exist_ok=True)
+            _write_text(folder / TEMPLATE_DIR / f"{name}.jinja", text)
+    config = _read_json(folder / CONFIG_FILE)
+    if config.pop("chat_template", None) is not None:
+        _write_text(folder / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _write_text(path: Path, text: str) -> None:

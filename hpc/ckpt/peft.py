@@ -190,7 +190,7 @@ class MergedReader:
 
     format = "dcp"
 
-    def __init__(self, step: Path, spec: tp.Any, arch: str, shape: tp.Any):
+    def __init__(self, step: Path, spec: tp.Any, arch: str, shape: tp.Any, mixed_precision: str = "none"):
         from hpc.ckpt.dcp import DcpReader
         from hpc.ckpt.entries import tensor_entry
         from hpc.ckpt.init_source import open_source
@@ -198,7 +198,8 @@ class MergedReader:
         if not spec.checkpoint.init_from:
             raise ConfigError([f"{step}: a LoRA run without `checkpoint.init_from`: its base is its own "
                                "initialisation, which --merge-lora cannot read back"])
-        self.path, self.scaling = step, spec.lora.scaling
+        self.path, self.scaling, self.lora, self.arch = step, spec.lora.scaling, spec.lora, arch
+        self.mixed_precision = mixed_precision
         self.ckpt = DcpReader(step)
         self.base = open_source(spec.checkpoint.init_from, arch, shape)
         self.meta, self.paths = self.ckpt.meta, self.ckpt.paths
@@ -215,11 +216,24 @@ class MergedReader:
         if key in self.ckpt.entries:
             self.ckpt.read_into(key, out)
         else:
-            out.copy_(self._base_tensor(name))
+            out.copy_(self._as_trained(name, self._base_tensor(name)))
         stem = name.removesuffix(".weight")
         if f"model.{stem}.lora_A.weight" in self.ckpt.entries:
             a, b = (self.ckpt.read(f"model.{stem}.lora_{x}.weight").float() for x in "AB")
             out.add_((b @ a * self.scaling).to(out.dtype))
+
+    def _as_trained(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A base tensor as the run computed with it (``lora.base_dtype``): rounded to bf16, or quantized
+        to NF4 and dequantized (torchao, as ``trainer.lora`` stored it), so the merged model is the one
+        the adapters were trained on."""
+        from hpc.core.lora import is_nf4, rest_dtype
+
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[rest_dtype(self.lora, self.mixed_precision)]
+        if is_nf4(name, self.lora, self.arch):
+            from hpc.compat import to_nf4
+
+            return to_nf4(value.to(dtype)).get_original_weight()
+        return value.to(dtype)
 
     def _base_tensor(self, name: str) -> torch.Tensor:
         from hpc.ckpt import formats
@@ -243,8 +257,24 @@ class MergedReader:
 
 
 def merged_reader(run: Path, step: Path, resolved: dict[str, tp.Any], arch: str, shape: tp.Any) -> MergedReader:
-    """The reader ``export_hf`` takes for ``--merge-lora``."""
-    return MergedReader(step, run_lora(resolved, run), arch, shape)
+    """The reader ``export_hf`` takes for ``--merge-lora``: the base as the run held it (its decided
+    ``mixed_precision``, recorded in ``launch.parallel``, decides ``lora.base_dtype = "auto"``)."""
+    return MergedReader(step, run_lora(resolved, run), arch, shape, run_precision(resolved))
+
+
+def run_precision(resolved: dict[str, tp.Any]) -> str:
+    """The compute dtype a run trained in: its launch's decided one, else the spec's (`auto`: the site's
+    backend decides it, as ``hpc.core.resolve.decide_parallel`` does)."""
+    from hpc.core.spec import compute_precision
+
+    launch = resolved.get("launch")
+    launch = launch if isinstance(launch, dict) else {}
+    parallel = launch.get("parallel")
+    decided = parallel.get("mixed_precision") if isinstance(parallel, dict) else None
+    if isinstance(decided, str) and decided != "auto":
+        return decided
+    spec = resolved.get("spec", {}).get("parallel", {})
+    return compute_precision(spec.get("mixed_precision", "auto"), launch.get("backend") == "nccl")
 
 
 # ---------------------------------------------------------------- a PEFT folder as init_from

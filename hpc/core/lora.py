@@ -12,8 +12,16 @@ target names every module of that name (the GPT's ``proj`` is both the attention
 as PEFT's ``c_proj`` is). ``trainable`` names other parameters that train in full (norms, the
 embedding), by ``fnmatch`` patterns over hpcx's parameter names (``*norm*``, ``tok_emb.weight``).
 
+The frozen base is kept at ``base_dtype`` (``frozen_dtypes``): `auto` is bf16 when the run computes in
+bf16 (``parallel.mixed_precision``), else fp32; `bf16` needs bf16 compute; `nf4` stores every projection
+the family declares (``lora_targets``, targeted or not; QLoRA's "all linear layers" of the blocks) in
+4-bit NormalFloat with double-quantized scales (torchao's ``NF4Tensor``, Dettmers et al. 2023), the
+rest of the frozen base (embeddings, head, norms) as `auto` would. Adapters and ``trainable``
+parameters stay fp32 whatever the base is.
+
 What the planner counts (``with_lora``): the adapters join the parameters, and only adapters and
-``trainable`` parameters have gradients and optimizer state (``ModelFacts.trainable_params``).
+``trainable`` parameters have gradients and optimizer state (``ModelFacts.trainable_params``); the
+frozen base's bytes per parameter follow ``base_dtype`` (``base_bytes``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,19 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 
 ADAPTERS = ("lora_A", "lora_B")  # the adapter modules' names under each target (PEFT's)
 MAX_RANK = 65536
+BASE_DTYPES = ("auto", "fp32", "bf16", "nf4")
+NF4_BLOCK = 64  # torchao's to_nf4 defaults (QLoRA's): one int8 scale per 64 weights,
+NF4_SCALER_BLOCK = 256  # and one scale of those scales (in the base's dtype) per 256 blocks
+SHARDED = ("fsdp", "hsdp")  # strategies whose parameters are DTensor shards
+# bytes per weight torchao 0.18's NF4 dequantization holds at once for the matmul it feeds (two int64
+# index halves, the looked-up and scaled halves, their interleaving): 15.07 measured on CPU, a bf16 4096²
+NF4_DEQUANT_BYTES = 15
+
+
+def nf4_bytes(dtype_bytes: int) -> float:
+    """Bytes per weight of torchao's NF4: 4 bits of data, an int8 block scale per ``NF4_BLOCK`` weights,
+    a ``dtype_bytes`` factor per ``NF4_SCALER_BLOCK`` blocks (≈ 0.5157 from bf16)."""
+    return 0.5 + 1 / NF4_BLOCK + dtype_bytes / (NF4_BLOCK * NF4_SCALER_BLOCK)
 
 
 @dataclass
@@ -48,6 +69,11 @@ class Lora:
     trainable: list[str] = field(doc="Other parameters trained in full beside the adapters (with gradients and "
                                  "optimizer state), as patterns over hpcx's parameter names: `*norm*`, "
                                  "`tok_emb.weight`.", factory=list)
+    base_dtype: str = field("auto", doc="How the frozen base is stored: `auto` (bf16 when "
+                            "`parallel.mixed_precision` is bf16, else fp32), `fp32`, `bf16` (needs bf16 mixed "
+                            "precision), or `nf4` (QLoRA: the blocks' projections in torchao's 4-bit NormalFloat, "
+                            "the rest as `auto`; strategies none and ddp, needs the `qlora` extra). The adapters "
+                            "and `trainable` stay fp32.", choices=BASE_DTYPES)
 
     @property
     def enabled(self) -> bool:
@@ -100,11 +126,46 @@ def trains_in_full(name: str, lora: Lora) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in lora.trainable)
 
 
+def rest_dtype(lora: Lora, mixed_precision: str) -> str:
+    """The dtype of the frozen base outside the NF4 projections, for a run computing in
+    ``mixed_precision`` (decided: bf16, fp16 or none): bf16 under bf16 compute unless `fp32` is asked."""
+    if lora.base_dtype == "fp32":
+        return "fp32"
+    return "bf16" if lora.base_dtype == "bf16" or mixed_precision == "bf16" else "fp32"
+
+
+def is_nf4(name: str, lora: Lora, arch: str) -> bool:
+    """Whether a frozen base parameter is stored in NF4: a projection's weight under `nf4`."""
+    parts = name.split(".")
+    projections = {ours for ours, _ in family_targets(arch)}
+    return (lora.base_dtype == "nf4" and len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in projections
+            and not trains_in_full(name, lora))
+
+
+def base_dtype_problems(lora: Lora, strategy: str, mixed_precision: str, where: str = "") -> list[str]:
+    """``lora.base_dtype`` against the run's strategy and compute dtype (`auto` ones pass here; the
+    trainer asks again with the decided ones)."""
+    out = []
+    if lora.base_dtype == "bf16" and mixed_precision in ("none", "fp16"):
+        out.append(f"{where}`lora.base_dtype` = 'bf16' with `parallel.mixed_precision` = {mixed_precision!r}: the "
+                   "base's matmuls would mix bf16 weights with fp32/fp16 inputs; expected mixed_precision 'bf16' "
+                   "(or base_dtype 'fp32' or 'nf4')")
+    if lora.base_dtype == "nf4" and strategy in SHARDED + ("dp",):
+        out.append(f"{where}`lora.base_dtype` = 'nf4' with `parallel.strategy` = {strategy!r}: hpcx keeps an NF4 base "
+                   "whole on each rank (strategies none and ddp; NF4 under FSDP2 sharding is not supported); "
+                   "expected strategy 'none' or 'ddp', or base_dtype 'bf16'")
+    return out
+
+
 def lora_problems(spec: JobSpec) -> list[str]:
     """What is wrong with ``[lora]`` for the spec's model (checked at load, on the login node)."""
     lora = spec.lora
     if not lora.enabled:
         return []
+    if lora.base_dtype != "auto":
+        base = base_dtype_problems(lora, spec.parallel.strategy, spec.parallel.mixed_precision)
+        if base:
+            return base
     pairs = family_targets(spec.model.arch)
     if not pairs:
         from hpc.core.models import family
@@ -117,7 +178,19 @@ def lora_problems(spec: JobSpec) -> list[str]:
     shapes = _base_shapes(spec.model)
     errors += [f"`lora.trainable`: {p!r} matches no parameter of the model (e.g. {next(iter(shapes), '?')})"
                for p in lora.trainable if shapes and not any(fnmatch.fnmatchcase(n, p) for n in shapes)]
-    return errors
+    return errors + nf4_problems(lora, spec.model.arch, shapes)
+
+
+def nf4_problems(lora: Lora, arch: str, shapes: dict[str, tuple[int, ...]]) -> list[str]:
+    """One line for the first projection NF4 cannot hold: torchao quantizes whole blocks of scales, so
+    each weight's count must be a multiple of ``NF4_BLOCK × NF4_SCALER_BLOCK``."""
+    unit = NF4_BLOCK * NF4_SCALER_BLOCK
+    bad = next(((n, s) for n, s in shapes.items() if is_nf4(n, lora, arch) and math.prod(s) % unit), None)
+    if bad is None:
+        return []
+    return [f"`lora.base_dtype` = 'nf4': {bad[0]} has {math.prod(bad[1]):,} weights {bad[1]}, not a multiple of "
+            f"{unit:,} (NF4 blocks of {NF4_BLOCK} weights, their scales in blocks of {NF4_SCALER_BLOCK}); expected a "
+            "wider model, or base_dtype 'bf16'"]
 
 
 def without_rank(doc: dict[str, tp.Any]) -> list[str]:
@@ -167,6 +240,15 @@ def with_lora(facts: ModelFacts, spec: JobSpec) -> ModelFacts:
     extra = [s for n, s in _base_shapes(spec.model).items() if trains_in_full(n, lora)]
     added = sum(math.prod(s) for s in adapters.values())
     trainable = tuple(adapters.values()) + tuple(extra)
+    quantized = [math.prod(s) for n, s in _base_shapes(spec.model).items() if is_nf4(n, lora, spec.model.arch)]
     return dataclasses.replace(facts, n_params=facts.n_params + added, param_shapes=facts.param_shapes + tuple(
         adapters.values()), trainable_params=sum(math.prod(s) for s in trainable), trainable_shapes=trainable,
-        label=f"{facts.label}, LoRA r={lora.rank}")
+        label=f"{facts.label}, LoRA r={lora.rank}" + ("" if lora.base_dtype == "auto" else f" {lora.base_dtype}"),
+        base_dtype=lora.base_dtype, nf4_params=sum(quantized), nf4_largest=max(quantized, default=0))
+
+
+def base_bytes(base_dtype: str, mixed_precision: str) -> tuple[int, float]:
+    """(bytes per frozen parameter, bytes per NF4 one) of a LoRA base stored at ``base_dtype`` in a run
+    computing in ``mixed_precision`` (what ``trainer.lora.keep_base`` allocates)."""
+    rest = 2 if rest_dtype(Lora(base_dtype=base_dtype), mixed_precision) == "bf16" else 4
+    return rest, nf4_bytes(rest)

@@ -83,7 +83,7 @@ def find_template(folder: Path, tok: tp.Any) -> dict[str, tp.Any] | None:
     for name, text in templates.items():
         _compile_or_refuse(text, f"{source}" + (f" ({name})" if name != "default" else ""))
     variables = special_tokens(folder, config, tok)
-    digest = hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()
+    digest = template_digest(templates)
     entry = {"source": source, "sha256": digest, "templates": templates, "variables": variables,
              "generation": bool(GENERATION_TAG.search(templates["default"]))}
     if any("strftime_now" in text for text in templates.values()):
@@ -460,8 +460,25 @@ def plan_template(folder: Path, tok: tp.Any, kind: str, mode: str) -> dict[str, 
 
 def template_record(entry: dict[str, tp.Any] | None) -> dict[str, tp.Any] | None:
     """What the manifest says of the template: where it came from, its SHA-256, whether it marks the
-    assistant's turns."""
-    return None if entry is None else {k: entry[k] for k in ("source", "sha256", "generation")}
+    assistant's turns, and the templates themselves by name (``default``, ``tool_use``): what a model
+    export writes as its ``chat_template.jinja``, whatever the tokenizer's folder holds by then."""
+    return None if entry is None else {k: entry[k] for k in ("source", "sha256", "generation", "templates")}
+
+
+def template_digest(templates: dict[str, str]) -> str:
+    """The SHA-256 ``find_template`` records for a set of named templates."""
+    return hashlib.sha256(json.dumps(templates, sort_keys=True).encode()).hexdigest()
+
+
+def folder_templates(folder: Path) -> dict[str, str]:
+    """The templates transformers would load from a tokenizer folder (``default``, ``tool_use``), as
+    ``find_template`` reads them; {} where it has none."""
+    config = read_json_file(folder / CONFIG_FILE)
+    _, templates = _template_files(folder)
+    if not templates:
+        _, templates = _config_templates(folder / CONFIG_FILE, config.get("chat_template") if isinstance(config, dict)
+                                         else None)
+    return {k: v for k, v in templates.items() if k in ("default", "tool_use")}
 
 
 # ---------------------------------------------------------------- the tokenizer as transformers loads it

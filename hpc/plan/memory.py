@@ -12,6 +12,10 @@ What is modelled, and why (see docs/planner.md for the derivations):
   where they outweigh the activations: ``peak_grads``). FSDP2 stores
   parameters sharded for every sharding; ``shard_grad_op`` pays for it in ``buffers``,
   where the whole unsharded compute copy is held from forward to backward.
+- A LoRA run's frozen base is stored at ``lora.base_dtype`` (``stored_bytes``): bf16 (2 bytes; the
+  default under bf16 compute) or NF4 (≈ 0.516 bytes with its block scales, the blocks' projections),
+  with gradients and Adam state for the adapters only; autocast then copies only the trained matmul
+  weights (``copied_matmuls``).
 - Buffers: what exists only during a step (FSDP units gathered and prefetched, unsharded
   unit gradients before the reduce-scatter, DDP's gradient buckets, autocast's low-precision
   weight copies).
@@ -147,7 +151,20 @@ def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]
     else:
         per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
     trained = per_rank if trainable is None else sharded_numel(trainable, cfg.dims.dp_shard, trainable_shapes)
-    return per_rank * PARAM_BYTES, trained * GRAD_BYTES, trained * ADAM_BYTES
+    return stored_bytes(per_rank, trained, cfg, facts), trained * GRAD_BYTES, trained * ADAM_BYTES
+
+
+def stored_bytes(per_rank: int, trained: int, cfg: Config, facts: ModelFacts | None) -> float:
+    """Bytes of the rank's parameters: fp32, but a LoRA run's frozen base at ``lora.base_dtype``
+    (``hpc.core.lora.base_bytes``: bf16 2 bytes, NF4 ≈ 0.516 bytes with its scales, held whole on
+    each rank: nf4 runs are never sharded)."""
+    if facts is None or facts.trainable_params is None:
+        return per_rank * PARAM_BYTES
+    from hpc.core.lora import base_bytes
+
+    rest, nf4 = base_bytes(facts.base_dtype, cfg.mixed_precision)
+    frozen = per_rank - trained
+    return trained * PARAM_BYTES + frozen * rest - min(facts.nf4_params, frozen) * (rest - nf4)
 
 
 def trained_share(facts: ModelFacts) -> float:
@@ -165,7 +182,13 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     n, unit, root = (facts.n_params or 0) / t, (facts.unit_params or 0) / t, (facts.root_params or 0) / t
     c = compute_bytes(cfg.mixed_precision)
     if not cfg.dims.fsdp_enabled:
-        return _replica_buffers(facts.n_params or 0 if facts.matmul_params is None else facts.matmul_params, c, cfg)
+        total, notes = _replica_buffers(copied_matmuls(facts, cfg), c, cfg)
+        if facts.nf4_largest:
+            from hpc.core.lora import NF4_DEQUANT_BYTES
+
+            notes.append("one NF4 projection dequantized at a time for its matmul")
+            total += facts.nf4_largest * NF4_DEQUANT_BYTES
+        return total, notes
     extra_reduce = REDUCE_BYTES if c != REDUCE_BYTES else 0
     grads = (unit * (c + extra_reduce) + root * c) * trained_share(facts)  # one unit's unsharded grads (+ fp32), the root's
     if cfg.reshards:
@@ -176,6 +199,19 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
         note = f"all parameters unsharded in {_dtype(c)} from forward to backward" + (
             " and across micro-batches (reshard_after_forward = false)" if cfg.keeps_gathered else "")
     return gathered + grads, [note, "one block's unsharded gradients before the reduce-scatter"]
+
+
+def copied_matmuls(facts: ModelFacts, cfg: Config) -> int:
+    """The matmul weights autocast copies to the compute dtype: all of them, but under a LoRA base
+    stored in bf16 or NF4 only the trained ones (a bf16 weight is not cast again; torchao dequantizes
+    an NF4 one per call, one projection at a time, and saves the 4-bit tensor for backward)."""
+    matmul = facts.n_params or 0 if facts.matmul_params is None else facts.matmul_params
+    if facts.trainable_params is None:
+        return matmul
+    from hpc.core.lora import base_bytes
+
+    return matmul if base_bytes(facts.base_dtype, cfg.mixed_precision)[0] == PARAM_BYTES else min(
+        matmul, facts.trainable_params)
 
 
 def _replica_buffers(matmul: int, c: int, cfg: Config) -> tuple[float, list[str]]:
@@ -277,9 +313,13 @@ def init_bytes(facts: ModelFacts, cfg: Config) -> float:
     under offload) plus, under FSDP, the largest module's full fp32 tensors, which are computed
     whole and sliced (whole replicas are initialised in place). Gradients and optimizer state do
     not exist yet."""
-    params = 0 if cfg.offload else rank_numel(facts, cfg.dims)
+    per_rank = rank_numel(facts, cfg.dims)
+    trained = per_rank if facts.trainable_params is None else sharded_numel(
+        facts.trainable_params, cfg.dims.dp_shard, facts.trainable_shapes)
+    params = 0 if cfg.offload else stored_bytes(per_rank, trained, cfg, facts)
     module = (facts.largest_module_params or 0) if cfg.dims.fsdp_enabled else 0
-    return (params + module) * PARAM_BYTES
+    # (an NF4 weight is also computed whole before it is quantized, one projection at a time: ≤ 0.12 GB at 8B)
+    return params + module * PARAM_BYTES
 
 
 def staging_bytes(facts: ModelFacts, cfg: Config) -> float:

@@ -135,6 +135,9 @@ class ModelFacts:
     tp_divides: tuple[int, ...] = ()  # what a tp degree must divide (attention heads, kv heads)
     trainable_params: int | None = None  # what has gradients and optimizer state (None: every parameter; LoRA)
     trainable_shapes: tuple[tuple[int, ...], ...] = ()  # their shapes (``hpc.core.lora.with_lora``)
+    base_dtype: str = "fp32"  # how the frozen parameters are stored: LoRA's ``lora.base_dtype`` (auto: by compute)
+    nf4_params: int = 0  # of the frozen ones, those stored in NF4 (``lora.base_dtype = "nf4"``)
+    nf4_largest: int = 0  # the largest of them: torchao dequantizes one whole per matmul (``NF4_DEQUANT_BYTES``)
     # of ``root_params``, those FSDP keeps gathered from forward through backward (final norm + head, the
     # unit backward needs first; all of them when a tied head keeps them in the root unit); the embedding
     # unit is resharded after forward and gathered again in backward. None: all of ``root_params``
