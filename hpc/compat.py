@@ -270,3 +270,18 @@ def memoized_strided_shards() -> tp.Iterator[None]:
         yield
     finally:
         _StridedShard.local_shard_size_and_offset = original  # type: ignore[method-assign]
+
+
+def state_dict_fqns(model: tp.Any, name: str) -> set[str]:
+    """The state-dict keys ``get_state_dict`` gives the module attribute ``name`` of ``model`` (the
+    wrappers' prefixes of DDP, FSDP, compile and activation checkpointing left out)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return set(_get_fqns(model, name))
+
+
+def dedup_save_plans(plans: list, lowest_rank: bool) -> list:
+    """DCP's removal of items several ranks would write (each kept by one rank)."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dedup
+
+    return dedup(plans, lowest_rank)
