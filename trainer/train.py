@@ -189,9 +189,13 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     and initialises its part (``WeightInit``: the same full state under every layout), else it stays on
     meta (``hpcx dryrun``). The process group must be up (a fake one will do). ``task``: what builds the
     model and names its units (default: ``spec``'s, ``trainer.tasks.task_for``); ``[lora]``'s adapters are
-    added to it (``trainer.lora``)."""
+    added to it (``trainer.lora``), ``task.sync_batchnorm`` converts its BatchNorms (``trainer.syncbn``)."""
     task = task_for(spec, launch.data_source) if task is None else task
     model = apply_lora(task.meta_model() if model is None else model, spec)
+    if spec.task.sync_batchnorm:  # refused at submit under none and dp (hpc.core.tasks)
+        from trainer.syncbn import convert
+
+        model = convert(model, spec.task.target)
     blocks = task.blocks(model)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)

@@ -42,6 +42,11 @@ class Task:
     tokens_per_sample: int = field(1, doc="Positions one sample holds (a sequence's tokens; 1 for an image): the "
                                    "planner's FLOPs are 6 × parameters × these per sample, and `tokens_per_s` counts "
                                    "them.", minimum=1, maximum=1 << 24)
+    sync_batchnorm: bool = field(False, doc="Convert every BatchNorm of the task's model to torch's "
+                                 "`SyncBatchNorm` (batch statistics over all ranks' samples, so every rank's running "
+                                 "statistics stay equal): under ddp, fsdp and hsdp, on GPUs and on CPU (gloo; hpcx's "
+                                 "own forward there, torch's needs a GPU). Refused under `none` and `dp` and for a "
+                                 "model without BatchNorm.")
 
 
 def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
@@ -52,7 +57,9 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
     model_doc: dict[str, tp.Any] = doc["model"] if isinstance(doc.get("model"), dict) else {}
     if not task.target:
         return ([f"`model.arch` = {TASK!r} is set by `[task]`: set `task.target` = 'package.module:Class'"]
-                if model_doc.get("arch") == TASK else [])
+                if model_doc.get("arch") == TASK else []) + (
+            ["`task.sync_batchnorm` = true, but there is no task: the built-in language models have no BatchNorm "
+             "(set `task.target`, or remove it)"] if task.sync_batchnorm else [])
     errors = target_problems(task.target) + kwargs_problems(task.kwargs)
     errors += [f"`model.{name}` = {value!r} is set, but `[model]` is the task's ({task.target!r} builds the "
                "model): remove it" for name, value in changed_model_fields(spec, model_doc)]
@@ -64,6 +71,18 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
         errors.append(f"`checkpoint.init_from` is for the built-in families: the task {task.target!r} loads "
                       "pretrained weights in its `build_model` (or `load_state_dict`)")
     return errors
+
+
+SYNC_BATCHNORM_STRATEGIES = ("ddp", "fsdp", "hsdp")
+
+
+def sync_batchnorm_problems(spec: JobSpec, strategy: str) -> list[str]:
+    """``task.sync_batchnorm`` under a strategy that has no process group to synchronize over."""
+    if not spec.task.sync_batchnorm or strategy in SYNC_BATCHNORM_STRATEGIES:
+        return []
+    chosen = "" if spec.parallel.strategy == strategy else " (the planner's choice for `auto`)"
+    return [f"`task.sync_batchnorm` = true needs strategy ddp, fsdp or hsdp, but the strategy is {strategy!r}{chosen}: "
+            "it synchronizes across processes, and that strategy runs one"]
 
 
 def changed_model_fields(spec: JobSpec, model_doc: dict[str, tp.Any]) -> list[tuple[str, tp.Any]]:

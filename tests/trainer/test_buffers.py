@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from hpc.core import runs
 from hpc.core.resolve import resolved_document
@@ -74,12 +75,17 @@ def read(folder: Path, key: str) -> torch.Tensor:
         reader.close()
 
 
+CASES = {"ddp": ["parallel.strategy='ddp'"], "fsdp": ["parallel.strategy='fsdp'"],
+         "fsdp-sync": ["parallel.strategy='fsdp'", "task.sync_batchnorm=true"],
+         "hsdp-sync": ["parallel.strategy='hsdp'", "parallel.shard_size=1", "task.sync_batchnorm=true"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_batchnorm_task_resumes_to_its_twins_losses_and_evaluations_bit_for_bit(tmp_path, strategy):
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_batchnorm_task_resumes_to_its_twins_losses_and_evaluations_bit_for_bit(tmp_path, case):
     from tests.resilience.resilience_lib import same_checkpoint_tensors
 
-    twin, resumed = resumed_twin(tmp_path, [f"parallel.strategy={strategy!r}"])
+    twin, resumed = resumed_twin(tmp_path, CASES[case])
     (losses, evals), (losses_r, evals_r) = records(twin), records(resumed)
     assert sorted(losses_r) == list(range(RESUME_AT + 1, STEPS + 1))
     assert losses_r == {s: losses[s] for s in losses_r}
@@ -89,9 +95,12 @@ def test_a_batchnorm_task_resumes_to_its_twins_losses_and_evaluations_bit_for_bi
     saved = twin / "checkpoints" / f"step-{RESUME_AT:07d}"
     mean = read(saved, "model.blocks.0.norm1.running_mean")
     assert mean.abs().sum() > 0  # trained statistics, not the initial zeros
-    if strategy == "fsdp":  # each rank's own statistics beside rank 0's, which the model entry holds
-        own = [read(saved, f"buffers.rank{r}.blocks.0.norm1.running_mean") for r in (0, 1)]
-        assert torch.equal(own[0], mean) and not torch.equal(own[1], mean)
+    if case != "ddp":  # each rank's own statistics beside rank 0's, which the model entry holds
+        own = [read(saved, f"buffers.rank{r}.blocks.{b}.norm{n}.running_{s}") for r in (0, 1)
+               for b in (0, 1) for n in (1, 2) for s in ("mean", "var")]
+        assert torch.equal(own[0], mean)
+        # without SyncBatchNorm each rank's statistics are its own batches'; with it, all ranks' together
+        assert all(torch.equal(a, b) for a, b in zip(own[:8], own[8:])) == case.endswith("sync")
 
 
 def global_plan(planner, states: list[dict]) -> list:
@@ -141,3 +150,26 @@ def test_a_dtensor_buffer_chunk_is_written_by_the_first_rank_of_its_replicas():
     kept = lowest_rank_buffers(plans, frozenset({"model.b"}))
     assert [[(i.index.fqn, i.index.offset[0]) for i in p.items] for p in kept] == [
         [("model.b", 0), ("model.w", 0)], [("model.b", 2), ("model.w", 1)], [("model.w", 2)], [("model.w", 3)]]
+
+
+def test_the_cpu_sync_batchnorm_of_two_ranks_is_batchnorm_over_their_whole_batch(tmp_path):
+    out = tmp_path / "diffs.json"
+    proc = torchrun(2, ["tests/trainer/syncbn_worker.py", str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for case, diffs in json.loads(out.read_text()).items():
+        assert diffs["tracked"] == 0.0, case
+        assert max(diffs.values()) < 1e-5, (case, diffs)
+
+
+def test_sync_batchnorm_refuses_a_model_without_batchnorm_and_keeps_the_keys():
+    from hpc.core.errors import ConfigError
+    from trainer.syncbn import HostSyncBatchNorm, convert
+
+    with pytest.raises(ConfigError, match="has no BatchNorm layer"):
+        convert(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), "pkg.mod:Task")
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(4)))
+    keys = list(model.state_dict())
+    converted = convert(model, "pkg.mod:Task")
+    assert [type(m) for m in (converted[1], converted[2][0])] == [HostSyncBatchNorm] * 2
+    assert list(converted.state_dict()) == keys and converted[1].running_mean.is_meta
