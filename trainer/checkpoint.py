@@ -638,8 +638,9 @@ def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Op
             raise
         raise type(errors[0])(list(dict.fromkeys(m for e in errors for m in e.messages))) from None
     for key, value in (own_buffers or {}).items():
-        if key in msd:
-            msd[key] = value.to(msd[key].device)
+        loaded = msd.get(key)
+        if isinstance(loaded, torch.Tensor):
+            msd[key] = value.to(loaded.device)
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=msd,
                    optim_state_dict=osd if optimizer is not None else {}, options=options)
 

@@ -159,7 +159,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         open_host_groups(mesh)  # the norm of host gradients reduces on the host
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
-    optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)
+    optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled,
+                                optim=spec.optim)
     dataset = task.train_dataset()
     dp_rank, dp_world = launch.dims.dp_rank(rank), launch.dims.dp_world  # a tp group shares its batches
     sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, dp_rank,  # type: ignore[arg-type]  # map-style: sized
@@ -168,7 +169,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     if rank == 0 and not spec.task.target:
         record_data(run.run_dir, spec.data, kind)
     trainer = Trainer(
-        run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train),
+        run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train, spec.optim),
         sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda", workers,
                                              collate=task.collate),
         device=device, steps=spec.train.steps, grad_clip=spec.train.grad_clip, log_every=spec.train.log_every,

@@ -20,6 +20,7 @@ from hpc.core import validate as v
 from hpc.core.container import JobContainer
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.lora import Lora
+from hpc.core.optim import SCHEDULES, Optim, adamw_fields_given, optim_problems
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
 from hpc.core.tasks import Task, apply_task, task_problems
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
@@ -131,14 +132,23 @@ class Train:
     global_batch: int = field(8, doc="Samples per optimizer step across all ranks.", minimum=1)
     micro_batch: int = field(1, doc="Samples per rank per forward/backward; the gradient-accumulation "
                              "count is global_batch / (ranks × micro_batch).", minimum=1)
-    optimizer: str = field("adamw", doc="Optimizer (AdamW with decoupled weight decay; the only one for now).", choices=("adamw",))
-    lr: float = field(3e-4, doc="Peak learning rate.", minimum=0)
-    min_lr_ratio: float = field(0.1, doc="Final LR of the cosine schedule as a fraction of `lr`.", minimum=0,
-                                maximum=1)
-    warmup_steps: int = field(10, doc="Linear warm-up steps.", minimum=0)
-    schedule: str = field("cosine", doc="LR schedule after warm-up.", choices=("cosine", "constant"))
-    weight_decay: float = field(0.1, doc="AdamW weight decay.", minimum=0)
-    betas: list[float] = field(doc="AdamW betas.", factory=lambda: [0.9, 0.95])
+    optimizer: str = field("adamw", doc="Kept for older specs: the optimizer is `optim.name` (AdamW by default).",
+                           choices=("adamw",))
+    lr: float = field(3e-4, doc="Peak learning rate, of any optimizer.", minimum=0)
+    min_lr_ratio: float = field(0.1, doc="Final LR of the `cosine`, `linear` and `onecycle` schedules as a fraction "
+                                "of `lr`.", minimum=0, maximum=1)
+    warmup_steps: int = field(10, doc="Linear warm-up steps, from `lr / warmup_steps` to `lr`, before every "
+                              "schedule (`onecycle`: its cosine rise; 0 there is 30% of the steps, as torch's "
+                              "`pct_start`).", minimum=0)
+    schedule: str = field("cosine", doc="LR schedule after warm-up: `cosine` (down to `min_lr_ratio × lr` at the "
+                          "last step), `constant`, `linear` (straight down to `min_lr_ratio × lr`), `step` (× "
+                          "`optim.gamma` every `optim.step_size` steps), `multistep` (× `optim.gamma` at each of "
+                          "`optim.milestones`), `onecycle` (from `lr / optim.div_factor` up to `lr` and down to "
+                          "`min_lr_ratio × lr`, both halves cosine). See docs/spec.md.", choices=SCHEDULES)
+    weight_decay: float = field(0.1, doc="AdamW's weight decay (other optimizers: `optim.kwargs.weight_decay`).",
+                                minimum=0)
+    betas: list[float] = field(doc="AdamW's betas (other optimizers: `optim.kwargs.betas`).",
+                               factory=lambda: [0.9, 0.95])
     grad_clip: float = field(1.0, doc="Clip the global gradient norm to this (0: off).", minimum=0)
     seed: int = field(0, doc="Seed for model init, data order and dropout.", minimum=0, maximum=v.SEED_MAX)
     deterministic: bool = field(False, doc="Deterministic kernels (`torch.use_deterministic_algorithms`, "
@@ -231,6 +241,7 @@ class JobSpec:
     checkpoint: Checkpoint
     env: Env
     lora: Lora = dataclasses.field(default_factory=Lora)
+    optim: Optim = dataclasses.field(default_factory=Optim)
     task: Task = dataclasses.field(default_factory=Task)
     container: JobContainer = dataclasses.field(default_factory=JobContainer)  # over the site's [container]
     source: str = ""
@@ -255,7 +266,8 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "task": Task, "container": JobContainer}
+            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "optim": Optim, "task": Task,
+            "container": JobContainer}
 
 
 def __getattr__(name: str) -> tp.Any:
@@ -286,6 +298,9 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
     if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
     errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
+    if _typed(errors, "optim", ("name", "kwargs", "step_size", "milestones", "gamma", "div_factor")) and \
+            _typed(errors, "train", ("schedule",)):
+        errors += optim_problems(spec)
     if _typed(errors, "lora", ("rank", "targets", "trainable")) and not errors:
         from hpc.core.lora import lora_problems
 
@@ -317,7 +332,8 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     ``paths=False`` skips the last two, for re-reading the spec of a past run (a report)."""
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
-    as_written = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel")) + trainer_sections_given(doc)]
+    as_written = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel")) + trainer_sections_given(doc)
+                  + adamw_fields_given(doc)]
     try:
         spec = spec_from_dict(doc, str(path))
     except ConfigError as exc:
@@ -396,7 +412,7 @@ def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:
 
 
 # What ``job.command`` replaces: hpcx's trainer reads these sections, a user's script does not.
-TRAINER_SECTIONS = ("model", "data", "train", "parallel", "checkpoint", "lora", "task")
+TRAINER_SECTIONS = ("model", "data", "train", "parallel", "checkpoint", "lora", "optim", "task")
 
 
 def check_command(command: list[str]) -> list[str]:

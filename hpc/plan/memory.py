@@ -7,7 +7,9 @@ What is modelled, and why (see docs/planner.md for the derivations):
   FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` keeps the sharded parameters in fp32
   and casts each unit to bf16 when it all-gathers it. Those fp32 parameters are the master
   copy, so there is no separate master term: 4 (params) + 4 (fp32 grads) + 8 (two fp32
-  Adam moments) = 16 bytes per parameter, divided by the shard degree (resident after an
+  Adam moments) = 16 bytes per parameter, divided by the shard degree. Another optimizer
+  (``[optim]``) keeps its own number of fp32 copies (``hpc.core.optim.state_copies``: SGD with
+  momentum one, without none; the Adam family two), ``Config.optimizer_bytes`` (resident after an
   optimizer step; at the step's peak FSDP rows with one micro-step count the gradients only
   where they outweigh the activations: ``peak_grads``). FSDP2 stores
   parameters sharded for every sharding; ``shard_grad_op`` pays for it in ``buffers``,
@@ -59,6 +61,7 @@ class Config:
     async_save: bool = False  # checkpoint.async_save: saves keep a host copy of the states
     grad_accum: int = 1  # micro-steps per optimizer step: FSDP's gradients outlive a micro-step only when > 1
     document_mask: bool = False  # data.packing = "document": a block-diagonal mask per micro-batch (mask_bytes)
+    optimizer_bytes: int = ADAM_BYTES  # optimizer state per trained parameter (hpc.core.optim.state_bytes)
 
 
 @dataclass
@@ -131,7 +134,7 @@ def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]
     else:
         per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
     trained = per_rank if trainable is None else sharded_numel(trainable, cfg.dims.dp_shard, trainable_shapes)
-    return per_rank * PARAM_BYTES, trained * GRAD_BYTES, trained * ADAM_BYTES
+    return per_rank * PARAM_BYTES, trained * GRAD_BYTES, trained * cfg.optimizer_bytes
 
 
 def trained_share(facts: ModelFacts) -> float:
@@ -204,7 +207,7 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     if cfg.offload:
         host = (params + grads + opt) * tasks_per_node / GB
         params = grads = opt = 0.0
-        notes.append("parameters, gradients and Adam state on the host; the optimizer steps on the CPU")
+        notes.append("parameters, gradients and optimizer state on the host; the optimizer steps on the CPU")
     if act is None:
         notes.append("activations unknown: set model.activation_gb (measured GB per sample)")
     return Memory(params / GB, grads / GB, opt / GB, buffers / GB, None if act is None else act / GB,
@@ -251,7 +254,7 @@ def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
     share)."""
     per_rank = rank_numel(facts, cfg.dims)
     if cfg.async_save:  # a frozen base is not saved: LoRA's checkpoints hold the trainable part only
-        return per_rank * (PARAM_BYTES + ADAM_BYTES) * trained_share(facts)
+        return per_rank * (PARAM_BYTES + cfg.optimizer_bytes) * trained_share(facts)
     return math.ceil((facts.largest_module_params or 0) / (cfg.dims.dp_shard * cfg.dims.tp)) * PARAM_BYTES
 
 

@@ -12,6 +12,7 @@ from hpc.core.dims import ParallelDims, parallel_dims
 from hpc.plan.memory import HOST_USABLE, Config, Memory, estimate, headroom_gb
 from hpc.core.models import ModelFacts
 from hpc.core.site import SiteProfile
+from hpc.core.optim import state_bytes
 from hpc.core.spec import JobSpec, compute_precision
 
 from hpc.plan.timing import StepTime, host_step_seconds, step_time
@@ -181,6 +182,7 @@ class Setup:
     async_save: bool = False
     document_mask: bool = False  # data.packing = "document"
     tp: int = 1  # tensor-parallel degree: tp ranks share each micro-batch, world / tp take different ones
+    optimizer_bytes: int = 8  # optimizer state per trained parameter (hpc.core.optim.state_bytes)
 
     @property
     def world(self) -> int:
@@ -202,7 +204,7 @@ def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
                  global_batch=spec.train.global_batch,
                  mixed_precision=compute_precision(spec.parallel.mixed_precision, site.node.gpus > 0),
                  dropout=spec.model.dropout, async_save=spec.checkpoint.async_save,
-                 document_mask=spec.data.packing == "document", tp=spec_tp(spec))
+                 document_mask=spec.data.packing == "document", tp=spec_tp(spec), optimizer_bytes=state_bytes(spec))
 
 
 def spec_tp(spec: JobSpec) -> int:
@@ -268,7 +270,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
     if dims.tp != setup.tp:
         setup = replace(setup, tp=dims.tp)
     cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
-                 setup.async_save, setup.grad_accum, setup.document_mask)
+                 setup.async_save, setup.grad_accum, setup.document_mask, setup.optimizer_bytes)
     gpu = site.node.gpus > 0
     tpn = setup.tasks_per_node
     memory = estimate(facts, cfg, tpn)
