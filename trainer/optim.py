@@ -105,14 +105,19 @@ def decayed(floor: float, shape: str, progress: float) -> float:
 
 
 def onecycle_factor(step: int, train: Train, optim: Optim) -> float:
-    """torch's OneCycleLR on the learning rate (cosine both ways; its momentum cycle is not made): from
-    ``1 / div_factor`` up to 1 over the rise (``train.warmup_steps``, 0: 30% of the steps), then down to
-    ``min_lr_ratio`` at the last step."""
+    """torch's OneCycleLR on the learning rate (its momentum cycle is not made), step for step: from
+    ``1 / div_factor`` up to 1 at step ``rise - 1`` (``rise``: ``train.warmup_steps``, 0: 30% of the steps,
+    torch's ``pct_start``), then down to ``min_lr_ratio`` at the last step, both halves along a cosine."""
     rise = train.warmup_steps or max(1, int(0.3 * train.steps))
-    start = 1.0 / optim.div_factor
-    if step < rise:
-        return start + (1.0 - start) * 0.5 * (1.0 - math.cos(math.pi * step / rise))
-    return decayed(train.min_lr_ratio, "cosine", decay_progress(step, rise, train.steps))
+    peak = float(rise - 1)  # torch: step_size_up = pct_start * total_steps - 1
+    if step <= peak:
+        return _anneal(1.0 / optim.div_factor, 1.0, step / peak if peak > 0 else 1.0)
+    return _anneal(1.0, train.min_lr_ratio, min(1.0, (step - peak) / max(1.0, train.steps - 1 - peak)))
+
+
+def _anneal(start: float, end: float, pct: float) -> float:
+    """From ``start`` (``pct`` 0) to ``end`` (1) along a half cosine (torch's ``_annealing_cos``)."""
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, train: Train,
