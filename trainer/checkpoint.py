@@ -248,11 +248,14 @@ def _prepare(run_dir: Path, step: int) -> tuple[Path, Path]:
     return partial, final
 
 
-def _commit(partial: Path, final: Path, keep: int) -> Path:
-    """Rank 0: publish ``partial`` as ``final`` (atomic rename), then drop all but the newest ``keep``."""
+def _commit(partial: Path, final: Path, keep: int, protected: frozenset[int] = frozenset()) -> Path:
+    """Rank 0: publish ``partial`` as ``final`` (atomic rename), then drop all but the newest ``keep`` and
+    the ``protected`` steps (the best checkpoint, ``checkpoint.keep_best``)."""
     os.rename(partial, final)
     fsync_dir(final.parent)
-    for _, old in committed_steps(final.parent.parent)[:-keep]:
+    for step, old in committed_steps(final.parent.parent)[:-keep]:
+        if step in protected:
+            continue
         trash = old.parent / f".{old.name}.trash"
         os.rename(old, trash)  # uncommit atomically first: a half-deleted folder never looks committed
         shutil.rmtree(trash, ignore_errors=True)
@@ -292,6 +295,7 @@ class Checkpointer:
         self._stager: tp.Any = None  # created by the first async save (``_reused_stager``)
         self._digest_threads: list[threading.Thread] = []  # digests of the last sync save, being written
         self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
+        self.protected: frozenset[int] = frozenset()  # steps pruning keeps beyond ``keep`` (the best one)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: tp.Any,
              train_state: dict, *, dims: ParallelDims | None = None) -> Path:
@@ -313,7 +317,7 @@ class Checkpointer:
             dcp.save(state, storage_writer=writer, planner=planner, process_group=self.process_group,
                      no_dist=not dist.is_initialized())
             if _rank() == 0:
-                _commit(partial, final, self.keep)
+                _commit(partial, final, self.keep, self.protected)
             _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
             self._start_digests(final, writer.written)
             return final
@@ -334,8 +338,8 @@ class Checkpointer:
         staged, future = ((None, response) if isinstance(response, Future)
                           else (response.staging_completion, response.upload_completion))
         job = _AsyncSave(future=future, staged=staged, final=final)
-        keep, rank = self.keep, _rank()
-        future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, rank))
+        keep, rank, protected = self.keep, _rank(), self.protected
+        future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, rank, protected))
         self._pending = job
 
     def wait_staged(self) -> None:
@@ -500,11 +504,12 @@ def _yield_cpu_to_training() -> None:
         pass
 
 
-def _commit_async(future: Future, job: _AsyncSave, partial: Path, keep: int, rank: int) -> None:
+def _commit_async(future: Future, job: _AsyncSave, partial: Path, keep: int, rank: int,
+                  protected: frozenset[int] = frozenset()) -> None:
     """Done-callback of an async save: rank 0 commits as soon as the write is complete."""
     try:
         if future.exception() is None and rank == 0:
-            _commit(partial, job.final, keep)
+            _commit(partial, job.final, keep, protected)
     except Exception as exc:  # noqa: BLE001  (surfaced by Checkpointer.wait)
         job.error = exc
     finally:

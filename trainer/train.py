@@ -36,6 +36,7 @@ from trainer.resilience import report_unloadable, resilience_for
 from trainer.run import Run, load_run
 from trainer.tasks import LoopTask, task_for
 from trainer.tokens import record_data
+from trainer.watch import watch_for
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -179,7 +180,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         amp_dtype=autocast_dtype(parallel, launch.dims),
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
-        clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world))
+        clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world), watch=watch_for(spec))
     return trainer, TrainState()
 
 

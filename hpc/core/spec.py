@@ -163,6 +163,11 @@ class Train:
                           "collects after every N-th step, together (0: Python's automatic collector).", minimum=0)
     eval_every: int = field(0, doc="Evaluate on `data.val_source` every N steps and after the last (0: never): "
                             "mean loss and perplexity over the same samples at every world size.", minimum=0)
+    early_stop_patience: int = field(0, doc="Stop after this many evaluations in a row without an improvement of "
+                                     "the watched metric (`checkpoint.keep_best`'s, else `eval_loss`), saved, as "
+                                     "completed; a resumed run counts on (0: never). Needs `eval_every`.", minimum=0)
+    early_stop_min_delta: float = field(0.0, doc="An evaluation improves only when better than the best so far by "
+                                        "more than this.", minimum=0)
     eval_steps: int = field(10, doc="Batches of `global_batch` samples per evaluation (the validation samples "
                             "in order, from the first; 0: the whole split). Each sample counts once: a split "
                             "that holds fewer is evaluated whole (`hpcx submit` says so).", minimum=0)
@@ -205,6 +210,13 @@ class Checkpoint:
     interval_minutes: float = field(0.0, doc="Save every N minutes of training (0: off).", minimum=0)
     keep: int = field(2, doc="Committed checkpoints to keep (at least 2: the newest may be in flight).",
                       minimum=2)
+    keep_best: str = field("", doc="An evaluation metric as metrics.jsonl names it (`eval_loss`, `eval_accuracy`; "
+                           "`eval/accuracy` is the same): the checkpoint of the best evaluation so far is saved and kept "
+                           "beside the newest `keep` until a better one comes; `checkpoints/best.json` names it. "
+                           "Needs `train.eval_every`.", max_len=v.NAME_MAX)
+    best_mode: str = field("auto", doc="Which way `keep_best` (and early stopping) improves: `min`, `max`, or `auto` "
+                           "(`max` for a name with acc, f1, precision, recall, auc, bleu, rouge, score, map, iou, "
+                           "dice or correct in it; else `min`).", choices=("auto", "min", "max"))
     async_save: bool = field(False, doc="Save in the background on a separate process group.")
     resume: bool = field(True, doc="Resume from the newest committed checkpoint of the run folder.")
     init_from: str = field("", doc="Start from these weights (model only: step 0, a fresh optimizer and "
@@ -298,6 +310,7 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
     if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
     errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
+    errors += watch_problems(spec)
     if _typed(errors, "optim", ("name", "kwargs", "step_size", "milestones", "gamma", "div_factor")) and \
             _typed(errors, "train", ("schedule",)):
         errors += optim_problems(spec)
@@ -492,6 +505,27 @@ def _check_train(train: Train, model: Model, typed: tp.Callable[..., bool]) -> l
     if typed("model.dropout") and model.dropout >= 1:
         errors.append(f"`model.dropout` = {model.dropout!r}: expected a probability below 1")
     return errors
+
+
+LM_METRICS = ("eval_loss", "eval_perplexity")  # what the built-in language models' evaluation gives
+
+
+def watch_problems(spec: JobSpec) -> list[str]:
+    """``checkpoint.keep_best`` and ``train.early_stop_patience``: an evaluation to watch, a metric name it
+    can give (a task's own metrics are known when it first evaluates). ``eval/x`` is recorded as ``eval_x``."""
+    c, t, out = spec.checkpoint, spec.train, []
+    name = c.keep_best.replace("eval/", "eval_", 1) if c.keep_best.startswith("eval/") else c.keep_best
+    if name and not (name.startswith("eval_") and name[5:].isidentifier()):
+        out.append(f"`checkpoint.keep_best` = {c.keep_best!r}: expected an evaluation metric, e.g. 'eval_loss' "
+                   "or 'eval_accuracy'")
+    elif name and not spec.task.target and name not in LM_METRICS:
+        out.append(f"`checkpoint.keep_best` = {c.keep_best!r}: the language model's evaluation gives "
+                   f"{' and '.join(LM_METRICS)}")
+    c.keep_best = name
+    for key, given in (("checkpoint.keep_best", bool(name)), ("train.early_stop_patience", t.early_stop_patience > 0)):
+        if given and not t.eval_every:
+            out.append(f"`{key}` watches an evaluation, but `train.eval_every` = 0: set it (evaluate every N steps)")
+    return out
 
 
 def given_timeouts(parallel: tp.Any) -> list[str]:
