@@ -66,9 +66,9 @@ ADAMW_OWNED = {"weight_decay": "train.weight_decay", "betas": "train.betas"}
 
 @dataclass
 class Optim:
-    """The spec's ``[optim]`` section (docs/spec.md, "Optimizer and schedule")."""
+    """The spec's ``[optim]`` section (docs/tasks.md, "Optimizer, schedule, best checkpoint, early stopping")."""
 
-    name: str = field(DEFAULT, doc="A `torch.optim` optimizer by its class name: " + ", ".join(
+    name: str = field(DEFAULT, doc="A `torch.optim` optimizer by its class name (any case): " + ", ".join(
         f"`{n}`" for n in SIGNATURES) + " (not " + ", ".join(f"`{n}`" for n in NOT_OFFERED) + "). The learning "
         "rate is `train.lr`, shaped by `train.schedule`; weight decay, whatever the optimizer, applies to matrices "
         "and embeddings only (not to norms and biases).")
