@@ -28,7 +28,7 @@ from hpc.core.errors import ConfigError
 class HostSyncBatchNorm(nn.SyncBatchNorm):
     """torch's SyncBatchNorm, with a forward for CPU tensors (see the module docstring)."""
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002  (torch's own argument name)
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # torch's own argument name (a keyword caller may use it)
         if input.device.type != "cpu" or not self._synchronizes():
             return super().forward(input)
         self._check_input_dim(input)
