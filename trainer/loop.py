@@ -293,7 +293,8 @@ def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -
     return {"final_loss": history[-1]["loss"] if history else None, "steps": state.step,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
-            "world_size": t.world_size, "strategy": t.dims.strategy, "preempted": stopped,
+            "world_size": t.world_size, "strategy": t.dims.strategy,
+            "preempted": stopped and not (t.watch is not None and t.watch.stopped),
             "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir), **watch_summary(t),
             **{k: v for k, v in (t.last_eval or {}).items() if k.startswith("eval_") and k not in SUMMARY_LEFT_OUT}}
 

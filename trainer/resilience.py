@@ -158,7 +158,6 @@ class Resilience:
         if best and self.rank == 0:
             assert t.watch is not None
             write_best(self.run_dir, t.watch)
-
         if final or preempted:
             self.vote.close()
             self._timed(self.checkpointer.wait)  # the stop save must be committed before anyone leaves
