@@ -175,3 +175,15 @@ def test_a_scheduler_checkpoints_and_resumes_its_factor():
     again = build_scheduler(build_optimizer(m, train, optim=Optim("SGD")), train, optim)
     again.load_state_dict(sched.state_dict())
     assert again.get_last_lr() == sched.get_last_lr() == [pytest.approx(0.1)] * 2  # both param groups
+
+
+@pytest.mark.parametrize("optim", [["optim.name='SGD'"], ["optim.name='SGD'", "optim.kwargs.momentum=0.9"],
+                                   ["optim.name='Adam'", "optim.kwargs.amsgrad=true"],
+                                   ["optim.name='RMSprop'", "optim.kwargs.centered=true", "optim.kwargs.momentum=0.5"]])
+def test_the_dryrun_of_a_sharded_13b_measures_the_optimizer_state_the_plan_counts(optim):
+    from tests.test_dryrun import BIG, _run, _sets
+
+    result = _run(BIG, _sets("13b", 8, "fsdp") + optim)
+    assert result.problems == [], "\n".join(result.problems)
+    assert result.measured["optimizer"] == pytest.approx(result.planned["optimizer"], rel=0.01, abs=1e6)
+    assert (result.planned["optimizer"] == 0) == (optim == ["optim.name='SGD'"])  # plain SGD keeps no state
