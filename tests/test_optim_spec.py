@@ -187,3 +187,18 @@ def test_the_dryrun_of_a_sharded_13b_measures_the_optimizer_state_the_plan_count
     assert result.problems == [], "\n".join(result.problems)
     assert result.measured["optimizer"] == pytest.approx(result.planned["optimizer"], rel=0.01, abs=1e6)
     assert (result.planned["optimizer"] == 0) == (optim == ["optim.name='SGD'"])  # plain SGD keeps no state
+
+
+@pytest.mark.parametrize("doc,said", [
+    ({"train": {"steps": 100, "schedule": "multistep"}, "optim": {"milestones": [50, 100, 150]}},
+     "`optim.milestones` [100, 150] are not before `train.steps` = 100"),
+    ({"train": {"steps": 100, "schedule": "step"}, "optim": {"step_size": 100}},
+     "`optim.step_size` = 100 is not shorter than `train.steps` = 100"),
+    ({"train": {"steps": 100, "schedule": "multistep"}, "optim": {"milestones": [50, 99]}}, None),
+])
+def test_a_decay_that_never_comes_is_a_warning(doc, said):
+    from hpc.core.spec import spec_warnings
+
+    found = [w for w in spec_warnings(spec_from_dict(doc)) if "optim." in w]
+    assert found == ([f"<spec>: {said}: the learning rate never drops" + (" there" if "milestones" in said else "")]
+                     if said else [])

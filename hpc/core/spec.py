@@ -548,8 +548,20 @@ def spec_warnings(spec: JobSpec) -> list[str]:
     if t.warmup_metrics_steps >= t.steps:
         out.append(f"`train.warmup_metrics_steps` = {t.warmup_metrics_steps} is not shorter than `train.steps` = "
                    f"{t.steps}: throughput summaries will have no steps to measure")
-    out += _eval_shortfall(spec)
+    out += _eval_shortfall(spec) + _late_decays(spec)
     return [f"{spec.source}: {line}" for line in out]
+
+
+def _late_decays(spec: JobSpec) -> list[str]:
+    """Step-schedule decays at or past the last step: they never happen."""
+    t, o = spec.train, spec.optim
+    late = [m for m in o.milestones if m >= t.steps] if t.schedule == "multistep" else []
+    out = [f"`optim.milestones` {late} are not before `train.steps` = {t.steps}: the learning rate never drops "
+           "there"] if late else []
+    if t.schedule == "step" and o.step_size >= t.steps:
+        out.append(f"`optim.step_size` = {o.step_size} is not shorter than `train.steps` = {t.steps}: the learning "
+                   "rate never drops")
+    return out
 
 
 def _eval_shortfall(spec: JobSpec) -> list[str]:
