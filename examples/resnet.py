@@ -3,8 +3,11 @@
 The images are made from a seed, sample by sample: each class has a fixed random template and each
 image is its class's template plus noise, so the set is the same on every rank and run, needs no
 download, and is learnable (accuracy climbs from chance within a few dozen steps). The net is a
-stem, a list of residual blocks (the units hpcx checkpoints and shards) and a pooled linear head;
-GroupNorm, not BatchNorm, so no running statistics differ between ranks.
+stem, a list of residual blocks (the units hpcx checkpoints and shards) and a pooled linear head.
+``norm = "group"`` (the default) normalizes with GroupNorm, which keeps no running statistics;
+``norm = "batch"`` with BatchNorm, as the classic ResNet recipe does: each rank's running statistics
+come from its own batches unless ``task.sync_batchnorm`` is set (docs/tasks.md says what a checkpoint
+keeps of them).
 """
 
 from __future__ import annotations
@@ -33,15 +36,25 @@ class GeneratedImages(Dataset):
         return image, torch.tensor(label)
 
 
+NORMS = ("group", "batch")
+
+
+def norm_layer(norm: str, width: int, groups: int) -> nn.Module:
+    """GroupNorm (``"group"``) or BatchNorm (``"batch"``) over ``width`` channels."""
+    if norm not in NORMS:
+        raise ValueError(f"norm={norm!r}: expected one of {NORMS}")
+    return nn.GroupNorm(groups, width) if norm == "group" else nn.BatchNorm2d(width)
+
+
 class ResidualBlock(nn.Module):
     """conv → norm → ReLU → conv → norm, added to its input, then ReLU."""
 
-    def __init__(self, width: int, groups: int):
+    def __init__(self, width: int, groups: int, norm: str = "group"):
         super().__init__()
         self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
-        self.norm1 = nn.GroupNorm(groups, width)
+        self.norm1 = norm_layer(norm, width, groups)
         self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
-        self.norm2 = nn.GroupNorm(groups, width)
+        self.norm2 = norm_layer(norm, width, groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.norm1(self.conv1(x)))
@@ -49,10 +62,10 @@ class ResidualBlock(nn.Module):
 
 
 class SmallResNet(nn.Module):
-    def __init__(self, width: int, depth: int, classes: int, groups: int):
+    def __init__(self, width: int, depth: int, classes: int, groups: int, norm: str = "group"):
         super().__init__()
         self.stem = nn.Conv2d(3, width, 3, padding=1)
-        self.blocks = nn.ModuleList(ResidualBlock(width, groups) for _ in range(depth))
+        self.blocks = nn.ModuleList(ResidualBlock(width, groups, norm) for _ in range(depth))
         self.head = nn.Linear(width, classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -66,12 +79,12 @@ class ImageTask:
     """The task (``[task] target = "examples.resnet:ImageTask"``); ``task.kwargs`` are these arguments."""
 
     def __init__(self, width: int = 16, depth: int = 2, classes: int = 4, size: int = 16, groups: int = 4,
-                 train_samples: int = 1024, eval_samples: int = 128, seed: int = 0):
+                 train_samples: int = 1024, eval_samples: int = 128, seed: int = 0, norm: str = "group"):
         self.width, self.depth, self.classes, self.size, self.groups = width, depth, classes, size, groups
-        self.train_samples, self.eval_samples, self.seed = train_samples, eval_samples, seed
+        self.train_samples, self.eval_samples, self.seed, self.norm = train_samples, eval_samples, seed, norm
 
     def build_model(self) -> nn.Module:
-        return SmallResNet(self.width, self.depth, self.classes, self.groups)
+        return SmallResNet(self.width, self.depth, self.classes, self.groups, self.norm)
 
     def units(self, model: nn.Module) -> nn.ModuleList:
         return model.blocks

@@ -300,3 +300,16 @@ def is_nf4_tensor(t: tp.Any) -> bool:
     """Whether ``t`` is torchao's NF4Tensor, told by its class name so torchao is imported only by a run
     that quantizes."""
     return type(t).__name__ == "NF4Tensor"
+def state_dict_fqns(model: tp.Any, name: str) -> set[str]:
+    """The state-dict keys ``get_state_dict`` gives the module attribute ``name`` of ``model`` (the
+    wrappers' prefixes of DDP, FSDP, compile and activation checkpointing left out)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    return set(_get_fqns(model, name))
+
+
+def dedup_save_plans(plans: list, lowest_rank: bool) -> list:
+    """DCP's removal of items several ranks would write (each kept by one rank)."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dedup
+
+    return dedup(plans, lowest_rank)

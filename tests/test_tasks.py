@@ -61,6 +61,37 @@ def test_a_wrong_task_spec_is_one_line_naming_the_key(doc, expected):
     assert len(found) == 1 and found[0].startswith(expected), found
 
 
+@pytest.mark.parametrize("strategy,tasks,expected", [
+    ("none", 1, "the strategy is 'none': it synchronizes across processes"),
+    ("dp", 1, "the strategy is 'dp': it synchronizes across processes"),
+    ("auto", 1, "the strategy is 'none' (the planner's choice for `auto`)"),
+    ("ddp", 2, None), ("fsdp", 2, None), ("hsdp", 2, None), ("auto", 2, None),
+])
+def test_sync_batchnorm_is_refused_in_one_line_where_no_ranks_share_statistics(strategy, tasks, expected):
+    from hpc.core.site import load_site
+    from hpc.plan.resolve import resolve
+
+    doc = {**RESNET, "task": {**RESNET["task"], "sync_batchnorm": True}, "job": {"tasks_per_node": tasks},
+           "parallel": {"strategy": strategy, **({"shard_size": 1} if strategy == "hsdp" else {})}}
+    spec = spec_from_dict(doc)
+    if expected is None:
+        assert resolve(spec, load_site("local")).dims.strategy in ("ddp", "fsdp", "hsdp")
+        return
+    with pytest.raises(ConfigError) as info:
+        resolve(spec, load_site("local"))
+    assert len(info.value.messages) == 1 and expected in info.value.messages[0] and "`task.sync_batchnorm`" in \
+        info.value.messages[0]
+
+
+def test_sync_batchnorm_without_a_task_is_one_line_and_the_command_exits_2():
+    assert problems({"task": {"sync_batchnorm": True}}) == [
+        "`task.sync_batchnorm` = true, but there is no task: the built-in language models have no BatchNorm "
+        "(set `task.target`, or remove it)"]
+    out = hpcx("render", str(REPO / "jobs" / "resnet-ddp.toml"), "--set", "task.sync_batchnorm=true",
+               "--set", "parallel.strategy='none'", "--set", "job.tasks_per_node=1")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
 def test_the_task_is_named_in_render_and_submit_notices():
     from hpc.login.render import user_code_notice
 

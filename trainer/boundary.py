@@ -16,6 +16,7 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
     from hpc.core.dims import ParallelDims
+    from trainer.watch import MetricWatch
 
 
 class Progress(tp.Protocol):
@@ -37,6 +38,7 @@ class LoopView(tp.Protocol):
     device: torch.device
     steps: int  # the run's last step
     dims: ParallelDims
+    watch: MetricWatch | None  # the watched evaluation metric (best checkpoint, early stopping)
 
 
 P = tp.TypeVar("P", bound=Progress)

@@ -9,8 +9,24 @@ One checkpoint holds, under these top-level keys of one DCP state dict:
 - ``rng.rank<R>``: each rank's RNG states under its own key — DCP keeps one
   copy of equal keys across ranks, so a shared key would restore rank 0's
   state everywhere;
+- ``buffers.rank<R>`` (fsdp and hsdp at more than one rank): each rank's own
+  copy of the model's plain buffers (BatchNorm's running statistics), see below;
 - ``meta``: step, tokens seen, world size and strategy at save (for
   ``hpcx ckpt inspect``).
+
+Buffers. A module buffer that is a plain tensor (BatchNorm's ``running_mean``, ``running_var``,
+``num_batches_tracked``) is held whole by every rank, and the ranks' copies may differ: each rank
+updates its running statistics from its own batches. DCP would keep one copy of each key, from
+whichever rank its write balancing picks, so a checkpoint held a mix of ranks' statistics. Here
+(``BufferPlanner``) the ``model`` entry of every buffer is written by the lowest rank that holds it:
+rank 0 for a plain tensor, rank 0 of its replica group for a DTensor's chunk; that is "the" buffer
+(what ``torch.save`` of rank 0's module gives, what an export and a load at another world size
+take). Under ddp that is the whole truth: DDP broadcasts rank 0's buffers at the start of every
+forward that synchronizes (``broadcast_buffers``), so a rank's own statistics last only until the
+next step. Under fsdp and hsdp nothing synchronizes them, so each rank's own copy is saved too
+(``buffers.rank<R>``) and restored at the same world size: a resumed run evaluates with the same
+statistics on every rank as its uninterrupted twin. ``task.sync_batchnorm`` makes the ranks' copies
+equal (``trainer.syncbn``).
 
 Commit protocol: all ranks write into ``checkpoints/.step-NNNNNNN.partial``;
 after DCP has written ``.metadata`` (which it does only when every rank's
@@ -34,6 +50,7 @@ on in the background. At most one save is in flight; the next save (and
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import logging
 import os
@@ -51,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch import nn
 
@@ -175,6 +192,24 @@ def _as_tuple(value: tp.Any) -> tp.Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+def buffer_keys(model: nn.Module, msd: dict[str, tp.Any]) -> frozenset[str]:
+    """The keys of ``msd`` (``get_state_dict``'s model state) that are the model's buffers."""
+    names: set[str] = set()
+    for name, _ in model.named_buffers():
+        names |= compat.state_dict_fqns(model, name)
+    return frozenset(k for k in msd if k in names)
+
+
+def own_buffers(msd: dict[str, tp.Any], keys: frozenset[str], dims: ParallelDims) -> dict[str, torch.Tensor]:
+    """This rank's copy of the plain buffers, where its strategy leaves them to the rank (fsdp and hsdp at
+    more than one rank; DDP broadcasts rank 0's at every forward); cloned: DCP gets the ``model`` entry too."""
+    if _world() < 2 or not dims.fsdp_enabled:
+        return {}
+    from torch.distributed.tensor import DTensor
+
+    return {k: msd[k].detach().clone() for k in sorted(keys) if not isinstance(msd[k], DTensor)}
+
+
 def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: tp.Any,
                 step: int, train_state: dict, dims: ParallelDims | None) -> dict[str, tp.Any]:
     """The DCP state dict of one save (see the module docstring for its keys)."""
@@ -187,6 +222,9 @@ def build_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, sched
     if scheduler is not None:
         state["scheduler"] = copy.deepcopy(scheduler.state_dict())
     dims = dims or infer_dims(model)
+    own = own_buffers(msd, buffer_keys(model, msd), dims)
+    if own:
+        state["buffers"] = {f"rank{_rank()}": own}
     state["meta"] = {"format": FORMAT, "step": int(step), "tokens_seen": int(train_state.get("tokens_seen", 0)),
                      "world_size": _world(), "strategy": dims.strategy, "sharding": dims.sharding,
                      "mesh": [dims.dp_replicate, dims.dp_shard],
@@ -210,11 +248,14 @@ def _prepare(run_dir: Path, step: int) -> tuple[Path, Path]:
     return partial, final
 
 
-def _commit(partial: Path, final: Path, keep: int) -> Path:
-    """Rank 0: publish ``partial`` as ``final`` (atomic rename), then drop all but the newest ``keep``."""
+def _commit(partial: Path, final: Path, keep: int, protected: frozenset[int] = frozenset()) -> Path:
+    """Rank 0: publish ``partial`` as ``final`` (atomic rename), then drop all but the newest ``keep`` and
+    the ``protected`` steps (the best checkpoint, ``checkpoint.keep_best``)."""
     os.rename(partial, final)
     fsync_dir(final.parent)
-    for _, old in committed_steps(final.parent.parent)[:-keep]:
+    for step, old in committed_steps(final.parent.parent)[:-keep]:
+        if step in protected:
+            continue
         trash = old.parent / f".{old.name}.trash"
         os.rename(old, trash)  # uncommit atomically first: a half-deleted folder never looks committed
         shutil.rmtree(trash, ignore_errors=True)
@@ -254,6 +295,7 @@ class Checkpointer:
         self._stager: tp.Any = None  # created by the first async save (``_reused_stager``)
         self._digest_threads: list[threading.Thread] = []  # digests of the last sync save, being written
         self._hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its step pre-hook
+        self.protected: frozenset[int] = frozenset()  # steps pruning keeps beyond ``keep`` (the best one)
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: tp.Any,
              train_state: dict, *, dims: ParallelDims | None = None) -> Path:
@@ -270,32 +312,34 @@ class Checkpointer:
         partial, final = _prepare(self.run_dir, step)
         state = build_state(model, optimizer, scheduler, step, train_state, dims)
         writer = HpcxFileSystemWriter(partial, overwrite=False, digests_inline=self.async_save)
+        planner = BufferPlanner({f"model.{k}" for k in buffer_keys(model, state["model"])})
         if not self.async_save:
-            dcp.save(state, storage_writer=writer, process_group=self.process_group,
+            dcp.save(state, storage_writer=writer, planner=planner, process_group=self.process_group,
                      no_dist=not dist.is_initialized())
             if _rank() == 0:
-                _commit(partial, final, self.keep)
+                _commit(partial, final, self.keep, self.protected)
             _barrier()  # no rank runs ahead of the commit (a later latest_checkpoint sees it)
             self._start_digests(final, writer.written)
             return final
-        self._start_async(state, writer, partial, final)
+        self._start_async(state, writer, planner, partial, final)
         if optimizer is not None:
             self._wait_staged_before_step(optimizer)
         else:
             self.wait_staged()  # nothing tells us when the caller changes the state: stage before returning
         return final
 
-    def _start_async(self, state: dict, writer: tp.Any, partial: Path, final: Path) -> None:
+    def _start_async(self, state: dict, writer: tp.Any, planner: tp.Any, partial: Path, final: Path) -> None:
         """Hand ``state`` to ``dcp.async_save`` (staging and writing in the background); rank 0 commits
         when the write is done. The job is ``_pending`` until ``wait``."""
         device_work_done()
-        response = dcp.async_save(state, storage_writer=writer, process_group=self.process_group or _gloo_group(),
+        response = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                  process_group=self.process_group or _gloo_group(),
                                   async_stager=self._reused_stager(), no_dist=not dist.is_initialized())
         staged, future = ((None, response) if isinstance(response, Future)
                           else (response.staging_completion, response.upload_completion))
         job = _AsyncSave(future=future, staged=staged, final=final)
-        keep, rank = self.keep, _rank()
-        future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, rank))
+        keep, rank, protected = self.keep, _rank(), self.protected
+        future.add_done_callback(lambda f: _commit_async(f, job, partial, keep, rank, protected))
         self._pending = job
 
     def wait_staged(self) -> None:
@@ -383,6 +427,32 @@ class Checkpointer:
                 self._stager = None
 
 
+class BufferPlanner(DefaultSavePlanner):
+    """DCP's save planner, except that each item of ``buffers`` (flattened keys, ``model.<fqn>``) that
+    several ranks hold is written by the lowest of them (rank 0, or rank 0 of a DTensor chunk's replica
+    group) rather than by the least loaded: a buffer is one rank's, never a mix (the module docstring).
+    Everything else is balanced across ranks as DCP does."""
+
+    def __init__(self, buffers: tp.Iterable[str]):
+        super().__init__()
+        self.buffers = frozenset(buffers)
+
+    def create_global_plan(self, all_plans: list[tp.Any]) -> tuple[list[tp.Any], tp.Any]:
+        return super().create_global_plan(lowest_rank_buffers(all_plans, self.buffers))
+
+
+def lowest_rank_buffers(plans: list[tp.Any], buffers: frozenset[str]) -> list[tp.Any]:
+    """``plans`` (one per rank) with each write item of ``buffers`` left only in the first plan holding it."""
+    holder: dict[tp.Any, int] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            if item.index.fqn in buffers:
+                holder.setdefault(item.index, rank)
+    return [dataclasses.replace(plan, items=[item for item in plan.items
+                                             if item.index.fqn not in buffers or holder[item.index] == rank])
+            for rank, plan in enumerate(plans)]
+
+
 def device_work_done() -> None:
     """Wait for the work queued on this device's current stream (the optimizer step) before staging.
 
@@ -434,11 +504,12 @@ def _yield_cpu_to_training() -> None:
         pass
 
 
-def _commit_async(future: Future, job: _AsyncSave, partial: Path, keep: int, rank: int) -> None:
+def _commit_async(future: Future, job: _AsyncSave, partial: Path, keep: int, rank: int,
+                  protected: frozenset[int] = frozenset()) -> None:
     """Done-callback of an async save: rank 0 commits as soon as the write is complete."""
     try:
         if future.exception() is None and rank == 0:
-            _commit(partial, job.final, keep)
+            _commit(partial, job.final, keep, protected)
     except Exception as exc:  # noqa: BLE001  (surfaced by Checkpointer.wait)
         job.error = exc
     finally:
@@ -530,7 +601,8 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
     try:
-        _load_modules(reader, model, optimizer)
+        own = saved_own_buffers(reader)
+        _load_modules(reader, model, optimizer, own_buffers=own)
         extra = _read_prefix(reader, ("train.", "scheduler.", f"rng.rank{_rank()}."))
     finally:
         reader.close()
@@ -544,10 +616,20 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return {**extra.get("train", {}), "meta": reader.meta, "rng_restored": rng is not None and restore_rng}
 
 
+def saved_own_buffers(reader: DcpReader) -> dict[str, torch.Tensor]:
+    """This rank's own copy of the plain buffers (``buffers.rank<R>``), when the checkpoint was saved at
+    this world size and holds one; else {} (every rank takes the ``model`` entry's: rank 0's)."""
+    if reader.meta.get("world_size") != _world():
+        return {}
+    return _read_prefix(reader, (f"buffers.rank{_rank()}.",)).get("buffers", {}).get(f"rank{_rank()}", {})
+
+
 def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                  options: tp.Any = None, skip: tp.Callable[[str], bool] | None = None) -> None:
+                  options: tp.Any = None, skip: tp.Callable[[str], bool] | None = None,
+                  own_buffers: dict[str, torch.Tensor] | None = None) -> None:
     """DCP's load of the ``model`` (and ``optim``) entries; ``options`` default to the checkpoint's
-    (``trainer.lora.state_options``); ``skip`` leaves parameters out by name (``init_from`` into a LoRA model)."""
+    (``trainer.lora.state_options``); ``skip`` leaves parameters out by name (``init_from`` into a LoRA model);
+    ``own_buffers`` replace the loaded buffers of those names (``saved_own_buffers``)."""
     options = state_options(model) if options is None else options
     msd, osd = get_state_dict(model, optimizer if optimizer is not None else [], options=options)
     msd = {k: v for k, v in msd.items() if skip is None or not skip(k)}
@@ -560,6 +642,10 @@ def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Op
         if not errors:
             raise
         raise type(errors[0])(list(dict.fromkeys(m for e in errors for m in e.messages))) from None
+    for key, value in (own_buffers or {}).items():
+        loaded = msd.get(key)
+        if isinstance(loaded, torch.Tensor):
+            msd[key] = value.to(loaded.device)
     set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=msd,
                    optim_state_dict=osd if optimizer is not None else {}, options=options)
 

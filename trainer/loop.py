@@ -37,6 +37,7 @@ from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync, set_reshard_after_backward
 from trainer.preemption import PreemptionFlag
 from trainer.tasks import LoopTask, autocast_of
+from trainer.watch import MetricWatch
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -52,15 +53,18 @@ class TrainState:
     tokens_seen: int = 0
     sampler: dict[str, int] = field(default_factory=lambda: {"consumed_samples": 0, "epoch": 0})
     task: dict[str, tp.Any] = field(default_factory=dict)  # the task's own (``LoopTask.state_dict``), plain data
+    watch: dict[str, tp.Any] = field(default_factory=dict)  # the watched metric's (``MetricWatch.state_dict``)
 
     def state_dict(self) -> dict[str, tp.Any]:
         out = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": dict(self.sampler)}
-        return {**out, "task": dict(self.task)} if self.task else out
+        out = {**out, "task": dict(self.task)} if self.task else out
+        return {**out, "watch": dict(self.watch)} if self.watch else out
 
     def load_state_dict(self, state: dict[str, tp.Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.sampler = {k: int(v) for k, v in state["sampler"].items()}
         self.task = dict(state.get("task", {}))
+        self.watch = dict(state.get("watch", {}))
 
 
 @dataclass
@@ -96,6 +100,7 @@ class Trainer:
     last_eval: dict | None = None
     init_report: dict | None = None  # what checkpoint.init_from read (trainer.init_from.start_weights)
     counted: torch.Tensor | None = None  # a masked loss: the last step's counted targets, whole batch (on the device)
+    watch: MetricWatch | None = None  # checkpoint.keep_best / train.early_stop_patience (``trainer.watch``)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -189,7 +194,8 @@ def step_boundary(t: Trainer, state: TrainState) -> bool:
     """
     if t.resilience is not None:
         return t.resilience.boundary(t, state)
-    return t.preemption is not None and t.preemption.agreed(t.device)
+    agreed = t.preemption is not None and t.preemption.agreed(t.device)
+    return agreed or (t.watch is not None and t.watch.stopped)
 
 
 def set_float_math(device: torch.device) -> None:
@@ -228,10 +234,12 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
     set_float_math(t.device)
     t.sampler.load_state_dict(state.sampler)
     t.task.load_state_dict(state.task)
+    if t.watch is not None:
+        t.watch.load_state_dict(state.watch)
     batches = iter(t.loader)
     accum = t.sampler.grad_accum
     history: list[dict] = []
-    stopped = False
+    stopped = t.watch is not None and t.watch.stopped  # a run that stopped early and was started again
     last_logged = state.step
     collector = GarbageCollection(t.gc_every)  # closed after the loop (a failure ends the process)
     t.clock.restart()
@@ -251,12 +259,22 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
             last_logged = state.step
         if t.evaluator is not None and t.evaluator.due(state.step, t.steps):
             t.last_eval = eval_step(t, state.step)
+            watch_eval(t, state)
         stopped = step_boundary(t, state)
         collector.step(state.step)
         t.clock.lap("boundary")
     collector.close()
     t.metrics.close()
     return summary(t, state, history, stopped)
+
+
+def watch_eval(t: Trainer, state: TrainState) -> None:
+    """Hand the evaluation of this step to the watched metric (``trainer.watch``); its state is the train
+    state's, saved with the step boundary's checkpoint."""
+    if t.watch is None or t.last_eval is None:
+        return
+    t.watch.observe(t.last_eval, state.step)
+    state.watch = t.watch.state_dict()
 
 
 def logs_at(t: Trainer, step: int) -> bool:
@@ -286,15 +304,25 @@ def summary(t: Trainer, state: TrainState, history: list[dict], stopped: bool) -
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "step_time_s": statistics.median(r["step_time_s"] for r in steady) if steady else None,
             "world_size": t.world_size, "strategy": t.dims.strategy, **stopped_how(t, stopped),
-            "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir),
+            "losses": [r["loss"] for r in history], "run_dir": str(t.run_dir), **watch_summary(t),
             **{k: v for k, v in (t.last_eval or {}).items() if k.startswith("eval_") and k not in SUMMARY_LEFT_OUT}}
 
 
 def stopped_how(t: Trainer, stopped: bool) -> dict[str, bool]:
     """``preempted`` (stopped at an agreed preemption, saved) or ``cancelled`` (SIGTERM agreed: ``hpcx
-    cancel``, no save), as the resilience's stop reason says; without one, every early stop is a preemption."""
+    cancel``, no save), as the resilience's stop reason says; an early stop (``watch``) is neither; without
+    a reason, every other early stop is a preemption."""
     reason = getattr(t.resilience, "reason", None) if stopped else None
-    return {"preempted": stopped and reason != "terminated", "cancelled": reason == "terminated"}
+    early = t.watch is not None and t.watch.stopped
+    return {"preempted": stopped and reason != "terminated" and not early, "cancelled": reason == "terminated"}
+
+
+def watch_summary(t: Trainer) -> dict[str, tp.Any]:
+    """The best evaluation and an early stop, for the summary (nothing without a watched metric)."""
+    if t.watch is None:
+        return {}
+    best = {"best": {"step": t.watch.best_step, t.watch.metric: t.watch.best}}
+    return {**best, "early_stopped_at": t.watch.stopped_at} if t.watch.stopped else best
 
 
 SUMMARY_LEFT_OUT = ("eval_tokens", "eval_samples", "eval_s")  # of the last eval record: its values only

@@ -1,4 +1,5 @@
-"""AdamW, the warm-up + cosine schedule, and gradient clipping that is exact across shards."""
+"""The optimizer (``[optim]``: any ``torch.optim`` one, AdamW by default), the learning-rate schedules
+(``train.schedule``, each after a linear warm-up), and gradient clipping that is exact across shards."""
 
 from __future__ import annotations
 
@@ -14,31 +15,55 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hpc import compat
+from hpc.core.errors import ConfigError
+from hpc.core.optim import DEFAULT, SIGNATURES, Optim, canonical
 from hpc.core.spec import Train
 
 log = logging.getLogger("hpcx.trainer")
 
 
-def build_optimizer(model: nn.Module, train: Train, sharded_scaler: bool = False) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (embeddings and linear weights), not on LayerNorms.
+def build_optimizer(model: nn.Module, train: Train, sharded_scaler: bool = False,
+                    optim: Optim | None = None) -> torch.optim.Optimizer:
+    """``optim.name`` (``torch.optim``; AdamW by default) with ``optim.kwargs``, at ``train.lr``; weight decay
+    on matrices only (embeddings and linear weights), not on norms and biases, whatever the optimizer.
+    AdamW's weight decay and betas are ``train.weight_decay`` and ``train.betas``.
 
-    The fused kernel (one pass over each tensor, CPU and GPU alike) where torch has one for the
-    parameters; else the default multi-tensor one. On CPU, and so with CPU offload, fused takes a
-    fraction of the time (bench/optimizer_step prints the ratio); both follow the same update rule.
-    With ``sharded_scaler`` (fp16 under FSDP: ``ShardedGradScaler``) the multi-tensor one: that
-    scaler hands the optimizer a ``found_inf`` of shape [1], which the fused step cannot broadcast
-    into its step counters (torch 2.13: "output with shape [] doesn't match the broadcast shape [1]").
+    AdamW takes the fused kernel (one pass over each tensor, CPU and GPU alike) where torch has one for the
+    parameters (unless ``optim.kwargs.fused`` says otherwise); else the default multi-tensor one. On CPU,
+    and so with CPU offload, fused takes a fraction of the time (bench/optimizer_step prints the ratio);
+    both follow the same update rule. With ``sharded_scaler`` (fp16 under FSDP: ``ShardedGradScaler``) the
+    multi-tensor one: that scaler hands the optimizer a ``found_inf`` of shape [1], which the fused step
+    cannot broadcast into its step counters (torch 2.13: "output with shape [] doesn't match the broadcast
+    shape [1]"). A value torch refuses (``momentum=-1``) is a ConfigError naming the key's section.
     """
+    optim = optim or Optim()
+    name = canonical(optim.name) or DEFAULT
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in optim.kwargs.items()}
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = not sharded_scaler and fused_supported(decay + no_decay)
+    if name == DEFAULT:
+        kwargs.update(betas=(train.betas[0], train.betas[1]), weight_decay=train.weight_decay)
+        kwargs.setdefault("fused", adamw_fused(decay + no_decay, sharded_scaler))
+    weight_decay = kwargs.pop("weight_decay", SIGNATURES[name].get("weight_decay", 0))
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if "weight_decay" not in SIGNATURES[name]:  # Rprop: no weight decay to split
+        groups = [{"params": decay + no_decay}]
+    try:
+        return getattr(torch.optim, name)(groups, lr=train.lr, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError([f"`optim.kwargs` = {optim.kwargs!r}: torch.optim.{name} refused them: {exc}"]) from None
+
+
+def adamw_fused(parameters: list[nn.Parameter], sharded_scaler: bool) -> bool:
+    """Whether AdamW takes its fused kernel (see ``build_optimizer``), saying so in the log when not."""
     if sharded_scaler:
         log.info("AdamW: the multi-tensor kernel (the fused one fails under fp16's ShardedGradScaler)")
-    elif not fused:
+        return False
+    if not fused_supported(parameters):
         log.info("AdamW: no fused kernel for these parameters (devices %s), using the multi-tensor one",
-                 sorted({p.device.type for p in decay + no_decay}))
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.betas[0], train.betas[1]), fused=fused)
+                 sorted({p.device.type for p in parameters}))
+        return False
+    return True
 
 
 FUSED_DEVICES = ("cuda", "cpu")  # where torch's fused AdamW kernel takes every floating dtype
@@ -51,22 +76,54 @@ def fused_supported(parameters: list[nn.Parameter]) -> bool:
     return bool(parameters) and all(p.is_floating_point() and p.device.type in FUSED_DEVICES for p in parameters)
 
 
-def lr_factor(step: int, train: Train) -> float:
-    """Multiplier of ``train.lr`` at optimizer step ``step`` (0-based): linear warm-up, then cosine
-    down to ``min_lr_ratio`` at the last step (or constant)."""
+def lr_factor(step: int, train: Train, optim: Optim | None = None) -> float:
+    """Multiplier of ``train.lr`` at optimizer step ``step`` (0-based): linear warm-up over
+    ``train.warmup_steps``, then ``train.schedule`` (``onecycle``: its own cosine rise instead)."""
+    optim = optim or Optim()
+    if train.schedule == "onecycle":
+        return onecycle_factor(step, train, optim)
     if step < train.warmup_steps:
         return (step + 1) / train.warmup_steps
     if train.schedule == "constant":
         return 1.0
-    decay_steps = max(1, train.steps - train.warmup_steps - 1)
-    progress = min(1.0, (step - train.warmup_steps) / decay_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return train.min_lr_ratio + (1.0 - train.min_lr_ratio) * cosine
+    if train.schedule == "step":
+        return optim.gamma ** (step // optim.step_size)
+    if train.schedule == "multistep":
+        return optim.gamma ** sum(1 for m in optim.milestones if step >= m)
+    return decayed(train.min_lr_ratio, train.schedule, decay_progress(step, train.warmup_steps, train.steps))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, train: Train) -> torch.optim.lr_scheduler.LambdaLR:
+def decay_progress(step: int, start: int, steps: int) -> float:
+    """How far ``step`` is from ``start`` (0) to the last step ``steps - 1`` (1)."""
+    return min(1.0, (step - start) / max(1, steps - start - 1))
+
+
+def decayed(floor: float, shape: str, progress: float) -> float:
+    """From 1 at ``progress`` 0 down to ``floor`` at 1: straight (``linear``) or along a half cosine."""
+    remaining = 1.0 - progress if shape == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * remaining
+
+
+def onecycle_factor(step: int, train: Train, optim: Optim) -> float:
+    """torch's OneCycleLR on the learning rate (its momentum cycle is not made), step for step: from
+    ``1 / div_factor`` up to 1 at step ``rise - 1`` (``rise``: ``train.warmup_steps``, 0: 30% of the steps,
+    torch's ``pct_start``), then down to ``min_lr_ratio`` at the last step, both halves along a cosine."""
+    rise = train.warmup_steps or max(1, int(0.3 * train.steps))
+    peak = float(rise - 1)  # torch: step_size_up = pct_start * total_steps - 1
+    if step <= peak:
+        return _anneal(1.0 / optim.div_factor, 1.0, step / peak if peak > 0 else 1.0)
+    return _anneal(1.0, train.min_lr_ratio, min(1.0, (step - peak) / max(1.0, train.steps - 1 - peak)))
+
+
+def _anneal(start: float, end: float, pct: float) -> float:
+    """From ``start`` (``pct`` 0) to ``end`` (1) along a half cosine (torch's ``_annealing_cos``)."""
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: Train,
+                    optim: Optim | None = None) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over ``lr_factor``; its state_dict is just the step count, so it checkpoints trivially."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, train, optim))
 
 
 def grad_norm(parameters: list[nn.Parameter]) -> torch.Tensor:

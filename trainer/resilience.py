@@ -52,6 +52,7 @@ from trainer.boundary import LoopView, P, Progress
 from trainer.checkpoint import Checkpointer, committed_steps, latest_checkpoint, step_dir
 from trainer.dist import CollectiveTimeouts
 from trainer.preemption import BoundaryVote, PreemptionFlag
+from trainer.watch import write_best
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.run import Run
@@ -141,7 +142,8 @@ class Resilience:
         self.boundaries += 1
         if self.boundaries == 1 and self.timeouts is not None:
             self.timeouts.shorten(t.model)
-        final = state.step >= t.steps
+        early = t.watch is not None and t.watch.stopped_at == state.step
+        final = state.step >= t.steps or early
         preempted, terminated, minutes_due = self._votes(last=final)
         if terminated:
             self.vote.close()
@@ -149,9 +151,15 @@ class Resilience:
             log.warning("SIGTERM agreed at step %d: stopping without saving (a cancel)", state.step)
             return True
         every = self.policy.interval_steps
-        due = final or preempted or minutes_due or bool(every and state.step % every == 0)
+        best = t.watch is not None and t.watch.keep_best and t.watch.improved_at == state.step
+        due = final or preempted or minutes_due or best or bool(every and state.step % every == 0)
+        if t.watch is not None:
+            self.checkpointer.protected = t.watch.protected()
         if due and self.last_saved_step != state.step:
             self._save(t, state)
+        if best and self.rank == 0:
+            assert t.watch is not None
+            write_best(self.run_dir, t.watch)
         if final or preempted:
             self.vote.close()
             self._timed(self.checkpointer.wait)  # the stop save must be committed before anyone leaves
@@ -160,7 +168,10 @@ class Resilience:
         if preempted and not final:
             log.warning("preemption agreed at step %d: saved, stopping", state.step)
             return True
-        return False
+        if early and t.watch is not None:
+            log.warning("early stop at step %d: %s did not improve for %d evaluations (best %s at step %s)",
+                        state.step, t.watch.metric, t.watch.since, t.watch.best, t.watch.best_step)
+        return early
 
     def _votes(self, last: bool = False) -> tuple[bool, bool, bool]:
         """(preemption requested on any rank, SIGTERM seen on any rank, rank 0's clock says a

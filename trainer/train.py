@@ -37,6 +37,7 @@ from trainer.resilience import report_unloadable, resilience_for
 from trainer.run import Run, load_run
 from trainer.tasks import LoopTask, task_for
 from trainer.tokens import record_data
+from trainer.watch import watch_for
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -161,7 +162,8 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         open_host_groups(mesh)  # the norm of host gradients reduces on the host
     torch.manual_seed(spec.train.seed + rank)  # per-rank dropout masks
     scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
-    optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled)
+    optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled,
+                                optim=spec.optim)
     dataset = task.train_dataset()
     dp_rank, dp_world = launch.dims.dp_rank(rank), launch.dims.dp_world  # a tp group shares its batches
     sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, dp_rank,  # type: ignore[arg-type]  # map-style: sized
@@ -170,7 +172,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     if rank == 0 and not spec.task.target:
         record_data(run.run_dir, spec.data, kind)
     trainer = Trainer(
-        run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train),
+        run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train, spec.optim),
         sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda", workers,
                                              collate=task.collate),
         device=device, steps=spec.train.steps, grad_clip=spec.train.grad_clip, log_every=spec.train.log_every,
@@ -181,7 +183,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
         scaler=scaler,
         preemption=preemption, warmup_metrics_steps=spec.train.warmup_metrics_steps, gc_every=spec.train.gc_every,
         keep_gathered=launch.dims.fsdp_enabled and not parallel.reshard_after_forward,
-        clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world))
+        clock=PhaseClock(device), evaluator=task.evaluator(spec, dp_rank, dp_world), watch=watch_for(spec))
     if trainer.evaluator is not None:  # the training loader's settings (``data.num_workers``, pinned with a GPU)
         trainer.evaluator.workers, trainer.evaluator.pin_memory = workers, device.type == "cuda"
     return trainer, TrainState()
@@ -194,11 +196,15 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     and initialises its part (``WeightInit``: the same full state under every layout), else it stays on
     meta (``hpcx dryrun``). The process group must be up (a fake one will do). ``task``: what builds the
     model and names its units (default: ``spec``'s, ``trainer.tasks.task_for``); ``[lora]``'s adapters are
-    added to it (``trainer.lora``)."""
+    added to it (``trainer.lora``), ``task.sync_batchnorm`` converts its BatchNorms (``trainer.syncbn``)."""
     task = task_for(spec, launch.data_source) if task is None else task
     parallel = launch_parallel(spec, launch)
     model = apply_lora(task.meta_model() if model is None else model, spec, parallel.mixed_precision,
                        launch.dims.strategy)
+    if spec.task.sync_batchnorm:  # refused at submit under none and dp (hpc.core.tasks)
+        from trainer.syncbn import convert
+
+        model = convert(model, spec.task.target)
     blocks = blocks_for(task.blocks, model, parallel, launch.dims)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)

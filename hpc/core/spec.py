@@ -21,6 +21,7 @@ from hpc.core.container import JobContainer
 from hpc.core.health import Health
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.lora import Lora
+from hpc.core.optim import SCHEDULES, Optim, adamw_fields_given, optim_problems
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
 from hpc.core.tasks import Task, apply_task, task_problems
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
@@ -132,14 +133,23 @@ class Train:
     global_batch: int = field(8, doc="Samples per optimizer step across all ranks.", minimum=1)
     micro_batch: int = field(1, doc="Samples per rank per forward/backward; the gradient-accumulation "
                              "count is global_batch / (ranks × micro_batch).", minimum=1)
-    optimizer: str = field("adamw", doc="Optimizer (AdamW with decoupled weight decay; the only one for now).", choices=("adamw",))
-    lr: float = field(3e-4, doc="Peak learning rate.", minimum=0)
-    min_lr_ratio: float = field(0.1, doc="Final LR of the cosine schedule as a fraction of `lr`.", minimum=0,
-                                maximum=1)
-    warmup_steps: int = field(10, doc="Linear warm-up steps.", minimum=0)
-    schedule: str = field("cosine", doc="LR schedule after warm-up.", choices=("cosine", "constant"))
-    weight_decay: float = field(0.1, doc="AdamW weight decay.", minimum=0)
-    betas: list[float] = field(doc="AdamW betas.", factory=lambda: [0.9, 0.95])
+    optimizer: str = field("adamw", doc="Kept for older specs: the optimizer is `optim.name` (AdamW by default).",
+                           choices=("adamw",))
+    lr: float = field(3e-4, doc="Peak learning rate, of any optimizer.", minimum=0)
+    min_lr_ratio: float = field(0.1, doc="Final LR of the `cosine`, `linear` and `onecycle` schedules as a fraction "
+                                "of `lr`.", minimum=0, maximum=1)
+    warmup_steps: int = field(10, doc="Linear warm-up steps, from `lr / warmup_steps` to `lr`, before every "
+                              "schedule (`onecycle`: its cosine rise; 0 there is 30% of the steps, as torch's "
+                              "`pct_start`).", minimum=0)
+    schedule: str = field("cosine", doc="LR schedule after warm-up: `cosine` (down to `min_lr_ratio × lr` at the "
+                          "last step), `constant`, `linear` (straight down to `min_lr_ratio × lr`), `step` (× "
+                          "`optim.gamma` every `optim.step_size` steps), `multistep` (× `optim.gamma` at each of "
+                          "`optim.milestones`), `onecycle` (from `lr / optim.div_factor` up to `lr` and down to "
+                          "`min_lr_ratio × lr`, both halves cosine). See docs/spec.md.", choices=SCHEDULES)
+    weight_decay: float = field(0.1, doc="AdamW's weight decay (other optimizers: `optim.kwargs.weight_decay`).",
+                                minimum=0)
+    betas: list[float] = field(doc="AdamW's betas (other optimizers: `optim.kwargs.betas`).",
+                               factory=lambda: [0.9, 0.95])
     grad_clip: float = field(1.0, doc="Clip the global gradient norm to this (0: off).", minimum=0)
     seed: int = field(0, doc="Seed for model init, data order and dropout.", minimum=0, maximum=v.SEED_MAX)
     deterministic: bool = field(False, doc="Deterministic kernels (`torch.use_deterministic_algorithms`, "
@@ -154,6 +164,11 @@ class Train:
                           "collects after every N-th step, together (0: Python's automatic collector).", minimum=0)
     eval_every: int = field(0, doc="Evaluate on `data.val_source` every N steps and after the last (0: never): "
                             "mean loss and perplexity over the same samples at every world size.", minimum=0)
+    early_stop_patience: int = field(0, doc="Stop after this many evaluations in a row without an improvement of "
+                                     "the watched metric (`checkpoint.keep_best`'s, else `eval_loss`), saved, as "
+                                     "completed; a resumed run counts on (0: never). Needs `eval_every`.", minimum=0)
+    early_stop_min_delta: float = field(0.0, doc="An evaluation improves only when better than the best so far by "
+                                        "more than this.", minimum=0)
     eval_steps: int = field(10, doc="Batches of `global_batch` samples per evaluation (the validation samples "
                             "in order, from the first; 0: the whole split). Each sample counts once: a split "
                             "that holds fewer is evaluated whole (`hpcx submit` says so).", minimum=0)
@@ -206,6 +221,13 @@ class Checkpoint:
     interval_minutes: float = field(0.0, doc="Save every N minutes of training (0: off).", minimum=0)
     keep: int = field(2, doc="Committed checkpoints to keep (at least 2: the newest may be in flight).",
                       minimum=2)
+    keep_best: str = field("", doc="An evaluation metric as metrics.jsonl names it (`eval_loss`, `eval_accuracy`; "
+                           "`eval/accuracy` is the same): the checkpoint of the best evaluation so far is saved and kept "
+                           "beside the newest `keep` until a better one comes; `checkpoints/best.json` names it. "
+                           "Needs `train.eval_every`.", max_len=v.NAME_MAX)
+    best_mode: str = field("auto", doc="Which way `keep_best` (and early stopping) improves: `min`, `max`, or `auto` "
+                           "(`max` for a name with acc, f1, precision, recall, auc, bleu, rouge, score, map, iou, "
+                           "dice or correct in it; else `min`).", choices=("auto", "min", "max"))
     async_save: bool = field(False, doc="Save in the background on a separate process group.")
     resume: bool = field(True, doc="Resume from the newest committed checkpoint of the run folder.")
     init_from: str = field("", doc="Start from these weights (model only: step 0, a fresh optimizer and "
@@ -242,6 +264,7 @@ class JobSpec:
     checkpoint: Checkpoint
     env: Env
     lora: Lora = dataclasses.field(default_factory=Lora)
+    optim: Optim = dataclasses.field(default_factory=Optim)
     task: Task = dataclasses.field(default_factory=Task)
     container: JobContainer = dataclasses.field(default_factory=JobContainer)  # over the site's [container]
     health: Health = dataclasses.field(default_factory=Health)  # node exclusion, hang watchdog (hpc.core.health)
@@ -267,8 +290,8 @@ def sections() -> dict[str, type]:
     from hpc.core.models import section_class
 
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
-            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "task": Task, "container": JobContainer,
-            "health": Health}
+            "checkpoint": Checkpoint, "env": Env, "lora": Lora, "optim": Optim, "task": Task,
+            "container": JobContainer, "health": Health}
 
 
 def __getattr__(name: str) -> tp.Any:
@@ -299,6 +322,10 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
     if _typed(errors, "model", MODEL_SHAPE_FIELDS):
         errors += _check_model(spec.model)
     errors += _check_train(spec.train, spec.model, lambda *keys: _typed(errors, "", keys))
+    errors += watch_problems(spec)
+    if _typed(errors, "optim", ("name", "kwargs", "step_size", "milestones", "gamma", "div_factor")) and \
+            _typed(errors, "train", ("schedule",)):
+        errors += optim_problems(spec)
     if _typed(errors, "lora", ("rank", "targets", "trainable")) and not errors:
         from hpc.core.lora import lora_problems
 
@@ -333,7 +360,7 @@ def load_spec(path: str | Path, overrides: tp.Sequence[str] = (), paths: bool = 
     path = Path(path)
     doc = apply_overrides(read_toml(path), overrides)
     as_written = [f"{path}: {e}" for e in given_timeouts(doc.get("parallel")) + trainer_sections_given(doc)
-                  + given_for_nothing(doc)]
+                  + given_for_nothing(doc) + adamw_fields_given(doc)]
     try:
         spec = spec_from_dict(doc, str(path))
     except ConfigError as exc:
@@ -425,7 +452,7 @@ def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:
 
 
 # What ``job.command`` replaces: hpcx's trainer reads these sections, a user's script does not.
-TRAINER_SECTIONS = ("model", "data", "train", "parallel", "checkpoint", "lora", "task")
+TRAINER_SECTIONS = ("model", "data", "train", "parallel", "checkpoint", "lora", "optim", "task")
 
 
 def check_command(command: list[str]) -> list[str]:
@@ -519,6 +546,27 @@ def _check_train(train: Train, model: Model, typed: tp.Callable[..., bool]) -> l
     return errors
 
 
+LM_METRICS = ("eval_loss", "eval_perplexity")  # what the built-in language models' evaluation gives
+
+
+def watch_problems(spec: JobSpec) -> list[str]:
+    """``checkpoint.keep_best`` and ``train.early_stop_patience``: an evaluation to watch, a metric name it
+    can give (a task's own metrics are known when it first evaluates). ``eval/x`` is recorded as ``eval_x``."""
+    c, t, out = spec.checkpoint, spec.train, []
+    name = c.keep_best.replace("eval/", "eval_", 1) if c.keep_best.startswith("eval/") else c.keep_best
+    if name and not (name.startswith("eval_") and name[5:].isidentifier()):
+        out.append(f"`checkpoint.keep_best` = {c.keep_best!r}: expected an evaluation metric, e.g. 'eval_loss' "
+                   "or 'eval_accuracy'")
+    elif name and not spec.task.target and name not in LM_METRICS:
+        out.append(f"`checkpoint.keep_best` = {c.keep_best!r}: the language model's evaluation gives "
+                   f"{' and '.join(LM_METRICS)}")
+    c.keep_best = name
+    for key, given in (("checkpoint.keep_best", bool(name)), ("train.early_stop_patience", t.early_stop_patience > 0)):
+        if given and not t.eval_every:
+            out.append(f"`{key}` watches an evaluation, but `train.eval_every` = 0: set it (evaluate every N steps)")
+    return out
+
+
 def given_timeouts(parallel: tp.Any) -> list[str]:
     """A ``parallel.step_timeout_s`` given above ``timeout_s`` (given or default), in a spec as written. The
     default step timeout is lowered to a smaller ``timeout_s`` (as the trainer does), so it is not checked."""
@@ -539,8 +587,20 @@ def spec_warnings(spec: JobSpec) -> list[str]:
     if t.warmup_metrics_steps >= t.steps:
         out.append(f"`train.warmup_metrics_steps` = {t.warmup_metrics_steps} is not shorter than `train.steps` = "
                    f"{t.steps}: throughput summaries will have no steps to measure")
-    out += _eval_shortfall(spec)
+    out += _eval_shortfall(spec) + _late_decays(spec)
     return [f"{spec.source}: {line}" for line in out]
+
+
+def _late_decays(spec: JobSpec) -> list[str]:
+    """Step-schedule decays at or past the last step: they never happen."""
+    t, o = spec.train, spec.optim
+    late = [m for m in o.milestones if m >= t.steps] if t.schedule == "multistep" else []
+    out = [f"`optim.milestones` {late} are not before `train.steps` = {t.steps}: the learning rate never drops "
+           "there"] if late else []
+    if t.schedule == "step" and o.step_size >= t.steps:
+        out.append(f"`optim.step_size` = {o.step_size} is not shorter than `train.steps` = {t.steps}: the learning "
+                   "rate never drops")
+    return out
 
 
 def _eval_shortfall(spec: JobSpec) -> list[str]:

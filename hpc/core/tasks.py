@@ -47,6 +47,11 @@ class Task:
                                     "224²: 8.2e9), for the planner's compute time (training: 3 × this). 0: counted "
                                     "by `hpcx plan` on the meta device from a forward pass on the task's first sample "
                                     "(torch's FlopCounterMode).", minimum=0)
+    sync_batchnorm: bool = field(False, doc="Convert every BatchNorm of the task's model to torch's "
+                                 "`SyncBatchNorm` (batch statistics over all ranks' samples, so every rank's running "
+                                 "statistics stay equal): under ddp, fsdp and hsdp, on GPUs and on CPU (gloo; hpcx's "
+                                 "own forward there, torch's needs a GPU). Refused under `none` and `dp` and for a "
+                                 "model without BatchNorm.")
 
 
 def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
@@ -57,7 +62,9 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
     model_doc: dict[str, tp.Any] = doc["model"] if isinstance(doc.get("model"), dict) else {}
     if not task.target:
         return ([f"`model.arch` = {TASK!r} is set by `[task]`: set `task.target` = 'package.module:Class'"]
-                if model_doc.get("arch") == TASK else [])
+                if model_doc.get("arch") == TASK else []) + (
+            ["`task.sync_batchnorm` = true, but there is no task: the built-in language models have no BatchNorm "
+             "(set `task.target`, or remove it)"] if task.sync_batchnorm else [])
     errors = target_problems(task.target) + kwargs_problems(task.kwargs)
     if spec.lora.enabled:
         errors.append(f"`lora.rank` = {spec.lora.rank} with the task {task.target!r}: hpcx adds LoRA adapters to the "
@@ -84,6 +91,16 @@ def without_target(doc: dict[str, tp.Any]) -> list[str]:
     return [f"`task.{keys[0]}` is set but `task.target` is not: {', '.join(f'`task.{k}`' for k in keys)} configure "
             "a task of your own, and without `task.target` = 'package.module:Class' the run trains the built-in "
             "language model: set `task.target` or remove them"]
+SYNC_BATCHNORM_STRATEGIES = ("ddp", "fsdp", "hsdp")
+
+
+def sync_batchnorm_problems(spec: JobSpec, strategy: str) -> list[str]:
+    """``task.sync_batchnorm`` under a strategy that has no process group to synchronize over."""
+    if not spec.task.sync_batchnorm or strategy in SYNC_BATCHNORM_STRATEGIES:
+        return []
+    chosen = "" if spec.parallel.strategy == strategy else " (the planner's choice for `auto`)"
+    return [f"`task.sync_batchnorm` = true needs strategy ddp, fsdp or hsdp, but the strategy is {strategy!r}{chosen}: "
+            "it synchronizes across processes, and that strategy runs one"]
 
 
 def changed_model_fields(spec: JobSpec, model_doc: dict[str, tp.Any]) -> list[tuple[str, tp.Any]]:

@@ -57,6 +57,7 @@ from hpc.plan.memory import Config, init_bytes, model_states, staging_bytes
 from hpc.core.models import count_text, model_facts
 from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.site import SiteProfile
+from hpc.core.optim import state_bytes
 from hpc.core.spec import JobSpec
 
 TOLERANCE = 0.01
@@ -119,7 +120,7 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
     bare, forward = checked_model(spec, launch)  # what would fail before step 1: one line each, exit 2
     with fake_process_group(launch.world_size, rank), memoized_strided_shards():  # tp: FSDP over TP rows
         model, mesh = build_parallel_model(spec, launch, torch.device("meta"), materialize=False, model=bare)
-        optimizer = build_optimizer(model, spec.train)
+        optimizer = build_optimizer(model, spec.train, optim=spec.optim)
         step_on_meta(model, optimizer)
         blocks = blocks_for(task_for(spec, launch.data_source).blocks, model, launch_parallel(spec, launch), launch.dims)
         units = unit_report(model, blocks, launch.dims.reshard_after_forward and spec.parallel.reshard_after_forward)
@@ -279,7 +280,7 @@ def checkpoint_plan(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Jo
     from trainer.checkpoint import build_state
     from trainer.optim import build_scheduler
 
-    state = build_state(model, optimizer, build_scheduler(optimizer, spec.train), 0, {"step": 0}, launch.dims)
+    state = build_state(model, optimizer, build_scheduler(optimizer, spec.train, spec.optim), 0, {"step": 0}, launch.dims)
     planner = DefaultSavePlanner()
     planner.set_up_planner(state, None, is_coordinator=rank == 0)
     items = planner.create_local_plan().items
@@ -328,7 +329,7 @@ def add_plan(result: DryRun, spec: JobSpec, launch: Launch, gpu: bool = True) ->
     offload = launch.dims.fsdp_enabled and parallel.cpu_offload
     cfg = Config(launch.dims, offload, parallel.mixed_precision, parallel.activation_checkpointing,
                  spec.train.micro_batch, spec.model.dropout, spec.checkpoint.async_save,
-                 document_mask=spec.data.packing == "document", gpu=gpu)
+                 document_mask=spec.data.packing == "document", gpu=gpu, optimizer_bytes=state_bytes(spec))
     states = model_states(facts.n_params, cfg, facts.param_shapes, facts, facts.trainable_params,
                           facts.trainable_shapes)
     result.planned = {k: int(v) for k, v in zip(STATES, states)}

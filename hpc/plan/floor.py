@@ -47,7 +47,8 @@ def floor_of(facts: ModelFacts, setup: Setup, site: SiteProfile) -> Floor | None
         return None
     dims = parallel_dims("fsdp", "full_shard", setup.world, setup.tasks_per_node, tp=setup.tp)
     cfg = Config(dims, False, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
-                 setup.async_save, setup.grad_accum, setup.document_mask, site.node.gpus > 0)
+                 setup.async_save, setup.grad_accum, setup.document_mask, site.node.gpus > 0,
+                 optimizer_bytes=setup.optimizer_bytes)
     m = estimate(facts, cfg, setup.tasks_per_node)
     if m is None or m.activations is None:
         return None

@@ -7,7 +7,9 @@ What is modelled, and why (see docs/planner.md for the derivations):
   FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16)`` keeps the sharded parameters in fp32
   and casts each unit to bf16 when it all-gathers it. Those fp32 parameters are the master
   copy, so there is no separate master term: 4 (params) + 4 (fp32 grads) + 8 (two fp32
-  Adam moments) = 16 bytes per parameter, divided by the shard degree (resident after an
+  Adam moments) = 16 bytes per parameter, divided by the shard degree. Another optimizer
+  (``[optim]``) keeps its own number of fp32 copies (``hpc.core.optim.state_copies``: SGD with
+  momentum one, without none; the Adam family two), ``Config.optimizer_bytes`` (resident after an
   optimizer step; at the step's peak FSDP rows with one micro-step count the gradients only
   where they outweigh the activations: ``peak_grads``). FSDP2 stores
   parameters sharded for every sharding; ``shard_grad_op`` pays for it in ``buffers``,
@@ -68,6 +70,7 @@ class Config:
     document_mask: bool = False  # data.packing = "document": its attention kernel's holdings (document_bytes)
     gpu: bool = True  # a GPU site (the document kernel is flex_attention there, SDPA per span on CPUs)
     reshard_after_forward: bool = True  # parallel.reshard_after_forward: false keeps every unit gathered all step
+    optimizer_bytes: int = ADAM_BYTES  # optimizer state per trained parameter (hpc.core.optim.state_bytes)
 
     @property
     def reshards(self) -> bool:
@@ -151,7 +154,7 @@ def model_states(n_params: int, cfg: Config, shapes: tp.Sequence[tuple[int, ...]
     else:
         per_rank = sharded_numel(n_params, cfg.dims.dp_shard, shapes)
     trained = per_rank if trainable is None else sharded_numel(trainable, cfg.dims.dp_shard, trainable_shapes)
-    return stored_bytes(per_rank, trained, cfg, facts), trained * GRAD_BYTES, trained * ADAM_BYTES
+    return stored_bytes(per_rank, trained, cfg, facts), trained * GRAD_BYTES, trained * cfg.optimizer_bytes
 
 
 def stored_bytes(per_rank: int, trained: int, cfg: Config, facts: ModelFacts | None) -> float:
@@ -259,7 +262,7 @@ def estimate(facts: ModelFacts, cfg: Config, tasks_per_node: int) -> Memory | No
     if cfg.offload:
         host = (params + grads + opt) * tasks_per_node / GB
         params = grads = opt = 0.0
-        notes.append("parameters, gradients and Adam state on the host; the optimizer steps on the CPU")
+        notes.append("parameters, gradients and optimizer state on the host; the optimizer steps on the CPU")
     if act is None:
         notes.append("activations unknown: set model.activation_gb (measured GB per sample)")
     return Memory(params / GB, grads / GB, opt / GB, buffers / GB, None if act is None else act / GB,
@@ -329,7 +332,7 @@ def staging_bytes(facts: ModelFacts, cfg: Config) -> float:
     share)."""
     per_rank = rank_numel(facts, cfg.dims)
     if cfg.async_save:  # a frozen base is not saved: LoRA's checkpoints hold the trainable part only
-        return per_rank * (PARAM_BYTES + ADAM_BYTES) * trained_share(facts)
+        return per_rank * (PARAM_BYTES + cfg.optimizer_bytes) * trained_share(facts)
     return math.ceil((facts.largest_module_params or 0) / (cfg.dims.dp_shard * cfg.dims.tp)) * PARAM_BYTES
 
 

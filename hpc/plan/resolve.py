@@ -10,6 +10,7 @@ from hpc.core.config import ConfigError
 from hpc.core.resolve import Launch, cross_check, launch_for, script_launch
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, script_mode
+from hpc.core.tasks import sync_batchnorm_problems
 
 
 def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
@@ -22,4 +23,7 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
     from hpc.plan import choose  # the planner decides `auto`
 
     choice = choose(spec, site, spec.job.nodes)
+    errors = sync_batchnorm_problems(spec, choice.dims.strategy)
+    if errors:
+        raise ConfigError([f"{spec.source}: {e}" for e in errors])
     return launch_for(spec, site, choice.dims, choice.cpu_offload, choice.reasons)

@@ -12,6 +12,7 @@ from hpc.core.dims import ParallelDims, parallel_dims
 from hpc.plan.memory import HOST_USABLE, Config, Memory, estimate, headroom_gb
 from hpc.core.models import ModelFacts
 from hpc.core.site import SiteProfile
+from hpc.core.optim import state_bytes
 from hpc.core.spec import JobSpec, compute_precision
 
 from hpc.plan.timing import StepTime, host_step_seconds, step_time
@@ -205,6 +206,7 @@ class Setup:
     reshard_after_forward: bool = True  # parallel.reshard_after_forward (false: units stay gathered all step)
     batch_checked: bool = False  # mark rows whose global batch does not divide illegal (the tp search of `auto`;
     # the advice's changes say the global_batch they need instead)
+    optimizer_bytes: int = 8  # optimizer state per trained parameter (hpc.core.optim.state_bytes)
 
     @property
     def world(self) -> int:
@@ -238,7 +240,7 @@ def setup_of(spec: JobSpec, site: SiteProfile, nodes: int | None) -> Setup:
                  dropout=spec.model.dropout, async_save=spec.checkpoint.async_save,
                  document_mask=spec.data.packing == "document", tp=spec_tp(spec),
                  tp_cross_domain=spec.parallel.tp_cross_domain,
-                 reshard_after_forward=spec.parallel.reshard_after_forward)
+                 reshard_after_forward=spec.parallel.reshard_after_forward, optimizer_bytes=state_bytes(spec))
 
 
 def spec_tp(spec: JobSpec) -> int:
@@ -303,7 +305,7 @@ def evaluate(facts: ModelFacts, cand: Candidate, setup: Setup, site: SiteProfile
         setup = replace(setup, tp=dims.tp)
     cfg = Config(dims, offload, setup.mixed_precision, setup.checkpointing, setup.micro_batch, setup.dropout,
                  setup.async_save, setup.grad_accum, setup.document_mask, site.node.gpus > 0,
-                 setup.reshard_after_forward)
+                 setup.reshard_after_forward, setup.optimizer_bytes)
     gpu = site.node.gpus > 0
     tpn = setup.tasks_per_node
     memory = estimate(facts, cfg, tpn)

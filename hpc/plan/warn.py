@@ -32,6 +32,7 @@ def need_figures(spec: JobSpec, site: SiteProfile, launch: Launch) -> tuple[floa
     the launch's layout counts them; None when the model's size is unknown."""
     from hpc.core.models import model_facts
     from hpc.core.spec import compute_precision
+    from hpc.core.optim import state_bytes
     from hpc.plan.memory import HOST_USABLE, Config, estimate, headroom_gb
 
     gpu = site.node.gpus > 0
@@ -40,7 +41,7 @@ def need_figures(spec: JobSpec, site: SiteProfile, launch: Launch) -> tuple[floa
     cfg = Config(launch.dims, offload, compute_precision(spec.parallel.mixed_precision, gpu),
                  spec.parallel.activation_checkpointing, spec.train.micro_batch, spec.model.dropout,
                  spec.checkpoint.async_save, max(1, launch.grad_accum), spec.data.packing == "document", gpu,
-                 spec.parallel.reshard_after_forward)
+                 spec.parallel.reshard_after_forward, state_bytes(spec))
     m = estimate(facts, cfg, launch.tasks_per_node)
     if m is None:
         return None

@@ -43,7 +43,8 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
         return {"compute_s": None, "comm_s": None, "tokens_per_s": None, "limiting_link": ""}
     choice = plan.choose(spec, site, nodes)
     cfg = Config(choice.dims, choice.cpu_offload, setup.mixed_precision,
-                 spec.parallel.activation_checkpointing, t.micro_batch, spec.model.dropout)
+                 spec.parallel.activation_checkpointing, t.micro_batch, spec.model.dropout,
+                 optimizer_bytes=setup.optimizer_bytes)
     comm = step_comm(facts, cfg, site, nodes, setup.tasks_per_node, setup.grad_accum)
     compute = plan.compute_seconds(facts, setup, site, plan.mfu_of(site)[0])
     comm_s = comm.seconds if comm else None

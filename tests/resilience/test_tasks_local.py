@@ -1,5 +1,5 @@
 """The worked examples of the task seam, run for real on this machine (2 ranks, gloo, the local site):
-the ResNet-style classifier and the BERT-style one with DDP and with FSDP, each drilled mid-run and
+the ResNet-style classifier (with BatchNorm) and the BERT-style one with DDP and with FSDP, each drilled mid-run and
 resumed bit for bit (every step's loss, the final model and optimizer state), their accuracy in
 metrics.jsonl, `hpcx status` and `hpcx plot`; BERT's first loss is transformers' own on the same batch.
 """
@@ -110,7 +110,7 @@ def shows_accuracy(run: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_resnet_task_trains_reports_accuracy_and_resumes_bit_identical(tmp_path, strategy):
     sets = [f"job.run_root={json.dumps(str(tmp_path / 'runs'))}", f"parallel.strategy={strategy!r}", *COMMON,
-            "train.global_batch=16", "train.micro_batch=4"]
+            "train.global_batch=16", "train.micro_batch=4", "task.kwargs.norm='batch'"]  # BatchNorm's buffers resume too
     job = str(REPO / "jobs" / "resnet-ddp.toml")
     sets.append(held_target(job))
     reference = finished(submit(job, *sets, "job.name=reference"))

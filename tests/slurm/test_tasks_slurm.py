@@ -1,5 +1,6 @@
 """The worked examples of the task seam on the real two-node Slurm sandbox (2 nodes × 1 rank each):
-the ResNet-style classifier and the BERT-style one, with DDP and with FSDP, drilled through Slurm
+the ResNet-style classifier (with BatchNorm: its running statistics resume too) and the BERT-style one, with
+DDP and with FSDP, drilled through Slurm
 (USR2, the preemption save, the one requeue) and resumed bit for bit; their accuracy in status."""
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def sets(example: str, strategy: str, tiny_bert: Path) -> list[str]:
     common = ["job.nodes=2", "job.tasks_per_node=1", f"parallel.strategy={strategy!r}", "train.log_every=1",
               f"train.steps={STEPS}", "train.eval_every=4", "checkpoint.interval_steps=4", "train.warmup_steps=2"]
     if example == "resnet":
-        return [*common, "train.global_batch=16", "train.micro_batch=4"]
+        return [*common, "train.global_batch=16", "train.micro_batch=4", "task.kwargs.norm='batch'"]  # BatchNorm's buffers
     return [*common, "train.global_batch=8", "train.micro_batch=2", "task.kwargs.seq_len=12",
             f"task.kwargs.pretrained={json.dumps(str(tiny_bert))}", "task.tokens_per_sample=12"]
 
