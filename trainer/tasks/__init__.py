@@ -251,12 +251,28 @@ class UserTask:
         return units
 
     def train_dataset(self) -> Dataset:
-        return self._dataset("train_dataset()", self.task.train_dataset())
+        dataset = self.task.train_dataset()
+        if isinstance(dataset, torch.utils.data.IterableDataset) or (
+                callable(getattr(dataset, "__iter__", None)) and not callable(getattr(dataset, "__len__", None))
+                and not isinstance(dataset, tp.Iterator)):
+            return dataset  # an iterable dataset: read as a stream (``trainer.data.StreamSampler``)
+        return self._dataset("train_dataset()", dataset)
+
+    def own_sampler(self, dataset: Dataset) -> tp.Any:
+        """The task's ``sampler(dataset)``: the global order of its indices (None: hpcx's own)."""
+        own = getattr(self.task, "sampler", None)
+        sampler = own(dataset) if callable(own) else None
+        if sampler is not None and not (callable(getattr(sampler, "__iter__", None))
+                                        and callable(getattr(sampler, "__len__", None))):
+            raise self._wrong("sampler(dataset)", f"returned {type(sampler).__name__}, expected a sampler of the "
+                              "dataset's indices with __iter__ and __len__ (one order for the whole job)")
+        return sampler
 
     def _dataset(self, method: str, dataset: tp.Any) -> Dataset:
         if not (callable(getattr(dataset, "__len__", None)) and callable(getattr(dataset, "__getitem__", None))):
             raise self._wrong(method, f"returned {type(dataset).__name__}, expected a map-style Dataset "
-                              "(__len__ and __getitem__: hpcx's sampler draws the indices)")
+                              "(__len__ and __getitem__: hpcx's sampler draws the indices) or an iterable one "
+                              "(__iter__, no __len__; an IterableDataset)")
         if len(dataset) < 1:
             raise self._wrong(method, "returned an empty dataset")
         return dataset
