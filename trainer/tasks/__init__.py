@@ -14,18 +14,23 @@ The user's ``Task`` (a class; ``task.kwargs`` are its keyword arguments):
   part (``trainer.model.WeightInit``); the root may define ``fsdp_units()`` (``trainer.model``).
 - ``units(model) -> nn.ModuleList``: the repeated units, each activation-checkpointed, compiled and
   ``fully_shard``-ed on its own.
-- ``train_dataset() -> Dataset``: map-style (``__len__``, ``__getitem__``); hpcx's ``GlobalSampler``
-  draws its indices, so a resume at any world size continues with the same samples.
-- ``loss(model, batch) -> Tensor``: the mean loss of a micro-batch (a float scalar with a gradient).
+- ``train_dataset() -> Dataset``: map-style (``__len__``, ``__getitem__``): hpcx's ``GlobalSampler``
+  draws its indices, so a resume at any world size continues with the same samples; or iterable (no
+  ``__len__``): read as a stream (``trainer.data.StreamSampler``), resumed exactly through its
+  ``state_dict()``/``load_state_dict()`` when it has them.
+- ``loss(model, batch) -> Tensor``: the mean loss of a micro-batch (a float scalar with a gradient), or
+  ``(loss, {name: scalar})``: the scalars are logged per step as ``train_<name>``.
 
-Optional: ``eval_dataset() -> Dataset | None`` (for ``train.eval_every``), ``collate(samples)`` (default:
+Optional: ``eval_dataset() -> Dataset | None`` (for ``train.eval_every``), ``sampler(dataset)`` (the order of
+the indices for the whole job, ``trainer.data.epoch_order``), ``collate(samples)`` (default:
 torch's ``default_collate``), ``metrics(model, batch) -> {name: (sum, count)}`` (summed over the
 evaluation on every rank, written as ``eval_<name>`` = sum / count), ``pretrained(model) -> {name:
 tensor}`` (the bare model's state to start from at step 0: a fine-tune's weights), and
 ``state_dict()`` / ``load_state_dict(state)`` (plain data, saved in every checkpoint).
 
-A task that lacks a required method or returns the wrong thing fails the start with a ``ConfigError``
-naming it (``hpc.core.failures``: it would repeat, so it is not requeued).
+A task that lacks a required method or returns the wrong thing fails with a ``ConfigError`` naming it; an
+exception raised in the task's own code fails the job naming its file and line (``hpc.core.failures.
+user_code_error``): neither would change on a restart, so neither is requeued.
 """
 
 from __future__ import annotations
