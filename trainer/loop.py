@@ -160,7 +160,7 @@ def logged_values(loss: torch.Tensor, norm: torch.Tensor, world_size: int,
     if world_size > 1 and dist.is_initialized():
         dist.all_reduce(means)
         means /= world_size
-    host = torch.cat([means.double(), norm.to(loss.device, torch.float64).reshape(1)]).cpu().tolist()
+    host = [float(v) for v in torch.cat([means.double(), norm.to(loss.device, torch.float64).reshape(1)]).cpu()]
     return host[0], host[-1], {f"train_{n}": v for n, v in zip(names, host[1:-1])}
 
 
