@@ -38,10 +38,14 @@ def step_samples(make, world: int, micro: int, steps: int, **state) -> list[list
 
 
 def map_step_samples(steps: int, samples: int) -> list[list[float]]:
-    """The same stream as a map-style dataset under hpcx's GlobalSampler (no shuffle), one rank."""
+    """The same stream as a map-style dataset (each epoch's samples) under hpcx's GlobalSampler, one rank."""
     sampler = GlobalSampler(samples, G, G, 0, 1, 0, False)
     per_epoch = [[round(float(sample(1, e, i)[0][0]), 6) for i in range(samples)] for e in range(4)]
-    return [[per_epoch[g // samples][g % samples] for g in range(s * G, s * G + G)] for s in range(steps)]
+    out = []
+    for s in range(steps):
+        (indices,) = sampler.step_batches(s * G)
+        out.append([per_epoch[g // samples][i] for g, i in zip(range(s * G, s * G + G), indices)])
+    return out
 
 
 @pytest.mark.parametrize("world,micro", [(1, 8), (1, 2), (2, 2), (2, 4), (4, 1), (4, 2)])

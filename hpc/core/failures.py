@@ -150,7 +150,7 @@ def code_roots(modules: tp.Sequence[str]) -> list[str]:
         top = sys.modules.get(name.split(".")[0])
         paths = list(getattr(top, "__path__", []) or [])
         if not paths and getattr(top, "__file__", None):
-            file = os.path.realpath(str(top.__file__))
+            file = os.path.realpath(str(getattr(top, "__file__")))
             paths = [file if os.path.dirname(file) in installed else os.path.dirname(file)]
         roots += [os.path.realpath(p) for p in paths if p]
     return roots
