@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +226,24 @@ def test_dryrun_names_the_task_module_for_its_import_error(tmp_path):
     line = out.stderr.strip().splitlines()[-1]
     assert "importing 'bad_task' raised NameError: name 'undefined_width' is not defined" in line, out.stderr
     assert f"{tmp_path / 'bad_task.py'}:4 in T)" in line and "build_model" not in line
+
+
+def test_a_plain_modules_helpers_beside_it_are_the_jobs_code_but_not_hpcx_nor_a_venv(tmp_path, monkeypatch):
+    (tmp_path / "plain_task.py").write_text("import plain_helper\n\n\ndef run():\n    return plain_helper.bad()\n")
+    (tmp_path / "plain_helper.py").write_text("def bad():\n    return {}['missing']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        import plain_task
+
+        exc = raised(plain_task.run)
+        roots = code_roots(["plain_task"])
+        assert roots == [str(tmp_path.resolve())]
+        assert user_code_error(exc, roots) == f"{tmp_path.resolve() / 'plain_helper.py'}:2 in bad"
+    finally:
+        sys.modules.pop("plain_task", None)
+        sys.modules.pop("plain_helper", None)
+    from hpc.core.failures import HPCX_PACKAGES, in_roots
+
+    checkout = str(Path(HPCX_PACKAGES[0]).parent)  # a task submitted from hpcx's own checkout
+    assert not in_roots(f"{checkout}/trainer/loop.py", [checkout]) and in_roots(f"{checkout}/examples/x.py", [checkout])
+    assert not in_roots(f"{checkout}/.venv/lib/python3.11/site-packages/torch/nn/x.py", [checkout])

@@ -80,12 +80,13 @@ class GlobalSampler:
     """
 
     def __init__(self, num_samples: int, global_batch: int, micro_batch: int, rank: int, world_size: int,
-                 seed: int, shuffle: bool):
+                 seed: int, shuffle: bool, order: tp.Callable[[int], tp.Sequence[int]] | None = None):
         problems = check_batch(global_batch, micro_batch, world_size)  # resolve's check, for direct callers
         if problems:
             raise ValueError(problems[0])
         self.num_samples, self.global_batch, self.micro_batch = num_samples, global_batch, micro_batch
         self.rank, self.world_size, self.seed, self.shuffle = rank, world_size, seed, shuffle
+        self.order = order  # a task's own sampler: epoch → its indices (``epoch_order``), instead of hpcx's
         self.consumed_samples = 0
         self._perm: tuple[int, torch.Tensor] | None = None
 
@@ -114,12 +115,22 @@ class GlobalSampler:
     def index(self, g: int) -> int:
         """Dataset index of global sample ``g``."""
         epoch, offset = divmod(g, self.num_samples)
-        if not self.shuffle:
+        if not self.shuffle and self.order is None:
             return offset
         if self._perm is None or self._perm[0] != epoch:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
+            if self.order is not None:
+                self._perm = (epoch, torch.as_tensor(list(self.order(epoch)), dtype=torch.long))
+            else:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                self._perm = (epoch, torch.randperm(self.num_samples, generator=gen))
         return int(self._perm[1][offset])
+
+    def data_state(self) -> dict[str, tp.Any]:
+        """The dataset's own state to checkpoint: none for a map-style dataset (the indices say it all)."""
+        return {}
+
+    def load_data_state(self, state: dict[str, tp.Any]) -> None:
+        """Nothing to restore for a map-style dataset."""
 
     def step_batches(self, start: int) -> list[list[int]]:
         """This rank's micro-batches for the optimizer step starting at global sample ``start``."""
@@ -134,6 +145,128 @@ class GlobalSampler:
         while True:
             yield from self.step_batches(start)
             start += self.global_batch
+
+
+def epoch_order(sampler: tp.Any, seed: int) -> tp.Callable[[int], list[int]]:
+    """A task's own sampler as the global order of each epoch: its indices after ``set_epoch(epoch)`` (when
+    it has one), drawn with torch's global RNG seeded from ``seed`` and the epoch (and restored after), so a
+    sampler that draws from it (``RandomSampler``, ``WeightedRandomSampler`` without a generator) gives the
+    same order in every process and after every restart: hpcx splits that order over the ranks."""
+
+    def order(epoch: int) -> list[int]:
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + epoch)
+            return [int(i) for i in sampler]
+
+    return order
+
+
+class StreamSampler:
+    """An iterable dataset's (no ``__len__``) micro-batches for this rank, in global sample order.
+
+    Every rank reads the whole stream, one global batch per optimizer step, and keeps the samples that
+    ``GlobalSampler`` would give it at those positions (rank-major micro-batches), so a step holds the same
+    samples at any world size and micro batch. When the stream ends, it starts again (the next epoch: the
+    dataset's ``set_epoch(epoch)`` when it has one). Iterated directly (no DataLoader, no workers: nothing is
+    read ahead of the step, so the dataset's state at a step boundary is exactly the samples consumed).
+
+    Resume: a dataset with ``state_dict()`` / ``load_state_dict(state)`` is checkpointed with every save and
+    continues exactly where the save was; one without starts its stream again from the beginning and skips
+    the samples consumed (exact only if it yields the same stream each time: ``resume_words`` says so)."""
+
+    def __init__(self, dataset: tp.Any, global_batch: int, micro_batch: int, rank: int, world_size: int,
+                 collate: tp.Callable[[list], tp.Any]):
+        problems = check_batch(global_batch, micro_batch, world_size)
+        if problems:
+            raise ValueError(problems[0])
+        self.dataset, self.global_batch, self.micro_batch = dataset, global_batch, micro_batch
+        self.rank, self.world_size, self.collate = rank, world_size, collate
+        self.consumed_samples, self.stream_epoch = 0, 0
+        self._state: dict[str, tp.Any] = {}
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.micro_batch * self.world_size)
+
+    @property
+    def stateful(self) -> bool:
+        return callable(getattr(self.dataset, "state_dict", None)) and \
+            callable(getattr(self.dataset, "load_state_dict", None))
+
+    def resume_words(self) -> str | None:
+        """None when a resume continues exactly; else the one line that says why it may not."""
+        if self.stateful:
+            return None
+        return (f"{type(self.dataset).__name__} is an iterable dataset without state_dict()/load_state_dict(): a "
+                "resume reads its stream again from the start and skips the samples consumed, exact only if it "
+                "yields the same samples each time")
+
+    def advance(self, steps: int = 1) -> None:
+        self.consumed_samples += steps * self.global_batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples, "epoch": self.stream_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples, self.stream_epoch = int(state["consumed_samples"]), int(state.get("epoch", 0))
+
+    def data_state(self) -> dict[str, tp.Any]:
+        """The dataset's own state (its ``state_dict()``) as of the last step read, with its epoch."""
+        return dict(self._state)
+
+    def load_data_state(self, state: dict[str, tp.Any]) -> None:
+        self._state = dict(state)
+
+    def __iter__(self) -> tp.Iterator[tp.Any]:
+        samples = self._samples()
+        while True:
+            batch = [next(samples) for _ in range(self.global_batch)]
+            if self.stateful:
+                self._state = {"epoch": self.stream_epoch, "dataset": self.dataset.state_dict()}
+            for micro in range(self.grad_accum):
+                first = (micro * self.world_size + self.rank) * self.micro_batch
+                yield self.collate(batch[first:first + self.micro_batch])
+
+    def _samples(self) -> tp.Iterator[tp.Any]:
+        """The stream from the position of ``consumed_samples``: restored, or replayed and skipped."""
+        skip, restored = 0, False
+        if self.stateful and self._state:
+            self.stream_epoch = int(self._state.get("epoch", self.stream_epoch))
+            self.dataset.load_state_dict(self._state["dataset"])
+            restored = True
+        elif self.consumed_samples:
+            self.stream_epoch, skip = 0, self.consumed_samples
+        while True:
+            if not restored and callable(getattr(self.dataset, "set_epoch", None)):
+                self.dataset.set_epoch(self.stream_epoch)
+            count = 0
+            for sample in self.dataset:
+                count += 1
+                if skip:
+                    skip -= 1
+                    continue
+                yield sample
+            if count == 0 and not restored:  # a restored position may be the very end of its epoch
+                raise ValueError(f"{type(self.dataset).__name__}: the iterable dataset yielded no samples")
+            restored = False
+            self.stream_epoch += 1
+
+
+def is_stream(dataset: tp.Any) -> bool:
+    """An iterable dataset: ``__iter__`` and no ``__len__`` (a map-style one has both ``__len__`` and
+    ``__getitem__``)."""
+    return callable(getattr(dataset, "__iter__", None)) and not callable(getattr(dataset, "__len__", None))
+
+
+def order_words(order: tp.Callable[[int], tp.Sequence[int]]) -> str | None:
+    """None when a task's sampler gives the same order each time its epoch is drawn (``epoch_order``), else
+    the one line that says a resume is not exact."""
+    if list(order(0)) == list(order(0)):
+        return None
+    return ("the task's sampler gives another order each time it is iterated (it draws from a generator of its "
+            "own?): a resume is not exact; seed it in set_epoch(epoch), or draw from torch's global RNG")
 
 
 def build_dataset(data: Data, kind: str, seq_len: int, vocab_size: int, seed: int) -> Dataset:

@@ -28,7 +28,7 @@ from torch import nn
 
 from hpc.core.dims import ParallelDims
 from trainer.boundary import StepBoundary
-from trainer.data import GlobalSampler
+from trainer.data import GlobalSampler, StreamSampler
 from trainer.garbage import GarbageCollection
 from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
@@ -54,17 +54,19 @@ class TrainState:
     sampler: dict[str, int] = field(default_factory=lambda: {"consumed_samples": 0, "epoch": 0})
     task: dict[str, tp.Any] = field(default_factory=dict)  # the task's own (``LoopTask.state_dict``), plain data
     watch: dict[str, tp.Any] = field(default_factory=dict)  # the watched metric's (``MetricWatch.state_dict``)
+    data: dict[str, tp.Any] = field(default_factory=dict)  # an iterable dataset's own state (``StreamSampler``)
 
     def state_dict(self) -> dict[str, tp.Any]:
-        out = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": dict(self.sampler)}
-        out = {**out, "task": dict(self.task)} if self.task else out
-        return {**out, "watch": dict(self.watch)} if self.watch else out
+        out: dict[str, tp.Any] = {"step": self.step, "tokens_seen": self.tokens_seen, "sampler": dict(self.sampler)}
+        out.update({k: dict(v) for k, v in (("task", self.task), ("watch", self.watch), ("data", self.data)) if v})
+        return out
 
     def load_state_dict(self, state: dict[str, tp.Any]) -> None:
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         self.sampler = {k: int(v) for k, v in state["sampler"].items()}
         self.task = dict(state.get("task", {}))
         self.watch = dict(state.get("watch", {}))
+        self.data = dict(state.get("data", {}))
 
 
 @dataclass
@@ -75,7 +77,7 @@ class Trainer:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    sampler: GlobalSampler
+    sampler: GlobalSampler | StreamSampler  # a map-style dataset's indices, or an iterable dataset's stream
     loader: tp.Iterable
     device: torch.device
     steps: int
@@ -167,7 +169,7 @@ def logged_values(loss: torch.Tensor, norm: torch.Tensor, world_size: int,
     if world_size > 1 and dist.is_initialized():
         dist.all_reduce(means)
         means /= world_size
-    host = torch.cat([means.double(), norm.to(loss.device, torch.float64).reshape(1)]).cpu().tolist()
+    host = [float(v) for v in torch.cat([means.double(), norm.to(loss.device, torch.float64).reshape(1)]).cpu()]
     return host[0], host[-1], {f"train_{n}": v for n, v in zip(names, host[1:-1])}
 
 
@@ -233,6 +235,7 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
     """Run from ``state.step`` to ``t.steps``; returns a summary (loss of the last logged step, …)."""
     set_float_math(t.device)
     t.sampler.load_state_dict(state.sampler)
+    t.sampler.load_data_state(state.data)
     t.task.load_state_dict(state.task)
     if t.watch is not None:
         t.watch.load_state_dict(state.watch)
@@ -253,6 +256,7 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
         state.step += 1
         state.tokens_seen += t.tokens_per_step
         state.sampler = t.sampler.state_dict()
+        state.data = t.sampler.data_state()
         state.task = t.task.state_dict()
         if logs_at(t, state.step):
             history.append(log_step(t, state, loss, norm, lr, state.step - last_logged, scalars))

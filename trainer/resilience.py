@@ -89,6 +89,7 @@ class Resilience:
     vote: BoundaryVote = field(default_factory=BoundaryVote)
     boundaries: int = 0  # step boundaries seen by this incarnation
     code_modules: tuple[str, ...] = ()  # the job's own modules (task.target's, a user model's): user errors
+    notes: dict[str, tp.Any] = field(default_factory=dict)  # for the start line (``data_resume``)
     checkpointer: Checkpointer = field(init=False, repr=False)  # this run folder's saves (and the one in flight)
 
     def __post_init__(self) -> None:
@@ -113,7 +114,7 @@ class Resilience:
             log.warning("checkpoint.resume = false: starting over although %s holds checkpoints", self.run_dir)
         self.step = state.step
         if self.rank == 0:
-            line = start_line(self.run_dir, state.step, path, time.perf_counter() - tic, self.side)
+            line = {**start_line(self.run_dir, state.step, path, time.perf_counter() - tic, self.side), **self.notes}
             runs.append_jsonl(runs.RunDir(self.run_dir).ledger, line)
             record_start(self.run_dir, self.side)
         self.last_save_clock = time.monotonic()

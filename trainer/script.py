@@ -342,7 +342,7 @@ class ScriptRank:
                 policy.request(self.side, self.run.run_dir, self.incarnation, "rank 0", requeue_reason)
                 if self.side else "no scheduler started this process: run the command again to resume")
         extra = {"error": failures[0]["error"], "failed_ranks": [failures[0].get("rank")],
-                 "reported_ranks": sorted(r.get("rank") for r in failures)} if failures else {}
+                 "reported_ranks": sorted(int(r.get("rank") or 0) for r in failures)} if failures else {}
         self._write_stop(step, reason, why_not, command_status=status, **extra)
         if requeue_reason is not None and why_not is None and self.side is not None:
             self.side.leave_for_requeue()

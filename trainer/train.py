@@ -21,7 +21,7 @@ from hpc.core.dims import ParallelDims
 from hpc.core.models import model_facts
 from hpc.core.resolve import Launch, launch_parallel, refit
 from hpc.core.spec import JobSpec, loader_workers
-from trainer.data import GlobalSampler, build_loader
+from trainer.data import GlobalSampler, StreamSampler, build_loader, epoch_order, is_stream, order_words
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
 from trainer.init_from import start_weights
@@ -61,6 +61,7 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
         guard.phase = "build"
         trainer, state = build_trainer(dataclasses.replace(run, launch=launch), env.rank, device, preemption)
         trainer.resilience = guard
+        guard.notes = data_notes(trainer.sampler)  # for this start's ledger line
         guard.phase = "resume"
         state = start_weights(trainer, resume(trainer, state), run.spec)
         if state.step == 0:  # no checkpoint of the run's own: a task's pretrained weights
@@ -164,17 +165,14 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     scaler = _grad_scaler(parallel.mixed_precision, launch.dims, device)
     optimizer = build_optimizer(model, spec.train, sharded_scaler=scaler is not None and launch.dims.fsdp_enabled,
                                 optim=spec.optim)
-    dataset = task.train_dataset()
     dp_rank, dp_world = launch.dims.dp_rank(rank), launch.dims.dp_world  # a tp group shares its batches
-    sampler = GlobalSampler(len(dataset), spec.train.global_batch, spec.train.micro_batch, dp_rank,  # type: ignore[arg-type]  # map-style: sized
-                            dp_world, spec.train.seed, task.shuffle())
     workers = loader_workers(spec.data.num_workers, device.type == "cuda", launch.cpus_per_task)
+    sampler, loader = data_pipeline(task, spec, dp_rank, dp_world, device.type == "cuda", workers)
     if rank == 0 and not spec.task.target:
         record_data(run.run_dir, spec.data, kind)
     trainer = Trainer(
         run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train, spec.optim),
-        sampler=sampler, loader=build_loader(dataset, sampler, spec.data, spec.train.seed, device.type == "cuda", workers,
-                                             collate=task.collate),
+        sampler=sampler, loader=loader,
         device=device, steps=spec.train.steps, grad_clip=spec.train.grad_clip, log_every=spec.train.log_every,
         tokens_per_step=spec.train.global_batch * task.tokens_per_sample, world_size=launch.world_size, dims=launch.dims,
         metrics=MetricsWriter(run.run_dir, enabled=rank == 0), task=task,
@@ -187,6 +185,36 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     if trainer.evaluator is not None:  # the training loader's settings (``data.num_workers``, pinned with a GPU)
         trainer.evaluator.workers, trainer.evaluator.pin_memory = workers, device.type == "cuda"
     return trainer, TrainState()
+
+
+def data_pipeline(task: LoopTask, spec: JobSpec, dp_rank: int, dp_world: int, pin_memory: bool,
+                  workers: int) -> tuple[GlobalSampler | StreamSampler, tp.Iterable]:
+    """(sampler, loader) of the task's training set: an iterable dataset's stream (``StreamSampler``, read in
+    this process), else hpcx's ``GlobalSampler`` over a map-style one (in the task's own sampler's order
+    when it gives one: ``epoch_order``) through a DataLoader."""
+    dataset = task.train_dataset()
+    g, m = spec.train.global_batch, spec.train.micro_batch
+    if is_stream(dataset):
+        stream = StreamSampler(dataset, g, m, dp_rank, dp_world, task.collate)
+        return stream, stream
+    own = getattr(task, "own_sampler", lambda _: None)(dataset)
+    order = epoch_order(own, spec.train.seed) if own is not None else None
+    size = len(own if own is not None else dataset)  # type: ignore[arg-type]  # map-style: sized
+    sampler = GlobalSampler(size, g, m, dp_rank, dp_world, spec.train.seed, task.shuffle(), order=order)
+    return sampler, build_loader(dataset, sampler, spec.data, spec.train.seed, pin_memory, workers, collate=task.collate)
+
+
+def data_notes(sampler: GlobalSampler | StreamSampler) -> dict[str, str]:
+    """The ledger start line's ``data_resume`` (and one warning in the log) when a resume of this data may
+    not be exact: an iterable dataset without state, a task's sampler that is not reproducible."""
+    if isinstance(sampler, StreamSampler):
+        words = sampler.resume_words()
+    else:
+        words = order_words(sampler.order) if sampler.order is not None else None
+    if words is None:
+        return {}
+    log.warning("%s", words)
+    return {"data_resume": words}
 
 
 def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, materialize: bool = True,

@@ -110,9 +110,24 @@ def traceback_frames(exc: BaseException) -> list[tuple[str, int, str]]:
 
 
 def in_roots(file: str, roots: tp.Sequence[str]) -> bool:
-    """Whether ``file`` is one of ``roots`` or inside one of them (a folder)."""
+    """Whether ``file`` is one of ``roots`` or inside one of them (a folder), and not hpcx's own code nor an
+    installed package or a hidden folder below the root (a virtual environment in the submit folder)."""
     path = os.path.realpath(file)
-    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+    if any(path.startswith(own + os.sep) for own in HPCX_PACKAGES):
+        return False
+    for root in roots:
+        if path == root:
+            return True
+        if path.startswith(root.rstrip(os.sep) + os.sep):
+            below = path[len(root.rstrip(os.sep)) + 1:].split(os.sep)[:-1]
+            if not any(p in ("site-packages", "dist-packages") or p.startswith(".") for p in below):
+                return True
+    return False
+
+
+# hpcx's own packages: never the job's code, even when the job's folder holds them (a checkout)
+HPCX_PACKAGES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), p)
+                      for p in ("hpc", "trainer"))
 
 
 def one_line(exc: BaseException, where: str | None = None) -> str:
@@ -123,14 +138,20 @@ def one_line(exc: BaseException, where: str | None = None) -> str:
 
 
 def code_roots(modules: tp.Sequence[str]) -> list[str]:
-    """The folders (a package's) or files (a plain module's) of the job's own ``modules``, as imported in
-    this process: where its code lives. A plain module's file alone when it sits among installed packages."""
+    """The folders of the job's own ``modules``, as imported in this process: where its code lives. A
+    package's folder; a plain module's folder (the submit folder: its helpers beside it count too), or the
+    file alone when it sits among installed packages or python's own."""
     import sys
+    import sysconfig
 
+    installed = {os.path.realpath(p) for p in sysconfig.get_paths().values()}
     roots: list[str] = []
     for name in modules:
         top = sys.modules.get(name.split(".")[0])
-        paths = list(getattr(top, "__path__", []) or []) or [getattr(top, "__file__", None) or ""]
+        paths = list(getattr(top, "__path__", []) or [])
+        if not paths and getattr(top, "__file__", None):
+            file = os.path.realpath(str(getattr(top, "__file__")))
+            paths = [file if os.path.dirname(file) in installed else os.path.dirname(file)]
         roots += [os.path.realpath(p) for p in paths if p]
     return roots
 

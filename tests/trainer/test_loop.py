@@ -9,6 +9,7 @@ the same op, so a read that would stall a GPU step shows up here. A logging step
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -251,9 +252,15 @@ def test_a_rank_chooses_its_kernels_before_it_touches_a_device(tmp_path, monkeyp
     monkeypatch.setattr(train_module, "set_determinism", lambda on: calls.append(("set_determinism", on)))
     monkeypatch.setattr(train_module, "join_job", joined)
     run_dir = make_run(tmp_path, "r", "none", 1, ["train.deterministic=true"])
+    exported = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
+    for name in exported:  # run_rank exports torchrun's variables: restored after this test
+        monkeypatch.setenv(name, "unset")
+        monkeypatch.delenv(name)
     with pytest.raises(Stop):
         train_module.run_rank(str(run_dir))
     assert calls == [("set_determinism", True), "join_job"]
+    assert os.environ["RANK"] == "0" and os.environ["WORLD_SIZE"] == "1" and os.environ["LOCAL_RANK"] == "0"
 
 
 def test_cpu_training_flushes_subnormals_and_keeps_fp32_matmuls(tmp_path):

@@ -14,18 +14,23 @@ The user's ``Task`` (a class; ``task.kwargs`` are its keyword arguments):
   part (``trainer.model.WeightInit``); the root may define ``fsdp_units()`` (``trainer.model``).
 - ``units(model) -> nn.ModuleList``: the repeated units, each activation-checkpointed, compiled and
   ``fully_shard``-ed on its own.
-- ``train_dataset() -> Dataset``: map-style (``__len__``, ``__getitem__``); hpcx's ``GlobalSampler``
-  draws its indices, so a resume at any world size continues with the same samples.
-- ``loss(model, batch) -> Tensor``: the mean loss of a micro-batch (a float scalar with a gradient).
+- ``train_dataset() -> Dataset``: map-style (``__len__``, ``__getitem__``): hpcx's ``GlobalSampler``
+  draws its indices, so a resume at any world size continues with the same samples; or iterable (no
+  ``__len__``): read as a stream (``trainer.data.StreamSampler``), resumed exactly through its
+  ``state_dict()``/``load_state_dict()`` when it has them.
+- ``loss(model, batch) -> Tensor``: the mean loss of a micro-batch (a float scalar with a gradient), or
+  ``(loss, {name: scalar})``: the scalars are logged per step as ``train_<name>``.
 
-Optional: ``eval_dataset() -> Dataset | None`` (for ``train.eval_every``), ``collate(samples)`` (default:
+Optional: ``eval_dataset() -> Dataset | None`` (for ``train.eval_every``), ``sampler(dataset)`` (the order of
+the indices for the whole job, ``trainer.data.epoch_order``), ``collate(samples)`` (default:
 torch's ``default_collate``), ``metrics(model, batch) -> {name: (sum, count)}`` (summed over the
 evaluation on every rank, written as ``eval_<name>`` = sum / count), ``pretrained(model) -> {name:
 tensor}`` (the bare model's state to start from at step 0: a fine-tune's weights), and
 ``state_dict()`` / ``load_state_dict(state)`` (plain data, saved in every checkpoint).
 
-A task that lacks a required method or returns the wrong thing fails the start with a ``ConfigError``
-naming it (``hpc.core.failures``: it would repeat, so it is not requeued).
+A task that lacks a required method or returns the wrong thing fails with a ``ConfigError`` naming it; an
+exception raised in the task's own code fails the job naming its file and line (``hpc.core.failures.
+user_code_error``): neither would change on a restart, so neither is requeued.
 """
 
 from __future__ import annotations
@@ -251,12 +256,28 @@ class UserTask:
         return units
 
     def train_dataset(self) -> Dataset:
-        return self._dataset("train_dataset()", self.task.train_dataset())
+        dataset = self.task.train_dataset()
+        if isinstance(dataset, torch.utils.data.IterableDataset) or (
+                callable(getattr(dataset, "__iter__", None)) and not callable(getattr(dataset, "__len__", None))
+                and not isinstance(dataset, tp.Iterator)):
+            return dataset  # an iterable dataset: read as a stream (``trainer.data.StreamSampler``)
+        return self._dataset("train_dataset()", dataset)
+
+    def own_sampler(self, dataset: Dataset) -> tp.Any:
+        """The task's ``sampler(dataset)``: the global order of its indices (None: hpcx's own)."""
+        own = getattr(self.task, "sampler", None)
+        sampler = own(dataset) if callable(own) else None
+        if sampler is not None and not (callable(getattr(sampler, "__iter__", None))
+                                        and callable(getattr(sampler, "__len__", None))):
+            raise self._wrong("sampler(dataset)", f"returned {type(sampler).__name__}, expected a sampler of the "
+                              "dataset's indices with __iter__ and __len__ (one order for the whole job)")
+        return sampler
 
     def _dataset(self, method: str, dataset: tp.Any) -> Dataset:
         if not (callable(getattr(dataset, "__len__", None)) and callable(getattr(dataset, "__getitem__", None))):
             raise self._wrong(method, f"returned {type(dataset).__name__}, expected a map-style Dataset "
-                              "(__len__ and __getitem__: hpcx's sampler draws the indices)")
+                              "(__len__ and __getitem__: hpcx's sampler draws the indices) or an iterable one "
+                              "(__iter__, no __len__; an IterableDataset)")
         if len(dataset) < 1:
             raise self._wrong(method, "returned an empty dataset")
         return dataset
