@@ -123,7 +123,7 @@ def lora_problems(spec: JobSpec) -> list[str]:
 def without_rank(doc: dict[str, tp.Any]) -> list[str]:
     """``[lora]`` keys written while ``lora.rank`` is 0 or absent: LoRA is off and they mean nothing (one
     line; a rank of the wrong type is its own problem)."""
-    given = doc.get("lora") if isinstance(doc.get("lora"), dict) else {}
+    given: dict[str, tp.Any] = doc["lora"] if isinstance(doc.get("lora"), dict) else {}
     keys = [k for k in given if k != "rank"]
     rank = given.get("rank", 0)
     if not keys or type(rank) is not int or rank != 0:

@@ -428,7 +428,7 @@ def given_for_nothing(doc: dict) -> list[str]:
     from hpc.core.lora import without_rank
     from hpc.core.tasks import without_target
 
-    job = doc.get("job") if isinstance(doc.get("job"), dict) else {}
+    job: dict[str, tp.Any] = doc["job"] if isinstance(doc.get("job"), dict) else {}
     errors = (["`job.command` = []: an empty command runs nothing: give the program and its arguments, e.g. "
                "[\"python\", \"train.py\"], or remove the key to run hpcx's trainer"] if job.get("command") == [] else [])
     return errors + without_rank(doc) + without_target(doc)

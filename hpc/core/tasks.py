@@ -73,7 +73,7 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
 
 def without_target(doc: dict[str, tp.Any]) -> list[str]:
     """``[task]`` keys other than ``target`` given without one: they configure no task (one line)."""
-    given = doc.get("task") if isinstance(doc.get("task"), dict) else {}
+    given: dict[str, tp.Any] = doc["task"] if isinstance(doc.get("task"), dict) else {}
     keys = [k for k in given if k != "target"]
     if not keys or given.get("target"):
         return []
@@ -191,7 +191,7 @@ def _class_problems(tree: tp.Any, name: str, path: str, label: str, kwargs: tp.M
         return []  # a function or an assignment: what it makes is known only when it runs
     if node.bases and not all(isinstance(b, ast.Name) and b.id == "object" for b in node.bases) or node.decorator_list:
         return []  # methods and __init__ may come from a base, or a decorator may change the class
-    members = {n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    members: dict[str, tp.Any] = {n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     members.update({t.id: n for n in node.body if isinstance(n, ast.Assign) for t in n.targets
                     if isinstance(t, ast.Name)})
     where = f"{label}: class {name} ({path}:{node.lineno})"

@@ -155,7 +155,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         return checked
 
 
-def _call(name: str, args: list[nodes.Expr]) -> nodes.Call:
+def _call(name: str, args: list[tp.Any]) -> nodes.Call:
     return nodes.Call(nodes.Name(name, "load"), args, [], None, None)
 
 
