@@ -131,7 +131,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                                    f"{POW_BITS:,} bits")
         return super().call_binop(context, op, left, right)
 
-    def call(__self, __context: tp.Any, __obj: tp.Any, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:  # noqa: N805
+    def call(__self, __context: tp.Any, __obj: tp.Any, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         from jinja2.runtime import LoopContext
 
         # a recursive loop's ``loop(...)`` costs a new loop context and generator: weighed as much
