@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tests.tokens.hostile import CASES, Expect, case, prepare
 
-NEW_CLASSES = ("chat-bombs", "adapters", "tasks", "wrong-types", "given-for-nothing", "one-line")
+NEW_CLASSES = ("chat-bombs", "adapters", "tasks", "wrong-types", "given-for-nothing", "one-line", "run-json")
 for _cls in NEW_CLASSES:
     CASES.setdefault(_cls, {})
 
@@ -468,3 +468,28 @@ def weights_of_another_model(d: Path, tok: Path) -> Expect:
     base = hf_base(d, dim=32)
     return Expect(submit(llama_job(d, base / "model.safetensors", lora="")), 2,
                   ["tensors have other shapes", "and "])
+
+
+# ------------------------------------------------------------------- a run folder's own JSON files
+# `hpcx ckpt convert RUN`: the run folder is a command-line argument, and its resolved.json is read
+# bounded in size and depth like any file hpcx did not write here.
+
+def _run_json(write: tp.Callable[[Path], tp.Any], words: tuple[str, ...]) -> tp.Callable[[Path, Path], Expect]:
+    def make(d: Path, tok: Path) -> Expect:
+        step = d / "run" / "checkpoints" / "step-00000002"
+        step.mkdir(parents=True)
+        (step / ".metadata").write_bytes(b"")
+        write(d / "run" / "resolved.json")
+        return Expect(["ckpt", "convert", str(d / "run"), str(d / "out"), "--to", "hf"], 2,
+                      [str(d / "run" / "resolved.json"), *words])
+    return make
+
+
+RUN_JSON: dict[str, tuple[tp.Callable[[Path], tp.Any], tuple[str, ...]]] = {
+    "resolved-dev-zero": (lambda p: p.symlink_to("/dev/zero"), ("character device",)),
+    "resolved-fifo": (lambda p: __import__("os").mkfifo(p), ("FIFO",)),
+    "resolved-nested": (lambda p: p.write_text('{"a": ' + "[" * 100000 + "]" * 100000 + "}"), ("nested",)),
+    "resolved-100-mb": (lambda p: p.write_bytes(b'{"a": "' + b"x" * (100 << 20) + b'"}'), ("over 64 MiB",)),
+}
+for _name, (_write, _words) in RUN_JSON.items():
+    CASES["run-json"][_name] = _run_json(_write, _words)
