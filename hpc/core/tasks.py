@@ -59,8 +59,11 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
         errors.append(f"`lora.rank` = {spec.lora.rank} with the task {task.target!r}: hpcx adds LoRA adapters to the "
                       "projections of its built-in families only, and a task builds its own model: remove `[lora]` "
                       "(a task adapts its model in its `build_model`)")
-    errors += [f"`model.{name}` = {value!r} is set, but `[model]` is the task's ({task.target!r} builds the "
-               "model): remove it" for name, value in changed_model_fields(spec, model_doc)]
+    changed = [f"`model.{name}` = {value!r}" for name, value in changed_model_fields(spec, model_doc)]
+    if changed:  # one problem: the section is the task's, however many of its fields are set
+        also = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
+        errors.append(f"{changed[0]}{also} is set, but `[model]` is the task's ({task.target!r} builds the model): "
+                      f"remove {'them' if also else 'it'}")
     data_doc: dict[str, tp.Any] = doc["data"] if isinstance(doc.get("data"), dict) else {}
     errors += [f"`data.{key}` = {data_doc[key]!r} is for the built-in language models: the task "
                f"{task.target!r} gives its own datasets" for key in ("source", "val_source")
