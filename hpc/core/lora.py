@@ -114,6 +114,11 @@ def lora_problems(spec: JobSpec) -> list[str]:
     errors = [f"`lora.targets`: {t!r} is not a projection of {spec.model.arch!r}; expected any of "
               f"{', '.join(ours for ours, _ in pairs)} (or {', '.join(hf for _, hf in pairs)})"
               for t in lora.targets if t not in names]
+    ours = [next((o for o, h in pairs if t in (o, h)), t) for t in lora.targets]
+    twice = sorted({t for t, o in zip(lora.targets, ours) if ours.count(o) > 1})
+    if twice:  # `wq` and `q_proj` are one module: a second name adds nothing (and hides a typo meant elsewhere)
+        errors.append(f"`lora.targets` = {lora.targets}: {', '.join(twice)} name the same module more than once: "
+                      "expected each projection once (hpcx's name or Hugging Face's)")
     shapes = _base_shapes(spec.model)
     errors += [f"`lora.trainable`: {p!r} matches no parameter of the model (e.g. {next(iter(shapes), '?')})"
                for p in lora.trainable if shapes and not any(fnmatch.fnmatchcase(n, p) for n in shapes)]

@@ -425,6 +425,10 @@ NOTHING: dict[str, tuple[str, str]] = {
     "lora-with-a-user-model": ('[model]\narch = "usertask:factory"\nseq_len = 8\nvocab_size = 16\n[lora]\nrank = 2',
                                "declares no projections for LoRA"),
     "lora-in-script-mode": ('command = ["python", "x.py"]\n[lora]\nrank = 2', "`[lora]` configures hpcx's trainer"),
+    "lora-target-twice-by-two-names": ('[model]\narch = "llama"\n[lora]\nrank = 2\ntargets = ["wq", "q_proj"]',
+                                       "name the same module more than once"),
+    "lora-target-twice": ('[model]\narch = "llama"\n[lora]\nrank = 2\ntargets = ["v_proj", "v_proj"]',
+                          "v_proj name the same module"),
     "tp-in-script-mode": ('command = ["python", "x.py"]\n[parallel]\ntp = 2', "`[parallel]` configures hpcx's trainer"),
 }
 for _name, (_body, _words) in NOTHING.items():
