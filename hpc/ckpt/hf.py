@@ -80,7 +80,7 @@ def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
 
     where = run / "resolved.json"
     try:
-        resolved = load_json_bounded(where.read_bytes(), str(where), CheckpointError)
+        resolved = load_json_bounded(bounded_bytes(where), str(where), CheckpointError)
         spec = spec_from_dict(resolved["spec"], str(where), read_hf_config=False)
     except (OSError, KeyError, TypeError) as exc:
         raise CheckpointError([f"{where}: cannot read the run's spec ({exc})"]) from None
@@ -118,8 +118,8 @@ def _tokenizer(resolved: dict[str, tp.Any], run: Path | None) -> tuple[Path | No
         docs.append(Path(data["source"]) / "manifest.json")
     for doc in docs:
         try:
-            tok = json.loads(doc.read_text(encoding="utf-8")).get("tokenizer")
-        except (OSError, ValueError, AttributeError):
+            tok = _read_json(doc).get("tokenizer")
+        except AttributeError:
             continue
         path = tok.get("path") if isinstance(tok, dict) else tok
         if isinstance(path, str) and Path(path).exists():
@@ -188,10 +188,29 @@ def special_token_ids(resolved: dict[str, tp.Any], run: Path | None = None) -> d
     return out
 
 
+MAX_RUN_JSON = 64 << 20  # a run's resolved.json / data.json, or a manifest of many shards
+
+
+def bounded_bytes(path: Path, limit: int = MAX_RUN_JSON) -> bytes:
+    """A JSON file of a run folder handed on the command line: a regular file (a FIFO or /dev/zero is
+    refused unopened) of at most ``limit`` bytes; CheckpointError naming it otherwise."""
+    from hpc.core.validate import open_regular
+
+    with open_regular(path, str(path), "a regular JSON file", CheckpointError) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointError([f"{path}: over {limit >> 20} MiB: expected a JSON file hpcx wrote"])
+    return data
+
+
 def _read_json(path: Path) -> dict[str, tp.Any]:
+    """What a run recorded beside its checkpoint, or {} when it is absent, unreadable or not an object
+    (read bounded in size and depth: it only adds to the export)."""
+    from hpc.core.config import load_json_bounded
+
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        doc = load_json_bounded(bounded_bytes(path), str(path), CheckpointError)
+    except CheckpointError:
         return {}
     return doc if isinstance(doc, dict) else {}
 

@@ -456,16 +456,16 @@ def weight_problems(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> lis
     check_regular(path, str(path), "PEFT's adapter weights (adapter_model.safetensors)", CheckpointError)
     reader = SafetensorsReader(path)
     try:
-        found = {_no_adapter_name(k.removeprefix(reader.prefix)): e for k, e in reader.entries.items() if e.is_tensor}
+        found = {_no_adapter_name(k.removeprefix(reader.prefix)): (tuple(e.shape or ()), str(
+            ST_DTYPES.get(e.dtype, e.dtype) if e.dtype is not None else "?")) for k, e in reader.entries.items()
+            if e.is_tensor}
     finally:
         reader.close()
     wanted = wanted_tensors(folder, spec, arch, shape)
     missing = [key for _, key, _, _ in wanted if key not in found]
-    wrong = [f"{key} is {list(found[key].shape)}, the model's {ours} is {list(want[::-1] if t else want)}"
-             for ours, key, want, t in wanted if key in found and tuple(found[key].shape) != tuple(
-                 want[::-1] if t else want)]
-    dtypes = [f"{key} ({ST_DTYPES.get(found[key].dtype, found[key].dtype)})" for _, key, _, _ in wanted
-              if key in found and ST_DTYPES.get(found[key].dtype) not in FLOAT_DTYPES]
+    wrong = [f"{key} is {list(found[key][0])}, the model's {ours} is {list(want[::-1] if t else want)}"
+             for ours, key, want, t in wanted if key in found and found[key][0] != tuple(want[::-1] if t else want)]
+    dtypes = [f"{key} ({found[key][1]})" for _, key, _, _ in wanted if key in found and found[key][1] not in FLOAT_DTYPES]
     extra = sorted(set(found) - {key for _, key, _, _ in wanted})
     return [f"{path}: {line}" for line in (
         listed("no tensor", missing), listed("shapes differ", wrong), listed("not floating point", dtypes),

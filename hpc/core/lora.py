@@ -175,6 +175,11 @@ def lora_problems(spec: JobSpec) -> list[str]:
     errors = [f"`lora.targets`: {t!r} is not a projection of {spec.model.arch!r}; expected any of "
               f"{', '.join(ours for ours, _ in pairs)} (or {', '.join(hf for _, hf in pairs)})"
               for t in lora.targets if t not in names]
+    ours = [next((o for o, h in pairs if t in (o, h)), t) for t in lora.targets]
+    twice = sorted({t for t, o in zip(lora.targets, ours) if ours.count(o) > 1})
+    if twice:  # `wq` and `q_proj` are one module: a second name adds nothing (and hides a typo meant elsewhere)
+        errors.append(f"`lora.targets` = {lora.targets}: {', '.join(twice)} name the same module more than once: "
+                      "expected each projection once (hpcx's name or Hugging Face's)")
     shapes = _base_shapes(spec.model)
     errors += [f"`lora.trainable`: {p!r} matches no parameter of the model (e.g. {next(iter(shapes), '?')})"
                for p in lora.trainable if shapes and not any(fnmatch.fnmatchcase(n, p) for n in shapes)]
@@ -196,7 +201,7 @@ def nf4_problems(lora: Lora, arch: str, shapes: dict[str, tuple[int, ...]]) -> l
 def without_rank(doc: dict[str, tp.Any]) -> list[str]:
     """``[lora]`` keys written while ``lora.rank`` is 0 or absent: LoRA is off and they mean nothing (one
     line; a rank of the wrong type is its own problem)."""
-    given = doc.get("lora") if isinstance(doc.get("lora"), dict) else {}
+    given: dict[str, tp.Any] = doc["lora"] if isinstance(doc.get("lora"), dict) else {}
     keys = [k for k in given if k != "rank"]
     rank = given.get("rank", 0)
     if not keys or type(rank) is not int or rank != 0:

@@ -479,7 +479,7 @@ def given_for_nothing(doc: dict) -> list[str]:
     from hpc.core.lora import without_rank
     from hpc.core.tasks import without_target
 
-    job = doc.get("job") if isinstance(doc.get("job"), dict) else {}
+    job: dict[str, tp.Any] = doc["job"] if isinstance(doc.get("job"), dict) else {}
     errors = (["`job.command` = []: an empty command runs nothing: give the program and its arguments, e.g. "
                "[\"python\", \"train.py\"], or remove the key to run hpcx's trainer"] if job.get("command") == [] else [])
     return errors + without_rank(doc) + without_target(doc)
@@ -491,8 +491,12 @@ def trainer_sections_given(doc: dict) -> list[str]:
     job = doc.get("job")
     if not isinstance(job, dict) or not job.get("command"):
         return []
-    return [f"`[{name}]` configures hpcx's trainer, but `job.command` runs your own script: remove the "
-            "section (or `job.command`)" for name in TRAINER_SECTIONS if name in doc]
+    given = [f"`[{name}]`" for name in TRAINER_SECTIONS if name in doc]
+    if not given:
+        return []
+    also = f" (and {', '.join(given[1:])})" if len(given) > 1 else ""
+    return [f"{given[0]}{also} configures hpcx's trainer, but `job.command` runs your own script: remove the "
+            f"section{'s' if also else ''} (or `job.command`)"]
 
 
 def json_list(items: tp.Sequence[str]) -> str:

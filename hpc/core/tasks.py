@@ -70,8 +70,11 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
         errors.append(f"`lora.rank` = {spec.lora.rank} with the task {task.target!r}: hpcx adds LoRA adapters to the "
                       "projections of its built-in families only, and a task builds its own model: remove `[lora]` "
                       "(a task adapts its model in its `build_model`)")
-    errors += [f"`model.{name}` = {value!r} is set, but `[model]` is the task's ({task.target!r} builds the "
-               "model): remove it" for name, value in changed_model_fields(spec, model_doc)]
+    changed = [f"`model.{name}` = {value!r}" for name, value in changed_model_fields(spec, model_doc)]
+    if changed:  # one problem: the section is the task's, however many of its fields are set
+        also = f" (and {', '.join(changed[1:])})" if len(changed) > 1 else ""
+        errors.append(f"{changed[0]}{also} is set, but `[model]` is the task's ({task.target!r} builds the model): "
+                      f"remove {'them' if also else 'it'}")
     data_doc: dict[str, tp.Any] = doc["data"] if isinstance(doc.get("data"), dict) else {}
     errors += [f"`data.{key}` = {data_doc[key]!r} is for the built-in language models: the task "
                f"{task.target!r} gives its own datasets" for key in ("source", "val_source")
@@ -84,7 +87,7 @@ def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
 
 def without_target(doc: dict[str, tp.Any]) -> list[str]:
     """``[task]`` keys other than ``target`` given without one: they configure no task (one line)."""
-    given = doc.get("task") if isinstance(doc.get("task"), dict) else {}
+    given: dict[str, tp.Any] = doc["task"] if isinstance(doc.get("task"), dict) else {}
     keys = [k for k in given if k != "target"]
     if not keys or given.get("target"):
         return []
@@ -212,7 +215,7 @@ def _class_problems(tree: tp.Any, name: str, path: str, label: str, kwargs: tp.M
         return []  # a function or an assignment: what it makes is known only when it runs
     if node.bases and not all(isinstance(b, ast.Name) and b.id == "object" for b in node.bases) or node.decorator_list:
         return []  # methods and __init__ may come from a base, or a decorator may change the class
-    members = {n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    members: dict[str, tp.Any] = {n.name: n for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     members.update({t.id: n for n in node.body if isinstance(n, ast.Assign) for t in n.targets
                     if isinstance(t, ast.Name)})
     where = f"{label}: class {name} ({path}:{node.lineno})"

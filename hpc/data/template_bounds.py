@@ -131,7 +131,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                                    f"{POW_BITS:,} bits")
         return super().call_binop(context, op, left, right)
 
-    def call(__self, __context: tp.Any, __obj: tp.Any, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:  # noqa: N805
+    def call(__self, __context: tp.Any, __obj: tp.Any, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         from jinja2.runtime import LoopContext
 
         # a recursive loop's ``loop(...)`` costs a new loop context and generator: weighed as much
@@ -155,7 +155,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         return checked
 
 
-def _call(name: str, args: list[nodes.Expr]) -> nodes.Call:
+def _call(name: str, args: list[tp.Any]) -> nodes.Call:
     return nodes.Call(nodes.Name(name, "load"), args, [], None, None)
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tests.tokens.hostile import CASES, Expect, case, prepare
 
-NEW_CLASSES = ("chat-bombs", "adapters", "tasks", "wrong-types", "given-for-nothing", "one-line")
+NEW_CLASSES = ("chat-bombs", "adapters", "tasks", "wrong-types", "given-for-nothing", "one-line", "run-json")
 for _cls in NEW_CLASSES:
     CASES.setdefault(_cls, {})
 
@@ -232,7 +232,7 @@ ADAPTERS: dict[str, tuple[tp.Callable[[Path, Path], Path], tuple[str, ...]]] = {
     "config-not-json": (_raw(b"{'r': 4}"), ("adapter_config.json", "JSON")),
     "config-not-utf8": (_raw(b'{"r": "\xff"}'), ("adapter_config.json", "UTF-8")),
     "config-a-list": (_raw(b"[1, 2]"), ("adapter_config.json", "peft_type")),
-    "peft-type-prefix": (_config(peft_type="PREFIX_TUNING"), ("peft_type PREFIX_TUNING",)),
+    "peft-type-prefix": (_config(peft_type="PREFIX_TUNING"), ("peft_type 'PREFIX_TUNING'",)),
     # PEFT's field types
     "r-true": (_config(r=True), ("r = true", "integer rank")),
     "r-string": (_config(r="4"), ('r = "4"',)),
@@ -285,7 +285,7 @@ for _name, (_build, _words) in ADAPTERS.items():
 
 @case("adapters")
 def adapter_folder_that_fits(d: Path, tok: Path) -> Expect:
-    return Expect(render(llama_job(d, adapter(d, hf_base(d)))), 0, ["#!/bin/bash"])
+    return Expect(render(llama_job(d, adapter(d, hf_base(d)))), 0, ["timeout_min"])
 
 
 @case("adapters")
@@ -367,14 +367,14 @@ for _name, (_body, _words) in TASKS.items():
 @case("tasks")
 def task_class_that_fits(d: Path, tok: Path) -> Expect:
     expect = _task_case('target = "usertask:Good"\nkwargs = {width = 8, depth = 1}', ())(d, tok)
-    return Expect(render(Path(expect.argv[1])), 0, ["#!/bin/bash"], env=expect.env)
+    return Expect(render(Path(expect.argv[1])), 0, ["timeout_min"], env=expect.env)
 
 
 @case("tasks")
 def task_made_by_a_function(d: Path, tok: Path) -> Expect:
     """What a function returns is known only when it runs: not refused here (the rank checks it)."""
     expect = _task_case('target = "usertask:factory"', ())(d, tok)
-    return Expect(render(Path(expect.argv[1])), 0, ["#!/bin/bash"], env=expect.env)
+    return Expect(render(Path(expect.argv[1])), 0, ["timeout_min"], env=expect.env)
 
 
 # ------------------------------------------------------------------------------------ wrong types
@@ -389,7 +389,7 @@ TYPES: dict[str, tuple[str, str]] = {
     "tp-string": ('[parallel]\ntp = "2"', "`parallel.tp` = '2' (str)"),
     "tp-float": ('[parallel]\ntp = 2.0', "`parallel.tp` = 2.0 (float)"),
     "command-string": ('command = "python train.py"', "`job.command`"),
-    "command-numbers": ('command = ["python", 3]', "`job.command`"),
+    "command-numbers": ('command = ["python", 3]', "`job.command[1]` = 3 (int)"),
     "task-kwargs-string": ('[task]\ntarget = "usertask:Good"\nkwargs = "width=3"', "`task.kwargs`"),
     "task-tokens-string": ('[task]\ntarget = "usertask:Good"\ntokens_per_sample = "4"', "`task.tokens_per_sample`"),
 }
@@ -425,6 +425,10 @@ NOTHING: dict[str, tuple[str, str]] = {
     "lora-with-a-user-model": ('[model]\narch = "usertask:factory"\nseq_len = 8\nvocab_size = 16\n[lora]\nrank = 2',
                                "declares no projections for LoRA"),
     "lora-in-script-mode": ('command = ["python", "x.py"]\n[lora]\nrank = 2', "`[lora]` configures hpcx's trainer"),
+    "lora-target-twice-by-two-names": ('[model]\narch = "llama"\n[lora]\nrank = 2\ntargets = ["wq", "q_proj"]',
+                                       "name the same module more than once"),
+    "lora-target-twice": ('[model]\narch = "llama"\n[lora]\nrank = 2\ntargets = ["v_proj", "v_proj"]',
+                          "v_proj name the same module"),
     "tp-in-script-mode": ('command = ["python", "x.py"]\n[parallel]\ntp = 2', "`[parallel]` configures hpcx's trainer"),
 }
 for _name, (_body, _words) in NOTHING.items():
@@ -450,7 +454,7 @@ for _name, (_body, _words) in ONE_LINE.items():
 @case("one-line")
 def tp_on_the_gpt_renders(d: Path, tok: Path) -> Expect:
     """It printed a TypeError traceback (the GPT's activations took no tp)."""
-    return Expect(render(job(d, '[model]\narch = "gpt"\n[parallel]\nstrategy = "fsdp"\ntp = 2\n')), 0, ["#!/bin/bash"])
+    return Expect(render(job(d, '[model]\narch = "gpt"\n[parallel]\nstrategy = "fsdp"\ntp = 2\n')), 0, ["timeout_min"])
 
 
 @case("one-line")
@@ -468,3 +472,28 @@ def weights_of_another_model(d: Path, tok: Path) -> Expect:
     base = hf_base(d, dim=32)
     return Expect(submit(llama_job(d, base / "model.safetensors", lora="")), 2,
                   ["tensors have other shapes", "and "])
+
+
+# ------------------------------------------------------------------- a run folder's own JSON files
+# `hpcx ckpt convert RUN`: the run folder is a command-line argument, and its resolved.json is read
+# bounded in size and depth like any file hpcx did not write here.
+
+def _run_json(write: tp.Callable[[Path], tp.Any], words: tuple[str, ...]) -> tp.Callable[[Path, Path], Expect]:
+    def make(d: Path, tok: Path) -> Expect:
+        step = d / "run" / "checkpoints" / "step-00000002"
+        step.mkdir(parents=True)
+        (step / ".metadata").write_bytes(b"")
+        write(d / "run" / "resolved.json")
+        return Expect(["ckpt", "convert", str(d / "run"), str(d / "out"), "--to", "hf"], 2,
+                      [str(d / "run" / "resolved.json"), *words])
+    return make
+
+
+RUN_JSON: dict[str, tuple[tp.Callable[[Path], tp.Any], tuple[str, ...]]] = {
+    "resolved-dev-zero": (lambda p: p.symlink_to("/dev/zero"), ("character device",)),
+    "resolved-fifo": (lambda p: __import__("os").mkfifo(p), ("FIFO",)),
+    "resolved-nested": (lambda p: p.write_text('{"a": ' + "[" * 100000 + "]" * 100000 + "}"), ("nested",)),
+    "resolved-100-mb": (lambda p: p.write_bytes(b'{"a": "' + b"x" * (100 << 20) + b'"}'), ("over 64 MiB",)),
+}
+for _name, (_write, _words) in RUN_JSON.items():
+    CASES["run-json"][_name] = _run_json(_write, _words)

@@ -131,3 +131,25 @@ def test_a_rank_names_the_shard_of_an_id_past_the_vocabulary(tmp_path, tokenizer
     with pytest.raises(ValueError, match=r"train-00000-0000\.bin: token id \d+ at token \d+ is not below the "
                                          r"model's vocabulary of 2 \(run `hpcx data verify"):
         ManifestTokens(folder, "train", 8, vocab=2)[0]
+
+
+def test_an_old_manifest_gets_its_max_ids_from_verify(tmp_path, tokenizer):
+    """Issue 47: a manifest from before shards recorded max_id passed submit whatever ids its shards
+    held; `hpcx data verify` records them (once every file matched), and submit compares them with the
+    model's vocabulary from then on."""
+    import json
+
+    from tests.tokens.hostile import edit_manifest, prepared, spec
+
+    folder = prepared(tmp_path, tokenizer)
+    shards = lambda doc: [s for split in doc["splits"].values() for s in split["shards"]]  # noqa: E731
+    written = [s["max_id"] for s in shards(json.loads((folder / "manifest.json").read_text()))]
+    edit_manifest(folder, lambda m: [s.pop("max_id") for s in shards(m)])
+    code, stdout, stderr, _ = run_cli(["data", "verify", str(folder)], tmp_path, {})
+    assert code == 0 and f"recorded max_id (the largest token id) of {len(written)} shards" in stdout, stderr
+    assert [s["max_id"] for s in shards(json.loads((folder / "manifest.json").read_text()))] == written
+    code, stdout, _, _ = run_cli(["data", "verify", str(folder)], tmp_path, {})
+    assert code == 0 and "recorded" not in stdout  # nothing more to record: the manifest is left alone
+    edit_manifest(folder, lambda m: m.update(vocab_size=max(written), eos_id=1))
+    code, _, stderr, _ = run_cli(["render", str(spec(tmp_path, folder, vocab=max(written)))], tmp_path, {})
+    assert code == 2 and f"max_id = {max(written)}: expected an id below vocab_size" in stderr, stderr
