@@ -4,10 +4,12 @@ The batch shell, the check after srun (``python -m hpc.requeue``), ``scontrol re
 traps stay on the host, so preemption, the one requeue, drills, cancel and failure records are the
 same as without a container. ``wrap_step`` is the one place that puts a runtime on the step:
 
-- ``oci``: Slurm's own OCI support, ``srun --container=BUNDLE``. The site's image is an OCI bundle; hpcx
-  writes a per-run bundle (RUN/container/bundle/config.json) that is the image's configuration with its
-  root file system by absolute path, the step's mounts and working folder. slurmstepd replaces its
-  ``process.args`` and ``process.env`` with the task's and runs the runtime oci.conf names (runc here).
+- ``oci``: Slurm's own OCI support, ``srun --container=BUNDLE``, or (``oci_launch = "runc"``) each task
+  running ``runc run`` itself. The site's image is an OCI bundle; hpcx writes a per-run bundle
+  (RUN/container/bundle/config.json, ``hpc.schedulers.slurm.oci``) of its own: the image's root file
+  system, environment and user, hpcx's mounts, namespace and working folder; with runc, each node adds
+  its devices as the task starts. slurmstepd replaces ``process.args`` and ``process.env`` with the
+  task's and runs the runtime oci.conf names (runc here).
 - ``pyxis``: ``srun --container-image=IMAGE --container-mounts=… --container-workdir=…`` (pyxis's
   documented flags; ``--no-container-mount-home`` unless ``mount_home``; ``--container-env`` for ``env``).
 - ``apptainer``: the task is ``apptainer exec [--nv] --bind … --pwd … IMAGE COMMAND`` (``--nv`` on a GPU
@@ -25,9 +27,10 @@ import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc.core.container import (BUNDLE, IMAGE_ENV, OVERLAY, SHM_ENV, Container, Mount, overlay_links, step_mounts, write_overlay)
+from hpc.core.container import (BUNDLE, IMAGE_ENV, OVERLAY, SHM_ENV, Container, Mount, overlay_links, step_mounts,
+                                 write_overlay)
 from hpc.core.errors import UserError
-from hpc.schedulers.slurm.oci import LOADER, RUNC, loader_args, write_bundle  # noqa: F401 (LOADER, RUNC, loader_args: for tests)
+from hpc.schedulers.slurm.oci import LOADER, RUNC, loader_args, write_bundle  # noqa: F401 (re-exported)
 
 
 OCI_TASK = "container/oci-task"  # oci_launch = "runc": the task's script on the host (OCI_TASK_SCRIPT)
