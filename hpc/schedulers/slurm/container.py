@@ -30,7 +30,7 @@ from pathlib import Path
 from hpc.core.container import (BUNDLE, IMAGE_ENV, OVERLAY, SHM_ENV, Container, Mount, overlay_links, step_mounts,
                                  write_overlay)
 from hpc.core.errors import UserError
-from hpc.schedulers.slurm.oci import LOADER, RUNC, loader_args, write_bundle  # noqa: F401 (re-exported)
+from hpc.schedulers.slurm.oci import LOADER, write_bundle  # noqa: F401 (LOADER: re-exported)
 
 
 OCI_TASK = "container/oci-task"  # oci_launch = "runc": the task's script on the host (OCI_TASK_SCRIPT)
