@@ -739,3 +739,19 @@ def test_render_with_a_run_dir_whose_root_holds_a_comma_is_one_line(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("hpcx")] or [out.stderr]
     assert f"the run root {str(root)!r} holds `,`, which runtime 'pyxis'" in line, out.stderr
+
+
+@pytest.mark.parametrize("runtime,missing", [("apptainer", "gone.sif"), ("oci", "gone")])
+def test_each_runtimes_refused_submit_leaves_no_run_folder(tmp_path, runtime, missing):
+    """An image the site names that is not there: the site profile is blamed, nothing is left in the run root."""
+    from tests.conftest import hpcx
+
+    root = tmp_path / "runs"
+    site = tmp_path / f"{runtime}.toml"
+    site.write_text(EXAMPLES[runtime].read_text().replace('run_root = "$HOME/hpcx-runs"', f'run_root = "{root}"')
+                    .replace("/shared/images/pytorch-25.12.sif" if runtime == "apptainer" else
+                             "/shared/images/pytorch-25.12", str(tmp_path / missing)))
+    out = hpcx("submit", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", str(site), cwd=tmp_path, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{site}: `container.image` = '{tmp_path / missing}': no" in out.stderr, out.stderr
+    assert root.is_dir() and not list(root.glob("*/*")), list(root.rglob("*"))
