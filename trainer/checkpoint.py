@@ -530,7 +530,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     path = Path(path)
     reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
     try:
-        _load_modules(reader, model, optimizer)
+        load_modules(reader, model, optimizer)
         extra = _read_prefix(reader, ("train.", "scheduler.", f"rng.rank{_rank()}."))
     finally:
         reader.close()
@@ -544,7 +544,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return {**extra.get("train", {}), "meta": reader.meta, "rng_restored": rng is not None and restore_rng}
 
 
-def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+def load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                   options: tp.Any = None, skip: tp.Callable[[str], bool] | None = None) -> None:
     """DCP's load of the ``model`` (and ``optim``) entries; ``options`` default to the checkpoint's
     (``trainer.lora.state_options``); ``skip`` leaves parameters out by name (``init_from`` into a LoRA model)."""

@@ -54,21 +54,21 @@ def smallest_tp(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: boo
 
 def tp_line(base: list[Row], tried: list[tuple[int, Row | None]], choice: Row, site: SiteProfile) -> str:
     """Why the plan uses tensor parallelism, and the smallest degree, with the numbers."""
-    from hpc.plan.explain import _fit_text, _gb, secs
+    from hpc.plan.explain import fit_text, gb_text, secs
 
     t = choice.dims.tp
     lean = leanest(base)
     head = "Tensor parallelism: nothing fits without it"
     if lean is not None:
-        head += f" (the leanest at tp 1, {lean.label}, needs {_fit_text(lean)})"
-    smaller = "; ".join(f"at tp {d} {r.label} needs {_fit_text(r)}" + ("" if r.fits is False else
+        head += f" (the leanest at tp 1, {lean.label}, needs {fit_text(lean)})"
+    smaller = "; ".join(f"at tp {d} {r.label} needs {fit_text(r)}" + ("" if r.fits is False else
                                                                       f", above the {MARGIN:.0%} margin")
                         for d, r in tried if r is not None)
     margin = "fits with a margin" if roomy(choice) else f"fits (none leaves the {MARGIN:.0%} margin)"
-    text = f"{head}; {smaller + '; ' if smaller else ''}tp {t} is the smallest degree that {margin} ({_fit_text(choice)})"
+    text = f"{head}; {smaller + '; ' if smaller else ''}tp {t} is the smallest degree that {margin} ({fit_text(choice)})"
     parts = [p for p in (choice.comm.parts if choice.comm else []) if p.what.startswith("tp ")]
     spent = sum(p.seconds or 0.0 for p in parts)
     if parts:
         text += (f"; each block's activations are gathered and scattered over the {t} GPUs of a node on "
-                 f"{site.node.intra_link} ({_gb(sum(p.gb for p in parts))}, {secs(spent)} per step, not hidden)")
+                 f"{site.node.intra_link} ({gb_text(sum(p.gb for p in parts))}, {secs(spent)} per step, not hidden)")
     return text + "."

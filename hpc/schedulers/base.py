@@ -25,6 +25,7 @@ import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.compat import ExecutorHooks
 from hpc.core import procs
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -201,12 +202,11 @@ def task_command(python: str, folder: str) -> str:
     return shlex.join([*TASK_WRAPPER, *python_command(python, "trainer.entry", str(folder), unbuffered=True)])
 
 
-class TaskCommand:
-    """Mixed into submitit's executors: their tasks run ``task_command``. ``_submitit_command_str``
-    is submitit's private hook for the command (tests/test_render.py checks the submitted text)."""
+class TaskCommand(ExecutorHooks):
+    """Mixed into submitit's executors: their tasks run ``task_command`` (through submitit's private hook,
+    which only ``hpc.compat`` names; tests/test_render.py checks the submitted text)."""
 
-    @property
-    def _submitit_command_str(self) -> str:
+    def task_command_text(self) -> str:
         import sys
 
         return task_command(sys.executable, str(self.folder))  # type: ignore[attr-defined]

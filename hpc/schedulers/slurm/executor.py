@@ -16,6 +16,5 @@ class SlurmExecutor(TaskCommand, submitit.SlurmExecutor):
 
     hpcx_command: str | None = None
 
-    @property
-    def _submitit_command_str(self) -> str:
-        return self.hpcx_command or super()._submitit_command_str
+    def task_command_text(self) -> str:
+        return self.hpcx_command or super().task_command_text()
