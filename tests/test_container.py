@@ -219,7 +219,7 @@ def test_writable_and_home(writable, home):
     a = sc.wrap_step(["x"], ct.Container(runtime="apptainer", image="/i.sif", writable=writable, mount_home=home),
                      RUN_DIR, [], "/w")
     assert ("--writable-tmpfs" in a.argv) == writable and ("--no-home" in a.argv) == (not home)
-    assert sc.wrap_step(["x"], ct.Container(), RUN_DIR, [], "/w") == sc.Step([], ["x"])
+    assert sc.wrap_step(["x"], ct.Container(), RUN_DIR, [], "/w") == sc.Wrapped((), ("x",))
 
 
 def image_bundle(folder: Path, config: dict | None = None) -> Path:
@@ -268,11 +268,11 @@ def test_oci_bundle_takes_only_root_env_and_user_from_the_image(tmp_path):
     assert binds == {"/etc/hosts": "ro", "/runs": "rw", "/home/u/proj": "rw", "/opt/hpcx/src": "ro",
                      "/opt/hpcx/venv/lib/python3.11/site-packages": "ro"}
     step = sc.wrap_step(["x"], c, "/runs/r", mounts, "/w")
-    assert step.srun_args == ["--container=/runs/r/container/bundle"] and step.argv == ["x"]
+    assert step.srun_args == ("--container=/runs/r/container/bundle",) and step.argv == ("x",)
     # each task runs the bundle with runc itself: the task's folder, environment and arguments at its start
     c.oci_launch, c.shm_gb = "runc", 16
     step = sc.wrap_step(["x", "y z"], c, "/runs/r", mounts, "/w")
-    assert step == sc.Step([], ["/bin/sh", "/runs/r/container/oci-task", "x", "y z"])
+    assert step == sc.Wrapped((), ("/bin/sh", "/runs/r/container/oci-task", "x", "y z"))
     config = json.loads((sc.write_bundle(c, tmp_path / "b2", mounts, "/w") / "config.json").read_text())
     assert config["process"]["args"] == ["python3", "-c", sc.LOADER, "@TASKDIR@"]
     assert config["mounts"][4] == {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",

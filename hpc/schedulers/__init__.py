@@ -23,8 +23,8 @@ import importlib
 import os
 import typing as tp
 
-from hpc.schedulers.base import (SUBMITIT_DIR, TERMINAL, JobSide, JobState, RankEnv, Scheduler,
-                                 rendezvous_port)
+from hpc.schedulers.base import (SUBMITIT_DIR, TERMINAL, ContainerRuntime, JobSide, JobState, RankEnv, Scheduler,
+                                 Step, rendezvous_port)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.site import SiteProfile
@@ -38,7 +38,8 @@ LIMITED = ("slurm",)
 # optionally ``CROSS_CHECKED``, the fields its ``site_problems`` read, and ``path_problem``)
 SECTIONED = ("slurm",)
 
-__all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "JobSide", "JobState", "RankEnv", "Scheduler", "cross_checked",
+__all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "ContainerRuntime", "JobSide", "JobState",
+           "RankEnv", "Scheduler", "Step", "container_runtime", "container_runtimes", "cross_checked",
            "detect_site", "get", "job_side", "path_problem", "rank_env", "rendezvous_port", "section_class",
            "section_problems", "site_problems"]
 
@@ -161,3 +162,17 @@ def section_problems(section: tp.Any) -> list[str]:
 def site_problems(site: SiteProfile) -> list[str]:
     """The site's own kind's cross-checks of a well-typed profile (Slurm's GPU directive on a GPU site)."""
     return get(site.scheduler.kind).site_problems(site)
+
+
+def container_runtimes(kind: str) -> tp.Mapping[str, ContainerRuntime]:
+    """The container runtimes a site of ``kind`` runs, by name (``Scheduler.container_runtimes``; empty: none)."""
+    return get(kind).container_runtimes()
+
+
+def container_runtime(name: str) -> ContainerRuntime | None:
+    """The runtime ``name`` (a ``[container] runtime``) of the first kind that runs it; None when none does."""
+    for kind in KINDS:
+        found = container_runtimes(kind).get(name)
+        if found is not None:
+            return found
+    return None
