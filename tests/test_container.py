@@ -755,3 +755,83 @@ def test_each_runtimes_refused_submit_leaves_no_run_folder(tmp_path, runtime, mi
     assert out.returncode == 2, out.stdout + out.stderr
     assert f"{site}: `container.image` = '{tmp_path / missing}': no" in out.stderr, out.stderr
     assert root.is_dir() and not list(root.glob("*/*")), list(root.rglob("*"))
+
+
+# ---------------------------------------------------------------- a kind that runs no container
+
+LOCAL = REPO / "site" / "local.toml"
+IMAGE_OF = {"pyxis": "nvcr.io#nvidia/pytorch:25.12-py3", "apptainer": "/shared/images/pytorch-25.12.sif",
+            "oci": "/shared/images/pytorch-25.12"}
+NO_CONTAINER = "but a 'local' site runs no container (its scheduler kind has no container runtime)"
+
+
+@pytest.mark.parametrize("runtime", sorted(IMAGE_OF))
+def test_a_local_profile_naming_a_runtime_is_refused_in_one_line(tmp_path, runtime):
+    """Each runtime, as the profile's `runtime` and among its `runtimes`: one line naming the file and key."""
+    profile = tmp_path / "mine.toml"
+    for table, key in ((f'runtime = "{runtime}"\nimage = "{IMAGE_OF[runtime]}"', "runtime` ="),
+                       (f'runtimes = ["none", "{runtime}"]', "runtimes` names")):
+        profile.write_text(LOCAL.read_text() + f"\n[container]\n{table}\n")
+        with pytest.raises(ConfigError) as exc:
+            load_site(str(profile))
+        (line,) = exc.value.messages
+        assert line.startswith(f"{profile}: `container.{key} '{runtime}', {NO_CONTAINER}: remove the [container] "
+                               "table"), line
+
+
+@pytest.mark.parametrize("runtime", sorted(IMAGE_OF))
+def test_a_job_container_on_a_local_site_is_refused_naming_the_spec(tmp_path, runtime):
+    """A job's `[container]` naming a runtime, or changing anything (the image, a mount), on the local site."""
+    from hpc.core.site import job_site
+
+    site = load_site("local")
+    cases = {f'runtime = "{runtime}"\nimage = "{IMAGE_OF[runtime]}"': f"`container.runtime` = '{runtime}', "
+             f"{NO_CONTAINER}", f'image = "{IMAGE_OF[runtime]}"': f"`container.image` is set, {NO_CONTAINER}",
+             'mounts = ["/data:/data:ro"]': f"`container.mounts` is set, {NO_CONTAINER}"}
+    for table, expected in cases.items():
+        path = tmp_path / "job.toml"
+        path.write_text(f'[job]\nname = "x"\ncommand = ["true"]\n\n[container]\n{table}\n')
+        with pytest.raises(ConfigError) as exc:
+            job_site(site, load_spec(path))
+        (line,) = exc.value.messages
+        assert line.startswith(f"{path}: {expected}: remove the") and line.endswith(f"over {LOCAL})"), line
+
+
+def test_a_slurm_profile_takes_every_runtime_and_a_local_one_none():
+    """The kinds' tables: Slurm runs all four runtimes, local only `none` (an explicit `none` loads)."""
+    from hpc import schedulers
+
+    assert sorted(schedulers.container_runtimes("slurm")) == sorted(ct.RUNTIMES)
+    assert dict(schedulers.container_runtimes("local")) == {}
+    assert not parse_site({**ct_local_doc(), "container": {"runtime": "none"}}, "l", "l.toml").container.enabled
+    for name in ct.RUNTIMES:
+        assert schedulers.container_runtime(name).name == name  # type: ignore[union-attr]
+
+
+def ct_local_doc() -> dict:
+    from hpc.core.config import read_toml
+
+    return read_toml(LOCAL)
+
+
+def test_render_and_submit_on_a_local_site_refuse_a_container_with_exit_2(tmp_path):
+    """End to end: the site profile's `[container]` (render) and the job's (submit): exit 2, one line, and no
+    run folder left."""
+    from tests.conftest import hpcx
+
+    profile = tmp_path / "mine.toml"
+    profile.write_text(LOCAL.read_text() + '\n[container]\nruntime = "apptainer"\nimage = "/i.sif"\n')
+    out = hpcx("render", str(REPO / "jobs/tiny-ddp.toml"), "--site", str(profile), cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert [x for x in out.stderr.splitlines() if x.strip()] == [
+        f"error: {profile}: `container.runtime` = 'apptainer', {NO_CONTAINER}: remove the [container] table, or use a "
+        "site whose scheduler runs it"], out.stderr
+    root = tmp_path / "runs"
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nname = "x"\ncommand = ["true"]\nrun_root = "{root}"\n\n[container]\nruntime = "oci"\n'
+                   'image = "/b"\n')
+    out = hpcx("submit", str(job), "--site", "local", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.strip()]
+    assert f"{job}: `container.runtime` = 'oci', {NO_CONTAINER}" in line, out.stderr
+    assert not root.exists() or not list(root.iterdir())
