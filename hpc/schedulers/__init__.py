@@ -40,7 +40,7 @@ SECTIONED = ("slurm",)
 
 __all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "ContainerRuntime", "JobSide", "JobState",
            "RankEnv", "Scheduler", "Step", "container_runtime", "container_runtimes", "cross_checked",
-           "detect_site", "get", "job_side", "path_problem", "rank_env", "rendezvous_port", "section_class",
+           "detect_site", "first_on_node", "get", "job_side", "path_problem", "rank_env", "rendezvous_port", "section_class",
            "section_problems", "site_problems"]
 
 
@@ -151,6 +151,16 @@ def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
         if found is not None:
             return found
     return None
+
+
+def first_on_node(env: tp.Mapping[str, str]) -> bool:
+    """Whether this task is its node's first (``JobSide.node_local_rank`` of the kind that says); True when
+    no kind can tell (one task, or a plain process)."""
+    for kind in KINDS:
+        found = _job_class(kind).node_local_rank(env)
+        if found is not None:
+            return found == 0
+    return True
 
 
 def section_problems(section: tp.Any) -> list[str]:

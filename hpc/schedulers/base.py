@@ -382,6 +382,12 @@ class JobSide(abc.ABC):
         """This task's rank when this kind started it itself, without submitit or torchrun; else None."""
         return None
 
+    @staticmethod
+    def node_local_rank(env: tp.Mapping[str, str]) -> int | None:
+        """This task's index among its node's tasks where this kind sets it in every task (also inside a
+        container, before the trainer reads its rank); None when it does not."""
+        return None
+
     @abc.abstractmethod
     def job_id(self) -> str | None:
         """This job's id."""

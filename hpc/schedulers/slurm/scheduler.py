@@ -541,6 +541,11 @@ class SlurmJobSide(JobSide):
     def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
         return ranks.rank_env(env)
 
+    @staticmethod
+    def node_local_rank(env: tp.Mapping[str, str]) -> int | None:
+        value = env.get("SLURM_LOCALID", "")
+        return int(value) if value.isdigit() else None
+
     def job_id(self) -> str | None:
         return os.environ.get("SLURM_JOB_ID")
 
