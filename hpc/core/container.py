@@ -49,7 +49,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class Container:
     runtime: str = field("none", doc="How each task enters the image: `none` (the nodes' own Python), `pyxis` "
                          "(enroot through pyxis), `apptainer` (`apptainer exec`), `oci` (the scheduler's own OCI "
-                         "support, an OCI bundle).", choices=RUNTIMES)
+                         "support, an OCI bundle). Slurm runs all four; a `local` site none but `none` (another "
+                         "is refused).", choices=RUNTIMES)
     runtimes: list[str] = field(factory=list, doc="The runtimes this site has, for a job's `[container]` to "
                                 "choose among (empty: only `runtime`).", max_len=16)
     image: str = field("", doc="pyxis: an enroot URI (`nvcr.io#nvidia/pytorch:25.12-py3`) or an absolute `.sqsh` "
@@ -103,7 +104,8 @@ class JobContainer:
     """A job spec's ``[container]``: what this job changes of its site's (empty: the site's value)."""
 
     runtime: str = field("", doc="One of the site's `container.runtimes` (`none` runs this job without a "
-                         "container); empty: the site's `runtime`.", choices=("", *RUNTIMES))
+                         "container); empty: the site's `runtime`. On a site whose scheduler runs no container (`local`) "
+                         "any key of this table is refused.", choices=("", *RUNTIMES))
     image: str = field("", doc="Another image for the same runtime; empty: the site's.", max_len=4096)
     mounts: list[str] = field(factory=list, doc="Mounts added to the site's, `SRC[:DST[:ro|rw]]`.")
     env: list[str] = field(factory=list, doc="Variable names passed into the image, added to the site's.")
