@@ -42,9 +42,10 @@ def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
     workdir = os.getcwd()
     if c.enabled:
         try:
+            links = overlay_links()
+            mounts = step_mounts(c, str(folder.parent), workdir, links)
             prepare_run(c, folder, workdir, gpus=site.node.gpus, where=f"{site.source}: `container.image`",
-                        source=site.source)
-            mounts = step_mounts(c, str(folder.parent), workdir, overlay_links())
+                        source=site.source, links=links, mounts=mounts)
         except UserError:
             import shutil
 
