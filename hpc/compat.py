@@ -51,6 +51,29 @@ def local_timeout_s(env: tp.Mapping[str, str]) -> float | None:
         return None
 
 
+class ExecutorHooks:
+    """Mixed into submitit's executors: the two private hooks hpcx overrides, named here only.
+    ``task_command_text`` is each task's command (submitit's ``_submitit_command_str``);
+    ``submitting`` wraps the start of the job (``LocalExecutor._submit_command``, which starts the
+    local controller). Subclasses override the public pair, never submitit's names."""
+
+    def task_command_text(self) -> str:
+        raise NotImplementedError
+
+    def submitting(self) -> tp.ContextManager[None]:
+        from contextlib import nullcontext
+
+        return nullcontext()
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return self.task_command_text()
+
+    def _submit_command(self, command: str) -> tp.Any:
+        with self.submitting():
+            return super()._submit_command(command)  # type: ignore[misc]  # submitit's executor, next in the MRO
+
+
 # ---------------------------------------------------------------- torch.distributed.checkpoint
 
 

@@ -344,7 +344,7 @@ def test_fake_store_and_sharding_cache() -> None:
 def test_submitit_executors_take_their_command_from_submitit_command_str() -> None:
     import submitit
 
-    with private_api("submitit's Executor._submitit_command_str", "hpc/schedulers/base.py TaskCommand "
+    with private_api("submitit's Executor._submitit_command_str", "hpc/compat.py ExecutorHooks "
                      "(every task starts through trainer.entry with its signals held)",
                      "find submitit's new hook for the task command and override that"):
         for executor in (submitit.SlurmExecutor, submitit.LocalExecutor):
@@ -355,7 +355,7 @@ def test_submitit_local_executor_starts_its_controller_in_submit_command() -> No
     import submitit
 
     with private_api("submitit's LocalExecutor._submit_command (it starts the controller)",
-                     "hpc/schedulers/local/executor.py (the controller's stdio detached from the caller's)",
+                     "hpc/compat.py ExecutorHooks (the local controller's stdio detached from the caller's)",
                      "find where submitit now starts the local controller and detach its stdio there"):
         assert callable(inspect.getattr_static(submitit.LocalExecutor, "_submit_command"))
         source = inspect.getsource(submitit.LocalExecutor._submit_command)

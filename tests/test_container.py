@@ -219,7 +219,7 @@ def test_writable_and_home(writable, home):
     a = sc.wrap_step(["x"], ct.Container(runtime="apptainer", image="/i.sif", writable=writable, mount_home=home),
                      RUN_DIR, [], "/w")
     assert ("--writable-tmpfs" in a.argv) == writable and ("--no-home" in a.argv) == (not home)
-    assert sc.wrap_step(["x"], ct.Container(), RUN_DIR, [], "/w") == sc.Step([], ["x"])
+    assert sc.wrap_step(["x"], ct.Container(), RUN_DIR, [], "/w") == sc.Wrapped((), ("x",))
 
 
 def image_bundle(folder: Path, config: dict | None = None) -> Path:
@@ -268,11 +268,11 @@ def test_oci_bundle_takes_only_root_env_and_user_from_the_image(tmp_path):
     assert binds == {"/etc/hosts": "ro", "/runs": "rw", "/home/u/proj": "rw", "/opt/hpcx/src": "ro",
                      "/opt/hpcx/venv/lib/python3.11/site-packages": "ro"}
     step = sc.wrap_step(["x"], c, "/runs/r", mounts, "/w")
-    assert step.srun_args == ["--container=/runs/r/container/bundle"] and step.argv == ["x"]
+    assert step.srun_args == ("--container=/runs/r/container/bundle",) and step.argv == ("x",)
     # each task runs the bundle with runc itself: the task's folder, environment and arguments at its start
     c.oci_launch, c.shm_gb = "runc", 16
     step = sc.wrap_step(["x", "y z"], c, "/runs/r", mounts, "/w")
-    assert step == sc.Step([], ["/bin/sh", "/runs/r/container/oci-task", "x", "y z"])
+    assert step == sc.Wrapped((), ("/bin/sh", "/runs/r/container/oci-task", "x", "y z"))
     config = json.loads((sc.write_bundle(c, tmp_path / "b2", mounts, "/w") / "config.json").read_text())
     assert config["process"]["args"] == ["python3", "-c", sc.LOADER, "@TASKDIR@"]
     assert config["mounts"][4] == {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
@@ -739,3 +739,99 @@ def test_render_with_a_run_dir_whose_root_holds_a_comma_is_one_line(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     (line,) = [x for x in out.stderr.splitlines() if x.startswith("hpcx")] or [out.stderr]
     assert f"the run root {str(root)!r} holds `,`, which runtime 'pyxis'" in line, out.stderr
+
+
+@pytest.mark.parametrize("runtime,missing", [("apptainer", "gone.sif"), ("oci", "gone")])
+def test_each_runtimes_refused_submit_leaves_no_run_folder(tmp_path, runtime, missing):
+    """An image the site names that is not there: the site profile is blamed, nothing is left in the run root."""
+    from tests.conftest import hpcx
+
+    root = tmp_path / "runs"
+    site = tmp_path / f"{runtime}.toml"
+    site.write_text(EXAMPLES[runtime].read_text().replace('run_root = "$HOME/hpcx-runs"', f'run_root = "{root}"')
+                    .replace("/shared/images/pytorch-25.12.sif" if runtime == "apptainer" else
+                             "/shared/images/pytorch-25.12", str(tmp_path / missing)))
+    out = hpcx("submit", str(REPO / "jobs/tiny-hsdp-2node.toml"), "--site", str(site), cwd=tmp_path, timeout=300)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{site}: `container.image` = '{tmp_path / missing}': no" in out.stderr, out.stderr
+    assert root.is_dir() and not list(root.glob("*/*")), list(root.rglob("*"))
+
+
+# ---------------------------------------------------------------- a kind that runs no container
+
+LOCAL = REPO / "site" / "local.toml"
+IMAGE_OF = {"pyxis": "nvcr.io#nvidia/pytorch:25.12-py3", "apptainer": "/shared/images/pytorch-25.12.sif",
+            "oci": "/shared/images/pytorch-25.12"}
+NO_CONTAINER = "but a 'local' site runs no container (its scheduler kind has no container runtime)"
+
+
+@pytest.mark.parametrize("runtime", sorted(IMAGE_OF))
+def test_a_local_profile_naming_a_runtime_is_refused_in_one_line(tmp_path, runtime):
+    """Each runtime, as the profile's `runtime` and among its `runtimes`: one line naming the file and key."""
+    profile = tmp_path / "mine.toml"
+    for table, key in ((f'runtime = "{runtime}"\nimage = "{IMAGE_OF[runtime]}"', "runtime` ="),
+                       (f'runtimes = ["none", "{runtime}"]', "runtimes` names")):
+        profile.write_text(LOCAL.read_text() + f"\n[container]\n{table}\n")
+        with pytest.raises(ConfigError) as exc:
+            load_site(str(profile))
+        (line,) = exc.value.messages
+        assert line.startswith(f"{profile}: `container.{key} '{runtime}', {NO_CONTAINER}: remove the [container] "
+                               "table"), line
+
+
+@pytest.mark.parametrize("runtime", sorted(IMAGE_OF))
+def test_a_job_container_on_a_local_site_is_refused_naming_the_spec(tmp_path, runtime):
+    """A job's `[container]` naming a runtime, or changing anything (the image, a mount), on the local site."""
+    from hpc.core.site import job_site
+
+    site = load_site("local")
+    cases = {f'runtime = "{runtime}"\nimage = "{IMAGE_OF[runtime]}"': f"`container.runtime` = '{runtime}', "
+             f"{NO_CONTAINER}", f'image = "{IMAGE_OF[runtime]}"': f"`container.image` is set, {NO_CONTAINER}",
+             'mounts = ["/data:/data:ro"]': f"`container.mounts` is set, {NO_CONTAINER}"}
+    for table, expected in cases.items():
+        path = tmp_path / "job.toml"
+        path.write_text(f'[job]\nname = "x"\ncommand = ["true"]\n\n[container]\n{table}\n')
+        with pytest.raises(ConfigError) as exc:
+            job_site(site, load_spec(path))
+        (line,) = exc.value.messages
+        assert line.startswith(f"{path}: {expected}: remove the") and line.endswith(f"over {LOCAL})"), line
+
+
+def test_a_slurm_profile_takes_every_runtime_and_a_local_one_none():
+    """The kinds' tables: Slurm runs all four runtimes, local only `none` (an explicit `none` loads)."""
+    from hpc import schedulers
+
+    assert sorted(schedulers.container_runtimes("slurm")) == sorted(ct.RUNTIMES)
+    assert dict(schedulers.container_runtimes("local")) == {}
+    assert not parse_site({**ct_local_doc(), "container": {"runtime": "none"}}, "l", "l.toml").container.enabled
+    for name in ct.RUNTIMES:
+        assert schedulers.container_runtime(name).name == name  # type: ignore[union-attr]
+
+
+def ct_local_doc() -> dict:
+    from hpc.core.config import read_toml
+
+    return read_toml(LOCAL)
+
+
+def test_render_and_submit_on_a_local_site_refuse_a_container_with_exit_2(tmp_path):
+    """End to end: the site profile's `[container]` (render) and the job's (submit): exit 2, one line, and no
+    run folder left."""
+    from tests.conftest import hpcx
+
+    profile = tmp_path / "mine.toml"
+    profile.write_text(LOCAL.read_text() + '\n[container]\nruntime = "apptainer"\nimage = "/i.sif"\n')
+    out = hpcx("render", str(REPO / "jobs/tiny-ddp.toml"), "--site", str(profile), cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert [x for x in out.stderr.splitlines() if x.strip()] == [
+        f"error: {profile}: `container.runtime` = 'apptainer', {NO_CONTAINER}: remove the [container] table, or use a "
+        "site whose scheduler runs it"], out.stderr
+    root = tmp_path / "runs"
+    job = tmp_path / "job.toml"
+    job.write_text(f'[job]\nname = "x"\ncommand = ["true"]\nrun_root = "{root}"\n\n[container]\nruntime = "oci"\n'
+                   'image = "/b"\n')
+    out = hpcx("submit", str(job), "--site", "local", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    (line,) = [x for x in out.stderr.splitlines() if x.strip()]
+    assert f"{job}: `container.runtime` = 'oci', {NO_CONTAINER}" in line, out.stderr
+    assert not root.exists() or not list(root.iterdir())

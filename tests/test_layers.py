@@ -10,6 +10,7 @@ name) outside that family's modules, no family module importing another's, no fa
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,69 @@ def test_the_scheduler_field_check_sees_a_read(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("a = site.scheduler.partition\nb = getattr(site.scheduler, 'qos')\nc = site.scheduler.kind\n")
     assert _scheduler_reads(source) == [(1, "partition"), (2, "qos"), (3, "kind")]
+
+
+# the one module that may reach into another package's private names: torch's and submitit's (tests/test_compat.py
+# checks each by name)
+COMPAT = "hpc/compat.py"
+
+
+def private_imports(path: Path) -> list[str]:
+    """Each ``from M import _name`` / ``import M._name`` in ``path`` where M is another module (a name of
+    the module's own package's ``__init__`` counts as another module's too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+            found += [f"{path.relative_to(REPO)}:{node.lineno} from {'.' * node.level}{node.module or ''} import "
+                      f"{a.name}" for a in node.names if a.name.startswith("_") and not a.name.endswith("__")]
+        elif isinstance(node, ast.Import):
+            found += [f"{path.relative_to(REPO)}:{node.lineno} import {a.name}" for a in node.names
+                      if any(part.startswith("_") and not part.startswith("__") for part in a.name.split("."))]
+    return found
+
+
+def _submitit_private_names() -> set[str]:
+    """The private attributes of submitit's executors (what an override would have to name)."""
+    import submitit
+
+    classes = (submitit.SlurmExecutor, submitit.LocalExecutor, submitit.helpers.DelayedSubmission)
+    return {name for cls in classes for name in dir(cls) if name.startswith("_") and not name.startswith("__")}
+
+
+def test_no_module_imports_another_modules_private_name():
+    """A helper two modules share is public where it lives (the PEFT writer calls the HF writer's
+    ``write_shard``, not ``_write_shard``); only hpc/compat.py reaches into torch's and submitit's."""
+    offenders = [hit for path in sorted((REPO / "hpc").rglob("*.py")) + sorted((REPO / "trainer").rglob("*.py"))
+                 if str(path.relative_to(REPO)) != COMPAT for hit in private_imports(path)]
+    assert offenders == []
+
+
+def test_only_the_compat_module_names_submitits_private_hooks():
+    """``_submitit_command_str`` and ``_submit_command`` are overridden in ``hpc.compat.ExecutorHooks`` only;
+    the executors override its public ``task_command_text`` and ``submitting``."""
+    private = _submitit_private_names()
+    assert {"_submitit_command_str", "_submit_command"} <= private
+    offenders = [f"{p.relative_to(REPO)}:{line} {name}" for p in _outside_compat() for line, name in _identifiers(p)
+                 if name in private]
+    assert offenders == []
+    compat_names = {name for _, name in _identifiers(REPO / COMPAT)}
+    assert {"_submitit_command_str", "_submit_command"} <= compat_names
+
+
+def _outside_compat() -> list[Path]:
+    return [p for p in sorted((REPO / "hpc").rglob("*.py")) + sorted((REPO / "trainer").rglob("*.py"))
+            if str(p.relative_to(REPO)) != COMPAT]
+
+
+def test_the_private_import_check_sees_each_spelling(tmp_path):
+    """The check above finds a private name imported absolutely, relatively and as a module (it would pass
+    on any tree if it found none)."""
+    source = tmp_path / "m.py"
+    source.write_text("from a.b import _x, y\nfrom . import _z\nimport a._c\nimport a.__d\nfrom __future__ import "
+                      "annotations\n")
+    source = source.rename(REPO / "tests" / f"_probe_{os.getpid()}.py")
+    try:
+        found = [hit.split(" ", 1)[1] for hit in private_imports(source)]
+    finally:
+        source.unlink()
+    assert found == ["from a.b import _x", "from . import _z", "import a._c"]

@@ -209,3 +209,83 @@ def test_the_kind_decides_where_the_job_asks_to_run():
         "partition"] == "long"
     local = resolve(load_spec(job, ["job.qos=high"]), load_site("local"))
     assert (local.partition, local.account, local.qos) == (None, None, "high")
+
+
+class Recorder:
+    """The scheduler's step builder, render and executor, each recording what it built or was given."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cls: type) -> None:
+        self.built: list = []
+        self.rendered: list = []
+        self.executors: list = []
+        step, render_, executor = cls.step, cls.render, cls.executor
+
+        def counted_step(sched, *args):
+            self.built.append(step(sched, *args))
+            return self.built[-1]
+
+        def recorded_render(sched, spec, site, launch, run_dir, python, step=None):
+            self.rendered.append(step)
+            return render_(sched, spec, site, launch, run_dir, python, step)
+
+        def recorded_executor(sched, spec, site, launch, folder, step=None):
+            self.executors.append((step, executor(sched, spec, site, launch, folder, step)))
+            return self.executors[-1][1]
+
+        for name, fn in (("step", counted_step), ("render", recorded_render), ("executor", recorded_executor)):
+            monkeypatch.setattr(cls, name, fn)
+
+
+def test_a_submit_builds_its_step_once_and_renders_and_submits_that_one(tmp_path, monkeypatch):
+    """A real local submit (one task running `true`): ``Scheduler.step`` runs once, render.txt and the executor
+    get that very value, and the command the executor hands submitit is the one render.txt shows."""
+    import sys
+
+    from hpc.login.submit import submit, wait
+    from hpc.schedulers.local.scheduler import LocalScheduler
+
+    seen = Recorder(monkeypatch, LocalScheduler)
+    path = tmp_path / "job.toml"
+    path.write_text(f'[job]\nname = "once"\ncommand = ["true"]\ntasks_per_node = 1\nrun_root = "{tmp_path / "runs"}"\n')
+    spec, site = load_spec(path), load_site("local")
+    done = submit(spec, site, resolve(spec, site), path)
+    try:
+        assert len(seen.built) == 1, seen.built
+        (step,) = seen.built
+        assert seen.rendered == [step] and [s for s, _ in seen.executors] == [step]
+        shown = json.loads((done.run_dir / "render.txt").read_text())
+        assert shown["command"] == step.command == seen.executors[0][1]._submitit_command_str
+        assert step.argv[-1] == f"{done.run_dir}/submitit" and sys.executable in step.argv
+    finally:
+        assert wait(done.run_dir, lambda _: None, poll_s=0.5, timeout_s=300)["state"] == "COMPLETED"
+
+
+@pytest.mark.parametrize("site_file", ["pyxis-h100", "apptainer-h100", "oci-h100"])
+def test_a_container_step_is_built_once_and_the_executor_submits_what_render_shows(tmp_path, monkeypatch, site_file):
+    """The same with each runtime's step (the step is what the runtime wraps): built once, the sbatch text the
+    executor writes is render's, byte for byte, and the overlay the step mounts is the one written."""
+    import dataclasses
+    import sys
+
+    from hpc import schedulers
+    from hpc.schedulers.slurm.scheduler import SlurmScheduler
+
+    site = load_site(str(REPO / "docs" / "sites" / f"{site_file}.toml"))
+    image = {"oci": tmp_path / "bundle", "apptainer": tmp_path / "i.sif"}.get(site.container.runtime)
+    if image is not None:  # an image the login node finds at submit (an OCI bundle, a .sif file)
+        (image / "rootfs").mkdir(parents=True) if image.name == "bundle" else image.write_bytes(b"")
+        if image.name == "bundle":
+            (image / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "process": {"env": []}}))
+        site = dataclasses.replace(site, container=dataclasses.replace(site.container, image=str(image)))
+    seen = Recorder(monkeypatch, SlurmScheduler)
+    spec = load_spec(REPO / "jobs/tiny-hsdp-2node.toml")
+    launch = resolve(spec, site)
+    sched, run = schedulers.get("slurm"), tmp_path / "run"
+    step = sched.step(spec, site, launch, str(run), sys.executable)
+    executor = sched.executor(spec, site, launch, run / "submitit", step)
+    shown = sched.render(spec, site, launch, str(run), sys.executable, step)
+    assert len(seen.built) == 1 and seen.rendered == [step] and step.container
+    assert executor._make_submission_file_text(executor._submitit_command_str, "uid") == shown
+    links = {p.name: os.readlink(p) for p in (run / "container" / "path").iterdir()}
+    assert links == dict(step.links) and step.mounts
+

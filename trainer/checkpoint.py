@@ -602,7 +602,7 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     reader = DcpReader(path)  # validates first: a torn checkpoint is refused before any collective
     try:
         own = saved_own_buffers(reader)
-        _load_modules(reader, model, optimizer, own_buffers=own)
+        load_modules(reader, model, optimizer, own_buffers=own)
         extra = _read_prefix(reader, ("train.", "scheduler.", f"rng.rank{_rank()}."))
     finally:
         reader.close()
@@ -624,9 +624,9 @@ def saved_own_buffers(reader: DcpReader) -> dict[str, torch.Tensor]:
     return _read_prefix(reader, (f"buffers.rank{_rank()}.",)).get("buffers", {}).get(f"rank{_rank()}", {})
 
 
-def _load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                  options: tp.Any = None, skip: tp.Callable[[str], bool] | None = None,
-                  own_buffers: dict[str, torch.Tensor] | None = None) -> None:
+def load_modules(reader: DcpReader, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 options: tp.Any = None, skip: tp.Callable[[str], bool] | None = None,
+                 own_buffers: dict[str, torch.Tensor] | None = None) -> None:
     """DCP's load of the ``model`` (and ``optim``) entries; ``options`` default to the checkpoint's
     (``trainer.lora.state_options``); ``skip`` leaves parameters out by name (``init_from`` into a LoRA model);
     ``own_buffers`` replace the loaded buffers of those names (``saved_own_buffers``)."""

@@ -204,7 +204,7 @@ def _torch_rows(reader: tp.Any, key: str, start: int, stop: int) -> tuple[torch.
 
 def load_dcp(model: nn.Module, source: InitSource) -> int:
     """The ``model`` entries of a DCP step through torch's planner (collective; resharded as needed)."""
-    from trainer.checkpoint import _load_modules
+    from trainer.checkpoint import load_modules
 
     assert source.step is not None  # a dcp source names its step folder
     if any(is_nf4_tensor(p) for _, p in named_params(model)):
@@ -215,7 +215,7 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
     try:
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-        _load_modules(reader, model, None, StateDictOptions(strict=False), skip=lambda k: is_adapter(clean_name(k)))
+        load_modules(reader, model, None, StateDictOptions(strict=False), skip=lambda k: is_adapter(clean_name(k)))
     finally:
         reader.close()
     return sum(_local(p).numel() * source.tensors[n].dtype.itemsize for n, p in named_params(model))

@@ -264,7 +264,7 @@ def hf_shards(plan: list[HfTensor], itemsize: int, shard_bytes: int) -> list[lis
 
 
 
-def _write_shard(path: Path, reader: Reader, shard: list[HfTensor], dtype: torch.dtype, progress: Progress,
+def write_shard(path: Path, reader: Reader, shard: list[HfTensor], dtype: torch.dtype, progress: Progress,
                  scratch: tuple[Scratch, Scratch]) -> None:
     """One safetensors file: the header, then each tensor read, mapped and written in turn."""
     header: dict[str, tp.Any] = {"__metadata__": {"format": "pt"}}
@@ -362,19 +362,19 @@ def _write_folder(dst: Path, reader: Reader, shards: list[list[HfTensor]], confi
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     scratch = (Scratch(), Scratch())
     with staged(dst, folder=True) as tmp:
-        _write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+        write_text(tmp / CONFIG_FILE, json.dumps(config, indent=2) + "\n")
         for name, shard in zip(names, shards):
-            _write_shard(tmp / name, reader, shard, dtype, progress, scratch)
+            write_shard(tmp / name, reader, shard, dtype, progress, scratch)
         if len(shards) > 1:
             weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
             total = sum(math.prod(t.shape) for shard in shards for t in shard) * dtype.itemsize
-            _write_text(tmp / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+            write_text(tmp / INDEX_FILE, json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
                                                      indent=2) + "\n")
         for f in tokenizer:
             shutil.copyfile(f, tmp / f.name)
         if special:  # generate() stops at the EOS the model trained on (a copied file's other settings kept)
             generation = {**_read_json(tmp / GENERATION_FILE), **special}
-            _write_text(tmp / GENERATION_FILE, json.dumps(generation, indent=2) + "\n")
+            write_text(tmp / GENERATION_FILE, json.dumps(generation, indent=2) + "\n")
         if templates:
             _write_templates(tmp, templates)
 
@@ -385,17 +385,17 @@ def _write_templates(folder: Path, templates: dict[str, str]) -> None:
     ``tokenizer_config.json`` (a copied one could be another template than the run's)."""
     from hpc.data.chat import CONFIG_FILE, TEMPLATE_DIR, TEMPLATE_FILE
 
-    _write_text(folder / TEMPLATE_FILE, templates["default"])
+    write_text(folder / TEMPLATE_FILE, templates["default"])
     for name, text in sorted(templates.items()):
         if name != "default":
             (folder / TEMPLATE_DIR).mkdir(exist_ok=True)
-            _write_text(folder / TEMPLATE_DIR / f"{name}.jinja", text)
+            write_text(folder / TEMPLATE_DIR / f"{name}.jinja", text)
     config = _read_json(folder / CONFIG_FILE)
     if config.pop("chat_template", None) is not None:
-        _write_text(folder / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        write_text(folder / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         fsync_file(f)  # type: ignore[arg-type]

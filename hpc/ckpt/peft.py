@@ -156,7 +156,7 @@ def export_peft(src: str | Path, dst: str | Path) -> dict[str, tp.Any]:
     """``hpcx ckpt convert SRC DST --to peft``: the run's adapters as a PEFT folder at ``dst`` (fp32)."""
     from hpc.ckpt.dcp import DcpReader
     from hpc.ckpt.entries import Scratch
-    from hpc.ckpt.hf import _write_shard, _write_text, run_model, run_of
+    from hpc.ckpt.hf import write_shard, write_text, run_model, run_of
     from hpc.ckpt.outputs import check_destination, parents_made, staged
 
     src, dst = Path(src), Path(dst)
@@ -171,8 +171,8 @@ def export_peft(src: str | Path, dst: str | Path) -> dict[str, tp.Any]:
     try:
         plan = _adapter_plan(reader, spec, arch, shape)
         with parents_made(dst), staged(dst, folder=True) as tmp:
-            _write_text(tmp / ADAPTER_CONFIG, json.dumps(adapter_config(spec, arch, shape), indent=2) + "\n")
-            _write_shard(tmp / ADAPTER_WEIGHTS, reader, plan, torch.float32, lambda n: None, (Scratch(), Scratch()))
+            write_text(tmp / ADAPTER_CONFIG, json.dumps(adapter_config(spec, arch, shape), indent=2) + "\n")
+            write_shard(tmp / ADAPTER_WEIGHTS, reader, plan, torch.float32, lambda n: None, (Scratch(), Scratch()))
     finally:
         reader.close()
     nbytes = sum(math.prod(t.shape) for t in plan) * 4

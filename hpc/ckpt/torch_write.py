@@ -25,7 +25,7 @@ import torch
 from hpc import compat
 from hpc.ckpt.entries import Scratch, owned
 from hpc.ckpt.outputs import stops_deferred
-from hpc.ckpt.torch_zip import _legacy_storage_dtypes
+from hpc.ckpt.torch_zip import legacy_storage_dtypes
 
 PICKLE_PROTOCOL = 2  # torch.save's default
 
@@ -57,7 +57,7 @@ class _Storage:
 @functools.cache
 def _storage_classes() -> dict[torch.dtype, tp.Any]:
     """dtype -> ``torch.FloatStorage`` & co., the classes torch.save names for "v2" tensors."""
-    names = {dtype: name for name, dtype in _legacy_storage_dtypes().items() if name != "Storage"}
+    names = {dtype: name for name, dtype in legacy_storage_dtypes().items() if name != "Storage"}
     return {dtype: getattr(torch, name) for dtype, name in names.items()}
 
 

@@ -150,7 +150,7 @@ class _Refs:
 
 
 @functools.cache
-def _legacy_storage_dtypes() -> dict[str, torch.dtype]:
+def legacy_storage_dtypes() -> dict[str, torch.dtype]:
     """``FloatStorage`` -> torch.float32 & co.: the storage classes torch.save names in its pickles."""
     out = {}
     with warnings.catch_warnings():
@@ -186,8 +186,8 @@ class TensorUnpickler(pickle.Unpickler):
             value = getattr(torch, name, None)
             if isinstance(value, torch.dtype):
                 return value
-            if name in _legacy_storage_dtypes():
-                return StorageType(_legacy_storage_dtypes()[name])  # torch.FloatStorage & co.
+            if name in legacy_storage_dtypes():
+                return StorageType(legacy_storage_dtypes()[name])  # torch.FloatStorage & co.
         raise Unsupported(f"pickle global {module}.{name}")
 
     def persistent_load(self, pid: tp.Any) -> tp.Any:
@@ -415,7 +415,7 @@ class StorageScan(pickle.Unpickler):
         self.negative: list[int] = []
 
     def find_class(self, module: str, name: str) -> tp.Any:
-        dtype = _legacy_storage_dtypes().get(name) if module == "torch" else None
+        dtype = legacy_storage_dtypes().get(name) if module == "torch" else None
         if module in ("torch", "torch.storage") and name == "UntypedStorage":
             dtype = torch.uint8
         return StorageType(dtype) if dtype is not None else _Stub()

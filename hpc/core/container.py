@@ -27,9 +27,11 @@ import os
 import re
 import sys
 import typing as tp
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc import schedulers
 from hpc.core.config import field
 from hpc.core.errors import ConfigError, UserError
 
@@ -47,7 +49,8 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class Container:
     runtime: str = field("none", doc="How each task enters the image: `none` (the nodes' own Python), `pyxis` "
                          "(enroot through pyxis), `apptainer` (`apptainer exec`), `oci` (the scheduler's own OCI "
-                         "support, an OCI bundle).", choices=RUNTIMES)
+                         "support, an OCI bundle). Slurm runs all four; a `local` site none but `none` (another "
+                         "is refused).", choices=RUNTIMES)
     runtimes: list[str] = field(factory=list, doc="The runtimes this site has, for a job's `[container]` to "
                                 "choose among (empty: only `runtime`).", max_len=16)
     image: str = field("", doc="pyxis: an enroot URI (`nvcr.io#nvidia/pytorch:25.12-py3`) or an absolute `.sqsh` "
@@ -101,7 +104,8 @@ class JobContainer:
     """A job spec's ``[container]``: what this job changes of its site's (empty: the site's value)."""
 
     runtime: str = field("", doc="One of the site's `container.runtimes` (`none` runs this job without a "
-                         "container); empty: the site's `runtime`.", choices=("", *RUNTIMES))
+                         "container); empty: the site's `runtime`. On a site whose scheduler runs no container (`local`) "
+                         "any key of this table is refused.", choices=("", *RUNTIMES))
     image: str = field("", doc="Another image for the same runtime; empty: the site's.", max_len=4096)
     mounts: list[str] = field(factory=list, doc="Mounts added to the site's, `SRC[:DST[:ro|rw]]`.")
     env: list[str] = field(factory=list, doc="Variable names passed into the image, added to the site's.")
@@ -111,8 +115,6 @@ class JobContainer:
 
 def for_job(site: Container, job: JobContainer | None) -> Container:
     """The site's container with the job's changes (``problems`` checks the result)."""
-    import dataclasses
-
     if job is None:
         return site
     return dataclasses.replace(site, runtime=job.runtime or site.runtime, image=job.image or site.image,
@@ -121,16 +123,43 @@ def for_job(site: Container, job: JobContainer | None) -> Container:
                                runtimes=site.runtimes or [site.runtime])
 
 
-def job_problems(site: Container, job: JobContainer, prefix: str = "container", gpus: int = 0) -> list[str]:
-    """A job's ``[container]`` against its site's: a runtime the site declares, valid values once merged."""
+def job_problems(site: Container, job: JobContainer, prefix: str = "container", gpus: int = 0,
+                 kind: str = "") -> list[str]:
+    """A job's ``[container]`` against its site's: a runtime the site declares and its scheduler ``kind``
+    runs, valid values once merged."""
     if job == JobContainer():
         return []
-    return problems(for_job(site, job), prefix, gpus)
+    if kind and not schedulers.container_runtimes(kind) and not job.runtime:  # nothing it could change
+        key = next(f.name for f in dataclasses.fields(job) if getattr(job, f.name) != getattr(JobContainer(), f.name))
+        return [f"`{prefix}.{key}` is set, but {runs_none(kind)}: remove the job's [container] table, or submit "
+                "it to a site whose scheduler runs containers"]
+    return problems(for_job(site, job), prefix, gpus, kind)
 
 
-def problems(c: Container, prefix: str = "container", gpus: int = 0) -> list[str]:
+def runs_none(kind: str) -> str:
+    return f"a {kind!r} site runs no container (its scheduler kind has no container runtime)"
+
+
+def kind_problem(c: Container, prefix: str, kind: str) -> str | None:
+    """A runtime the site's scheduler ``kind`` cannot run (``Scheduler.container_runtimes``), in one line."""
+    can = schedulers.container_runtimes(kind)
+    asked = [("runtime", c.runtime)] + [("runtimes", r) for r in c.runtimes]
+    key, name = next(((k, r) for k, r in asked if r in RUNTIMES and r != "none" and r not in can), ("", ""))
+    if not key:
+        return None
+    shown = f"`{prefix}.runtime` = {name!r}" if key == "runtime" else f"`{prefix}.runtimes` names {name!r}"
+    if not can:
+        return f"{shown}, but {runs_none(kind)}: remove the [container] table, or use a site whose scheduler runs it"
+    return f"{shown}, but a {kind!r} site runs only {', '.join(map(repr, can))}"
+
+
+def problems(c: Container, prefix: str = "container", gpus: int = 0, kind: str = "") -> list[str]:
     """Every problem with a ``[container]`` section (``prefix``: the name messages give it; ``gpus``: the
-    site's GPUs per node, which the runtime must bring in)."""
+    site's GPUs per node, which the runtime must bring in; ``kind``: the site's scheduler kind, whose
+    runtimes it may name; a runtime it cannot run is the one line)."""
+    refused = kind_problem(c, prefix, kind) if kind else None
+    if refused:
+        return [refused]
     out: list[str] = []
     declared = c.runtimes or [c.runtime]
     out += [f"`{prefix}.runtimes` names {r!r}: expected some of {', '.join(map(repr, RUNTIMES))}"
@@ -141,9 +170,6 @@ def problems(c: Container, prefix: str = "container", gpus: int = 0) -> list[str
     if not c.enabled:
         return out
     out += image_problems(c.runtime, c.image, f"{prefix}.image")
-    if c.runtime == "oci" and c.writable:
-        out.append(f"`{prefix}.writable` = true: runtime 'oci' binds one image's root file system into every run, "
-                   "read-only; write to the mounted folders instead")
     for i, mount in enumerate(c.mounts):
         out += mount_problems(mount, f"{prefix}.mounts[{i}]")
     if c.workdir and (not os.path.isabs(c.workdir) or "," in c.workdir or ":" in c.workdir):
@@ -156,35 +182,20 @@ def problems(c: Container, prefix: str = "container", gpus: int = 0) -> list[str
             for flag in c.flags if not flag.startswith("-")]
     out += [f"`{prefix}.flags` has {flag!r}: hpcx trains on NVIDIA GPUs (CUDA, NCCL); apptainer gets `--nv` "
             "on a GPU site" for flag in c.flags if flag.split("=")[0] == "--rocm"]
-    return out + device_problems(c, prefix, gpus)
+    return out + runtime_of(c.runtime).problems(c, prefix, gpus)
+
+
+def runtime_of(name: str) -> schedulers.ContainerRuntime:
+    """The runtime a ``[container] runtime`` names, from the scheduler kinds' table (``RUNTIMES`` lists them)."""
+    found = schedulers.container_runtime(name)
+    if found is None:  # a name in RUNTIMES that no kind registers: a programming error
+        raise LookupError(f"no scheduler kind registers container runtime {name!r}")
+    return found
 
 
 CDI_NAME = re.compile(r"^[a-z0-9][a-z0-9.-]*/[a-zA-Z0-9][a-zA-Z0-9_.-]*=[a-zA-Z0-9_][a-zA-Z0-9_.:-]*$")
 NODE_DEVICES = ("devices", "gpu_libraries", "cdi")  # resolved on each node at the task's start (oci, runc)
 GPU_DEVICES = ["/dev/nvidia*"]  # `devices` on a GPU site without `cdi` (MIG's /dev/nvidia-caps/*: list it)
-
-
-def device_problems(c: Container, prefix: str, gpus: int) -> list[str]:
-    """GPUs, InfiniBand and driver libraries: pyxis and apptainer bring them themselves; an OCI bundle is
-    given them on each node, which only a task that runs runc itself can do (``oci_launch = "runc"``)."""
-    given = [key for key in NODE_DEVICES if getattr(c, key)] + (["infiniband"] if c.infiniband else [])
-    if c.runtime != "oci":
-        return [f"`{prefix}.{key}` is for runtime 'oci' ({c.runtime} brings the node's GPUs itself)"
-                for key in NODE_DEVICES if getattr(c, key)]
-    out = [f"`{prefix}.cdi` names {name!r}: expected a CDI device `VENDOR/CLASS=NAME`, e.g. 'nvidia.com/gpu=all'"
-           for name in c.cdi if not CDI_NAME.match(name)]
-    out += [f"`{prefix}.devices` has {d!r}: expected an absolute path under /dev/" for d in c.devices
-            if not d.startswith("/dev/") or "/../" in d or "\n" in d]
-    out += [f"`{prefix}.gpu_libraries` has {lib!r}: expected an absolute path without `,`, `:` or a newline"
-            for lib in c.gpu_libraries if not os.path.isabs(lib) or any(ch in lib for ch in ",:\n")]
-    if c.oci_launch == "scheduler" and (given or gpus):
-        what = f"`{prefix}.{given[0]}`" if given else f"a GPU site ({gpus} GPUs per node)"
-        out.append(f"{what} needs `{prefix}.oci_launch` = 'runc': devices are found on each node when its task "
-                   "starts, and the scheduler's `srun --container` takes the bundle as written at submit")
-    elif gpus and not c.cdi and not c.gpu_libraries:
-        out.append(f"`{prefix}` runtime 'oci' on a GPU site: expected `cdi` (e.g. ['nvidia.com/gpu=all'], from the "
-                   "node's CDI spec) or `gpu_libraries` (the driver's libcuda, libnvidia-ml … on the nodes)")
-    return out
 
 
 def node_devices(c: Container, gpus: int) -> list[str]:
@@ -194,11 +205,6 @@ def node_devices(c: Container, gpus: int) -> list[str]:
     return found + (["/dev/infiniband/*"] if c.infiniband else [])
 
 
-# characters each runtime's mount list reads as syntax: pyxis' --container-mounts and apptainer's --bind
-# split at `,` (mounts) and `:` (source, target, options); every runtime's step is a line of a shell script
-LIST_SYNTAX = {"pyxis": ",:\n", "apptainer": ",:\n", "oci": "\n", "none": ""}
-
-
 def derived_problems(runtime: str, named: tp.Sequence[tuple[str, str]]) -> list[str]:
     """Each path hpcx derives itself (``named``: (what it is, path)) that the runtime's mount list would
     read as another mount or option: one line naming it."""
@@ -206,7 +212,7 @@ def derived_problems(runtime: str, named: tp.Sequence[tuple[str, str]]) -> list[
 
     out = []
     for what, path in named:
-        bad = next((ch for ch in path if ch in LIST_SYNTAX.get(runtime, "\n")), None)
+        bad = next((ch for ch in path if ch in runtime_of(runtime).list_syntax), None)
         if bad is None:
             continue
         shown = char_label(bad) if bad == "\n" else f"`{bad}`"
@@ -221,11 +227,13 @@ def image_problems(runtime: str, image: str, where: str, look: bool = False) -> 
     present. A profile loads without looking: `hpcx render` and `hpcx site list` work where the image is not."""
     if not image:
         return [f"`{where}` is empty: expected the image for runtime {runtime!r}"]
-    if image.startswith(IMAGE_URIS) or (runtime == "pyxis" and not image.startswith((os.sep, ".")) and "#" in image):
-        if runtime == "oci":
-            return [f"`{where}` = {image!r}: runtime 'oci' takes the absolute path of an OCI bundle folder"]
+    rt = runtime_of(runtime)
+    named = rt.enroot_names and not image.startswith((os.sep, "."))
+    if image.startswith(IMAGE_URIS) or (named and "#" in image):
+        if not rt.takes_uris:
+            return [f"`{where}` = {image!r}: runtime {runtime!r} takes the absolute path of an OCI bundle folder"]
         return [f"`{where}` = {image!r}: expected no `,`"] if "," in image else []
-    if runtime == "pyxis" and not image.startswith((os.sep, ".")) and not image.endswith(".sqsh"):
+    if named and not image.endswith(".sqsh"):
         return [f"`{where}` = {image!r}: expected no `,`"] if "," in image else []  # a registry name, e.g. ubuntu:24.04
     if not os.path.isabs(image):
         return [f"`{where}` = {image!r}: expected an absolute path (the nodes resolve it from their own folder)"]
@@ -234,7 +242,7 @@ def image_problems(runtime: str, image: str, where: str, look: bool = False) -> 
     if not look:
         return []
     path = Path(image)
-    if runtime == "oci":
+    if rt.image_folder:
         if not (path / "config.json").is_file():
             return [f"`{where}` = {image!r}: no OCI bundle there (expected a folder with config.json)"]
     elif not path.is_file():
@@ -381,7 +389,7 @@ def step_mounts(c: Container, run_root: str, workdir: str, links: tp.Mapping[str
         raise UserError(found)
     mounts = [parse_mount(m) for m in c.mounts] + [Mount(p, p, False) for _, p in rw]
     mounts += [Mount(p, p, True) for p in sorted({p for _, p in ro})]
-    if c.runtime in ("pyxis", "apptainer"):
+    if runtime_of(c.runtime).binds_node_devices:
         mounts += [Mount(d, d, False) for d in (["/dev/infiniband"] if c.infiniband else []) +
                    (["/dev/shm"] if c.shm_gb else [])]
     return _outermost(mounts)

@@ -56,8 +56,9 @@ def _image_problem() -> str | None:
     if not os.environ.get("HPCX_CONTAINER_IMAGE"):
         return None
     from hpc.core.container import inside_problem, versions_line
+    from hpc.schedulers import first_on_node
 
-    if os.environ.get("SLURM_LOCALID", "0") == "0":  # once per node: what this node's image holds
+    if first_on_node(os.environ):  # once per node: what this node's image holds
         print(f"hpcx: {versions_line(os.environ)}", file=sys.stderr, flush=True)
     return inside_problem(os.environ, gpus=bool(os.environ.get("CUDA_VISIBLE_DEVICES")))
 

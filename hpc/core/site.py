@@ -170,8 +170,8 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
                                                         for key in _TABLE_FIELDS})
     errors += schedulers.section_problems(raw)
     errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
-    errors += container_problems(sections["container"], gpus=sections["node"].gpus)  # a field of the wrong type
-    # was left at its default
+    # (a field of the wrong type was left at its default; a runtime the kind cannot run is refused here)
+    errors += container_problems(sections["container"], gpus=sections["node"].gpus, kind=sections["scheduler"].kind)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
     if untouched(errors, CROSS_CHECKED):  # cross-checks see the values given, not defaults left by a type error
         errors += cross_check_site(site)
@@ -301,7 +301,7 @@ def job_site(site: SiteProfile, spec: tp.Any) -> SiteProfile:
     job = getattr(spec, "container", None)
     if job is None or job == JobContainer():
         return site
-    found = job_problems(site.container, job, gpus=site.node.gpus)
+    found = job_problems(site.container, job, gpus=site.node.gpus, kind=site.scheduler.kind)
     if found:
         raise ConfigError([f"{spec.source}: {m} (the job's [container] over {site.source})" for m in found])
     return dataclasses.replace(site, container=for_job(site.container, job))

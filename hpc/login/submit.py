@@ -59,8 +59,9 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
         run_dir = runs.new_run_dir(run_root(spec, site), spec.job.name, group)
         rd = runs.RunDir(run_dir)
         try:
-            write_run_files(spec, site, launch, rd, spec_path, overrides)
-            executor = sched.executor(spec, site, launch, rd.submitit)  # a container's overlay and bundle
+            step = sched.step(spec, site, launch, str(run_dir), sys.executable)  # the one step of this submit
+            write_run_files(spec, site, launch, rd, spec_path, overrides, step)
+            executor = sched.executor(spec, site, launch, rd.submitit, step)  # a container's overlay and bundle
         except OSError as exc:
             shutil.rmtree(run_dir, ignore_errors=True)
             raise ConfigError([f"{run_dir}: cannot write the run folder ({exc.strerror}): nothing was "
@@ -152,8 +153,9 @@ def recorded_job(rd: runs.RunDir) -> tuple[JobSpec, SiteProfile, Launch]:
 
 
 def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.RunDir, spec_path: Path,
-                    overrides: tp.Sequence[str]) -> None:
-    """spec.toml, resolved.json and render.txt: everything the job reads, before it exists."""
+                    overrides: tp.Sequence[str], step: schedulers.Step) -> None:
+    """spec.toml, resolved.json and render.txt (rendered from the submission's ``step``): everything the
+    job reads, before it exists."""
     import shutil
 
     try:
@@ -166,7 +168,7 @@ def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.R
     doc["overrides"] = list(overrides)
     doc["workdir"] = os.getcwd()  # where a script-mode command runs (and resumes)
     runs.write_json(rd.resolved, doc)
-    text = schedulers.get(site.scheduler.kind).render(spec, site, launch, str(rd.path), sys.executable)
+    text = schedulers.get(site.scheduler.kind).render(spec, site, launch, str(rd.path), sys.executable, step)
     runs.write_atomic(rd.render, text)
 
 

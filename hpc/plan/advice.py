@@ -19,7 +19,7 @@ from hpc.core.models import ModelFacts
 from hpc.core.site import SiteProfile
 from hpc.core.validate import check_batch
 
-from hpc.plan.explain import _fit_text, _gb, secs
+from hpc.plan.explain import fit_text, gb_text, secs
 from hpc.plan.rows import Row, Setup, candidates, evaluate, pick, tp_degrees
 
 MAX_NODES = 1024  # where the site does not say how many nodes a job may have
@@ -114,7 +114,7 @@ def change_text(c: Change, setup: Setup) -> str:
     if c.row is None:
         return f"with {what}: still nothing fits{_leanest_text(c)}"
     row = c.row
-    text = f"with {what}: {row.label} fits ({_fit_text(row)}{_host_text(row)})"
+    text = f"with {what}: {row.label} fits ({fit_text(row)}{_host_text(row)})"
     if row.step_s is not None:
         text += f", estimated step {secs(row.step_s)}"
     per_step = c.setup.dp_world * c.setup.micro_batch
@@ -126,12 +126,12 @@ def change_text(c: Change, setup: Setup) -> str:
 def _host_text(row: Row) -> str:
     if not row.cfg.offload or row.memory is None:
         return ""
-    return f"; host {_gb(row.host_need_gb)} per node of {_gb(row.host_capacity_gb or 0)} usable"
+    return f"; host {gb_text(row.host_need_gb)} per node of {gb_text(row.host_capacity_gb or 0)} usable"
 
 
 def _leanest_text(c: Change) -> str:
     r = c.leanest
-    return "" if r is None else f" (the leanest, {r.label}, needs {_fit_text(r)}{_host_text(r)})"
+    return "" if r is None else f" (the leanest, {r.label}, needs {fit_text(r)}{_host_text(r)})"
 
 
 def advice_lines(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bool) -> list[str]:
@@ -167,7 +167,7 @@ def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row], 
     from hpc.plan.floor import floor_lines
 
     leanest = min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb or 0.0)
-    head = f"Nothing fits: the leanest, {leanest.label}, needs {_fit_text(leanest)}"
+    head = f"Nothing fits: the leanest, {leanest.label}, needs {fit_text(leanest)}"
     if leanest.cfg.offload and leanest.memory is not None:
-        head += f" and {_gb(leanest.host_need_gb)} of host memory per node of {_gb(leanest.host_capacity_gb or 0)} usable"
+        head += f" and {gb_text(leanest.host_need_gb)} of host memory per node of {gb_text(leanest.host_capacity_gb or 0)} usable"
     return [head + "."] + floor_lines(facts, setup, site, shorter) + advice_lines(facts, setup, site, allowed)

@@ -134,7 +134,7 @@ def tp_seconds(row: Row) -> float:
 def why_line(choice: Row, found: Degrees) -> str:
     """Why the chosen degree beat the next best (each other degree's pick, or its leanest row where nothing fits
     there), in one line with the numbers."""
-    from hpc.plan.explain import _fit_text, secs
+    from hpc.plan.explain import fit_text, secs
 
     candidates = [found.picks[t] or leanest(rows) for t, rows in found.rows.items() if t != choice.dims.tp]
     others = [r for r in candidates if r is not None]
@@ -145,9 +145,9 @@ def why_line(choice: Row, found: Degrees) -> str:
     if nxt.illegal:
         return head + f"it cannot run this batch ({nxt.illegal})."
     if nxt.fits is False:
-        return head + f"it does not fit ({_fit_text(nxt)})."
+        return head + f"it does not fit ({fit_text(nxt)})."
     if roomy(choice) and not roomy(nxt):
-        return head + f"it leaves no {MARGIN:.0%} memory margin ({_fit_text(nxt)}; tp {choice.dims.tp} {_fit_text(choice)})."
+        return head + f"it leaves no {MARGIN:.0%} memory margin ({fit_text(nxt)}; tp {choice.dims.tp} {fit_text(choice)})."
     by = measure([choice, nxt])
     a, b = cost(choice, by), cost(nxt, by)
     if b > a * (1 + TP_TIE) + 1e-9 and choice.time is not None and nxt.time is not None:
@@ -158,7 +158,7 @@ def why_line(choice: Row, found: Degrees) -> str:
         return head + f"it costs more ({b:.3g} vs {a:.3g} {by})."
     shown = (lambda x: secs(x)) if by == "step" else (lambda x: f"{x:.3g} {by}")
     return head + (f"the two tie within {TP_TIE:.0%} (tp {nxt.dims.tp} {shown(b)}, tp {choice.dims.tp} {shown(a)}) and "
-                   f"tp {choice.dims.tp} needs less memory ({_fit_text(choice)} vs {nxt.need_gb or 0:.1f} GB).")
+                   f"tp {choice.dims.tp} needs less memory ({fit_text(choice)} vs {nxt.need_gb or 0:.1f} GB).")
 
 
 def leanest(rows: list[Row]) -> Row | None:
@@ -168,7 +168,7 @@ def leanest(rows: list[Row]) -> Row | None:
 
 def cross_advice(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bool) -> str:
     """When nothing fits within the NVLink islands: what ``parallel.tp_cross_domain = true`` would give, and its cost."""
-    from hpc.plan.explain import _fit_text, secs
+    from hpc.plan.explain import fit_text, secs
 
     if setup.tp_cross_domain or site.node.gpus <= nvlink_domain(site) or not facts.tp_split:
         return ""
@@ -179,7 +179,7 @@ def cross_advice(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bo
         return ""
     row = found.picks[found.best]
     assert row is not None
-    return (f"with parallel.tp_cross_domain = true: {row.label} fits ({_fit_text(row)}), its tp groups spanning "
+    return (f"with parallel.tp_cross_domain = true: {row.label} fits ({fit_text(row)}), its tp groups spanning "
             f"NVLink islands of {nvlink_domain(site)}: {secs(tp_seconds(row))} per step of tp collectives over "
             f"{site.node.intra_link} ({site.node.intra_bandwidth_gbs:g} GB/s per GPU), not hidden"
             + (f"; estimated step {secs(row.step_s)}" if row.step_s is not None else "") + ".")
@@ -222,7 +222,7 @@ def cross_line(choice: Row, family: list[Row], site: SiteProfile, cross: bool) -
 
 def tried_lines(found: Degrees, tasks_per_node: int) -> list[str]:
     """When nothing runs: every layout tried and why it failed, one line per family (its degrees side by side)."""
-    from hpc.plan.explain import _fit_text
+    from hpc.plan.explain import fit_text
 
     families: dict[tuple[str, str, int, bool], list[Row]] = {}
     names: dict[tuple[str, str, int, bool], str] = {}
@@ -233,7 +233,7 @@ def tried_lines(found: Degrees, tasks_per_node: int) -> list[str]:
             names.setdefault(key, family_name(r, tasks_per_node))
     out = []
     for key, rows in families.items():
-        why = [f"tp {r.dims.tp}: " + (r.illegal if r.illegal else f"needs {_fit_text(r)}" if r.fits is False
-                                      else f"needs {_fit_text(r)}, fit unknown") for r in rows]
+        why = [f"tp {r.dims.tp}: " + (r.illegal if r.illegal else f"needs {fit_text(r)}" if r.fits is False
+                                      else f"needs {fit_text(r)}, fit unknown") for r in rows]
         out.append(f"{names[key]}: " + "; ".join(why))
     return out

@@ -52,7 +52,7 @@ def unknown_model(plan: Plan, setup: Setup) -> list[str]:
 
 # --- formatting -------------------------------------------------------------------------------
 
-def _gb(x: float) -> str:
+def gb_text(x: float) -> str:
     """GB with a digit that shows (below 0.1 GB in MB or kB, three significant digits), so that two
     different sizes never print alike as 0.0 GB."""
     if x >= 100:
@@ -86,8 +86,8 @@ def _comm_text(row: Row) -> str:
     if c is None:
         return "unknown"
     if c.seconds is None:
-        return f"{_gb(c.gb)} per step"
-    return f"{_gb(c.gb)}, {secs(c.seconds)} per step"
+        return f"{gb_text(c.gb)} per step"
+    return f"{gb_text(c.gb)}, {secs(c.seconds)} per step"
 
 
 def _cost_text(row: Row, by: str) -> str:
@@ -96,9 +96,9 @@ def _cost_text(row: Row, by: str) -> str:
     return _comm_text(row)
 
 
-def _fit_text(row: Row) -> str:
+def fit_text(row: Row) -> str:
     where = "GPU" if row.gpu else "rank"
-    return f"{_gb(row.need_gb or 0)} of {_gb(row.capacity_gb or 0)} per {where}"
+    return f"{gb_text(row.need_gb or 0)} of {gb_text(row.capacity_gb or 0)} per {where}"
 
 
 def _row(rows: list[Row], family: str) -> Row | None:
@@ -118,8 +118,8 @@ def recommend(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) ->
     replica = _row(plan.rows, "ddp") or _row(plan.rows, "none")
     if choice.dims.dp_shard > 1 and replica is not None and replica.fits is False and replica.memory is not None:
         m = replica.memory
-        out.append(f"A full replica ({replica.label}) does not fit: {_gb(m.params + m.grads + m.optimizer)} of "
-                   f"model states alone on one GPU, {_gb(replica.need_gb or 0)} in all.")
+        out.append(f"A full replica ({replica.label}) does not fit: {gb_text(m.params + m.grads + m.optimizer)} of "
+                   f"model states alone on one GPU, {gb_text(replica.need_gb or 0)} in all.")
     out += rules_of_thumb(plan, site, facts, setup)
     if plan.offload_allowed:
         out.append(_offload_line(plan, facts, setup, site))
@@ -132,13 +132,13 @@ def recommend(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) ->
 def _choice_line(plan: Plan, choice: Row) -> str:
     m = choice.memory
     assert m is not None
-    text = f"{choice.label}: {_fit_text(choice)} with headroom ("
+    text = f"{choice.label}: {fit_text(choice)} with headroom ("
     if choice.cfg.offload:
-        text += (f"model states on the host: {_gb(m.host_per_node)} per node of {_gb(choice.host_capacity_gb or 0)} "
+        text += (f"model states on the host: {gb_text(m.host_per_node)} per node of {gb_text(choice.host_capacity_gb or 0)} "
                  "usable)")
     else:
-        text += f"model states {_gb(m.params + m.grads + m.optimizer)}"
-        text += f" of {_gb(16 * (plan.n_params or 0) / GB)} total)" if choice.dims.dp_shard > 1 else ")"
+        text += f"model states {gb_text(m.params + m.grads + m.optimizer)}"
+        text += f" of {gb_text(16 * (plan.n_params or 0) / GB)} total)" if choice.dims.dp_shard > 1 else ")"
     t = choice.time
     if t is None:
         return text + f"; communication {_comm_text(choice)}."
@@ -146,7 +146,7 @@ def _choice_line(plan: Plan, choice: Row) -> str:
              f"{secs(t.comm_s)} of communication not hidden")
     if t.host_s:
         text += f" + CPU optimizer step {secs(t.host_s)}"
-    return text + f" ({_gb(choice.comm.gb if choice.comm else 0)} sent per GPU per step)."
+    return text + f" ({gb_text(choice.comm.gb if choice.comm else 0)} sent per GPU per step)."
 
 
 def _parts_line(row: Row) -> str:
@@ -154,7 +154,7 @@ def _parts_line(row: Row) -> str:
     into latency and bandwidth."""
     texts = []
     for p in row.comm.parts if row.comm else []:
-        text = f"{p.what} {_gb(p.gb)}"
+        text = f"{p.what} {gb_text(p.gb)}"
         if p.kind == "host_copy":
             texts.append(text + (f", {secs(p.seconds)}" if p.seconds is not None else ""))
             continue
@@ -261,7 +261,7 @@ def _tie_reason(choice: Row, other: Row) -> str:
 def _margin_text(row: Row) -> str:
     """How much of the GPU's memory a row needs: "39.2 GB of 40.0 GB per GPU, 98%"."""
     share = (row.need_gb or 0.0) / row.capacity_gb if row.capacity_gb else 0.0
-    return f"{_fit_text(row)}, {share:.0%}"
+    return f"{fit_text(row)}, {share:.0%}"
 
 
 def _less_communication(a: Row, b: Row) -> str:
@@ -323,7 +323,7 @@ def rules_of_thumb(plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setu
     assert choice is not None
     if plan.world == 1:
         if not choice.cfg.offload:
-            return [f"Rule of thumb 'fits one GPU → no parallelism': {choice.label} agrees ({_fit_text(choice)})."]
+            return [f"Rule of thumb 'fits one GPU → no parallelism': {choice.label} agrees ({fit_text(choice)})."]
         return ["Rule of thumb 'over 10B or short of memory → FSDP + CPU offload': agrees; on one GPU "
                 f"{_leanest_text(plan.rows)}, so the states go to the host."]
     lines = [_size_rule(plan, site, facts, setup)]
@@ -358,14 +358,14 @@ def _agrees(want: str, plan: Plan) -> str:
     if want == "offload":
         return f" — {_leanest_text(rows)}"
     if want == "ddp":
-        return f" — {choice.label} fits ({_fit_text(choice)})"
+        return f" — {choice.label} fits ({fit_text(choice)})"
     ddp = _row(rows, "ddp")
     if ddp is None:
         return ""
     if ddp.fits is False:
-        return f" — DDP does not fit ({_fit_text(ddp)})"
+        return f" — DDP does not fit ({fit_text(ddp)})"
     by = measure(eligible(rows))
-    return f" — DDP fits ({_fit_text(ddp)}) but takes {_cost_text(ddp, by)} vs {_cost_text(choice, by)}"
+    return f" — DDP fits ({fit_text(ddp)}) but takes {_cost_text(ddp, by)} vs {_cost_text(choice, by)}"
 
 
 def _departs(want: str, plan: Plan, site: SiteProfile, facts: ModelFacts, setup: Setup) -> str:
@@ -377,8 +377,8 @@ def _departs(want: str, plan: Plan, site: SiteProfile, facts: ModelFacts, setup:
     if want == "ddp":
         ddp = _row(rows, "ddp")
         if ddp is None or ddp.fits is False:
-            return f"DDP does not fit: it needs {_fit_text(ddp)}" if ddp else "DDP is not a candidate here"
-        return (f"DDP fits ({_fit_text(ddp)}) but is slower beyond the {TIE:.0%} tie: {_cost_text(ddp, by)} vs "
+            return f"DDP does not fit: it needs {fit_text(ddp)}" if ddp else "DDP is not a candidate here"
+        return (f"DDP fits ({fit_text(ddp)}) but is slower beyond the {TIE:.0%} tie: {_cost_text(ddp, by)} vs "
                 f"{_cost_text(choice, by)} for {choice.label}{_ddp_exposure(ddp, plan)}")
     if want == "fsdp":
         return _ddp_kept(plan, by)
@@ -399,7 +399,7 @@ def _ddp_kept(plan: Plan, by: str) -> str:
     assert choice is not None
     sharded = [r for r in eligible(plan.rows) if r.dims.dp_shard > 1]
     best = min(sharded, key=lambda r: cost(r, by)) if sharded else None
-    text = f"DDP fits ({_fit_text(choice)})"
+    text = f"DDP fits ({fit_text(choice)})"
     if best is None:
         return text + " and no sharded layout does"
     a, b = cost(choice, by), cost(best, by)
@@ -414,10 +414,10 @@ def _ddp_kept(plan: Plan, by: str) -> str:
 
 def _offload_not_needed(choice: Row, facts: ModelFacts, setup: Setup, site: SiteProfile) -> str:
     off = _offload_variant(choice, facts, setup, site)
-    text = f"{choice.label} fits on the GPU ({_fit_text(choice)})"
+    text = f"{choice.label} fits on the GPU ({fit_text(choice)})"
     if off is None or off.memory is None:
         return text
-    text += f"; offloading ({off.label}) would need {_gb(off.memory.host_per_node)} of host memory per node"
+    text += f"; offloading ({off.label}) would need {gb_text(off.memory.host_per_node)} of host memory per node"
     if off.time is not None and choice.time is not None:
         text += (f" and take {secs(off.time.step_s)} per step instead of {secs(choice.time.step_s)} "
                  f"(host copies {secs(_host_copy_s(off))} at an assumed {HOST_LINK_GBS:g} GB/s, CPU AdamW "
@@ -442,14 +442,14 @@ def _leanest_text(rows: list[Row]) -> str:
     if not plain:
         return "nothing fits on the GPU alone"
     leanest = min(plain, key=lambda r: r.need_gb or 0.0)
-    return f"nothing fits on the GPU alone (the leanest, {leanest.label}, needs {_fit_text(leanest)})"
+    return f"nothing fits on the GPU alone (the leanest, {leanest.label}, needs {fit_text(leanest)})"
 
 
 def _small_gpu_rule(plan: Plan, choice: Row) -> str:
-    head = f"Rule of thumb 'GPUs under 40 GB → FSDP' ({_gb(choice.capacity_gb or 0)} here)"
+    head = f"Rule of thumb 'GPUs under 40 GB → FSDP' ({gb_text(choice.capacity_gb or 0)} here)"
     if choice.dims.fsdp_enabled:
         return f"{head}: agrees."
-    return f"{head}: departs, because {choice.label} fits ({_fit_text(choice)})."
+    return f"{head}: departs, because {choice.label} fits ({fit_text(choice)})."
 
 
 def _pcie_rule(plan: Plan, choice: Row, site: SiteProfile) -> str:
@@ -474,13 +474,13 @@ def _hsdp_rule(plan: Plan, choice: Row, rows: list[Row]) -> str:
         if choice.dims.dp_shard <= per_node:
             return (f"{head}: agrees; the shard group of {choice.dims.dp_shard} keeps all-gathers inside one node"
                     f"{_cross_node_text(plan, choice, _flat(plan, rows, by))}.")
-        why = f" (sharded over one node it needs {_fit_text(node)})" if node is not None and node.fits is False else ""
+        why = f" (sharded over one node it needs {fit_text(node)})" if node is not None and node.fits is False else ""
         return (f"{head}: agrees, but the shard group of {choice.dims.dp_shard} spans "
                 f"{choice.dims.dp_shard // per_node} nodes{why}.")
     if node is None:
         return f"{head}: no node-sized shard group here."
     if node.fits is False:
-        return f"{head}: departs, because sharded over one node ({node.dims.dp_shard} GPUs) it needs {_fit_text(node)}."
+        return f"{head}: departs, because sharded over one node ({node.dims.dp_shard} GPUs) it needs {fit_text(node)}."
     a, b = cost(choice, by), cost(node, by)
     if b > a * (1 + TIE):
         return (f"{head}: departs, because {node.label} is slower: {_cost_text(node, by)} vs {_cost_text(choice, by)} "
@@ -503,7 +503,7 @@ def _cross_node_text(plan: Plan, row: Row, other: Row | None) -> str:
     x, y = row.comm.cross_node_gb, other.comm.cross_node_gb
     fewer = "fewer" if x < y else "more" if x > y else "as many"
     return (f"; across nodes {row.label} moves {fewer} bytes: {x / grads:.2f}× the fp32 gradients through each "
-            f"node's network per step ({_gb(x)}), {other.label} {y / grads:.2f}× ({_gb(y)})")
+            f"node's network per step ({gb_text(x)}), {other.label} {y / grads:.2f}× ({gb_text(y)})")
 
 
 # --- offload and the bound --------------------------------------------------------------------
@@ -515,7 +515,7 @@ def _offload_line(plan: Plan, facts: ModelFacts, setup: Setup, site: SiteProfile
     head = "`parallel.cpu_offload = true` allows offload"
     if choice.cfg.offload:
         m = choice.memory
-        host = f"; the host holds {_gb(m.host_per_node)} per node of {_gb(choice.host_capacity_gb or 0)} usable" \
+        host = f"; the host holds {gb_text(m.host_per_node)} per node of {gb_text(choice.host_capacity_gb or 0)} usable" \
             if m is not None else ""
         return f"{head}, and auto uses it: {_leanest_text(plan.rows)}{host}."
     offloaded = [r for r in plan.rows if r.cfg.offload]
@@ -524,12 +524,12 @@ def _offload_line(plan: Plan, facts: ModelFacts, setup: Setup, site: SiteProfile
         return f"{head}; auto does not use it."
     by = measure(eligible(plan.rows))
     best = min(fit, key=lambda r: cost(r, by)) if fit else min(offloaded, key=lambda r: r.need_gb or 0.0)
-    text = f"{head}; auto does not use it: {choice.label} fits on the GPU ({_fit_text(choice)})"
+    text = f"{head}; auto does not use it: {choice.label} fits on the GPU ({fit_text(choice)})"
     if best.memory is not None:
         host = "fits" if best.host_fits else "does not fit"
         text += (f", and the best offload row, {best.label}, takes {_cost_text(best, by)} vs "
-                 f"{_cost_text(choice, by)} and needs {_gb(best.memory.host_per_node)} of host memory per node "
-                 f"({host} in {_gb(best.host_capacity_gb or 0)} usable)")
+                 f"{_cost_text(choice, by)} and needs {gb_text(best.memory.host_per_node)} of host memory per node "
+                 f"({host} in {gb_text(best.host_capacity_gb or 0)} usable)")
     return text + "."
 
 

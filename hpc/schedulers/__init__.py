@@ -23,8 +23,8 @@ import importlib
 import os
 import typing as tp
 
-from hpc.schedulers.base import (SUBMITIT_DIR, TERMINAL, JobSide, JobState, RankEnv, Scheduler,
-                                 rendezvous_port)
+from hpc.schedulers.base import (SUBMITIT_DIR, TERMINAL, ContainerRuntime, JobSide, JobState, RankEnv, Scheduler,
+                                 Step, rendezvous_port)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.site import SiteProfile
@@ -38,8 +38,9 @@ LIMITED = ("slurm",)
 # optionally ``CROSS_CHECKED``, the fields its ``site_problems`` read, and ``path_problem``)
 SECTIONED = ("slurm",)
 
-__all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "JobSide", "JobState", "RankEnv", "Scheduler", "cross_checked",
-           "detect_site", "get", "job_side", "path_problem", "rank_env", "rendezvous_port", "section_class",
+__all__ = ["ENV_OWNERS", "KINDS", "LIMITS", "SUBMITIT_DIR", "TERMINAL", "ContainerRuntime", "JobSide", "JobState",
+           "RankEnv", "Scheduler", "Step", "container_runtime", "container_runtimes", "cross_checked",
+           "detect_site", "first_on_node", "get", "job_side", "path_problem", "rank_env", "rendezvous_port", "section_class",
            "section_problems", "site_problems"]
 
 
@@ -152,6 +153,16 @@ def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
     return None
 
 
+def first_on_node(env: tp.Mapping[str, str]) -> bool:
+    """Whether this task is its node's first (``JobSide.node_local_rank`` of the kind that says); True when
+    no kind can tell (one task, or a plain process)."""
+    for kind in KINDS:
+        found = _job_class(kind).node_local_rank(env)
+        if found is not None:
+            return found == 0
+    return True
+
+
 def section_problems(section: tp.Any) -> list[str]:
     """Every kind's rules on the options it owns in a site's ``[scheduler]`` section (Slurm's sbatch
     table), on well-typed fields."""
@@ -161,3 +172,17 @@ def section_problems(section: tp.Any) -> list[str]:
 def site_problems(site: SiteProfile) -> list[str]:
     """The site's own kind's cross-checks of a well-typed profile (Slurm's GPU directive on a GPU site)."""
     return get(site.scheduler.kind).site_problems(site)
+
+
+def container_runtimes(kind: str) -> tp.Mapping[str, ContainerRuntime]:
+    """The container runtimes a site of ``kind`` runs, by name (``Scheduler.container_runtimes``; empty: none)."""
+    return get(kind).container_runtimes()
+
+
+def container_runtime(name: str) -> ContainerRuntime | None:
+    """The runtime ``name`` (a ``[container] runtime``) of the first kind that runs it; None when none does."""
+    for kind in KINDS:
+        found = container_runtimes(kind).get(name)
+        if found is not None:
+            return found
+    return None

@@ -25,6 +25,7 @@ import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpc.compat import ExecutorHooks
 from hpc.core import procs
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -188,6 +189,13 @@ TASK_SHELL = ('trap "" USR2; env --block-signal=USR2 true 2>/dev/null && '
 TASK_WRAPPER = ["/bin/sh", "-c", TASK_SHELL, "hpcx-task"]
 
 
+def task_argv(python: str, folder: str) -> list[str]:
+    """``task_command`` as its words."""
+    from hpc.core.imports import python_command
+
+    return [*TASK_WRAPPER, *python_command(python, "trainer.entry", str(folder), unbuffered=True)]
+
+
 def task_command(python: str, folder: str) -> str:
     """The command every task runs (in the sbatch script's srun line, or by the local controller):
     ``python -u -m trainer.entry FOLDER`` (submitit's ``_submit`` with the signals held) as
@@ -196,17 +204,66 @@ def task_command(python: str, folder: str) -> str:
     before the trainer's handler waits for it instead of killing the task or being dropped (``TASK_SHELL``)."""
     import shlex
 
-    from hpc.core.imports import python_command
-
-    return shlex.join([*TASK_WRAPPER, *python_command(python, "trainer.entry", str(folder), unbuffered=True)])
+    return shlex.join(task_argv(python, folder))
 
 
-class TaskCommand:
-    """Mixed into submitit's executors: their tasks run ``task_command``. ``_submitit_command_str``
-    is submitit's private hook for the command (tests/test_render.py checks the submitted text)."""
+@dataclass(frozen=True)
+class Step:
+    """The step of one submission, built once per submit (``Scheduler.step``): ``render``, the executor and
+    the batch script are all rendered from this one value (``hpcx render`` shows what ``hpcx submit`` sends)."""
+
+    argv: tuple[str, ...]  # each task's command (in the image, with a container)
+    setup: tuple[str, ...] = ()  # the batch shell's lines before the step: the job's environment, the runtime's
+    teardown: tuple[str, ...] = ()  # the batch shell's lines after it (the check after srun, the host's requeue)
+    srun_args: tuple[str, ...] = ()  # the container runtime's flags on the step line
+    mounts: tuple[tp.Any, ...] = ()  # what each task sees besides the image (``hpc.core.container.Mount``)
+    links: tuple[tuple[str, str], ...] = ()  # the container's overlay: (name, host path) of hpcx's code
+    container: bool = False  # the step runs in the site's container image
 
     @property
-    def _submitit_command_str(self) -> str:
+    def command(self) -> str:
+        import shlex
+
+        return shlex.join(self.argv)
+
+
+class ContainerRuntime(tp.Protocol):
+    """One container runtime (``[container] runtime``): what it takes and how it puts a step in the image. A
+    scheduler kind lists the runtimes it runs (``Scheduler.container_runtimes``); ``hpc.core.container``
+    checks a profile against them, the kind's step asks them (Slurm's: ``hpc/schedulers/slurm/container.py``)."""
+
+    name: str
+    list_syntax: str  # characters its mount list reads as syntax (a derived path holding one is refused)
+    binds_node_devices: bool  # the node's /dev/infiniband and /dev/shm are bound in (else the runtime gives them)
+    takes_uris: bool  # an image given by URI (docker://…), pulled on the node
+    enroot_names: bool  # an enroot image name (`nvcr.io#nvidia/pytorch:…`, `ubuntu:24.04`)
+    image_folder: bool  # the image is a folder (an OCI bundle), not a file
+
+    def problems(self, c: tp.Any, prefix: str, gpus: int) -> list[str]:
+        """This runtime's own rules on a ``[container]`` section (the keys only it reads)."""
+        ...
+
+    def wrap(self, argv: list[str], c: tp.Any, run_dir: str, mounts: list[tp.Any], workdir: str,
+             gpus: bool) -> tp.Any:
+        """The step's flags, argv and setup lines for the task command ``argv`` in the image."""
+        ...
+
+    def prepare(self, c: tp.Any, run_dir: Path, mounts: list[tp.Any], workdir: str, where: str, gpus: int,
+                source: str) -> None:
+        """At submit, what the nodes need besides the overlay (an OCI bundle, its task script)."""
+        ...
+
+
+class TaskCommand(ExecutorHooks):
+    """Mixed into submitit's executors: their tasks run ``hpcx_command`` (the submission's ``Step``), else
+    ``task_command`` (through submitit's private hook, which only ``hpc.compat`` names; tests/test_render.py
+    checks the submitted text)."""
+
+    hpcx_command: str | None = None
+
+    def task_command_text(self) -> str:
+        if self.hpcx_command:
+            return self.hpcx_command
         import sys
 
         return task_command(sys.executable, str(self.folder))  # type: ignore[attr-defined]
@@ -229,13 +286,25 @@ class Scheduler(abc.ABC):
     multi_node: bool = False  # one job can span several nodes
     allocates_cpus: bool = False  # each task gets CPUs of its own (more tasks than CPUs are refused)
 
-    @abc.abstractmethod
-    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
-        """A submitit executor configured for this launch; ``folder`` is the run's submitit folder."""
+    def step(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> Step:
+        """The submission's step, built once per submit (``hpc.login.submit``) and handed to ``render`` and
+        ``executor``: here ``task_command`` as it is; a kind with containers puts it in the site's image."""
+        return Step(tuple(task_argv(python, f"{run_dir}/{SUBMITIT_DIR}")))
+
+    def container_runtimes(self) -> tp.Mapping[str, ContainerRuntime]:
+        """The container runtimes this kind runs, by name (``[container] runtime``); none: only ``none``."""
+        return {}
 
     @abc.abstractmethod
-    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
-        """Exactly what ``executor`` submits (the sbatch script, or the local parameters)."""
+    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path,
+                 step: Step | None = None) -> tp.Any:
+        """A submitit executor configured for this launch; ``folder`` is the run's submitit folder; ``step``
+        the submission's (``self.step``, built here when not given)."""
+
+    @abc.abstractmethod
+    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str,
+               step: Step | None = None) -> str:
+        """Exactly what ``executor`` submits (the sbatch script, or the local parameters), from ``step``."""
 
     @abc.abstractmethod
     def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
@@ -311,6 +380,12 @@ class JobSide(abc.ABC):
     @staticmethod
     def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
         """This task's rank when this kind started it itself, without submitit or torchrun; else None."""
+        return None
+
+    @staticmethod
+    def node_local_rank(env: tp.Mapping[str, str]) -> int | None:
+        """This task's index among its node's tasks where this kind sets it in every task (also inside a
+        container, before the trainer reads its rank); None when it does not."""
         return None
 
     @abc.abstractmethod

@@ -23,9 +23,8 @@ class LocalExecutor(TaskCommand, submitit.LocalExecutor):
     caller's: it outlives ``hpcx submit``, and a pipe it held (``RUN=$(hpcx submit …)``) would stay
     open until the job ended."""
 
-    def _submit_command(self, command: str) -> tp.Any:
-        with detached_stdio(Path(self.folder) / CONTROLLER_LOG):
-            return super()._submit_command(command)
+    def submitting(self) -> tp.ContextManager[None]:
+        return detached_stdio(Path(self.folder) / CONTROLLER_LOG)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ from hpc import compat
 from hpc.core.errors import UserError
 from hpc.core.procs import pid_alive, process_start_time
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
-                                 result_path, task_command, wait_since_last_stop)
+                                 Step, result_path, wait_since_last_stop)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
@@ -162,19 +162,26 @@ class LocalScheduler(Scheduler):
 
     kind = "local"
 
-    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
+    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path,
+                 step: Step | None = None) -> tp.Any:
+        import sys
+
         from hpc.schedulers.local.executor import LocalExecutor
 
+        step = step or self.step(spec, site, launch, str(Path(folder).parent), sys.executable)
         # LocalExecutor directly: AutoExecutor does not pass signal_delay_s through to it
         executor = LocalExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
+        executor.hpcx_command = step.command
         executor.update_parameters(**local_parameters(spec, launch, os.environ.get("CUDA_VISIBLE_DEVICES")))
         return executor
 
-    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
+    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str,
+               step: Step | None = None) -> str:
         folder = f"{run_dir}/{SUBMITIT_DIR}"
+        step = step or self.step(spec, site, launch, run_dir, python)
         params = {"executor": "local", "folder": folder,
                   **local_parameters(spec, launch, os.environ.get("CUDA_VISIBLE_DEVICES")),
-                  "environment": job_environment(spec, site), "command": task_command(python, folder)}
+                  "environment": job_environment(spec, site), "command": step.command}
         return json.dumps(params, indent=2, sort_keys=True) + "\n"
 
     def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:

@@ -54,8 +54,9 @@ def container_step(c: tp.Any, folder: Path) -> tp.Callable[[list[str]], tp.Any] 
         raise UserError(bad)
     c = dataclasses.replace(c, mounts=[*c.mounts, *extra])
     run_dir, workdir = folder / ".prepare", os.getcwd()
-    prepare_run(c, run_dir, workdir, str(folder))
-    mounts = step_mounts(c, str(folder), workdir, overlay_links())
+    links = overlay_links()
+    mounts = step_mounts(c, str(folder), workdir, links)
+    prepare_run(c, run_dir, workdir, links=links, mounts=mounts)
 
     def step(argv: list[str]) -> tp.Any:
         inner = inner_python(c, str(run_dir))

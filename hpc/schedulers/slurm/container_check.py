@@ -12,16 +12,17 @@ from pathlib import Path
 
 from hpc.core.errors import UserError
 from hpc.schedulers.base import try_command
+from hpc.schedulers.slurm.container import Wrapped
 
 TASKS = 2
 CHECK_MINUTES = 10
 
 
-def check_script(step_words: list[str], srun_args: list[str], folder: Path, setup: list[str]) -> str:
+def check_script(step: Wrapped, folder: Path) -> str:
     srun = ["srun", "--nodes=1", f"--ntasks={TASKS}", f"--output={folder}/task-%t.out",
-            f"--error={folder}/task-%t.err", *srun_args]
-    return "\n".join(["#!/bin/bash", "export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH", *setup,
-                      f"{shlex.join(srun)} {shlex.join(step_words)}", ""])
+            f"--error={folder}/task-%t.err", *step.srun_args]
+    return "\n".join(["#!/bin/bash", "export NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,GRAPH", *step.setup,
+                      f"{shlex.join(srun)} {shlex.join(step.argv)}", ""])
 
 
 def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
@@ -41,9 +42,10 @@ def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
     workdir = os.getcwd()
     if c.enabled:
         try:
+            links = overlay_links()
+            mounts = step_mounts(c, str(folder.parent), workdir, links)
             prepare_run(c, folder, workdir, gpus=site.node.gpus, where=f"{site.source}: `container.image`",
-                        source=site.source)
-            mounts = step_mounts(c, str(folder.parent), workdir, overlay_links())
+                        source=site.source, links=links, mounts=mounts)
         except UserError:
             import shutil
 
@@ -52,13 +54,12 @@ def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
         inner = inner_python(c, str(folder))
         argv = [*inner[:-1], *python_command(inner[-1], "trainer.probe", str(folder))]
         step = wrap_step(argv, c, str(folder), mounts, workdir, bool(site.node.gpus))
-        srun_args, words, setup = step.srun_args, step.argv, step.setup
     else:
         import sys
 
-        srun_args, words, setup = [], python_command(sys.executable, "trainer.probe", str(folder)), []
+        step = Wrapped((), tuple(python_command(sys.executable, "trainer.probe", str(folder))))
     script = folder / "check.sh"
-    script.write_text(check_script(words, srun_args, folder, setup))
+    script.write_text(check_script(step, folder))
     options = ["--parsable", "--wait", "--job-name=hpcx-container-check", "--nodes=1", f"--ntasks={TASKS}",
                f"--time={CHECK_MINUTES}", f"--output={folder}/batch.out", "--no-requeue"]
     options += [f"--gres=gpu:{TASKS}"] if site.node.gpus and site.scheduler.gpu_directive == "gres" else []

@@ -11,11 +11,5 @@ from hpc.schedulers.base import TaskCommand
 
 
 class SlurmExecutor(TaskCommand, submitit.SlurmExecutor):
-    """submitit's ``SlurmExecutor``; each task runs ``task_command``, or ``hpcx_command`` when the site has
-    a container (the step's command in the image: ``hpc.schedulers.slurm.container``)."""
-
-    hpcx_command: str | None = None
-
-    @property
-    def _submitit_command_str(self) -> str:
-        return self.hpcx_command or super()._submitit_command_str
+    """submitit's ``SlurmExecutor``; each task runs the submission's step (``hpcx_command``: in the site's
+    container when it has one, ``hpc.schedulers.slurm.container``)."""

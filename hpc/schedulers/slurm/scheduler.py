@@ -22,8 +22,9 @@ import typing as tp
 from pathlib import Path
 
 from hpc.core.errors import UserError
-from hpc.schedulers.base import (PLACEMENT, Placement, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv,
-                                 Scheduler, batch_log, task_command, try_command, unknown, wait_since_last_stop)
+from hpc.schedulers.base import (PLACEMENT, Placement, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, ContainerRuntime,
+                                 JobSide, JobState, RankEnv, Scheduler, Step, batch_log, task_argv, try_command, unknown,
+                                 wait_since_last_stop)
 from hpc.schedulers.slurm import ranks
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
 from hpc.schedulers.slurm.section import overcommits
@@ -98,10 +99,13 @@ def sbatch_extras(table: dict[str, tp.Any]) -> dict[str, tp.Any]:
             for key, value in table.items() if value is not False}
 
 
-def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> dict[str, tp.Any]:
-    """Keyword arguments of submitit's SlurmExecutor for this launch (``run_dir`` and ``python``: for
-    the check after srun); every string that lands on an ``#SBATCH`` line goes through
-    ``directive_value`` so that sbatch reads back exactly the value."""
+def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str,
+                     step: Step | None = None) -> dict[str, tp.Any]:
+    """Keyword arguments of submitit's SlurmExecutor for this launch, the step's lines and flags taken from
+    ``step`` (default: the plain step without a container, ``run_dir`` and ``python`` for the check after
+    srun); every string that lands on an ``#SBATCH`` line goes through ``directive_value`` so that sbatch
+    reads back exactly the value."""
+    step = step or plain_step(spec, site, run_dir, python)
     params: dict[str, tp.Any] = {
         "job_name": directive_value(spec.job.name),
         "nodes": launch.nodes,
@@ -110,45 +114,62 @@ def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: 
         "time": spec.job.time_limit_min,
         "signal_delay_s": launch.signal_lead_s,
         "stderr_to_stdout": False,
-        "srun_args": list(SRUN_ARGS),
+        "srun_args": [*SRUN_ARGS, *step.srun_args],
         "additional_parameters": {"requeue": True, **sbatch_extras(site.scheduler.sbatch)},
     }
     for key in PLACEMENT:
         if getattr(launch, key):
             params[key] = directive_value(getattr(launch, key))
     params.update(gpu_parameters(site, launch))
-    params["setup"] = setup_lines(spec, site)
-    params["teardown"] = teardown_lines(run_dir, python)
+    params["setup"] = list(step.setup)
+    params["teardown"] = list(step.teardown)
     return params
 
 
-def render_sbatch(params: dict[str, tp.Any], python: str, folder: str, command: str | None = None) -> str:
-    """The sbatch script submitit will write for these parameters (``command``: the step's, when the
-    site has a container; else ``task_command``)."""
+def render_sbatch(params: dict[str, tp.Any], step: Step, folder: str) -> str:
+    """The sbatch script submitit writes for these parameters and the step's command."""
     from hpc.compat import make_sbatch_string
 
-    return make_sbatch_string(command=command or task_command(python, folder), folder=folder, **params)
+    return make_sbatch_string(command=step.command, folder=folder, **params)
 
 
-def in_container(params: dict[str, tp.Any], site: SiteProfile, launch: Launch, run_dir: str,
-                 workdir: str, spec: JobSpec | None = None) -> str | None:
-    """With a ``[container]``: its srun flags and setup lines added to ``params``, and the step's command
-    (``hpc.schedulers.slurm.container``; ``spec``'s input folders mounted read-only); None without one
-    (``params`` as they were)."""
+def plain_step(spec: JobSpec, site: SiteProfile, run_dir: str, python: str) -> Step:
+    """The step without a container: ``task_command``, the job's environment before it, the check after it."""
+    argv = task_argv(python, f"{run_dir}/{SUBMITIT_DIR}")
+    return Step(tuple(argv), tuple(setup_lines(spec, site)), tuple(teardown_lines(run_dir, python)))
+
+
+def slurm_step(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str, workdir: str) -> Step:
+    """The submission's step: ``plain_step``, or with a ``[container]`` its runtime's (``hpc.schedulers.slurm.
+    container``): the command in the image, its flags, setup lines and mounts (``spec``'s input folders
+    read-only), and after srun the requeue rank 0 asked for from inside."""
+    plain = plain_step(spec, site, run_dir, python)
     if not site.container.enabled:
-        return None
+        return plain
     from hpc.core.container import job_reads
-    from hpc.schedulers.slurm.container import step_for
+    from hpc.schedulers.slurm import container as sc
 
-    step = step_for(site.container, run_dir, f"{run_dir}/{SUBMITIT_DIR}", workdir, bool(launch.gpus_per_node),
-                    reads=job_reads(spec) if spec is not None else ())
-    params["srun_args"] = [*params["srun_args"], *step.srun_args]
-    params["setup"] = [*params["setup"], *step.setup]
-    from hpc.schedulers.slurm.container import host_requeue_line
+    links = sc.overlay_links()
+    wrapped, mounts = sc.trainer_step(site.container, run_dir, f"{run_dir}/{SUBMITIT_DIR}", workdir,
+                                      bool(launch.gpus_per_node), links, job_reads(spec))
+    teardown = plain.teardown  # the requeue asked for inside goes right after the line that keeps srun's status
+    return Step(wrapped.argv, (*plain.setup, *wrapped.setup),
+                (teardown[0], sc.host_requeue_line(run_dir), *teardown[1:]), wrapped.srun_args, tuple(mounts),
+                tuple(sorted(links.items())), container=True)
 
-    teardown = list(params["teardown"])  # after the line that keeps srun's status
-    params["teardown"] = [teardown[0], host_requeue_line(run_dir), *teardown[1:]]
-    return shlex.join(step.argv)
+
+def prepare_container(spec: JobSpec, site: SiteProfile, run_dir: Path, step: Step) -> None:
+    """At submit: the image is there (UserError naming the file that named it: the spec's [container] or the
+    site's), then the step's overlay and what its runtime needs on the nodes (``container.prepare_run``)."""
+    from hpc.core.container import image_source, submit_problems
+    from hpc.schedulers.slurm.container import prepare_run
+
+    source = image_source(spec, site)
+    found = submit_problems(site.container, source)
+    if found:
+        raise UserError(found)
+    prepare_run(site.container, run_dir, os.getcwd(), gpus=site.node.gpus, where=f"{source}: `container.image`",
+                source=site.source, links=dict(step.links), mounts=step.mounts)
 
 
 @functools.cache
@@ -163,8 +184,9 @@ def owned_options() -> frozenset[str]:
     found: set[str] = set()
     for directive in ("gpus-per-node", "gres"):
         site = Ns(scheduler=Ns(sbatch={}, gpu_directive=directive), nccl={})
-        params = slurm_parameters(spec, site, launch, "/run", "python")  # type: ignore[arg-type]
-        found |= set(re.findall(r"^#SBATCH --([a-z0-9-]+)", render_sbatch(params, "python", "/run/s"), re.M))
+        step = plain_step(spec, site, "/run", "python")  # type: ignore[arg-type]
+        params = slurm_parameters(spec, site, launch, "/run", "python", step)  # type: ignore[arg-type]
+        found |= set(re.findall(r"^#SBATCH --([a-z0-9-]+)", render_sbatch(params, step, "/run/s"), re.M))
     return frozenset(found)
 
 
@@ -430,32 +452,34 @@ class SlurmScheduler(Scheduler):
         """The spec's partition, account and QOS, else the site's ``[scheduler]`` defaults."""
         return tp.cast(Placement, {key: getattr(spec.job, key) or getattr(site.scheduler, key) for key in PLACEMENT})
 
-    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path) -> tp.Any:
+    def step(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> Step:
+        return slurm_step(spec, site, launch, run_dir, python, os.getcwd())
+
+    def container_runtimes(self) -> tp.Mapping[str, ContainerRuntime]:
+        from hpc.schedulers.slurm.container import RUNTIMES
+
+        return RUNTIMES
+
+    def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path,
+                 step: Step | None = None) -> tp.Any:
         import sys
 
         from hpc.schedulers.slurm.executor import SlurmExecutor
 
-        executor = SlurmExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
         run_dir = str(Path(folder).parent)
-        params = slurm_parameters(spec, site, launch, run_dir, sys.executable)
-        executor.hpcx_command = in_container(params, site, launch, run_dir, os.getcwd(), spec)
-        if executor.hpcx_command:
-            from hpc.core.container import image_source, job_reads, submit_problems
-            from hpc.schedulers.slurm.container import prepare_run
-
-            source = image_source(spec, site)  # the file that named the image: the spec's [container] or the site
-            found = submit_problems(site.container, source)
-            if found:
-                raise UserError(found)
-            prepare_run(site.container, Path(run_dir), os.getcwd(), reads=job_reads(spec), gpus=site.node.gpus,
-                        where=f"{source}: `container.image`", source=site.source)
-        executor.update_parameters(**params)
+        step = step or self.step(spec, site, launch, run_dir, sys.executable)
+        if step.container:
+            prepare_container(spec, site, Path(run_dir), step)
+        executor = SlurmExecutor(folder=folder, max_num_timeout=spec.job.max_requeues)
+        executor.hpcx_command = step.command
+        executor.update_parameters(**slurm_parameters(spec, site, launch, run_dir, sys.executable, step))
         return executor
 
-    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str) -> str:
-        params = slurm_parameters(spec, site, launch, run_dir, python)
-        command = in_container(params, site, launch, run_dir, os.getcwd(), spec)
-        return render_sbatch(params, python, f"{run_dir}/{SUBMITIT_DIR}", command)
+    def render(self, spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, python: str,
+               step: Step | None = None) -> str:
+        step = step or self.step(spec, site, launch, run_dir, python)
+        params = slurm_parameters(spec, site, launch, run_dir, python, step)
+        return render_sbatch(params, step, f"{run_dir}/{SUBMITIT_DIR}")
 
     def states(self, jobs: tp.Mapping[str, Path], timeout: float = QUERY_TIMEOUT_S) -> dict[str, JobState]:
         deadline = time.monotonic() + timeout
@@ -516,6 +540,11 @@ class SlurmJobSide(JobSide):
     @staticmethod
     def rank_env(env: tp.Mapping[str, str]) -> RankEnv | None:
         return ranks.rank_env(env)
+
+    @staticmethod
+    def node_local_rank(env: tp.Mapping[str, str]) -> int | None:
+        value = env.get("SLURM_LOCALID", "")
+        return int(value) if value.isdigit() else None
 
     def job_id(self) -> str | None:
         return os.environ.get("SLURM_JOB_ID")
