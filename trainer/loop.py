@@ -37,6 +37,7 @@ from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync
 from trainer.preemption import PreemptionFlag
 from trainer.tasks import LoopTask, autocast_of
+from trainer.watchdog import Watchdog, paused
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -95,6 +96,7 @@ class Trainer:
     last_eval: dict | None = None
     init_report: dict | None = None  # what checkpoint.init_from read (trainer.init_from.start_weights)
     counted: torch.Tensor | None = None  # a masked loss: the last step's counted targets, whole batch (on the device)
+    watchdog: Watchdog | None = None  # the hang watchdog (trainer.watchdog), set by run_rank: told of each boundary
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -180,8 +182,12 @@ def step_boundary(t: Trainer, state: TrainState) -> bool:
     stop after a preemption save (``trainer.resilience``). Without one, only the agreed preemption flag.
     """
     if t.resilience is not None:
-        return t.resilience.boundary(t, state)
-    return t.preemption is not None and t.preemption.agreed(t.device)
+        stop = t.resilience.boundary(t, state)
+    else:
+        stop = t.preemption is not None and t.preemption.agreed(t.device)
+    if t.watchdog is not None:
+        t.watchdog.beat(state.step)
+    return stop
 
 
 def set_float_math(device: torch.device) -> None:
@@ -241,7 +247,8 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
             history.append(log_step(t, state, loss, norm, lr, state.step - last_logged))
             last_logged = state.step
         if t.evaluator is not None and t.evaluator.due(state.step, t.steps):
-            t.last_eval = eval_step(t, state.step)
+            with paused(t.watchdog):  # an evaluation is not a hang
+                t.last_eval = eval_step(t, state.step)
         stopped = step_boundary(t, state)
         collector.step(state.step)
         t.clock.lap("boundary")

@@ -51,6 +51,7 @@ from trainer.boundary import LoopView, P, Progress
 from trainer.checkpoint import Checkpointer, committed_steps, latest_checkpoint, step_dir
 from trainer.dist import CollectiveTimeouts
 from trainer.preemption import BoundaryVote, PreemptionFlag
+from trainer.watchdog import Watchdog, paused
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.run import Run
@@ -87,6 +88,7 @@ class Resilience:
     vote: BoundaryVote = field(default_factory=BoundaryVote)
     boundaries: int = 0  # step boundaries seen by this incarnation
     checkpointer: Checkpointer = field(init=False, repr=False)  # this run folder's saves (and the one in flight)
+    watchdog: Watchdog | None = None  # the hang watchdog (trainer.watchdog): suspended while saving
 
     def __post_init__(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, keep=self.policy.keep, async_save=self.policy.async_save)
@@ -188,7 +190,8 @@ class Resilience:
 
     def _timed(self, work: tp.Callable[[], tp.Any]) -> None:
         tic = time.perf_counter()
-        with self.timeouts.lengthened() if self.timeouts is not None else contextlib.nullcontext():
+        with self.timeouts.lengthened() if self.timeouts is not None else contextlib.nullcontext(), \
+                paused(self.watchdog):
             work()
         self.save_s += time.perf_counter() - tic
 

@@ -587,10 +587,13 @@ class SlurmJobSide(JobSide):
         return None if ok else f"scontrol update JobId={job} ExcNodeList={','.join(nodes)} failed: {why.strip()}"
 
     def spare_nodes(self) -> int | None:
-        """The nodes of the job's partition (``sinfo``) less the job's own (``NumNodes``)."""
-        fields = show_job(self.job_id() or "")
-        ok, out = try_command(["sinfo", "-h", "-p", fields.get("Partition", ""), "-o", "%D"])
-        need = fields.get("NumNodes", "").split("-")[0]
+        """The nodes of the job's partition (``sinfo``) less the job's own (``SLURM_JOB_NUM_NODES``: the
+        ``NumNodes`` of ``scontrol show job`` shrinks while a requeued job completes, node by node)."""
+        partition, need = os.environ.get("SLURM_JOB_PARTITION", ""), os.environ.get("SLURM_JOB_NUM_NODES", "")
+        if not partition or not need:
+            fields = show_job(self.job_id() or "")
+            partition, need = fields.get("Partition", ""), fields.get("NumNodes", "").split("-")[0]
+        ok, out = try_command(["sinfo", "-h", "-p", partition, "-o", "%D"])
         if not ok or not need.isdigit() or not all(n.strip().isdigit() for n in out.split()):
             return None
         return sum(int(n) for n in out.split()) - int(need)
