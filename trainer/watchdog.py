@@ -182,13 +182,14 @@ class Watchdog:
         from hpc.core import requeue
 
         verdict = health.hang_verdict(self.world, answers, health.read_beats(self.run_dir))
-        verdict.update(time=self.wall(), answered=sorted(answers), timeout_s=self.timeout())
+        lost = round(self.clock() - (self.last if self.last is not None else self.clock()), 3)  # since the boundary
+        verdict.update(time=self.wall(), answered=sorted(answers), timeout_s=self.timeout(), lost_s=lost)
         health.write_json_atomic(self.hang_folder / "hang.json", verdict)
         log.error("watchdog: %s", verdict["error"])
         requeue.report_failure(self.run_dir, self.incarnation, verdict["rank"], step=verdict["step"] - 1,
                                error=verdict["error"], terminated=False, host=verdict["host"], phase="train",
                                repeats=False, node_fault=verdict["node_fault"],
-                               hang={k: verdict[k] for k in ("ranks", "step", "where", "timeout_s")})
+                               hang={k: verdict[k] for k in ("ranks", "step", "where", "timeout_s", "lost_s")})
         return verdict
 
     def _write_beat(self) -> None:

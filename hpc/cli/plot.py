@@ -1,5 +1,6 @@
 """``hpcx plot RUN… [--out PNG]``: a run's curves against step — train and eval loss, learning rate,
-tokens/s — from its ``metrics.jsonl``; several runs on one figure to compare them. Torch-free;
+tokens/s — from its ``metrics.jsonl``, and where its time went by cause (``hpc.core.goodput``, from the
+ledger); several runs on one figure to compare them. Torch-free;
 matplotlib (the ``plot`` extra) is imported only to draw."""
 
 from __future__ import annotations
@@ -31,16 +32,21 @@ def metric_keys(records: list[dict]) -> list[str]:
     return list(dict.fromkeys(k for r in records if "eval_loss" in r for k in eval_metrics(r)))
 
 
-def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
-    """One row of panels (loss with eval loss, LR, tokens/s) with a line per run, written atomically to ``path``."""
+def draw(curves: list[tuple[str, list[dict]]], path: Path, causes: list[tuple[str, dict]] | None = None) -> None:
+    """One row of panels (loss with eval loss, LR, tokens/s) with a line per run, and with ``causes``
+    (``hpc.core.goodput.by_cause`` of each run) a panel of where each run's time went; written atomically
+    to ``path``."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         raise UserError(["hpcx plot needs matplotlib: pip install 'hpcx[plot]'"]) from None
-    fig = Figure(figsize=(15, 4.2))
+    panels = len(PANELS) + bool(causes)
+    fig = Figure(figsize=(5 * panels, 4.2))
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(1, len(PANELS), i + 1) for i in range(len(PANELS))]
+    axes = [fig.add_subplot(1, panels, i + 1) for i in range(panels)]
+    if causes:
+        draw_causes(axes.pop(), causes)
     for n, (name, records) in enumerate(curves):
         color = f"C{n % 10}"
         for ax, (key, _) in zip(axes, PANELS):
@@ -67,6 +73,22 @@ def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
     write_atomic(path, buf.getvalue())
 
 
+def draw_causes(ax: tp.Any, causes: list[tuple[str, dict]]) -> None:
+    """A stacked bar per run: its seconds by cause (productive first), goodput in the run's label."""
+    from hpc.core.goodput import CAUSES
+
+    names = [f"{name} ({100 * found['goodput']:.0f}%)" if found.get("goodput") is not None else name
+             for name, found in causes]
+    for i, cause in enumerate(CAUSES):
+        widths = [found["seconds"][cause] for _, found in causes]
+        lefts = [sum(found["seconds"][c] for c in CAUSES[:i]) for _, found in causes]
+        ax.barh(range(len(causes)), widths, left=lefts, color=f"C{i}", label=cause)
+    ax.set_yticks(range(len(causes)), names, fontsize="small")
+    ax.set_xlabel("seconds")
+    ax.set_title("time by cause (goodput)")
+    ax.legend(fontsize="small")
+
+
 def run_curves(refs: tp.Sequence[str], roots: list[Path]) -> list[tuple[str, list[dict]]]:
     """(run folder name, metrics lines) of each run; a run without metrics is a UserError."""
     from hpc.core import runs
@@ -89,6 +111,12 @@ def plot_command(refs: tuple[str, ...], out: str) -> None:
     """Draw train and eval loss, learning rate and tokens/s against step for RUN… (folders, names or job ids)."""
     from hpc.cli import run_roots
 
-    curves = run_curves(refs, run_roots())
-    draw(curves, Path(out))
+    from hpc.core import runs
+    from hpc.core.goodput import by_cause
+
+    roots = run_roots()
+    curves = run_curves(refs, roots)
+    causes = [(name, by_cause(runs.RunDir(runs.find_run(ref, roots)).read_ledger(), records))
+              for ref, (name, records) in zip(refs, curves)]
+    draw(curves, Path(out), causes if any(c["goodput"] is not None for _, c in causes) else None)
     click.echo(f"{out}: {', '.join(name for name, _ in curves)}")

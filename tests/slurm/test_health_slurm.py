@@ -4,13 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
-from tests.conftest import REPO
+from tests.conftest import REPO, hpcx
 from tests.resilience.resilience_lib import ledger, losses_by_step, submit, wait_state
-from tests.slurm.test_failure_slurm import TERMINAL, task_pid, wait_for
+from tests.slurm.test_failure_slurm import TERMINAL
 
 DDP = str(REPO / "jobs" / "tiny-ddp.toml")
 
@@ -22,11 +20,11 @@ def hosts(folder) -> list[str]:
 def test_a_node_that_killed_the_rank_is_excluded_and_the_job_lands_on_the_other(sandbox):
     folder = submit(DDP, "job.name=exclude-node", "job.nodes=1", "job.tasks_per_node=1", "train.steps=20",
                     "train.log_every=1", "checkpoint.interval_steps=4", site="sandbox")
-    job_id = json.loads((folder / "job.json").read_text())["job_id"]
-    wait_for(lambda: max(losses_by_step(folder), default=0) >= 6, "step 6", timeout=240)
-    first = hosts(folder)
-    pid = wait_for(lambda: task_pid(job_id, 0), "the rank's process", timeout=30)
-    os.kill(pid, signal.SIGKILL)  # a node-level failure: no Python error, srun says "Killed"
+    drilled = hpcx("drill", str(folder), "--at-step", "6", "--fail-node", "--json")  # SIGKILL: srun says "Killed"
+    assert drilled.returncode == 0, drilled.stderr
+    done = json.loads(drilled.stdout)
+    first = [done["host"]]
+    assert done["fault"] == "fail_node" and done["rank"] == 0 and done["step"] >= 6
     final = wait_state(folder, TERMINAL, timeout=300)
     assert final["state"] == "COMPLETED", (folder / "logs" / "rank-0.log").read_text()[-3000:]
     start0, stop0, start1, stop1 = ledger(folder)
@@ -41,10 +39,9 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_resumes_with_nothin
     folder = submit(DDP, "job.name=hang-rank", "job.nodes=2", "job.tasks_per_node=1", "train.steps=24",
                     "train.log_every=1", "checkpoint.interval_steps=4", "health.hang_timeout_s=20", site="sandbox")
     job_id = json.loads((folder / "job.json").read_text())["job_id"]
-    wait_for(lambda: max(losses_by_step(folder), default=0) >= 6, "step 6", timeout=240)
-    pid = wait_for(lambda: task_pid(job_id, 1), "rank 1's process", timeout=30)
+    drilled = hpcx("drill", str(folder), "--at-step", "6", "--hang", "1")  # SIGSTOP: its watchdog stops too
     stopped_at = time.time()
-    os.kill(pid, signal.SIGSTOP)  # rank 1 hangs: its peer waits in a collective, its own watchdog is stopped too
+    assert drilled.returncode == 0 and "hang at rank 1 on n2 (srun --jobid=" in drilled.stdout, drilled.stderr
     final = wait_state(folder, TERMINAL, timeout=400)
     assert final["state"] == "COMPLETED", (folder / "logs" / "rank-0.log").read_text()[-3000:]
     start0, stop0, start1, stop1 = ledger(folder)

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from hpc.core.errors import UserError
 from hpc.schedulers.base import (PLACEMENT, Placement, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, JobSide, JobState, RankEnv,
-                                 Scheduler, batch_log, task_command, try_command, unknown, wait_since_last_stop)
+                                 Scheduler, batch_log, run_on, task_command, try_command, unknown,
+                                 wait_since_last_stop)
 from hpc.schedulers.slurm import ranks
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
 from hpc.schedulers.slurm.section import overcommits
@@ -487,6 +488,12 @@ class SlurmScheduler(Scheduler):
 
     def restarts(self, job_id: str) -> int:
         return int(show_job(job_id).get("Restarts", "0") or 0)
+
+    def on_node(self, job_id: str, host: str, argv: list[str], wait: bool = True) -> str:
+        """A step of its own in the job on that node: ``srun --jobid=J --overlap -N1 -n1 -w HOST …``
+        (``--overlap``: the training step holds every CPU of the allocation)."""
+        cmd = ["srun", f"--jobid={job_id}", "--overlap", "-N1", "-n1", f"--nodelist={host}", *argv]
+        return run_on(cmd, wait)
 
     def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
         from hpc.schedulers.slurm.array import ARRAY_MINUTES, submit_prepare
