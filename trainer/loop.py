@@ -38,6 +38,7 @@ from trainer.parallelize import set_gradient_sync, set_reshard_after_backward
 from trainer.preemption import PreemptionFlag
 from trainer.tasks import LoopTask, autocast_of
 from trainer.watch import MetricWatch
+from trainer.watchdog import Watchdog, paused
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -103,6 +104,7 @@ class Trainer:
     init_report: dict | None = None  # what checkpoint.init_from read (trainer.init_from.start_weights)
     counted: torch.Tensor | None = None  # a masked loss: the last step's counted targets, whole batch (on the device)
     watch: MetricWatch | None = None  # checkpoint.keep_best / train.early_stop_patience (``trainer.watch``)
+    watchdog: Watchdog | None = None  # the hang watchdog (trainer.watchdog), set by run_rank: told of each boundary
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -195,9 +197,13 @@ def step_boundary(t: Trainer, state: TrainState) -> bool:
     stop after a preemption save (``trainer.resilience``). Without one, only the agreed preemption flag.
     """
     if t.resilience is not None:
-        return t.resilience.boundary(t, state)
-    agreed = t.preemption is not None and t.preemption.agreed(t.device)
-    return agreed or (t.watch is not None and t.watch.stopped)
+        stop = t.resilience.boundary(t, state)
+    else:
+        stop = t.preemption is not None and t.preemption.agreed(t.device)
+        stop = stop or (t.watch is not None and t.watch.stopped)
+    if t.watchdog is not None:
+        t.watchdog.beat(state.step)
+    return stop
 
 
 def set_float_math(device: torch.device) -> None:
@@ -262,7 +268,8 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
             history.append(log_step(t, state, loss, norm, lr, state.step - last_logged, scalars))
             last_logged = state.step
         if t.evaluator is not None and t.evaluator.due(state.step, t.steps):
-            t.last_eval = eval_step(t, state.step)
+            with paused(t.watchdog):  # an evaluation is not a hang
+                t.last_eval = eval_step(t, state.step)
             watch_eval(t, state)
         stopped = step_boundary(t, state)
         collector.step(state.step)

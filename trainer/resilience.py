@@ -53,6 +53,7 @@ from trainer.checkpoint import Checkpointer, committed_steps, latest_checkpoint,
 from trainer.dist import CollectiveTimeouts
 from trainer.preemption import BoundaryVote, PreemptionFlag
 from trainer.watch import write_best
+from trainer.watchdog import Watchdog, paused
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.run import Run
@@ -91,6 +92,7 @@ class Resilience:
     code_modules: tuple[str, ...] = ()  # the job's own modules (task.target's, a user model's): user errors
     notes: dict[str, tp.Any] = field(default_factory=dict)  # for the start line (``data_resume``)
     checkpointer: Checkpointer = field(init=False, repr=False)  # this run folder's saves (and the one in flight)
+    watchdog: Watchdog | None = None  # the hang watchdog (trainer.watchdog): suspended while saving
 
     def __post_init__(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, keep=self.policy.keep, async_save=self.policy.async_save)
@@ -202,7 +204,8 @@ class Resilience:
 
     def _timed(self, work: tp.Callable[[], tp.Any]) -> None:
         tic = time.perf_counter()
-        with self.timeouts.lengthened() if self.timeouts is not None else contextlib.nullcontext():
+        with self.timeouts.lengthened() if self.timeouts is not None else contextlib.nullcontext(), \
+                paused(self.watchdog):
             work()
         self.save_s += time.perf_counter() - tic
 

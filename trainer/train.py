@@ -38,6 +38,7 @@ from trainer.run import Run, load_run
 from trainer.tasks import LoopTask, task_for
 from trainer.tokens import record_data
 from trainer.watch import watch_for
+from trainer.watchdog import watchdog_for
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -47,6 +48,7 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
     env = detect_rank_env()
     run = load_or_report(run_dir, env.rank)
     guard = resilience_for(run, env.rank, preemption)  # phase "load" until the job is joined
+    trainer: Trainer | None = None
     try:
         setup_logging(run.logs_dir, env.rank)
         apply_job_env(run.site.nccl, run.spec.env.set)
@@ -67,8 +69,11 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
         if state.step == 0:  # no checkpoint of the run's own: a task's pretrained weights
             trainer.task.start_weights(trainer.model)
         guard.phase = "train"
+        trainer.watchdog = guard.watchdog = watchdog_for(run, env.world_size, guard)
         result = train(trainer, state)
+        stop_watchdog(trainer)
     except BaseException as exc:
+        stop_watchdog(trainer)
         log.exception("training failed on rank %d", env.rank)
         guard.failed(exc)  # rank 0: ledger line; one requeue unless cancelled or no progress
         flush_logging()
@@ -77,6 +82,12 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
     guard.stopped()  # rank 0: ledger line; after a preemption, the one requeue
     flush_logging()
     return result if env.is_rank0 else None
+
+
+def stop_watchdog(trainer: Trainer | None) -> None:
+    """The loop has left (done, stopped or failed): what follows (teardown, a failure's report) is no hang."""
+    if trainer is not None and trainer.watchdog is not None:
+        trainer.watchdog.stop()
 
 
 def load_or_report(run_dir: str, rank: int) -> Run:

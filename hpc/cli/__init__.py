@@ -293,6 +293,7 @@ def status(ref: str | None, as_json: bool) -> None:
     if ref:  # one run: a folder that lies about itself is an error line; in the list it is a row
         target = runs.find_run(ref, run_roots())
         infos = [sub.summary(target, sub.job_states([target], sub.QUERY_TIMEOUT_S)[target])]
+        infos[0]["goodput"] = sub.goodput(target)  # one run: its metrics are read whole (not in the list)
     else:  # the list (the console script prints a bare `hpcx status` without Click: hpc.entry)
         infos = listing.recent(lambda message: click.echo(message, err=True))
     if as_json:
@@ -376,24 +377,61 @@ def cancel(ref: str) -> None:
 @cli.command()
 @click.argument("ref", metavar="RUN")
 @click.option("--at-step", "at_step", default=None, metavar="N", help="First wait until metrics.jsonl shows step ≥ N.")
+@click.option("--hang", "hang", default=None, metavar="RANK", help="Stop that rank (SIGSTOP): the hang watchdog's path.")
+@click.option("--slow", "slow", default=None, metavar="RANK", help="Stop that rank half of each second for "
+              "--for seconds: a straggler.")
+@click.option("--for", "slow_s", default=120, type=click.IntRange(1, 86400), metavar="SECONDS",
+              help="How long --slow lasts (default 120).")
+@click.option("--fail-node", "fail_node", is_flag=True, help="Kill (SIGKILL) every rank on the node of the last "
+              "rank: a node failure, excluded on the requeue.")
 @json_option
-def drill(ref: str, at_step: str | None, as_json: bool) -> None:
-    """Rehearse a preemption: send the job's tasks USR2 (Slurm: scancel --signal=USR2).
+def drill(ref: str, at_step: str | None, hang: str | None, slow: str | None, slow_s: int, fail_node: bool,
+          as_json: bool) -> None:
+    """Rehearse a preemption: send the job's tasks USR2 (Slurm: scancel --signal=USR2); or a fault.
 
     Waits until the job is training (and, with --at-step, has reached step N). The trainer then
-    saves at the next step boundary, requeues itself once and resumes from that checkpoint.
+    saves at the next step boundary, requeues itself once and resumes from that checkpoint. With
+    --hang, --slow or --fail-node (one of them), the fault instead, at one rank's process on its node.
     """
     from hpc.core import runs
     from hpc.login.drill import drill as send_drill, parse_step
 
     step = parse_step(at_step)
     run_dir = runs.find_run(ref, run_roots())
-    done = send_drill(run_dir, step, on_wait=lambda message: None if as_json else click.echo(message, err=True))
+    def on_wait(message: str) -> None:
+        if not as_json:
+            click.echo(message, err=True)
+
+    if hang is not None or slow is not None or fail_node:
+        _drill_fault(run_dir, step, hang, slow, slow_s, fail_node, as_json, on_wait)
+        return
+    done = send_drill(run_dir, step, on_wait=on_wait)
     if as_json:
         echo_json(done)
         return
     at = f" at step {done['step']}" if done["step"] is not None else ""
     click.echo(f"drilled job {done['job_id']}{at}: sent {done['signal']} to {', '.join(done['targets'])}")
+
+
+def _drill_fault(run_dir: Path, step: int | None, hang: str | None, slow: str | None, slow_s: int, fail_node: bool,
+                 as_json: bool, on_wait: tp.Callable[[str], None]) -> None:
+    """``hpcx drill --hang/--slow/--fail-node``: one fault, at a rank of the run."""
+    from hpc.core import runs
+    from hpc.login.drill import drill_fault, parse_rank
+
+    given = [name for name, value in (("--hang", hang), ("--slow", slow), ("--fail-node", fail_node)) if value]
+    if len(given) > 1:
+        raise UserError([f"{' and '.join(given)}: expected one fault per drill"])
+    world = int(runs.RunDir(run_dir).read_resolved().get("launch", {}).get("world_size") or 1)
+    rank = parse_rank(hang if hang is not None else slow, given[0], world)
+    fault = "hang" if hang is not None else "slow" if slow is not None else "fail_node"
+    done = drill_fault(run_dir, fault, world - 1 if rank is None else rank, step, float(slow_s), on_wait=on_wait)
+    if as_json:
+        echo_json(done)
+        return
+    at = f" at step {done['step']}" if done["step"] is not None else ""
+    click.echo(f"drilled job {done['job_id']}{at}: {fault.replace('_', ' ')} at rank {done['rank']} on {done['host']} "
+               f"({'; '.join(done['targets'])})")
 
 
 @cli.group(cls=LazyGroup, lazy={"detect": ("hpc.cli.plan", "detect_command")})

@@ -1,6 +1,7 @@
 """``hpcx plot RUN… [--out PNG]``: a run's curves against step — train and eval loss, learning rate,
 accuracy and other fractions, tokens/s, a task's own metrics — from its ``metrics.jsonl``, each kind on an
-axis of its own (``metric_kind``); several runs on one figure to compare them. Torch-free;
+axis of its own (``metric_kind``), and where its time went by cause (``hpc.core.goodput``, from the
+ledger); several runs on one figure to compare them. Torch-free;
 matplotlib (the ``plot`` extra) is imported only to draw."""
 
 from __future__ import annotations
@@ -56,9 +57,10 @@ def plotted_keys(records: list[dict]) -> dict[str, list[str]]:
     return out
 
 
-def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
-    """``figure(curves)`` as a PNG, written atomically to ``path``."""
-    fig = figure(curves)
+def draw(curves: list[tuple[str, list[dict]]], path: Path, causes: list[tuple[str, dict]] | None = None) -> None:
+    """``figure(curves, causes)`` as a PNG, written atomically to ``path``; with ``causes``
+    (``hpc.core.goodput.by_cause`` of each run) a last panel of where each run's time went."""
+    fig = figure(curves, causes)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     from hpc.core.runs import write_atomic
@@ -66,9 +68,9 @@ def draw(curves: list[tuple[str, list[dict]]], path: Path) -> None:
     write_atomic(path, buf.getvalue())
 
 
-def figure(curves: list[tuple[str, list[dict]]]) -> tp.Any:
+def figure(curves: list[tuple[str, list[dict]]], causes: list[tuple[str, dict]] | None = None) -> tp.Any:
     """One panel per kind of metric present (loss with eval loss, learning rate, accuracy and fractions,
-    throughput, other), with a line per run and metric."""
+    throughput, other), with a line per run and metric; with ``causes`` a last panel of time by cause."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -76,9 +78,12 @@ def figure(curves: list[tuple[str, list[dict]]]) -> tp.Any:
         raise UserError(["hpcx plot needs matplotlib: pip install 'hpcx[plot]'"]) from None
     found = [plotted_keys(records) for _, records in curves]
     kinds = [(kind, title) for kind, title in KINDS if kind in ("loss", "lr", "throughput") or any(f[kind] for f in found)]
-    fig = Figure(figsize=(5 * len(kinds), 4.2))
+    panels = len(kinds) + bool(causes)
+    fig = Figure(figsize=(5 * panels, 4.2))
     FigureCanvasAgg(fig)
-    axes = {kind: fig.add_subplot(1, len(kinds), i + 1) for i, (kind, _) in enumerate(kinds)}
+    axes = {kind: fig.add_subplot(1, panels, i + 1) for i, (kind, _) in enumerate(kinds)}
+    if causes:
+        draw_causes(fig.add_subplot(1, panels, panels), causes)
     for n, ((name, records), keys) in enumerate(zip(curves, found)):
         for kind, ax in axes.items():
             for key in keys[kind]:
@@ -93,6 +98,22 @@ def figure(curves: list[tuple[str, list[dict]]]) -> tp.Any:
             axes[kind].legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def draw_causes(ax: tp.Any, causes: list[tuple[str, dict]]) -> None:
+    """A stacked bar per run: its seconds by cause (productive first), goodput in the run's label."""
+    from hpc.core.goodput import CAUSES
+
+    names = [f"{name} ({100 * found['goodput']:.0f}%)" if found.get("goodput") is not None else name
+             for name, found in causes]
+    for i, cause in enumerate(CAUSES):
+        widths = [found["seconds"][cause] for _, found in causes]
+        lefts = [sum(found["seconds"][c] for c in CAUSES[:i]) for _, found in causes]
+        ax.barh(range(len(causes)), widths, left=lefts, color=f"C{i}", label=cause)
+    ax.set_yticks(range(len(causes)), names, fontsize="small")
+    ax.set_xlabel("seconds")
+    ax.set_title("time by cause (goodput)")
+    ax.legend(fontsize="small")
 
 
 def run_curves(refs: tp.Sequence[str], roots: list[Path]) -> list[tuple[str, list[dict]]]:
@@ -117,7 +138,12 @@ def plot_command(refs: tuple[str, ...], out: str) -> None:
     """Draw train and eval loss, learning rate, accuracy, tokens/s and a task's metrics against step for RUN…
     (folders, names or job ids), each kind of metric on an axis of its own."""
     from hpc.cli import run_roots
+    from hpc.core import runs
+    from hpc.core.goodput import by_cause
 
-    curves = run_curves(refs, run_roots())
-    draw(curves, Path(out))
+    roots = run_roots()
+    curves = run_curves(refs, roots)
+    causes = [(name, by_cause(runs.RunDir(runs.find_run(ref, roots)).read_ledger(), records))
+              for ref, (name, records) in zip(refs, curves)]
+    draw(curves, Path(out), causes if any(c["goodput"] is not None for _, c in causes) else None)
     click.echo(f"{out}: {', '.join(name for name, _ in curves)}")

@@ -18,9 +18,12 @@ so a node whose window has passed comes back then. Torch-free and pure but for `
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import typing as tp
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from hpc.core.config import field
 
@@ -117,3 +120,70 @@ def exclusion_words(until: tp.Mapping[str, float], now: float) -> str:
     if not until:
         return ""
     return "excluded " + ", ".join(f"{n} ({max(1, round((t - now) / 60))} min more)" for n, t in until.items())
+
+
+# ---------------------------------------------------------------- heartbeats and hangs (the run folder)
+
+
+def beats_dir(run_dir: Path) -> Path:
+    """``RUN/health/``: each rank's last step boundary (``rank-R.json``: rank, host, pid, step, time,
+    incarnation), overwritten every few seconds by ``trainer.watchdog``; what ``hpcx drill`` aims at."""
+    return Path(run_dir) / "health"
+
+
+def hang_dir(run_dir: Path, incarnation: str) -> Path:
+    """``RUN/hangs/INCARNATION/``: each answering rank's stacks (``rank-R.stacks.txt``) and account
+    (``rank-R.json``), and the verdict (``hang.json``)."""
+    return Path(run_dir) / "hangs" / incarnation
+
+
+def read_beats(run_dir: Path) -> dict[int, dict]:
+    """Rank → its last heartbeat (unreadable ones left out: a rank may be writing)."""
+    found: dict[int, dict] = {}
+    for path in sorted(beats_dir(run_dir).glob("rank-*.json")):
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(beat, dict) and isinstance(beat.get("rank"), int):
+            found[beat["rank"]] = beat
+    return found
+
+
+def write_json_atomic(path: Path, record: dict) -> None:
+    """Write ``record`` beside ``path`` and rename it there: a reader sees the old line or the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def hang_verdict(world: int, answers: tp.Mapping[int, dict], beats: tp.Mapping[int, dict]) -> dict[str, tp.Any]:
+    """Which ranks hung, from the accounts of the ranks whose watchdog fired (``answers``: rank → step,
+    where, collective) and the heartbeats: the ranks that did not answer (stopped, or stuck in the kernel
+    or the driver: their node is to blame), else those furthest behind, preferring one that is not waiting
+    in a collective (a stuck data loader, a deadlock of its own)."""
+    silent = [r for r in range(world) if r not in answers]
+    if silent:
+        hung, fault = silent, True
+    else:
+        low = min(int(a.get("step", 0)) for a in answers.values())
+        behind = [r for r, a in sorted(answers.items()) if int(a.get("step", 0)) == low]
+        hung, fault = [r for r in behind if not answers[r].get("collective")] or behind, False
+    first = hung[0]
+    beat, answer = beats.get(first, {}), answers.get(first, {})
+    step = hung_step(first, answers, beats)
+    where = answer.get("where") or (f"no answer to the watchdog (stopped, or stuck in the kernel or the driver); "
+                                    f"its last heartbeat was at step {beat.get('step', '?')}")
+    return {"ranks": hung, "rank": first, "step": step + 1, "host": answer.get("host") or beat.get("host"),
+            "where": where, "node_fault": fault,
+            "error": f"hang at step {step + 1}, rank {first} (last seen in {where})"[:300]}
+
+
+def hung_step(rank: int, answers: tp.Mapping[int, dict], beats: tp.Mapping[int, dict]) -> int:
+    """The last step boundary of a hung rank: its own account; else, for a silent one, at least the slowest
+    answering rank's (the ranks step together through their collectives, and a heartbeat may lag a few
+    seconds); else its heartbeat."""
+    if rank in answers:
+        return int(answers[rank].get("step", 0))
+    beat = int(beats.get(rank, {}).get("step", 0))
+    return max(beat, min(int(a.get("step", 0)) for a in answers.values())) if answers else beat

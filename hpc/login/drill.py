@@ -1,4 +1,9 @@
-"""``hpcx drill``: rehearse a preemption by sending the job's tasks the preemption signal.
+"""``hpcx drill``: rehearse a preemption by sending the job's tasks the preemption signal, or a fault
+at one rank: ``--hang RANK`` (SIGSTOP: the hang watchdog names it), ``--slow RANK`` (stopped half of
+each second for a while: a straggler), ``--fail-node`` (every rank on the node of the last rank killed:
+a node failure, excluded on the requeue). Faults find the rank's host and pid in its heartbeat
+(``hpc.core.health``) and run ``kill`` on its node through the scheduler (``Scheduler.on_node``: on
+Slurm a step of its own, ``srun --jobid=J --overlap -w HOST``).
 
 The run's scheduler sends it (``hpc.schedulers``: on Slurm ``scancel --signal=USR2 JOBID``, which
 reaches the srun tasks and not the batch shell; locally, the task processes under submitit's
@@ -88,3 +93,76 @@ def drill(run_dir: Path, at_step: int | None, poll_s: float = 0.5,
     targets = send(info, run_dir)
     return {"run_dir": str(run_dir), "job_id": str(info["job_id"]), "scheduler": info["scheduler"],
             "signal": SIGNAL, "step": step, "targets": targets, "time": time.time()}
+
+
+# ---------------------------------------------------------------- faults: a hung rank, a slow one, a failed node
+
+FAULTS = ("hang", "slow", "fail_node")
+SLOW_DUTY = 0.5  # --slow: the rank is stopped this share of each second (about twice as slow)
+# --slow's loop on the rank's node: SIGSTOP / SIGCONT for SECONDS, and SIGCONT whatever ends it
+SLOW_LOOP = ('pid=$1; end=$(($(date +%s) + $2)); trap "kill -CONT $pid 2>/dev/null" EXIT; '
+             'while [ "$(date +%s)" -lt "$end" ] && kill -STOP "$pid" 2>/dev/null; do '
+             'sleep $3; kill -CONT "$pid" 2>/dev/null; sleep $4; done')
+
+
+def parse_rank(text: str | None, option: str, world: int) -> int | None:
+    """``--hang RANK`` / ``--slow RANK`` as a rank of the run; ConfigError otherwise."""
+    if text is None:
+        return None
+    if not text.isdigit() or int(text) >= world:
+        raise ConfigError([f"{option} {text!r}: expected a rank of this run, 0 to {world - 1}"])
+    return int(text)
+
+
+def current_beats(run_dir: Path) -> dict[int, dict]:
+    """The heartbeats of the current start (``hpc.core.health``): written since its ledger start line."""
+    from hpc.core import health
+
+    starts = [e for e in runs.RunDir(run_dir).read_ledger() if e.get("event") == "start"]
+    since = float(starts[-1].get("time", 0.0)) - 1.0 if starts else float("inf")
+    return {r: b for r, b in health.read_beats(run_dir).items() if float(b.get("time", 0.0)) >= since}
+
+
+def fault_commands(fault: str, rank: int, beats: dict[int, dict], slow_s: float) -> list[tuple[str, list[str], bool]]:
+    """(node, command, wait) for a fault at ``rank``: ``hang`` stops its process (SIGSTOP: its watchdog
+    too), ``slow`` stops it ``SLOW_DUTY`` of each second for ``slow_s`` seconds (left running),
+    ``fail_node`` kills (SIGKILL) every rank process on its node."""
+    beat = beats[rank]
+    host, pid = str(beat["host"]), str(beat["pid"])
+    if fault == "hang":
+        return [(host, ["kill", "-STOP", pid], True)]
+    if fault == "slow":
+        return [(host, ["sh", "-c", SLOW_LOOP, "hpcx-slow", pid, str(int(slow_s)), f"{SLOW_DUTY:g}",
+                        f"{1 - SLOW_DUTY:g}"], False)]
+    pids = sorted(str(b["pid"]) for b in beats.values() if b.get("host") == host)
+    return [(host, ["kill", "-KILL", *pids], True)]
+
+
+def drill_fault(run_dir: Path, fault: str, rank: int, at_step: int | None, slow_s: float = 120.0,
+                poll_s: float = 0.5, on_wait: tp.Callable[[str], None] = lambda message: None) -> dict[str, tp.Any]:
+    """Wait until the job trains (and reached ``at_step``) and ``rank`` has a heartbeat of this start,
+    then cause ``fault`` there through the run's scheduler (``Scheduler.on_node``)."""
+    info = runs.RunDir(run_dir).read_job()
+    if not info:
+        raise ConfigError([f"{run_dir}: no job.json: this run was never submitted"])
+    step = wait_until_ready(run_dir, info, at_step, poll_s, on_wait)
+    beats = _await_beat(run_dir, info, rank, poll_s, on_wait)
+    scheduler = schedulers.get(info["scheduler"])
+    done = [scheduler.on_node(str(info["job_id"]), host, argv, wait)
+            for host, argv, wait in fault_commands(fault, rank, beats, slow_s)]
+    return {"run_dir": str(run_dir), "job_id": str(info["job_id"]), "scheduler": info["scheduler"], "fault": fault,
+            "rank": rank, "host": beats[rank]["host"], "step": step, "targets": done, "time": time.time()}
+
+
+def _await_beat(run_dir: Path, info: dict, rank: int, poll_s: float,
+                on_wait: tp.Callable[[str], None]) -> dict[int, dict]:
+    """The current start's heartbeats once ``rank`` has one (its first step boundary)."""
+    said = False
+    while rank not in (beats := current_beats(run_dir)):
+        if job_state(run_dir).state in schedulers.TERMINAL:
+            raise ConfigError([f"{run_dir.name}: job {info['job_id']} ended before rank {rank} reached a step"])
+        if not said:
+            on_wait(f"waiting: rank {rank} has no heartbeat of this start yet (its first step boundary)")
+            said = True
+        time.sleep(poll_s)
+    return beats

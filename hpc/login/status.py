@@ -51,7 +51,18 @@ def format_status(info: dict) -> str:
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
                f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
             + (f"  last stop: {info['last_stop']['words']}" if info.get("last_stop") else "")
-            + health_text(info))
+            + health_text(info)
+            + goodput_text(info))
+
+
+def goodput_text(info: dict) -> str:
+    """"  goodput 91.2% (lost: …)" for one run (``hpcx status RUN``: ``hpc.core.goodput``); "" in the list."""
+    if not info.get("goodput"):
+        return ""
+    from hpc.core.goodput import words
+
+    text = words(info["goodput"])
+    return f"  {text}" if text else ""
 
 
 def health_text(info: dict) -> str:

@@ -499,6 +499,14 @@ def stop_summary(stop: dict) -> dict[str, tp.Any]:
     return {**found, "words": words}
 
 
+def goodput(run_dir: Path) -> dict[str, tp.Any]:
+    """Where the run's time went, by cause (``hpc.core.goodput``)."""
+    from hpc.core.goodput import by_cause
+
+    rd = runs.RunDir(run_dir)
+    return by_cause(rd.read_ledger(), rd.read_metrics())
+
+
 def ledger_summary(ledger: list[dict]) -> dict[str, tp.Any]:
     """Goodput figures from the ledger's start/stop lines."""
     stops = [e for e in ledger if e.get("event") == "stop"]

@@ -154,6 +154,24 @@ def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool,
     return True, out
 
 
+def run_on(cmd: list[str], wait: bool) -> str:
+    """Run ``cmd`` (an argument list) to its end (UserError when it fails), or start it detached from
+    this process (its own session, no terminal: it outlives ``hpcx drill``); ``cmd`` as words."""
+    import shlex
+    import subprocess
+
+    from hpc.core.errors import UserError
+
+    if wait:
+        ok, why = try_command(cmd, timeout=60)
+        if not ok:
+            raise UserError([f"{shlex.join(cmd)} failed: {why.strip()}"])
+    else:
+        subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                         start_new_session=True)
+    return shlex.join(cmd)
+
+
 def read_result(path: Path) -> tuple[str, object]:
     """submitit's result pickle: ("success", value) or ("error", traceback text).
 
@@ -329,6 +347,14 @@ class Scheduler(abc.ABC):
     def restarts(self, job_id: str) -> int:
         """How many times the scheduler restarted (requeued) the job."""
         return 0
+
+    def on_node(self, job_id: str, host: str, argv: list[str], wait: bool = True) -> str:
+        """Run ``argv`` on ``host``, a node of the running job (``hpcx drill``'s faults: a signal to one
+        rank's process); with ``wait``, until it ends (UserError when it fails), else left running.
+        What was run, for the report."""
+        from hpc.core.errors import UserError
+
+        raise UserError([f"a {self.kind} job: hpcx cannot run a command on its nodes"])
 
     def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
         """``hpcx data prepare --site``: the unfinished ``groups`` of the preparation in ``folder`` as jobs,

@@ -23,7 +23,7 @@ from hpc import compat
 from hpc.core.errors import UserError
 from hpc.core.procs import pid_alive, process_start_time
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
-                                 Step, result_path, wait_since_last_stop)
+                                 Step, result_path, run_on, wait_since_last_stop)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
@@ -219,6 +219,13 @@ class LocalScheduler(Scheduler):
             except ProcessLookupError:
                 continue
         return [f"task pid {pid}" for pid in pids]
+
+
+    def on_node(self, job_id: str, host: str, argv: list[str], wait: bool = True) -> str:
+        """Here: every task of a local job runs on this machine."""
+        if not pid_alive(int(job_id)):
+            raise UserError([f"local job {job_id} has ended (its controller is gone)"])
+        return run_on(argv, wait)
 
 
 class LocalJobSide(JobSide):

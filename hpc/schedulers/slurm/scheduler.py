@@ -23,7 +23,7 @@ from pathlib import Path
 
 from hpc.core.errors import UserError
 from hpc.schedulers.base import (PLACEMENT, Placement, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, ContainerRuntime,
-                                 JobSide, JobState, RankEnv, Scheduler, Step, batch_log, task_argv, try_command, unknown,
+                                 JobSide, JobState, RankEnv, Scheduler, Step, batch_log, run_on, task_argv, try_command, unknown,
                                  wait_since_last_stop)
 from hpc.schedulers.slurm import ranks
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
@@ -516,6 +516,12 @@ class SlurmScheduler(Scheduler):
     def restarts(self, job_id: str) -> int:
         return int(show_job(job_id).get("Restarts", "0") or 0)
 
+    def on_node(self, job_id: str, host: str, argv: list[str], wait: bool = True) -> str:
+        """A step of its own in the job on that node: ``srun --jobid=J --overlap -N1 -n1 -w HOST …``
+        (``--overlap``: the training step holds every CPU of the allocation)."""
+        cmd = ["srun", f"--jobid={job_id}", "--overlap", "-N1", "-n1", f"--nodelist={host}", *argv]
+        return run_on(cmd, wait)
+
     def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
         from hpc.schedulers.slurm.array import ARRAY_MINUTES, submit_prepare
 
@@ -620,10 +626,13 @@ class SlurmJobSide(JobSide):
         return None if ok else f"scontrol update JobId={job} ExcNodeList={','.join(nodes)} failed: {why.strip()}"
 
     def spare_nodes(self) -> int | None:
-        """The nodes of the job's partition (``sinfo``) less the job's own (``NumNodes``)."""
-        fields = show_job(self.job_id() or "")
-        ok, out = try_command(["sinfo", "-h", "-p", fields.get("Partition", ""), "-o", "%D"])
-        need = fields.get("NumNodes", "").split("-")[0]
+        """The nodes of the job's partition (``sinfo``) less the job's own (``SLURM_JOB_NUM_NODES``: the
+        ``NumNodes`` of ``scontrol show job`` shrinks while a requeued job completes, node by node)."""
+        partition, need = os.environ.get("SLURM_JOB_PARTITION", ""), os.environ.get("SLURM_JOB_NUM_NODES", "")
+        if not partition or not need:
+            fields = show_job(self.job_id() or "")
+            partition, need = fields.get("Partition", ""), fields.get("NumNodes", "").split("-")[0]
+        ok, out = try_command(["sinfo", "-h", "-p", partition, "-o", "%D"])
         if not ok or not need.isdigit() or not all(n.strip().isdigit() for n in out.split()):
             return None
         return sum(int(n) for n in out.split()) - int(need)

@@ -1,0 +1,192 @@
+"""The hang watchdog (``trainer.watchdog``) with an injected clock: when it is armed, what its timeout is,
+that saves and evaluations are not hangs, and what the ranks that fire write and decide. Real files and a
+real faulthandler dump; the SIGSTOP of a real rank runs on the sandbox (tests/slurm/test_health_slurm.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpc.core import health
+from hpc.core.health import Health
+from trainer.watchdog import Watchdog, main_thread_place
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 0.01)
+
+
+def dog(run: Path, clock: Clock, rank: int = 0, world: int = 2, fired: list | None = None, **settings) -> Watchdog:
+    out = fired if fired is not None else []
+    return Watchdog(run, rank, world, "77.0", Health(**settings), 120.0, on_fire=out.append, host=f"n{rank + 1}",
+                    clock=clock, wall=clock, sleep=clock.sleep)
+
+
+def steps(w: Watchdog, clock: Clock, seconds: list[float], first: int = 1) -> None:
+    for i, s in enumerate(seconds):
+        clock.now += s
+        w.beat(first + i)
+
+
+# ---------------------------------------------------------------- the timeout
+
+
+def test_it_is_armed_once_one_interval_was_measured(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock)
+    assert w.timeout() is None and not w.due()
+    clock.now += 10_000  # start-up, resume, the first step: the long collective timeout's business
+    assert w.timeout() is None and not w.due()
+    steps(w, clock, [500.0])  # the first boundary: no interval yet
+    assert w.timeout() is None and not w.due()
+    steps(w, clock, [2.0], first=2)
+    assert w.timeout() == 60.0  # the floor: 10 × 2 s is below it
+
+
+def test_the_automatic_timeout_is_the_median_step_times_the_factor_below_the_collective_timeout(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, hang_factor=4, hang_floor_s=5)
+    steps(w, clock, [9.0, 2.0, 3.0, 2.5, 40.0])
+    assert w.timeout() == pytest.approx(4 * 2.75)  # the median of 2, 3, 2.5, 40
+    steps(w, clock, [20.0] * 9, first=6)
+    assert w.timeout() == pytest.approx(80.0)  # 4 × 20 s, below the cap (0.9 × 120 s = 108 s)
+    steps(w, clock, [50.0] * 20, first=15)
+    assert w.timeout() == pytest.approx(0.9 * 120)  # 4 × 50 s would be after the collective timeout
+
+
+def test_a_given_timeout_is_used_from_the_first_boundary(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, hang_timeout_s=30)
+    assert w.timeout() is None
+    steps(w, clock, [100.0])
+    assert w.timeout() == 30
+    clock.now += 29
+    assert not w.due()
+    clock.now += 2
+    assert w.due()
+
+
+def test_no_boundary_for_longer_than_the_timeout_fires_and_a_step_boundary_resets_it(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, hang_floor_s=10, hang_factor=2)
+    steps(w, clock, [1.0, 1.0, 1.0])
+    clock.now += 9.5
+    assert not w.due()
+    w.beat(4)
+    clock.now += 9.5
+    assert not w.due()
+    clock.now += 1
+    assert w.due()
+
+
+def test_a_long_save_or_evaluation_is_not_a_hang_and_is_not_measured(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, hang_floor_s=10, hang_factor=2)
+    steps(w, clock, [1.0, 1.0, 1.0])
+    with w.suspended():
+        clock.now += 500
+        assert not w.due()
+        with w.suspended():  # nested: an evaluation's save
+            clock.now += 100
+        assert not w.due()
+    assert not w.due()  # the wait starts again when the suspension ends
+    clock.now += 2
+    w.beat(4)
+    assert w.intervals == [1.0, 1.0]  # the interval holding the save is left out
+    clock.now += 11
+    assert w.due()
+
+
+def test_a_rank_that_waited_half_its_timeout_joins_one_that_fired(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, hang_floor_s=10, hang_factor=2)
+    steps(w, clock, [1.0, 1.0])
+    clock.now += 6
+    assert not w.due()
+    health.hang_dir(tmp_path, "77.0").mkdir(parents=True)  # another rank fired
+    assert w.due()
+    clock.now -= 2  # only 4 s waited: not yet half
+    assert not w.due()
+
+
+# ---------------------------------------------------------------- the heartbeat
+
+
+def test_heartbeats_reach_the_run_folder_every_few_seconds_with_where_to_find_the_rank(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, rank=3, world=4)
+    steps(w, clock, [1.0, 1.0])
+    beat = health.read_beats(tmp_path)[3]
+    assert beat["step"] == 1 and beat["host"] == "n4" and beat["incarnation"] == "77.0" and beat["pid"] > 0
+    steps(w, clock, [6.0], first=3)
+    assert health.read_beats(tmp_path)[3]["step"] == 3
+    (tmp_path / "health" / "rank-9.json").write_text("{torn")
+    assert set(health.read_beats(tmp_path)) == {3}
+
+
+# ---------------------------------------------------------------- firing
+
+
+def test_the_ranks_that_answer_dump_their_stacks_and_the_lowest_names_the_silent_one(tmp_path):
+    clock = Clock()
+    fired: list[dict] = []
+    w0, w1 = dog(tmp_path, clock, 0, 3, fired), dog(tmp_path, clock, 1, 3, fired)
+    silent = dog(tmp_path, clock, 2, 3)
+    for w in (w0, w1, silent):
+        steps(w, clock, [1.0, 1.0], first=5)
+    w1.hang_folder.mkdir(parents=True)
+    w1._dump()  # rank 1 answered first; rank 2 never does (stopped)
+    w0.fire()
+    verdict = fired[0]
+    assert verdict["ranks"] == [2] and verdict["rank"] == 2 and verdict["host"] == "n3" and verdict["node_fault"]
+    assert verdict["error"].startswith("hang at step 7, rank 2 (last seen in no answer to the watchdog")
+    assert "its last heartbeat was at step 5" in verdict["error"]  # written at most every 5 s
+    folder = w0.hang_folder
+    stacks = (folder / "rank-0.stacks.txt").read_text()
+    assert "rank 0 on n1" in stacks and "test_the_ranks_that_answer_dump_their_stacks" in stacks
+    assert json.loads((folder / "hang.json").read_text())["ranks"] == [2]
+    report = json.loads((tmp_path / "requeue" / "77.0.rank-2.json").read_text())
+    assert report["node_fault"] and report["hang"]["step"] == 7 and report["error"] == verdict["error"]
+    w1.fire()  # not the lowest answering rank: ends with the verdict rank 0 wrote
+    assert fired[1]["ranks"] == [2] and not (tmp_path / "requeue" / "77.0.rank-1.json").exists()
+
+
+def test_a_rank_that_answers_alone_after_the_grace_period_decides(tmp_path):
+    clock = Clock()
+    fired: list[dict] = []
+    w1 = dog(tmp_path, clock, 1, 2, fired, hang_timeout_s=40)
+    steps(w1, clock, [1.0], first=3)
+    start = clock.now
+    w1.fire()
+    assert fired[0]["ranks"] == [0] and 10 <= clock.now - start <= 11  # grace: a quarter of 40 s
+    assert w1.grace_s() == 10
+
+
+@pytest.mark.parametrize("answers,beats,ranks,fault", [
+    ({0: {"step": 5}, 1: {"step": 5}}, {2: {"step": 5, "host": "n2"}}, [2], True),
+    ({0: {"step": 5}}, {}, [1, 2], True),
+    ({0: {"step": 5, "collective": "all_reduce"}, 1: {"step": 4, "collective": "broadcast"},
+      2: {"step": 5, "collective": "all_reduce"}}, {}, [1], False),
+    ({0: {"step": 5, "collective": "all_reduce"}, 1: {"step": 5, "collective": ""},
+      2: {"step": 5, "collective": "all_reduce"}}, {}, [1], False),  # stuck outside a collective: the culprit
+    ({0: {"step": 5, "collective": "all_reduce"}, 1: {"step": 5, "collective": "all_reduce"},
+      2: {"step": 5, "collective": "all_reduce"}}, {}, [0, 1, 2], False),
+])
+def test_which_ranks_hung(answers, beats, ranks, fault):
+    verdict = health.hang_verdict(3, answers, beats)
+    assert verdict["ranks"] == ranks and verdict["node_fault"] is fault and verdict["rank"] == ranks[0]
+
+
+def test_where_the_main_thread_is():
+    where, collective = main_thread_place()
+    assert "test_where_the_main_thread_is" in where or "main_thread_place" in where
+    assert collective == ""
