@@ -23,8 +23,9 @@ TRAINER_ALLOWED = {"hpc.login.submit": {"trainer.task", "trainer.script"},  # bo
                    "hpc.dryrun": {"trainer.model", "trainer.optim", "trainer.train", "trainer.parallelize",
                                   "trainer.checkpoint", "trainer.init_from", "trainer.tasks",
                                   "trainer.models.decoder"},  # the document mask, built as the models build it
-                   # its start-up checks build the bare user model on meta and run the loop's loss on its output
-                   "hpc.dryrun.startup": {"trainer.model", "trainer.objective", "trainer.tasks"},
+                   # its start-up checks build the bare user model on meta, resolve the blocks where a feature
+                   # needs them (trainer.parallelize.blocks_for) and run the loop's loss on its output
+                   "hpc.dryrun.startup": {"trainer.model", "trainer.objective", "trainer.tasks", "trainer.parallelize"},
                    # `hpcx plan --count-params` builds a user model on the meta device to count it
                    "hpc.cli.plan": {"trainer.count"}}
 # modules that import nothing else from hpc (the bottom of the graph)
