@@ -39,6 +39,8 @@ TWO_RANKS = {  # name: (strategy, overrides)
     "fsdp2_no_shard": ("fsdp", ["parallel.sharding='no_shard'"]),
     "fsdp2_ac_offload": ("fsdp", ["parallel.activation_checkpointing=true", "parallel.cpu_offload=true"]),
     "fsdp2_bf16": ("fsdp", ["parallel.mixed_precision='bf16'"]),
+    # issue 45: units kept gathered across the accumulation micro-batches (only communication changes)
+    "fsdp2_keep_mb2": ("fsdp", ["parallel.reshard_after_forward=false", "train.micro_batch=2"]),
     "fsdp2_fp16": ("fsdp", ["parallel.mixed_precision='fp16'"]),
 }
 FOUR_RANKS = {
@@ -47,6 +49,7 @@ FOUR_RANKS = {
     "fsdp4_grad_op": ("fsdp", ["parallel.sharding='shard_grad_op'"]),
     "fsdp4_no_shard": ("fsdp", ["parallel.sharding='no_shard'"]),
     "hsdp2x2": ("hsdp", ["parallel.shard_size=2"]),
+    "hsdp2x2_keep": ("hsdp", ["parallel.shard_size=2", "parallel.reshard_after_forward=false"]),
     "hsdp2x2_bf16": ("hsdp", ["parallel.shard_size=2", "parallel.mixed_precision='bf16'"]),
 }
 
@@ -112,7 +115,7 @@ def test_reference_loss_moves(results):
 
 @pytest.mark.parametrize("name", ["dp", "none_mb8", "ddp2", "ddp2_mb2", "fsdp2_full", "fsdp2_grad_op",
                                   "fsdp2_no_shard", "fsdp2_ac_offload", "ddp4", "fsdp4_full", "fsdp4_grad_op",
-                                  "fsdp4_no_shard", "hsdp2x2"])
+                                  "fsdp4_no_shard", "hsdp2x2", "fsdp2_keep_mb2", "hsdp2x2_keep"])
 def test_fp32_matches_single_process(results, name):
     assert max_diff(results[name]["losses"], results["none"]["losses"]) < TOL
 
