@@ -86,3 +86,17 @@ def test_a_forward_that_needs_values_falls_back_to_six_per_parameter(monkeypatch
     assert counted.flops_per_sample is None and "unknown" in counted.flops_source
     facts = model_facts(resnet(target="Unmeasurable").model, counted)
     assert facts.flops_per_token == 6 * 25_557_032
+
+
+def test_a_declared_flops_per_sample_at_resnet_size_and_larger_loads():
+    """A ResNet-50's 8.2e9 (and a long-context LM sample's 1e17) are declared values, not out of range."""
+    from pathlib import Path
+
+    from hpc.core.errors import ConfigError
+    from hpc.core.spec import load_spec
+
+    job = Path(__file__).resolve().parents[1] / "jobs" / "resnet-ddp.toml"
+    for value in ("8.2e9", "1e17"):
+        assert load_spec(job, [f"task.flops_per_sample={value}"]).task.flops_per_sample == float(value)
+    with pytest.raises(ConfigError, match=r"task.flops_per_sample.*expected a value <= 1e\+18"):
+        load_spec(job, ["task.flops_per_sample=1e19"])

@@ -46,7 +46,7 @@ class Task:
     flops_per_sample: float = field(0.0, doc="Forward FLOPs of one sample (2 per multiply-add; a ResNet-50 at "
                                     "224²: 8.2e9), for the planner's compute time (training: 3 × this). 0: counted "
                                     "by `hpcx plan` on the meta device from a forward pass on the task's first sample "
-                                    "(torch's FlopCounterMode).", minimum=0)
+                                    "(torch's FlopCounterMode).", minimum=0, maximum=1e18)  # 405B × 128k tokens: 1e17
     sync_batchnorm: bool = field(False, doc="Convert every BatchNorm of the task's model to torch's "
                                  "`SyncBatchNorm` (batch statistics over all ranks' samples, so every rank's running "
                                  "statistics stay equal): under ddp, fsdp and hsdp, on GPUs and on CPU (gloo; hpcx's "
