@@ -202,3 +202,16 @@ def test_a_decay_that_never_comes_is_a_warning(doc, said):
     found = [w for w in spec_warnings(spec_from_dict(doc)) if "optim." in w]
     assert found == ([f"<spec>: {said}: the learning rate never drops" + (" there" if "milestones" in said else "")]
                      if said else [])
+
+
+def test_a_bad_optimizer_key_at_submit_is_one_line_exit_2_and_no_run_folder(tmp_path):
+    from tests.conftest import REPO, hpcx
+
+    root = tmp_path / "runs"
+    out = hpcx("submit", str(REPO / "jobs" / "tiny-ddp.toml"), "--set", f"job.run_root={str(root)!r}",
+               "--set", "optim.name='SGD'", "--set", "optim.kwargs.momentun=0.9")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: --set: `optim.kwargs.momentun`: torch.optim.SGD takes no `momentun`: expected one of momentum, "
+        "dampening, weight_decay, nesterov, maximize, foreach, differentiable, fused"]
+    assert not root.exists() or not any(root.iterdir())

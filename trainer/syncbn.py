@@ -7,8 +7,10 @@ rank's running statistics stay equal (and a checkpoint's ``buffers.rank<R>`` cop
 
 torch's SyncBatchNorm runs on GPUs only: on CPU tensors its forward raises ("SyncBatchNorm expected
 input tensor to be on GPU ..."; its kernels ``batch_norm_stats`` and ``batch_norm_gather_stats`` have
-no CPU implementation in torch 2.13). The modules are therefore ``HostSyncBatchNorm``: torch's own on
-a GPU, and on the CPU (gloo) the same arithmetic in plain torch: per-channel sum, sum of squares and
+no CPU implementation in torch 2.13), and DDP refuses to wrap a CPU module holding one ("SyncBatchNorm
+layers only work with GPU modules"). So on a GPU the modules are torch's ``nn.SyncBatchNorm``, and for a
+CPU (gloo) run ``HostSyncBatchNorm``, a BatchNorm (not a ``SyncBatchNorm``, which DDP would refuse) whose
+training forward does the same arithmetic in plain torch: per-channel sum, sum of squares and
 count, one differentiable all-reduce (``torch.distributed.nn.functional.all_reduce``, whose backward
 all-reduces the gradients as torch's SyncBatchNorm backward does), then normalization and the
 running-statistics update BatchNorm makes (unbiased variance, ``momentum`` or the cumulative mean).
@@ -18,18 +20,28 @@ both fall back to plain ``batch_norm`` on the running statistics.
 
 from __future__ import annotations
 
+import typing as tp
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from hpc.core.errors import ConfigError
 
 
-class HostSyncBatchNorm(nn.SyncBatchNorm):
-    """torch's SyncBatchNorm, with a forward for CPU tensors (see the module docstring)."""
+class HostSyncBatchNorm(_BatchNorm):
+    """SyncBatchNorm's arithmetic for CPU tensors (see the module docstring); made from torch's
+    ``nn.SyncBatchNorm`` by ``convert`` (its attributes, ``process_group`` included, are this class's)."""
+
+    process_group: tp.Any = None
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # torch's own argument name (a keyword caller may use it)
-        if input.device.type != "cpu" or not self._synchronizes():
+        if not self._synchronizes():
             return super().forward(input)
         self._check_input_dim(input)
         mean, var, count = self._global_stats(input)
@@ -71,14 +83,16 @@ class HostSyncBatchNorm(nn.SyncBatchNorm):
         self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
 
 
-def convert(model: nn.Module, target: str) -> nn.Module:
-    """``model`` with each BatchNorm a ``HostSyncBatchNorm`` (in place below the root); ConfigError when it
-    has none (``task.sync_batchnorm`` would change nothing)."""
+def convert(model: nn.Module, target: str, device_type: str) -> nn.Module:
+    """``model`` with each BatchNorm torch's ``nn.SyncBatchNorm`` (in place below the root), a
+    ``HostSyncBatchNorm`` where the model trains on ``device_type`` "cpu"; ConfigError when it has none
+    (``task.sync_batchnorm`` would change nothing)."""
     model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     found = [m for m in model.modules() if isinstance(m, nn.SyncBatchNorm)]
     if not found:
         raise ConfigError([f"`task.sync_batchnorm` = true, but the model of {target!r} has no BatchNorm layer: "
                            "remove it"])
-    for module in found:
-        module.__class__ = HostSyncBatchNorm
+    if device_type == "cpu":
+        for module in tp.cast(list[nn.Module], found):
+            module.__class__ = HostSyncBatchNorm  # same attributes and state; a BatchNorm DDP wraps on CPU
     return model

@@ -243,7 +243,7 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     if spec.task.sync_batchnorm:  # refused at submit under none and dp (hpc.core.tasks)
         from trainer.syncbn import convert
 
-        model = convert(model, spec.task.target)
+        model = convert(model, spec.task.target, device.type)
     blocks = blocks_for(task.blocks, model, parallel, launch.dims)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)

@@ -19,7 +19,7 @@ def case(make: type, shape: tuple[int, ...], momentum: float | None, rank: int, 
     weights = torch.randn(*shape)  # the loss: a fixed weighting of the outputs, so gradients differ by sample
     reference = make(shape[1], momentum=momentum)
     nn.init.uniform_(reference.weight)
-    ours = convert(nn.Sequential(make(shape[1], momentum=momentum)), "test")[0]
+    ours = convert(nn.Sequential(make(shape[1], momentum=momentum)), "test", "cpu")[0]
     ours.load_state_dict(reference.state_dict())
     part = shape[0] // world
     mine = slice(rank * part, (rank + 1) * part)

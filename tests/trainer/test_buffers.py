@@ -76,6 +76,7 @@ def read(folder: Path, key: str) -> torch.Tensor:
 
 
 CASES = {"ddp": ["parallel.strategy='ddp'"], "fsdp": ["parallel.strategy='fsdp'"],
+         "ddp-sync": ["parallel.strategy='ddp'", "task.sync_batchnorm=true"],
          "fsdp-sync": ["parallel.strategy='fsdp'", "task.sync_batchnorm=true"],
          "hsdp-sync": ["parallel.strategy='hsdp'", "parallel.shard_size=1", "task.sync_batchnorm=true"]}
 
@@ -95,7 +96,7 @@ def test_a_batchnorm_task_resumes_to_its_twins_losses_and_evaluations_bit_for_bi
     saved = twin / "checkpoints" / f"step-{RESUME_AT:07d}"
     mean = read(saved, "model.blocks.0.norm1.running_mean")
     assert mean.abs().sum() > 0  # trained statistics, not the initial zeros
-    if case != "ddp":  # each rank's own statistics beside rank 0's, which the model entry holds
+    if not case.startswith("ddp"):  # fsdp, hsdp: each rank's own statistics beside rank 0's, which the model entry holds
         own = [read(saved, f"buffers.rank{r}.blocks.{b}.norm{n}.running_{s}") for r in (0, 1)
                for b in (0, 1) for n in (1, 2) for s in ("mean", "var")]
         assert torch.equal(own[0], mean)
@@ -166,10 +167,13 @@ def test_sync_batchnorm_refuses_a_model_without_batchnorm_and_keeps_the_keys():
     from trainer.syncbn import HostSyncBatchNorm, convert
 
     with pytest.raises(ConfigError, match="has no BatchNorm layer"):
-        convert(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), "pkg.mod:Task")
-    with torch.device("meta"):
-        model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(4)))
-    keys = list(model.state_dict())
-    converted = convert(model, "pkg.mod:Task")
-    assert [type(m) for m in (converted[1], converted[2][0])] == [HostSyncBatchNorm] * 2
-    assert list(converted.state_dict()) == keys and converted[1].running_mean.is_meta
+        convert(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)), "pkg.mod:Task", "cpu")
+    for device, kind in (("cpu", HostSyncBatchNorm), ("cuda", nn.SyncBatchNorm)):
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm1d(4)))
+        keys = list(model.state_dict())
+        converted = convert(model, "pkg.mod:Task", device)
+        assert [type(m) for m in (converted[1], converted[2][0])] == [kind] * 2
+        assert list(converted.state_dict()) == keys and converted[1].running_mean.is_meta
+    # DDP refuses a CPU module that holds a torch SyncBatchNorm; ours is a BatchNorm to it
+    assert not isinstance(HostSyncBatchNorm(4), nn.SyncBatchNorm)
