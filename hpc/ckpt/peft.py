@@ -357,8 +357,7 @@ def adapter_problems(folder: Path, spec: tp.Any) -> list[str]:
     from hpc.core.lora import family_targets
 
     known = [hf for _, hf in family_targets(spec.model.arch)]
-    unknown = [t for t in (theirs if isinstance(theirs, list) else [])]
-    unknown = [t for t in unknown if t not in known]
+    unknown = [t for t in (theirs if isinstance(theirs, list) else []) if t not in known]
     if unknown:
         return out + [f"{where}: target_modules = {theirs!r}: {', '.join(map(repr, unknown))} is no module of "
                       f"{spec.model.arch!r} (its projections: {', '.join(known)})"]
