@@ -175,10 +175,16 @@ def resume(ref: str, as_json: bool) -> None:
 
 
 def check_init_from(spec: tp.Any) -> None:
-    """``checkpoint.init_from`` against the model, from headers (imports torch only when it is set)."""
+    """``checkpoint.init_from`` against the model: a PEFT folder's config first (torch-free), then headers
+    (importing torch only when it is set)."""
     if spec.checkpoint.init_from:
-        from hpc.ckpt.init_source import init_from_problems
         from hpc.core.errors import CheckpointError
+        from hpc.core.peft_config import config_problems
+
+        problems = config_problems(spec)  # a PEFT folder's config: no torch needed to refuse it
+        if problems:
+            raise CheckpointError(problems)
+        from hpc.ckpt.init_source import init_from_problems
 
         problems = init_from_problems(spec)
         if problems:

@@ -88,6 +88,9 @@ def resume(run_dir: Path) -> Submitted:
     rd = runs.RunDir(run_dir)
     check_resumable(rd)
     spec, site, launch = recorded_job(rd)
+    problems = base_problems(spec)
+    if problems:
+        raise ConfigError([f"{rd.path}: {p}" for p in problems])
     sched = schedulers.get(site.scheduler.kind)
     with runs.private_umask(site.storage.group_readable):
         executor = sched.executor(spec, site, launch, rd.submitit)
@@ -101,6 +104,22 @@ def resume(run_dir: Path) -> Submitted:
             raise ConfigError([f"{rd.path}: cannot write job.json ({exc.strerror}): job {job.job_id} was "
                                "cancelled"]) from None
     return Submitted(rd.path, str(job.job_id), site.scheduler.kind)
+
+
+def base_problems(spec: JobSpec) -> list[str]:
+    """A LoRA run reads its frozen base from ``checkpoint.init_from`` again at every start (its
+    checkpoints hold the adapters only): before a resume is queued, that base (and a PEFT folder's
+    config) checked as at submit, from headers. A full run's resume reads its own checkpoint only."""
+    if not (spec.lora.enabled and spec.checkpoint.init_from):
+        return []
+    from hpc.core.peft_config import config_problems
+
+    problems = config_problems(spec)
+    if problems:
+        return problems
+    from hpc.ckpt.init_source import init_from_problems
+
+    return init_from_problems(spec)
 
 
 def rank_task(spec: JobSpec, run_dir: Path, workdir: str) -> tp.Any:

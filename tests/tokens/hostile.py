@@ -880,5 +880,7 @@ def main(argv: list[str]) -> int:
 
 from tests.tokens import hostile_surfaces  # noqa: E402,F401  (registers issue 47's classes into CASES)
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # through the module as imported, where hostile_surfaces registered its classes
+    from tests.tokens.hostile import main as imported_main
+
+    sys.exit(imported_main(sys.argv[1:]))

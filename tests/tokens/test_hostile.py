@@ -4,6 +4,7 @@ line, no traceback, nothing left behind, no input changed, peak memory under 600
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -153,3 +154,29 @@ def test_an_old_manifest_gets_its_max_ids_from_verify(tmp_path, tokenizer):
     edit_manifest(folder, lambda m: m.update(vocab_size=max(written), eos_id=1))
     code, _, stderr, _ = run_cli(["render", str(spec(tmp_path, folder, vocab=max(written)))], tmp_path, {})
     assert code == 2 and f"max_id = {max(written)}: expected an id below vocab_size" in stderr, stderr
+
+
+def test_a_lora_resume_checks_its_base_before_it_is_queued(tmp_path):
+    """Issue 47: a LoRA run reads its frozen base again at every start, so `hpcx resume` checks it as
+    `submit` did (a base gone or replaced by another model, a PEFT folder's config broken since) before
+    queueing; a full run's resume reads its own checkpoint only and is left alone."""
+    from hpc.core.spec import load_spec
+    from hpc.login.submit import base_problems
+    from tests.tokens.hostile_surfaces import LORA, adapter, adapter_config, hf_base, llama_job
+
+    base = hf_base(tmp_path)
+    lora = load_spec(llama_job(tmp_path, base))
+    full = load_spec(llama_job(tmp_path, base, lora=""))
+    assert base_problems(lora) == [] and base_problems(full) == []
+    (base / "model.safetensors").unlink()
+    problems = base_problems(lora)
+    assert len(problems) == 1 and "`checkpoint.init_from`" in problems[0], problems
+    assert base_problems(full) == []  # its resume does not read init_from
+    peft = tmp_path / "p"
+    peft.mkdir()
+    folder = adapter(peft, hf_base(peft))
+    spec = load_spec(llama_job(peft, folder, LORA))
+    assert base_problems(spec) == []
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config(peft / "base", r=True)))
+    problems = base_problems(spec)
+    assert len(problems) == 1 and "r = true: expected an integer rank" in problems[0], problems
