@@ -29,7 +29,8 @@ BENCHES = [
     ("data_step/run.py", ["--size", "tiny", "--steps", "3", "--warmup", "1", "--rounds", "1"], "manifest / synthetic"),
     ("step_vote/run.py", ["--steps", "10"], "async"),
     ("float_math/run.py", ["--size", "tiny", "--train-steps", "2", "--reps", "1"], "fused AdamW step"),
-    ("lora_memory/run.py", ["--dim", "128", "--layers", "2", "--rank", "4", "--micro-batch", "1"], "LoRA / full"),
+    # dim 256: the smallest whose projections NF4 blocks whole (16,384 weights), for the nf4 base
+    ("lora_memory/run.py", ["--dim", "256", "--layers", "2", "--rank", "4", "--micro-batch", "1"], "base nf4 / fp32"),
     ("activation_memory/run.py", ["--micro-batch", "1"], "bf16-weights"),
     ("optimizer_step/run.py", ["--size", "tiny", "--steps", "2"], "FSDP2 + CPU offload"),
     ("checkpoint/run.py", ["--size-mb", "8", "--repeat", "1"], "async pause"),

@@ -144,7 +144,9 @@ def test_hpcx_plan_says_it_fits(spec_file):
     ["job.tasks_per_node=1"],
     ["job.tasks_per_node=8", "parallel.strategy='fsdp'"],
     ["job.nodes=2", "job.tasks_per_node=8", "parallel.strategy='hsdp'", "train.global_batch=16"],
-], ids=["none-1", "fsdp-8", "hsdp-16"])
+    ["job.tasks_per_node=1", "parallel.strategy='none'", "lora.base_dtype='nf4'"],
+    ["job.tasks_per_node=8", "parallel.strategy='ddp'", "lora.base_dtype='fp32'"],
+], ids=["none-1", "fsdp-8", "hsdp-16", "none-1-nf4", "ddp-8-fp32"])
 def test_dryrun_of_a_lora_8b_agrees_with_the_plan(spec_file, sets):
     from hpc.dryrun import dryrun
 

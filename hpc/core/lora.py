@@ -12,7 +12,7 @@ target names every module of that name (the GPT's ``proj`` is both the attention
 as PEFT's ``c_proj`` is). ``trainable`` names other parameters that train in full (norms, the
 embedding), by ``fnmatch`` patterns over hpcx's parameter names (``*norm*``, ``tok_emb.weight``).
 
-The frozen base is kept at ``base_dtype`` (``frozen_dtypes``): `auto` is bf16 when the run computes in
+The frozen base is kept at ``base_dtype`` (``rest_dtype``, ``is_nf4``): `auto` is bf16 when the run computes in
 bf16 (``parallel.mixed_precision``), else fp32; `bf16` needs bf16 compute; `nf4` stores every projection
 the family declares (``lora_targets``, targeted or not; QLoRA's "all linear layers" of the blocks) in
 4-bit NormalFloat with double-quantized scales (torchao's ``NF4Tensor``, Dettmers et al. 2023), the
@@ -142,16 +142,16 @@ def is_nf4(name: str, lora: Lora, arch: str) -> bool:
             and not trains_in_full(name, lora))
 
 
-def base_dtype_problems(lora: Lora, strategy: str, mixed_precision: str, where: str = "") -> list[str]:
+def base_dtype_problems(lora: Lora, strategy: str, mixed_precision: str) -> list[str]:
     """``lora.base_dtype`` against the run's strategy and compute dtype (`auto` ones pass here; the
     trainer asks again with the decided ones)."""
     out = []
     if lora.base_dtype == "bf16" and mixed_precision in ("none", "fp16"):
-        out.append(f"{where}`lora.base_dtype` = 'bf16' with `parallel.mixed_precision` = {mixed_precision!r}: the "
+        out.append(f"`lora.base_dtype` = 'bf16' with `parallel.mixed_precision` = {mixed_precision!r}: the "
                    "base's matmuls would mix bf16 weights with fp32/fp16 inputs; expected mixed_precision 'bf16' "
                    "(or base_dtype 'fp32' or 'nf4')")
     if lora.base_dtype == "nf4" and strategy in SHARDED + ("dp",):
-        out.append(f"{where}`lora.base_dtype` = 'nf4' with `parallel.strategy` = {strategy!r}: hpcx keeps an NF4 base "
+        out.append(f"`lora.base_dtype` = 'nf4' with `parallel.strategy` = {strategy!r}: hpcx keeps an NF4 base "
                    "whole on each rank (strategies none and ddp; NF4 under FSDP2 sharding is not supported); "
                    "expected strategy 'none' or 'ddp', or base_dtype 'bf16'")
     return out

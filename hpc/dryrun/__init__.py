@@ -228,6 +228,12 @@ def local_bytes(t: torch.Tensor) -> tuple[int, int]:
     is a view into FSDP2's padded storage, so the two differ on ranks with a shorter chunk."""
     from torch.distributed.tensor import DTensor
 
+    from hpc.compat import is_nf4_tensor
+
+    if is_nf4_tensor(t):  # a QLoRA base: its 4-bit data and scales, not numel × the dtype it dequantizes to
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # a traceable tensor subclass
+        n = sum(getattr(t, k).numel() * getattr(t, k).element_size() for k in names)
+        return n, n
     if not isinstance(t, DTensor):
         n = t.numel() * t.element_size()
         return n, n
