@@ -16,7 +16,9 @@ grouped-query Llama, the trainer's own modules and loss), rounds interleaved (in
   on this CPU SDPA per document span, on a GPU flex_attention);
 - ``packed-mask``: the same windows through the dense ``[b, 1, s, s]`` mask (the path before issue 44);
 - ``first-fit``: packed, each example in the first window with room (prepare's in-order layout leaves
-  the rest of a window empty whenever the next example does not fit: ~9 % padding on this corpus).
+  the rest of a window empty whenever the next example does not fit: ~9 % padding on this corpus);
+- ``unpacked-trim``: unpacked, each micro-batch cut to its longest example (dynamic padding, as
+  Hugging Face's collators pad; the trainer's samples have one shape, so this is the bench's only).
 
 Each mode reports real (non-padding) tokens per second and its padding fraction; the result line gives
 packed / unpacked (goal ≥ 1.8× at < 5 % padding) as the median over rounds of each round's ratio. The
@@ -112,6 +114,17 @@ def first_fit(examples, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [examples[i] for w in windows for i in w]
 
 
+def trimmed(samples, micro_batch: int) -> list:
+    """Unpacked samples cut, micro-batch by micro-batch, to the longest example among them (dynamic
+    padding, as Hugging Face's collators pad: fewer pad tokens, a shape per micro-batch)."""
+    out = []
+    for i in range(0, len(samples), micro_batch):
+        part = samples[i:i + micro_batch]
+        longest = max(int(m.nonzero().max()) if m.any() else 1 for _, m, _ in part) + 1  # its EOS, a target
+        out += [(t[:longest], m[:longest], None) for t, m, _ in part]
+    return out
+
+
 def batches(samples, micro_batch: int):
     for i in range(0, len(samples), micro_batch):
         part = samples[i:i + micro_batch]
@@ -158,7 +171,8 @@ def main() -> None:
     REAL[0] = sum(len(ids) for ids, _ in examples)  # the examples' tokens: what is not padding
     modes = {"unpacked": unpacked(examples, args.seq_len), "packed": packed(examples, args.seq_len),
              "packed-mask": packed(examples, args.seq_len),
-             "first-fit": packed(first_fit(examples, args.seq_len), args.seq_len)}
+             "first-fit": packed(first_fit(examples, args.seq_len), args.seq_len),
+             "unpacked-trim": trimmed(unpacked(examples, args.seq_len), args.micro_batch)}
     heads = max(2, args.dim // 64)
     shape = LlamaShape(args.layers, args.dim, heads, heads // 2, int(args.dim * 8 / 3) // 8 * 8, args.seq_len, VOCAB)
     torch.manual_seed(args.seed)
@@ -184,7 +198,8 @@ def main() -> None:
     print(f"packed / unpacked real tokens/s: first-fit {ratio('unpacked', 'first-fit'):.2f}× at "
           f"{padding(modes['first-fit']):.1%} padding (goal ≥ 1.8× at < 5%), the prepare layout "
           f"{ratio('unpacked', 'packed'):.2f}× at {padding(modes['packed']):.1%}; document kernel / dense mask: "
-          f"{ratio('packed-mask', 'packed'):.2f}×")
+          f"{ratio('packed-mask', 'packed'):.2f}×; first-fit / unpacked trimmed to each micro-batch's longest: "
+          f"{ratio('unpacked-trim', 'first-fit'):.2f}×")
 
 
 if __name__ == "__main__":
