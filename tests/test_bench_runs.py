@@ -41,6 +41,8 @@ BENCHES = [
     ("hf/run.py", ["--dim", "128", "--layers", "2", "--vocab", "512", "--ranks", "2", "--repeat", "1"], "fsync"),
     ("init_memory/run.py", ["--sizes", "tiny", "--ranks", "2", "--old", "tiny"], "peak RSS meta / old"),
     ("cli_latency/run.py", ["--runs", "2", "--run-folders", "3"], "pass"),
+    ("packing/run.py", ["--examples", "16", "--seq-len", "64", "--dim", "32", "--layers", "1", "--rounds", "1",
+                        "--micro-batch", "2"], "packed / unpacked real tokens/s"),
 ]
 
 

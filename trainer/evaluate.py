@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import typing as tp
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -42,7 +42,7 @@ class Evaluator:
     task: tp.Any = None  # the ``trainer.tasks.LoopTask`` whose terms it sums (None: the language model's)
     workers: int = 0  # loader processes (the launch's ``hpc.core.spec.loader_workers``, as training's)
     pin_memory: bool = False  # page-locked batches (with a GPU), copied to it without waiting
-    _loader: DataLoader | None = None
+    _loader: DataLoader | None = field(default=None, repr=False, compare=False)  # made by ``loader``
 
     def due(self, step: int, last: int) -> bool:
         """After every ``every``-th step and after the last one."""

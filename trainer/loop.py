@@ -105,6 +105,7 @@ class Trainer:
     counted: torch.Tensor | None = None  # a masked loss: the last step's counted targets, whole batch (on the device)
     watch: MetricWatch | None = None  # checkpoint.keep_best / train.early_stop_patience (``trainer.watch``)
     watchdog: Watchdog | None = None  # the hang watchdog (trainer.watchdog), set by run_rank: told of each boundary
+    padded: torch.Tensor | int | None = None  # a language model's: the last step's pad tokens, whole batch (None: a task's)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -141,6 +142,7 @@ def train_step(t: Trainer, micro_batches: list[Batch]) -> tuple[torch.Tensor, to
     micro_batches = [t.task.to_device(b, t.device) for b in micro_batches]
     scale = t.task.step_scale(micro_batches, t.world_size)
     t.counted = getattr(t.task, "counted", None)  # a masked loss's counted targets (the language models')
+    t.padded = getattr(t.task, "padded", None)  # and their pad tokens (0 where the data has none)
     total = torch.zeros((), device=t.device)
     for i, tokens in enumerate(micro_batches):
         with micro_step_context(t.model, sync=i == n - 1, keep_gathered=t.keep_gathered):
@@ -180,11 +182,16 @@ def step_record(t: Trainer, state: TrainState, loss: float, norm: float, lr: flo
     """One metrics.jsonl line, over the steps since the previous one: ``step_time_s`` is the sum of
     the phases (``phases_s``, seconds per step); ``data_s`` is rank 0's wait for its micro-batches
     (the scaling report's data share of the step). With a loss mask, ``counted_fraction``: the share of
-    the last step's targets the loss counted (the rest: prompts, padding, document boundaries); read after
+    the last step's targets the loss counted (the rest: prompts, padding, document boundaries); a language
+    model's, packed or not, ``padding_fraction`` (the last step's pad tokens among its inputs: a windowed
+    folder's, 0 for other data) and ``real_tokens_per_s`` (tokens/s less that share); read after
     ``logged_values`` waited for the step, so no extra wait."""
     seconds = sum(phases.values())
     tokens_per_s = t.tokens_per_step / seconds
     counted = {} if t.counted is None else {"counted_fraction": int(t.counted) / t.tokens_per_step}
+    if t.padded is not None:  # a language model's, packed or not: what of tokens/s is not padding
+        padding = int(t.padded) / t.tokens_per_step
+        counted.update(padding_fraction=padding, real_tokens_per_s=tokens_per_s * (1 - padding))
     return {"step": state.step, "loss": loss, "lr": lr, "tokens_per_s": tokens_per_s, "step_time_s": seconds,
             "data_s": phases["data"], "mfu": mfu(t.flops_per_token, tokens_per_s, t.world_size, t.peak_tflops),
             "mem_gb": memory_gb(t.device), "grad_norm": norm, "phases_s": phases, **counted}

@@ -66,6 +66,20 @@ def counted_targets(micro_batches: tp.Sequence[Batch], world_size: int, tp_degre
     return sum_over_data(count, world_size, tp_degree)
 
 
+def padding_tokens(micro_batches: tp.Sequence[Batch], pad_id: int, world_size: int, tp_degree: int = 1) -> torch.Tensor:
+    """Pad tokens among the inputs of the whole global batch (``hpcx data prepare --window`` pads each
+    window's end with ``pad_id`` under a zero loss mask): each sample's trailing run of such tokens,
+    summed over the data-parallel ranks; an int64 tensor on the device, read by the host only with the
+    metrics line's values."""
+    total = torch.zeros((), dtype=torch.int64)
+    for batch in micro_batches:
+        tokens, mask = split_batch(batch)
+        inputs = tokens[:, :-1]
+        pad = inputs == pad_id if mask is None else (inputs == pad_id) & ~mask[:, :-1].to(torch.bool)
+        total = total.to(pad.device) + pad.flip(1).to(torch.int64).cumprod(1).sum()
+    return sum_over_data(total, world_size, tp_degree)
+
+
 def sum_over_data(value: torch.Tensor, world_size: int, tp_degree: int) -> torch.Tensor:
     """``value`` summed over the data-parallel ranks, in one all-reduce over the world: the ``tp_degree``
     ranks of a tensor-parallel group hold the same batch (and, under ``loss_parallel``, the same

@@ -116,7 +116,8 @@ class Data:
                          "it, and no target across a boundary is counted: a packed batch's loss per counted "
                          "token is that of its documents run one by one). `document` needs a folder made by "
                          "`hpcx data prepare` (its index records where each document starts) and a built-in "
-                         "model; its mask costs `micro_batch × seq_len²` bytes (`hpcx plan`). See "
+                         "model; it attends through flex_attention's block mask on a GPU and SDPA per "
+                         "document on a CPU, no dense mask (`hpcx plan` counts what each holds). See "
                          "docs/data.md.", choices=("causal", "document"))
 
 

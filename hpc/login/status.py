@@ -47,6 +47,7 @@ def format_status(info: dict) -> str:
     ledger = info["ledger"]
     return (f"{Path(info['run_dir']).name}  job {info['job_id']}  {info['state_words']}  nodes {info['nodes'] or '-'}  "
             f"step {step}  restarts {info['restarts']}  [{' > '.join(info['states'])}]"
+            + throughput_text(info, "  ")
             + eval_text(info, "  ")
             + (f"  saves {ledger['save_s']} s, restores {ledger['restore_s']} s, "
                f"recomputed {ledger['steps_recomputed']} steps" if ledger["starts"] else "")
@@ -73,6 +74,16 @@ def health_text(info: dict) -> str:
 
     words = exclusion_words(info.get("excluded_nodes") or {}, time.time())
     return f"  {words}" if words else ""
+
+
+def throughput_text(info: dict, lead: str) -> str:
+    """``lead`` + "1,234 real tokens/s (8.1% padding)" for a language model's run (its last metrics line:
+    tokens/s less the windows' padding, packed or not), "5,678 tokens/s" for a task's; "" before the first."""
+    if info.get("real_tokens_per_s") is not None:
+        return f"{lead}{info['real_tokens_per_s']:,.0f} real tokens/s ({info.get('padding_fraction') or 0:.1%} padding)"
+    if info.get("tokens_per_s") is not None:
+        return f"{lead}{info['tokens_per_s']:,.0f} tokens/s"
+    return ""
 
 
 def eval_text(info: dict, lead: str) -> str:

@@ -488,6 +488,7 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
         "scheduler": info.get("scheduler"),
         "step": last.get("step"),
         "loss": last.get("loss"),
+        **throughput(last),
         "eval_loss": evaluated.get("eval_loss"),
         "eval_perplexity": evaluated.get("eval_perplexity"),
         **({"eval_metrics": metrics} if (metrics := eval_metrics(evaluated)) else {}),  # a task's (accuracy)
@@ -498,6 +499,13 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
         "last_stop": stop_summary(stops[-1]) if stops else None,
         "excluded_nodes": health.active(ledger, time.time()),  # node → until when (hpc.core.health)
     }
+
+
+def throughput(last: dict) -> dict[str, tp.Any]:
+    """The last metrics line's tokens/s, and a language model's real (non-padding) tokens/s and padding
+    fraction (``trainer.loop.step_record``: packed and unpacked runs alike); {} before the first line."""
+    keys = ("tokens_per_s", "real_tokens_per_s", "padding_fraction")
+    return {k: last[k] for k in keys if k in last}
 
 
 STOP_WORDS = {"completed": "completed", "preempted": "preempted", "time_limit": "time limit",

@@ -32,7 +32,8 @@ def main(data_dir: str, out: str, steps: str = "3") -> None:
     model = build_model(Model(size="tiny", vocab_size=640), "cpu")
     dataset = ManifestTokens(data_dir, "val", 64)
     ev = build_evaluator(dataset, 4, 1, env.rank, env.world_size, every=1, steps=int(steps))
-    t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, world_size=env.world_size)
+    t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, world_size=env.world_size,
+                        dims=SimpleNamespace(tp=1))
     record = evaluate(t, ev, 0)
     if env.rank == 0:
         with open(out, "w") as f:

@@ -208,6 +208,62 @@ def test_training_with_document_packing_on_a_windowed_set(prepared, tmp_path):
     assert data["packing"] == "document" and data["window"] == SEQ
     assert 0 < data["splits"]["train"]["padding_fraction"] < 1
     assert f"data: windows of {SEQ} tokens" in proc.stderr and "% padding" in proc.stderr
+    for r in lines:  # issue 44: real tokens/s beside tokens/s, the windows' padding taken out
+        assert 0 < r["padding_fraction"] < 1
+        assert r["real_tokens_per_s"] == pytest.approx(r["tokens_per_s"] * (1 - r["padding_fraction"]))
+    from hpc.login.status import format_status
+    from hpc.login.submit import summary
+    from hpc.schedulers.base import JobState
+
+    info = summary(run_dir, JobState("COMPLETED"))
+    assert info["padding_fraction"] == lines[-1]["padding_fraction"]
+    assert f"{lines[-1]['real_tokens_per_s']:,.0f} real tokens/s ({lines[-1]['padding_fraction']:.1%} padding)" in \
+        format_status(info)
+
+
+def test_the_pad_count_of_the_windows_is_what_prepare_wrote(prepared):
+    """``padding_tokens`` (each window's trailing pad ids under a zero mask) over every sample of a
+    windowed split gives the manifest's own padding count, less the one pad token each shard holds
+    after its last window (the last sample's final target, no input)."""
+    from trainer.objective import padding_tokens
+    from trainer.tokens import ManifestTokens
+
+    _, windows = prepared
+    manifest = json.loads((windows / "manifest.json").read_text())
+    for documents in (False, True):
+        ds = ManifestTokens(windows, "train", SEQ, documents=documents)  # (the val split is under a window)
+        batches = [tuple(t[None] for t in ds[i]) for i in range(len(ds))]
+        shards = len(manifest["splits"]["train"]["shards"])
+        assert int(padding_tokens(batches, manifest["pad_id"], 1)) == manifest["splits"]["train"]["padding"] - shards > 0
+
+
+def test_pad_tokens_are_the_trailing_pad_ids_the_loss_does_not_count():
+    import torch
+
+    from trainer.objective import padding_tokens
+
+    tokens = torch.tensor([[5, 0, 7, 0, 0, 0, 9],  # a pad id inside (a prompt's) is no padding; the inputs end at 0 0 0
+                           [5, 6, 7, 8, 0, 0, 0],  # counted pad ids (an EOS the loss counts) are no padding
+                           [0, 0, 0, 0, 0, 0, 0]])
+    mask = torch.tensor([[1, 0, 1, 0, 0, 0, 1], [1, 1, 1, 1, 1, 0, 0], [0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert int(padding_tokens([(tokens, mask)], 0, 1)) == 3 + 1 + 6
+    assert int(padding_tokens([(tokens[:1], mask[:1]), (tokens[1:], mask[1:])], 0, 1)) == 10
+    assert int(padding_tokens([tokens], 0, 1)) == 3 + 2 + 6  # without a mask, every trailing pad id
+    assert int(padding_tokens([(tokens, mask)], 9, 1)) == 0
+
+
+@pytest.mark.slow
+def test_an_unwindowed_run_shows_its_real_tokens_with_no_padding(prepared, tmp_path):
+    plain, _ = prepared
+    vocab = json.loads((plain / "manifest.json").read_text())["vocab_size"]
+    run_dir = make_run(tmp_path, "plain", "none", 1, [f"data.source={str(plain)!r}", f"model.vocab_size={vocab}",
+                                                      "train.steps=2", "train.global_batch=2", f"model.seq_len={SEQ}",
+                                                      "data.packing='document'", "train.log_every=1"])
+    proc = subprocess.run([sys.executable, "-m", "trainer", str(run_dir)], env=child_env(), capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert lines and all(r["padding_fraction"] == 0 and r["real_tokens_per_s"] == r["tokens_per_s"] for r in lines)
 
 
 def _spec_problems(sets: list[str]) -> list[str]:

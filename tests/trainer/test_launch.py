@@ -62,7 +62,8 @@ def test_torchrun_two_ranks(tmp_path):
     assert [r["step"] for r in records] == [2, 6]  # default log_every 10: the end of warm-up (2), the last step
     record = records[-1]
     assert set(record) == {"step", "loss", "lr", "tokens_per_s", "step_time_s", "data_s", "mfu", "mem_gb", "grad_norm",
-                           "phases_s", "start"}
+                           "phases_s", "start", "padding_fraction", "real_tokens_per_s"}
+    assert record["padding_fraction"] == 0 and record["real_tokens_per_s"] == record["tokens_per_s"]  # synthetic
     assert record["step"] == 6 and set(record["phases_s"]) == set(PHASES)
     assert sum(record["phases_s"].values()) == pytest.approx(record["step_time_s"])
     for rank in (0, 1):

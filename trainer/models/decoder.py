@@ -210,16 +210,21 @@ def document_spans(documents: torch.Tensor) -> tuple[tuple[tuple[int, int], ...]
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       spans: tuple[tuple[tuple[int, int], ...], ...], dropout: float, window: int) -> torch.Tensor:
     """SDPA's causal kernel over each document span of each row (a span longer than ``window`` under its
-    band mask, the span's own), concatenated back to [batch, heads, seq, head_dim]. Each output is
-    [1, span, heads, head_dim] in memory, so the concatenation is the layout the output projection reads."""
+    band mask, the span's own), concatenated back to [batch, heads, seq, head_dim]. q, k and v are made
+    contiguous in [batch, heads, seq, head_dim] first (one copy each, which SDPA keeps in place of the
+    originals): the CPU's flash backward on the strided views of the projections is ~10× slower
+    (bench/packing). Rows are unbound and spans split (one stack and one cat in backward, not a
+    full-size gradient per slice); each output is [1, span, heads, head_dim] in memory, so the
+    concatenation is the layout the output projection reads."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     rows = []
-    for r, row in enumerate(spans):
+    for qr, kr, vr, row in zip(q.unbind(0), k.unbind(0), v.unbind(0), spans):
+        lengths = [end - start for start, end in row]
         parts = []
-        for start, end in row:
-            cut = slice(start, end)
-            band = sliding_window_mask(end - start, window, q.device) if 0 < window < end - start else None
-            y = sdpa(q[r:r + 1, :, cut], k[r:r + 1, :, cut], v[r:r + 1, :, cut], dropout, band)
-            parts.append(y.transpose(1, 2))
+        for qs, ks, vs in zip(qr.split(lengths, 1), kr.split(lengths, 1), vr.split(lengths, 1)):
+            n = qs.shape[1]
+            band = sliding_window_mask(n, window, q.device) if 0 < window < n else None
+            parts.append(sdpa(qs[None], ks[None], vs[None], dropout, band).transpose(1, 2))
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0).transpose(1, 2)
 

@@ -15,8 +15,9 @@ from torch.utils.data import Dataset, default_collate
 from hpc.core.models import model_facts
 from trainer.data import build_dataset, shuffle_enabled
 from trainer.model import build_model, model_blocks
+from hpc.core.manifest import PREPARED, load_manifest, manifest_path
 from trainer.objective import (batch_documents, counted_targets, eval_token_losses, loss_context, masked_scale,
-                               micro_loss, split_batch, to_device)
+                               micro_loss, padding_tokens, split_batch, to_device)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
@@ -33,6 +34,8 @@ class LanguageModelTask:
         self.tokens_per_sample = facts.seq_len
         self.flops_per_token = facts.flops_per_token
         self.counted: torch.Tensor | None = None  # the last step's counted targets (a masked loss), for metrics
+        self.padded: torch.Tensor | int = 0  # the last step's pad tokens, whole batch (for metrics: real tokens/s)
+        self._pad_id: int | None | bool = False  # the windowed folder's pad id (None: no padding); False: not read yet
 
     def _kind(self) -> str:
         assert self.kind is not None  # the trainer passes ``Launch.data_source``; ``decided`` fills older folders
@@ -67,8 +70,21 @@ class LanguageModelTask:
     def step_scale(self, micro_batches: tp.Sequence[tp.Any], world_size: int) -> float | torch.Tensor:
         tp_degree = int(getattr(self.spec.parallel, "tp", 1) or 1)  # a tp group shares its batches
         count = self.counted = counted_targets(micro_batches, world_size, tp_degree)
+        pad_id = self.pad_id()
+        if pad_id is not None:
+            self.padded = padding_tokens(micro_batches, pad_id, world_size, tp_degree)
         # gradients are averaged over the data-parallel ranks: world / tp of them
         return 1.0 / len(micro_batches) if count is None else masked_scale(count, world_size // tp_degree)
+
+    def pad_id(self) -> int | None:
+        """The pad token of a windowed training folder (``hpcx data prepare --window``), else None: the
+        windows' padding is counted (``padding_tokens``) for real tokens/s; other data has none."""
+        if self._pad_id is False:
+            self._pad_id = None
+            if self.kind == PREPARED:
+                manifest = load_manifest(manifest_path(self.spec.data.source) or self.spec.data.source)
+                self._pad_id = int(manifest["pad_id"]) if manifest.get("window") else None
+        return self._pad_id  # False was replaced above
 
     def micro_loss(self, model: nn.Module, batch: tp.Any, scale: float | torch.Tensor,
                    autocast: tp.ContextManager) -> torch.Tensor:
