@@ -183,7 +183,8 @@ class Watchdog:
 
         verdict = health.hang_verdict(self.world, answers, health.read_beats(self.run_dir))
         lost = round(self.clock() - (self.last if self.last is not None else self.clock()), 3)  # since the boundary
-        verdict.update(time=self.wall(), answered=sorted(answers), timeout_s=self.timeout(), lost_s=lost)
+        verdict.update(time=self.wall(), answered=sorted(answers), timeout_s=self.timeout(), lost_s=lost,
+                       incarnation=self.incarnation)
         health.write_json_atomic(self.hang_folder / "hang.json", verdict)
         log.error("watchdog: %s", verdict["error"])
         requeue.report_failure(self.run_dir, self.incarnation, verdict["rank"], step=verdict["step"] - 1,
@@ -272,7 +273,10 @@ def end_rank(guard: Resilience, verdict: dict) -> None:
     failure from the verdict's report); elsewhere rank 0 first records it as any failure (``failed``), and
     leaves with the status that scheduler restarts the tasks on when it requeues."""
     code = health.HANG_EXIT
-    if guard.rank == 0 and not (guard.side is not None and guard.side.decides_failures):
+    deciding = guard.side is not None and guard.side.decides_failures
+    if not deciding:  # nobody ends the rest of the step (srun does on Slurm): end the hung ranks here
+        end_hung(guard.run_dir, verdict)
+    if guard.rank == 0 and not deciding:
         try:
             guard.failed(HangError(verdict.get("error") or "hang: no step boundary within the watchdog's timeout"))
         except SystemExit as exc:  # the local scheduler's requeue status (``JobSide.leave_for_requeue``)
@@ -282,3 +286,19 @@ def end_rank(guard: Resilience, verdict: dict) -> None:
     for handler in log.handlers:
         handler.flush()
     os._exit(code)
+
+
+def end_hung(run_dir: Path, verdict: dict) -> None:
+    """SIGKILL the hung ranks that run on this host (their heartbeats say where): under a scheduler that
+    restarts the tasks only once all have ended (submitit's local controller), a stopped rank would
+    hold the job forever."""
+    import signal
+
+    beats = health.read_beats(run_dir)
+    for rank in verdict.get("ranks", []):
+        beat = beats.get(rank, {})
+        if beat.get("incarnation") != verdict.get("incarnation"):
+            continue  # a heartbeat of an earlier start: its pid may be another process's by now
+        if beat.get("host") == os.uname().nodename and isinstance(beat.get("pid"), int) and beat["pid"] != os.getpid():
+            with contextlib.suppress(OSError):
+                os.kill(beat["pid"], signal.SIGKILL)

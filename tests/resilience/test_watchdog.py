@@ -190,3 +190,26 @@ def test_where_the_main_thread_is():
     where, collective = main_thread_place()
     assert "test_where_the_main_thread_is" in where or "main_thread_place" in where
     assert collective == ""
+
+
+def test_where_nobody_ends_the_step_the_hung_ranks_of_this_start_on_this_host_are_killed(tmp_path):
+    import os
+    import subprocess
+
+    from trainer.watchdog import end_hung
+
+    here = os.uname().nodename
+    hung, stale, elsewhere = (subprocess.Popen(["sleep", "60"]) for _ in range(3))
+    try:
+        folder = health.beats_dir(tmp_path)
+        folder.mkdir()
+        for rank, proc, host, inc in ((1, hung, here, "5.0"), (2, stale, here, "4.0"), (3, elsewhere, "n9", "5.0")):
+            (folder / f"rank-{rank}.json").write_text(json.dumps({"rank": rank, "host": host, "pid": proc.pid,
+                                                                  "incarnation": inc}))
+        end_hung(tmp_path, {"ranks": [1, 2, 3], "incarnation": "5.0"})
+        assert hung.wait(timeout=30) == -9
+        assert stale.poll() is None and elsewhere.poll() is None  # another start's pid; another host's
+    finally:
+        for proc in (hung, stale, elsewhere):
+            proc.kill()
+            proc.wait()
