@@ -167,7 +167,7 @@ def test_an_async_save_waits_for_the_device_before_staging(tmp_path, monkeypatch
     monkeypatch.setattr(saves, "_reused_stager", lambda: None)
     partial, final = tmp_path / ".step-0000001.partial", tmp_path / "step-0000001"
     partial.mkdir()
-    saves._start_async({}, None, partial, final)
+    saves._start_async({}, None, None, partial, final)
     assert order == ["stream synchronized", "staging started"]
     assert saves.wait() == final and final.is_dir()
 
