@@ -25,12 +25,11 @@ import typing as tp
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from hpc.core.errors import ConfigError
 
 
-class HostSyncBatchNorm(_BatchNorm):
+class HostSyncBatchNorm(nn.BatchNorm1d):  # public base; _check_input_dim below takes any dims
     """SyncBatchNorm's arithmetic for CPU tensors (see the module docstring); made from torch's
     ``nn.SyncBatchNorm`` by ``convert`` (its attributes, ``process_group`` included, are this class's)."""
 
