@@ -58,15 +58,18 @@ def test_a_user_model_is_refused_above_tp_1():
 
 
 def test_trainer_refuses_a_model_without_a_plan():
-    """The trainer's own guard (a spec that slipped past resolve, or a model whose modules have other names)."""
+    """The trainer's own guard (a spec that slipped past resolve: its family declares no plan)."""
     from torch import nn
 
     from hpc.core.errors import ConfigError
+    from hpc.core.models import family
+    from hpc.core.models.tp_plan import tp_plan_of
     from trainer.tp import refuse_without_plan
 
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8))
+    plan = tp_plan_of(family("pkg.mod:make"))
     with pytest.raises(ConfigError, match="Sequential is not a built-in family: hpcx has no tensor-parallel plan"):
-        refuse_without_plan(model, nn.ModuleList([nn.Linear(4, 4)]), 2)
+        refuse_without_plan(model, plan, 2)
 
 
 @pytest.mark.parametrize("site,sets,dims", [

@@ -50,6 +50,9 @@ from hpc.core.resolve import undecided
 from hpc.core.spec import Parallel
 from trainer.model import WeightInit, outer_units
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.models.tp_plan import TpPlan
+
 log = logging.getLogger("hpcx.trainer")
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
@@ -75,12 +78,12 @@ def mesh_groups(mesh: DeviceMesh) -> dict[str, list[list[int]]]:
 
 def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dims: ParallelDims,
                 mesh: DeviceMesh | None, device: torch.device, init: WeightInit | None = None,
-                preserve_rng: bool = True) -> nn.Module:
+                preserve_rng: bool = True, tp_plan: TpPlan | None = None) -> nn.Module:
     """Activation checkpointing, compile, FSDP, the weights (``init``), then DDP/DataParallel; the
     model to train. The model may be on the meta device (give ``init``) or already on ``device``.
     ``parallel`` must be decided (``hpc.core.resolve.launch_parallel``, or ``decide_parallel`` without a
     launch); an `auto` left in it is refused. ``preserve_rng``: whether recomputed blocks must replay the
-    RNG (``uses_rng``)."""
+    RNG (``uses_rng``). ``tp_plan``: the model family's tensor-parallel plan (``parallel.tp`` > 1; none: refused)."""
     refuse_undecided(parallel)
     if dims.dp_enabled and parallel.compile:
         refuse_dp_compile(torch.cuda.device_count() if device.type == "cuda" else 0)
@@ -88,7 +91,7 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
         from trainer.tp import apply_tp
 
         assert mesh is not None  # tp runs inside fsdp/hsdp (ParallelDims), which have a mesh
-        apply_tp(model, blocks, mesh["tp"])
+        apply_tp(model, blocks, mesh["tp"], tp_plan)
     if parallel.activation_checkpointing:
         apply_ac(blocks, preserve_rng)
     if parallel.compile:

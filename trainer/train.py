@@ -18,7 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpc.core.dims import ParallelDims
-from hpc.core.models import model_facts
+from hpc.core.models import family, model_facts
+from hpc.core.models.tp_plan import tp_plan_of
 from hpc.core.resolve import Launch, launch_parallel, refit
 from hpc.core.spec import JobSpec, loader_workers
 from trainer.data import GlobalSampler, StreamSampler, build_loader, epoch_order, is_stream, order_words
@@ -248,7 +249,8 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)
     rng = uses_rng(spec.model.dropout, blocks, not model_facts(spec.model).builtin)  # a user model: unknown
-    model = parallelize(model, blocks, parallel, launch.dims, mesh, device, init, rng)
+    model = parallelize(model, blocks, parallel, launch.dims, mesh, device, init, rng,
+                        tp_plan_of(family(spec.model.arch)))
     if materialize:
         local, total = local_numel(model)
         log.info("model built on meta, materialized on %s: %d of %d parameters on this rank (%.1f%%)",

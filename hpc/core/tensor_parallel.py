@@ -3,8 +3,9 @@
 A tensor-parallel group splits each block's matrices by heads (attention) and by columns of the
 MLP, and exchanges activations inside every block (all-gathers and reduce-scatters of the sequence),
 so its ranks must sit in one NVLink domain: one node (``node.gpus`` GPUs; on a CPU site, the node's
-tasks). Each rank computes whole heads, so ``tp`` divides the query heads and the key/value heads.
-A user model has no plan: which of its matrices split by rows or columns is its own business.
+tasks). Each rank computes whole heads, so ``tp`` divides what the family's plan names (``TpPlan.divides``:
+the query heads, and the key/value heads). A user model has no plan (``hpc.core.models.tp_plan``): which of
+its matrices split by rows or columns is its own business.
 The trainer's side is ``trainer.tp``.
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 import typing as tp
 
 from hpc.core.dims import FSDP_STRATEGIES
-from hpc.core.models import model_facts
+from hpc.core.models import family, model_facts
+from hpc.core.models.tp_plan import tp_plan_of
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.site import SiteProfile
@@ -106,14 +108,15 @@ def one_line(errors: list[str], key: str) -> list[str]:
 
 def model_problems(spec: JobSpec, degree: int, key: str) -> list[str]:
     """What the model says against ``degree``: a user model, heads or key/value heads not divisible, dropout."""
-    facts = model_facts(spec.model)
-    if not facts.builtin:
+    plan = tp_plan_of(family(spec.model.arch))
+    if plan is None:
         return [f"{key} but `model.arch` = {spec.model.arch!r} is a user model: hpcx has a tensor-parallel plan "
                 "for its built-in families only (which matrices of a user's module split by rows or columns is "
                 "the model's own); use tp = 1"]
-    errors = []
-    for name, heads in (("n_heads", facts.shape.n_heads), ("n_kv_heads", getattr(facts.shape, "n_kv_heads", None))):
-        if heads is not None and heads % degree:
+    errors, shape = [], model_facts(spec.model).shape
+    for name in plan.divides:  # what the family's plan says the degree must divide
+        heads = getattr(shape, name)
+        if heads % degree:
             errors.append(f"{key} does not divide the model's {heads} {_heads_word(name)} (`model.{name}`): "
                           f"{heads} / {degree} = {heads / degree:.4g} per rank; each rank computes whole heads")
     if spec.model.dropout > 0:

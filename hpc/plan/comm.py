@@ -51,7 +51,8 @@ from dataclasses import dataclass, field
 from hpc.plan import collectives
 from hpc.plan.memory import (DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Config, compute_bytes, sharded_numel,
                              trained_share)
-from hpc.core.models import ModelFacts
+from hpc.core.models import ModelFacts, family_of
+from hpc.core.models.tp_plan import tp_plan_of
 from hpc.core.site import SiteProfile
 
 HOST_LINK_GBS = 25.0  # PCIe Gen4 x16 host<->GPU copies, achieved (assumed; not in the site profile)
@@ -331,12 +332,15 @@ def padded(numel: float, shapes: tp.Sequence[tuple[int, ...]], degree: int) -> f
 
 
 def tp_calls(facts: ModelFacts, checkpointing: bool) -> dict[tuple[str, str], int]:
-    """Sequence-parallel collectives of one micro-batch, by (phase, kind): per block two all-gathers
-    and two reduce-scatters forward (+ the head's gather, the embedding's scatter), the mirror image
+    """Sequence-parallel collectives of one micro-batch, by (phase, kind): per block an all-gather into
+    each module the family's plan gathers (attention and MLP: ``BlockTp.sequence_exchanges``) and a
+    reduce-scatter out of it forward (+ the head's gather, the embedding's scatter), the mirror image
     backward, and the forward again in backward when blocks are recomputed."""
+    plan = tp_plan_of(family_of(facts))
+    per_block = plan.block.sequence_exchanges if plan is not None else 2  # no plan: tp is refused, bound by two
     layers = facts.n_units
-    fwd = 2 * layers + 1
-    again = 2 * layers if checkpointing else 0
+    fwd = per_block * layers + 1
+    again = per_block * layers if checkpointing else 0
     return {("forward", "all_gather"): fwd, ("forward", "reduce_scatter"): fwd,
             ("backward", "all_gather"): fwd + again, ("backward", "reduce_scatter"): fwd + again}
 

@@ -10,7 +10,8 @@ each scheduler kind's fields are joined into a site's ``[scheduler]``) and its t
 (``builder``, a module of ``trainer/models/`` that ``trainer.models.family`` imports in the job).
 A family that maps onto a ``transformers`` class also implements ``HfMapped`` (export,
 ``checkpoint.init_from``) and, when hpcx reads that class's ``config.json``, ``HfReader``
-(``hpc.core.hf``).
+(``hpc.core.hf``). A family that runs under ``parallel.tp`` declares its tensor-parallel plan as data
+(``TpPlanned``: ``tp_plan``, a ``hpc.core.models.tp_plan.TpPlan``), read by the planner and the trainer.
 
 Families: ``gpt`` (the built-in GPT, ``arch = "gpt"``), ``llama``, ``qwen2`` and ``mistral`` (the
 built-in Llama, Qwen2 and Mistral, one block with different settings) and ``user`` (``arch =
@@ -129,8 +130,9 @@ class ModelFacts:
     param_shapes: tuple[tuple[int, ...], ...] = ()  # every parameter's shape; empty when unknown
     largest_module_params: int | None = None  # the most parameters one module owns (init granularity)
     family: str = USER  # the ``Family.name`` of the family that describes it
-    # tensor parallelism (the family's TP plan), one entry per ``param_shapes`` entry: the dimension TP
-    # splits (0 column-wise, 1 row-wise) or -1 (replicated over tp: norms); empty: no TP plan
+    # tensor parallelism, derived from the family's declared plan (``tp_plan.tp_facts``), one entry per
+    # ``param_shapes`` entry: the dimension TP splits (0 column-wise, 1 row-wise) or -1 (replicated over tp:
+    # norms); empty: no plan the planner counts
     tp_split: tuple[int, ...] = ()
     tp_divides: tuple[int, ...] = ()  # what a tp degree must divide (attention heads, kv heads)
     trainable_params: int | None = None  # what has gradients and optimizer state (None: every parameter; LoRA)

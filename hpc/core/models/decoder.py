@@ -10,6 +10,7 @@ import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.config import field
+from hpc.core.models.tp_plan import BlockTp, TpPlan, tp_facts
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.models import ModelFacts
@@ -18,6 +19,11 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 # LoRA's targets of a Llama-block model (``hpc.core.lora``): hpcx's module name, Hugging Face's
 BLOCK_LORA_TARGETS = (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"), ("w1", "gate_proj"),
                       ("w2", "down_proj"), ("w3", "up_proj"))
+# The Llama block's tensor-parallel plan (torchtitan's): q/k/v and gate/up split by heads and hidden units,
+# o and down by their inputs, the norms sequence-parallel; attention takes (x, cos, sin), x gathered
+BLOCK_TP_PLAN = TpPlan(BlockTp(column=("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"), row=("attn.wo", "mlp.w2"),
+                               norms=("attn_norm", "mlp_norm"), gathered=(("attn", 3), ("mlp", 1))),
+                       divides=("n_heads", "n_kv_heads"))
 LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probs + their gradient in and out
 # The trainer's cross-entropy runs over chunks of at most this many logits (``trainer.objective``): the
 # fp32 log-softmax and its gradients exist for one chunk at a time, never for the whole micro-batch.
@@ -201,15 +207,6 @@ class LlamaShape:
         block = ((d,), (q, d), *bq, (kv, d), *bkv, (kv, d), *bkv, (d, q), (d,), (f, d), (d, f), (f, d))
         return ((v, d),) + block * self.n_layers + ((d,),) + (() if self.tied else ((v, d),))
 
-    def tp_split(self) -> tuple[int, ...]:
-        """Per ``param_shapes`` entry, the dimension tensor parallelism splits (torchtitan's Llama plan):
-        the embedding by rows (vocabulary) and the head column-wise (dim 0), q/k/v (and their biases) and
-        gate/up column-wise (dim 0), o and down row-wise (dim 1); the RMSNorms replicated (-1, sequence
-        parallel: each rank normalises its share of the tokens)."""
-        bias = (0,) if self.qkv_bias else ()
-        block = (-1, 0, *bias, 0, *bias, 0, *bias, 1, -1, 0, 1, 0)
-        return (0,) + block * self.n_layers + (-1,) + (() if self.tied else (0,))
-
     @property
     def largest_module_params(self) -> int:
         """The most parameters one module owns itself (the embedding or head, else an MLP matrix or ``wq``)."""
@@ -305,7 +302,7 @@ def block_facts(arch: str, label: str, s: LlamaShape) -> ModelFacts:
                       flops_per_token=s.flops_per_token(), seq_len=s.seq_len, vocab_size=s.vocab_size,
                       matmul_params=s.matmul_params, source="counted from the shape", param_shapes=s.param_shapes(),
                       largest_module_params=s.largest_module_params, shape=s, family=arch,
-                      tp_split=s.tp_split(), tp_divides=(s.n_heads, s.n_kv_heads))
+                      **tp_facts(BLOCK_TP_PLAN, s, hf_names(s)))
 
 
 def block_problems(phrase: str, model: Model, presets: tp.Mapping[str, LlamaShape],
@@ -484,6 +481,7 @@ class BlockFamily:
     activation_bytes = staticmethod(block_activation_bytes)
     hf_tensor_plan = staticmethod(hf_tensor_plan)
     lora_targets = BLOCK_LORA_TARGETS
+    tp_plan = BLOCK_TP_PLAN
 
     def shape(self, model: Model) -> LlamaShape:
         """The preset with the spec's shape fields in its place (``block_shape``)."""

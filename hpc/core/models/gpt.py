@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from hpc.core.models import Counted, ModelFacts, compute_bytes, count_text, residual_bytes
 from hpc.core.models.decoder import LOGIT_BYTES, Activations, decoder_activations, loss_terms  # noqa: F401  (re-exported)
+from hpc.core.models.tp_plan import BlockTp, TpPlan, tp_facts
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
@@ -60,6 +61,13 @@ class GPTShape:
         block = ((d,), (d,), (3 * d, d), (d, d), (d,), (d,), (4 * d, d), (d, 4 * d))  # ln1, attn, ln2, mlp
         return ((v, d), (s, d)) + block * self.n_layers + ((d,), (d,)) + (() if self.tied else ((v, d),))
 
+    def param_names(self) -> list[str]:
+        """Every parameter's name, in ``param_shapes`` order."""
+        block = ("ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.proj.weight", "ln2.weight", "ln2.bias",
+                 "mlp.fc.weight", "mlp.proj.weight")
+        names = ["tok_emb.weight", "pos_emb.weight"] + [f"blocks.{i}.{p}" for i in range(self.n_layers) for p in block]
+        return names + ["ln_f.weight", "ln_f.bias"] + ([] if self.tied else ["head.weight"])
+
     @property
     def largest_module_params(self) -> int:
         """The most parameters one module owns itself (the embedding or head, else the MLP's fc):
@@ -73,6 +81,12 @@ class GPTShape:
         non_embedding = self.n_layers * self.block_params + 2 * self.d_model + self.vocab_size * self.d_model
         return 6.0 * non_embedding + 12.0 * self.n_layers * self.d_model * self.seq_len
 
+
+# The GPT's tensor-parallel plan: its attention has one fused qkv matrix whose rows are [q | k | v] (a column
+# split would give a rank all of q and none of v), so it is computed whole on each rank of the group; the MLP
+# splits as the Llama's. The planner does not count it yet (its activations have no tp term): ``planned``.
+TP_PLAN = TpPlan(BlockTp(column=("mlp.fc",), row=("mlp.proj",), norms=("ln1", "ln2"), gathered=(("mlp", 1),),
+                         whole=("attn",)), final_norm="ln_f", positions="pos_emb", planned=False)
 
 # name: (layers, d_model, heads, seq_len, vocab); untied head, learned positions (see n_params for
 # the real counts, which differ from the names: "125m" has 164M parameters)
@@ -117,7 +131,8 @@ def gpt_facts(label: str, shape: GPTShape) -> ModelFacts:
                       n_units=shape.n_layers, flops_per_token=shape.flops_per_token(), seq_len=shape.seq_len,
                       vocab_size=shape.vocab_size, shape=shape, matmul_params=shape.matmul_params,
                       source="counted from the shape", param_shapes=shape.param_shapes(),
-                      largest_module_params=shape.largest_module_params, family="gpt")
+                      largest_module_params=shape.largest_module_params, family="gpt",
+                      **tp_facts(TP_PLAN, shape, shape.param_names()))
 
 
 def gpt_label(model: Model) -> str:
@@ -258,6 +273,7 @@ class Gpt:
     hf_config = staticmethod(hf_config)
     hf_tensor_plan = staticmethod(hf_tensor_plan)
     lora_targets = (("qkv", "c_attn"), ("proj", "c_proj"), ("fc", "c_fc"))
+    tp_plan = TP_PLAN
 
 
 FAMILY = Gpt()

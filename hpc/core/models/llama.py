@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 
 from hpc.core.config import field
 from hpc.core.models import Counted, ModelFacts, count_text
-from hpc.core.models.decoder import (BLOCK_LORA_TARGETS, REQUIRED, BlockFields, block_problems, LlamaShape, block_activations, hf_names,  # noqa: F401
+from hpc.core.models.tp_plan import tp_facts
+from hpc.core.models.decoder import (BLOCK_LORA_TARGETS, BLOCK_TP_PLAN, REQUIRED, BlockFields, block_problems, LlamaShape, block_activations, hf_names,  # noqa: F401
                                      hf_tensor_plan, impossible, rope_doc)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -124,7 +125,7 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
                       flops_per_token=s.flops_per_token(), seq_len=s.seq_len, vocab_size=s.vocab_size,
                       matmul_params=s.matmul_params, source="counted from the shape", param_shapes=s.param_shapes(),
                       largest_module_params=s.largest_module_params, shape=s, family=ARCH,
-                      tp_split=s.tp_split(), tp_divides=(s.n_heads, s.n_kv_heads))
+                      **tp_facts(BLOCK_TP_PLAN, s, hf_names(s)))
 
 
 def problems(model: Model) -> list[str]:
@@ -246,6 +247,7 @@ class Llama:
     hf_model_type = HF_MODEL_TYPE
     hf_keys = HF_KEYS
     lora_targets = BLOCK_LORA_TARGETS
+    tp_plan = BLOCK_TP_PLAN
 
 
 FAMILY = Llama()
