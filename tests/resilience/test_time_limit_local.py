@@ -245,6 +245,8 @@ def test_the_trainers_summary_tells_a_cancel_from_a_preemption(reason, expected)
 
     from trainer.loop import stopped_how
 
-    t = SimpleNamespace(resilience=SimpleNamespace(reason=reason) if reason else None)
+    t = SimpleNamespace(resilience=SimpleNamespace(reason=reason) if reason else None, watch=None)
     assert stopped_how(t, True) == expected
     assert stopped_how(t, False) == {"preempted": False, "cancelled": False}
+    t.watch = SimpleNamespace(stopped=True)  # an early stop (train.early_stop_patience) is neither
+    assert stopped_how(t, True) == {"preempted": False, "cancelled": reason == "terminated"}
