@@ -19,7 +19,11 @@ def ddp(out: str, *extra: str) -> list[str]:
     return ["python", "ddp_script.py", out, str(STEPS), *extra]
 
 
-def test_a_plain_ddp_script_sees_torchruns_environment(tmp_path, run_root):
+def test_a_plain_ddp_script_sees_torchruns_environment(tmp_path, run_root, monkeypatch):
+    # the defaults hpcx gives when nobody set them (a value the submitting shell exports wins; an in-process
+    # test earlier in the session may have pinned TORCH_NCCL_ASYNC_ERROR_HANDLING, as trainer.dist does)
+    for name in ("OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        monkeypatch.delenv(name, raising=False)
     spec = script_folder(tmp_path / "user", ddp("out"), name="env", run_root=run_root)
     run = submit_in(spec.parent, "--site", "local")
     assert wait_state(run)["state"] == "COMPLETED"
@@ -166,3 +170,13 @@ def test_wait_prints_the_trainers_summary_line_for_a_script(tmp_path, run_root):
     assert out.returncode == 0, out.stderr
     line = [t for t in out.stdout.splitlines() if t.startswith("result: ")]
     assert line == ["result: 3 steps, loss 2.0000 -> 1.2500, 2 ranks, script"], out.stdout
+
+
+def test_a_value_the_submitting_shell_exports_wins_over_hpcxs_defaults(tmp_path, run_root, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    spec = script_folder(tmp_path / "user", ddp("out"), name="exported", run_root=run_root)
+    assert wait_state(submit_in(spec.parent, "--site", "local"))["state"] == "COMPLETED"
+    for rank in (0, 1):
+        env = seen(spec.parent / "out", 0, rank)
+        assert env["OMP_NUM_THREADS"] == "2" and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
