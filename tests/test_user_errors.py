@@ -219,7 +219,11 @@ def test_the_rank_that_failed_first_on_its_own_is_named():
 
 
 def test_dryrun_names_the_task_module_for_its_import_error(tmp_path):
-    (tmp_path / "bad_task.py").write_text("import torch\n\nclass T:\n    width = undefined_width\n")
+    # a class with the whole protocol (the login-side check reads it with ast and passes it); its body
+    # fails only when imported
+    methods = "".join(f"\n    def {m}(self, *a):\n        pass\n" for m in ("build_model", "units", "train_dataset",
+                                                                         "loss"))
+    (tmp_path / "bad_task.py").write_text("import torch\n\nclass T:\n    width = undefined_width\n" + methods)
     (tmp_path / "job.toml").write_text('[job]\nname = "bad"\n[task]\ntarget = "bad_task:T"\n')
     out = hpcx("dryrun", "job.toml", cwd=tmp_path, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
