@@ -90,6 +90,9 @@ def main():
                 break
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "step": step}, os.path.join(out, "final.pt"))
+    # both ranks tear the group down together: a rank whose peer already closed its gloo pairs may die of
+    # "terminate called without an active exception" (SIGABRT) at exit, which reads as a failed start
+    dist.barrier()
     dist.destroy_process_group()
 
 
