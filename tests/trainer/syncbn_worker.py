@@ -55,6 +55,7 @@ def main(out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    dist.barrier()  # both ranks tear gloo down together (a peer gone first can abort the other at exit)
     dist.destroy_process_group()
 
 
