@@ -54,7 +54,9 @@ def test_a_drilled_script_saves_asks_requeues_and_ends_equal_to_an_uninterrupted
     assert sent.returncode == 0, sent.stderr
     for run in runs:
         assert wait_state(run)["state"] == "COMPLETED", run
-    start0, stop0, start1, stop1 = ledger(runs[1])
+    lines = ledger(runs[1])
+    assert len(lines) == 4, lines  # start, stop (preempted), start, stop (completed)
+    start0, stop0, start1, stop1 = lines
     assert stop0["reason"] == "preempted" and stop0["requeued"] and stop0["step"] == 5
     assert start1["restart"] == 1 and start1["step"] == 5
     assert stop1["reason"] == "completed" and stop1["step"] == STEPS

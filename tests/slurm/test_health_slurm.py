@@ -8,9 +8,13 @@ import time
 
 from tests.conftest import REPO, hpcx
 from tests.resilience.resilience_lib import ledger, losses_by_step, submit, wait_state
-from tests.slurm.test_failure_slurm import TERMINAL
+from tests.slurm.test_failure_slurm import HERE, TERMINAL
 
 DDP = str(REPO / "jobs" / "tiny-ddp.toml")
+# the first start is slowed (0.1 s a forward call, 8 a step: ~0.8 s a step) so that a drill at step 6 lands while
+# the job trains, however long `srun --overlap` takes on a loaded machine; the restart runs at full speed
+SLOW_FIRST_START = ('model.arch="slow_model:build"', "model.kwargs={sleep_s = 0.1}",
+                    f"env.set.PYTHONPATH={json.dumps(HERE)}", "model.seq_len=64", "model.vocab_size=256")
 
 
 def hosts(folder) -> list[str]:
@@ -19,7 +23,7 @@ def hosts(folder) -> list[str]:
 
 def test_a_node_that_killed_the_rank_is_excluded_and_the_job_lands_on_the_other(sandbox):
     folder = submit(DDP, "job.name=exclude-node", "job.nodes=1", "job.tasks_per_node=1", "train.steps=20",
-                    "train.log_every=1", "checkpoint.interval_steps=4", site="sandbox")
+                    "train.log_every=1", "checkpoint.interval_steps=4", *SLOW_FIRST_START, site="sandbox")
     drilled = hpcx("drill", str(folder), "--at-step", "6", "--fail-node", "--json")  # SIGKILL: srun says "Killed"
     assert drilled.returncode == 0, drilled.stderr
     done = json.loads(drilled.stdout)
@@ -37,7 +41,8 @@ def test_a_node_that_killed_the_rank_is_excluded_and_the_job_lands_on_the_other(
 
 def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_resumes_with_nothing_lost(sandbox):
     folder = submit(DDP, "job.name=hang-rank", "job.nodes=2", "job.tasks_per_node=1", "train.steps=24",
-                    "train.log_every=1", "checkpoint.interval_steps=4", "health.hang_timeout_s=20", site="sandbox")
+                    "train.log_every=1", "checkpoint.interval_steps=4", "health.hang_timeout_s=20", *SLOW_FIRST_START,
+                    site="sandbox")
     job_id = json.loads((folder / "job.json").read_text())["job_id"]
     drilled = hpcx("drill", str(folder), "--at-step", "6", "--hang", "1")  # SIGSTOP: its watchdog stops too
     stopped_at = time.time()
