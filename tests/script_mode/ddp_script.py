@@ -12,6 +12,7 @@ OUT: a folder for its checkpoint and what each rank saw; ``--hold-at N`` waits a
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -82,18 +83,25 @@ def main():
             if stop.item():
                 if rank == 0:
                     torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, ckpt)
-                dist.barrier()
                 job.requeue()
-                dist.destroy_process_group()
-                return
+                leave()
             if step >= args.steps:
                 break
     if rank == 0:
         torch.save({"model": model.module.state_dict(), "step": step}, os.path.join(out, "final.pt"))
-    # both ranks tear the group down together: a rank whose peer already closed its gloo pairs may die of
-    # "terminate called without an active exception" (SIGABRT) at exit, which reads as a failed start
+    leave()
+
+
+def leave():
+    """Tear the group down together and leave without the interpreter's finalization: under load, gloo's
+    threads racing the finalization kill a rank with SIGABRT ("terminate called without an active
+    exception"; pytorch/pytorch#179291) after its work is done, which any launcher reads as a failed rank
+    (hpcx requeues it as a failed start: an extra start and stop in the ledger)."""
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
