@@ -415,12 +415,12 @@ def resolve_paths(spec: JobSpec) -> list[str]:
                                                            facts.vocab_size)
     if not problems and spec.data.packing == "document":
         problems += _packing_problems(spec, kind)
-    task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
-    if task:  # its class, read from its source (hpcx never imports a user's module here)
+    user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
+    if user_task:  # its class, read from its source (hpcx never imports a user's module here)
         from hpc.core.tasks import class_problems
 
-        problems += class_problems(task)
-    if not problems and not task:  # a task evaluates on its own eval_dataset()
+        problems += class_problems(user_task)
+    if not problems and not user_task:  # a task evaluates on its own eval_dataset()
         from hpc.core.manifest import check_validation
 
         more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size, kind)

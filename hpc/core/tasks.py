@@ -152,15 +152,15 @@ def apply_task(spec: JobSpec) -> None:
 
 def code_notice(spec: JobSpec) -> str | None:
     """What a task means: its code is imported and called in every task (as a user model's)."""
-    task = spec.workload
-    if not isinstance(task, TaskWorkload):
+    workload = spec.workload
+    if not isinstance(workload, TaskWorkload):
         return None
     from hpc.core.models.user import module_file
 
-    found = module_file(task.module)
+    found = module_file(workload.module)
     where = f"from {found}" if found else "which is not importable here: every task must find it on its sys.path"
-    return (f"user code: every task will import the Python module {task.module!r} ({where}) and call "
-            f"{task.cls}({', '.join(task.kwargs) or 'no kwargs'}) (task.target); it runs with your permissions, "
+    return (f"user code: every task will import the Python module {workload.module!r} ({where}) and call "
+            f"{workload.cls}({', '.join(workload.kwargs) or 'no kwargs'}) (task.target); it runs with your permissions, "
             "so check it is the code you mean")
 
 
@@ -171,7 +171,7 @@ TASK_METHODS = ("build_model", "units", "train_dataset", "loss")  # trainer.task
 MAX_MODULE_BYTES = 4 << 20  # a task's module is source code of some KB
 
 
-def class_problems(task: TaskWorkload) -> list[str]:
+def class_problems(workload: TaskWorkload) -> list[str]:
     """The user's ``task.target`` class read from its source without importing it (its module imports
     torch, and importing runs the user's code on the login node): the module must define the class,
     ``task.kwargs`` must fit its ``__init__``, and a class of no base must define the protocol's
@@ -181,17 +181,17 @@ def class_problems(task: TaskWorkload) -> list[str]:
 
     from hpc.core.models.user import module_file
 
-    path = module_file(task.module)
+    path = module_file(workload.module)
     if path is None or not path.endswith(".py"):
         return []
-    label = f"`task.target` = {task.target!r}"
+    label = f"`task.target` = {workload.target!r}"
     try:
         tree = ast.parse(_module_source(path, label), path)
     except SyntaxError as exc:
         return [f"{label}: {path}:{exc.lineno}: {exc.msg}: expected Python source"]
     except (ConfigError, ValueError, RecursionError) as exc:
         return list(getattr(exc, "messages", [f"{label}: {path}: cannot parse: {exc}"]))[:1]
-    return _class_problems(tree, task.cls, path, label, task.kwargs)
+    return _class_problems(tree, workload.cls, path, label, workload.kwargs)
 
 
 def _module_source(path: str, label: str) -> bytes:

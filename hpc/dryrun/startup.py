@@ -58,17 +58,17 @@ def built_model(spec: JobSpec) -> nn.Module:
     from trainer.model import build_model
     from trainer.tasks import task_for
 
-    task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
+    user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
     try:
-        return task_for(spec, "synthetic").meta_model() if task else build_model(spec.model, "meta")
+        return task_for(spec, "synthetic").meta_model() if user_task else build_model(spec.model, "meta")
     except ConfigError as exc:
         raise ConfigError([f"{spec.source}: {m}" for m in exc.messages]) from None
     except Exception as exc:  # noqa: BLE001  (the user's code: the job would raise the same in every start)
-        if task:
+        if user_task:
             from trainer.tasks import raised_at
 
-            raise ConfigError([f"{spec.source}: `task.target` = {task.target!r}: build_model() raised "
-                               f"{raised_at(exc, task.module)}; expected it to return the nn.Module"]) from None
+            raise ConfigError([f"{spec.source}: `task.target` = {user_task.target!r}: build_model() raised "
+                               f"{raised_at(exc, user_task.module)}; expected it to return the nn.Module"]) from None
         call = f"{spec.model.arch.split(':')[-1]}({', '.join(f'{k}={v!r}' for k, v in spec.model.kwargs.items())})"
         raise ConfigError([f"{spec.source}: `model.arch` = {spec.model.arch!r}: {call} (with `model.kwargs`) raised "
                            f"{type(exc).__name__}: {_one_line(exc)}; expected it to return the nn.Module"]) from None
