@@ -42,6 +42,9 @@ from pathlib import Path
 
 from hpc.core.workload import ScriptWorkload
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.spec import JobSpec
+
 SCRIPT_NOT_ASKED = "the script did not ask for a requeue (hpc.job.requeue())"
 TERMINATED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
 TIME_LIMIT = "the time limit ended the command (a script that saves at hpc.job.preempted() and asks is requeued)"
@@ -70,7 +73,7 @@ class ScriptTask:
         return f"ScriptTask({self.run_dir!r}, {self.workdir!r})"
 
 
-def script_command(spec: tp.Any) -> tuple[str, ...]:
+def script_command(spec: JobSpec) -> tuple[str, ...]:
     """The run's ``job.command`` (its ``ScriptWorkload``); a run folder of hpcx's trainer is refused."""
     match spec.workload:
         case ScriptWorkload(command=command):
