@@ -15,6 +15,7 @@ from torch import nn
 from hpc.core.errors import UserError
 from hpc.core.models import Counted
 from hpc.core.spec import JobSpec, Model as ModelSpec
+from hpc.core.workload import TaskWorkload
 from trainer.model import build_model, model_blocks
 
 
@@ -35,18 +36,21 @@ def count_model(spec: ModelSpec) -> Counted:
 
 def count_task(spec: JobSpec) -> Counted:
     """Parameters of ``spec``'s task's model (``[task]``), counted on the meta device."""
-    from trainer.tasks import UserTask, load_task
+    from trainer.tasks import user_task
 
-    task = UserTask(load_task(spec.task.target, spec.task.kwargs), spec.task.target, spec.data.shuffle)
+    workload = spec.workload
+    if not isinstance(workload, TaskWorkload):
+        raise ValueError(f"{spec.source}: count_task counts a task's model, but the spec's workload is {workload.kind!r}")
+    task = user_task(workload, spec.data.shuffle)
     try:
         model = task.meta_model()
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001  (the user's code: whatever it raises is their error to read)
-        raise UserError([f"`task.target` = {spec.task.target!r}: could not build its model on the meta device to "
+        raise UserError([f"`task.target` = {workload.target!r}: could not build its model on the meta device to "
                          f"count its parameters: {type(exc).__name__}: {exc}"]) from None
     blocks = task.blocks(model)
-    flops: float | None = spec.task.flops_per_sample
+    flops: float | None = workload.flops_per_sample
     if flops:
         source = "declared (task.flops_per_sample)"
     else:

@@ -352,9 +352,8 @@ def resilience_for(run: Run, rank: int, preemption: PreemptionFlag | None) -> Re
 
 
 def code_modules(spec: tp.Any) -> tuple[str, ...]:
-    """The job's own modules: ``task.target``'s and a user model's (``model.arch = "pkg.mod:build"``)."""
-    targets = [spec.task.target, spec.model.arch]
-    return tuple(t.split(":")[0] for t in targets if t and ":" in t)
+    """The job's own modules: ``task.target``'s or a user model's (``model.arch = "pkg.mod:build"``)."""
+    return spec.workload.code_modules
 
 
 def report_unloadable(run_dir: Path, rank: int, exc: Exception) -> None:

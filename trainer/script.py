@@ -40,6 +40,11 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpc.core.workload import ScriptWorkload
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.core.spec import JobSpec
+
 SCRIPT_NOT_ASKED = "the script did not ask for a requeue (hpc.job.requeue())"
 TERMINATED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
 TIME_LIMIT = "the time limit ended the command (a script that saves at hpc.job.preempted() and asks is requeued)"
@@ -66,6 +71,14 @@ class ScriptTask:
 
     def __repr__(self) -> str:
         return f"ScriptTask({self.run_dir!r}, {self.workdir!r})"
+
+
+def script_command(spec: JobSpec) -> tuple[str, ...]:
+    """The run's ``job.command`` (its ``ScriptWorkload``); a run folder of hpcx's trainer is refused."""
+    match spec.workload:
+        case ScriptWorkload(command=command):
+            return command
+    raise ValueError(f"{spec.source}: the run trains with hpcx's trainer ({spec.workload.kind}), not a `job.command`")
 
 
 def command_argv(command: tp.Sequence[str], python: str) -> list[str]:
@@ -141,6 +154,7 @@ class ScriptRank:
         from trainer.run import load_run
 
         self.run = load_run(run_dir)
+        self.command = script_command(self.run.spec)
         self.rd = runs.RunDir(self.run.run_dir)
         self.workdir = workdir
         self.env = detect_rank_env()
@@ -170,7 +184,7 @@ class ScriptRank:
         return self._ended(status)
 
     def argv(self) -> list[str]:
-        return command_argv(self.run.spec.job.command, sys.executable)
+        return command_argv(self.command, sys.executable)
 
     def environment(self) -> dict[str, str]:
         from hpc import job
@@ -252,7 +266,7 @@ class ScriptRank:
                                                                                                   ledger)
         append_jsonl(self.rd.ledger, {
             "event": "start", "time": self.clock(), "restart": self.restart, "step": self._step(),
-            "by": "script", "command": list(self.run.spec.job.command),
+            "by": "script", "command": list(self.command),
             "queue_wait_s": None if wait is None else round(wait, 3), "queue_wait_source": source,
             "job_id": side.job_id() if side else None, "slurm_restart_count": side.restart_count() if side else 0})
         restarts = side.restart_count() if side else 0
@@ -275,7 +289,7 @@ class ScriptRank:
         from hpc.core.runs import write_json
 
         failed = status != 0 and not self.terminated
-        error = f"job.command {exit_words(status)} on rank {self.env.rank}: {' '.join(self.run.spec.job.command)}"
+        error = f"job.command {exit_words(status)} on rank {self.env.rank}: {' '.join(self.command)}"
         error += recorded_error(self.error_file(self.env.rank)) if failed else ""
         if failed:
             policy.report_failure(self.run.run_dir, self.incarnation, self.env.rank, step=self._step(), error=error,
@@ -317,7 +331,7 @@ class ScriptRank:
         """Rank 0, once every rank's command ended: the stop line, and the one requeue asked or allowed."""
         from hpc.core import requeue as policy
 
-        step, command = self._step(), list(self.run.spec.job.command)
+        step, command = self._step(), list(self.command)
         ranks = self._await_ranks()
         ended_by = self.side.ended_by() if self.terminated and self.side is not None else None
         failures = first_failures(ranks or [])

@@ -22,6 +22,7 @@ from hpc.core.models import family, model_facts
 from hpc.core.models.tp_plan import tp_plan_of
 from hpc.core.resolve import Launch, launch_parallel, refit
 from hpc.core.spec import JobSpec, loader_workers
+from hpc.core.workload import LMWorkload, TaskWorkload
 from trainer.data import GlobalSampler, StreamSampler, build_loader, epoch_order, is_stream, order_words
 from trainer.dist import (RankEnv, apply_job_env, apply_nccl_trace, check_world, detect_rank_env, device_for,
                           init_distributed, init_single, open_side_groups, shutdown, write_mesh, write_world)
@@ -180,7 +181,7 @@ def build_trainer(run: Run, rank: int, device: torch.device,
     dp_rank, dp_world = launch.dims.dp_rank(rank), launch.dims.dp_world  # a tp group shares its batches
     workers = loader_workers(spec.data.num_workers, device.type == "cuda", launch.cpus_per_task)
     sampler, loader = data_pipeline(task, spec, dp_rank, dp_world, device.type == "cuda", workers)
-    if rank == 0 and not spec.task.target:
+    if rank == 0 and isinstance(spec.workload, LMWorkload):  # a task's data is its own
         record_data(run.run_dir, spec.data, kind)
     trainer = Trainer(
         run_dir=run.run_dir, model=model, optimizer=optimizer, scheduler=build_scheduler(optimizer, spec.train, spec.optim),
@@ -241,10 +242,11 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
     parallel = launch_parallel(spec, launch)
     model = apply_lora(task.meta_model() if model is None else model, spec, parallel.mixed_precision,
                        launch.dims.strategy)
-    if spec.task.sync_batchnorm:  # refused at submit under none and dp (hpc.core.tasks)
-        from trainer.syncbn import convert
+    match spec.workload:
+        case TaskWorkload(sync_batchnorm=True, target=target):  # refused at submit under none and dp (hpc.core.tasks)
+            from trainer.syncbn import convert
 
-        model = convert(model, spec.task.target, device.type)
+            model = convert(model, target, device.type)
     blocks = blocks_for(task.blocks, model, parallel, launch.dims)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
     mesh = build_mesh(launch.dims, "cpu" if device.type == "meta" else device.type)

@@ -62,9 +62,9 @@ def cli() -> None:
 
 def refuse_script_mode(spec: tp.Any, command: str) -> None:
     """``hpcx plan``/``dryrun`` of a script-mode spec: there is no model of hpcx's to count or build."""
-    from hpc.core.spec import script_mode
+    from hpc.core.workload import ScriptWorkload
 
-    if script_mode(spec):
+    if isinstance(spec.workload, ScriptWorkload):
         raise UserError([f"{spec.source}: `job.command` runs your own script, so `hpcx {command}` has no model to "
                          "count or build: expected a spec of hpcx's trainer (a built-in model, a user model or a "
                          "task; docs/tasks.md)"])
@@ -196,7 +196,7 @@ def check_memory(spec: tp.Any, site: tp.Any, launch: tp.Any, strict: bool) -> No
     on stderr (``hpc.plan.warn``); under ``--strict`` a refusal (exit 2)."""
     from hpc.plan.warn import memory_warning
 
-    if spec.job.command:  # script mode: the script's memory is its own
+    if not spec.workload.uses_trainer:  # script mode: the script's memory is its own
         return
     line = memory_warning(spec, site, launch)
     if line is None:

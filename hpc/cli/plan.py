@@ -30,6 +30,7 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     from hpc.core.resolve import cross_check
     from hpc.core.site import select_site
     from hpc.core.spec import load_spec, set_origins
+    from hpc.core.workload import TaskWorkload
 
     extra = (f"job.nodes={nodes}",) if nodes else ()
     spec = load_spec(job, tuple(overrides) + extra)
@@ -41,7 +42,7 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     if errors:
         raise ConfigError(set_origins([f"{spec.source}: {e}" for e in errors], spec.source, overrides))
     facts = _counted_facts(spec.model) if count_params else model_facts(spec.model)
-    if spec.task.target:  # a task's model is known only by building it
+    if isinstance(spec.workload, TaskWorkload):  # a task's model is known only by building it
         facts = _counted_task_facts(spec)
     plan = plan_job(spec, site, facts=facts)
     if as_json:

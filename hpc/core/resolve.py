@@ -17,7 +17,7 @@ from hpc.core.dims import ParallelDims, hsdp_shard_size, parallel_dims
 from hpc.core.dims import tasks_per_node as strategy_tasks_per_node
 from hpc.core.manifest import source_kind
 from hpc.core.site import SiteProfile
-from hpc.core.spec import JobSpec, Parallel, compute_precision, script_mode
+from hpc.core.spec import JobSpec, Parallel, compute_precision
 from hpc.core.tensor_parallel import batch_problems, check_tp
 from hpc.core.validate import check_world
 
@@ -109,7 +109,7 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     if site.scheduler.max_nodes and spec.job.nodes > site.scheduler.max_nodes:
         errors.append(f"`job.nodes` = {spec.job.nodes} but site {site.name!r} has at most "
                       f"{site.scheduler.max_nodes} nodes")
-    if not script_mode(spec):  # a script's batches and layout are its own
+    if spec.workload.uses_trainer:  # a script's batches and layout are its own
         errors += check_tp(spec, site, tpn)
         errors += batch_problems(spec, site, tpn)  # data-parallel ranks: tp ranks share a batch
     if spec.job.cpus_per_task and spec.job.cpus_per_task * tpn > site.node.cpus:
@@ -118,7 +118,7 @@ def cross_check(spec: JobSpec, site: SiteProfile) -> list[str]:
     elif not spec.job.cpus_per_task and tpn > site.node.cpus and site.allocates_cpus:
         errors.append(f"{tpn} tasks per node need at least {tpn} CPUs, but site {site.name!r} nodes have "
                       f"{site.node.cpus} (`node.cpus`): expected at most {site.node.cpus} tasks per node")
-    errors += [] if script_mode(spec) else _check_strategy(spec, site, world, tpn)
+    errors += _check_strategy(spec, site, world, tpn) if spec.workload.uses_trainer else []
     lead = spec.job.signal_lead_s or site.scheduler.signal_lead_s
     if lead >= spec.job.time_limit_min * 60:
         errors.append(f"signal lead {lead} s is not shorter than `job.time_limit_min` = "

@@ -25,6 +25,7 @@ from hpc.core.optim import SCHEDULES, Optim, adamw_fields_given, optim_problems
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
 from hpc.core.tasks import Task, apply_task, task_problems
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
+from hpc.core.workload import TaskWorkload, Workload, workload_of
 
 STRATEGIES = ("auto", "none", "dp", "ddp", "fsdp", "hsdp")
 SHARDINGS = ("full_shard", "shard_grad_op", "no_shard")
@@ -271,10 +272,16 @@ class JobSpec:
     health: Health = dataclasses.field(default_factory=Health)  # node exclusion, hang watchdog (hpc.core.health)
     source: str = ""
 
+    @functools.cached_property
+    def workload(self) -> Workload:
+        """What the job runs (``hpc.core.workload``), resolved when first asked and kept: the spec is not
+        changed after loading (a changed copy, ``dataclasses.replace``, resolves its own)."""
+        return workload_of(self)
+
     def to_dict(self) -> dict[str, tp.Any]:
         out = asdict(self)
         out.pop("source")
-        if not self.task.target:  # a language model's resolved.json stays as it was
+        if not isinstance(self.workload, TaskWorkload):  # a language model's resolved.json stays as it was
             out.pop("task")
         return out
 
@@ -408,11 +415,12 @@ def resolve_paths(spec: JobSpec) -> list[str]:
                                                            facts.vocab_size)
     if not problems and spec.data.packing == "document":
         problems += _packing_problems(spec, kind)
-    if spec.task.target:  # its class, read from its source (hpcx never imports a user's module here)
+    user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
+    if user_task:  # its class, read from its source (hpcx never imports a user's module here)
         from hpc.core.tasks import class_problems
 
-        problems += class_problems(spec)
-    if not problems and not spec.task.target:  # a task evaluates on its own eval_dataset()
+        problems += class_problems(user_task)
+    if not problems and not user_task:  # a task evaluates on its own eval_dataset()
         from hpc.core.manifest import check_validation
 
         more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size, kind)
@@ -507,11 +515,6 @@ def json_list(items: tp.Sequence[str]) -> str:
     return json.dumps(list(items))
 
 
-def script_mode(spec: JobSpec) -> bool:
-    """Whether the job runs the user's own command (``job.command``) instead of hpcx's trainer."""
-    return bool(spec.job.command)
-
-
 def _check_env(env: tp.Any) -> list[str]:
     """Names and values of the raw ``[env]`` table: a name is checked also beside a value of the wrong type
     (which the loader reports), so every problem of an entry is said at once."""
@@ -562,7 +565,7 @@ def watch_problems(spec: JobSpec) -> list[str]:
     if name and not (name.startswith("eval_") and name[5:].isidentifier()):
         out.append(f"`checkpoint.keep_best` = {c.keep_best!r}: expected an evaluation metric, e.g. 'eval_loss' "
                    "or 'eval_accuracy'")
-    elif name and not spec.task.target and name not in LM_METRICS:
+    elif name and not isinstance(spec.workload, TaskWorkload) and name not in LM_METRICS:
         out.append(f"`checkpoint.keep_best` = {c.keep_best!r}: the language model's evaluation gives "
                    f"{' and '.join(LM_METRICS)}")
     c.keep_best = name

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from hpc.core import validate as v
 from hpc.core.config import field
 from hpc.core.errors import ConfigError
+from hpc.core.workload import TaskWorkload
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
@@ -145,21 +146,21 @@ def apply_task(spec: JobSpec) -> None:
     ``model.seq_len`` the task's ``tokens_per_sample`` (the planner's FLOPs and the trainer's tokens/s)."""
     from hpc.core.models import TASK
 
-    if spec.task.target:
-        spec.model.arch, spec.model.seq_len = TASK, spec.task.tokens_per_sample
+    if isinstance(spec.workload, TaskWorkload):
+        spec.model.arch, spec.model.seq_len = TASK, spec.workload.tokens_per_sample
 
 
 def code_notice(spec: JobSpec) -> str | None:
     """What a task means: its code is imported and called in every task (as a user model's)."""
-    if not spec.task.target:
+    workload = spec.workload
+    if not isinstance(workload, TaskWorkload):
         return None
     from hpc.core.models.user import module_file
 
-    module, cls = spec.task.target.split(":", 1)
-    found = module_file(module)
+    found = module_file(workload.module)
     where = f"from {found}" if found else "which is not importable here: every task must find it on its sys.path"
-    return (f"user code: every task will import the Python module {module!r} ({where}) and call "
-            f"{cls}({', '.join(spec.task.kwargs) or 'no kwargs'}) (task.target); it runs with your permissions, "
+    return (f"user code: every task will import the Python module {workload.module!r} ({where}) and call "
+            f"{workload.cls}({', '.join(workload.kwargs) or 'no kwargs'}) (task.target); it runs with your permissions, "
             "so check it is the code you mean")
 
 
@@ -170,7 +171,7 @@ TASK_METHODS = ("build_model", "units", "train_dataset", "loss")  # trainer.task
 MAX_MODULE_BYTES = 4 << 20  # a task's module is source code of some KB
 
 
-def class_problems(spec: JobSpec) -> list[str]:
+def class_problems(workload: TaskWorkload) -> list[str]:
     """The user's ``task.target`` class read from its source without importing it (its module imports
     torch, and importing runs the user's code on the login node): the module must define the class,
     ``task.kwargs`` must fit its ``__init__``, and a class of no base must define the protocol's
@@ -180,18 +181,17 @@ def class_problems(spec: JobSpec) -> list[str]:
 
     from hpc.core.models.user import module_file
 
-    module, name = spec.task.target.split(":", 1)
-    path = module_file(module)
+    path = module_file(workload.module)
     if path is None or not path.endswith(".py"):
         return []
-    label = f"`task.target` = {spec.task.target!r}"
+    label = f"`task.target` = {workload.target!r}"
     try:
         tree = ast.parse(_module_source(path, label), path)
     except SyntaxError as exc:
         return [f"{label}: {path}:{exc.lineno}: {exc.msg}: expected Python source"]
     except (ConfigError, ValueError, RecursionError) as exc:
         return list(getattr(exc, "messages", [f"{label}: {path}: cannot parse: {exc}"]))[:1]
-    return _class_problems(tree, name, path, label, spec.task.kwargs)
+    return _class_problems(tree, workload.cls, path, label, workload.kwargs)
 
 
 def _module_source(path: str, label: str) -> bytes:

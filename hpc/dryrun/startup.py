@@ -26,6 +26,7 @@ from hpc.core.errors import ConfigError
 from hpc.core.models import model_facts
 from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.spec import JobSpec
+from hpc.core.workload import TaskWorkload
 
 BATCH, SEQ = 2, 8  # the meta batch of the forward check: [BATCH, min(SEQ, seq_len)] token ids
 
@@ -44,7 +45,7 @@ def checked_model(spec: JobSpec, launch: Launch) -> tuple[nn.Module, str | None]
         problems += exc.messages
     problems += reset_problems(model, spec)
     note = None
-    if not model_facts(spec.model).builtin and not spec.task.target:  # a task's forward is its own loss's
+    if not model_facts(spec.model).builtin and not isinstance(spec.workload, TaskWorkload):  # its loss's forward
         forward, note = forward_problems(model, spec)
         problems += forward
     if problems:
@@ -57,17 +58,17 @@ def built_model(spec: JobSpec) -> nn.Module:
     from trainer.model import build_model
     from trainer.tasks import task_for
 
+    user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
     try:
-        return task_for(spec, "synthetic").meta_model() if spec.task.target else build_model(spec.model, "meta")
+        return task_for(spec, "synthetic").meta_model() if user_task else build_model(spec.model, "meta")
     except ConfigError as exc:
         raise ConfigError([f"{spec.source}: {m}" for m in exc.messages]) from None
     except Exception as exc:  # noqa: BLE001  (the user's code: the job would raise the same in every start)
-        if spec.task.target:
+        if user_task:
             from trainer.tasks import raised_at
 
-            raise ConfigError([f"{spec.source}: `task.target` = {spec.task.target!r}: build_model() raised "
-                               f"{raised_at(exc, spec.task.target.split(':')[0])}; expected it to return the "
-                               "nn.Module"]) from None
+            raise ConfigError([f"{spec.source}: `task.target` = {user_task.target!r}: build_model() raised "
+                               f"{raised_at(exc, user_task.module)}; expected it to return the nn.Module"]) from None
         call = f"{spec.model.arch.split(':')[-1]}({', '.join(f'{k}={v!r}' for k, v in spec.model.kwargs.items())})"
         raise ConfigError([f"{spec.source}: `model.arch` = {spec.model.arch!r}: {call} (with `model.kwargs`) raised "
                            f"{type(exc).__name__}: {_one_line(exc)}; expected it to return the nn.Module"]) from None

@@ -11,19 +11,21 @@ from hpc.core.models import code_notice
 from hpc.core.resolve import Launch
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
+from hpc.core.workload import ScriptWorkload
 
 
 def layout_words(spec: JobSpec, launch: Launch) -> str:
     """The layout for people: the strategy with its numbers, or a script mode's command."""
-    if spec.job.command:
-        return f"your command {json.dumps(spec.job.command)} on every rank"
+    match spec.workload:
+        case ScriptWorkload(command=command):
+            return f"your command {json.dumps(command)} on every rank"
     return launch.dims.describe()
 
 
 def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
     """Comment lines that explain the launch (printed to stderr by `hpcx render`)."""
-    if spec.job.command:
-        return script_summary(spec, site, launch)
+    if isinstance(spec.workload, ScriptWorkload):
+        return script_summary(spec.workload, spec, site, launch)
     header = [
         f"# hpcx: {spec.job.name} on site {site.name!r} ({site.scheduler.kind})",
         f"# ranks: {launch.nodes} nodes × {launch.tasks_per_node} tasks = {launch.world_size} ({launch.backend})",
@@ -40,12 +42,12 @@ def render_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
     return "\n".join(header) + "\n"
 
 
-def script_summary(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
+def script_summary(script: ScriptWorkload, spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
     """``render_summary`` of a script-mode spec: where and how the command runs, and its preemption."""
     lines = [
         f"# hpcx: {spec.job.name} on site {site.name!r} ({site.scheduler.kind})",
         f"# ranks: {launch.nodes} nodes × {launch.tasks_per_node} tasks = {launch.world_size} ({launch.backend})",
-        f"# command: {json.dumps(spec.job.command)} on every rank, in the folder `hpcx submit` runs in, with "
+        f"# command: {json.dumps(script.command)} on every rank, in the folder `hpcx submit` runs in, with "
         "torchrun's RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT",
         f"# preemption: USR2 {launch.signal_lead_s} s before the time limit, forwarded to the command and flagged "
         f"for hpc.job.preempted(); requeued when it asks (hpc.job.requeue()), at most {spec.job.max_requeues} times",

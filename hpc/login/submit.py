@@ -125,9 +125,9 @@ def base_problems(spec: JobSpec) -> list[str]:
 def rank_task(spec: JobSpec, run_dir: Path, workdir: str) -> tp.Any:
     """What submitit runs on every rank: hpcx's trainer (``TrainTask``), or the spec's own command
     (``ScriptTask``: script mode) in ``workdir``, the folder ``hpcx submit`` ran in. Both torch-free."""
-    from hpc.core.spec import script_mode
+    from hpc.core.workload import ScriptWorkload
 
-    if script_mode(spec):
+    if isinstance(spec.workload, ScriptWorkload):
         from trainer.script import ScriptTask
 
         return ScriptTask(str(run_dir), workdir)

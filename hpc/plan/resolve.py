@@ -9,8 +9,9 @@ from __future__ import annotations
 from hpc.core.config import ConfigError
 from hpc.core.resolve import Launch, cross_check, launch_for, script_launch
 from hpc.core.site import SiteProfile
-from hpc.core.spec import JobSpec, script_mode
+from hpc.core.spec import JobSpec
 from hpc.core.tasks import sync_batchnorm_problems
+from hpc.core.workload import ScriptWorkload
 
 
 def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
@@ -18,7 +19,7 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
     errors = cross_check(spec, site)
     if errors:
         raise ConfigError([f"{spec.source}: {e}" for e in errors])
-    if script_mode(spec):  # the script decides its own layout: nothing to plan
+    if isinstance(spec.workload, ScriptWorkload):  # the script decides its own layout: nothing to plan
         return script_launch(spec, site)
     from hpc.plan import choose  # the planner decides `auto`
 

@@ -50,6 +50,7 @@ from torch.utils.data import Dataset, default_collate
 
 from hpc.core.errors import ConfigError
 from hpc.core.failures import code_roots, looks_like_infrastructure, one_line, traceback_frames, user_code_error
+from hpc.core.workload import TaskWorkload
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
@@ -126,13 +127,18 @@ class LoopTask(tp.Protocol):
 def task_for(spec: JobSpec, data_source: str | None = None) -> LoopTask:
     """What ``spec`` trains: the user's task of ``[task]``, else the built-in language model's
     (``data_source``: ``Launch.data_source``, decided at resolve)."""
-    if spec.task.target:
-        task = UserTask(load_task(spec.task.target, spec.task.kwargs), spec.task.target, spec.data.shuffle)
-        task.tokens_per_sample = spec.task.tokens_per_sample
-        return task
+    if isinstance(spec.workload, TaskWorkload):
+        return user_task(spec.workload, spec.data.shuffle)
     from trainer.tasks.lm import LanguageModelTask
 
     return LanguageModelTask(spec, data_source)
+
+
+def user_task(workload: TaskWorkload, shuffle: bool) -> UserTask:
+    """The user's class of ``[task]``, built with its kwargs, as a ``LoopTask``."""
+    task = UserTask(load_task(workload.target, dict(workload.kwargs)), workload.target, shuffle)
+    task.tokens_per_sample = workload.tokens_per_sample
+    return task
 
 
 def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
