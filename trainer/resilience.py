@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.core import requeue as policy_
-from hpc.core import runs
+from hpc.core import runs, straggler
 from hpc.core.failures import (code_roots, first_failure_account, one_line, record_saves, repeat_reason,
                                user_code_error, would_repeat)
 from hpc import schedulers
@@ -330,7 +330,10 @@ class Resilience:
         return policy_.request(self.side, self.run_dir, self.side.incarnation(self.restart), "rank 0", reason)
 
     def _record_stop(self, reason: str, why_not: str | None, error: str | None = None, **account: tp.Any) -> None:
-        extra = {"error": error.splitlines()[0][:300] if error else ""} if error is not None else {}
+        extra: dict[str, tp.Any] = {"error": error.splitlines()[0][:300] if error else ""} if error is not None else {}
+        incarnation = self.side.incarnation(self.restart) if self.side is not None else f"run.{self.restart}"
+        if named := straggler.of_start(self.run_dir, incarnation):  # ranks named slow (trainer.straggler)
+            extra["stragglers"] = named
         line = policy_.stop_line(self.step, reason, why_not, self.side, "rank 0", save_s=round(self.save_s, 3),
                                  saves=self.saves, **extra, **account)
         if line.get("not_requeued") and reason not in ("completed", "terminated"):
