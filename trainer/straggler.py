@@ -162,9 +162,10 @@ class StepSplit:
 
 def straggler_for(run: Run, world: int, guard: Resilience, model: nn.Module,
                   metrics: MetricsWriter) -> StepSplit | None:
-    """This rank's step split (``health.straggler_every`` > 0), its hooks on ``model``."""
+    """This rank's step split (``health.straggler_every`` > 0, more than one rank: one has no others to be
+    slower than), its hooks on ``model``."""
     settings = run.spec.health
-    if not settings.straggler_every:
+    if not settings.straggler_every or world < 2:
         return None
     side = guard.side
     incarnation = side.incarnation(guard.restart) if side is not None else f"run.{guard.restart}"
