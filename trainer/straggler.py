@@ -91,6 +91,7 @@ class StepSplit:
     steps: int = 0
     named: list[dict] = field(default_factory=list)  # every rank named during this start (rank 0)
     now: list[dict] = field(default_factory=list)  # the ranks named at the last interval (rank 0)
+    warm: bool = False  # an interval of this start was gathered already (rank 0)
     written: bool = False  # this start's verdict is in the run folder (an earlier start's is replaced)
 
     # ------------------------------------------------------------ the loop's side
@@ -139,7 +140,8 @@ class StepSplit:
 
     def judged(self, step: int, steps: int, compute: list[float], wait: list[float]) -> None:
         """Rank 0: the interval's metrics line; a verdict that changed reaches the log and the run folder."""
-        found = self.judge.observe(compute)
+        found = self.judge.observe(compute) if self.warm else verdicts.ratios(compute)
+        self.warm = True  # a start's first interval holds its warm-up (DDP rebuilds its buckets): not judged
         if self.metrics is not None:
             self.metrics.write(verdicts.interval_record(step, steps, compute, wait, found))
         now = verdicts.stragglers(self.judge, found, self.hosts or [])
