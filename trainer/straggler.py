@@ -122,7 +122,7 @@ class StepSplit:
     def boundary(self, step: int) -> None:
         """After the step boundary (every rank, every step): every ``every`` steps the interval is gathered
         and judged; the next step's work begins now."""
-        if self.every and step % self.every == 0:
+        if self.every and step > 0 and step % self.every == 0:
             self.interval(step)
         self.began = self.clock()
 

@@ -268,3 +268,16 @@ def test_a_bad_straggler_key_in_a_spec_file_is_one_line_and_exit_2(tmp_path, lin
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert lines[0].startswith("error: job.toml: ") and words in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]  # no run folder left behind
+
+
+def test_the_interval_line_is_no_metric_to_plot_status_or_goodput(run_dir):
+    from hpc.cli.plot import plotted_keys
+    from hpc.core.goodput import by_cause
+
+    train = {"step": 10, "loss": 2.0, "lr": 1e-3, "tokens_per_s": 100.0, "step_time_s": 0.5}
+    ranks = {**straggler.interval_record(10, 10, [5.0, 9.0], [4.0, 0.0], [0.56, 1.8]), "start": 0}
+    assert plotted_keys([train, ranks]) == plotted_keys([train])
+    assert by_cause([], [train, ranks]) == by_cause([], [train])
+    (run_dir / "metrics.jsonl").write_text(json.dumps(train) + "\n" + json.dumps(ranks) + "\n")
+    shown = recorded_summary(run_dir)
+    assert shown["step"] == 10 and shown["loss"] == 2.0 and shown["tokens_per_s"] == 100.0
