@@ -72,7 +72,6 @@ def health_text(info: dict) -> str:
     import time
 
     from hpc.core.health import exclusion_words
-
     from hpc.core.straggler import all_words
 
     words = exclusion_words(info.get("excluded_nodes") or {}, time.time())
