@@ -61,8 +61,9 @@ class Health:
                                     minimum=1)
     straggler_intervals: int = field(3, doc="Intervals in a row over `straggler_factor` that name a straggler.",
                                      minimum=1, maximum=1000)
-    exclude_stragglers: bool = field(False, doc="A straggler's node joins the nodes the next requeue after a "
-                                     "failure excludes (`exclude_nodes`, `exclude_minutes`).")
+    exclude_stragglers: bool = field(False, doc="A straggler's node joins the nodes the job excludes on its "
+                                     "next requeue (after a failure, a preemption or the time limit; same window "
+                                     "and cap: `exclude_nodes`, `exclude_minutes`).")
 
 
 def health_of(spec: tp.Mapping[str, tp.Any]) -> Health:

@@ -12,8 +12,8 @@ median is 0 names no one.
 
 The named ranks reach the run folder (``RUN/health/stragglers.json``, rewritten when the verdict
 changes: ``hpcx status`` shows it) and the ledger's stop line (``stragglers``); with
-``health.exclude_stragglers`` their nodes join the nodes the next requeue after a failure excludes
-(``hpc.core.health.faults``). Torch-free and pure but for reading and writing that file.
+``health.exclude_stragglers`` their nodes join the nodes the next requeue excludes (``hpc.core.health``:
+after a failure the check after srun, after a preemption or the time limit rank 0: ``exclusion_after_requeue``). Torch-free and pure but for reading and writing that file.
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpc.core import health
+
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.schedulers.base import JobSide
 
 FILE = "stragglers.json"  # in ``RUN/health/`` (``hpc.core.health.beats_dir``)
 
@@ -175,3 +178,19 @@ def merged(before: tp.Sequence[tp.Mapping[str, tp.Any]], now: tp.Sequence[tp.Map
     out = {int(s["rank"]): dict(s) for s in before}
     out.update({int(s["rank"]): dict(s) for s in now})
     return [out[r] for r in sorted(out)]
+
+
+def exclusion_after_requeue(ledger: tp.Sequence[dict], named: tp.Sequence[tp.Mapping[str, tp.Any]],
+                            settings: health.Health, side: JobSide, now: float) -> dict[str, tp.Any]:
+    """After a requeue rank 0 was granted (a preemption, the time limit) with ``exclude_stragglers``: the
+    nodes of this start's stragglers join those node health keeps out (``hpc.core.health.exclusions``: the
+    same window and cap, the ledger's failed nodes and stragglers too), asked of the scheduler; the stop
+    line's fields. {} when there is nothing to add: the list the scheduler holds stays."""
+    if not settings.exclude_stragglers or not named:
+        return {}
+    found = [*health.faults(ledger, stragglers=True), *((str(s["host"]), now) for s in named if s.get("host"))]
+    until = health.exclusions(found, now, settings, side.spare_nodes())
+    if not until and not health.active(ledger, 0.0):
+        return {}
+    why_not = side.exclude(list(until))
+    return {"excluded_nodes": list(until), "excluded_until": until, **({"exclude_failed": why_not} if why_not else {})}

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hpc.core import health, straggler
+from hpc.core import health, runs, straggler
 from hpc.core.config import ConfigError
 from hpc.core.spec import spec_from_dict
 from hpc.core.straggler import Judge
@@ -281,3 +281,79 @@ def test_the_interval_line_is_no_metric_to_plot_status_or_goodput(run_dir):
     (run_dir / "metrics.jsonl").write_text(json.dumps(train) + "\n" + json.dumps(ranks) + "\n")
     shown = recorded_summary(run_dir)
     assert shown["step"] == 10 and shown["loss"] == 2.0 and shown["tokens_per_s"] == 100.0
+
+
+# ---------------------------------------------------------------- exclusion on a requeue rank 0 was granted
+
+
+class ExcludingSide(GrantingSide):
+    """A job side that grants the requeue and records the nodes it is asked to exclude (or refuses them)."""
+
+    def __init__(self, spare: int | None = 5, refuse: str | None = None) -> None:
+        super().__init__(spare)
+        self.refuse = refuse
+
+    def exclude(self, nodes):
+        super().exclude(nodes)
+        return self.refuse
+
+
+SLOW = [{"rank": 1, "host": "n2", "ratio": 1.8, "intervals": 3}]
+
+
+@pytest.mark.parametrize("settings,named,spare,expected", [
+    (health.Health(), SLOW, 5, {}),  # exclude_stragglers is off by default
+    (health.Health(exclude_stragglers=True), [], 5, {}),  # nobody named: the scheduler's list stays
+    (health.Health(exclude_stragglers=True), SLOW, 5, {"excluded_nodes": ["n2"], "excluded_until": {"n2": 3700.0}}),
+    (health.Health(exclude_stragglers=True), SLOW, 0, {}),  # no node to spare: none excluded, none before
+    (health.Health(exclude_stragglers=True, exclude_nodes=0), SLOW, 5, {}),
+    (health.Health(exclude_stragglers=True, exclude_minutes=1), SLOW + [{"rank": 4, "host": "n5"}], 5,
+     {"excluded_nodes": ["n5", "n2"], "excluded_until": {"n5": 160.0, "n2": 160.0}}),  # newest, then by name
+])
+def test_a_granted_requeue_excludes_this_starts_stragglers_only_when_asked(settings, named, spare, expected):
+    side = ExcludingSide(spare)
+    assert straggler.exclusion_after_requeue([], named, settings, side, 100.0) == expected
+    assert side.excluded == ([expected["excluded_nodes"]] if expected else [])
+
+
+def test_the_exclusion_keeps_the_ledgers_failed_nodes_and_records_a_refusal():
+    ledger = [{"event": "stop", "time": 90.0, "node_fault": True, "failed_nodes": ["n1"],
+               "excluded_until": {"n1": 3690.0}}]
+    side = ExcludingSide(refuse="scontrol update failed: no")
+    found = straggler.exclusion_after_requeue(ledger, SLOW, health.Health(exclude_stragglers=True), side, 100.0)
+    assert found == {"excluded_nodes": ["n2", "n1"], "excluded_until": {"n2": 3700.0, "n1": 3690.0},
+                     "exclude_failed": "scontrol update failed: no"}
+    capped = straggler.exclusion_after_requeue(ledger, SLOW, health.Health(exclude_stragglers=True), ExcludingSide(0),
+                                               100.0)
+    assert capped == {"excluded_nodes": [], "excluded_until": {}}  # n1 was out: the list is set anew, to none
+
+
+@pytest.mark.parametrize("exclude", [True, False])
+def test_rank_0s_preemption_stop_line_names_the_stragglers_and_excludes_their_nodes_when_asked(run_dir, exclude):
+    from trainer.preemption import PreemptionFlag
+    from trainer.resilience import Resilience
+    from hpc.core.spec import Checkpoint
+
+    class Side(ExcludingSide):
+        def job_id(self) -> str:
+            return "777"
+
+        def restart_count(self) -> int:
+            return 0
+
+        def leave_for_requeue(self) -> None:
+            pass
+
+        def seconds_left(self):
+            return None
+
+    side, flag = Side(), PreemptionFlag()
+    flag.requested, flag.requested_at = True, time.time()
+    write_ledger(run_dir, [{"event": "start", "step": 0, "job_id": "777"}])
+    straggler.write(run_dir, {"step": 30, "incarnation": side.incarnation(0), "stragglers": SLOW, "named": SLOW})
+    guard = Resilience(run_dir, Checkpoint(), 3, 0, rank=0, preemption=flag, side=side, step=12, reason="preempted",
+                       health=health.Health(exclude_stragglers=exclude))
+    guard.stopped()
+    stop = runs.RunDir(run_dir).read_ledger()[-1]
+    assert stop["reason"] == "preempted" and stop["requeued"] and stop["stragglers"] == SLOW
+    assert stop.get("excluded_nodes") == (["n2"] if exclude else None) and side.excluded == ([["n2"]] if exclude else [])
