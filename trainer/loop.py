@@ -36,6 +36,7 @@ from trainer.objective import Batch, tp_loss_context
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync, set_reshard_after_backward
 from trainer.preemption import PreemptionFlag
+from trainer.straggler import StepSplit
 from trainer.tasks import LoopTask, autocast_of
 from trainer.watch import MetricWatch
 from trainer.watchdog import Watchdog, paused
@@ -105,6 +106,7 @@ class Trainer:
     counted: torch.Tensor | None = None  # a masked loss: the last step's counted targets, whole batch (on the device)
     watch: MetricWatch | None = None  # checkpoint.keep_best / train.early_stop_patience (``trainer.watch``)
     watchdog: Watchdog | None = None  # the hang watchdog (trainer.watchdog), set by run_rank: told of each boundary
+    straggler: StepSplit | None = None  # per-rank compute vs wait, every health.straggler_every steps (trainer.straggler)
     padded: torch.Tensor | int | None = None  # a language model's: the last step's pad tokens, whole batch (None: a task's)
 
     @property
@@ -133,6 +135,8 @@ def forward_backward(t: Trainer, batch: Batch, scale: float | torch.Tensor) -> t
         t.clock.lap("forward")
         (t.scaler.scale(loss) if t.scaler is not None else loss).backward()
     t.clock.lap("backward")
+    if t.straggler is not None:  # backward returned: waiting for the others' gradients ends
+        t.straggler.synced()
     return loss.detach()
 
 
@@ -210,6 +214,8 @@ def step_boundary(t: Trainer, state: TrainState) -> bool:
         stop = stop or (t.watch is not None and t.watch.stopped)
     if t.watchdog is not None:
         t.watchdog.beat(state.step)
+    if t.straggler is not None:
+        t.straggler.boundary(state.step)
     return stop
 
 
@@ -264,6 +270,8 @@ def train(t: Trainer, state: TrainState) -> dict[str, tp.Any]:
         micro_batches = [next(batches) for _ in range(accum)]
         t.clock.lap("data")
         loss, norm = train_step(t, micro_batches)
+        if t.straggler is not None:  # this rank's own step ends (the log, an evaluation, a save are not its)
+            t.straggler.worked()
         scalars = t.task.step_scalars() if hasattr(t.task, "step_scalars") else {}  # the task's own, on the device
         t.sampler.advance()
         state.step += 1

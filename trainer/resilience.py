@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from hpc.core import requeue as policy_
-from hpc.core import runs
+from hpc.core import runs, straggler
 from hpc.core.failures import (code_roots, first_failure_account, one_line, record_saves, repeat_reason,
                                user_code_error, would_repeat)
 from hpc import schedulers
@@ -47,6 +47,7 @@ from hpc.core.requeue import requeue_verdict
 from hpc.core.container import inside_record
 from hpc.core.procs import process_start_time
 from hpc.schedulers.base import JobSide, wait_since_last_stop
+from hpc.core.health import Health
 from hpc.core.spec import Checkpoint
 from trainer.boundary import LoopView, P, Progress
 from trainer.checkpoint import Checkpointer, committed_steps, latest_checkpoint, step_dir
@@ -93,6 +94,7 @@ class Resilience:
     notes: dict[str, tp.Any] = field(default_factory=dict)  # for the start line (``data_resume``)
     checkpointer: Checkpointer = field(init=False, repr=False)  # this run folder's saves (and the one in flight)
     watchdog: Watchdog | None = None  # the hang watchdog (trainer.watchdog): suspended while saving
+    health: Health = field(default_factory=Health)  # the spec's [health]: exclude_stragglers on a granted requeue
 
     def __post_init__(self) -> None:
         self.checkpointer = Checkpointer(self.run_dir, keep=self.policy.keep, async_save=self.policy.async_save)
@@ -223,7 +225,8 @@ class Resilience:
             reason = "time_limit"
         why_not = {"preempted": self._requeue, "time_limit": lambda: self._requeue(reason="time_limit"),
                    "terminated": lambda: SIGTERM_NOT_REQUEUED}.get(reason, lambda: None)()
-        self._record_stop(reason, why_not)
+        granted = why_not is None and reason in ("preempted", "time_limit")
+        self._record_stop(reason, why_not, **(self._exclude_stragglers() if granted else {}))
         if reason not in ("preempted", "time_limit"):
             return
         if why_not is None:
@@ -329,8 +332,22 @@ class Resilience:
             return "no scheduler to requeue (torchrun or one process): run the same command again to resume"
         return policy_.request(self.side, self.run_dir, self.side.incarnation(self.restart), "rank 0", reason)
 
+    def _stragglers(self) -> list[dict]:
+        """The ranks the straggler report named during this start (``trainer.straggler``)."""
+        incarnation = self.side.incarnation(self.restart) if self.side is not None else f"run.{self.restart}"
+        return straggler.of_start(self.run_dir, incarnation)
+
+    def _exclude_stragglers(self) -> dict[str, tp.Any]:
+        """After a granted requeue, ``health.exclude_stragglers``: their nodes join the excluded ones."""
+        if self.side is None or not self.health.exclude_stragglers:
+            return {}
+        ledger = runs.RunDir(self.run_dir).read_ledger()
+        return straggler.exclusion_after_requeue(ledger, self._stragglers(), self.health, self.side, time.time())
+
     def _record_stop(self, reason: str, why_not: str | None, error: str | None = None, **account: tp.Any) -> None:
-        extra = {"error": error.splitlines()[0][:300] if error else ""} if error is not None else {}
+        extra: dict[str, tp.Any] = {"error": error.splitlines()[0][:300] if error else ""} if error is not None else {}
+        if named := self._stragglers():  # ranks named slow during this start
+            extra["stragglers"] = named
         line = policy_.stop_line(self.step, reason, why_not, self.side, "rank 0", save_s=round(self.save_s, 3),
                                  saves=self.saves, **extra, **account)
         if line.get("not_requeued") and reason not in ("completed", "terminated"):
@@ -348,7 +365,8 @@ def resilience_for(run: Run, rank: int, preemption: PreemptionFlag | None) -> Re
     return Resilience(run_dir=run.run_dir, policy=run.spec.checkpoint, max_requeues=run.spec.job.max_requeues,
                       seed=run.spec.train.seed, rank=rank, preemption=preemption, side=schedulers.job_side(),
                       timeouts=CollectiveTimeouts(parallel.timeout_s, parallel.step_timeout_s),
-                      signal_lead_s=run.launch.signal_lead_s, code_modules=code_modules(run.spec))
+                      signal_lead_s=run.launch.signal_lead_s, code_modules=code_modules(run.spec),
+                      health=run.spec.health)
 
 
 def code_modules(spec: tp.Any) -> tuple[str, ...]:

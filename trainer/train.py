@@ -40,6 +40,7 @@ from trainer.run import Run, load_run
 from trainer.tasks import LoopTask, task_for
 from trainer.tokens import record_data
 from trainer.watch import watch_for
+from trainer.straggler import straggler_for
 from trainer.watchdog import watchdog_for
 
 log = logging.getLogger("hpcx.trainer")
@@ -72,6 +73,7 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
             trainer.task.start_weights(trainer.model)
         guard.phase = "train"
         trainer.watchdog = guard.watchdog = watchdog_for(run, env.world_size, guard)
+        trainer.straggler = straggler_for(run, env.world_size, guard, trainer.model, trainer.metrics)
         result = train(trainer, state)
         stop_watchdog(trainer)
     except BaseException as exc:

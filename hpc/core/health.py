@@ -52,6 +52,18 @@ class Health:
                                minimum=1)
     hang_floor_s: float = field(60.0, doc="The automatic hang timeout's least value in seconds.", minimum=1)
     watchdog: bool = field(True, doc="Run the hang watchdog in every rank (hpcx's trainer).")
+    straggler_every: int = field(50, doc="Straggler report: every this many steps each rank's compute and wait "
+                                 "in collectives over the interval are gathered (one small all-gather) and rank 0 "
+                                 "writes them to `metrics.jsonl` (`kind = \"ranks\"`). 0: off.", minimum=0)
+    straggler_factor: float = field(1.5, doc="A rank whose compute exceeds the median of the other ranks' by "
+                                    "more than this factor for `straggler_intervals` intervals in a row is named "
+                                    "a straggler (rank 0's log, `hpcx status`, the ledger's stop line).",
+                                    minimum=1)
+    straggler_intervals: int = field(3, doc="Intervals in a row over `straggler_factor` that name a straggler.",
+                                     minimum=1, maximum=1000)
+    exclude_stragglers: bool = field(False, doc="A straggler's node joins the nodes the job excludes on its "
+                                     "next requeue (after a failure, a preemption or the time limit; same window "
+                                     "and cap: `exclude_nodes`, `exclude_minutes`).")
 
 
 def health_of(spec: tp.Mapping[str, tp.Any]) -> Health:
@@ -88,10 +100,20 @@ def node_fault(account: tp.Mapping[str, tp.Any], reports: tp.Sequence[dict]) -> 
 # ---------------------------------------------------------------- exclusions across starts (pure)
 
 
-def faults(ledger: tp.Sequence[dict]) -> list[tuple[str, float]]:
-    """(node, time) of each failure the ledger blames on a node, oldest first."""
-    return [(node, float(e.get("time", 0.0))) for e in ledger
-            if e.get("event") == "stop" and e.get("node_fault") for node in e.get("failed_nodes", [])]
+def faults(ledger: tp.Sequence[dict], stragglers: bool = False) -> list[tuple[str, float]]:
+    """(node, time) of each failure the ledger blames on a node, oldest first; with ``stragglers``
+    (``exclude_stragglers``) also the node of each straggler a stop line names (``hpc.core.straggler``)."""
+    found = [(node, float(e.get("time", 0.0))) for e in ledger
+             if e.get("event") == "stop" and e.get("node_fault") for node in e.get("failed_nodes", [])]
+    if stragglers:
+        found += straggler_nodes(ledger)
+    return sorted(found, key=lambda f: f[1])
+
+
+def straggler_nodes(ledger: tp.Sequence[dict]) -> list[tuple[str, float]]:
+    """(node, time of the stop line) of each straggler the ledger's stop lines name."""
+    return [(str(s["host"]), float(e.get("time", 0.0))) for e in ledger if e.get("event") == "stop"
+            for s in e.get("stragglers") or [] if isinstance(s, dict) and s.get("host")]
 
 
 def exclusions(found: tp.Sequence[tuple[str, float]], now: float, health: Health,

@@ -11,7 +11,8 @@ Layout::
     RUN/logs/rank-N.log  the trainer's log per rank
     RUN/world.json       rank 0: who took part (hosts by rank) and the all-reduce check
     RUN/mesh.json        rank 0: the rank groups of each device-mesh dimension
-    RUN/metrics.jsonl    rank 0's per-step metrics (and eval lines: eval_loss, eval_perplexity)
+    RUN/metrics.jsonl    rank 0's per-step metrics (and eval lines: eval_loss, eval_perplexity; the straggler
+                         report's per-interval lines: kind = "ranks", trainer.straggler)
     RUN/data.json        rank 0: the data it trained on (manifest and tokenizer, with their SHA-256)
     RUN/ledger.jsonl     one line per start and stop of the job (goodput)
     RUN/requeue/         per incarnation: the one requeue's claim, and the ranks' failure reports

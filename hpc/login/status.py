@@ -67,13 +67,16 @@ def goodput_text(info: dict) -> str:
 
 
 def health_text(info: dict) -> str:
-    """"  excluded n1 (41 min more)": the nodes the job keeps out now (``hpc.core.health``); "" if none."""
+    """"  excluded n1 (41 min more)": the nodes the job keeps out now (``hpc.core.health``), and
+    "  straggler: rank 3 on n7, 2.1× the median over the last 3 intervals" (``hpc.core.straggler``); "" if none."""
     import time
 
     from hpc.core.health import exclusion_words
+    from hpc.core.straggler import all_words
 
     words = exclusion_words(info.get("excluded_nodes") or {}, time.time())
-    return f"  {words}" if words else ""
+    slow = all_words(info.get("stragglers") or [])  # the ranks named slow now (hpc.core.straggler)
+    return "".join(f"  {w}" for w in (words, slow) if w)
 
 
 def throughput_text(info: dict, lead: str) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.login import roots
-from hpc.core import health, runs
+from hpc.core import health, runs, straggler
 from hpc import schedulers
 from hpc.core.config import ConfigError
 from hpc.core.errors import UserError
@@ -498,6 +498,7 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
         "ledger": ledger_summary(ledger),
         "last_stop": stop_summary(stops[-1]) if stops else None,
         "excluded_nodes": health.active(ledger, time.time()),  # node → until when (hpc.core.health)
+        **({"stragglers": slow} if (slow := straggler.read(run_dir).get("stragglers")) else {}),  # named now
     }
 
 
@@ -515,7 +516,7 @@ STOP_WORDS = {"completed": "completed", "preempted": "preempted", "time_limit": 
 def stop_summary(stop: dict) -> dict[str, tp.Any]:
     """The ledger's last stop line as status shows it: why, where, requeued or why not, what failed."""
     keys = ("reason", "step", "requeued", "not_requeued", "error", "failed_ranks", "signal", "by", "failed_nodes",
-            "node_fault", "excluded_nodes", "hang")
+            "node_fault", "excluded_nodes", "hang", "stragglers")
     found = {k: stop[k] for k in keys if k in stop}
     reason = str(stop.get("reason", "?"))
     words = f"{STOP_WORDS.get(reason, reason)} at step {stop.get('step', '?')}"

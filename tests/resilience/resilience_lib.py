@@ -29,6 +29,8 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     """Step → loss from metrics.jsonl; a step logged twice (recomputed after a restart) must agree."""
     out: dict[int, float] = {}
     for record in runs.read_jsonl(Path(run_dir) / "metrics.jsonl"):
+        if record.get("kind") == "ranks":  # the straggler report's per-interval line (trainer.straggler)
+            continue
         step, loss = record["step"], record["loss"]
         assert out.get(step, loss) == loss, f"step {step} recomputed with another loss: {out[step]} vs {loss}"
         out[step] = loss

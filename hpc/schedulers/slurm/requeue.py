@@ -13,7 +13,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc.core import failures, health
+from hpc.core import failures, health, straggler
 from hpc.core.requeue import failure_reports, request, requeue_verdict, stop_line
 from hpc.core.runs import RunDir, append_jsonl
 
@@ -58,6 +58,8 @@ def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] |
     spec = rd.read_resolved().get("spec", {})
     why_not = ((failures.loading_reason(loading) if loading else _policy(spec, ledger, step, side, reports))
                or request(side, run_dir, incarnation, "batch script", "failed"))
+    named = straggler.of_start(run_dir, incarnation)  # the ranks named slow during this start (hpc.core.straggler)
+    account.update({"stragglers": named} if named else {})
     account.update(node_health(ledger, spec, side, account, reports, ends, requeued=why_not is None))
     line = stop_line(step, "failed", why_not, side, "batch script", srun_status=status, started=mine is not None,
                      save_s=save_s, saves=saves, **account)
@@ -78,7 +80,9 @@ def node_health(ledger: list[dict], spec: dict, side: JobSide, account: dict, re
     if not requeued:
         return out
     settings = health.health_of(spec)
-    found = [*health.faults(ledger), *((n, time.time()) for n in nodes if out["node_fault"])]
+    found = [*health.faults(ledger, settings.exclude_stragglers), *((n, time.time()) for n in nodes if out["node_fault"])]
+    if settings.exclude_stragglers:  # this start's stragglers (``exclude_stragglers``): their nodes too
+        found += [(str(s["host"]), time.time()) for s in account.get("stragglers", []) if s.get("host")]
     until = health.exclusions(found, time.time(), settings, side.spare_nodes() if found else None)
     if not until and not health.active(ledger, 0.0):
         return out  # nothing excluded before or now: nothing to ask the scheduler
