@@ -120,7 +120,7 @@ class Resilience:
         if self.rank == 0:
             line = {**start_line(self.run_dir, state.step, path, time.perf_counter() - tic, self.side), **self.notes}
             runs.append_jsonl(runs.RunDir(self.run_dir).ledger, line)
-            record_start(self.run_dir, self.side)
+            policy_.record_start(self.run_dir, self.side)
         self.last_save_clock = time.monotonic()
         return state
 
@@ -132,7 +132,7 @@ class Resilience:
             path = latest_checkpoint(self.run_dir) if self.policy.resume else None
             if self.policy.resume:
                 set_aside_untrusted(self.run_dir, path)
-            restart = sum(1 for e in runs.RunDir(self.run_dir).read_ledger() if e.get("event") == "start")
+            restart = policy_.start_number(runs.RunDir(self.run_dir).read_ledger(), self.side)
         chosen = torch.tensor([-1 if path is None else int(path.name.split("-")[1]), restart], device=device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(chosen, src=0)
@@ -381,7 +381,7 @@ def report_unloadable(run_dir: Path, rank: int, exc: Exception) -> None:
     if side is None:
         return
     try:
-        restart = sum(1 for e in runs.RunDir(run_dir).read_ledger() if e.get("event") == "start")
+        restart = policy_.start_number(runs.RunDir(run_dir).read_ledger(), side, own_line_written=True)
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         policy_.report_failure(run_dir, side.incarnation(restart), rank, step=0, error=error, terminated=False,
                                host=os.uname().nodename, save_s=0.0, saves=0, phase="load",
@@ -408,27 +408,16 @@ def steps_recomputed(ledger: list[dict], metrics_last_step: int | None, resumed_
 
 
 def start_line(run_dir: Path, step: int, checkpoint: Path | None, restore_s: float, side: JobSide | None) -> dict:
-    """The ledger's line for this start (rank 0)."""
-    ledger = runs.RunDir(run_dir).read_ledger()
-    last = runs.RunDir(run_dir).last_metrics() or {}
-    wait, source = side.queue_wait(run_dir, ledger) if side is not None else wait_since_last_stop(run_dir, ledger)
-    return {"event": "start", "time": time.time(), "restart": sum(1 for e in ledger if e.get("event") == "start"),
-            "step": step, "checkpoint": checkpoint.name if checkpoint else None,
-            "steps_recomputed": steps_recomputed(ledger, last.get("step"), step),
-            "restore_s": round(restore_s, 3), "queue_wait_s": None if wait is None else round(wait, 3),
-            "queue_wait_source": source, "startup_s": round(time.time() - process_start_time(), 3),
-            "job_id": side.job_id() if side else None,
-            "slurm_restart_count": side.restart_count() if side else 0, **inside_record(os.environ)}
-
-
-def record_start(run_dir: Path, side: JobSide | None) -> None:
-    """RUNNING in ``states.jsonl`` at each start, so the history holds every incarnation whoever polled;
-    a requeue the scheduler made on its own (node failure, an admin) shows as REQUEUED before it."""
-    states = [s.get("state") for s in runs.RunDir(run_dir).read_states()]
-    restarts = side.restart_count() if side is not None else 0
-    if restarts > states.count("REQUEUED"):
-        policy_.record_state(run_dir, "REQUEUED", by="scheduler", restart=restarts)
-    policy_.record_state(run_dir, "RUNNING", restart=restarts, job_id=side.job_id() if side else None)
+    """The ledger's line for this start (rank 0): ``hpc.core.requeue.start_line`` with what the trainer
+    adds (the checkpoint it resumed from, the steps it recomputes, restore and start-up times, the image)."""
+    rd = runs.RunDir(run_dir)
+    ledger, last = rd.read_ledger(), rd.last_metrics() or {}
+    wait = side.queue_wait(run_dir, ledger) if side is not None else wait_since_last_stop(run_dir, ledger)
+    return policy_.start_line(
+        step, policy_.start_number(ledger, side), side, "trainer", wait,
+        checkpoint=checkpoint.name if checkpoint else None,
+        steps_recomputed=steps_recomputed(ledger, last.get("step"), step), restore_s=round(restore_s, 3),
+        startup_s=round(time.time() - process_start_time(), 3), **inside_record(os.environ))
 
 
 def set_aside_untrusted(run_dir: Path, chosen: Path | None) -> None:

@@ -150,6 +150,7 @@ class ScriptRank:
     def __init__(self, run_dir: Path, workdir: Path, clock: tp.Callable[[], float] = time.time):
         from hpc import schedulers
         from hpc.core import runs
+        from hpc.core.requeue import start_number
         from trainer.ranks import detect_rank_env
         from trainer.run import load_run
 
@@ -160,9 +161,8 @@ class ScriptRank:
         self.env = detect_rank_env()
         self.side = schedulers.job_side()
         self.clock = clock
-        # earlier starts that ended: every rank reads the same number whenever it starts (rank 0's start line
-        # of this start may or may not be there yet); every start that is restarted has its stop line
-        self.restart = sum(1 for e in self.rd.read_ledger() if e.get("event") == "stop")
+        # the trainer's definition of a start's number; a rank other than 0 may read rank 0's line of this start
+        self.restart = start_number(self.rd.read_ledger(), self.side, own_line_written=not self.env.is_rank0)
         self.incarnation = self.side.incarnation(self.restart) if self.side else f"single.{self.restart}"
         self.requeue_dir = self.rd.requeue
         self.flag = self.requeue_dir / f"{self.incarnation}.preempted"
@@ -260,20 +260,11 @@ class ScriptRank:
         from hpc.core.runs import append_jsonl
         from hpc.schedulers.base import wait_since_last_stop
 
-        ledger = self.rd.read_ledger()
-        side = self.side
-        wait, source = side.queue_wait(self.run.run_dir, ledger) if side else wait_since_last_stop(self.run.run_dir,
-                                                                                                  ledger)
-        append_jsonl(self.rd.ledger, {
-            "event": "start", "time": self.clock(), "restart": self.restart, "step": self._step(),
-            "by": "script", "command": list(self.command),
-            "queue_wait_s": None if wait is None else round(wait, 3), "queue_wait_source": source,
-            "job_id": side.job_id() if side else None, "slurm_restart_count": side.restart_count() if side else 0})
-        restarts = side.restart_count() if side else 0
-        states = [s.get("state") for s in self.rd.read_states()]
-        if restarts > states.count("REQUEUED"):
-            policy.record_state(self.run.run_dir, "REQUEUED", by="scheduler", restart=restarts)
-        policy.record_state(self.run.run_dir, "RUNNING", restart=restarts, job_id=side.job_id() if side else None)
+        ledger, side, run_dir = self.rd.read_ledger(), self.side, self.run.run_dir
+        wait = side.queue_wait(run_dir, ledger) if side else wait_since_last_stop(run_dir, ledger)
+        line = policy.start_line(self._step(), self.restart, side, "script", wait, command=list(self.command))
+        append_jsonl(self.rd.ledger, {**line, "time": self.clock()})
+        policy.record_start(run_dir, side)
 
     def _step(self) -> int:
         """The script's progress: the step of its newest ``hpc.job.log`` line (0 before any)."""

@@ -63,6 +63,57 @@ def stop_line(step: int, reason: str, why_not: str | None, side: JobSide | None,
     return line
 
 
+# ---------------------------------------------------------------- a start and a stop: the ledger's one definition
+
+
+def started_here(ledger: list[dict], side: JobSide | None) -> int | None:
+    """Index of this start's own start line (the newest start line, when it carries this start's identity:
+    the scheduler's job id and restart count), or None. Rank 0 writes that line; another rank (script
+    mode's) or the batch script's check after srun may read the ledger before or after it."""
+    for i in range(len(ledger) - 1, -1, -1):
+        e = ledger[i]
+        if e.get("event") == "start":
+            same_job = str(e.get("job_id")) == str(side.job_id() if side else None)
+            same_count = e.get("slurm_restart_count", 0) == (side.restart_count() if side else 0)
+            return i if same_job and same_count else None
+    return None
+
+
+def start_number(ledger: list[dict], side: JobSide | None, own_line_written: bool = False) -> int:
+    """This start's number (0 for the job's first start; the ``restart`` of its start line, its
+    incarnation where the scheduler does not count restarts): the starts before it. That is the ledger's
+    start lines, less this start's own when ``own_line_written`` may be true (a rank other than the one
+    that writes it); at least the stop lines (a start that died before its start line, whose stop the
+    batch script's check wrote) and the scheduler's own restart count (a requeue the scheduler made when
+    the node died with the batch script). The trainer's rank 0 and script mode's every rank ask this."""
+    own = started_here(ledger, side) if own_line_written else None
+    if own is not None and any(e.get("event") == "stop" for e in ledger[own + 1:]):
+        own = None  # an earlier start of the same identity (the local controller's restarts keep their job id)
+    starts = sum(1 for i, e in enumerate(ledger) if e.get("event") == "start" and i != own)
+    stops = sum(1 for e in ledger if e.get("event") == "stop")
+    return max(starts, stops, side.restart_count() if side else 0)
+
+
+def start_line(step: int, restart: int, side: JobSide | None, by: str, queue_wait: tuple[float | None, str],
+               **extra: tp.Any) -> dict[str, tp.Any]:
+    """The ledger's line for a start (written by rank 0, of the trainer or of script mode; ``by``): its
+    number, the step it starts from, the job's identity and the time it waited in the queue."""
+    wait, source = queue_wait
+    return {"event": "start", "time": time.time(), "restart": restart, "step": step, "by": by,
+            "job_id": side.job_id() if side else None, "slurm_restart_count": side.restart_count() if side else 0,
+            "queue_wait_s": None if wait is None else round(wait, 3), "queue_wait_source": source, **extra}
+
+
+def record_start(run_dir: Path, side: JobSide | None) -> None:
+    """RUNNING in ``states.jsonl`` at each start, so the history holds every incarnation whoever polled;
+    a requeue the scheduler made on its own (node failure, an admin) shows as REQUEUED before it."""
+    states = [s.get("state") for s in runs.RunDir(run_dir).read_states()]
+    restarts = side.restart_count() if side is not None else 0
+    if restarts > states.count("REQUEUED"):
+        record_state(run_dir, "REQUEUED", by="scheduler", restart=restarts)
+    record_state(run_dir, "RUNNING", restart=restarts, job_id=side.job_id() if side else None)
+
+
 # ---------------------------------------------------------------- claims and reports (the run folder)
 
 

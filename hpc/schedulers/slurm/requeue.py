@@ -14,21 +14,11 @@ import typing as tp
 from pathlib import Path
 
 from hpc.core import failures, health, straggler
-from hpc.core.requeue import failure_reports, request, requeue_verdict, stop_line
+from hpc.core.requeue import failure_reports, request, requeue_verdict, start_number, started_here, stop_line
 from hpc.core.runs import RunDir, append_jsonl
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.schedulers.base import JobSide
-
-
-def started_here(ledger: list[dict], side: JobSide) -> int | None:
-    """Index of this incarnation's start line (same job id and Slurm restart count), or None."""
-    for i in range(len(ledger) - 1, -1, -1):
-        e = ledger[i]
-        if e.get("event") == "start":
-            same = str(e.get("job_id")) == str(side.job_id()) and e.get("slurm_restart_count", 0) == side.restart_count()
-            return i if same else None
-    return None
 
 
 def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] | None:
@@ -46,7 +36,7 @@ def after_srun(run_dir: Path, status: int, side: JobSide) -> dict[str, tp.Any] |
     mine = started_here(ledger, side)
     if mine is not None and any(e.get("event") == "stop" for e in ledger[mine + 1:]):
         return None  # a clean stop (completed, preempted, time limit, terminated): rank 0 decided
-    incarnation = side.incarnation(sum(1 for e in ledger if e.get("event") == "start") - (mine is not None))
+    incarnation = side.incarnation(start_number(ledger, side, own_line_written=True))
     reports = failure_reports(run_dir, incarnation)
     step = _failed_step(rd, ledger, mine, reports)
     ends = _task_ends(side, run_dir)
