@@ -258,7 +258,7 @@ class Resilience:
         where = None if terminated else user_code_error(exc, code_roots(self.code_modules))
         error = one_line(exc, where)
         repeats = not terminated and (where is not None or would_repeat(exc, self.phase, self.boundaries))
-        if self.rank == 0 or not terminated:
+        if (self.rank == 0 or not terminated) and not getattr(exc, "reported", False):  # a pre-flight check's are out
             self._report(error, terminated, repeats, user_code=where)
         if self.rank != 0 or (self.side is not None and self.side.decides_failures):
             return
