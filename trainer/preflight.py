@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hpc.core import preflight as pf
 from hpc.core import requeue
 from hpc.core.procs import process_start_time
-from hpc.core.site import Node
+from hpc.core.site import Node, nvlink_bandwidth
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.resilience import Resilience
@@ -72,7 +72,7 @@ def matmul_right(device: torch.device) -> bool:
 
 def exchange(store: tp.Any, phase: str, mine: dict, world: int, timeout_s: float) -> tuple[list[dict], dict[int, str]]:
     """Post this rank's ``mine`` under ``phase`` and read every rank's: (results, rank → host of the ranks
-    that posted nothing within ``timeout_s``; their host from the start's first exchange, else "?")."""
+    that posted nothing within ``timeout_s``: ``host_of``)."""
     store.set(f"preflight/{phase}/{mine['rank']}", json.dumps(mine))
     keys = [f"preflight/{phase}/{r}" for r in range(world)]
     try:
@@ -86,9 +86,9 @@ def exchange(store: tp.Any, phase: str, mine: dict, world: int, timeout_s: float
 
 
 def host_of(store: tp.Any, rank: int) -> str:
-    """A rank's host from its device result when it posted one, else "?"."""
-    key = f"preflight/dev/{rank}"
-    return str(json.loads(store.get(key))["host"]) if store.check([key]) else "?"
+    """A rank's host as it posted it on entering the check, else "?" (it never came)."""
+    key = f"preflight/host/{rank}"
+    return store.get(key).decode() if store.check([key]) else "?"
 
 
 # ---------------------------------------------------------------- timed collectives
@@ -154,39 +154,43 @@ def check_start(run: Run, rank: int, host: str, device: torch.device, guard: Res
         log.info("preflight: off (health.preflight = false)")
         return None
     tic = time.monotonic()
-    results, missing = gather(run, rank, host, device, device_check, nbytes)
-    hosts = pf.nodes_of(results)
-    local = max(len(r) for r in hosts.values()) if hosts else 1
-    want = pf.expected(run.site.node.gpus, pf_intra(run.site.node), run.site.network.bandwidth_gbs,
-                       len(hosts) + len(set(missing.values()) - set(hosts)), local)
+    store = job_store()
+    if store is not None:  # first of all: a rank stuck in its device check is still named by its host
+        store.set(f"preflight/host/{rank}", host)
+    results, missing = gather(run, store, rank, host, device, device_check, nbytes)
+    hosts = pf.nodes_of([*results, *({"rank": r, "host": h} for r, h in missing.items())])
+    want = pf.expected(run.site.node.gpus, nvlink_bandwidth(run.site.node), run.site.network.bandwidth_gbs,
+                       len(hosts), max((len(r) for r in hosts.values()), default=1))
     found = pf.verdict(results, missing, want, settings.preflight_min_bandwidth_fraction, settings.exclude_nodes,
                        nbytes)
     took = time.monotonic() - tic
     log_verdict(found, want, took, len(results) + len(missing))
     if not found.ok:
-        fail(run, rank, found, results, missing, guard, took)
+        fail(run, store, found, results, missing, guard, took)
     return found
 
 
-def pf_intra(node: Node) -> float:
-    """The intra-node bus bandwidth the all-reduce of one node's ranks can reach (an NVLink island's)."""
-    from hpc.core.site import nvlink_bandwidth
-
-    return nvlink_bandwidth(node)
-
-
-def gather(run: Run, rank: int, host: str, device: torch.device, device_check: DeviceCheck,
-           nbytes: int) -> tuple[list[dict], dict[int, str]]:
-    """Every rank's results and the ranks missing: the device checks, then (all fine) the timings."""
-    mine: dict[str, tp.Any] = {"rank": rank, "host": host, "device": device_check(device, run.site.node, host) or None}
+def job_store() -> tp.Any:
+    """The job's store when several ranks take part, else None."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [mine], {}
+        return None
     from hpc.compat import default_store
 
-    store, world, timeout_s = default_store(), dist.get_world_size(), run.spec.health.preflight_timeout_s
+    return default_store()
+
+
+def gather(run: Run, store: tp.Any, rank: int, host: str, device: torch.device, device_check: DeviceCheck,
+           nbytes: int) -> tuple[list[dict], dict[int, str]]:
+    """Every rank's results and the ranks missing: the device checks, then (all fine) the timings. A rank
+    that comes after the others decided (it was stuck, then came back) takes their verdict."""
+    mine: dict[str, tp.Any] = {"rank": rank, "host": host, "device": device_check(device, run.site.node, host) or None}
+    if store is None:
+        return [mine], {}
+    world, timeout_s = dist.get_world_size(), run.spec.health.preflight_timeout_s
     results, missing = exchange(store, "dev", mine, world, timeout_s)
     if missing or any(r.get("device") for r in results):
         return results, missing
+    adopt_decided(store)
     hosts = [r["host"] for r in sorted(results, key=lambda r: r["rank"])]
     mine.update(timed(hosts, device, nbytes, timeout_s, run.spec.parallel.timeout_s))
     return exchange(store, "net", mine, world, timeout_s)
@@ -216,40 +220,47 @@ def log_verdict(found: pf.Verdict, want: pf.Expected, took: float, world: int) -
         log.error("%s", words)
 
 
-def fail(run: Run, rank: int, found: pf.Verdict, results: list[dict], missing: dict[int, str],
+# ---------------------------------------------------------------- a failed check
+
+
+def fail(run: Run, store: tp.Any, found: pf.Verdict, results: list[dict], missing: dict[int, str],
          guard: Resilience | None, took: float) -> tp.NoReturn:
-    """Write the blamed ranks' failure reports (the lowest rank present does), wait until they are written,
-    and raise ``PreflightFailed`` on every rank."""
+    """The first rank to get here writes the blamed ranks' failure reports and posts the verdict; the others
+    wait for it (a rank that exits first must not let the scheduler kill the writer before it wrote them)
+    and take it. Every rank raises ``PreflightFailed``."""
     if not found.blamed:  # every node failed: not one node's fault; each rank reports its own failure
         raise pf.PreflightFailed(found.warning, verdict={"warning": found.warning})
+    reported = guard is not None and guard.side is not None
+    if store is not None and store.add("preflight/claim", 1) != 1:
+        adopt_decided(store, wait_s=run.spec.health.preflight_timeout_s)
     record = {"nodes": list(found.blamed), "reasons": found.blamed, "check_s": round(took, 3),
               "lost_s": round(time.time() - process_start_time(), 3)}
-    reported = guard is not None and guard.side is not None
-    writer = min(int(r["rank"]) for r in results)
-    if reported and rank == writer:
-        assert guard is not None and guard.side is not None  # for mypy: ``reported`` says so
-        hosts = {int(r["rank"]): str(r["host"]) for r in results} | dict(missing)
-        for blamed in pf.blamed_ranks(results, missing, found):
-            requeue.report_failure(run.run_dir, guard.side.incarnation(guard.restart), blamed, step=guard.step,
-                                   error=f"preflight: {hosts[blamed]} failed: {found.blamed[hosts[blamed]]}"[:300],
-                                   terminated=False, host=hosts[blamed], save_s=0.0, saves=0, phase="join",
-                                   repeats=False, node_fault=True, preflight=record)
-    settle(rank, writer, run.spec.health.preflight_timeout_s)
+    if reported:
+        write_reports(run, found, results, missing, guard, record)
+    if store is not None:
+        store.set("preflight/verdict", json.dumps({"words": found.words(), "record": record, "reported": reported}))
     raise pf.PreflightFailed(found.words(), verdict=record, reported=reported)
 
 
-def settle(rank: int, writer: int, timeout_s: float) -> None:
-    """Every rank waits until the writer's reports are out: a rank that exits first must not let the
-    scheduler kill the writer before it wrote them. Bounded; never raises."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    from hpc.compat import default_store
+def write_reports(run: Run, found: pf.Verdict, results: list[dict], missing: dict[int, str],
+                  guard: tp.Any, record: dict) -> None:
+    """The failure report of each rank of a blamed node (``node_fault``: excluded on the requeue)."""
+    hosts = {int(r["rank"]): str(r["host"]) for r in results} | dict(missing)
+    for rank in pf.blamed_ranks(results, missing, found):
+        requeue.report_failure(run.run_dir, guard.side.incarnation(guard.restart), rank, step=guard.step,
+                               error=f"preflight: {hosts[rank]} failed: {found.blamed[hosts[rank]]}"[:300],
+                               terminated=False, host=hosts[rank], save_s=0.0, saves=0, phase="join",
+                               repeats=False, node_fault=True, preflight=record)
 
-    store = default_store()
-    try:
-        if rank == writer:
-            store.set("preflight/reported", "1")
-        else:
-            store.wait(["preflight/reported"], timedelta(seconds=timeout_s))
-    except RuntimeError as exc:  # the writer is gone: the reports are what they are
-        log.warning("preflight: the failure reports were not confirmed: %s", exc)
+
+def adopt_decided(store: tp.Any, wait_s: float = 0.0) -> None:
+    """Raise the verdict another rank posted (waiting up to ``wait_s`` for it); nothing when none is there."""
+    key = "preflight/verdict"
+    if wait_s:
+        try:
+            store.wait([key], timedelta(seconds=wait_s))
+        except RuntimeError as exc:  # the writer is gone: this rank fails on its own words
+            raise pf.PreflightFailed(f"preflight: the verdict was not posted: {exc}") from None
+    if store.check([key]):
+        posted = json.loads(store.get(key))
+        raise pf.PreflightFailed(posted["words"], verdict=posted["record"], reported=posted["reported"])

@@ -1,0 +1,98 @@
+"""The pre-flight check's collectives (``trainer.preflight``) on real multi-process gloo (torchrun, 2–4
+ranks on this machine, each playing a node): every rank reaches the same verdict; a rank whose device
+check fails (an injected hook) or that never posts names its node; the blamed ranks' failure reports are
+written once, with ``node_fault`` and the ``preflight`` record the check after srun turns into the stop
+line and the exclusion. The decisions themselves: tests/resilience/test_preflight_logic.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc.core import requeue
+from hpc.core.site import parse_site
+from tests.trainer.trainer_testlib import REPO, torchrun
+from trainer.preflight import DRILL_HOST, device_problem, matmul_right
+
+WORKER = str(REPO / "tests" / "resilience" / "preflight_worker.py")
+
+
+def launch(tmp_path: Path, nproc: int, per_node: int, case: str) -> dict[int, dict]:
+    proc = torchrun(nproc, [WORKER, str(tmp_path), str(per_node), case], timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in tmp_path.glob("rank-*.json")}
+
+
+def reports(tmp_path: Path) -> dict[int, dict]:
+    return {r["rank"]: r for r in requeue.failure_reports(tmp_path / "run", "77.0")}
+
+
+def test_all_fine_every_rank_measures_and_agrees(tmp_path):
+    found = launch(tmp_path, 4, 2, "fine")
+    assert sorted(found) == [0, 1, 2, 3] and all(r["ok"] for r in found.values())
+    verdicts = [r["verdict"] for r in found.values()]
+    assert all(v == verdicts[0] for v in verdicts) and verdicts[0]["blamed"] == {}
+    assert verdicts[0]["busbw_gbs"] > 0  # measured; a CPU site without figures only logs it
+    assert not (tmp_path / "run" / "requeue").exists()
+
+
+def test_a_rank_whose_device_fails_names_its_node_and_only_its_nodes_ranks_report(tmp_path):
+    found = launch(tmp_path, 4, 2, "device:3")
+    assert sorted(found) == [0, 1, 2, 3] and not any(r["ok"] for r in found.values())
+    assert {r["error"] for r in found.values()} == {"preflight: n2 failed: cpu matmul wrong (injected)"}
+    assert all(r["reported"] for r in found.values())
+    written = reports(tmp_path)
+    assert sorted(written) == [2, 3]  # n2's ranks, written once by the lowest rank present
+    for rank, report in written.items():
+        assert report["host"] == "n2" and report["node_fault"] is True and report["repeats"] is False
+        assert report["phase"] == "join" and report["error"] == "preflight: n2 failed: cpu matmul wrong (injected)"
+        assert report["preflight"]["nodes"] == ["n2"] and report["preflight"]["lost_s"] > 0
+
+
+def test_the_drill_hook_fails_the_node_it_names(tmp_path):
+    found = launch(tmp_path, 3, 1, "drill:n1")
+    assert {r["error"] for r in found.values()} == {f"preflight: n1 failed: cpu failed the drill ({DRILL_HOST}=n1)"}
+    assert sorted(reports(tmp_path)) == [0]
+
+
+def test_a_rank_that_never_posts_names_its_node(tmp_path):
+    found = launch(tmp_path, 3, 1, "stuck:2")
+    assert sorted(found) == [0, 1, 2]  # rank 2, back late, takes the verdict the others posted
+    assert {r["error"] for r in found.values()} == {
+        "preflight: n3 failed: rank 2 did not finish the check in time (stuck or gone)"}
+    assert sorted(reports(tmp_path)) == [2] and reports(tmp_path)[2]["host"] == "n3"
+
+
+def test_switched_off_the_check_runs_nothing(tmp_path):
+    found = launch(tmp_path, 2, 1, "off")
+    assert [r["verdict"] for r in found.values()] == [None, None]
+
+
+# ---------------------------------------------------------------- this rank's device, in one process
+
+
+def test_the_cpu_device_check_passes_and_its_matmul_is_exact():
+    node = parse_site({"scheduler": {"kind": "slurm"}}, "t", "<test>").node
+    assert matmul_right(torch.device("cpu")) and device_problem(torch.device("cpu"), node, "n1") == ""
+
+
+def test_the_drill_hook_names_only_its_host(monkeypatch):
+    node = parse_site({"scheduler": {"kind": "slurm"}}, "t", "<test>").node
+    monkeypatch.setenv(DRILL_HOST, "n7")
+    assert device_problem(torch.device("cpu"), node, "n7") == f"cpu failed the drill ({DRILL_HOST}=n7)"
+    assert device_problem(torch.device("cpu"), node, "n70") == ""
+
+
+@pytest.mark.gpu
+def test_the_gpu_device_check_passes_on_a_good_gpu_and_catches_memory_the_site_overstates():
+    assert torch.cuda.is_available()
+    doc = {"scheduler": {"kind": "slurm"}, "node": {"gpus": 1, "gpu_model": torch.cuda.get_device_name(0),
+                                                    "gpu_memory_gb": torch.cuda.mem_get_info(0)[1] / 1e9}}
+    node = parse_site(doc, "t", "<test>").node
+    assert device_problem(torch.device("cuda", 0), node, "n1") == ""
+    node.gpu_memory_gb *= 2
+    assert "expected" in device_problem(torch.device("cuda", 0), node, "n1")
+    assert device_problem(torch.device("cuda", torch.cuda.device_count()), node, "n1").endswith("not visible")
