@@ -124,7 +124,8 @@ def shift_gbs(nbytes: int, device: torch.device, step: int, warmup: int = 1, ite
         tic = time.perf_counter()
         works = [dist.isend(send, (rank + step) % world), dist.irecv(recv, (rank - step) % world)]
         for work in works:
-            work.wait()
+            if work is not None:  # None only for a rank outside the group: never here
+                work.wait()
         sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - tic)
@@ -201,13 +202,15 @@ def timed(hosts: list[str], device: torch.device, nbytes: int, timeout_s: float,
     or timed out is this rank's ``error``."""
     from trainer.dist import set_timeout
 
-    set_timeout([dist.group.WORLD], timeout_s)
+    world = dist.group.WORLD
+    assert world is not None  # set once the group is up
+    set_timeout([world], timeout_s)
     try:
         return measure(hosts, device, nbytes)
     except RuntimeError as exc:
         return {"error": f"all-reduce did not complete: {str(exc).splitlines()[0][:200]}"}
     finally:
-        set_timeout([dist.group.WORLD], usual_s)
+        set_timeout([world], usual_s)
 
 
 def log_verdict(found: pf.Verdict, want: pf.Expected, took: float, world: int) -> None:

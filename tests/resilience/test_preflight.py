@@ -96,3 +96,21 @@ def test_the_gpu_device_check_passes_on_a_good_gpu_and_catches_memory_the_site_o
     node.gpu_memory_gb *= 2
     assert "expected" in device_problem(torch.device("cuda", 0), node, "n1")
     assert device_problem(torch.device("cuda", torch.cuda.device_count()), node, "n1").endswith("not visible")
+
+
+# ---------------------------------------------------------------- the rank's failure handler
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_leaves_the_preflight_reports_as_written_and_reports_other_failures(run_dir, slurm_side, rank):
+    from hpc.core.preflight import PreflightFailed
+    from hpc.core.spec import Checkpoint
+    from trainer.resilience import Resilience
+
+    guard = Resilience(run_dir=run_dir, policy=Checkpoint(), max_requeues=3, seed=0, rank=rank, side=slurm_side,
+                       phase="join")
+    guard.failed(PreflightFailed("preflight: n2 failed: cuda:3 matmul wrong", reported=True))
+    assert requeue.failure_reports(run_dir, "424242.1") == []  # the check wrote the blamed ranks' already
+    guard.failed(PreflightFailed("preflight: every node failed (e.g. cuda:0 not visible): not one node's fault"))
+    (report,) = requeue.failure_reports(run_dir, "424242.1")
+    assert report["rank"] == rank and report["repeats"] is False and not report.get("node_fault")

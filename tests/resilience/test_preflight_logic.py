@@ -289,3 +289,55 @@ def test_bad_preflight_keys_are_named(value, key):
     with pytest.raises(ConfigError) as err:
         spec_from_dict({"health": value})
     assert key in str(err.value) and len(str(err.value).splitlines()) == 1
+
+
+# ---------------------------------------------------------------- the check after srun (the node-fault path)
+
+
+def preflight_reports(run_dir, ranks_: list[int], host: str, why: str) -> dict:
+    from hpc.core import requeue
+
+    record = {"nodes": [host], "reasons": {host: why}, "check_s": 1.5, "lost_s": 42.0}
+    for rank in ranks_:
+        requeue.report_failure(run_dir, "424242.1", rank, step=0, error=f"preflight: {host} failed: {why}",
+                               terminated=False, host=host, save_s=0.0, saves=0, phase="join", repeats=False,
+                               node_fault=True, preflight=record)
+    return record
+
+
+def test_a_failed_preflight_check_is_a_node_fault_excluded_on_the_requeue(run_dir, slurm_side):
+    from hpc.core.goodput import by_cause
+    from hpc.core.runs import RunDir
+    from hpc.login.submit import stop_summary
+    from tests.resilience.test_failure_records import batch_log, srun_says, write_batch_log
+    from tests.resilience.test_node_health import GrantingSide
+    from hpc.schedulers.slurm.requeue import after_srun
+
+    side = GrantingSide()
+    record = preflight_reports(run_dir, [2, 3], "n2", "cuda:3 matmul wrong")
+    write_batch_log(run_dir, batch_log((1, srun_says("n1: task 0: Exited with exit code 1",
+                                                     "n2: task 2: Exited with exit code 1"))))
+    line = after_srun(run_dir, 1, side)
+    assert line["requeued"] and line["failed_ranks"] == [2, 3] and line["failed_nodes"] == ["n2"]
+    assert line["node_fault"] is True and line["excluded_nodes"] == ["n2"] and side.excluded == [["n2"]]
+    assert line["error"] == "preflight: n2 failed: cuda:3 matmul wrong" and line["preflight"] == record
+    assert stop_summary(line)["preflight"]["nodes"] == ["n2"]
+    assert by_cause(RunDir(run_dir).read_ledger(), [{"step": 1, "step_time_s": 1.0}])["seconds"]["preflight"] == 42.0
+
+
+def test_a_preflight_failure_after_progress_is_requeued_and_keeps_earlier_exclusions(run_dir, slurm_side):
+    import json
+    import time
+
+    from tests.resilience.test_node_health import GrantingSide
+    from tests.resilience.test_requeue import start, write_ledger
+    from hpc.schedulers.slurm.requeue import after_srun
+
+    recent = time.time() - 60
+    write_ledger(run_dir, [start(0, 0), {"event": "stop", "reason": "failed", "step": 3, "time": recent,
+                                         "failed_nodes": ["n5"], "node_fault": True}])
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 3, "loss": 1.0}) + "\n")
+    preflight_reports(run_dir, [0], "n1", "receives 0.2 GB/s, expected ≥ 1 GB/s of 4 GB/s from its neighbours")
+    side = GrantingSide()
+    line = after_srun(run_dir, 1, side)
+    assert line["requeued"] and line["excluded_nodes"] == ["n1", "n5"] and line["failed_nodes"] == ["n1"]
