@@ -84,6 +84,13 @@ def test_the_drill_hook_names_only_its_host(monkeypatch):
     monkeypatch.setenv(DRILL_HOST, "n7")
     assert device_problem(torch.device("cpu"), node, "n7") == f"cpu failed the drill ({DRILL_HOST}=n7)"
     assert device_problem(torch.device("cpu"), node, "n70") == ""
+    monkeypatch.setenv(DRILL_HOST, "@first")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert device_problem(torch.device("cpu"), node, "n2") == f"cpu failed the drill ({DRILL_HOST}=@first)"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued start passes wherever it lands
+    assert device_problem(torch.device("cpu"), node, "n2") == ""
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    assert device_problem(torch.device("cpu"), node, "n2") != ""  # no scheduler's count: a first start
 
 
 @pytest.mark.gpu
