@@ -10,10 +10,11 @@ node that failed is named; the lowest rank present writes the failure reports of
 (``node_fault``, ``preflight``: what the check after srun turns into the stop line and the exclusion),
 and every rank raises ``PreflightFailed``: the job is requeued without the node instead of training.
 
-Drill hook: ``HPCX_PREFLIGHT_FAIL_HOST=NAME`` (set in the job's environment, e.g. the spec's
+Drill hook: ``PREFLIGHT_DRILL_FAIL_HOST=NAME`` (set in the job's environment, e.g. the spec's
 ``env.set``) makes the device check of every rank on the node named NAME fail (``@first``: on whichever
 node the job's first start landed), so that the path can be rehearsed on a real cluster
-(tests/slurm/test_preflight_slurm.py). Nothing else reads it.
+(tests/slurm/test_preflight_slurm.py). Nothing else reads it. (Not ``HPCX_``-prefixed: ``env.set`` refuses
+the names hpcx owns.)
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.run import Run
 
 log = logging.getLogger("hpcx.trainer")
-DRILL_HOST = "HPCX_PREFLIGHT_FAIL_HOST"
+DRILL_HOST = "PREFLIGHT_DRILL_FAIL_HOST"
 DeviceCheck = tp.Callable[[torch.device, Node, str], str]
 
 

@@ -9,7 +9,8 @@
 - preflight: each start thrown away by a failed pre-flight check, from its process start to the verdict
   (the stop line's ``preflight.lost_s``; a passing check's seconds are part of its start-up).
 
-The first start's queue wait and start-up are not lost to failures and are left out. Torch-free and pure.
+The first start's queue wait and start-up are not lost to failures and are left out (a start whose
+pre-flight check failed has no start line: the start after it is a restart). Torch-free and pure.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def by_cause(ledger: tp.Sequence[dict], metrics: tp.Sequence[dict]) -> dict[str,
     step_s = step_seconds(metrics)
     kept = max([int(r["step"]) for r in metrics if isinstance(r.get("step"), int)] or [0])
     recomputed = sum(int(e.get("steps_recomputed") or 0) for e in starts)
-    restarts = starts[1:]
+    first = first_event(ledger)
+    restarts = [e for e in starts if e is not first]
     seconds = {"productive": kept * step_s, "recomputed": recomputed * step_s,
                "saves": sum(float(e.get("save_s") or 0.0) for e in stops),
                "queue": sum(float(e.get("queue_wait_s") or 0.0) for e in restarts),
@@ -44,6 +46,12 @@ def by_cause(ledger: tp.Sequence[dict], metrics: tp.Sequence[dict]) -> dict[str,
     total = sum(seconds.values())
     return {"seconds": {k: round(v, 3) for k, v in seconds.items()}, "steps_kept": kept,
             "steps_recomputed": recomputed, "goodput": round(seconds["productive"] / total, 4) if total and step_s else None}
+
+
+def first_event(ledger: tp.Sequence[dict]) -> dict | None:
+    """The ledger's first start or stop line: every start after it is a restart (a start thrown away by a
+    failed pre-flight check wrote only its stop line, and the start after it is a restart all the same)."""
+    return next((e for e in ledger if e.get("event") in ("start", "stop")), None)
 
 
 def lost(stops: tp.Sequence[dict], cause: str) -> float:
