@@ -341,3 +341,19 @@ def test_a_preflight_failure_after_progress_is_requeued_and_keeps_earlier_exclus
     side = GrantingSide()
     line = after_srun(run_dir, 1, side)
     assert line["requeued"] and line["excluded_nodes"] == ["n1", "n5"] and line["failed_nodes"] == ["n1"]
+
+
+@pytest.mark.parametrize("key_value,words", [
+    ("health.preflight=maybe", "`health.preflight` = 'maybe' (str): expected a boolean"),
+    ("health.preflight_min_bandwidth_fraction=2", "`health.preflight_min_bandwidth_fraction` = 2: expected a value <= 1"),
+    ("health.preflight_timeout_s=0", "`health.preflight_timeout_s` = 0"),
+])
+def test_a_bad_preflight_key_on_the_command_line_is_one_line_and_exit_2(key_value, words):
+    from click.testing import CliRunner
+
+    from hpc.cli import cli
+    from tests.conftest import REPO
+
+    result = CliRunner().invoke(cli, ["render", str(REPO / "jobs" / "tiny-ddp.toml"), "--set", key_value])
+    assert result.exit_code == 2 and words in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1
