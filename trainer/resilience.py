@@ -272,6 +272,8 @@ class Resilience:
             else:
                 why_not = self._repeating() or self._requeue(reason="failed")
             account = self._first_failure(terminated)
+            if getattr(exc, "reported", False):  # a failed pre-flight check: its record, as the check after srun keeps
+                account.update(node_fault=True, preflight=getattr(exc, "verdict", {}))
             self._record_stop(reason, why_not, error=account.pop("error", error), **account)
         except Exception:  # never mask the original failure
             log.exception("could not record the failure in %s", runs.RunDir.LEDGER)

@@ -121,3 +121,31 @@ def test_a_rank_leaves_the_preflight_reports_as_written_and_reports_other_failur
     guard.failed(PreflightFailed("preflight: every node failed (e.g. cuda:0 not visible): not one node's fault"))
     (report,) = requeue.failure_reports(run_dir, "424242.1")
     assert report["rank"] == rank and report["repeats"] is False and not report.get("node_fault")
+
+
+# ---------------------------------------------------------------- end to end on the local site
+
+
+@pytest.mark.slow
+def test_a_local_job_whose_node_fails_the_check_never_trains_and_the_ledger_says_preflight(run_root):
+    """The `local` site (submitit's controller; rank 0 decides): the drill hook names this machine, so every
+    start fails its check; the first is requeued, the second (no progress) is not; nothing trained."""
+    import socket
+
+    from tests.conftest import hpcx
+    from tests.resilience.resilience_lib import ledger
+
+    out = hpcx("submit", str(REPO / "jobs" / "tiny-ddp.toml"), "--set", f"job.run_root={json.dumps(str(run_root))}",
+               "--set", "train.steps=4", "--set", "job.max_requeues=3", "--set",
+               f"env.set.PREFLIGHT_DRILL_FAIL_HOST={socket.gethostname()}", "--wait", timeout=600)
+    run_dir = next(run_root.iterdir())
+    stops = ledger(run_dir)
+    assert [e["event"] for e in stops] == ["stop", "stop"], out.stdout + out.stderr  # no start line: never trained
+    words = f"preflight: {socket.gethostname()} failed: cpu failed the drill (PREFLIGHT_DRILL_FAIL_HOST="
+    assert all(e["error"].startswith(words) and e["preflight"]["nodes"] == [socket.gethostname()] for e in stops)
+    assert stops[0]["requeued"] and stops[1]["not_requeued"] == "failed twice at step 0 without progress"
+    assert stops[0]["node_fault"] and set(stops[0]["failed_ranks"]) <= {0, 1}  # the first report rank 0 read
+    assert not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text().strip()
+    status = json.loads(hpcx("status", str(run_dir), "--json").stdout)
+    assert status["state"] == "FAILED" and status["last_stop"]["preflight"]["nodes"] == [socket.gethostname()]
+    assert status["goodput"]["seconds"]["preflight"] > 0
