@@ -1,14 +1,16 @@
 """The pre-flight check at a job's start (``health.preflight``): this rank's device, then timed collectives.
 
 ``check_start`` runs on every rank after the process group is up and before the model is built
-(``train.run_rank``). Each rank checks its device (``device_problem``), and the ranks post what they
-found in the job's store (``exchange``: it names a rank that posts nothing within
-``health.preflight_timeout_s``, where a collective would only time out on everyone). With every device
-fine, they time an all-reduce of a few MB and, across nodes, a shift to the next node and to the previous
-one, and post those too. Every rank then reaches the same verdict (``hpc.core.preflight.verdict``). A
-node that failed is named; the lowest rank present writes the failure reports of that node's ranks
-(``node_fault``, ``preflight``: what the check after srun turns into the stop line and the exclusion),
-and every rank raises ``PreflightFailed``: the job is requeued without the node instead of training.
+(``train.run_rank``). Each rank posts its host in the job's store, checks its device (``device_problem``)
+and posts what it found; rank 0 reads every rank's (a rank that posts nothing within
+``health.preflight_timeout_s`` is named, where a collective would only time out on everyone), decides
+(``hpc.core.preflight.verdict``) and posts the verdict, which the others take: one rank reads the results,
+so the store carries O(world), not O(world²). With every device fine the ranks time an all-reduce of a few
+MB and, across nodes, a shift to the next node and to the previous one, and rank 0 decides again. A node
+that failed is named: rank 0 writes the failure reports of that node's ranks (``node_fault``,
+``preflight``: what the check after srun turns into the stop line and the exclusion) before it posts the
+verdict, and every rank raises ``PreflightFailed``: the job is requeued without the node instead of
+training. Should rank 0 itself be stuck, the others decide without it after twice the timeout.
 
 Drill hook: ``PREFLIGHT_DRILL_FAIL_HOST=NAME`` (set in the job's environment, e.g. the spec's
 ``env.set``) makes the device check of every rank on the node named NAME fail (``@first``: on whichever
@@ -19,6 +21,7 @@ the names hpcx owns.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -78,10 +81,46 @@ def matmul_right(device: torch.device) -> bool:
 # ---------------------------------------------------------------- the ranks' results, through the store
 
 
-def exchange(store: tp.Any, phase: str, mine: dict, world: int, timeout_s: float) -> tuple[list[dict], dict[int, str]]:
-    """Post this rank's ``mine`` under ``phase`` and read every rank's: (results, rank → host of the ranks
-    that posted nothing within ``timeout_s``: ``host_of``)."""
+def decide(run: Run, store: tp.Any, phase: str, mine: dict, world: int, nbytes: int,
+           guard: Resilience | None) -> tuple[pf.Verdict, dict]:
+    """Post this rank's ``mine`` under ``phase``; rank 0 reads every rank's (``read_all``), decides, writes
+    the blamed ranks' failure reports and posts the verdict; the others take it. Store traffic is O(world):
+    one rank reads the results. A rank that sees no verdict within twice the check's timeout (rank 0 stuck)
+    reads and decides itself, and the first of those to claim the phase posts. (verdict, failure record)."""
+    timeout_s = run.spec.health.preflight_timeout_s
     store.set(f"preflight/{phase}/{mine['rank']}", json.dumps(mine))
+    posted = f"preflight/decided/{phase}"
+    if mine["rank"] != 0 and waited(store, posted, 2 * timeout_s):
+        return taken(store, posted)
+    results, missing = read_all(store, phase, world, timeout_s)
+    found = judged(run, results, missing, nbytes)
+    if store.add(f"preflight/claim/{phase}", 1) != 1:  # another rank decides this phase: take its verdict
+        if waited(store, posted, timeout_s):
+            return taken(store, posted)
+    record = failure_record(found) if not found.ok else {}
+    if found.blamed and guard is not None and guard.side is not None:
+        write_reports(run, found, results, missing, guard, record)
+    store.set(posted, json.dumps({"verdict": dataclasses.asdict(found), "record": record}))
+    return found, record
+
+
+def waited(store: tp.Any, key: str, timeout_s: float) -> bool:
+    """Whether ``key`` is in the store within ``timeout_s``."""
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError:  # the store's timeout
+        return False
+    return True
+
+
+def taken(store: tp.Any, key: str) -> tuple[pf.Verdict, dict]:
+    """The verdict and failure record another rank posted under ``key``."""
+    posted = json.loads(store.get(key))
+    return pf.Verdict(**posted["verdict"]), posted["record"]
+
+
+def read_all(store: tp.Any, phase: str, world: int, timeout_s: float) -> tuple[list[dict], dict[int, str]]:
+    """Every rank's results under ``phase`` and (rank → host) those that posted nothing within ``timeout_s``."""
     keys = [f"preflight/{phase}/{r}" for r in range(world)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
@@ -97,6 +136,37 @@ def host_of(store: tp.Any, rank: int) -> str:
     """A rank's host as it posted it on entering the check, else "?" (it never came)."""
     key = f"preflight/host/{rank}"
     return store.get(key).decode() if store.check([key]) else "?"
+
+
+def judged(run: Run, results: list[dict], missing: dict[int, str], nbytes: int) -> pf.Verdict:
+    """``hpc.core.preflight.verdict`` against this site's figures and the spec's floor and cap."""
+    hosts = pf.nodes_of([*results, *({"rank": r, "host": h} for r, h in missing.items())])
+    node, settings = run.site.node, run.spec.health
+    want = pf.expected(node.gpus, nvlink_bandwidth(node), run.site.network.bandwidth_gbs, len(hosts),
+                       max((len(r) for r in hosts.values()), default=1))
+    found = pf.verdict(results, missing, want, settings.preflight_min_bandwidth_fraction, settings.exclude_nodes,
+                       nbytes)
+    found.expected_gbs = want.allreduce_gbs
+    blocks = pf.shift_peers([str(r["host"]) for r in sorted(results, key=lambda r: r["rank"])])
+    found.shift = blocks[0] if blocks is not None and not missing else 0
+    return found
+
+
+def failure_record(found: pf.Verdict) -> dict:
+    """The ``preflight`` record of the stop line: the nodes, why, and the seconds this start lost."""
+    return {"nodes": list(found.blamed), "reasons": found.blamed,
+            "lost_s": round(time.time() - process_start_time(), 3)}
+
+
+def write_reports(run: Run, found: pf.Verdict, results: list[dict], missing: dict[int, str],
+                  guard: tp.Any, record: dict) -> None:
+    """The failure report of each rank of a blamed node (``node_fault``: excluded on the requeue)."""
+    hosts = {int(r["rank"]): str(r["host"]) for r in results} | dict(missing)
+    for rank in pf.blamed_ranks(results, missing, found):
+        requeue.report_failure(run.run_dir, guard.side.incarnation(guard.restart), rank, step=guard.step,
+                               error=f"preflight: {hosts[rank]} failed: {found.blamed[hosts[rank]]}"[:300],
+                               terminated=False, host=hosts[rank], save_s=0.0, saves=0, phase="join",
+                               repeats=False, node_fault=True, preflight=record)
 
 
 # ---------------------------------------------------------------- timed collectives
@@ -140,14 +210,12 @@ def shift_gbs(nbytes: int, device: torch.device, step: int, warmup: int = 1, ite
     return send.numel() * 4 / pf.median(times) / 1e9
 
 
-def measure(hosts: list[str], device: torch.device, nbytes: int) -> dict[str, float]:
-    """This rank's figures: the all-reduce's median seconds and, over several nodes in equal blocks,
-    the two shifts' GB/s."""
+def measure(shift: int, device: torch.device, nbytes: int) -> dict[str, float]:
+    """This rank's figures: the all-reduce's median seconds and, when ``shift`` (ranks per node, over
+    several nodes in equal blocks), the GB/s received in a shift to the next node and to the previous."""
     found = {"allreduce_s": timed_allreduce(nbytes, device)}
-    blocks = pf.shift_peers(hosts)
-    if blocks is not None:
-        per = blocks[0]
-        found.update(fwd_gbs=shift_gbs(nbytes, device, per), bwd_gbs=shift_gbs(nbytes, device, -per))
+    if shift:
+        found.update(fwd_gbs=shift_gbs(nbytes, device, shift), bwd_gbs=shift_gbs(nbytes, device, -shift))
     return found
 
 
@@ -158,25 +226,34 @@ def check_start(run: Run, rank: int, host: str, device: torch.device, guard: Res
                 device_check: DeviceCheck = device_problem, nbytes: int = pf.NBYTES) -> pf.Verdict | None:
     """The pre-flight check (collective; None when ``health.preflight`` is off). Raises ``PreflightFailed``
     on every rank when it names a node (or every node's device failed)."""
-    settings = run.spec.health
-    if not settings.preflight:
+    if not run.spec.health.preflight:
         log.info("preflight: off (health.preflight = false)")
         return None
     tic = time.monotonic()
+    found, record = verdict_of(run, rank, host, device, guard, device_check, nbytes)
+    log_verdict(found, time.monotonic() - tic, dist.get_world_size() if job_store() is not None else 1)
+    if found.blamed:  # the reports are out (``decide``): the job is requeued without the nodes
+        raise pf.PreflightFailed(found.words(), verdict=record, reported=guard is not None and guard.side is not None)
+    if found.failed:  # every node failed: not one node's fault; each rank reports its own failure
+        raise pf.PreflightFailed(found.warning)
+    return found
+
+
+def verdict_of(run: Run, rank: int, host: str, device: torch.device, guard: Resilience | None,
+               device_check: DeviceCheck, nbytes: int) -> tuple[pf.Verdict, dict]:
+    """The device checks, then (all fine, several ranks) the timings: the verdict and failure record."""
     store = job_store()
     if store is not None:  # first of all: a rank stuck in its device check is still named by its host
         store.set(f"preflight/host/{rank}", host)
-    results, missing = gather(run, store, rank, host, device, device_check, nbytes)
-    hosts = pf.nodes_of([*results, *({"rank": r, "host": h} for r, h in missing.items())])
-    want = pf.expected(run.site.node.gpus, nvlink_bandwidth(run.site.node), run.site.network.bandwidth_gbs,
-                       len(hosts), max((len(r) for r in hosts.values()), default=1))
-    found = pf.verdict(results, missing, want, settings.preflight_min_bandwidth_fraction, settings.exclude_nodes,
-                       nbytes)
-    took = time.monotonic() - tic
-    log_verdict(found, want, took, len(results) + len(missing))
+    mine: dict[str, tp.Any] = {"rank": rank, "host": host, "device": device_check(device, run.site.node, host) or None}
+    if store is None:
+        found = judged(run, [mine], {}, nbytes)
+        return found, failure_record(found) if not found.ok else {}
+    found, record = decide(run, store, "dev", mine, dist.get_world_size(), nbytes, guard)
     if not found.ok:
-        fail(run, store, found, results, missing, guard, took)
-    return found
+        return found, record
+    mine.update(timed(found.shift, device, nbytes, run.spec.health.preflight_timeout_s, run.spec.parallel.timeout_s))
+    return decide(run, store, "net", mine, dist.get_world_size(), nbytes, guard)
 
 
 def job_store() -> tp.Any:
@@ -188,24 +265,7 @@ def job_store() -> tp.Any:
     return default_store()
 
 
-def gather(run: Run, store: tp.Any, rank: int, host: str, device: torch.device, device_check: DeviceCheck,
-           nbytes: int) -> tuple[list[dict], dict[int, str]]:
-    """Every rank's results and the ranks missing: the device checks, then (all fine) the timings. A rank
-    that comes after the others decided (it was stuck, then came back) takes their verdict."""
-    mine: dict[str, tp.Any] = {"rank": rank, "host": host, "device": device_check(device, run.site.node, host) or None}
-    if store is None:
-        return [mine], {}
-    world, timeout_s = dist.get_world_size(), run.spec.health.preflight_timeout_s
-    results, missing = exchange(store, "dev", mine, world, timeout_s)
-    if missing or any(r.get("device") for r in results):
-        return results, missing
-    adopt_decided(store)
-    hosts = [r["host"] for r in sorted(results, key=lambda r: r["rank"])]
-    mine.update(timed(hosts, device, nbytes, timeout_s, run.spec.parallel.timeout_s))
-    return exchange(store, "net", mine, world, timeout_s)
-
-
-def timed(hosts: list[str], device: torch.device, nbytes: int, timeout_s: float, usual_s: float) -> dict:
+def timed(shift: int, device: torch.device, nbytes: int, timeout_s: float, usual_s: float) -> dict:
     """``measure`` under the check's timeout (the default group's own afterwards); a collective that failed
     or timed out is this rank's ``error``."""
     from trainer.dist import set_timeout
@@ -214,64 +274,18 @@ def timed(hosts: list[str], device: torch.device, nbytes: int, timeout_s: float,
     assert world is not None  # set once the group is up
     set_timeout([world], timeout_s)
     try:
-        return measure(hosts, device, nbytes)
+        return measure(shift, device, nbytes)
     except RuntimeError as exc:
         return {"error": f"all-reduce did not complete: {str(exc).splitlines()[0][:200]}"}
     finally:
         set_timeout([world], usual_s)
 
 
-def log_verdict(found: pf.Verdict, want: pf.Expected, took: float, world: int) -> None:
+def log_verdict(found: pf.Verdict, took: float, world: int) -> None:
     bw = "" if found.busbw_gbs is None else f", all-reduce bus bandwidth {found.busbw_gbs:.3g} GB/s"
-    of = f" (site: {want.allreduce_gbs:g} GB/s)" if want.allreduce_gbs and found.busbw_gbs is not None else ""
+    of = f" (site: {found.expected_gbs:g} GB/s)" if found.expected_gbs and found.busbw_gbs is not None else ""
     log.info("preflight: %d rank(s) in %.2f s%s%s", world, took, bw, of)
     if found.warning:
         log.warning("%s", found.warning)
     for words in found.words().split("; ") if found.blamed else []:
         log.error("%s", words)
-
-
-# ---------------------------------------------------------------- a failed check
-
-
-def fail(run: Run, store: tp.Any, found: pf.Verdict, results: list[dict], missing: dict[int, str],
-         guard: Resilience | None, took: float) -> tp.NoReturn:
-    """The first rank to get here writes the blamed ranks' failure reports and posts the verdict; the others
-    wait for it (a rank that exits first must not let the scheduler kill the writer before it wrote them)
-    and take it. Every rank raises ``PreflightFailed``."""
-    if not found.blamed:  # every node failed: not one node's fault; each rank reports its own failure
-        raise pf.PreflightFailed(found.warning, verdict={"warning": found.warning})
-    reported = guard is not None and guard.side is not None
-    if store is not None and store.add("preflight/claim", 1) != 1:
-        adopt_decided(store, wait_s=run.spec.health.preflight_timeout_s)
-    record = {"nodes": list(found.blamed), "reasons": found.blamed, "check_s": round(took, 3),
-              "lost_s": round(time.time() - process_start_time(), 3)}
-    if reported:
-        write_reports(run, found, results, missing, guard, record)
-    if store is not None:
-        store.set("preflight/verdict", json.dumps({"words": found.words(), "record": record, "reported": reported}))
-    raise pf.PreflightFailed(found.words(), verdict=record, reported=reported)
-
-
-def write_reports(run: Run, found: pf.Verdict, results: list[dict], missing: dict[int, str],
-                  guard: tp.Any, record: dict) -> None:
-    """The failure report of each rank of a blamed node (``node_fault``: excluded on the requeue)."""
-    hosts = {int(r["rank"]): str(r["host"]) for r in results} | dict(missing)
-    for rank in pf.blamed_ranks(results, missing, found):
-        requeue.report_failure(run.run_dir, guard.side.incarnation(guard.restart), rank, step=guard.step,
-                               error=f"preflight: {hosts[rank]} failed: {found.blamed[hosts[rank]]}"[:300],
-                               terminated=False, host=hosts[rank], save_s=0.0, saves=0, phase="join",
-                               repeats=False, node_fault=True, preflight=record)
-
-
-def adopt_decided(store: tp.Any, wait_s: float = 0.0) -> None:
-    """Raise the verdict another rank posted (waiting up to ``wait_s`` for it); nothing when none is there."""
-    key = "preflight/verdict"
-    if wait_s:
-        try:
-            store.wait([key], timedelta(seconds=wait_s))
-        except RuntimeError as exc:  # the writer is gone: this rank fails on its own words
-            raise pf.PreflightFailed(f"preflight: the verdict was not posted: {exc}") from None
-    if store.check([key]):
-        posted = json.loads(store.get(key))
-        raise pf.PreflightFailed(posted["words"], verdict=posted["record"], reported=posted["reported"])

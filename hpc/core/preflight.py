@@ -57,6 +57,8 @@ class Verdict:
     warning: str = ""
     busbw_gbs: float | None = None
     failed: bool = False  # set with no node blamed: every node failed its device check
+    expected_gbs: float = 0.0  # the site's all-reduce figure it was held against (0: none)
+    shift: int = 0  # ranks per node for the shifts across nodes (0: none: one node, or uneven blocks)
 
     @property
     def ok(self) -> bool:

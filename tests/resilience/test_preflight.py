@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ def test_all_fine_every_rank_measures_and_agrees(tmp_path):
     verdicts = [r["verdict"] for r in found.values()]
     assert all(v == verdicts[0] for v in verdicts) and verdicts[0]["blamed"] == {}
     assert verdicts[0]["busbw_gbs"] > 0  # measured; a CPU site without figures only logs it
+    assert verdicts[0]["shift"] == 2  # two nodes of two ranks: each rank shifted to the other node and back
     assert not (tmp_path / "run" / "requeue").exists()
 
 
@@ -58,17 +60,49 @@ def test_the_drill_hook_fails_the_node_it_names(tmp_path):
     assert sorted(reports(tmp_path)) == [0]
 
 
-def test_a_rank_that_never_posts_names_its_node(tmp_path):
-    found = launch(tmp_path, 3, 1, "stuck:2")
-    assert sorted(found) == [0, 1, 2]  # rank 2, back late, takes the verdict the others posted
+@pytest.mark.parametrize("stuck,host", [(2, "n3"), (0, "n1")])  # rank 0 stuck: the others decide without it
+def test_a_rank_that_never_posts_names_its_node(tmp_path, stuck, host):
+    found = launch(tmp_path, 3, 1, f"stuck:{stuck}")
+    assert sorted(found) == [0, 1, 2]  # the stuck rank, back late, takes the verdict the others posted
     assert {r["error"] for r in found.values()} == {
-        "preflight: n3 failed: rank 2 did not finish the check in time (stuck or gone)"}
-    assert sorted(reports(tmp_path)) == [2] and reports(tmp_path)[2]["host"] == "n3"
+        f"preflight: {host} failed: rank {stuck} did not finish the check in time (stuck or gone)"}
+    assert sorted(reports(tmp_path)) == [stuck] and reports(tmp_path)[stuck]["host"] == host
 
 
 def test_switched_off_the_check_runs_nothing(tmp_path):
     found = launch(tmp_path, 2, 1, "off")
     assert [r["verdict"] for r in found.values()] == [None, None]
+
+
+# ---------------------------------------------------------------- at scale: one rank reads 8000 results
+
+
+def test_rank_0_decides_for_8000_ranks_and_the_others_take_its_verdict(tmp_path):
+    """The store part of the check at 1000 nodes × 8 ranks (a real in-memory c10d store, the results of the
+    other ranks posted as they would): rank 0 names the node of a failed GPU and writes its 8 ranks'
+    reports; any other rank takes the posted verdict without reading the 8000 results."""
+    import torch.distributed as dist
+
+    from hpc.core.spec import spec_from_dict
+    from trainer.preflight import decide
+
+    store, world = dist.HashStore(), 8000
+    for rank in range(1, world):
+        host = f"n{rank // 8 + 1}"
+        store.set(f"preflight/host/{rank}", host)
+        bad = "cuda:3 matmul wrong" if rank == 8 * 411 + 3 else None
+        store.set(f"preflight/dev/{rank}", json.dumps({"rank": rank, "host": host, "device": bad}))
+    run = SimpleNamespace(spec=spec_from_dict({"health": {"preflight_timeout_s": 5}}), run_dir=tmp_path,
+                          site=parse_site({"scheduler": {"kind": "slurm"}}, "t", "<test>"))
+    guard = SimpleNamespace(side=SimpleNamespace(incarnation=lambda restart: "77.0"), restart=0, step=0)
+    found, record = decide(run, store, "dev", {"rank": 0, "host": "n1", "device": None}, world, 2**20, guard)
+    assert found.blamed == {"n412": "cuda:3 matmul wrong"} and record["nodes"] == ["n412"]
+    written = requeue.failure_reports(tmp_path, "77.0")
+    assert sorted(r["rank"] for r in written) == list(range(8 * 411, 8 * 412))
+    assert all(r["node_fault"] and r["host"] == "n412" for r in written)
+    store.delete_key("preflight/dev/1")  # rank 5 reads no results: it takes the verdict
+    taken, again = decide(run, store, "dev", {"rank": 5, "host": "n1", "device": None}, world, 2**20, guard)
+    assert taken == found and again == record
 
 
 # ---------------------------------------------------------------- this rank's device, in one process
