@@ -97,11 +97,18 @@ def decide(run: Run, store: tp.Any, phase: str, mine: dict, world: int, nbytes: 
     if store.add(f"preflight/claim/{phase}", 1) != 1:  # another rank decides this phase: take its verdict
         if waited(store, posted, timeout_s):
             return taken(store, posted)
+    record = reported(run, found, results, missing, guard)
+    store.set(posted, json.dumps({"verdict": dataclasses.asdict(found), "record": record}))
+    return found, record
+
+
+def reported(run: Run, found: pf.Verdict, results: list[dict], missing: dict[int, str],
+             guard: Resilience | None) -> dict:
+    """The failure record of a failed verdict ({} when ok), after writing the blamed ranks' reports."""
     record = failure_record(found) if not found.ok else {}
     if found.blamed and guard is not None and guard.side is not None:
         write_reports(run, found, results, missing, guard, record)
-    store.set(posted, json.dumps({"verdict": dataclasses.asdict(found), "record": record}))
-    return found, record
+    return record
 
 
 def waited(store: tp.Any, key: str, timeout_s: float) -> bool:
@@ -248,7 +255,7 @@ def verdict_of(run: Run, rank: int, host: str, device: torch.device, guard: Resi
     mine: dict[str, tp.Any] = {"rank": rank, "host": host, "device": device_check(device, run.site.node, host) or None}
     if store is None:
         found = judged(run, [mine], {}, nbytes)
-        return found, failure_record(found) if not found.ok else {}
+        return found, reported(run, found, [mine], {}, guard)
     found, record = decide(run, store, "dev", mine, dist.get_world_size(), nbytes, guard)
     if not found.ok:
         return found, record

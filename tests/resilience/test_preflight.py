@@ -108,6 +108,24 @@ def test_rank_0_decides_for_8000_ranks_and_the_others_take_its_verdict(tmp_path)
 # ---------------------------------------------------------------- this rank's device, in one process
 
 
+def test_a_lone_rank_whose_device_fails_reports_its_node_itself(tmp_path):
+    """One rank without a process group (the sandbox's one-node job): no store, the rank decides and
+    writes its own report, as rank 0 would for the blamed ranks."""
+    from hpc.core.preflight import PreflightFailed
+    from hpc.core.spec import spec_from_dict
+    from trainer.preflight import check_start
+
+    run = SimpleNamespace(spec=spec_from_dict({}), run_dir=tmp_path,
+                          site=parse_site({"scheduler": {"kind": "slurm"}}, "t", "<test>"))
+    guard = SimpleNamespace(side=SimpleNamespace(incarnation=lambda restart: "77.0"), restart=0, step=0)
+    with pytest.raises(PreflightFailed) as err:
+        check_start(run, 0, "n4", torch.device("cpu"), guard, device_check=lambda d, n, h: "cpu matmul wrong")
+    assert str(err.value) == "preflight: n4 failed: cpu matmul wrong" and err.value.reported
+    (report,) = requeue.failure_reports(tmp_path, "77.0")
+    assert report["host"] == "n4" and report["node_fault"] and report["preflight"]["nodes"] == ["n4"]
+    assert check_start(run, 0, "n4", torch.device("cpu"), guard).ok  # the real check passes on this CPU
+
+
 def test_the_cpu_device_check_passes_and_its_matmul_is_exact():
     node = parse_site({"scheduler": {"kind": "slurm"}}, "t", "<test>").node
     assert matmul_right(torch.device("cpu")) and device_problem(torch.device("cpu"), node, "n1") == ""
