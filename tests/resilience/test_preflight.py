@@ -105,6 +105,26 @@ def test_rank_0_decides_for_8000_ranks_and_the_others_take_its_verdict(tmp_path)
     assert taken == found and again == record
 
 
+# ---------------------------------------------------------------- the site's figure at the check's size
+
+
+def test_a_gpu_sites_all_reduce_figure_is_the_planners_nccl_model_at_a_few_mb():
+    """At 4 MiB latency counts: NCCL's model (the planner's) gives less than the link's 450 GB/s over 64
+    ranks, and more than the floor's quarter of it: the floor does not fail a good node for the size."""
+    from trainer.preflight import modelled_busbw
+
+    doc = {"scheduler": {"kind": "slurm"}, "network": {"fabric": "infiniband", "bandwidth_gbs": 400, "latency_us": 5},
+           "node": {"gpus": 8, "gpu_model": "NVIDIA H100 80GB HBM3", "gpu_memory_gb": 80, "intra_link": "nvswitch",
+                    "intra_bandwidth_gbs": 450, "intra_latency_us": 3}}
+    site = parse_site(doc, "h", "<test>")
+    many = modelled_busbw(site, 64, 8, 4 * 2**20)
+    assert 0.25 * 400 < many < 400 and modelled_busbw(site, 64, 8, 256 * 2**20) > many  # larger: nearer the link
+    assert modelled_busbw(site, 8000, 8, 4 * 2**20) < many  # more hops of latency
+    assert modelled_busbw(site, 1, 1, 4 * 2**20) == 0.0  # alone: nothing to tell
+    cpu = parse_site({"scheduler": {"kind": "slurm"}}, "c", "<test>")
+    assert modelled_busbw(cpu, 4, 2, 4 * 2**20) == 0.0  # no figures: only logged
+
+
 # ---------------------------------------------------------------- this rank's device, in one process
 
 
