@@ -333,6 +333,24 @@ def test_set_pg_timeout() -> None:
             dist.destroy_process_group()
 
 
+def test_default_store() -> None:
+    import torch.distributed as dist
+
+    from hpc.compat import default_store
+
+    with private_api("torch.distributed.distributed_c10d._get_default_store", "trainer/preflight.py (the "
+                     "pre-flight check posts each rank's results in the job's store)",
+                     "find torch's accessor for the default group's store, or pass the rendezvous store along"):
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            found = default_store()
+            found.set("preflight/x", "1")
+            assert found.get("preflight/x") == b"1" and found.add("preflight/n", 1) == 1
+        finally:
+            dist.destroy_process_group()
+
+
 def test_fake_store_and_sharding_cache() -> None:
     with private_api("torch.testing._internal.distributed.fake_pg.FakeStore and "
                      "torch.distributed.tensor.debug._clear_sharding_prop_cache", "hpc/fake_pg.py (hpcx dryrun)",

@@ -261,7 +261,7 @@ class Resilience:
         where = None if terminated else user_code_error(exc, code_roots(self.code_modules))
         error = one_line(exc, where)
         repeats = not terminated and (where is not None or would_repeat(exc, self.phase, self.boundaries))
-        if self.rank == 0 or not terminated:
+        if (self.rank == 0 or not terminated) and not getattr(exc, "reported", False):  # a pre-flight check's are out
             self._report(error, terminated, repeats, user_code=where)
         if self.rank != 0 or (self.side is not None and self.side.decides_failures):
             return
@@ -275,6 +275,8 @@ class Resilience:
             else:
                 why_not = self._repeating() or self._requeue(reason="failed")
             account = self._first_failure(terminated)
+            if getattr(exc, "reported", False):  # a failed pre-flight check: its record, as the check after srun keeps
+                account.update(node_fault=True, preflight=getattr(exc, "verdict", {}))
             self._record_stop(reason, why_not, error=account.pop("error", error), **account)
         except Exception:  # never mask the original failure
             log.exception("could not record the failure in %s", runs.RunDir.LEDGER)

@@ -34,6 +34,7 @@ from trainer.model import WeightInit, local_numel
 from trainer.optim import build_optimizer, build_scheduler, open_host_groups
 from trainer.parallelize import autocast_dtype, blocks_for, build_mesh, mesh_groups, parallelize, uses_rng
 from trainer.preemption import PreemptionFlag
+from trainer.preflight import check_start
 from trainer.ranks import export_rank_variables
 from trainer.resilience import report_unloadable, resilience_for
 from trainer.run import Run, load_run
@@ -63,6 +64,7 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
                  env.launcher, launch.dims.describe(), launch.grad_accum)
         guard.phase = "join"
         device = join_job(run, env, launch)
+        check_start(run, env.rank, env.hostname, device, guard)  # a failing node: PreflightFailed, requeued without it
         guard.phase = "build"
         trainer, state = build_trainer(dataclasses.replace(run, launch=launch), env.rank, device, preemption)
         trainer.resilience = guard

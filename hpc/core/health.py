@@ -64,6 +64,20 @@ class Health:
     exclude_stragglers: bool = field(False, doc="A straggler's node joins the nodes the job excludes on its "
                                      "next requeue (after a failure, a preemption or the time limit; same window "
                                      "and cap: `exclude_nodes`, `exclude_minutes`).")
+    preflight: bool = field(True, doc="Pre-flight check before the first step of each start (hpcx's trainer): "
+                            "each rank's device (visible, a small matmul right, memory as `node.gpu_memory_gb` "
+                            "says), then a timed all-reduce of a few MB and, across nodes, a shift to each "
+                            "neighbouring node, against the site's `node.intra_bandwidth_gbs` and "
+                            "`network.bandwidth_gbs`. A node that fails is named in the ledger (cause "
+                            "`preflight`) and the job is requeued without it (see `exclude_nodes`) instead of "
+                            "training. A slow fabric on every node only warns.")
+    preflight_min_bandwidth_fraction: float = field(0.25, doc="The pre-flight floor: measured bandwidth below "
+                                                    "this fraction of the site's expected figure fails the "
+                                                    "node. Sites without a figure (CPU/gloo) only log it.",
+                                                    minimum=0, maximum=1)
+    preflight_timeout_s: float = field(120.0, doc="How long the pre-flight check waits for every rank's "
+                                       "results; the node of a rank that posts none by then (stuck, gone) "
+                                       "failed it.", minimum=1, maximum=3600)
 
 
 def health_of(spec: tp.Mapping[str, tp.Any]) -> Health:

@@ -516,7 +516,7 @@ STOP_WORDS = {"completed": "completed", "preempted": "preempted", "time_limit": 
 def stop_summary(stop: dict) -> dict[str, tp.Any]:
     """The ledger's last stop line as status shows it: why, where, requeued or why not, what failed."""
     keys = ("reason", "step", "requeued", "not_requeued", "error", "failed_ranks", "signal", "by", "failed_nodes",
-            "node_fault", "excluded_nodes", "hang", "stragglers")
+            "node_fault", "excluded_nodes", "hang", "stragglers", "preflight")
     found = {k: stop[k] for k in keys if k in stop}
     reason = str(stop.get("reason", "?"))
     words = f"{STOP_WORDS.get(reason, reason)} at step {stop.get('step', '?')}"

@@ -27,9 +27,20 @@ METRICS = [{"step": s, "loss": 1.0, "step_time_s": 2.0 if s != 1 else 9.0} for s
 def test_each_cause_is_counted_once_and_the_first_starts_queue_and_start_up_are_not_lost():
     found = by_cause(LEDGER, METRICS)
     assert found["seconds"] == {"productive": 40.0, "recomputed": 4.0, "saves": 5.0, "queue": 11.0, "startup": 15.0,
-                                "restore": 1.0, "hangs": 25.0}
+                                "restore": 1.0, "hangs": 25.0, "preflight": 0.0}
     assert found["steps_kept"] == 20 and found["steps_recomputed"] == 2
     assert found["goodput"] == pytest.approx(40 / 101, abs=1e-4)
+
+
+def test_a_start_a_failed_preflight_check_threw_away_counts_as_preflight():
+    failed = {"event": "stop", "reason": "failed", "step": 0, "preflight": {"nodes": ["n1"], "lost_s": 30.0}}
+    found = by_cause([failed, *LEDGER], METRICS)  # the first start line, after it, is a restart (queue 5, start-up 10)
+    assert found["seconds"]["preflight"] == 30.0 and found["seconds"]["queue"] == 16.0
+    assert found["seconds"]["startup"] == 25.0 and found["goodput"] == pytest.approx(40 / 146, abs=1e-4)
+    assert words(found).endswith("hangs 25 s, preflight 30 s)")
+    alone = by_cause([failed, LEDGER[0], LEDGER[-1]], METRICS)  # as the sandbox writes it: no start line before
+    assert alone["seconds"] | {"productive": 0} == {"productive": 0, "recomputed": 0.0, "saves": 3.0, "queue": 5.0,
+                                                     "startup": 10.0, "restore": 0.0, "hangs": 0.0, "preflight": 30.0}
 
 
 def test_a_run_without_restarts_loses_only_its_saves():

@@ -64,9 +64,11 @@ def node_health(ledger: list[dict], spec: dict, side: JobSide, account: dict, re
     node whose window has passed comes back), or why they could not be."""
     nodes = health.failed_nodes(account.get("failed_ranks", []), reports, ends)
     out: dict[str, tp.Any] = {"failed_nodes": nodes, "node_fault": bool(nodes) and health.node_fault(account, reports)}
-    hang = next((r["hang"] for r in reports if r.get("hang") and r.get("rank") in account.get("failed_ranks", [])), None)
-    if hang:  # the watchdog's verdict (trainer.watchdog): which ranks hung, at which step, where
-        out["hang"] = hang
+    for cause in ("hang", "preflight"):  # the watchdog's verdict (trainer.watchdog), the pre-flight check's
+        found = next((r[cause] for r in reports if r.get(cause) and r.get("rank") in account.get("failed_ranks", [])),
+                     None)
+        if found:
+            out[cause] = found
     if not requeued:
         return out
     settings = health.health_of(spec)
