@@ -39,13 +39,16 @@ def requeue_verdict(ledger: list[dict], reason: str, step: int, max_requeues: in
 
     Restarts so far: the ledger's start lines beyond the first, or the scheduler's count (``restarts``)
     when larger (an incarnation that died before its start line). A failure at the same step as the
-    previous stop's failure made no progress and is not requeued again.
+    previous stop's failure made no progress and is not requeued again, unless that stop excluded the node
+    it blamed (``excluded_nodes``, ``hpc.core.health``): the job then ran elsewhere, and a second node's
+    fault (a pre-flight check at step 0, say) is not the first failure repeating.
     """
     restarts = max(restarts, sum(1 for e in ledger if e.get("event") == "start") - 1)
     if restarts >= max_requeues:
         return f"job.max_requeues = {max_requeues} reached ({restarts} restarts so far)"
     stops = [e for e in ledger if e.get("event") == "stop"]
-    if reason == "failed" and stops and stops[-1].get("reason") == "failed" and stops[-1].get("step") == step:
+    moved = bool(stops and stops[-1].get("excluded_nodes"))
+    if reason == "failed" and stops and not moved and stops[-1].get("reason") == "failed" and stops[-1].get("step") == step:
         return f"failed twice at step {step} without progress"
     return None
 

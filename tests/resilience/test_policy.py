@@ -54,6 +54,22 @@ def test_a_failure_at_the_same_step_as_the_last_failure_is_not_requeued():
     assert requeue_verdict(after_preemption, "failed", 4, 3) is None
 
 
+@pytest.mark.parametrize("previous, requeued", [
+    ({"node_fault": True, "failed_nodes": ["n1"], "excluded_nodes": ["n1"]}, True),  # it ran elsewhere since
+    ({"node_fault": True, "failed_nodes": ["n1"], "excluded_nodes": ["n1", "n2"]}, True),
+    ({"node_fault": True, "failed_nodes": ["n1"], "excluded_nodes": []}, False),  # none to spare: same nodes
+    ({"node_fault": True, "failed_nodes": ["n1"]}, False),  # exclusion off (or a kind that has none)
+    ({"node_fault": False, "failed_nodes": ["n1"]}, False),
+    ({}, False),
+])
+def test_a_failure_at_the_same_step_after_the_last_failures_node_was_excluded_is_not_the_same_failure(
+        previous, requeued):
+    ledger = [START, {**stop(0, "failed"), **previous}]  # e.g. two pre-flight checks failing at step 0
+    verdict = requeue_verdict(ledger, "failed", 0, 3)
+    assert (verdict is None) == requeued, verdict
+    assert "3 restarts so far" in requeue_verdict([*ledger, START, START, START], "failed", 0, 3)  # still bounded
+
+
 def test_steps_recomputed_from_the_stop_line_or_the_metrics():
     assert steps_recomputed([], None, 0) == 0
     assert steps_recomputed([START, stop(17, "preempted")], 17, 17) == 0
