@@ -19,6 +19,7 @@ import typing as tp
 from pathlib import Path
 
 from hpc.core.errors import UserError
+from hpc.login.evals import eval_metrics
 
 LIST_RUNS = 20
 LIST_TIMEOUT_S = 3.0  # the list waits this long for the scheduler, then says "unknown (scheduler unreachable)"
@@ -37,7 +38,7 @@ def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
 def recent(warn: tp.Callable[[str], None]) -> list[dict[str, tp.Any]]:
     """The summaries of the caller's newest runs (the scheduler asked once, within LIST_TIMEOUT_S)."""
     from hpc.core import runs
-    from hpc.login import submit as sub
+    from hpc.login import submit as sub  # lazy: startup (the fast path)
 
     return sub.summaries(runs.list_runs(run_roots(warn))[:LIST_RUNS], LIST_TIMEOUT_S)
 
@@ -94,17 +95,6 @@ def eval_text(info: dict, lead: str) -> str:
     perplexity = f" (perplexity {info['eval_perplexity']:.2f})" if info.get("eval_perplexity") is not None else ""
     metrics = "".join(f", {k.removeprefix('eval_')} {v:.4g}" for k, v in eval_metrics(info).items())
     return f"{lead}eval loss {info['eval_loss']:.4f}{perplexity}{metrics}"
-
-
-EVAL_NOT_METRICS = ("eval_loss", "eval_perplexity", "eval_tokens", "eval_samples", "eval_s", "eval_metrics")
-
-
-def eval_metrics(record: dict) -> dict[str, float]:
-    """A task's metrics in an eval record or summary (``eval_accuracy``: ``trainer.tasks``), also under
-    ``eval_metrics`` (status)."""
-    found = {k: v for k, v in record.items() if k.startswith("eval_") and k not in EVAL_NOT_METRICS
-             and isinstance(v, (int, float))}
-    return {**found, **(record.get("eval_metrics") or {})}
 
 
 def as_json(obj: tp.Any) -> str:

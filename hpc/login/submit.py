@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.login import roots
+from hpc.login.evals import eval_metrics
 from hpc.core import health, runs
 from hpc import schedulers
 from hpc.core.config import ConfigError
@@ -480,7 +481,6 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
     stops = [e for e in ledger if e.get("event") == "stop"]
     last = rd.last_train_metrics() or {}
     evaluated = rd.last_eval() or {}
-    from hpc.login.status import eval_metrics
 
     return {
         "run_dir": str(run_dir),
