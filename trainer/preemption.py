@@ -106,7 +106,7 @@ class BoundaryVote:
             return list(flags)
         agreed = self._collect() or [0] * len(flags)
         if not last:
-            from trainer.dist import side_group
+            from trainer.dist import side_group  # lazy: torch
 
             self._sent = torch.tensor(flags, dtype=torch.int32)
             self._work = dist.all_reduce(self._sent, op=dist.ReduceOp.MAX, group=side_group(), async_op=True)
