@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from hpc.ckpt.entries import Progress, Reader, Scratch
+from hpc.ckpt.merge import merged_reader
 from hpc.ckpt.outputs import check_destination, fsync_file, parents_made, staged
 from hpc.ckpt.safetensors import INDEX_FILE, ST_DTYPES
 from hpc.ckpt.torch_zip import byte_view
@@ -304,7 +305,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
               start: tp.Callable[[int], Progress] = lambda total: (lambda n: None),
               merge_lora: bool = False) -> dict[str, tp.Any]:
     """``hpcx ckpt convert SRC DST --to hf``: a Hugging Face folder of the run's model at ``dst``; with
-    ``merge_lora``, a LoRA run's adapters merged into its base (``hpc.ckpt.peft.merged_reader``)."""
+    ``merge_lora``, a LoRA run's adapters merged into its base (``hpc.ckpt.merge.merged_reader``)."""
     from hpc.ckpt.dcp import DcpReader
 
     if dtype not in DTYPES:
@@ -336,7 +337,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
 
 def _lora_reader(run: Path, step: Path, resolved: dict[str, tp.Any], arch: str, shape: tp.Any,
                  merge: bool) -> Reader | None:
-    """``--merge-lora``'s reader (``hpc.ckpt.peft``); a LoRA run exported without it is refused in one line
+    """``--merge-lora``'s reader (``hpc.ckpt.merge``); a LoRA run exported without it is refused in one line
     (its checkpoints hold the adapters, not the frozen base)."""
     lora = resolved.get("spec", {}).get("lora", {})
     if not merge:
@@ -344,8 +345,6 @@ def _lora_reader(run: Path, step: Path, resolved: dict[str, tp.Any], arch: str, 
             raise ConfigError([f"{run}: a LoRA run (`lora.rank` = {lora['rank']}): its checkpoints hold the "
                                "adapters; export --to peft, or --to hf --merge-lora for the merged model"])
         return None
-    from hpc.ckpt.peft import merged_reader
-
     return merged_reader(run, step, resolved, arch, shape)
 
 

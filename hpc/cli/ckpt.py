@@ -208,7 +208,7 @@ def convert_cmd(src: str, dst: str, to: str, merge_lora: bool, model_only: bool,
     if to == "hf":
         return _export_hf(src, dst, dtype, shard_bytes, merge_lora)
     if to == "peft":
-        from hpc.ckpt.peft import export_peft
+        from hpc.ckpt.peft_export import export_peft  # lazy: torch
 
         summary = export_peft(src, dst)
         click.echo(f"wrote {summary['dst']} ({summary['arch']}, {summary['tensors']} tensors, "
