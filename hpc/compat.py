@@ -8,7 +8,8 @@ Where torch has a public API for the same job, hpcx uses that instead (the CRC32
 switch below uses ``torch.serialization.set_crc32_options``).
 
 Importable without torch or submitit: login-node commands (``render``) use
-``make_sbatch_string``, so every import happens inside the function that needs it.
+``make_sbatch_string``, so every import of torch, submitit or torchao happens inside the function that
+needs it (hpcx's own torch-free modules are imported at the top).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import threading
 import typing as tp
 from contextlib import contextmanager
+
+from hpc.core.errors import ConfigError
+from hpc.core.lora import NF4_BLOCK, NF4_SCALER_BLOCK
 
 # ---------------------------------------------------------------- submitit
 
@@ -302,9 +306,6 @@ def to_nf4(value: tp.Any) -> tp.Any:
     """torchao's NF4 of ``value`` at QLoRA's block sizes (``hpc.core.lora.NF4_BLOCK``): public as
     ``torchao.quantization.to_nf4`` since torchao 0.13, ``torchao.dtypes.nf4tensor.to_nf4`` before (the
     path torchtune imports). A projection NF4 cannot block, or torchao missing, is one line."""
-    from hpc.core.errors import ConfigError
-    from hpc.core.lora import NF4_BLOCK, NF4_SCALER_BLOCK
-
     try:
         from torchao.quantization import to_nf4 as quantize
     except ImportError:

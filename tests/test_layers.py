@@ -29,7 +29,7 @@ TRAINER_ALLOWED = {"hpc.login.submit": {"trainer.task", "trainer.script"},  # bo
                    # `hpcx plan --count-params` builds a user model on the meta device to count it
                    "hpc.cli.plan": {"trainer.count"}}
 # modules that import nothing else from hpc (the bottom of the graph)
-LEAVES = ("hpc.core.errors", "hpc.core.dims")
+LEAVES = ("hpc.core.errors", "hpc.core.dims", "hpc.core.boot", "hpc.login.evals")
 # what the core may import from hpc: itself, and the scheduler registry with its interface
 CORE_MAY_IMPORT = ("hpc.core", "hpc.schedulers", "hpc.schedulers.base")
 # what the trainer may import from hpc
@@ -355,3 +355,109 @@ def test_the_private_import_check_sees_each_spelling(tmp_path):
     finally:
         source.unlink()
     assert found == ["from a.b import _x", "from . import _z", "import a._c"]
+
+
+# ------------------------------------------------------------------------------------------- import cycles
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: at module level and inside functions, not under
+    ``if TYPE_CHECKING:`` (its ``else`` runs, and counts)."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                stack += child.orelse
+            elif isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append(child)
+            else:
+                stack.append(child)
+    return found
+
+
+def _target(name: str, modules: dict[str, Path]) -> str | None:
+    """The module of ours that importing ``name`` loads (``hpc.core.spec.JobSpec``: ``hpc.core.spec``)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the modules of ``modules`` it imports (``from a import b`` is ``a.b`` where that is a module)."""
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in _runtime_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                wanted = [a.name for a in node.names]
+            elif node.module and node.level == 0:
+                wanted = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            graph[name] |= {t for t in (_target(w, modules) for w in wanted) if t and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's, without recursion), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, todo = work[-1]
+            child = next((c for c in todo if c not in index or c in stack), None)
+            if child is not None and child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                work.append((child, iter(sorted(graph[child]))))
+                continue
+            if child is not None:  # on the stack: a way back
+                low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = stack[stack.index(node):]
+                del stack[stack.index(node):]
+                if len(part) > 1:
+                    found.append(sorted(part))
+    return sorted(found)
+
+
+def _ours() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((REPO / "hpc").rglob("*.py")) + sorted((REPO / "trainer").rglob("*.py"))}
+
+
+def test_no_import_cycles_among_hpc_and_trainer_modules():
+    """No module imports, at module level or inside a function, one that imports it back (directly or through
+    others): a shared piece lives in a module below both (issue 41). ``if TYPE_CHECKING:`` imports never run."""
+    graph = import_graph(_ours())
+    assert sum(map(len, graph.values())) > 500 and "hpc.core.spec" in graph["hpc.core.resolve"]
+    found = cycles(graph)
+    assert found == [], "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_check_sees_a_cycle_through_a_function_local_import(tmp_path):
+    """A loop closed by an import inside a function is found, one only under TYPE_CHECKING is not, and a
+    module importing a name of another (``from p.b import x``) depends on that module."""
+    files = {"p.a": "from p.b import x\n",
+             "p.b": "import typing as tp\nif tp.TYPE_CHECKING:\n    import p.c\ndef f():\n    import p.a\nx = 1\n",
+             "p.c": "from p import b\n", "p": ""}
+    modules = {}
+    for name, text in files.items():
+        modules[name] = tmp_path / f"{name}.py"
+        modules[name].write_text(text)
+    graph = import_graph(modules)
+    assert graph["p.c"] == {"p.b"} and graph["p.b"] == {"p.a"}
+    assert cycles(graph) == [["p.a", "p.b"]]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": {"e"}, "e": {"d"}, "f": set()}) == [
+        ["a", "b", "c"], ["d", "e"]]

@@ -101,7 +101,7 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
     from hpc.core.runs import run_dir_name
     from hpc.login.submit import run_root
 
-    from hpc.core.validate import check_run_dir_option
+    from hpc.core.runroot import check_run_dir_option
 
     spec, site, launch = load_job(job, site_name, overrides)
     check_memory(spec, site, launch, strict)

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from hpc.core.config import ConfigError, load_json_bounded
 from hpc.core.validate import MAX_DEPTH
-from hpc.schedulers.base import SUBMITIT_DIR
+
+SUBMITIT_DIR = "submitit"  # under the run folder: submitit's pickles and per-task stdout/stderr
 
 
 def modes(group_readable: bool) -> tuple[int, int, int]:

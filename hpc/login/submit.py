@@ -22,7 +22,7 @@ from hpc import schedulers
 from hpc.core.config import ConfigError
 from hpc.core.errors import UserError
 from hpc.schedulers.base import QUERY_TIMEOUT_S, read_result, result_path
-from hpc.core.validate import expand_run_root
+from hpc.core.runroot import expand_run_root
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
