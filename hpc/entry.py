@@ -16,6 +16,6 @@ def main() -> None:
     code = without_click(sys.argv[1:])
     if code is not None:
         sys.exit(code)
-    from hpc.cli import main as with_click
+    from hpc.cli import main as with_click  # lazy: click
 
     with_click()

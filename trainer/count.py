@@ -35,7 +35,7 @@ def count_model(spec: ModelSpec) -> Counted:
 
 def count_task(spec: JobSpec) -> Counted:
     """Parameters of ``spec``'s task's model (``[task]``), counted on the meta device."""
-    from trainer.tasks import UserTask, load_task
+    from trainer.tasks import UserTask, load_task  # lazy: numpy
 
     task = UserTask(load_task(spec.task.target, spec.task.kwargs), spec.task.target, spec.data.shuffle)
     try:
@@ -64,7 +64,7 @@ def forward_flops(task: tp.Any, model: nn.Module) -> float | None:
     task's forward cannot run there (it reads a value, say)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainer.tasks import to_device
+    from trainer.tasks import to_device  # lazy: numpy
 
     try:
         batch = to_device(task.collate([task.train_dataset()[0]]), torch.device("meta"))

@@ -135,7 +135,7 @@ EVAL_KEYS = ("step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_sample
 def build_eval(spec: JobSpec, kind: str, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
     """The evaluator of a spec (None when ``train.eval_every`` is 0 or there is nothing to evaluate on;
     ``kind``: ``Launch.data_source``)."""
-    from trainer.tokens import ManifestTokens, val_split_source
+    from trainer.tokens import ManifestTokens, val_split_source  # lazy: numpy
 
     where = val_split_source(spec.data, kind) if spec.train.eval_every else None
     if where is None:

@@ -99,8 +99,8 @@ class BoundaryVote:
 
     def exchange(self, flags: list[int], last: bool = False) -> list[int]:
         """The agreed flags of the previous boundary; sends ``flags`` for the next (``last``: no next)."""
-        import torch
-        import torch.distributed as dist
+        import torch  # lazy: torch
+        import torch.distributed as dist  # lazy: torch
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return list(flags)

@@ -26,7 +26,7 @@ def detect_rank_env() -> RankEnv:
 
 
 def _submitit_env() -> RankEnv:
-    import submitit
+    import submitit  # lazy: submitit
 
     job = submitit.JobEnvironment()
     return RankEnv(rank=job.global_rank, local_rank=job.local_rank, world_size=job.num_tasks,

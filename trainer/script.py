@@ -63,7 +63,7 @@ class ScriptTask:
     def checkpoint(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         """submitit's requeue hook, reached only if the preemption signal came before ``run`` took the
         signals (the command had not started): the same task again."""
-        import submitit
+        import submitit  # lazy: submitit
 
         return submitit.helpers.DelayedSubmission(ScriptTask(self.run_dir, self.workdir))
 

@@ -184,7 +184,7 @@ def check_init_from(spec: tp.Any) -> None:
         problems = config_problems(spec)  # a PEFT folder's config: no torch needed to refuse it
         if problems:
             raise CheckpointError(problems)
-        from hpc.ckpt.init_source import init_from_problems
+        from hpc.ckpt.init_source import init_from_problems  # lazy: torch
 
         problems = init_from_problems(spec)
         if problems:
@@ -495,7 +495,7 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
     from hpc.core import imports
 
     imports.check()  # before the trainer is imported
-    from hpc.dryrun import dryrun as dry, format_dryrun
+    from hpc.dryrun import dryrun as dry, format_dryrun  # lazy: torch
 
     result = dry(spec, site, launch, rank)
     if as_json:

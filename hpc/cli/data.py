@@ -60,7 +60,7 @@ def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str
     manifest.json in --out; a killed run started again continues where it was."""
     from hpc.core.errors import UserError
     from hpc.data.inputs import Format, Limits
-    from hpc.data.prepare import Options, abandon, make_plan, pending_groups, start
+    from hpc.data.prepare import Options, abandon, make_plan, pending_groups, start  # lazy: numpy
 
     fmt = Format(kind, text_key, prompt_key, response_key, messages_key, separator)
     if workers < 0:
@@ -89,7 +89,7 @@ def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str
 
 
 def _submit_array(out: Path, plan: dict, site_name: str, wait: bool) -> None:
-    from hpc.data.array import submit_array, wait_for_manifest
+    from hpc.data.array import submit_array, wait_for_manifest  # lazy: numpy
 
     jobs = submit_array(out, plan, site_name)
     if jobs is None:
@@ -112,8 +112,8 @@ def _positive(name: str, value: int) -> int:
 
 def run_local(out: Path, plan: dict, workers: int) -> dict:
     """Every unfinished group here, then the merge."""
-    from hpc.data.local import run_groups
-    from hpc.data.prepare import cpu_workers, merge
+    from hpc.data.local import run_groups  # lazy: numpy
+    from hpc.data.prepare import cpu_workers, merge  # lazy: numpy
     from hpc.data.progress import Progress
 
     progress = Progress(sum(i["bytes"] for i in plan["inputs"]))

@@ -60,7 +60,7 @@ def _counted_facts(model: tp.Any) -> tp.Any:
     from hpc.core import imports
 
     imports.check()  # before the trainer is imported
-    from trainer.count import count_model
+    from trainer.count import count_model  # lazy: torch
 
     counted = count_model(model)
     click.echo(f"counted on the meta device: {counted.n_params} parameters in {counted.n_units} blocks "
@@ -75,7 +75,7 @@ def _counted_task_facts(spec: tp.Any) -> tp.Any:
     from hpc.core.models import model_facts
 
     imports.check()  # before the trainer is imported
-    from trainer.count import count_task
+    from trainer.count import count_task  # lazy: torch
 
     return model_facts(spec.model, count_task(spec))
 

@@ -72,8 +72,8 @@ def figure(curves: list[tuple[str, list[dict]]], causes: list[tuple[str, dict]] 
     """One panel per kind of metric present (loss with eval loss, learning rate, accuracy and fractions,
     throughput, other), with a line per run and metric; with ``causes`` a last panel of time by cause."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib
+        from matplotlib.figure import Figure  # lazy: matplotlib
     except ImportError:
         raise UserError(["hpcx plot needs matplotlib: pip install 'hpcx[plot]'"]) from None
     found = [plotted_keys(records) for _, records in curves]

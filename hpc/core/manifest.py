@@ -305,7 +305,7 @@ def record_max_ids(path: Path, manifest: dict) -> int:
 
 
 def _shard_max(file: Path, dtype: str) -> int:
-    import numpy as np
+    import numpy as np  # lazy: numpy
 
     tokens = np.memmap(file, dtype=dtype, mode="r")
     return int(tokens.max()) if len(tokens) else 0
@@ -319,7 +319,7 @@ def _hash_problems(folder: Path, manifest: dict) -> list[str]:
 
 def _content_problems(folder: Path, manifest: dict) -> list[str]:
     """Offsets that do not end at the shard's token count; ids at or above the vocabulary."""
-    import numpy as np
+    import numpy as np  # lazy: numpy
 
     out = []
     for split in manifest["splits"]:

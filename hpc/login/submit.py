@@ -118,7 +118,7 @@ def base_problems(spec: JobSpec) -> list[str]:
     problems = config_problems(spec)
     if problems:
         return problems
-    from hpc.ckpt.init_source import init_from_problems
+    from hpc.ckpt.init_source import init_from_problems  # lazy: torch
 
     return init_from_problems(spec)
 
@@ -219,7 +219,7 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path, remove: bo
     import io
     import shutil
 
-    from submitit.core.utils import FailedJobError, FailedSubmissionError
+    from submitit.core.utils import FailedJobError, FailedSubmissionError  # lazy: submitit
 
     removed = "folder was removed" if remove else "folder is as it was"
     try:
