@@ -28,8 +28,9 @@ import torch
 from hpc.ckpt import formats
 from hpc.ckpt.files import METADATA_FILE
 from hpc.ckpt.peft import adapter_base, adapter_problems, is_adapter_folder, listed, weight_problems
-from hpc.core.errors import CheckpointError
+from hpc.core.errors import CheckpointError, ConfigError
 from hpc.core.hf import CONFIG_FILE, hf_config, read_config, spec_fields, tensor_plan
+from hpc.core.models import HfReader, families, family, model_facts
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 IGNORED = ("context_len",)  # the length a fine-tune trains at is its own choice (max_position_embeddings)
@@ -201,16 +202,12 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
     if config is None or not (config.exists() or config.is_symlink()):  # a FIFO or device: read_config refuses it
         return []
     if not hf_to_hpcx(arch, shape):  # nothing would match: one line, not one per tensor
-        from hpc.core.models import HfReader, families
-
         readers = [f.phrase for f in families() if isinstance(f, HfReader)]
         raise CheckpointError([f"`checkpoint.init_from`: {path} is a Hugging Face folder; hpcx reads those for "
                                f"{', '.join(readers[:-1])} or {readers[-1]}, not {arch!r} (GPT-2 has biases and "
                                "Conv1D layouts hpcx's GPT does not)"])
     theirs = spec_fields(config, read_config(config))  # refuses what hpcx does not implement
     ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
-    from hpc.core.models import HfReader, family
-
     names = {"arch": "architectures", **{o: t for t, o in tp.cast(HfReader, family(arch)).hf_keys}}
     differ = [f"{names.get(key, key)} = {theirs.get(key)!r} (the run's model has {ours[key]!r})" for key in ours
               if key not in IGNORED and theirs.get(key) != ours[key]]
@@ -220,9 +217,6 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
 
 def init_from_problems(spec: tp.Any) -> list[str]:
     """Login-node check of ``spec.checkpoint.init_from`` against ``spec.model`` (headers only)."""
-    from hpc.core.errors import ConfigError
-    from hpc.core.models import model_facts
-
     if not spec.checkpoint.init_from:
         return []
     facts = model_facts(spec.model)

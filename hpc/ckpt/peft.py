@@ -33,7 +33,11 @@ from pathlib import Path
 import torch
 
 from hpc.core.errors import CheckpointError, ConfigError
-from hpc.core.hf import HfTensor, tensor_plan
+from hpc.ckpt.safetensors import ST_DTYPES, SafetensorsReader
+from hpc.core.hf import HfTensor, hf_config, tensor_plan
+from hpc.core.lora import adapter_shapes, base_name, hf_targets
+from hpc.core.spec import spec_from_dict
+from hpc.core.validate import check_regular
 from hpc.core.peft_config import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, FLOAT_DTYPES, adapter_base,  # noqa: F401
                                   adapter_problems, fan_in_fan_out, full_modules, is_adapter_folder, listed,
                                   module_problems, read_adapter_config)  # the torch-free half, re-exported
@@ -44,8 +48,6 @@ PREFIX = "base_model.model."  # PEFT's prefix of a CausalLM's module names
 def peft_names(arch: str, shape: tp.Any, adapters: tp.Iterable[str]) -> dict[str, str]:
     """hpcx adapter name (``blocks.0.attn.wq.lora_A.weight``) → PEFT's key, through the family's names
     of the base weight (``model.layers.0.self_attn.q_proj.weight``)."""
-    from hpc.core.lora import base_name
-
     hf = {t.source: t.name for t in tensor_plan(arch, shape) if t.source}
     out = {}
     for name in adapters:
@@ -56,9 +58,6 @@ def peft_names(arch: str, shape: tp.Any, adapters: tp.Iterable[str]) -> dict[str
 
 def adapter_config(spec: tp.Any, arch: str, shape: tp.Any) -> dict[str, tp.Any]:
     """PEFT's ``adapter_config.json`` of the run's ``[lora]`` (fields PEFT 0.x reads; the rest default)."""
-    from hpc.core.hf import hf_config
-    from hpc.core.lora import hf_targets
-
     lora = spec.lora
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": spec.checkpoint.init_from or None,
             "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
@@ -77,8 +76,6 @@ def module_plan(lora: tp.Any, arch: str, shape: tp.Any) -> list[HfTensor]:
 
 def run_lora(resolved: dict[str, tp.Any], run: Path) -> tp.Any:
     """The run's checked spec, refused unless it trained LoRA adapters."""
-    from hpc.core.spec import spec_from_dict
-
     spec = spec_from_dict(resolved["spec"], str(run / "resolved.json"), read_hf_config=False)
     if not spec.lora.enabled:
         raise ConfigError([f"{run}: not a LoRA run (`lora.rank` = 0): export it with --to hf"])
@@ -91,8 +88,6 @@ def run_lora(resolved: dict[str, tp.Any], run: Path) -> tp.Any:
 def wanted_tensors(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> list[tuple[str, str, tuple, bool]]:
     """(hpcx name, PEFT key, hpcx shape, stored transposed) of every tensor the folder must hold: the
     adapters of the spec's targets, and its ``modules_to_save`` parameters when it has any."""
-    from hpc.core.lora import adapter_shapes
-
     shapes = adapter_shapes(spec.model, spec.lora)
     names = peft_names(arch, shape, shapes)
     has_saved = bool(read_adapter_config(folder).get("modules_to_save"))  # checked to agree with the spec
@@ -105,9 +100,6 @@ def weight_problems(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> lis
     """``adapter_model.safetensors`` against the spec from its header alone (the login node's check): a
     regular file, every wanted tensor there with its shape and a floating dtype, nothing else; one line
     per kind of problem."""
-    from hpc.ckpt.safetensors import ST_DTYPES, SafetensorsReader
-    from hpc.core.validate import check_regular
-
     path = folder / ADAPTER_WEIGHTS
     check_regular(path, str(path), "PEFT's adapter weights (adapter_model.safetensors)", CheckpointError)
     reader = SafetensorsReader(path)
@@ -131,8 +123,6 @@ def weight_problems(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> lis
 def read_adapters(folder: Path, spec: tp.Any, arch: str, shape: tp.Any) -> dict[str, torch.Tensor]:
     """The adapters of a PEFT folder by hpcx's parameter names, every one the spec's model has, checked;
     with them its ``modules_to_save`` parameters (``lora.trainable``), by hpcx's names too."""
-    from hpc.ckpt.safetensors import SafetensorsReader
-
     problems = adapter_problems(folder, spec) or weight_problems(folder, spec, arch, shape)
     if problems:
         raise CheckpointError([p if p.startswith("`checkpoint.init_from`") else f"`checkpoint.init_from`: {p}"

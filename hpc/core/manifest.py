@@ -22,7 +22,7 @@ TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     """SHA-256 of a regular file (a FIFO or device is refused before it is opened), read in 4 MiB pieces."""
-    import hashlib  # only `verify` and `prepare` hash (loading OpenSSL costs every spec load ~4 ms)
+    import hashlib  # lazy: startup (only `verify` and `prepare` hash; loading OpenSSL costs every spec load ~4 ms)
 
     h = hashlib.sha256()
     with open_regular(path, str(path), "a regular shard file", UserError) as f:
@@ -69,8 +69,6 @@ HEX = frozenset("0123456789abcdef")
 
 def max_shards() -> int:
     """The shard bound, ``$HPCX_MAX_SHARDS`` when set."""
-    import os
-
     raw = os.environ.get("HPCX_MAX_SHARDS", "")
     return int(raw) if raw.isdigit() and int(raw) > 0 else MAX_SHARDS
 
@@ -201,9 +199,6 @@ def shard_files(manifest: dict, split: str) -> tp.Iterator[tuple[str, str, int]]
 def size_problems(folder: Path, manifest: dict, label: str) -> list[str]:
     """Files missing, not regular files in the folder itself (a symlink, a FIFO, a device) or of another
     size than the manifest says."""
-    import os
-    import stat
-
     out = []
     for split in manifest["splits"]:
         for name, _, size in shard_files(manifest, split):

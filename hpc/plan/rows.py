@@ -11,7 +11,8 @@ from hpc.plan.comm import Comm, step_comm
 from hpc.core.dims import ParallelDims, parallel_dims
 from hpc.plan.memory import HOST_USABLE, Config, Memory, estimate, headroom_gb
 from hpc.core.models import ModelFacts
-from hpc.core.site import SiteProfile
+from hpc.core.site import SiteProfile, nvlink_domain as of_node
+from hpc.core.tensor_parallel import allowed_degrees
 from hpc.core.optim import state_bytes
 from hpc.core.spec import JobSpec, compute_precision
 
@@ -307,15 +308,11 @@ def tp_candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
 
 def tp_degrees(facts: ModelFacts, site: SiteProfile, tasks_per_node: int, cross_domain: bool = False) -> list[int]:
     """The tensor-parallel degrees a plan may use (``hpc.core.tensor_parallel.allowed_degrees``)."""
-    from hpc.core.tensor_parallel import allowed_degrees
-
     return allowed_degrees(facts, site, tasks_per_node, cross_domain)
 
 
 def nvlink_domain(site: SiteProfile) -> int:
     """GPUs of one NVLink domain (``hpc.core.site.nvlink_domain``); 0 GPUs: 1."""
-    from hpc.core.site import nvlink_domain as of_node
-
     return of_node(site.node) if site.node.gpus else 1
 
 
