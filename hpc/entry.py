@@ -11,7 +11,7 @@ import sys
 
 
 def main() -> None:
-    from hpc.login.status import without_click
+    from hpc.login.status import without_click  # lazy: startup
 
     code = without_click(sys.argv[1:])
     if code is not None:

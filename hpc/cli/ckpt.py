@@ -147,7 +147,7 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
     """SIGTERM raises SystemExit (and Ctrl-C KeyboardInterrupt) while the block runs, so partial outputs
     are removed as on any error; while torch's C++ zip code runs, the stop waits for it to return
     (``hpc.ckpt.outputs.stops_deferred``)."""
-    from hpc.ckpt.outputs import stop_now_or_later
+    from hpc.ckpt.outputs import stop_now_or_later  # lazy: startup
 
     def stop(signum: int, frame: tp.Any) -> None:
         stop_now_or_later(SystemExit(128 + signum))
