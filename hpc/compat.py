@@ -8,7 +8,8 @@ Where torch has a public API for the same job, hpcx uses that instead (the CRC32
 switch below uses ``torch.serialization.set_crc32_options``).
 
 Importable without torch or submitit: login-node commands (``render``) use
-``make_sbatch_string``, so every import happens inside the function that needs it.
+``make_sbatch_string``, so every import of torch, submitit or torchao happens inside the function that
+needs it (hpcx's own torch-free modules are imported at the top).
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import threading
 import typing as tp
 from contextlib import contextmanager
+
+from hpc.core.errors import ConfigError
+from hpc.core.lora import NF4_BLOCK, NF4_SCALER_BLOCK
 
 # ---------------------------------------------------------------- submitit
 
@@ -25,7 +29,7 @@ SUBMITIT_SUBMIT_MODULE = "submitit.core._submit"
 
 def make_sbatch_string(**params: tp.Any) -> str:
     """submitit's own sbatch script for ``params`` (``submitit.slurm.slurm._make_sbatch_string``)."""
-    from submitit.slurm.slurm import _make_sbatch_string
+    from submitit.slurm.slurm import _make_sbatch_string  # lazy: submitit
 
     return _make_sbatch_string(**params)
 
@@ -33,7 +37,7 @@ def make_sbatch_string(**params: tp.Any) -> str:
 def local_requeue_exit_code() -> int:
     """The exit status after which submitit's local controller restarts the tasks
     (``submitit.local.local.LOCAL_REQUEUE_RETURN_CODE``, not exported)."""
-    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE  # lazy: submitit
 
     return int(LOCAL_REQUEUE_RETURN_CODE)
 
@@ -79,7 +83,7 @@ class ExecutorHooks:
 
 def storage_info_type() -> type[tp.Any]:
     """``FileSystemWriter``'s per-item record in ``.metadata`` (``filesystem._StorageInfo``)."""
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.filesystem import _StorageInfo  # lazy: torch
 
     return _StorageInfo
 
@@ -92,14 +96,14 @@ def storage_info(relative_path: str, offset: int, length: int) -> tp.Any:
 def flatten_state_dict(state: dict) -> tuple[dict, dict]:
     """DCP's flattening: (``{"a.b.c": leaf}``, ``{"a.b.c": ("a", "b", "c")}``)
     (``torch.distributed.checkpoint._nested_dict.flatten_state_dict``)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict as flatten  # lazy: torch
 
     return flatten(state)
 
 
 def set_element(root: dict, path: tp.Sequence[tp.Any], value: tp.Any) -> None:
     """Set ``value`` at the object path ``path`` of ``root`` (``checkpoint._traverse.set_element``)."""
-    from torch.distributed.checkpoint._traverse import set_element as set_
+    from torch.distributed.checkpoint._traverse import set_element as set_  # lazy: torch
 
     set_(root, tuple(path), value)
 
@@ -107,7 +111,7 @@ def set_element(root: dict, path: tp.Sequence[tp.Any], value: tp.Any) -> None:
 def narrow_tensor_by_index(tensor: tp.Any, offsets: tp.Sequence[int], sizes: tp.Sequence[int]) -> tp.Any:
     """``tensor`` narrowed to the box at ``offsets`` of ``sizes``, as DCP's reader narrows it
     (``torch.distributed._shard._utils.narrow_tensor_by_index``)."""
-    from torch.distributed._shard._utils import narrow_tensor_by_index as narrow
+    from torch.distributed._shard._utils import narrow_tensor_by_index as narrow  # lazy: torch
 
     return narrow(tensor, offsets, sizes)
 
@@ -130,7 +134,7 @@ def rebuild_function(name: tuple[str, str]) -> tp.Callable[..., tp.Any]:
 def torch_file_writer(f: tp.Any, crc32: bool, alignment: int) -> tp.Any:
     """torch.save's zip writer (``torch._C.PyTorchFileWriter``) on a path or an open binary file:
     ``write_record(name, data_or_pointer, size)`` and ``write_end_of_file()``."""
-    import torch
+    import torch  # lazy: torch
 
     return torch._C.PyTorchFileWriter(f, crc32, alignment)
 
@@ -145,14 +149,14 @@ STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 
 def mem_format_encoding() -> type:
     """DCP's memory-format enum (``torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING``)."""
-    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING  # lazy: torch
 
     return _MEM_FORMAT_ENCODING
 
 
 def get_layout() -> tp.Callable[[str], tp.Any]:
     """The function that maps ``"torch.strided"`` to the layout (``torch.serialization._get_layout``)."""
-    import torch.serialization
+    import torch.serialization  # lazy: torch
 
     return torch.serialization._get_layout
 
@@ -170,7 +174,7 @@ def crc32_off() -> tp.Iterator[None]:
     ``torch.load`` never checks it). Blocks in different threads run one at a time, so the
     setting from before a block always comes back (hpcx never overlaps two saves anyway).
     """
-    import torch.serialization as ts
+    import torch.serialization as ts  # lazy: torch
 
     with _crc_lock:
         before = ts.get_crc32_options()
@@ -187,7 +191,7 @@ def crc32_off() -> tp.Iterator[None]:
 def foreach_norm(tensors: list) -> list:
     """The 2-norm of each tensor in one fused pass per device and dtype, as ``clip_grad_norm_``
     computes it (``torch._foreach_norm``)."""
-    import torch
+    import torch  # lazy: torch
 
     return list(torch._foreach_norm(tensors))
 
@@ -195,7 +199,7 @@ def foreach_norm(tensors: list) -> list:
 def foreach_mul_(tensors: list, scalar: tp.Any) -> None:
     """Multiply each tensor in place by ``scalar`` (a 0-d tensor on their device) in one fused launch
     per call, as ``clip_grad_norm_`` scales gradients (``torch._foreach_mul_``)."""
-    import torch
+    import torch  # lazy: torch
 
     torch._foreach_mul_(tensors, scalar)
 
@@ -205,7 +209,7 @@ def dump_flight_recorder() -> tuple[str, bytes]:
     (``"nccl"``: ``torch._C._distributed_c10d._dump_nccl_trace``, in CUDA builds) where there is one,
     else the generic recorder of CPU backends (``"generic"``: ``_dump_fr_trace``), which holds no NCCL
     collectives: a caller on CUDA must say which it got."""
-    from torch._C import _distributed_c10d as c10d
+    from torch._C import _distributed_c10d as c10d  # lazy: torch
 
     nccl = getattr(c10d, "_dump_nccl_trace", None)
     return ("nccl", nccl()) if nccl is not None else ("generic", getattr(c10d, "_dump_fr_trace")())  # not in torch._C stubs
@@ -214,7 +218,7 @@ def dump_flight_recorder() -> tuple[str, bytes]:
 def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:
     """Activation checkpointing's module wrapper
     (``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper``)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper as wrapper  # lazy: torch
 
     return wrapper
 
@@ -224,7 +228,7 @@ def set_pg_timeout(group: tp.Any, seconds: float) -> None:
     public switch for it (``torch.distributed.distributed_c10d._set_pg_timeout``)."""
     from datetime import timedelta
 
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # lazy: torch
 
     _set_pg_timeout(timedelta(seconds=seconds), group)
 
@@ -243,7 +247,7 @@ def default_store() -> tp.Any:
 def fake_store() -> tp.Any:
     """A store for torch's fake backend, used by ``hpcx dryrun``
     (``torch.testing._internal.distributed.fake_pg.FakeStore``)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: torch
 
     return FakeStore()
 
@@ -251,7 +255,7 @@ def fake_store() -> tp.Any:
 def clear_sharding_cache() -> None:
     """Forget DTensor's cached sharding decisions between two simulated worlds
     (``torch.distributed.tensor.debug._clear_sharding_prop_cache``, torch's recommended way)."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # lazy: torch
 
     _clear_sharding_prop_cache()
 
@@ -259,7 +263,7 @@ def clear_sharding_cache() -> None:
 def is_strided_shard(placement: tp.Any) -> bool:
     """Whether a DTensor placement is ``_StridedShard`` (``torch.distributed.tensor.placement_types``): FSDP2
     over a tensor-parallel ``Shard`` of the same dimension; it is not a ``Shard`` and ``is_shard()`` is False."""
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor.placement_types import _StridedShard  # lazy: torch
 
     return isinstance(placement, _StridedShard)
 
@@ -269,7 +273,7 @@ def local_shape_and_offset(global_shape: tp.Sequence[int], mesh: tp.Any,
     """This rank's block of a DTensor of ``global_shape``: (local shape, offset of its first element in
     the global tensor), strided shards included (``torch.distributed.tensor._utils.
     compute_local_shape_and_global_offset``, what DCP plans its reads with)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # lazy: torch
 
     return compute_local_shape_and_global_offset(tuple(global_shape), mesh, placements)
 
@@ -280,7 +284,7 @@ def memoized_strided_shards() -> tp.Iterator[None]:
     inside: torch computes it by materializing index tensors the length of the dimension (``torch.arange``)
     for every DTensor each time, which at 405B (126 identical blocks, ~1900 strided parameters, DCP's
     planner and AdamW's state) costs ``hpcx dryrun`` a minute for a few distinct answers."""
-    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.distributed.tensor.placement_types import _StridedShard  # lazy: torch
 
     original: tp.Callable[..., tp.Any] = _StridedShard.local_shard_size_and_offset
     cache: dict[tuple, tp.Any] = {}
@@ -310,14 +314,11 @@ def to_nf4(value: tp.Any) -> tp.Any:
     """torchao's NF4 of ``value`` at QLoRA's block sizes (``hpc.core.lora.NF4_BLOCK``): public as
     ``torchao.quantization.to_nf4`` since torchao 0.13, ``torchao.dtypes.nf4tensor.to_nf4`` before (the
     path torchtune imports). A projection NF4 cannot block, or torchao missing, is one line."""
-    from hpc.core.errors import ConfigError
-    from hpc.core.lora import NF4_BLOCK, NF4_SCALER_BLOCK
-
     try:
-        from torchao.quantization import to_nf4 as quantize
+        from torchao.quantization import to_nf4 as quantize  # lazy: torchao
     except ImportError:
         try:
-            from torchao.dtypes.nf4tensor import to_nf4 as quantize
+            from torchao.dtypes.nf4tensor import to_nf4 as quantize  # lazy: torchao
         except ImportError:
             raise ConfigError(["`lora.base_dtype` = 'nf4' needs torchao (pip install 'hpcx[qlora]')"]) from None
     if value.numel() % (NF4_BLOCK * NF4_SCALER_BLOCK):
@@ -334,13 +335,13 @@ def is_nf4_tensor(t: tp.Any) -> bool:
 def state_dict_fqns(model: tp.Any, name: str) -> set[str]:
     """The state-dict keys ``get_state_dict`` gives the module attribute ``name`` of ``model`` (the
     wrappers' prefixes of DDP, FSDP, compile and activation checkpointing left out)."""
-    from torch.distributed.checkpoint.state_dict import _get_fqns
+    from torch.distributed.checkpoint.state_dict import _get_fqns  # lazy: torch
 
     return set(_get_fqns(model, name))
 
 
 def dedup_save_plans(plans: list, lowest_rank: bool) -> list:
     """DCP's removal of items several ranks would write (each kept by one rank)."""
-    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dedup
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans as dedup  # lazy: torch
 
     return dedup(plans, lowest_rank)

@@ -11,11 +11,11 @@ import sys
 
 
 def main() -> None:
-    from hpc.login.status import without_click
+    from hpc.login.status import without_click  # lazy: startup
 
     code = without_click(sys.argv[1:])
     if code is not None:
         sys.exit(code)
-    from hpc.cli import main as with_click
+    from hpc.cli import main as with_click  # lazy: click
 
     with_click()

@@ -126,10 +126,10 @@ def test_log_path_problems_come_from_the_kinds(value, problem):
 
 def test_a_new_kinds_path_problem_is_asked_too(pbs, tmp_path: Path):
     assert "qsub reads host:path" in schedulers.path_problem("/scratch/a:b")
-    from hpc.core import validate as v
+    from hpc.core import runroot
 
-    assert "host:path" in v.check_run_root("storage.run_root", "/scratch/a:b")[0]
-    assert v.check_run_root("storage.run_root", "/scratch/ab") == []
+    assert "host:path" in runroot.check_run_root("storage.run_root", "/scratch/a:b")[0]
+    assert runroot.check_run_root("storage.run_root", "/scratch/ab") == []
 
 
 @pytest.mark.parametrize("sbatch,kind,allocated", [

@@ -49,7 +49,7 @@ def profile(folder: Path, name: str, root: str | Path, extra: str = "") -> Path:
 
 def full_load(warn) -> list[Path]:
     """What the list's run roots were before the cache: every profile loaded (the oracle)."""
-    from hpc.core import validate as v
+    from hpc.core import runroot
     from hpc.core.config import ConfigError
 
     roots = []
@@ -59,7 +59,7 @@ def full_load(warn) -> list[Path]:
         except ConfigError as exc:
             written = site.written_run_root(path)
             try:
-                root = v.expand_run_root(written, str(path)) if written is not None else None
+                root = runroot.expand_run_root(written, str(path)) if written is not None else None
             except ConfigError:
                 root = None
             also = f"; still looking for its runs in {root}" if root else ""

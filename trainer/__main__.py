@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
         print(__doc__.strip(), file=sys.stderr)
         return 2
     from trainer.preemption import PreemptionFlag
-    from trainer.train import run_rank
+    from trainer.train import run_rank  # lazy: torch
 
     result = run_rank(argv[0], preemption=PreemptionFlag().install())
     if result is not None:

@@ -155,7 +155,7 @@ def rng_state() -> dict[str, tp.Any]:
     if cuda_in_use():
         state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
     try:
-        import numpy as np
+        import numpy as np  # lazy: numpy
     except ImportError:
         return state
     _, keys, pos, has_gauss, cached = tp.cast(tuple, np.random.get_state())  # the legacy tuple, not the dict
@@ -171,7 +171,7 @@ def set_rng_state(state: dict[str, tp.Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         set_cuda_rng_states(state["cuda"])
     if "numpy" in state:
-        import numpy as np
+        import numpy as np  # lazy: numpy
 
         n = state["numpy"]
         np.random.set_state(("MT19937", n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"],

@@ -36,7 +36,7 @@ def count_model(spec: ModelSpec) -> Counted:
 
 def count_task(spec: JobSpec) -> Counted:
     """Parameters of ``spec``'s task's model (``[task]``), counted on the meta device."""
-    from trainer.tasks import user_task
+    from trainer.tasks import user_task  # lazy: numpy
 
     workload = spec.workload
     if not isinstance(workload, TaskWorkload):
@@ -68,7 +68,7 @@ def forward_flops(task: tp.Any, model: nn.Module) -> float | None:
     task's forward cannot run there (it reads a value, say)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from trainer.tasks import to_device
+    from trainer.tasks import to_device  # lazy: numpy
 
     try:
         batch = to_device(task.collate([task.train_dataset()[0]]), torch.device("meta"))

@@ -38,7 +38,7 @@ def release_signals() -> None:
 
 def main() -> None:
     hold_signals()
-    from submitit.core.submission import submitit_main
+    from submitit.core.submission import submitit_main  # lazy: submitit
 
     submitit_main()  # reads the folder from sys.argv
 

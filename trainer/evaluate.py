@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hpc.core.spec import JobSpec
-from trainer.objective import sum_over_data
+from trainer.objective import autocast_of, sum_over_data
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.loop import Trainer  # which imports this module
@@ -39,7 +39,7 @@ class Evaluator:
     batches: list[list[int]]  # this rank's micro-batches of sample indices; [] is a pass that counts nothing
     every: int
     samples: int  # the validation samples each evaluation counts, once each
-    task: tp.Any = None  # the ``trainer.tasks.LoopTask`` whose terms it sums (None: the language model's)
+    task: tp.Any = None  # the ``trainer.tasks.LoopTask`` whose terms it sums (the task that builds it sets itself)
     workers: int = 0  # loader processes (the launch's ``hpc.core.spec.loader_workers``, as training's)
     pin_memory: bool = False  # page-locked batches (with a GPU), copied to it without waiting
     _loader: DataLoader | None = field(default=None, repr=False, compare=False)  # made by ``loader``
@@ -82,9 +82,7 @@ def build_evaluator(dataset: Dataset, global_batch: int, micro_batch: int, rank:
 
 def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
     """The task's summed terms over this rank's share (``LoopTask.eval_terms``), float64 on the device."""
-    from trainer.tasks import autocast_of
-
-    task = ev.task if ev.task is not None else _token_task()
+    task = ev.task
     sums: torch.Tensor | None = None
     for indices, batch in zip(ev.batches, ev.loader(task.collate)):
         batch = task.to_device(batch, t.device)
@@ -96,13 +94,6 @@ def _sums(t: Trainer, ev: Evaluator) -> torch.Tensor:
     return sums
 
 
-def _token_task() -> tp.Any:
-    """The language model's terms, for an evaluator built without a task (they read no spec)."""
-    from trainer.tasks.lm import LanguageModelTask
-
-    return LanguageModelTask.__new__(LanguageModelTask)
-
-
 def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
     """The eval record of ``step`` (every rank takes part): the task's values (a language model's loss,
     perplexity and targets), samples, seconds."""
@@ -112,7 +103,7 @@ def evaluate(t: Trainer, ev: Evaluator, step: int) -> dict[str, tp.Any]:
         sums = _sums(t, ev)
     t.model.train()
     sums = sum_over_data(sums, t.world_size, t.dims.tp)  # a tp group's ranks evaluated the same samples
-    task = ev.task if ev.task is not None else _token_task()
+    task = ev.task
     return {"step": step, **task.eval_record([float(x) for x in sums.cpu()]), "eval_samples": ev.samples,
             "eval_s": time.perf_counter() - started}
 
@@ -144,7 +135,7 @@ EVAL_KEYS = ("step", "eval_loss", "eval_perplexity", "eval_tokens", "eval_sample
 def build_eval(spec: JobSpec, kind: str, seq_len: int, rank: int, world_size: int) -> Evaluator | None:
     """The evaluator of a spec (None when ``train.eval_every`` is 0 or there is nothing to evaluate on;
     ``kind``: ``Launch.data_source``)."""
-    from trainer.tokens import ManifestTokens, val_split_source
+    from trainer.tokens import ManifestTokens, val_split_source  # lazy: numpy
 
     where = val_split_source(spec.data, kind) if spec.train.eval_every else None
     if where is None:

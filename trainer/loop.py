@@ -32,12 +32,12 @@ from trainer.data import GlobalSampler, StreamSampler
 from trainer.garbage import GarbageCollection
 from trainer.evaluate import Evaluator, eval_step
 from trainer.metrics import MetricsWriter, PhaseClock, memory_gb, mfu, progress_line
-from trainer.objective import Batch, tp_loss_context
+from trainer.objective import Batch, autocast_of, tp_loss_context
 from trainer.optim import clip_grad_norm
 from trainer.parallelize import set_gradient_sync, set_reshard_after_backward
 from trainer.preemption import PreemptionFlag
 from trainer.straggler import StepSplit
-from trainer.tasks import LoopTask, autocast_of
+from trainer.tasks import LoopTask
 from trainer.watch import MetricWatch
 from trainer.watchdog import Watchdog, paused
 

@@ -209,3 +209,8 @@ def masked_scale(count: torch.Tensor | int, world_size: int) -> torch.Tensor:
     none counts nothing)."""
     count = torch.as_tensor(count)
     return (world_size / count.clamp(min=1).to(torch.float64)).to(torch.float32)
+
+
+def autocast_of(device: torch.device, dtype: torch.dtype | None) -> tp.ContextManager:
+    """Autocast to ``dtype`` on ``device`` (None: none)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()

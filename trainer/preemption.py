@@ -99,14 +99,14 @@ class BoundaryVote:
 
     def exchange(self, flags: list[int], last: bool = False) -> list[int]:
         """The agreed flags of the previous boundary; sends ``flags`` for the next (``last``: no next)."""
-        import torch
-        import torch.distributed as dist
+        import torch  # lazy: torch
+        import torch.distributed as dist  # lazy: torch
 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return list(flags)
         agreed = self._collect() or [0] * len(flags)
         if not last:
-            from trainer.dist import side_group
+            from trainer.dist import side_group  # lazy: torch
 
             self._sent = torch.tensor(flags, dtype=torch.int32)
             self._work = dist.all_reduce(self._sent, op=dist.ReduceOp.MAX, group=side_group(), async_op=True)

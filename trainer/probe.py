@@ -16,7 +16,7 @@ from pathlib import Path
 
 
 def facts() -> dict:
-    import torch
+    import torch  # lazy: torch
 
     from hpc.core.imports import problem
 
@@ -31,8 +31,8 @@ def facts() -> dict:
 
 
 def all_reduce(out_dir: Path, rank: int, local_rank: int, world: int) -> dict:
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: torch
+    import torch.distributed as dist  # lazy: torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

@@ -26,7 +26,7 @@ def detect_rank_env() -> RankEnv:
 
 
 def _submitit_env() -> RankEnv:
-    import submitit
+    import submitit  # lazy: submitit
 
     job = submitit.JobEnvironment()
     return RankEnv(rank=job.global_rank, local_rank=job.local_rank, world_size=job.num_tasks,
@@ -56,9 +56,18 @@ def export_rank_variables(env: RankEnv) -> None:
     ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and the group/role ones) in ``os.environ``, as
     torchrun would set them, for a task's code that reads them (``int(os.environ["RANK"])``, a library that
     picks its device by ``LOCAL_RANK``). Under torchrun they are already torchrun's own: unchanged."""
-    from trainer.script import rank_variables
-
     if env.launcher == "torchrun":
         return
     os.environ.update(rank_variables(env.rank, env.local_rank, env.world_size, env.local_world_size,
                                      env.master_addr, env.master_port))
+
+
+def rank_variables(rank: int, local_rank: int, world: int, local_world: int, master_addr: str,
+                   master_port: int) -> dict[str, str]:
+    """What torchrun gives each worker (its ``GROUP_RANK`` is the node's index: ranks are node-major)."""
+    nodes = max(1, world // max(1, local_world))
+    values = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local_world,
+              "GROUP_RANK": rank // max(1, local_world), "GROUP_WORLD_SIZE": nodes, "ROLE_RANK": rank,
+              "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default", "MASTER_ADDR": master_addr,
+              "MASTER_PORT": master_port}
+    return {name: str(value) for name, value in values.items()}

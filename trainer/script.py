@@ -44,6 +44,8 @@ from hpc.core.workload import ScriptWorkload
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
+from trainer.preemption import preempt_signal
+from trainer.ranks import detect_rank_env, rank_variables
 
 SCRIPT_NOT_ASKED = "the script did not ask for a requeue (hpc.job.requeue())"
 TERMINATED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
@@ -65,7 +67,7 @@ class ScriptTask:
     def checkpoint(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         """submitit's requeue hook, reached only if the preemption signal came before ``run`` took the
         signals (the command had not started): the same task again."""
-        import submitit
+        import submitit  # lazy: submitit
 
         return submitit.helpers.DelayedSubmission(ScriptTask(self.run_dir, self.workdir))
 
@@ -87,17 +89,6 @@ def command_argv(command: tp.Sequence[str], python: str) -> list[str]:
     if argv and argv[0] in PYTHONS:
         argv[0] = python
     return argv
-
-
-def rank_variables(rank: int, local_rank: int, world: int, local_world: int, master_addr: str,
-                   master_port: int) -> dict[str, str]:
-    """What torchrun gives each worker (its ``GROUP_RANK`` is the node's index: ranks are node-major)."""
-    nodes = max(1, world // max(1, local_world))
-    values = {"RANK": rank, "LOCAL_RANK": local_rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": local_world,
-              "GROUP_RANK": rank // max(1, local_world), "GROUP_WORLD_SIZE": nodes, "ROLE_RANK": rank,
-              "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default", "MASTER_ADDR": master_addr,
-              "MASTER_PORT": master_port}
-    return {name: str(value) for name, value in values.items()}
 
 
 def elastic_variables(restart: int, max_restarts: int, run_id: str, error_file: str) -> dict[str, str]:
@@ -151,7 +142,6 @@ class ScriptRank:
         from hpc import schedulers
         from hpc.core import runs
         from hpc.core.requeue import start_number
-        from trainer.ranks import detect_rank_env
         from trainer.run import load_run
 
         self.run = load_run(run_dir)
@@ -204,7 +194,6 @@ class ScriptRank:
         return self.requeue_dir / f"{self.incarnation}.error-rank-{rank}.json"
 
     def _run_command(self) -> int:
-        from trainer.preemption import preempt_signal
 
         argv = self.argv()
         ignored = preempt_signal().name.removeprefix("SIG")
@@ -227,7 +216,6 @@ class ScriptRank:
         """Own the preemption signal and SIGTERM, then release what ``trainer.entry`` held (one that came
         before the command started is acted on now: the flag is set before the command reads it)."""
         from trainer.entry import release_signals
-        from trainer.preemption import preempt_signal
 
         signal.signal(preempt_signal(), self._preempt)
         signal.signal(signal.SIGTERM, self._terminate)

@@ -23,7 +23,7 @@ class TrainTask:
 
         # submitit has installed its USR2 handler by now; the flag handler replaces it (see preemption.py).
         preemption = PreemptionFlag().install()
-        from trainer.train import run_rank
+        from trainer.train import run_rank  # lazy: torch
 
         result = run_rank(self.run_dir, preemption=preemption)
         atexit.register(exit_without_native_teardown)
@@ -35,7 +35,7 @@ class TrainTask:
         handler, i.e. before training started. Nothing is lost then: submitit may requeue this same
         task (it resumes from the newest committed checkpoint). Once the flag handler is installed,
         submitit's handler never runs, so the trainer's requeue is the only one."""
-        import submitit
+        import submitit  # lazy: submitit
 
         return submitit.helpers.DelayedSubmission(TrainTask(self.run_dir))
 

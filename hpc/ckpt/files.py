@@ -19,6 +19,9 @@ from pathlib import Path, PurePosixPath
 
 from hpc.core.errors import CheckpointError
 
+METADATA_FILE = ".metadata"  # a DCP folder's metadata
+INDEX_FILE = "model.safetensors.index.json"  # a sharded safetensors set's index
+
 KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
 

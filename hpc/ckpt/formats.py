@@ -18,10 +18,9 @@ import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc.ckpt.files import INDEX_FILE, METADATA_FILE, file_kind, open_regular
 from hpc.core.errors import CheckpointError
 
-METADATA_FILE = ".metadata"  # a DCP folder's metadata
-INDEX_FILE = "model.safetensors.index.json"  # a sharded safetensors set's index
 ZIP_MAGIC = b"PK\x03\x04"
 LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"  # pickle protocol 2 + the 10-byte magic number of torch < 1.6 files
 
@@ -87,28 +86,28 @@ def _safetensors_file(path: Path, head: bytes, size: int) -> bool:
 
 def _write_dcp(reader: tp.Any, dst: Path, keys: list[str], *, digest: bool, progress: tp.Any, scratch: tp.Any,
                **_: tp.Any) -> Path:
-    from hpc.ckpt.dcp import write_dcp
+    from hpc.ckpt.dcp import write_dcp  # lazy: torch
 
     return write_dcp(reader, dst, keys, progress, scratch, digest=digest)
 
 
 def _write_torch(reader: tp.Any, dst: Path, keys: list[str], *, model_only: bool, progress: tp.Any, scratch: tp.Any,
                  **_: tp.Any) -> Path:
-    from hpc.ckpt.torchsave import write_torch
+    from hpc.ckpt.torchsave import write_torch  # lazy: torch
 
     return write_torch(reader, dst, keys, model_only=model_only, progress=progress, scratch=scratch)
 
 
 def _write_safetensors(reader: tp.Any, dst: Path, keys: list[str], *, model_only: bool, shard_bytes: int,
                        progress: tp.Any, scratch: tp.Any, **_: tp.Any) -> Path:
-    from hpc.ckpt.safetensors import write_safetensors
+    from hpc.ckpt.safetensors import write_safetensors  # lazy: torch
 
     return write_safetensors(reader, dst, keys, model_only=model_only, shard_bytes=shard_bytes, progress=progress,
                              scratch=scratch)
 
 
 def _refuse_safetensors(reader: tp.Any, dst: Path, keys: list[str], shard_bytes: int) -> None:
-    from hpc.ckpt.safetensors import check_safetensors_target
+    from hpc.ckpt.safetensors import check_safetensors_target  # lazy: torch
 
     check_safetensors_target(reader, dst, keys, shard_bytes)
 
@@ -144,8 +143,6 @@ def saved() -> Format:
 
 def detect(path: str | Path) -> Format:
     """The format of what is at ``path``; CheckpointError when nothing fits."""
-    from hpc.ckpt.files import file_kind, open_regular
-
     path = Path(path)
     if path.is_dir():
         found = next((f for f in FORMATS if f.folder is not None and f.folder(path)), None)

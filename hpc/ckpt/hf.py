@@ -21,12 +21,20 @@ from pathlib import Path
 
 import torch
 
+from hpc.ckpt.dcp import DcpReader
 from hpc.ckpt.entries import Progress, Reader, Scratch
+from hpc.ckpt.merge import merged_reader
 from hpc.ckpt.outputs import check_destination, fsync_file, parents_made, staged
 from hpc.ckpt.safetensors import INDEX_FILE, ST_DTYPES
 from hpc.ckpt.torch_zip import byte_view
 from hpc.core.errors import CheckpointError, ConfigError
+from hpc.core.config import load_json_bounded
 from hpc.core.hf import CONFIG_FILE, HfTensor, hf_config, tensor_plan
+from hpc.core.models import model_facts
+from hpc.core.runs import RunDir
+from hpc.core.spec import spec_from_dict
+from hpc.core.validate import open_regular
+from hpc.data.chat import folder_templates, template_digest
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GENERATION_FILE = "generation_config.json"
@@ -58,8 +66,6 @@ def mapped(t: HfTensor, value: torch.Tensor | None, dtype: torch.dtype, out: tor
 
 def run_of(path: Path) -> tuple[Path, Path]:
     """(run folder, step folder) of a run folder (its newest committed step) or a step folder."""
-    from hpc.core.runs import RunDir
-
     path = path.resolve()
     if (path / ".metadata").exists() and path.parent.name == "checkpoints":
         return path.parent.parent, path
@@ -74,10 +80,6 @@ def run_of(path: Path) -> tuple[Path, Path]:
 
 def run_model(run: Path) -> tuple[str, tp.Any, dict[str, tp.Any]]:
     """(arch, shape, resolved.json) of a run: the model the export describes."""
-    from hpc.core.config import load_json_bounded
-    from hpc.core.models import model_facts
-    from hpc.core.spec import spec_from_dict
-
     where = run / "resolved.json"
     try:
         resolved = load_json_bounded(bounded_bytes(where), str(where), CheckpointError)
@@ -132,8 +134,6 @@ def chat_templates(resolved: dict[str, tp.Any], run: Path | None = None) -> dict
     ``RUN/data.json`` (or the prepared manifest) recorded; a manifest from before it kept them names
     the template by SHA-256, and the tokenizer folder's must still be that one. {} when the data used
     none."""
-    from hpc.data.chat import folder_templates, template_digest
-
     record = _recorded(resolved, run, "chat_template")
     if not isinstance(record, dict):
         return {}
@@ -194,8 +194,6 @@ MAX_RUN_JSON = 64 << 20  # a run's resolved.json / data.json, or a manifest of m
 def bounded_bytes(path: Path, limit: int = MAX_RUN_JSON) -> bytes:
     """A JSON file of a run folder handed on the command line: a regular file (a FIFO or /dev/zero is
     refused unopened) of at most ``limit`` bytes; CheckpointError naming it otherwise."""
-    from hpc.core.validate import open_regular
-
     with open_regular(path, str(path), "a regular JSON file", CheckpointError) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
@@ -206,8 +204,6 @@ def bounded_bytes(path: Path, limit: int = MAX_RUN_JSON) -> bytes:
 def _read_json(path: Path) -> dict[str, tp.Any]:
     """What a run recorded beside its checkpoint, or {} when it is absent, unreadable or not an object
     (read bounded in size and depth: it only adds to the export)."""
-    from hpc.core.config import load_json_bounded
-
     try:
         doc = load_json_bounded(bounded_bytes(path), str(path), CheckpointError)
     except CheckpointError:
@@ -304,9 +300,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
               start: tp.Callable[[int], Progress] = lambda total: (lambda n: None),
               merge_lora: bool = False) -> dict[str, tp.Any]:
     """``hpcx ckpt convert SRC DST --to hf``: a Hugging Face folder of the run's model at ``dst``; with
-    ``merge_lora``, a LoRA run's adapters merged into its base (``hpc.ckpt.peft.merged_reader``)."""
-    from hpc.ckpt.dcp import DcpReader
-
+    ``merge_lora``, a LoRA run's adapters merged into its base (``hpc.ckpt.merge.merged_reader``)."""
     if dtype not in DTYPES:
         raise ConfigError([f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}"])
     src, dst = Path(src), Path(dst)
@@ -336,7 +330,7 @@ def export_hf(src: str | Path, dst: str | Path, *, dtype: str = "fp32", shard_by
 
 def _lora_reader(run: Path, step: Path, resolved: dict[str, tp.Any], arch: str, shape: tp.Any,
                  merge: bool) -> Reader | None:
-    """``--merge-lora``'s reader (``hpc.ckpt.peft``); a LoRA run exported without it is refused in one line
+    """``--merge-lora``'s reader (``hpc.ckpt.merge``); a LoRA run exported without it is refused in one line
     (its checkpoints hold the adapters, not the frozen base)."""
     lora = resolved.get("spec", {}).get("lora", {})
     if not merge:
@@ -344,8 +338,6 @@ def _lora_reader(run: Path, step: Path, resolved: dict[str, tp.Any], arch: str, 
             raise ConfigError([f"{run}: a LoRA run (`lora.rank` = {lora['rank']}): its checkpoints hold the "
                                "adapters; export --to peft, or --to hf --merge-lora for the merged model"])
         return None
-    from hpc.ckpt.peft import merged_reader
-
     return merged_reader(run, step, resolved, arch, shape)
 
 

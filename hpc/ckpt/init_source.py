@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 
 from hpc.ckpt import formats
-from hpc.ckpt.formats import METADATA_FILE
-from hpc.core.errors import CheckpointError
+from hpc.ckpt.files import METADATA_FILE
+from hpc.ckpt.peft import adapter_base, adapter_problems, is_adapter_folder, listed, weight_problems
+from hpc.core.errors import CheckpointError, ConfigError
 from hpc.core.hf import CONFIG_FILE, hf_config, read_config, spec_fields, tensor_plan
+from hpc.core.models import HfReader, families, family, model_facts
 
 FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 IGNORED = ("context_len",)  # the length a fine-tune trains at is its own choice (max_position_embeddings)
@@ -157,8 +159,6 @@ def _name_map(kind: str, names: tp.Iterable[str], arch: str, shape: tp.Any) -> d
 def open_source(path: str | Path, arch: str, shape: tp.Any) -> InitSource:
     """The checked source for a model of ``arch`` and ``shape``; CheckpointError listing every problem."""
     path = Path(path)
-    from hpc.ckpt.peft import adapter_base, is_adapter_folder
-
     if is_adapter_folder(path):  # a PEFT folder: its base (the adapters: hpc.ckpt.peft)
         path = adapter_base(path)
     problems = _config_problems(path, arch, shape)
@@ -180,8 +180,6 @@ def _tensor_problems(path: Path, source: InitSource, ours: dict[str, tuple[int, 
                      arch: str, shape: tp.Any) -> list[str]:
     """One line per kind of problem (missing, shapes, dtypes, unmatched), each naming the first few: a
     base of another size differs in every tensor, and that is one problem, not one per tensor."""
-    from hpc.ckpt.peft import listed
-
     missing = [f"{name} {list(want)}" for name, want in ours.items() if name not in source.tensors]
     shapes = [f"{t.key} is {list(t.shape)}, the model's {name} is {list(ours[name])}"
               for name, t in source.tensors.items() if t.shape != ours[name]]
@@ -204,18 +202,12 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
     if config is None or not (config.exists() or config.is_symlink()):  # a FIFO or device: read_config refuses it
         return []
     if not hf_to_hpcx(arch, shape):  # nothing would match: one line, not one per tensor
-        from hpc.core.models import HfReader, families
-
         readers = [f.phrase for f in families() if isinstance(f, HfReader)]
         raise CheckpointError([f"`checkpoint.init_from`: {path} is a Hugging Face folder; hpcx reads those for "
                                f"{', '.join(readers[:-1])} or {readers[-1]}, not {arch!r} (GPT-2 has biases and "
                                "Conv1D layouts hpcx's GPT does not)"])
     theirs = spec_fields(config, read_config(config))  # refuses what hpcx does not implement
     ours = spec_fields(config, hf_config(arch, shape))  # the run's model, read the same way
-    from hpc.core.models import HfReader, family
-
-    from hpc.ckpt.peft import listed
-
     names = {"arch": "architectures", **{o: t for t, o in tp.cast(HfReader, family(arch)).hf_keys}}
     differ = [f"{names.get(key, key)} = {theirs.get(key)!r} (the run's model has {ours[key]!r})" for key in ours
               if key not in IGNORED and theirs.get(key) != ours[key]]
@@ -225,16 +217,11 @@ def _config_problems(path: Path, arch: str, shape: tp.Any) -> list[str]:
 
 def init_from_problems(spec: tp.Any) -> list[str]:
     """Login-node check of ``spec.checkpoint.init_from`` against ``spec.model`` (headers only)."""
-    from hpc.core.errors import ConfigError
-    from hpc.core.models import model_facts
-
     if not spec.checkpoint.init_from:
         return []
     facts = model_facts(spec.model)
     try:
         open_source(spec.checkpoint.init_from, facts.family, facts.shape)
-        from hpc.ckpt.peft import adapter_problems, is_adapter_folder, weight_problems
-
         if is_adapter_folder(spec.checkpoint.init_from):
             folder = Path(spec.checkpoint.init_from)
             problems = adapter_problems(folder, spec) or weight_problems(folder, spec, facts.family, facts.shape)

@@ -22,8 +22,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from hpc import compat
 from hpc.ckpt.entries import short_repr
-from hpc.ckpt.files import file_kind, open_regular
-from hpc.ckpt.formats import METADATA_FILE
+from hpc.ckpt.files import METADATA_FILE, file_kind, open_regular
 from hpc.core.errors import CheckpointError
 
 MAX_METADATA = 1 << 30  # a .metadata of a million tensors is ~200 MB; refuse reading more than this

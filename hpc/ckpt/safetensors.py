@@ -31,8 +31,7 @@ import torch
 from hpc.ckpt.entries import (MAX_LISTED, Entry, Progress, Reader, Scratch, allocate, checked_object,
                               checked_paths, default_paths, dims, jsonable, load_error, raise_problems, short_repr,
                               tensor_entry)
-from hpc.ckpt.files import file_kind, not_regular, open_regular, relative_name_problem
-from hpc.ckpt.formats import INDEX_FILE
+from hpc.ckpt.files import INDEX_FILE, file_kind, not_regular, open_regular, relative_name_problem
 from hpc.ckpt.outputs import describe, fsync_file, staged
 from hpc.ckpt.torch_zip import byte_view, read_exact, zip_load_problems
 from hpc.core.errors import CheckpointError

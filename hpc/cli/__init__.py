@@ -18,9 +18,11 @@ import click
 from hpc import __version__
 from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 from hpc.core.config import ConfigError
-from hpc.core.errors import UserError
-from hpc.core.validate import shown
+from hpc.core.errors import CheckpointError, UserError
+from hpc.core.validate import shown, unset_passthrough
+from hpc.core.workload import ScriptWorkload
 from hpc.login.status import format_status  # noqa: F401 - `hpcx status`'s line, also imported from here
+from hpc.login.status import eval_text, run_roots as roots
 
 class LazyGroup(ErrorsGroup):
     """A group whose commands that live in their own modules (``lazy``: name -> (module, attribute)) are
@@ -36,7 +38,7 @@ class LazyGroup(ErrorsGroup):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         """The command ``name``, importing its module the first time it is asked for."""
         if name in self.lazy and name not in self.commands:
-            import importlib
+            import importlib  # lazy: startup
 
             module, attribute = self.lazy[name]
             self.add_command(getattr(importlib.import_module(module), attribute), name)
@@ -62,7 +64,6 @@ def cli() -> None:
 
 def refuse_script_mode(spec: tp.Any, command: str) -> None:
     """``hpcx plan``/``dryrun`` of a script-mode spec: there is no model of hpcx's to count or build."""
-    from hpc.core.workload import ScriptWorkload
 
     if isinstance(spec.workload, ScriptWorkload):
         raise UserError([f"{spec.source}: `job.command` runs your own script, so `hpcx {command}` has no model to "
@@ -72,9 +73,9 @@ def refuse_script_mode(spec: tp.Any, command: str) -> None:
 
 def load_job(path: str, site_name: str | None, overrides: tp.Sequence[str]) -> tuple:
     """(spec, site, launch) with every problem reported as ConfigError."""
-    from hpc.plan.resolve import resolve
-    from hpc.core.site import select_site
-    from hpc.core.spec import load_spec, set_origins
+    from hpc.plan.resolve import resolve  # lazy: startup
+    from hpc.core.site import select_site  # lazy: startup
+    from hpc.core.spec import load_spec, set_origins  # lazy: startup
 
     spec = load_spec(path, overrides)
     site = select_site(site_name, spec)
@@ -96,12 +97,12 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 
     A summary of the launch goes to stderr, so `hpcx render job.toml > job.sh` keeps the script clean.
     """
-    from hpc.login.render import render as render_text, render_summary
+    from hpc.login.render import render as render_text, render_summary  # lazy: startup
 
-    from hpc.core.runs import run_dir_name
-    from hpc.login.submit import run_root
+    from hpc.core.runs import run_dir_name  # lazy: startup
+    from hpc.login.submit import run_root  # lazy: startup
 
-    from hpc.core.validate import check_run_dir_option
+    from hpc.core.runroot import check_run_dir_option  # lazy: startup
 
     spec, site, launch = load_job(job, site_name, overrides)
     check_memory(spec, site, launch, strict)
@@ -124,12 +125,12 @@ def render(job: str, site_name: str | None, overrides: tuple[str, ...], run_dir:
 def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bool, strict: bool,
            as_json: bool) -> None:
     """Create a run folder and submit JOB (a TOML spec); returns at once unless --wait."""
-    from hpc.core import imports
-    from hpc.login import submit as sub
+    from hpc.core import imports  # lazy: startup
+    from hpc.login import submit as sub  # lazy: startup
 
     imports.check()  # the job's tasks import hpcx's `hpc` and `trainer`: refuse foreign ones here, in one line
 
-    from hpc.login.render import user_code_notice
+    from hpc.login.render import user_code_notice  # lazy: startup
 
     spec, site, launch = load_job(job, site_name, overrides)
     check_memory(spec, site, launch, strict)
@@ -144,7 +145,7 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
         echo_json({"job_id": done.job_id, "run_dir": str(done.run_dir), "scheduler": done.scheduler})
         return
     if not as_json:
-        from hpc.login.render import layout_words
+        from hpc.login.render import layout_words  # lazy: startup
 
         click.echo(f"submitted job {done.job_id} ({done.scheduler}, site {site.name}): "
                    f"{launch.nodes}×{launch.tasks_per_node} ranks, {layout_words(spec, launch)}")
@@ -163,8 +164,8 @@ def submit(job: str, site_name: str | None, overrides: tuple[str, ...], wait: bo
 def resume(ref: str, as_json: bool) -> None:
     """Submit a cancelled, failed or timed-out RUN again, into the same folder: it resumes from its newest
     committed checkpoint (a new start in its ledger). Returns once the scheduler has the job."""
-    from hpc.core import runs
-    from hpc.login import submit as sub
+    from hpc.core import runs  # lazy: startup
+    from hpc.login import submit as sub  # lazy: startup
 
     done = sub.resume(runs.find_run(ref, run_roots()))
     if as_json:
@@ -178,13 +179,12 @@ def check_init_from(spec: tp.Any) -> None:
     """``checkpoint.init_from`` against the model: a PEFT folder's config first (torch-free), then headers
     (importing torch only when it is set)."""
     if spec.checkpoint.init_from:
-        from hpc.core.errors import CheckpointError
-        from hpc.core.peft_config import config_problems
+        from hpc.core.peft_config import config_problems  # lazy: startup
 
         problems = config_problems(spec)  # a PEFT folder's config: no torch needed to refuse it
         if problems:
             raise CheckpointError(problems)
-        from hpc.ckpt.init_source import init_from_problems
+        from hpc.ckpt.init_source import init_from_problems  # lazy: torch
 
         problems = init_from_problems(spec)
         if problems:
@@ -194,7 +194,7 @@ def check_init_from(spec: tp.Any) -> None:
 def check_memory(spec: tp.Any, site: tp.Any, launch: tp.Any, strict: bool) -> None:
     """A strategy set in the spec that the plan estimates runs out of memory: a warning line with the figure
     on stderr (``hpc.plan.warn``); under ``--strict`` a refusal (exit 2)."""
-    from hpc.plan.warn import memory_warning
+    from hpc.plan.warn import memory_warning  # lazy: startup
 
     if not spec.workload.uses_trainer:  # script mode: the script's memory is its own
         return
@@ -210,8 +210,7 @@ def check_memory(spec: tp.Any, site: tp.Any, launch: tp.Any, strict: bool) -> No
 def warn_passthrough(spec: tp.Any) -> None:
     """A passthrough name the submitting shell does not set reaches the job unset, and settings that
     load but are unlikely to be meant (``hpc.core.spec.spec_warnings``): say so now."""
-    from hpc.core.spec import spec_warnings
-    from hpc.core.validate import unset_passthrough
+    from hpc.core.spec import spec_warnings  # lazy: startup
 
     for line in spec_warnings(spec):
         click.echo(f"warning: {shown(line, 4000)}", err=True)
@@ -223,7 +222,7 @@ def warn_passthrough(spec: tp.Any) -> None:
 
 def follow(run_dir: Path, quiet: bool = False) -> dict:
     """Wait for the job, printing state changes and steps; then print the result."""
-    from hpc.login import submit as sub
+    from hpc.login import submit as sub  # lazy: startup
 
     last: dict[str, tp.Any] = {}
 
@@ -269,8 +268,6 @@ def format_result(result: tp.Any) -> str:
         return f"{result['steps']} steps{stop}, no loss logged, {result.get('world_size')} ranks, {result.get('strategy')}"
     losses = result.get("losses") or [result["final_loss"]]
     rate = f", {result['tokens_per_s']:,.0f} tokens/s (median after warm-up)" if result.get("tokens_per_s") else ""
-    from hpc.login.status import eval_text
-
     evaluated = eval_text(result, ", ")
     return (f"{result['steps']} steps{stop}, loss {losses[0]:.4f} -> {result['final_loss']:.4f}{rate}"
             f"{evaluated}, {result['world_size']} ranks, {result['strategy']}")
@@ -279,8 +276,6 @@ def format_result(result: tp.Any) -> str:
 def run_roots() -> list[Path]:
     """Every site profile's run root (``hpc.login.status.run_roots``), a profile that fails to load named
     on stderr."""
-    from hpc.login.status import run_roots as roots
-
     return roots(lambda message: click.echo(message, err=True))
 
 
@@ -293,8 +288,8 @@ def status(ref: str | None, as_json: bool) -> None:
     The list asks each scheduler once for all its runs and waits at most a few seconds: a run whose
     scheduler does not answer shows "unknown (scheduler unreachable)".
     """
-    from hpc.core import runs
-    from hpc.login import status as listing, submit as sub
+    from hpc.core import runs  # lazy: startup
+    from hpc.login import status as listing, submit as sub  # lazy: startup
 
     if ref:  # one run: a folder that lies about itself is an error line; in the list it is a row
         target = runs.find_run(ref, run_roots())
@@ -315,9 +310,9 @@ def status(ref: str | None, as_json: bool) -> None:
 @click.option("--rank", default=0, show_default=True, help="Which rank's log.")
 def logs(ref: str, follow_: bool, rank: int) -> None:
     """Print a rank's log (the trainer's log, else submitit's stdout/stderr for that task)."""
-    from hpc.core import runs
+    from hpc.core import runs  # lazy: startup
 
-    from hpc.login import submit as sub
+    from hpc.login import submit as sub  # lazy: startup
     run_dir = runs.find_run(ref, run_roots())
     check_rank(run_dir, rank)
     offsets: dict[Path, int] = {}
@@ -334,7 +329,7 @@ def logs(ref: str, follow_: bool, rank: int) -> None:
 def check_rank(run_dir: Path, rank: int) -> None:
     """ConfigError naming the run's ranks when ``rank`` is not one of them (the resolved world size,
     and any rank that left a log, e.g. a torchrun start at another size)."""
-    from hpc.core.runs import RunDir
+    from hpc.core.runs import RunDir  # lazy: startup
 
     rd = RunDir(run_dir)
     world = rd.read_resolved().get("launch", {}).get("world_size")
@@ -348,7 +343,7 @@ def check_rank(run_dir: Path, rank: int) -> None:
 
 
 def log_files(run_dir: Path, rank: int) -> list[Path]:
-    from hpc.core.runs import RunDir
+    from hpc.core.runs import RunDir  # lazy: startup
 
     rd = RunDir(run_dir)
     if rd.rank_log(rank).exists():
@@ -374,9 +369,9 @@ def print_new(path: Path, offset: int) -> int:
 def cancel(ref: str) -> None:
     """Cancel a run's job: its ranks stop at their next step boundary, write the ledger's stop line
     and save nothing new (Slurm: scancel; a cancel is never treated as a preemption, never requeued)."""
-    from hpc.core import runs
+    from hpc.core import runs  # lazy: startup
 
-    from hpc.login import submit as sub
+    from hpc.login import submit as sub  # lazy: startup
     click.echo(sub.cancel(runs.find_run(ref, run_roots())))
 
 
@@ -399,8 +394,8 @@ def drill(ref: str, at_step: str | None, hang: str | None, slow: str | None, slo
     saves at the next step boundary, requeues itself once and resumes from that checkpoint. With
     --hang, --slow or --fail-node (one of them), the fault instead, at one rank's process on its node.
     """
-    from hpc.core import runs
-    from hpc.login.drill import drill as send_drill, parse_step
+    from hpc.core import runs  # lazy: startup
+    from hpc.login.drill import drill as send_drill, parse_step  # lazy: startup
 
     step = parse_step(at_step)
     run_dir = runs.find_run(ref, run_roots())
@@ -422,8 +417,8 @@ def drill(ref: str, at_step: str | None, hang: str | None, slow: str | None, slo
 def _drill_fault(run_dir: Path, step: int | None, hang: str | None, slow: str | None, slow_s: int, fail_node: bool,
                  as_json: bool, on_wait: tp.Callable[[str], None]) -> None:
     """``hpcx drill --hang/--slow/--fail-node``: one fault, at a rank of the run."""
-    from hpc.core import runs
-    from hpc.login.drill import drill_fault, parse_rank
+    from hpc.core import runs  # lazy: startup
+    from hpc.login.drill import drill_fault, parse_rank  # lazy: startup
 
     given = [name for name, value in (("--hang", hang), ("--slow", slow), ("--fail-node", fail_node)) if value]
     if len(given) > 1:
@@ -453,7 +448,7 @@ def site_list(as_json: bool) -> None:
     Search path: $HPCX_SITE_PATH (folders separated by ':'), ~/.config/hpcx/sites, /etc/hpcx/sites,
     then the profiles bundled with hpcx; the first profile of a name wins.
     """
-    from hpc.core.site import find_sites
+    from hpc.core.site import find_sites  # lazy: startup
 
     rows = [_site_row(name, path, origin) for name, (path, origin) in find_sites().items()]
     if as_json:
@@ -492,10 +487,10 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
     if rank >= launch.world_size:
         raise ConfigError([f"--rank {rank}: {spec.source} runs {launch.nodes} node(s) × {launch.tasks_per_node} "
                            f"ranks = {launch.world_size} ranks, expected 0..{launch.world_size - 1}"])
-    from hpc.core import imports
+    from hpc.core import imports  # lazy: startup
 
     imports.check()  # before the trainer is imported
-    from hpc.dryrun import dryrun as dry, format_dryrun
+    from hpc.dryrun import dryrun as dry, format_dryrun  # lazy: torch
 
     result = dry(spec, site, launch, rank)
     if as_json:
@@ -508,7 +503,7 @@ def dryrun(job: str, site_name: str | None, overrides: tuple[str, ...], rank: in
 
 def _site_row(name: str, path: Path, origin: str) -> dict[str, tp.Any]:
     """One line of `site list`: the profile's headline fields, or why it does not load."""
-    from hpc.core.site import load_site
+    from hpc.core.site import load_site  # lazy: startup
 
     row: dict[str, tp.Any] = {"name": name, "path": str(path), "origin": origin, "error": None}
     try:
@@ -525,7 +520,7 @@ def _site_row(name: str, path: Path, origin: str) -> dict[str, tp.Any]:
 @json_option
 def site_show(name: str, as_json: bool) -> None:
     """One profile with every field resolved (NAME or a path)."""
-    from hpc.core.site import load_site, site_as_dict
+    from hpc.core.site import load_site, site_as_dict  # lazy: startup
 
     doc = site_as_dict(load_site(name))
     if as_json:

@@ -70,7 +70,7 @@ def inspect_cmd(path: str, deep: bool, as_json: bool) -> None:
     flipped byte inside a tensor goes unseen: --deep checks the recorded digests and reads it all.
     Anything incomplete, damaged or inconsistent is an error (exit 2).
     """
-    from hpc.ckpt.convert import inspect_checkpoint
+    from hpc.ckpt.convert import inspect_checkpoint  # lazy: torch
 
     with Progress("inspect") as bar:
         info = inspect_checkpoint(path, deep=deep, start=bar.start)
@@ -147,7 +147,7 @@ def cleanup_on_sigterm() -> tp.Iterator[None]:
     """SIGTERM raises SystemExit (and Ctrl-C KeyboardInterrupt) while the block runs, so partial outputs
     are removed as on any error; while torch's C++ zip code runs, the stop waits for it to return
     (``hpc.ckpt.outputs.stops_deferred``)."""
-    from hpc.ckpt.outputs import stop_now_or_later
+    from hpc.ckpt.outputs import stop_now_or_later  # lazy: startup
 
     def stop(signum: int, frame: tp.Any) -> None:
         stop_now_or_later(SystemExit(128 + signum))
@@ -200,7 +200,7 @@ def convert_cmd(src: str, dst: str, to: str, merge_lora: bool, model_only: bool,
     DST must not exist; it appears only when complete. For safetensors, a DST ending in
     .safetensors is one file; any other DST is a folder (model.safetensors, or shards + index).
     """
-    from hpc.ckpt.convert import convert_checkpoint
+    from hpc.ckpt.convert import convert_checkpoint  # lazy: torch
 
     shard_bytes = parse_size(shard_size or ("5GB" if to == "hf" else "5GiB"))
     if merge_lora and to != "hf":
@@ -208,7 +208,7 @@ def convert_cmd(src: str, dst: str, to: str, merge_lora: bool, model_only: bool,
     if to == "hf":
         return _export_hf(src, dst, dtype, shard_bytes, merge_lora)
     if to == "peft":
-        from hpc.ckpt.peft import export_peft
+        from hpc.ckpt.peft_export import export_peft  # lazy: torch
 
         summary = export_peft(src, dst)
         click.echo(f"wrote {summary['dst']} ({summary['arch']}, {summary['tensors']} tensors, "
@@ -223,7 +223,7 @@ def convert_cmd(src: str, dst: str, to: str, merge_lora: bool, model_only: bool,
 
 
 def _export_hf(src: str, dst: str, dtype: str, shard_bytes: int, merge_lora: bool = False) -> None:
-    from hpc.ckpt.hf import export_hf
+    from hpc.ckpt.hf import export_hf  # lazy: torch
 
     with cleanup_on_sigterm(), Progress("hf") as bar:
         summary = export_hf(src, dst, dtype=dtype, shard_bytes=shard_bytes, start=bar.start, merge_lora=merge_lora)
@@ -246,7 +246,7 @@ def verify_cmd(a: str, b: str, atol: float, model_only: bool, as_json: bool) -> 
     shards are checked first: a shard that no longer matches is an error (exit 2). Every entry is
     read, however many differ: a torn or lying entry is an error (exit 2), never a difference.
     """
-    from hpc.ckpt.convert import verify_checkpoints
+    from hpc.ckpt.convert import verify_checkpoints  # lazy: torch
 
     with Progress("verify") as bar:
         result = verify_checkpoints(a, b, atol=atol, model_only=model_only, start=bar.start)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from hpc.cli.clickutil import echo_json, json_option
+from hpc.core.errors import UserError
 
 
 @click.group("data")
@@ -58,9 +59,8 @@ def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str
                     as_json: bool) -> None:
     """Tokenize INPUT… (.txt, .jsonl, .parquet; .gz/.zst; folders and globs) into token shards and a
     manifest.json in --out; a killed run started again continues where it was."""
-    from hpc.core.errors import UserError
-    from hpc.data.inputs import Format, Limits
-    from hpc.data.prepare import Options, abandon, make_plan, pending_groups, start
+    from hpc.data.inputs import Format, Limits  # lazy: startup
+    from hpc.data.prepare import Options, abandon, make_plan, pending_groups, start  # lazy: numpy
 
     fmt = Format(kind, text_key, prompt_key, response_key, messages_key, separator)
     if workers < 0:
@@ -89,7 +89,7 @@ def prepare_command(inputs: tuple[str, ...], tokenizer: str, out: str, kind: str
 
 
 def _submit_array(out: Path, plan: dict, site_name: str, wait: bool) -> None:
-    from hpc.data.array import submit_array, wait_for_manifest
+    from hpc.data.array import submit_array, wait_for_manifest  # lazy: numpy
 
     jobs = submit_array(out, plan, site_name)
     if jobs is None:
@@ -103,8 +103,6 @@ def _submit_array(out: Path, plan: dict, site_name: str, wait: bool) -> None:
 
 
 def _positive(name: str, value: int) -> int:
-    from hpc.core.errors import UserError
-
     if value < 1:
         raise UserError([f"{name} {value}: expected a positive number"])
     return value
@@ -112,9 +110,9 @@ def _positive(name: str, value: int) -> int:
 
 def run_local(out: Path, plan: dict, workers: int) -> dict:
     """Every unfinished group here, then the merge."""
-    from hpc.data.local import run_groups
-    from hpc.data.prepare import cpu_workers, merge
-    from hpc.data.progress import Progress
+    from hpc.data.local import run_groups  # lazy: numpy
+    from hpc.data.prepare import cpu_workers, merge  # lazy: numpy
+    from hpc.data.progress import Progress  # lazy: startup
 
     progress = Progress(sum(i["bytes"] for i in plan["inputs"]))
     run_groups(out, plan, cpu_workers(workers), progress)
@@ -123,7 +121,7 @@ def run_local(out: Path, plan: dict, workers: int) -> dict:
 
 
 def _report(out: Path, manifest: dict, as_json: bool) -> None:
-    from hpc.core.manifest import describe, window_totals
+    from hpc.core.manifest import describe, window_totals  # lazy: startup
 
     if as_json:
         echo_json({"manifest": str(out / "manifest.json"), "splits": {s: {"tokens": m["tokens"], "documents": m["documents"],
@@ -143,7 +141,7 @@ def _report(out: Path, manifest: dict, as_json: bool) -> None:
 @json_option
 def verify_command(folder: str, as_json: bool) -> None:
     """Check every file of a prepared folder against its manifest (sizes, SHA-256, offsets, token ids)."""
-    from hpc.core.manifest import verify
+    from hpc.core.manifest import verify  # lazy: startup
 
     result = verify(folder)
     if as_json:

@@ -6,8 +6,10 @@ import typing as tp
 
 import click
 
+from hpc.cli import refuse_script_mode
 from hpc.cli.clickutil import echo_json, json_option, set_option, site_option
 from hpc.core.config import ConfigError
+from hpc.core.workload import TaskWorkload
 
 
 @click.command("plan")
@@ -25,17 +27,14 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
     `parallel.strategy = "auto"` in the spec submits exactly the strategy recommended here (with
     --count-params, only once the counted numbers are stated in the spec).
     """
-    from hpc.core.models import model_facts
-    from hpc.plan import format_plan, plan_job
-    from hpc.core.resolve import cross_check
-    from hpc.core.site import select_site
-    from hpc.core.spec import load_spec, set_origins
-    from hpc.core.workload import TaskWorkload
+    from hpc.core.models import model_facts  # lazy: startup
+    from hpc.plan import format_plan, plan_job  # lazy: startup
+    from hpc.core.resolve import cross_check  # lazy: startup
+    from hpc.core.site import select_site  # lazy: startup
+    from hpc.core.spec import load_spec, set_origins  # lazy: startup
 
     extra = (f"job.nodes={nodes}",) if nodes else ()
     spec = load_spec(job, tuple(overrides) + extra)
-    from hpc.cli import refuse_script_mode
-
     refuse_script_mode(spec, "plan")
     site = select_site(site_name, spec)
     errors = cross_check(spec, site)
@@ -54,14 +53,14 @@ def plan_command(job: str, site_name: str | None, nodes: int | None, count_param
 def _counted_facts(model: tp.Any) -> tp.Any:
     """A user model's facts from a meta-device build (torch, on request only), with a note saying
     what to state in the spec so `auto` and `submit` plan with the same numbers."""
-    from hpc.core.models import counted_by_building, model_facts
+    from hpc.core.models import counted_by_building, model_facts  # lazy: startup
 
     if not counted_by_building(model):
         return model_facts(model)  # a built-in family's count follows from its shape: nothing to build
-    from hpc.core import imports
+    from hpc.core import imports  # lazy: startup
 
     imports.check()  # before the trainer is imported
-    from trainer.count import count_model
+    from trainer.count import count_model  # lazy: torch
 
     counted = count_model(model)
     click.echo(f"counted on the meta device: {counted.n_params} parameters in {counted.n_units} blocks "
@@ -72,11 +71,11 @@ def _counted_facts(model: tp.Any) -> tp.Any:
 
 def _counted_task_facts(spec: tp.Any) -> tp.Any:
     """A task's model's facts from a meta-device build (``trainer.count.count_task``; torch)."""
-    from hpc.core import imports
-    from hpc.core.models import model_facts
+    from hpc.core import imports  # lazy: startup
+    from hpc.core.models import model_facts  # lazy: startup
 
     imports.check()  # before the trainer is imported
-    from trainer.count import count_task
+    from trainer.count import count_task  # lazy: torch
 
     return model_facts(spec.model, count_task(spec))
 
@@ -97,7 +96,7 @@ def detect_command(name: str, topo: str | None, query: str | None, scontrol: str
     GPUs: MIG enabled (mig.mode.current) is said in the draft's comments, and MIG devices given in
     place of GPUs (a `nvidia-smi -L` listing, a matrix labelling them) are refused (exit 2).
     """
-    from hpc import schedulers
+    from hpc import schedulers  # lazy: startup
 
     click.echo(schedulers.detect_site(name, {"topo": topo, "query": query, "scontrol": scontrol}), nl=False)
 

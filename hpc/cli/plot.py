@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from hpc.cli import run_roots
 from hpc.core.errors import UserError
 
 # Each metric is drawn on the axis of its kind (``metric_kind``), never beside another kind's scale.
@@ -63,7 +64,7 @@ def draw(curves: list[tuple[str, list[dict]]], path: Path, causes: list[tuple[st
     fig = figure(curves, causes)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
-    from hpc.core.runs import write_atomic
+    from hpc.core.runs import write_atomic  # lazy: startup
 
     write_atomic(path, buf.getvalue())
 
@@ -72,8 +73,8 @@ def figure(curves: list[tuple[str, list[dict]]], causes: list[tuple[str, dict]] 
     """One panel per kind of metric present (loss with eval loss, learning rate, accuracy and fractions,
     throughput, other), with a line per run and metric; with ``causes`` a last panel of time by cause."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib
+        from matplotlib.figure import Figure  # lazy: matplotlib
     except ImportError:
         raise UserError(["hpcx plot needs matplotlib: pip install 'hpcx[plot]'"]) from None
     found = [plotted_keys(records) for _, records in curves]
@@ -102,7 +103,7 @@ def figure(curves: list[tuple[str, list[dict]]], causes: list[tuple[str, dict]] 
 
 def draw_causes(ax: tp.Any, causes: list[tuple[str, dict]]) -> None:
     """A stacked bar per run: its seconds by cause (productive first), goodput in the run's label."""
-    from hpc.core.goodput import CAUSES
+    from hpc.core.goodput import CAUSES  # lazy: startup
 
     names = [f"{name} ({100 * found['goodput']:.0f}%)" if found.get("goodput") is not None else name
              for name, found in causes]
@@ -118,7 +119,7 @@ def draw_causes(ax: tp.Any, causes: list[tuple[str, dict]]) -> None:
 
 def run_curves(refs: tp.Sequence[str], roots: list[Path]) -> list[tuple[str, list[dict]]]:
     """(run folder name, metrics lines) of each run; a run without metrics is a UserError."""
-    from hpc.core import runs
+    from hpc.core import runs  # lazy: startup
 
     out = []
     for ref in refs:
@@ -137,9 +138,8 @@ def run_curves(refs: tp.Sequence[str], roots: list[Path]) -> list[tuple[str, lis
 def plot_command(refs: tuple[str, ...], out: str) -> None:
     """Draw train and eval loss, learning rate, accuracy, tokens/s and a task's metrics against step for RUN…
     (folders, names or job ids), each kind of metric on an axis of its own."""
-    from hpc.cli import run_roots
-    from hpc.core import runs
-    from hpc.core.goodput import by_cause
+    from hpc.core import runs  # lazy: startup
+    from hpc.core.goodput import by_cause  # lazy: startup
 
     roots = run_roots()
     curves = run_curves(refs, roots)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from hpc.core.config import ConfigError
 from hpc.cli.clickutil import ErrorsGroup, echo_json, json_option, set_option, site_option
 
 
@@ -56,9 +57,9 @@ mode_option = click.option("--mode", type=click.Choice(["weak", "strong"]), defa
 def run_command(job: str, nodes_text: str, mode: str, steps: int | None, site_name: str | None,
                 overrides: tuple[str, ...], wait: bool, as_json: bool) -> None:
     """Submit one job per node count under one study folder; returns at once unless --wait."""
-    from hpc import scale
-    from hpc.core.site import select_site
-    from hpc.core.spec import load_spec
+    from hpc import scale  # lazy: startup
+    from hpc.core.site import select_site  # lazy: startup
+    from hpc.core.spec import load_spec  # lazy: startup
 
     site = select_site(site_name, load_spec(job, overrides))
     study_dir = scale.start_study(Path(job), site, overrides, scale.parse_nodes(nodes_text), mode, steps)
@@ -92,11 +93,10 @@ def report_command(study: str, site_draft: str | None, as_json: bool) -> None:
 
 def write_mfu_draft(study_dir: Path, report: dict, path: Path) -> str:
     """The measured MFU into a site draft at ``path``; the line that says so."""
-    from hpc.core.config import ConfigError
-    from hpc.scale.mfu import study_mfu
-    from hpc.scale.report import study_site
-    from hpc.scale.study import read_study
-    from hpc.core.site_draft import write_draft
+    from hpc.scale.mfu import study_mfu  # lazy: startup
+    from hpc.scale.report import study_site  # lazy: startup
+    from hpc.scale.study import read_study  # lazy: startup
+    from hpc.core.site_draft import write_draft  # lazy: startup
 
     found = study_mfu(study_dir, report)
     if found is None:
@@ -106,7 +106,7 @@ def write_mfu_draft(study_dir: Path, report: dict, path: Path) -> str:
 
 
 def print_report(study_dir: Path, as_json: bool, site_draft: Path | None = None) -> None:
-    from hpc import scale
+    from hpc import scale  # lazy: startup
 
     report = scale.build_report(study_dir)
     if site_draft is not None:
@@ -134,9 +134,9 @@ def print_report(study_dir: Path, as_json: bool, site_draft: Path | None = None)
 def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None, overrides: tuple[str, ...],
                     as_json: bool) -> None:
     """The planner's model alone at each size: no jobs, no cluster needed."""
-    from hpc import scale
-    from hpc.core.site import select_site
-    from hpc.core.spec import load_spec
+    from hpc import scale  # lazy: startup
+    from hpc.core.site import select_site  # lazy: startup
+    from hpc.core.spec import load_spec  # lazy: startup
 
     spec = load_spec(job, overrides)
     site = select_site(site_name, spec)
@@ -144,7 +144,7 @@ def predict_command(job: str, nodes_text: str, mode: str, site_name: str | None,
     if as_json:
         echo_json({"site": site.name, "mode": mode, "points": rows})
         return
-    from hpc.plan import mfu_of
+    from hpc.plan import mfu_of  # lazy: startup
 
     mfu, source = mfu_of(site)
     click.echo(f"{spec.job.name}: {mode} scaling predicted on {site.name} (NCCL-model communication + compute at "

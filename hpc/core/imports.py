@@ -17,7 +17,8 @@ could make a process import someone else's under them:
   for a wheel, ``direct_url.json`` for an editable install), without importing the foreign code;
   ``hpcx submit`` and every process ``main`` starts refuse in one line.
 
-Imports nothing but ``os`` and ``sys`` at module level: ``BOOT`` runs it before a task holds its signals.
+Imports nothing but ``os``, ``sys`` and the leaf ``hpc.core.boot`` at module level: ``BOOT`` runs it before a
+task holds its signals (the container check imports what it reads when it runs).
 """
 
 from __future__ import annotations
@@ -25,19 +26,10 @@ from __future__ import annotations
 import os
 import sys
 
+from hpc.core.boot import BOOT, python_command  # noqa: F401  (re-exported: the kinds build commands with it)
+
 NAMES = ("hpc", "trainer")
 DISTRIBUTION = "hpcx"
-# The code of ``python -c``: sys.path[0] is then "" (the current folder); 3.11's -P (PYTHONSAFEPATH)
-# would leave it out, but hpcx supports 3.10. No quotes, so that it is one word in a shell script.
-BOOT = "import sys; sys.path[:1] = filter(None, sys.path[:1]); import hpc.core.imports as i; i.main()"
-
-
-def python_command(python: str, module: str, *args: str, unbuffered: bool = False) -> list[str]:
-    """``python -c BOOT MODULE ARGS``: ``python -m MODULE ARGS`` with hpcx's own ``hpc`` and ``trainer``,
-    whatever the current folder holds."""
-    return [python, *(["-u"] if unbuffered else []), "-c", BOOT, module, *args]
-
-
 def main() -> None:
     """``BOOT``'s second half (``sys.argv`` is ``["-c", MODULE, ARGS...]``): refuse foreign packages in
     one line (exit 2), then run ``MODULE`` as ``python -m MODULE ARGS`` would."""
@@ -55,8 +47,8 @@ def _image_problem() -> str | None:
     """Inside a container (``HPCX_CONTAINER_IMAGE`` set by the step): what the image lacks for hpcx."""
     if not os.environ.get("HPCX_CONTAINER_IMAGE"):
         return None
-    from hpc.core.container import inside_problem, versions_line
-    from hpc.schedulers import first_on_node
+    from hpc.core.container import inside_problem, versions_line  # lazy: boot (before the signals are held)
+    from hpc.schedulers import first_on_node  # lazy: boot
 
     if first_on_node(os.environ):  # once per node: what this node's image holds
         print(f"hpcx: {versions_line(os.environ)}", file=sys.stderr, flush=True)

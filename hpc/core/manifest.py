@@ -6,10 +6,15 @@ numpy only for ``verify``."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import typing as tp
 from pathlib import Path
 
-from hpc.core.errors import UserError
+from hpc.core.config import load_json_bounded
+from hpc.core.errors import ConfigError, UserError
+from hpc.core.runs import write_json
+from hpc.core.validate import expand_path, file_kind, largest_token, open_regular, shown
 
 MANIFEST = "manifest.json"
 TOKEN_BYTES = {"uint16": 2, "uint32": 4}
@@ -17,9 +22,7 @@ TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     """SHA-256 of a regular file (a FIFO or device is refused before it is opened), read in 4 MiB pieces."""
-    import hashlib  # only `verify` and `prepare` hash (loading OpenSSL costs every spec load ~4 ms)
-
-    from hpc.core.validate import open_regular
+    import hashlib  # lazy: startup (only `verify` and `prepare` hash; loading OpenSSL costs every spec load ~4 ms)
 
     h = hashlib.sha256()
     with open_regular(path, str(path), "a regular shard file", UserError) as f:
@@ -66,8 +69,6 @@ HEX = frozenset("0123456789abcdef")
 
 def max_shards() -> int:
     """The shard bound, ``$HPCX_MAX_SHARDS`` when set."""
-    import os
-
     raw = os.environ.get("HPCX_MAX_SHARDS", "")
     return int(raw) if raw.isdigit() and int(raw) > 0 else MAX_SHARDS
 
@@ -76,9 +77,6 @@ def load_manifest(path: str | Path) -> dict[str, tp.Any]:
     """The manifest as a dict, checked (``manifest_problem``); one that is not ours, or lies about its
     shards, is a one-line UserError naming the file and the key. A FIFO or device is refused before it
     is opened, a file past the shard bound before it is read."""
-    from hpc.core.config import load_json_bounded
-    from hpc.core.validate import open_regular
-
     p = Path(path)
     limit = (1 << 20) + max_shards() * SHARD_BYTES
     with open_regular(p, str(p), "a regular manifest.json written by `hpcx data prepare`", UserError) as f:
@@ -201,11 +199,6 @@ def shard_files(manifest: dict, split: str) -> tp.Iterator[tuple[str, str, int]]
 def size_problems(folder: Path, manifest: dict, label: str) -> list[str]:
     """Files missing, not regular files in the folder itself (a symlink, a FIFO, a device) or of another
     size than the manifest says."""
-    import os
-    import stat
-
-    from hpc.core.validate import file_kind
-
     out = []
     for split in manifest["splits"]:
         for name, _, size in shard_files(manifest, split):
@@ -297,8 +290,6 @@ def record_max_ids(path: Path, manifest: dict) -> int:
     """A manifest from before shards recorded ``max_id`` (which ``check_source`` compares with the
     model's vocabulary at submit) gets each shard's, as ``verify`` just read it, once every file
     matched: written atomically; the number of shards that got one."""
-    from hpc.core.runs import write_json
-
     missing = [(split, s) for split in manifest["splits"] for s in manifest["splits"][split]["shards"]
                if "max_id" not in s]
     for split, shard in missing:
@@ -309,7 +300,7 @@ def record_max_ids(path: Path, manifest: dict) -> int:
 
 
 def _shard_max(file: Path, dtype: str) -> int:
-    import numpy as np
+    import numpy as np  # lazy: numpy
 
     tokens = np.memmap(file, dtype=dtype, mode="r")
     return int(tokens.max()) if len(tokens) else 0
@@ -323,7 +314,7 @@ def _hash_problems(folder: Path, manifest: dict) -> list[str]:
 
 def _content_problems(folder: Path, manifest: dict) -> list[str]:
     """Offsets that do not end at the shard's token count; ids at or above the vocabulary."""
-    import numpy as np
+    import numpy as np  # lazy: numpy
 
     out = []
     for split in manifest["splits"]:
@@ -386,9 +377,6 @@ def check_validation(data: tp.Any, train: tp.Any, seq_len: int, vocab: int, kind
     ``train.eval_every`` there must be something to evaluate on (``kind``: ``data.source``'s, checked)."""
     source = data.val_source
     if source and source != "none":
-        from hpc.core.errors import ConfigError
-        from hpc.core.validate import expand_path
-
         try:
             path = expand_path(source if source.startswith(("/", "~", "$")) else str(Path.cwd() / source),
                                f"`data.val_source` = {source!r}")
@@ -404,3 +392,69 @@ def check_validation(data: tp.Any, train: tp.Any, seq_len: int, vocab: int, kind
                 "`data.source` prepared with --val-fraction (a val shard of seq_len + 1 tokens), or a "
                 "`data.val_source`"], source
     return [], source
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def check_data_source(source: str, dtype: str, seq_len: int, vocab: int) -> tuple[list[str], str, str]:
+    """(problems, absolute path, its kind: ``hpc.core.manifest.source_kind``) for ``data.source`` on the
+    login node; ``synthetic`` passes as is.
+
+    A token file must be a readable regular file whose size is a whole number of ``dtype`` tokens and
+    at least one sample (``seq_len + 1`` tokens); when ``vocab`` is known, a sample of the file spread
+    over its length (the whole file up to 4 MiB) must hold no token id at or above it.
+    """
+    kind = source_kind(source)
+    if kind == SYNTHETIC:
+        return [], source, kind
+    if source.strip().lower() == SYNTHETIC:
+        return ([f"`data.source` = {source!r}: expected 'synthetic' (lower case) or a path to a token file"],
+                source, kind)
+    if not source.strip():
+        return [f"`data.source` = {source!r}: expected 'synthetic' or a path to a token file"], source, kind
+    try:
+        path = expand_path(source if source.startswith(("/", "~", "$")) else os.path.join(os.getcwd(), source),
+                           f"`data.source` = {shown(source)!r}")
+    except ConfigError as exc:
+        return [m for m in exc.messages], source, kind
+    label, kind = f"`data.source` = {shown(source)!r}", source_kind(str(path))
+    if kind == PREPARED:
+        return check_prepared(path, seq_len, vocab, label), str(path), kind
+    return _check_token_file(label, path, dtype, seq_len, vocab), str(path), kind
+
+
+def _check_token_file(label: str, path: Path, dtype: str, seq_len: int, vocab: int) -> list[str]:
+    try:
+        mode = os.stat(path).st_mode  # before open: opening a socket fails, a FIFO blocks
+        if not stat.S_ISREG(mode):
+            return [f"{label}: {file_kind(mode)}: expected a regular file of {dtype} tokens"]
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return [f"{label}: no such file"]
+    except OSError as exc:
+        return [f"{label}: cannot open: {exc.strerror}"]
+    info = os.fstat(fd)  # the file may have been replaced since the stat
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        return [f"{label}: {file_kind(info.st_mode)}: expected a regular file of {dtype} tokens"]
+    with os.fdopen(fd, "rb") as f:
+        return _check_tokens(label, f, info.st_size, dtype, seq_len, vocab)
+
+
+def _check_tokens(label: str, f: tp.BinaryIO, size: int, dtype: str, seq_len: int, vocab: int) -> list[str]:
+    width = TOKEN_BYTES[dtype]
+    if size == 0:
+        return [f"{label}: the file is empty: expected {dtype} tokens"]
+    if size % width:
+        return [f"{label}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes each): "
+                "expected a flat token file (is `data.dtype` right?)"]
+    if seq_len and size // width < seq_len + 1:
+        return [f"{label}: {size // width} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"]
+    try:
+        largest, offset = largest_token(f, size, width)
+    except OSError as exc:
+        return [f"{label}: cannot read: {exc.strerror}"]
+    if vocab and largest >= vocab:
+        return [f"{label}: token id {largest} at byte {offset} is not below the model's vocabulary of "
+                f"{vocab}: expected ids < {vocab} (is `data.dtype` or `model.vocab_size` right?)"]
+    return []

@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
+import shutil
 import time
 import typing as tp
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpc.core.config import ConfigError, load_json_bounded
+from hpc.core.config import JSON_SYNTAX, ConfigError, load_json_bounded, nesting_error
 from hpc.core.validate import MAX_DEPTH
-from hpc.schedulers.base import SUBMITIT_DIR
+
+SUBMITIT_DIR = "submitit"  # under the run folder: submitit's pickles and per-task stdout/stderr
 
 
 def modes(group_readable: bool) -> tuple[int, int, int]:
@@ -60,7 +63,7 @@ def run_dir_name(job_name: str, stamp: str, token: str) -> str:
 
 def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
     """A fresh, never reused run folder under ``root``."""
-    import secrets  # here, not at the top: `hpcx status` imports this module and never makes a folder
+    import secrets  # lazy: startup (`hpcx status` imports this module and never makes a folder)
 
     run = root / run_dir_name(name, time.strftime("%Y%m%d-%H%M%S"), secrets.token_hex(3))
     dir_mode = modes(group_readable)[1]
@@ -74,8 +77,6 @@ def new_run_dir(root: Path, name: str, group_readable: bool) -> Path:
         for sub in RunDir.FOLDERS:
             (run / sub).mkdir(mode=dir_mode)
     except OSError as exc:  # out of inodes or quota: leave no half-made run
-        import shutil
-
         shutil.rmtree(run, ignore_errors=True)
         raise ConfigError([f"run root {root}: cannot create a run folder: {exc.strerror}"]) from None
     return run
@@ -143,8 +144,6 @@ def torn_json(path: Path) -> bool:
     """Whether a JSON file looks cut short (a writer killed mid-write, or one that wrote in place): empty,
     NULs only, or valid JSON up to where it stops. A file that says something else (nested too deep,
     extra data, not JSON) is not torn: it is reported."""
-    from hpc.core.config import JSON_SYNTAX, nesting_error
-
     try:
         body = path.read_text(encoding="utf-8", errors="replace").strip(" \t\r\n\0")
     except OSError:
@@ -378,8 +377,6 @@ def _job_id(run: Path) -> tp.Any:
 
 def user_name(uid: int | None) -> str:
     """``user alice (uid 1001)``, or the uid alone when the system does not know the name."""
-    import pwd
-
     try:
         return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})" if uid is not None else "another user"
     except KeyError:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc import schedulers
-from hpc.core import validate as v
+from hpc.core import runroot, validate as v
 from hpc.core.container import Container, JobContainer, for_job, job_problems, problems as container_problems
 from hpc.core.config import (ConfigError, build_document, check_table, field, read_toml, suggest, type_hints,
                              untouched)
@@ -131,7 +131,7 @@ class SiteProfile:
     def run_root(self) -> Path:
         """``storage.run_root`` expanded; ConfigError when a variable in it is unset."""
         where = f"{self.source}: `storage.run_root` = {self.storage.run_root!r}"
-        return v.expand_run_root(self.storage.run_root, where)
+        return runroot.expand_run_root(self.storage.run_root, where)
 
 
 SECTIONS = {"scheduler": Scheduler, "node": Node, "network": Network, "storage": Storage, "container": Container}
@@ -169,7 +169,7 @@ def parse_site(doc: dict, name: str, source: str) -> SiteProfile:
     raw = dataclasses.replace(sections["scheduler"], **{key: _printable_keys(_raw_table(doc, "scheduler", key))
                                                         for key in _TABLE_FIELDS})
     errors += schedulers.section_problems(raw)
-    errors += v.check_run_root("storage.run_root", sections["storage"].run_root)
+    errors += runroot.check_run_root("storage.run_root", sections["storage"].run_root)
     # (a field of the wrong type was left at its default; a runtime the kind cannot run is refused here)
     errors += container_problems(sections["container"], gpus=sections["node"].gpus, kind=sections["scheduler"].kind)
     site = SiteProfile(name=name, nccl=nccl if not errors else {}, source=source, **sections)
@@ -267,7 +267,7 @@ def written_run_root(path: Path) -> str | None:
         value = read_toml(path).get("storage", {}).get("run_root")
     except (ConfigError, AttributeError):
         return None
-    if not isinstance(value, str) or v.check_run_root("storage.run_root", value):
+    if not isinstance(value, str) or runroot.check_run_root("storage.run_root", value):
         return None
     return value
 

@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from hpc import schedulers
-from hpc.core import validate as v
+from hpc.core import runroot, validate as v
 from hpc.core.container import JobContainer
 from hpc.core.health import Health
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
 from hpc.core.lora import Lora
+from hpc.core.manifest import check_data_source
 from hpc.core.optim import SCHEDULES, Optim, adamw_fields_given, optim_problems
 from hpc.core.models import DEFAULT_ARCH, FAMILIES
 from hpc.core.tasks import Task, apply_task, task_problems
@@ -402,7 +403,7 @@ def resolve_paths(spec: JobSpec) -> list[str]:
     errors = []
     if spec.job.run_root:
         try:
-            spec.job.run_root = str(v.expand_run_root(spec.job.run_root, f"`job.run_root` = {spec.job.run_root!r}"))
+            spec.job.run_root = str(runroot.expand_run_root(spec.job.run_root, f"`job.run_root` = {spec.job.run_root!r}"))
         except ConfigError as exc:
             errors += exc.messages
     from hpc.core.models import model_facts
@@ -411,8 +412,8 @@ def resolve_paths(spec: JobSpec) -> list[str]:
         spec.checkpoint.init_from = str(Path(os.path.expandvars(os.path.expanduser(spec.checkpoint.init_from)))
                                         .absolute())
     facts = model_facts(spec.model)
-    problems, spec.data.source, kind = v.check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
-                                                           facts.vocab_size)
+    problems, spec.data.source, kind = check_data_source(spec.data.source, spec.data.dtype, facts.seq_len,
+                                                         facts.vocab_size)
     if not problems and spec.data.packing == "document":
         problems += _packing_problems(spec, kind)
     user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
@@ -456,7 +457,7 @@ def _check_health(spec: JobSpec) -> list[str]:
 def _check_job(job: Job, typed: tp.Callable[..., bool]) -> list[str]:
     errors = v.check_job_name(job.name) if typed("name") else []
     if job.run_root is not None and typed("run_root"):
-        errors += v.check_run_root("job.run_root", job.run_root)
+        errors += runroot.check_run_root("job.run_root", job.run_root)
     return errors
 
 

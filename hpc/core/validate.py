@@ -345,34 +345,6 @@ def unset_passthrough(names: tp.Sequence[str], environ: tp.Mapping[str, str] = o
 _VAR = re.compile(r"\$(?:\{([^}]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
 
 
-def check_run_root(path: str, value: str) -> list[str]:
-    """What can be said of a run root before expanding it."""
-    if not value.strip():
-        return [f"`{path}` = {value!r}: expected a folder, e.g. \"$HOME/hpcx-runs\""]
-    if not value.startswith(("/", "~", "$")):
-        return [f"`{path}` = {shown(value)!r}: expected an absolute path (or one starting with ~ or $VAR), "
-                "so that every command and every node finds the same folder"]
-    problem = log_path_problem(value)
-    return [f"`{path}` = {shown(value)!r}: {problem}"] if problem else []
-
-
-def log_path_problem(value: str) -> str | None:
-    """Why a scheduler would not write its log files under ``value`` (``hpc.schedulers.path_problem``), or None."""
-    from hpc import schedulers  # the registry imports this module's users: asked when a path is checked
-
-    return schedulers.path_problem(value)
-
-
-def check_run_dir_option(run_dir: str | None) -> None:
-    """``hpcx render --run-dir``: it lands in ``--output``/``--error`` like a run root."""
-    if run_dir is None:
-        return
-    errors = check_text("--run-dir", run_dir, PATH_MAX)
-    problem = None if errors else log_path_problem(run_dir)
-    if errors or problem:
-        raise ConfigError(errors or [f"--run-dir {shown(run_dir)!r}: {problem}"])
-
-
 def expand_path(value: str, where: str) -> Path:
     """``~`` and ``$VAR``/``${VAR}`` expanded, absolute and safe for Slurm's log paths.
 
@@ -394,85 +366,9 @@ def expand_path(value: str, where: str) -> Path:
     return Path(os.path.normpath(text))
 
 
-def expand_run_root(value: str, where: str) -> Path:
-    """A run root expanded (``expand_path``) and still free of Slurm's file-name patterns."""
-    path = expand_path(value, where)
-    problem = log_path_problem(str(path))
-    if problem:
-        raise ConfigError([f"{where}: expands to {shown(str(path))!r}: {problem}"])
-    return path
-
-
 # ------------------------------------------------------------------------------------------------ data
 
-TOKEN_BYTES = {"uint16": 2, "uint32": 4}
 SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 64 * 1024  # at most 4 MiB read to find the largest token id
-
-
-def check_data_source(source: str, dtype: str, seq_len: int, vocab: int) -> tuple[list[str], str, str]:
-    """(problems, absolute path, its kind: ``hpc.core.manifest.source_kind``) for ``data.source`` on the
-    login node; ``synthetic`` passes as is.
-
-    A token file must be a readable regular file whose size is a whole number of ``dtype`` tokens and
-    at least one sample (``seq_len + 1`` tokens); when ``vocab`` is known, a sample of the file spread
-    over its length (the whole file up to 4 MiB) must hold no token id at or above it.
-    """
-    from hpc.core.manifest import PREPARED, SYNTHETIC, check_prepared, source_kind
-
-    kind = source_kind(source)
-    if kind == SYNTHETIC:
-        return [], source, kind
-    if source.strip().lower() == SYNTHETIC:
-        return ([f"`data.source` = {source!r}: expected 'synthetic' (lower case) or a path to a token file"],
-                source, kind)
-    if not source.strip():
-        return [f"`data.source` = {source!r}: expected 'synthetic' or a path to a token file"], source, kind
-    try:
-        path = expand_path(source if source.startswith(("/", "~", "$")) else os.path.join(os.getcwd(), source),
-                           f"`data.source` = {shown(source)!r}")
-    except ConfigError as exc:
-        return [m for m in exc.messages], source, kind
-    label, kind = f"`data.source` = {shown(source)!r}", source_kind(str(path))
-    if kind == PREPARED:
-        return check_prepared(path, seq_len, vocab, label), str(path), kind
-    return _check_token_file(label, path, dtype, seq_len, vocab), str(path), kind
-
-
-def _check_token_file(label: str, path: Path, dtype: str, seq_len: int, vocab: int) -> list[str]:
-    try:
-        mode = os.stat(path).st_mode  # before open: opening a socket fails, a FIFO blocks
-        if not stat.S_ISREG(mode):
-            return [f"{label}: {file_kind(mode)}: expected a regular file of {dtype} tokens"]
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return [f"{label}: no such file"]
-    except OSError as exc:
-        return [f"{label}: cannot open: {exc.strerror}"]
-    info = os.fstat(fd)  # the file may have been replaced since the stat
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        return [f"{label}: {file_kind(info.st_mode)}: expected a regular file of {dtype} tokens"]
-    with os.fdopen(fd, "rb") as f:
-        return _check_tokens(label, f, info.st_size, dtype, seq_len, vocab)
-
-
-def _check_tokens(label: str, f: tp.BinaryIO, size: int, dtype: str, seq_len: int, vocab: int) -> list[str]:
-    width = TOKEN_BYTES[dtype]
-    if size == 0:
-        return [f"{label}: the file is empty: expected {dtype} tokens"]
-    if size % width:
-        return [f"{label}: {size} bytes is not a whole number of {dtype} tokens ({width} bytes each): "
-                "expected a flat token file (is `data.dtype` right?)"]
-    if seq_len and size // width < seq_len + 1:
-        return [f"{label}: {size // width} tokens, fewer than one sample of seq_len + 1 = {seq_len + 1}"]
-    try:
-        largest, offset = largest_token(f, size, width)
-    except OSError as exc:
-        return [f"{label}: cannot read: {exc.strerror}"]
-    if vocab and largest >= vocab:
-        return [f"{label}: token id {largest} at byte {offset} is not below the model's vocabulary of "
-                f"{vocab}: expected ids < {vocab} (is `data.dtype` or `model.vocab_size` right?)"]
-    return []
 
 
 def largest_token(f: tp.BinaryIO, size: int, width: int) -> tuple[int, int]:

@@ -163,7 +163,7 @@ def _named_tokens(config: dict) -> dict[str, str]:
 
 
 def _compile_or_refuse(text: str, source: str) -> tp.Any:
-    import jinja2
+    import jinja2  # lazy: jinja2
 
     try:
         return environment().from_string(text)
@@ -179,9 +179,9 @@ def environment(now: str | None = None, chars: int = 1 << 24) -> tp.Any:
     filters, globals and ``{% generation %}`` tag, so a template renders the same characters
     (``strftime_now`` renders ``now``, an ISO time, where given: the plan's, not each group's own); bounded
     by ``hpc.data.template_bounds`` to values of ``chars`` characters and a million steps a rendering."""
-    import jinja2.ext
+    import jinja2.ext  # lazy: jinja2
 
-    from hpc.data.template_bounds import BoundedEnvironment, Budget
+    from hpc.data.template_bounds import BoundedEnvironment, Budget  # lazy: jinja2
 
     env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, budget=Budget(chars),
                              extensions=[_tracker_class(), jinja2.ext.loopcontrols])
@@ -194,7 +194,7 @@ def environment(now: str | None = None, chars: int = 1 << 24) -> tp.Any:
 
 
 def _raise_exception(message: str) -> tp.NoReturn:
-    import jinja2
+    import jinja2  # lazy: jinja2
 
     raise jinja2.exceptions.TemplateError(message)
 
@@ -233,7 +233,7 @@ _CLASSES: dict[str, type] = {}
 def _namespace_class() -> type:
     """jinja2's ``namespace`` refusing underscore names (transformers' ``TemplateNamespace``)."""
     if "namespace" not in _CLASSES:
-        import jinja2.utils
+        import jinja2.utils  # lazy: jinja2
 
         def check(name: tp.Any) -> None:
             if isinstance(name, str) and name.startswith("_"):
@@ -261,9 +261,9 @@ def _tracker_class() -> type:
     (start, end) characters, the start being what the rendering has yielded so far (transformers'
     ``AssistantTracker``)."""
     if "tracker" not in _CLASSES:
-        import jinja2
-        import jinja2.ext
-        import jinja2.nodes
+        import jinja2  # lazy: jinja2
+        import jinja2.ext  # lazy: jinja2
+        import jinja2.nodes  # lazy: jinja2
 
         class GenerationTracker(jinja2.ext.Extension):
             tags = {"generation"}
@@ -320,7 +320,7 @@ class ChatRenderer:
             return chat
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             return BadInput(where, f"'tools' is a {type(tools).__name__}: expected a list of JSON schemas")
-        from hpc.data.template_bounds import TemplateBomb
+        from hpc.data.template_bounds import TemplateBomb  # lazy: jinja2
 
         template = self.compiled.get("tool_use" if tools is not None else "default", self.compiled["default"])
         self.spent = 0
@@ -491,7 +491,7 @@ def add_config_tokens(tok: tp.Any, folder: Path) -> list[str]:
     config = read_json_file(folder / CONFIG_FILE)
     if not isinstance(config, dict):
         return []
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken  # lazy: tokenizers
 
     added = {t.content for t in tok.get_added_tokens_decoder().values()}
     raw = _raw_named_tokens(config)

@@ -65,7 +65,7 @@ def read_tokenizer(path: str | Path, max_vocab: int = MAX_VOCAB) -> tuple[Path, 
     if len(data) > limit:
         raise UserError([f"{file}: over {limit:,} bytes: expected a tokenizer of at most {max_vocab:,} tokens "
                          "(raise --max-vocab)"])
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer  # lazy: tokenizers
 
     try:
         text = data.decode("utf-8")

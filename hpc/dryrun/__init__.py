@@ -112,9 +112,9 @@ def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> D
     """Build ``spec`` as rank ``rank`` of ``launch`` on the fake process group and measure it."""
     from trainer.optim import build_optimizer
     from trainer.parallelize import blocks_for
-    from trainer.tasks import task_for
+    from trainer.tasks import task_for  # lazy: numpy
     from hpc.dryrun.startup import checked_model
-    from trainer.train import build_parallel_model
+    from trainer.train import build_parallel_model  # lazy: numpy
 
     started = time.perf_counter()
     bare, forward = checked_model(spec, launch)  # what would fail before step 1: one line each, exit 2

@@ -35,7 +35,7 @@ def checked_model(spec: JobSpec, launch: Launch) -> tuple[nn.Module, str | None]
     """(the bare model on meta, what the forward check found) when nothing above would fail the job;
     else a ConfigError with one line per problem, each prefixed by the spec's file."""
     from trainer.parallelize import blocks_for
-    from trainer.tasks import task_for
+    from trainer.tasks import task_for  # lazy: numpy
 
     model = built_model(spec)
     problems: list[str] = []
@@ -56,7 +56,7 @@ def checked_model(spec: JobSpec, launch: Launch) -> tuple[nn.Module, str | None]
 def built_model(spec: JobSpec) -> nn.Module:
     """``trainer.model.build_model`` on meta; whatever the user's function raises is one line."""
     from trainer.model import build_model
-    from trainer.tasks import task_for
+    from trainer.tasks import task_for  # lazy: numpy
 
     user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
     try:
@@ -65,7 +65,7 @@ def built_model(spec: JobSpec) -> nn.Module:
         raise ConfigError([f"{spec.source}: {m}" for m in exc.messages]) from None
     except Exception as exc:  # noqa: BLE001  (the user's code: the job would raise the same in every start)
         if user_task:
-            from trainer.tasks import raised_at
+            from trainer.tasks import raised_at  # lazy: numpy
 
             raise ConfigError([f"{spec.source}: `task.target` = {user_task.target!r}: build_model() raised "
                                f"{raised_at(exc, user_task.module)}; expected it to return the nn.Module"]) from None

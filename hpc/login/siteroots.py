@@ -68,17 +68,17 @@ def _load(path: Path) -> dict[str, tp.Any]:
 def _roots(path: Path, facts: dict[str, tp.Any], warn: tp.Callable[[str], None]) -> list[Path]:
     """The profile's run root expanded in this environment, or a warning (and the root as written, when
     that one value expands)."""
-    from hpc.core import validate as v
+    from hpc.core import runroot  # lazy: startup (hpcx status, whose fast path imports little)
     from hpc.core.config import ConfigError
 
     written, error = facts["run_root"], facts["error"]
     if facts["loads"]:
         try:
-            return [v.expand_run_root(written, f"{path}: `storage.run_root` = {written!r}")]
+            return [runroot.expand_run_root(written, f"{path}: `storage.run_root` = {written!r}")]
         except ConfigError as exc:  # a variable unset here: the profile does not load for this caller
             error = exc.messages[0]
     try:
-        root = v.expand_run_root(written, str(path)) if written is not None else None
+        root = runroot.expand_run_root(written, str(path)) if written is not None else None
     except ConfigError:
         root = None
     also = f"; still looking for its runs in {root}" if root else ""

@@ -19,6 +19,7 @@ import typing as tp
 from pathlib import Path
 
 from hpc.core.errors import UserError
+from hpc.login.evals import eval_metrics
 
 LIST_RUNS = 20
 LIST_TIMEOUT_S = 3.0  # the list waits this long for the scheduler, then says "unknown (scheduler unreachable)"
@@ -28,16 +29,16 @@ ANSI = re.compile(r"\033\[[0-?]*[ -/]*[@-~]")  # what click.echo strips from a s
 def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
     """Every site profile's run root (``hpc.login.siteroots``: a profile that does not load is named
     through ``warn``), then the roots of runs made under a spec's job.run_root or a site given as a path."""
-    from hpc.login.roots import remembered
-    from hpc.login.siteroots import run_roots as profiles_roots
+    from hpc.login.roots import remembered  # lazy: startup
+    from hpc.login.siteroots import run_roots as profiles_roots  # lazy: startup
 
     return list(dict.fromkeys(profiles_roots(warn) + remembered()))
 
 
 def recent(warn: tp.Callable[[str], None]) -> list[dict[str, tp.Any]]:
     """The summaries of the caller's newest runs (the scheduler asked once, within LIST_TIMEOUT_S)."""
-    from hpc.core import runs
-    from hpc.login import submit as sub
+    from hpc.core import runs  # lazy: startup
+    from hpc.login import submit as sub  # lazy: startup (the fast path)
 
     return sub.summaries(runs.list_runs(run_roots(warn))[:LIST_RUNS], LIST_TIMEOUT_S)
 
@@ -60,7 +61,7 @@ def goodput_text(info: dict) -> str:
     """"  goodput 91.2% (lost: …)" for one run (``hpcx status RUN``: ``hpc.core.goodput``); "" in the list."""
     if not info.get("goodput"):
         return ""
-    from hpc.core.goodput import words
+    from hpc.core.goodput import words  # lazy: startup
 
     text = words(info["goodput"])
     return f"  {text}" if text else ""
@@ -69,10 +70,10 @@ def goodput_text(info: dict) -> str:
 def health_text(info: dict) -> str:
     """"  excluded n1 (41 min more)": the nodes the job keeps out now (``hpc.core.health``), and
     "  straggler: rank 3 on n7, 2.1× the median over the last 3 intervals" (``hpc.core.straggler``); "" if none."""
-    import time
+    import time  # lazy: startup
 
-    from hpc.core.health import exclusion_words
-    from hpc.core.straggler import all_words
+    from hpc.core.health import exclusion_words  # lazy: startup
+    from hpc.core.straggler import all_words  # lazy: startup
 
     words = exclusion_words(info.get("excluded_nodes") or {}, time.time())
     slow = all_words(info.get("stragglers") or [])  # the ranks named slow now (hpc.core.straggler)
@@ -99,17 +100,6 @@ def eval_text(info: dict, lead: str) -> str:
     return f"{lead}eval loss {info['eval_loss']:.4f}{perplexity}{metrics}"
 
 
-EVAL_NOT_METRICS = ("eval_loss", "eval_perplexity", "eval_tokens", "eval_samples", "eval_s", "eval_metrics")
-
-
-def eval_metrics(record: dict) -> dict[str, float]:
-    """A task's metrics in an eval record or summary (``eval_accuracy``: ``trainer.tasks``), also under
-    ``eval_metrics`` (status)."""
-    found = {k: v for k, v in record.items() if k.startswith("eval_") and k not in EVAL_NOT_METRICS
-             and isinstance(v, (int, float))}
-    return {**found, **(record.get("eval_metrics") or {})}
-
-
 def as_json(obj: tp.Any) -> str:
     """``--json`` output (what ``hpc.cli.clickutil.echo_json`` prints)."""
     return json.dumps(obj, indent=2, sort_keys=True, default=str)
@@ -125,7 +115,7 @@ def without_click(args: list[str]) -> int | None:
         return None
     if not (_utf8(sys.stdout) and _utf8(sys.stderr)):
         return None
-    from hpc.core import procs
+    from hpc.core import procs  # lazy: startup
 
     ahead = remembered_queries()
     procs.start_ahead(ahead)  # before the modules that ask them are imported: see `remembered_queries`
@@ -141,7 +131,7 @@ def without_click(args: list[str]) -> int | None:
             for info in infos:
                 echo(format_status(info), sys.stdout)
     except UserError as exc:
-        from hpc.core.validate import shown
+        from hpc.core.validate import shown  # lazy: startup
 
         for message in exc.messages:  # a file name or key from the user may hold control characters
             echo(f"error: {shown(message, 4000)}", sys.stderr)
@@ -176,7 +166,7 @@ def _isatty(stream: tp.TextIO) -> bool:
 
 
 def _utf8(stream: tp.TextIO | None) -> bool:
-    import codecs
+    import codecs  # lazy: startup
 
     encoding = getattr(stream, "encoding", None)
     try:
@@ -209,7 +199,7 @@ def remembered_queries() -> list[list[str]]:
     argument list (``hpc.core.procs.take_ahead``), so the states shown are the same, and one it does not
     ask is killed when the list ends. Empty unless the record can be trusted (``hpc.login.cache``) and
     each command is a plain name on $PATH with string arguments."""
-    from hpc.login import cache
+    from hpc.login import cache  # lazy: startup
 
     record = cache.read(QUERIES)
     cmds = record.get("commands") if isinstance(record, dict) else None
@@ -223,6 +213,6 @@ def remembered_queries() -> list[list[str]]:
 
 def remember_queries(cmds: list[list[str]]) -> None:
     """Record what this list asked, for the next one."""
-    from hpc.login import cache
+    from hpc.login import cache  # lazy: startup
 
     cache.write(QUERIES, {"commands": cmds[:MAX_QUERIES]})

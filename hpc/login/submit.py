@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.login import roots
+from hpc.login.evals import eval_metrics
 from hpc.core import health, runs, straggler
 from hpc import schedulers
 from hpc.core.config import ConfigError
 from hpc.core.errors import UserError
 from hpc.schedulers.base import QUERY_TIMEOUT_S, read_result, result_path
-from hpc.core.validate import expand_run_root
+from hpc.core.runroot import expand_run_root
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
@@ -117,7 +118,7 @@ def base_problems(spec: JobSpec) -> list[str]:
     problems = config_problems(spec)
     if problems:
         return problems
-    from hpc.ckpt.init_source import init_from_problems
+    from hpc.ckpt.init_source import init_from_problems  # lazy: torch
 
     return init_from_problems(spec)
 
@@ -218,7 +219,7 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path, remove: bo
     import io
     import shutil
 
-    from submitit.core.utils import FailedJobError, FailedSubmissionError
+    from submitit.core.utils import FailedJobError, FailedSubmissionError  # lazy: submitit
 
     removed = "folder was removed" if remove else "folder is as it was"
     try:
@@ -480,7 +481,6 @@ def recorded_summary(run_dir: Path) -> dict[str, tp.Any]:
     stops = [e for e in ledger if e.get("event") == "stop"]
     last = rd.last_train_metrics() or {}
     evaluated = rd.last_eval() or {}
-    from hpc.login.status import eval_metrics
 
     return {
         "run_dir": str(run_dir),

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import importlib
 import typing as tp
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 
 from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims, parallel_dims, tasks_per_node
@@ -50,15 +51,13 @@ __all__ = ["MFU_DEFAULT", "TIE", "Candidate", "Choice", "Plan", "Row", "Setup", 
 def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: ModelFacts | None = None) -> Plan:
     """Evaluate every strategy for ``spec`` on ``site`` (``nodes`` overrides job.nodes; ``facts``
     overrides what the spec says about the model, e.g. counted by ``hpcx plan --count-params``)."""
-    from hpc.core.models import model_facts
-    from hpc.plan.advice import advise
-    from hpc.plan.explain import plan_notes, recommend, unknown_model
-    from hpc.plan.memory import peaks_note
-    from dataclasses import replace
-    from hpc.plan.degrees import cross_advice, evaluate_degrees, family_rows, planned_degrees, tried_lines
-    from hpc.plan.rows import Plan, compute_seconds, mfu_of, nvlink_domain, setup_of
-
-    from hpc.core.lora import with_lora
+    from hpc.core.models import model_facts  # lazy: startup
+    from hpc.plan.advice import advise  # lazy: startup
+    from hpc.plan.explain import plan_notes, recommend, unknown_model  # lazy: startup
+    from hpc.plan.memory import peaks_note  # lazy: startup
+    from hpc.plan.degrees import cross_advice, evaluate_degrees, family_rows, planned_degrees, tried_lines  # lazy: startup
+    from hpc.plan.rows import Plan, compute_seconds, mfu_of, nvlink_domain, setup_of  # lazy: startup
+    from hpc.core.lora import with_lora  # lazy: startup
 
     facts = with_lora(facts or model_facts(spec.model), spec)
     setup = setup_of(spec, site, nodes)
@@ -103,7 +102,7 @@ def plan_job(spec: JobSpec, site: SiteProfile, nodes: int | None = None, facts: 
 
 def tp_words(choice: Row, found: tp.Any, family: list[Row], site: SiteProfile, cross: bool) -> list[str]:
     """Why this tensor-parallel degree (against the next best) and what crossing NVLink islands costs."""
-    from hpc.plan.degrees import cross_line, why_line
+    from hpc.plan.degrees import cross_line, why_line  # lazy: startup
 
     lines = [why_line(choice, found), cross_line(choice, family, site, cross)]
     return [x for x in lines if x]
@@ -112,9 +111,7 @@ def tp_words(choice: Row, found: tp.Any, family: list[Row], site: SiteProfile, c
 def shorter_model(spec: JobSpec, facts: ModelFacts) -> ModelFacts | None:
     """The spec's model at half its sequence length (a lever on the floor), or None (a user model, or a
     sequence too short to halve)."""
-    import dataclasses
-
-    from hpc.core.models import model_facts
+    from hpc.core.models import model_facts  # lazy: startup
 
     if not facts.builtin or facts.seq_len < 256:
         return None
@@ -127,15 +124,13 @@ def shorter_model(spec: JobSpec, facts: ModelFacts) -> ModelFacts | None:
 def launch_row(spec: JobSpec, site: SiteProfile, launch: Launch) -> Row:
     """The planner's row of the layout a resolved run uses, whether or not the plan lists it: at world
     size 1 the plan lists only ``none``, whose gradients and autocast copies an FSDP run does not hold."""
-    import dataclasses
-
-    from hpc.core.models import model_facts
-    from hpc.plan.rows import evaluate, setup_of
+    from hpc.core.models import model_facts  # lazy: startup
+    from hpc.plan.rows import evaluate, setup_of  # lazy: startup
 
     setup = dataclasses.replace(setup_of(spec, site, launch.nodes), tasks_per_node=launch.tasks_per_node,
                                 tp=launch.dims.tp)
     offload = bool(launch.cpu_offload) and launch.dims.fsdp_enabled
-    from hpc.core.lora import with_lora
+    from hpc.core.lora import with_lora  # lazy: startup
 
     return evaluate(with_lora(model_facts(spec.model), spec), (launch.dims, offload), setup, site)
 

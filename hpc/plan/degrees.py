@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 
 from hpc.core.models import ModelFacts
 from hpc.core.site import SiteProfile
-from hpc.plan.rows import (MARGIN, Row, Setup, candidates, cost, evaluate, measure, nvlink_domain, pick,
-                           roomy, tp_degrees)
+from hpc.plan.explain import fit_text, secs
+from hpc.plan.rows import (MARGIN, Row, Setup, candidates, cost, crosses_domain_by, evaluate, measure, nvlink_domain,
+                           pick, roomy, tp_degrees, tp_seconds)
 
 
 TP_TIE = 0.01  # steps of different tensor-parallel degrees within 1 % tie; the one that needs less memory wins
@@ -105,28 +106,8 @@ def family_rows(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: boo
     return out if len(out) > 1 else []
 
 
-def intra_gb(row: Row) -> float:
-    """GB each GPU sends per step inside its node (NVLink or PCIe; host copies aside)."""
-    return sum(p.gb for p in row.comm.parts if p.nodes <= 1 and p.kind != "host_copy") if row.comm else 0.0
-
-
-def network_gb(row: Row) -> float:
-    """GB through each node's network links per step (InfiniBand, RoCE …)."""
-    return row.comm.cross_node_gb if row.comm else 0.0
-
-
 def crosses_domain(row: Row, site: SiteProfile) -> bool:
     return crosses_domain_by(row, nvlink_domain(site))
-
-
-def crosses_domain_by(row: Row, domain: int) -> bool:
-    """Whether the row's tensor-parallel groups span NVLink islands of ``domain`` GPUs."""
-    return row.dims.tp > max(1, domain)
-
-
-def tp_seconds(row: Row) -> float:
-    """Seconds per step of the tensor-parallel collectives (none of which hides)."""
-    return sum(p.seconds or 0.0 for p in row.comm.parts if p.what.startswith("tp ")) if row.comm else 0.0
 
 
 # --- words --------------------------------------------------------------------------------------
@@ -134,8 +115,6 @@ def tp_seconds(row: Row) -> float:
 def why_line(choice: Row, found: Degrees) -> str:
     """Why the chosen degree beat the next best (each other degree's pick, or its leanest row where nothing fits
     there), in one line with the numbers."""
-    from hpc.plan.explain import fit_text, secs
-
     candidates = [found.picks[t] or leanest(rows) for t, rows in found.rows.items() if t != choice.dims.tp]
     others = [r for r in candidates if r is not None]
     if not others:
@@ -168,8 +147,6 @@ def leanest(rows: list[Row]) -> Row | None:
 
 def cross_advice(facts: ModelFacts, setup: Setup, site: SiteProfile, allowed: bool) -> str:
     """When nothing fits within the NVLink islands: what ``parallel.tp_cross_domain = true`` would give, and its cost."""
-    from hpc.plan.explain import fit_text, secs
-
     if setup.tp_cross_domain or site.node.gpus <= nvlink_domain(site) or not facts.tp_split:
         return ""
     wide = [t for t in tp_degrees(facts, site, setup.tasks_per_node, True) if t > nvlink_domain(site)
@@ -197,8 +174,6 @@ def _next_best(rows: list[Row]) -> Row:
 
 def cross_line(choice: Row, family: list[Row], site: SiteProfile, cross: bool) -> str:
     """What a group across NVLink islands costs (``parallel.tp_cross_domain``), or that it was not planned."""
-    from hpc.plan.explain import secs
-
     domain = nvlink_domain(site)
     if site.node.gpus <= domain or domain < 1:
         return ""
@@ -222,8 +197,6 @@ def cross_line(choice: Row, family: list[Row], site: SiteProfile, cross: bool) -
 
 def tried_lines(found: Degrees, tasks_per_node: int) -> list[str]:
     """When nothing runs: every layout tried and why it failed, one line per family (its degrees side by side)."""
-    from hpc.plan.explain import fit_text
-
     families: dict[tuple[str, str, int, bool], list[Row]] = {}
     names: dict[tuple[str, str, int, bool], str] = {}
     for rows in found.rows.values():

@@ -11,7 +11,8 @@ from hpc.plan.comm import Comm, step_comm
 from hpc.core.dims import ParallelDims, parallel_dims
 from hpc.plan.memory import HOST_USABLE, Config, Memory, estimate, headroom_gb
 from hpc.core.models import ModelFacts
-from hpc.core.site import SiteProfile
+from hpc.core.site import SiteProfile, nvlink_domain as of_node
+from hpc.core.tensor_parallel import allowed_degrees
 from hpc.core.optim import state_bytes
 from hpc.core.spec import JobSpec, compute_precision
 
@@ -177,13 +178,33 @@ class Plan:
 
 def degree_dict(row: Row, domain: int) -> dict[str, tp.Any]:
     """One tensor-parallel degree of the chosen family, for ``--json`` (``hpc.plan.degrees``)."""
-    from hpc.plan.degrees import crosses_domain_by, intra_gb, network_gb, tp_seconds
-
     return {"tp": row.dims.tp, "label": row.label, "need_gb": row.need_gb, "capacity_gb": row.capacity_gb,
             "fits": row.fits, "margin": roomy(row) if row.need_gb is not None else None,
             "illegal": row.illegal or None, "step_s": row.step_s, "tp_comm_s": tp_seconds(row),
             "intra_node_gb_per_gpu": intra_gb(row), "network_gb_per_node": network_gb(row),
             "crosses_nvlink_domain": crosses_domain_by(row, domain)}
+
+
+
+def intra_gb(row: Row) -> float:
+    """GB each GPU sends per step inside its node (NVLink or PCIe; host copies aside)."""
+    return sum(p.gb for p in row.comm.parts if p.nodes <= 1 and p.kind != "host_copy") if row.comm else 0.0
+
+
+def network_gb(row: Row) -> float:
+    """GB through each node's network links per step (InfiniBand, RoCE …)."""
+    return row.comm.cross_node_gb if row.comm else 0.0
+
+
+def crosses_domain_by(row: Row, domain: int) -> bool:
+    """Whether the row's tensor-parallel groups span NVLink islands of ``domain`` GPUs."""
+    return row.dims.tp > max(1, domain)
+
+
+def tp_seconds(row: Row) -> float:
+    """Seconds per step of the tensor-parallel collectives (none of which hides)."""
+    return sum(p.seconds or 0.0 for p in row.comm.parts if p.what.startswith("tp ")) if row.comm else 0.0
+
 
 
 # --- inputs ---------------------------------------------------------------------------------
@@ -287,15 +308,11 @@ def tp_candidates(setup: Setup, offload: bool, gpu: bool) -> list[Candidate]:
 
 def tp_degrees(facts: ModelFacts, site: SiteProfile, tasks_per_node: int, cross_domain: bool = False) -> list[int]:
     """The tensor-parallel degrees a plan may use (``hpc.core.tensor_parallel.allowed_degrees``)."""
-    from hpc.core.tensor_parallel import allowed_degrees
-
     return allowed_degrees(facts, site, tasks_per_node, cross_domain)
 
 
 def nvlink_domain(site: SiteProfile) -> int:
     """GPUs of one NVLink domain (``hpc.core.site.nvlink_domain``); 0 GPUs: 1."""
-    from hpc.core.site import nvlink_domain as of_node
-
     return of_node(site.node) if site.node.gpus else 1
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpc.plan.rows import Plan, Row
+from hpc.plan.rows import MARGIN, Plan, Row, crosses_domain_by, intra_gb, network_gb, roomy
 
 COLUMNS = ("params", "grads", "optim", "buffers", "activ", "total", "init", "+headroom", "host/node", "fits",
            "comm GB", "comm s", "step s")
@@ -69,9 +69,6 @@ def _header(plan: Plan) -> str:
 def _degree_table(plan: Plan) -> list[str]:
     """The chosen family at every tensor-parallel degree the site allows: memory against the margin, step, and
     the bytes each GPU sends inside its node and each node sends over its network per step."""
-    from hpc.plan.degrees import crosses_domain_by, intra_gb, network_gb
-    from hpc.plan.rows import MARGIN, roomy
-
     if not plan.tp_rows:
         return []
     head = ["tp", "layout", "+headroom", "of GPU", "fits", "step s", "tp comm s", "intra-node GB/GPU", "network GB/node"]

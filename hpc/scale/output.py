@@ -96,8 +96,8 @@ def plot(report: dict, path: Path | None = None, mode: int = 0o600) -> tp.Any:
     """Throughput and efficiency vs nodes, measured beside predicted (and linear); returns the Figure.
     Needs matplotlib (``pip install 'hpcx[plot]'``); without it, UserError naming the extra."""
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: matplotlib
+        from matplotlib.figure import Figure  # lazy: matplotlib
     except ImportError:
         raise UserError(["the scaling plot (report.png) needs matplotlib: pip install 'hpcx[plot]' "
                          "(report.csv and report.md need nothing more)"]) from None

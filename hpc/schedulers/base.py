@@ -27,6 +27,8 @@ from pathlib import Path
 
 from hpc.compat import ExecutorHooks
 from hpc.core import procs
+from hpc.core.boot import python_command
+from hpc.core.runs import SUBMITIT_DIR, RunDir
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
@@ -35,7 +37,6 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 
 PORT_BASE = 20000
 PORT_SPAN = 20000
-SUBMITIT_DIR = "submitit"  # under the run folder: submitit's pickles and per-task stdout/stderr
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED",
             "BOOT_FAIL", "DEADLINE", "FINISHED", "INTERRUPTED"}
 QUERY_TIMEOUT_S = 30.0
@@ -209,8 +210,6 @@ TASK_WRAPPER = ["/bin/sh", "-c", TASK_SHELL, "hpcx-task"]
 
 def task_argv(python: str, folder: str) -> list[str]:
     """``task_command`` as its words."""
-    from hpc.core.imports import python_command
-
     return [*TASK_WRAPPER, *python_command(python, "trainer.entry", str(folder), unbuffered=True)]
 
 
@@ -490,8 +489,6 @@ def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | Non
     if ledger and ledger[-1].get("event") == "stop":
         reference, source = ledger[-1].get("time"), "ledger"
     else:
-        from hpc.core.runs import RunDir
-
         reference, source = RunDir(run_dir).read_job().get("submitted_at"), "job.json"
     if reference is None:
         return None, "unknown"

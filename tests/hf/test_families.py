@@ -244,7 +244,8 @@ def test_a_lora_fine_tune_of_the_family_exports_what_peft_loads_with_hpcxs_logit
     from safetensors.torch import load_file
 
     from hpc.ckpt.dcp import DcpReader
-    from hpc.ckpt.peft import ADAPTER_WEIGHTS, export_peft
+    from hpc.ckpt.peft import ADAPTER_WEIGHTS
+    from hpc.ckpt.peft_export import export_peft
     from tests.hf.hf_helpers import losses
     from trainer.lora import apply_lora
     from trainer.run import load_run

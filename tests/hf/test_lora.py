@@ -28,7 +28,8 @@ peft = extra("peft")
 
 from hpc.ckpt.dcp import DcpReader  # noqa: E402
 from hpc.ckpt.hf import export_hf  # noqa: E402
-from hpc.ckpt.peft import ADAPTER_WEIGHTS, export_peft  # noqa: E402
+from hpc.ckpt.peft import ADAPTER_WEIGHTS  # noqa: E402
+from hpc.ckpt.peft_export import export_peft  # noqa: E402
 from hpc.core.models import model_facts  # noqa: E402
 from hpc.core.models.llama import hf_names  # noqa: E402
 from trainer.lora import apply_lora  # noqa: E402

@@ -40,7 +40,7 @@ extra("torchao")
 
 from hpc.ckpt.dcp import DcpReader  # noqa: E402
 from hpc.ckpt.hf import export_hf  # noqa: E402
-from hpc.ckpt.peft import export_peft  # noqa: E402
+from hpc.ckpt.peft_export import export_peft  # noqa: E402
 from hpc.compat import is_nf4_tensor  # noqa: E402
 from hpc.core.errors import ConfigError  # noqa: E402
 from hpc.core.models import model_facts  # noqa: E402

@@ -26,7 +26,8 @@ transformers = extra("transformers")
 peft = extra("peft")
 
 from hpc.ckpt.dcp import DcpReader  # noqa: E402
-from hpc.ckpt.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_peft  # noqa: E402
+from hpc.ckpt.peft import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # noqa: E402
+from hpc.ckpt.peft_export import export_peft  # noqa: E402
 
 from tests.conftest import hpcx  # noqa: E402
 from tests.hf.hf_helpers import LLAMA, hf_folder, hf_tensors, losses, run_ranks  # noqa: E402

@@ -20,6 +20,7 @@ from hpc.core.spec import Model
 from trainer.dist import detect_rank_env, init_distributed
 from trainer.evaluate import build_evaluator, evaluate
 from trainer.model import build_model
+from trainer.tasks.lm import token_task
 from trainer.tokens import ManifestTokens
 
 
@@ -32,6 +33,7 @@ def main(data_dir: str, out: str, steps: str = "3") -> None:
     model = build_model(Model(size="tiny", vocab_size=640), "cpu")
     dataset = ManifestTokens(data_dir, "val", 64)
     ev = build_evaluator(dataset, 4, 1, env.rank, env.world_size, every=1, steps=int(steps))
+    ev.task = token_task()
     t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, world_size=env.world_size,
                         dims=SimpleNamespace(tp=1))
     record = evaluate(t, ev, 0)

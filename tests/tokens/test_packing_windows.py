@@ -324,15 +324,16 @@ def test_the_loop_and_the_evaluator_pass_the_documents(prepared):
             total += float((token_losses(model(ids[None, :-1]), ids[None])[0] * counted[1:]).sum())
         count += int(counted[1:].sum())
     from hpc.core.dims import parallel_dims
-    from trainer.evaluate import _token_task
+    from trainer.tasks.lm import token_task
 
     # the loop's view of a trainer: the language-model task (its terms read no spec) on one process
     t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, scaler=None, clock=PhaseClock(),
-                        task=_token_task(), dims=parallel_dims("none", "full_shard", 1))
+                        task=token_task(), dims=parallel_dims("none", "full_shard", 1))
     batch = default_collate([data[i] for i in range(len(data))])
     loss = forward_backward(t, batch, masked_scale(counted_targets([batch], 1), 1))
     assert float(loss) == pytest.approx(total / count, rel=1e-5)
     ev = build_evaluator(data, global_batch=4, micro_batch=2, rank=0, world_size=1, every=1, steps=0)
+    ev.task = t.task
     with torch.no_grad():
         loss_sum, counted_sum = (float(x) for x in _sums(t, ev))
     assert counted_sum == count and loss_sum / counted_sum == pytest.approx(total / count, rel=1e-5)

@@ -280,12 +280,13 @@ def test_a_padding_pass_counts_nothing(prepared):
     from hpc.core.spec import Model
     from trainer.evaluate import Evaluator, evaluate
     from trainer.model import build_model
+    from trainer.tasks.lm import token_task
     from trainer.tokens import ManifestTokens
 
     torch.manual_seed(0)
     t = SimpleNamespace(model=build_model(Model(size="tiny", vocab_size=640), "cpu"), device=torch.device("cpu"),
                         amp_dtype=None, world_size=1, dims=SimpleNamespace(tp=1))
     dataset = ManifestTokens(prepared, "val", 64)
-    plain, padded = (evaluate(t, Evaluator(dataset, batches, 1, 1), 0) for batches in ([[1]], [[1], []]))
+    plain, padded = (evaluate(t, Evaluator(dataset, batches, 1, 1, task=token_task()), 0) for batches in ([[1]], [[1], []]))
     assert (padded["eval_loss"], padded["eval_tokens"]) == (plain["eval_loss"], plain["eval_tokens"]) == (
         plain["eval_loss"], 64)

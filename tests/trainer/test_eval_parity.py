@@ -19,6 +19,7 @@ import trainer.objective as objective
 from hpc.core.models.gpt import GPTShape
 from trainer.evaluate import Evaluator, evaluate
 from trainer.models.gpt import GPT
+from trainer.tasks.lm import token_task
 from trainer.objective import counted_targets, eval_token_losses, masked_scale, sum_over_data, token_losses
 
 VOCAB, SEQ = 211, 16
@@ -124,7 +125,7 @@ def test_the_eval_loader_has_workers_and_pinned_memory_and_gives_the_same_record
     batches = [[0, 1, 2], [3, 4], []]  # a padding pass reads sample 0 and counts nothing
     records = []
     for workers in (0, 2):
-        ev = Evaluator(_Samples(), batches, 1, 5, workers=workers, pin_memory=workers > 0)
+        ev = Evaluator(_Samples(), batches, 1, 5, task=token_task(), workers=workers, pin_memory=workers > 0)
         records.append(evaluate(t, ev, 1))
         loader = ev.loader(default_collate)
         assert loader.num_workers == workers and loader.persistent_workers == (workers > 0)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import collections
 import collections.abc
-import contextlib
 import dataclasses
 import importlib
 import math
@@ -51,10 +50,11 @@ from torch.utils.data import Dataset, default_collate
 from hpc.core.errors import ConfigError
 from hpc.core.failures import code_roots, looks_like_infrastructure, one_line, traceback_frames, user_code_error
 from hpc.core.workload import TaskWorkload
+from trainer.evaluate import Evaluator, build_evaluator
+from trainer.tasks.lm import LanguageModelTask
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
-    from trainer.evaluate import Evaluator
 
 REQUIRED = ("build_model", "units", "train_dataset", "loss")
 OPTIONAL = ("eval_dataset", "collate", "metrics", "pretrained", "state_dict", "load_state_dict")
@@ -129,8 +129,6 @@ def task_for(spec: JobSpec, data_source: str | None = None) -> LoopTask:
     (``data_source``: ``Launch.data_source``, decided at resolve)."""
     if isinstance(spec.workload, TaskWorkload):
         return user_task(spec.workload, spec.data.shuffle)
-    from trainer.tasks.lm import LanguageModelTask
-
     return LanguageModelTask(spec, data_source)
 
 
@@ -296,8 +294,6 @@ class UserTask:
         return own(samples) if callable(own) else default_collate(samples)
 
     def evaluator(self, spec: JobSpec, rank: int, world_size: int) -> Evaluator | None:
-        from trainer.evaluate import build_evaluator
-
         make = getattr(self.task, "eval_dataset", None)
         dataset = make() if spec.train.eval_every and callable(make) else None
         if dataset is None:
@@ -442,8 +438,3 @@ def _metrics_problem(found: tp.Any) -> str | None:
 
 def _scalar(x: tp.Any) -> bool:
     return (isinstance(x, torch.Tensor) and x.numel() == 1) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
-
-
-def autocast_of(device: torch.device, dtype: torch.dtype | None) -> tp.ContextManager:
-    """Autocast to ``dtype`` on ``device`` (None: none)."""
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()

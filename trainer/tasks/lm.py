@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, default_collate
 
 from hpc.core.models import model_facts
 from trainer.data import build_dataset, shuffle_enabled
+from trainer.evaluate import Evaluator, build_eval
 from trainer.model import build_model, model_blocks
 from hpc.core.manifest import PREPARED, load_manifest, manifest_path
 from trainer.objective import (batch_documents, counted_targets, eval_token_losses, loss_context, masked_scale,
@@ -21,7 +22,6 @@ from trainer.objective import (batch_documents, counted_targets, eval_token_loss
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
-    from trainer.evaluate import Evaluator
 
 
 class LanguageModelTask:
@@ -57,8 +57,6 @@ class LanguageModelTask:
         return default_collate(samples)
 
     def evaluator(self, spec: JobSpec, rank: int, world_size: int) -> Evaluator | None:
-        from trainer.evaluate import build_eval
-
         ev = build_eval(spec, self._kind(), self.seq_len, rank, world_size)
         if ev is not None:
             ev.task = self
@@ -123,3 +121,9 @@ class LanguageModelTask:
 
     def load_state_dict(self, state: dict[str, tp.Any]) -> None:
         """A language model keeps no state of its own."""
+
+
+def token_task() -> LanguageModelTask:
+    """The language model's eval terms and record without a spec (they read none): for an evaluator or a
+    loop built by hand (tests)."""
+    return LanguageModelTask.__new__(LanguageModelTask)

@@ -166,7 +166,7 @@ class LocalScheduler(Scheduler):
                  step: Step | None = None) -> tp.Any:
         import sys
 
-        from hpc.schedulers.local.executor import LocalExecutor
+        from hpc.schedulers.local.executor import LocalExecutor  # lazy: submitit
 
         step = step or self.step(spec, site, launch, str(Path(folder).parent), sys.executable)
         # LocalExecutor directly: AutoExecutor does not pass signal_delay_s through to it

@@ -464,7 +464,7 @@ class SlurmScheduler(Scheduler):
                  step: Step | None = None) -> tp.Any:
         import sys
 
-        from hpc.schedulers.slurm.executor import SlurmExecutor
+        from hpc.schedulers.slurm.executor import SlurmExecutor  # lazy: submitit
 
         run_dir = str(Path(folder).parent)
         step = step or self.step(spec, site, launch, run_dir, sys.executable)
