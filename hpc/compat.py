@@ -236,7 +236,7 @@ def set_pg_timeout(group: tp.Any, seconds: float) -> None:
 def default_store() -> tp.Any:
     """The store of the default process group (the job's rendezvous store, prefixed), for exchanges that
     must outlive a broken collective (``torch.distributed.distributed_c10d._get_default_store``)."""
-    from torch.distributed.distributed_c10d import _get_default_store
+    from torch.distributed.distributed_c10d import _get_default_store  # lazy: torch
 
     return _get_default_store()
 

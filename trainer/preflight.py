@@ -32,10 +32,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hpc import schedulers
+from hpc.compat import default_store
 from hpc.core import preflight as pf
 from hpc.core import requeue
 from hpc.core.procs import process_start_time
 from hpc.core.site import Node, nvlink_bandwidth
+from trainer.dist import set_timeout
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.resilience import Resilience
@@ -52,7 +55,8 @@ DeviceCheck = tp.Callable[[torch.device, Node, str], str]
 def device_problem(device: torch.device, node: Node, host: str) -> str:
     """What is wrong with this rank's device ("" when nothing): the drill hook, then on CUDA the device
     visible, a small matmul right and its memory as the site says; on the CPU the matmul."""
-    if drilled(os.environ.get(DRILL_HOST, ""), host, os.environ.get("SLURM_RESTART_COUNT", "0")):
+    side = schedulers.job_side()
+    if drilled(os.environ.get(DRILL_HOST, ""), host, str(side.restart_count() if side else 0)):
         return f"{device} failed the drill ({DRILL_HOST}={os.environ[DRILL_HOST]})"
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -66,7 +70,7 @@ def device_problem(device: torch.device, node: Node, host: str) -> str:
 
 def drilled(value: str, host: str, restart: str) -> bool:
     """Whether the drill hook fails this node: ``value`` names it, or is ``@first`` and this is the job's
-    first start (Slurm's restart count 0: wherever the scheduler put it, so a test need not know)."""
+    first start (the scheduler's restart count 0: wherever the scheduler put it, so a test need not know)."""
     return bool(value) and (value == host or (value == "@first" and restart in ("", "0")))
 
 
@@ -165,11 +169,11 @@ def judged(run: Run, results: list[dict], missing: dict[int, str], nbytes: int) 
 def modelled_busbw(site: tp.Any, world: int, per_node: int, nbytes: int) -> float:
     """The bus bandwidth NCCL's tuning model (``hpc.plan.collectives``, the planner's) gives an all-reduce of
     ``nbytes`` over ``world`` ranks, ``per_node`` a node, on ``site``; 0 when it cannot tell."""
-    from hpc.plan import collectives
-    from hpc.plan.comm import Group, group_topology
+    from hpc.plan.collectives import best, bus_factor  # lazy: startup
+    from hpc.plan.comm import Group, group_topology  # lazy: startup
 
-    found = collectives.best("all_reduce", nbytes, group_topology(Group(world, per_node), site, per_node))
-    return nbytes / found.seconds / 1e9 * collectives.bus_factor("all_reduce", world) if found else 0.0
+    found = best("all_reduce", nbytes, group_topology(Group(world, per_node), site, per_node))
+    return nbytes / found.seconds / 1e9 * bus_factor("all_reduce", world) if found else 0.0
 
 
 def failure_record(found: pf.Verdict) -> dict:
@@ -280,7 +284,6 @@ def job_store() -> tp.Any:
     """The job's store when several ranks take part, else None."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    from hpc.compat import default_store
 
     return default_store()
 
@@ -288,7 +291,6 @@ def job_store() -> tp.Any:
 def timed(shift: int, device: torch.device, nbytes: int, timeout_s: float, usual_s: float) -> dict:
     """``measure`` under the check's timeout (the default group's own afterwards); a collective that failed
     or timed out is this rank's ``error``."""
-    from trainer.dist import set_timeout
 
     world = dist.group.WORLD
     assert world is not None  # set once the group is up

@@ -40,6 +40,7 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpc.core.requeue import start_number
 from hpc.core.workload import ScriptWorkload
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -141,7 +142,6 @@ class ScriptRank:
     def __init__(self, run_dir: Path, workdir: Path, clock: tp.Callable[[], float] = time.time):
         from hpc import schedulers
         from hpc.core import runs
-        from hpc.core.requeue import start_number
         from trainer.run import load_run
 
         self.run = load_run(run_dir)

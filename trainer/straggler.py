@@ -44,10 +44,10 @@ log = logging.getLogger("hpcx.trainer")
 
 def gather_times(pair: list[float], world: int) -> list[list[float]]:
     """Every rank's [compute, wait] (all-gather on the gloo side group; collective)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: torch
+    import torch.distributed as dist  # lazy: torch
 
-    from trainer.dist import side_group
+    from trainer.dist import side_group  # lazy: torch
 
     if world == 1 or not dist.is_initialized():
         return [list(pair)]
@@ -59,11 +59,11 @@ def gather_times(pair: list[float], world: int) -> list[list[float]]:
 
 def gather_hosts(host: str, world: int) -> list[str]:
     """Every rank's host name, once (collective)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: torch
 
     if world == 1 or not dist.is_initialized():
         return [host]
-    from trainer.dist import side_group
+    from trainer.dist import side_group  # lazy: torch
 
     out: list[tp.Any] = [None] * world
     dist.all_gather_object(out, host, group=side_group())

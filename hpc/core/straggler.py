@@ -18,6 +18,7 @@ after a failure the check after srun, after a preemption or the time limit rank 
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import typing as tp
@@ -57,7 +58,6 @@ def _median_without(ordered: list[float], value: float) -> float | None:
 
 
 def _index(ordered: list[float], value: float) -> int:
-    import bisect
 
     return bisect.bisect_left(ordered, value)
 
