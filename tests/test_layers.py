@@ -34,10 +34,7 @@ LEAVES = ("hpc.core.errors", "hpc.core.dims", "hpc.core.boot", "hpc.login.evals"
 CORE_MAY_IMPORT = ("hpc.core", "hpc.schedulers", "hpc.schedulers.base")
 # what the trainer may import from hpc
 # (hpc.job: the script mode's helper, a torch-free leaf the script mode's task sets the variables of)
-# hpc.plan's NCCL model (torch-free, pure): the pre-flight check (trainer.preflight) times its all-reduce against
-# the figure the planner would give, the one place the trainer reads the planner
-TRAINER_MAY_IMPORT = ("hpc.core", "hpc.ckpt", "hpc.compat", "hpc.schedulers", "hpc.schedulers.base", "hpc.job",
-                      "hpc.plan.collectives", "hpc.plan.comm")
+TRAINER_MAY_IMPORT = ("hpc.core", "hpc.ckpt", "hpc.compat", "hpc.schedulers", "hpc.schedulers.base", "hpc.job")
 # the one module outside hpc/schedulers/<kind>/ that names a kind's package: `python -m hpc.requeue`, the
 # entry point the rendered sbatch script (and its goldens) runs, calls Slurm's check after srun
 NAMES_SLURM_FOR_ITS_SCRIPT = ("hpc/requeue/__main__.py",)

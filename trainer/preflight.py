@@ -155,25 +155,15 @@ def judged(run: Run, results: list[dict], missing: dict[int, str], nbytes: int) 
     node, settings = run.site.node, run.spec.health
     per_node = max((len(r) for r in hosts.values()), default=1)
     want = pf.expected(node.gpus, nvlink_bandwidth(node), run.site.network.bandwidth_gbs, len(hosts), per_node)
-    modelled = modelled_busbw(run.site, len(results) + len(missing), per_node, nbytes) if node.gpus else 0.0
+    modelled = run.launch.preflight_busbw_gbs if node.gpus else None  # decided at resolve (hpc.plan.resolve)
     if modelled and want.allreduce_gbs:  # what NCCL reaches at this size (latency counts at a few MB)
-        want = pf.Expected(allreduce_gbs=round(modelled, 1), link_gbs=want.link_gbs)
+        want = pf.Expected(allreduce_gbs=modelled, link_gbs=want.link_gbs)
     found = pf.verdict(results, missing, want, settings.preflight_min_bandwidth_fraction, settings.exclude_nodes,
                        nbytes)
     found.expected_gbs = want.allreduce_gbs
     blocks = pf.shift_peers([str(r["host"]) for r in sorted(results, key=lambda r: r["rank"])])
     found.shift = blocks[0] if blocks is not None and not missing else 0
     return found
-
-
-def modelled_busbw(site: tp.Any, world: int, per_node: int, nbytes: int) -> float:
-    """The bus bandwidth NCCL's tuning model (``hpc.plan.collectives``, the planner's) gives an all-reduce of
-    ``nbytes`` over ``world`` ranks, ``per_node`` a node, on ``site``; 0 when it cannot tell."""
-    from hpc.plan.collectives import best, bus_factor  # lazy: startup
-    from hpc.plan.comm import Group, group_topology  # lazy: startup
-
-    found = best("all_reduce", nbytes, group_topology(Group(world, per_node), site, per_node))
-    return nbytes / found.seconds / 1e9 * bus_factor("all_reduce", world) if found else 0.0
 
 
 def failure_record(found: pf.Verdict) -> dict:

@@ -49,6 +49,10 @@ class Launch:
     # what `data.source` names (``hpc.core.manifest.source_kind``: synthetic, prepared or tokens), decided at
     # resolve: the ranks read it, not the path; None in resolved.json files from before (``decided_data_source``)
     data_source: str | None = None
+    # the bus bandwidth (GB/s) NCCL's tuning model gives the pre-flight check's all-reduce at this launch
+    # (``hpc.plan.resolve.preflight_busbw``), decided at resolve so that the trainer needs no planner; None
+    # without GPUs, for a script, with the check off, and in resolved.json files from before (only logged)
+    preflight_busbw_gbs: float | None = None
 
     def __post_init__(self) -> None:
         if self.dims.world_size != self.world_size:

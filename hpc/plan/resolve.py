@@ -6,6 +6,10 @@ studies). The job never calls it: it reads the launch back from ``resolved.json`
 
 from __future__ import annotations
 
+import dataclasses
+import typing as tp
+
+from hpc.core import preflight
 from hpc.core.config import ConfigError
 from hpc.core.resolve import Launch, cross_check, launch_for, script_launch
 from hpc.core.site import SiteProfile
@@ -27,4 +31,18 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
     errors = sync_batchnorm_problems(spec, choice.dims.strategy)
     if errors:
         raise ConfigError([f"{spec.source}: {e}" for e in errors])
-    return launch_for(spec, site, choice.dims, choice.cpu_offload, choice.reasons)
+    launch = launch_for(spec, site, choice.dims, choice.cpu_offload, choice.reasons)
+    if not (site.node.gpus and spec.health.preflight):
+        return launch
+    busbw = preflight_busbw(site, launch.world_size, launch.tasks_per_node, preflight.NBYTES)
+    return dataclasses.replace(launch, preflight_busbw_gbs=round(busbw, 1) if busbw else None)
+
+
+def preflight_busbw(site: tp.Any, world: int, per_node: int, nbytes: int) -> float:
+    """The bus bandwidth NCCL's tuning model (``hpc.plan.collectives``, the planner's) gives an all-reduce of
+    ``nbytes`` over ``world`` ranks, ``per_node`` a node, on ``site``; 0 when it cannot tell."""
+    from hpc.plan.collectives import best, bus_factor  # lazy: startup
+    from hpc.plan.comm import Group, group_topology  # lazy: startup
+
+    found = best("all_reduce", nbytes, group_topology(Group(world, per_node), site, per_node))
+    return nbytes / found.seconds / 1e9 * bus_factor("all_reduce", world) if found else 0.0

@@ -111,7 +111,7 @@ def test_rank_0_decides_for_8000_ranks_and_the_others_take_its_verdict(tmp_path)
 def test_a_gpu_sites_all_reduce_figure_is_the_planners_nccl_model_at_a_few_mb():
     """At 4 MiB latency counts: NCCL's model (the planner's) gives less than the link's 450 GB/s over 64
     ranks, and more than the floor's quarter of it: the floor does not fail a good node for the size."""
-    from trainer.preflight import modelled_busbw
+    from hpc.plan.resolve import preflight_busbw as modelled_busbw
 
     doc = {"scheduler": {"kind": "slurm"}, "network": {"fabric": "infiniband", "bandwidth_gbs": 400, "latency_us": 5},
            "node": {"gpus": 8, "gpu_model": "NVIDIA H100 80GB HBM3", "gpu_memory_gb": 80, "intra_link": "nvswitch",
@@ -123,6 +123,24 @@ def test_a_gpu_sites_all_reduce_figure_is_the_planners_nccl_model_at_a_few_mb():
     assert modelled_busbw(site, 1, 1, 4 * 2**20) == 0.0  # alone: nothing to tell
     cpu = parse_site({"scheduler": {"kind": "slurm"}}, "c", "<test>")
     assert modelled_busbw(cpu, 4, 2, 4 * 2**20) == 0.0  # no figures: only logged
+
+
+def test_the_launch_carries_the_figure_from_resolve_so_the_trainer_needs_no_planner():
+    """``hpc.plan.resolve`` decides it once (a GPU site, the check on); the trainer reads ``Launch``."""
+    from hpc.core.resolve import Launch
+    from hpc.core.site import load_site
+    from hpc.core.spec import load_spec
+    from hpc.plan.resolve import resolve
+
+    job, site = str(REPO / "jobs" / "tiny-ddp.toml"), load_site("dgx-h100")
+    gpus = resolve(load_spec(job, ("job.nodes=2", "train.global_batch=32")), site)
+    assert gpus.preflight_busbw_gbs and 0 < gpus.preflight_busbw_gbs < 450
+    assert Launch.from_dict(gpus.to_dict()).preflight_busbw_gbs == gpus.preflight_busbw_gbs  # resolved.json
+    off = ("job.nodes=2", "train.global_batch=32", "health.preflight=false")
+    assert resolve(load_spec(job, off), site).preflight_busbw_gbs is None
+    assert resolve(load_spec(job), load_site("local")).preflight_busbw_gbs is None  # no GPUs: only logged
+    older = {k: v for k, v in gpus.to_dict().items() if k != "preflight_busbw_gbs"}
+    assert Launch.from_dict(older).preflight_busbw_gbs is None  # a run folder from before
 
 
 # ---------------------------------------------------------------- this rank's device, in one process
@@ -157,12 +175,17 @@ def test_the_drill_hook_names_only_its_host(monkeypatch):
     assert device_problem(torch.device("cpu"), node, "n7") == f"cpu failed the drill ({DRILL_HOST}=n7)"
     assert device_problem(torch.device("cpu"), node, "n70") == ""
     monkeypatch.setenv(DRILL_HOST, "@first")
+    monkeypatch.setenv("SUBMITIT_EXECUTOR", "slurm")  # a task of a Slurm job: its job side counts restarts
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
     monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
     assert device_problem(torch.device("cpu"), node, "n2") == f"cpu failed the drill ({DRILL_HOST}=@first)"
     monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the requeued start passes wherever it lands
     assert device_problem(torch.device("cpu"), node, "n2") == ""
     monkeypatch.delenv("SLURM_RESTART_COUNT")
-    assert device_problem(torch.device("cpu"), node, "n2") != ""  # no scheduler's count: a first start
+    assert device_problem(torch.device("cpu"), node, "n2") != ""  # no count: a first start
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    monkeypatch.delenv("SUBMITIT_EXECUTOR")
+    assert device_problem(torch.device("cpu"), node, "n2") != ""  # no scheduler started it: a first start
 
 
 @pytest.mark.gpu
