@@ -99,10 +99,14 @@ def drill(run_dir: Path, at_step: int | None, poll_s: float = 0.5,
 
 FAULTS = ("hang", "slow", "fail_node")
 SLOW_DUTY = 0.5  # --slow: the rank is stopped this share of each second (about twice as slow)
-# --slow's loop on the rank's node: SIGSTOP / SIGCONT for SECONDS, and SIGCONT whatever ends it
-SLOW_LOOP = ('pid=$1; end=$(($(date +%s) + $2)); trap "kill -CONT $pid 2>/dev/null" EXIT; '
+# --slow's loop on the rank's node: SIGSTOP / SIGCONT for SECONDS, and SIGCONT whatever ends it. A signal
+# that ends the shell skips its EXIT trap, so TERM, INT and HUP continue the rank before leaving; the
+# preemption signal is ignored (``scancel --signal`` reaches every step of the job, this one's too: the
+# loop would die between its STOP and its CONT and leave the rank stopped, which the watchdog then kills)
+SLOW_LOOP = ('pid=$1; end=$(($(date +%s) + $2)); cont() { kill -CONT "$pid" 2>/dev/null; }; trap cont EXIT; '
+             f'trap "cont; exit 0" TERM INT HUP; trap "" {SIGNAL}; '
              'while [ "$(date +%s)" -lt "$end" ] && kill -STOP "$pid" 2>/dev/null; do '
-             'sleep $3; kill -CONT "$pid" 2>/dev/null; sleep $4; done')
+             'sleep $3; cont; sleep $4; done')
 
 
 def parse_rank(text: str | None, option: str, world: int) -> int | None:

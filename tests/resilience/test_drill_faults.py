@@ -6,6 +6,8 @@ tests/slurm/test_health_slurm.py."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -78,6 +80,34 @@ def test_the_slow_loop_stops_and_continues_a_real_process_and_leaves_it_running(
             time.sleep(0.05)
         assert "T" in seen and seen - {"T"}  # stopped, and running (sleeping) in between
         assert state_of(victim.pid) != "T" and victim.poll() is None  # continued at the end, alive
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@pytest.mark.parametrize("sent, loop_goes_on", [(signal.SIGUSR2, True), (signal.SIGTERM, False),
+                                                (signal.SIGINT, False), (signal.SIGHUP, False)])
+def test_a_signal_to_the_slow_loops_step_never_leaves_the_rank_stopped(sent, loop_goes_on):
+    """The scheduler signals every process of the drill's own step (``scancel --signal=USR2`` a preemption,
+    SIGTERM a cancel), the loop's ``sleep`` too: the rank is continued whatever comes; the preemption signal
+    leaves the loop running."""
+    victim = subprocess.Popen(["sleep", "120"])
+    try:
+        loop = subprocess.Popen(["sh", "-c", SLOW_LOOP, "hpcx-slow", str(victim.pid), "60", "0.4", "0.2"],
+                                start_new_session=True)  # its own group, as a step's processes are
+        while state_of(victim.pid) != "T":
+            time.sleep(0.02)
+        os.killpg(loop.pid, sent)  # while the rank is stopped
+        if loop_goes_on:
+            seen = set()
+            for _ in range(60):
+                seen.add(state_of(victim.pid))
+                time.sleep(0.05)
+            assert loop.poll() is None and "T" in seen and seen - {"T"}  # still slowing it, and continuing it
+            os.killpg(loop.pid, signal.SIGTERM)
+        loop.wait(timeout=30)
+        time.sleep(0.1)
+        assert state_of(victim.pid) != "T" and victim.poll() is None  # continued, alive
     finally:
         victim.kill()
         victim.wait()
