@@ -1,6 +1,9 @@
 """The straggler report of one rank: its compute and its wait in collectives, gathered every N steps.
 
-What a rank measures, per step (host clock, ``time.perf_counter``; the loop tells it three moments):
+What a rank measures, per step (the loop tells it three moments; on the CPU each is the host's clock,
+``time.perf_counter``; on a GPU a CUDA event recorded on the current stream, so that the spans are the
+device's: the host runs ahead of the kernels and NCCL waits on the stream, not on the host. The events are
+read once per interval, after one synchronize, ``DeviceMarks``):
 
 - the step's work: from the end of the previous step boundary to the return of ``train_step`` (data,
   forward, backward, optimizer; the metrics line's all-reduce, evaluations and checkpoint saves are left
@@ -17,8 +20,8 @@ ledger's stop line carries it).
 
 Limits: under FSDP the sharded parameters get their gradients from FSDP's reduce-scatter, not from
 autograd's accumulation, so no hook fires and the wait inside forward and backward (FSDP's all-gathers)
-counts as compute; on a GPU the host's clock runs ahead of the kernels (NCCL waits on the stream, not on
-the host). The split is exact where the host waits for the collectives: DDP or one group over gloo.
+counts as compute. On a GPU the wait is the device's from the last gradient's kernel to the end of
+backward on the compute stream, which DDP makes wait for NCCL's all-reduce.
 """
 
 from __future__ import annotations
@@ -40,6 +43,52 @@ if tp.TYPE_CHECKING:  # pragma: no cover
     from trainer.run import Run
 
 log = logging.getLogger("hpcx.trainer")
+
+
+@dataclass(frozen=True)
+class HostMarks:
+    """The CPU's moments: the host's clock; a span is a difference, known at once."""
+
+    clock: tp.Callable[[], float] = time.perf_counter
+
+    def mark(self) -> tp.Any:
+        return self.clock()
+
+    def settle(self) -> None:
+        """Nothing to wait for."""
+
+    def seconds(self, start: tp.Any, end: tp.Any) -> float:
+        return float(end) - float(start)
+
+
+@dataclass(frozen=True)
+class DeviceMarks:
+    """A GPU's moments: a CUDA event recorded on the current stream (``new_event``: ``torch.cuda.Event`` with
+    timing); a span is known once the device has passed both, so the interval settles them first (one
+    synchronize every ``health.straggler_every`` steps)."""
+
+    new_event: tp.Callable[[], tp.Any]
+    synchronize: tp.Callable[[], None]
+
+    def mark(self) -> tp.Any:
+        event = self.new_event()
+        event.record()
+        return event
+
+    def settle(self) -> None:
+        self.synchronize()
+
+    def seconds(self, start: tp.Any, end: tp.Any) -> float:
+        return float(start.elapsed_time(end)) / 1000.0  # milliseconds
+
+
+def marks_for(device: tp.Any) -> HostMarks | DeviceMarks:
+    """Device events on CUDA, the host's clock elsewhere."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return HostMarks()
+    import torch  # lazy: torch
+
+    return DeviceMarks(lambda: torch.cuda.Event(enable_timing=True), torch.cuda.synchronize)
 
 
 def gather_times(pair: list[float], world: int) -> list[list[float]]:
@@ -80,14 +129,15 @@ class StepSplit:
     judge: verdicts.Judge
     metrics: MetricsWriter | None = None  # rank 0's writer (others: None)
     host: str = field(default_factory=lambda: os.uname().nodename)
-    clock: tp.Callable[[], float] = time.perf_counter
+    clock: tp.Callable[[], float] = time.perf_counter  # the host's (``marks`` None)
+    marks: HostMarks | DeviceMarks | None = None  # how moments are taken (None: ``HostMarks(clock)``)
     gather: tp.Callable[[list[float], int], list[list[float]]] = gather_times
     gather_hosts: tp.Callable[[str, int], list[str]] = gather_hosts
     hosts: list[str] | None = None  # every rank's, gathered at the first interval
-    began: float | None = None  # the end of the previous boundary (None: before the first)
-    grads_done: float | None = None  # when this rank's backward produced its last gradient
-    compute: float = 0.0
-    wait: float = 0.0
+    began: tp.Any = None  # the end of the previous boundary (None: before the first)
+    grads_done: tp.Any = None  # when this rank's backward produced its last gradient
+    work_spans: list[tuple[tp.Any, tp.Any]] = field(default_factory=list)  # this interval's, read at its end
+    wait_spans: list[tuple[tp.Any, tp.Any]] = field(default_factory=list)
     steps: int = 0
     named: list[dict] = field(default_factory=list)  # every rank named during this start (rank 0)
     now: list[dict] = field(default_factory=list)  # the ranks named at the last interval (rank 0)
@@ -95,6 +145,14 @@ class StepSplit:
     written: bool = False  # this start's verdict is in the run folder (an earlier start's is replaced)
 
     # ------------------------------------------------------------ the loop's side
+
+    def __post_init__(self) -> None:
+        if self.marks is None:
+            self.marks = HostMarks(self.clock)
+
+    def _mark(self) -> tp.Any:
+        assert self.marks is not None
+        return self.marks.mark()
 
     def attach(self, model: nn.Module) -> StepSplit:
         """Note the moment each trained parameter's gradient is accumulated (the last one: backward done)."""
@@ -104,18 +162,18 @@ class StepSplit:
         return self
 
     def _grad_ready(self, _: tp.Any) -> None:
-        self.grads_done = self.clock()
+        self.grads_done = self._mark()
 
     def synced(self) -> None:
         """``backward()`` returned: the time since the last gradient was waiting for the others."""
         if self.grads_done is not None:
-            self.wait += max(0.0, self.clock() - self.grads_done)
+            self.wait_spans.append((self.grads_done, self._mark()))
         self.grads_done = None
 
     def worked(self) -> None:
         """``train_step`` returned: the step's work ends here."""
         if self.began is not None:
-            self.compute += self.clock() - self.began
+            self.work_spans.append((self.began, self._mark()))
             self.steps += 1
         self.began = None
 
@@ -124,19 +182,30 @@ class StepSplit:
         and judged; the next step's work begins now."""
         if self.every and step > 0 and step % self.every == 0:
             self.interval(step)
-        self.began = self.clock()
+        self.began = self._mark()
 
     # ------------------------------------------------------------ one interval
 
     def interval(self, step: int) -> None:
         """Gather [compute, wait] of every rank (collective); rank 0 writes and judges them."""
-        own = [max(0.0, self.compute - self.wait), self.wait]
-        times = self.gather(own, self.world)
+        work, wait = self.settled()
+        times = self.gather([max(0.0, work - wait), wait], self.world)
         if self.hosts is None:
             self.hosts = self.gather_hosts(self.host, self.world)
-        steps, self.compute, self.wait, self.steps = self.steps, 0.0, 0.0, 0
+        steps, self.steps = self.steps, 0
         if self.rank == 0 and steps:
             self.judged(step, steps, [t[0] for t in times], [t[1] for t in times])
+
+    def settled(self) -> tuple[float, float]:
+        """The interval's work and wait in seconds (its spans read, once the device passed them); reset."""
+        marks = self.marks
+        assert marks is not None
+        if self.work_spans or self.wait_spans:
+            marks.settle()
+        work = sum(marks.seconds(a, b) for a, b in self.work_spans)
+        wait = sum(max(0.0, marks.seconds(a, b)) for a, b in self.wait_spans)
+        self.work_spans, self.wait_spans = [], []
+        return work, wait
 
     def judged(self, step: int, steps: int, compute: list[float], wait: list[float]) -> None:
         """Rank 0: the interval's metrics line; a verdict that changed reaches the log and the run folder."""
@@ -172,5 +241,6 @@ def straggler_for(run: Run, world: int, guard: Resilience, model: nn.Module,
     side = guard.side
     incarnation = side.incarnation(guard.restart) if side is not None else f"run.{guard.restart}"
     judge = verdicts.Judge(settings.straggler_factor, settings.straggler_intervals)
+    device = next((p.device for p in model.parameters()), None)
     return StepSplit(run.run_dir, guard.rank, world, incarnation, settings.straggler_every, judge,
-                     metrics=metrics if guard.rank == 0 else None).attach(model)
+                     metrics=metrics if guard.rank == 0 else None, marks=marks_for(device)).attach(model)
