@@ -6,22 +6,13 @@ a drilled preemption), so the next start lands on the other node."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 from tests.conftest import REPO, hpcx
 from tests.resilience.resilience_lib import ledger, submit, wait_state
-from tests.slurm.test_failure_slurm import TERMINAL
+from tests.slurm.test_failure_slurm import TERMINAL, wait_for
 
 DDP = str(REPO / "jobs" / "tiny-ddp.toml")
-
-
-def wait_for(condition, what: str, timeout: float):
-    deadline = time.time() + timeout
-    while not (value := condition()):
-        assert time.time() < deadline, f"timed out waiting for {what}"
-        time.sleep(2)
-    return value
 
 
 def named(folder: Path) -> str:
