@@ -328,7 +328,7 @@ def test_the_loop_and_the_evaluator_pass_the_documents(prepared):
 
     # the loop's view of a trainer: the language-model task (its terms read no spec) on one process
     t = SimpleNamespace(model=model, device=torch.device("cpu"), amp_dtype=None, scaler=None, clock=PhaseClock(),
-                        task=token_task(), dims=parallel_dims("none", "full_shard", 1))
+                        task=token_task(), dims=parallel_dims("none", "full_shard", 1), straggler=None)
     batch = default_collate([data[i] for i in range(len(data))])
     loss = forward_backward(t, batch, masked_scale(counted_targets([batch], 1), 1))
     assert float(loss) == pytest.approx(total / count, rel=1e-5)
