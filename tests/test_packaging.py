@@ -208,3 +208,16 @@ def test_a_wheel_install_knows_its_own_trainer_and_names_a_foreign_file(wheel_ve
     finally:
         foreign.unlink()
     assert str(foreign) in out.stdout and "hpcx did not install" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_checkout_tracks_no_link_out_of_itself_and_no_virtual_environment():
+    """A clone is all a user has: a tracked symlink to a folder of this machine (a worktree's `.venv` once
+    reached main that way, and `scripts/install` then found a dangling `.venv`) or a tracked environment
+    breaks it. `.gitignore`'s `.venv` (no slash) also ignores a `.venv` that is a link."""
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-s"], capture_output=True, text=True, check=True)
+    links = [line.split("\t", 1)[1] for line in listed.stdout.splitlines() if line.startswith("120000 ")]
+    outside = [p for p in links if not (REPO / p).resolve().is_relative_to(REPO.resolve())]
+    tracked = [line.split("\t", 1)[1] for line in listed.stdout.splitlines()]
+    assert outside == [] and not [p for p in tracked if p.split("/")[0] in (".venv", "venv")], outside
+    ignored = subprocess.run(["git", "-C", str(REPO), "check-ignore", "-q", "--no-index", ".venv"])
+    assert ignored.returncode == 0  # a file or a link named .venv, not only a folder
