@@ -274,14 +274,12 @@ def job_store() -> tp.Any:
     """The job's store when several ranks take part, else None."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-
     return default_store()
 
 
 def timed(shift: int, device: torch.device, nbytes: int, timeout_s: float, usual_s: float) -> dict:
     """``measure`` under the check's timeout (the default group's own afterwards); a collective that failed
     or timed out is this rank's ``error``."""
-
     world = dist.group.WORLD
     assert world is not None  # set once the group is up
     set_timeout([world], timeout_s)

@@ -118,7 +118,8 @@ class Resilience:
             log.warning("checkpoint.resume = false: starting over although %s holds checkpoints", self.run_dir)
         self.step = state.step
         if self.rank == 0:
-            line = {**start_line(self.run_dir, state.step, path, time.perf_counter() - tic, self.side), **self.notes}
+            line = {**start_line(self.run_dir, state.step, self.restart, path, time.perf_counter() - tic, self.side),
+                    **self.notes}
             runs.append_jsonl(runs.RunDir(self.run_dir).ledger, line)
             policy_.record_start(self.run_dir, self.side)
         self.last_save_clock = time.monotonic()
@@ -200,7 +201,7 @@ class Resilience:
         if self.rank != 0 or self.side is None:
             return
         try:
-            record_saves(self.run_dir, self.side.incarnation(self.restart), self.saves, self.save_s, step)
+            record_saves(self.run_dir, self.incarnation, self.saves, self.save_s, step)
         except OSError as exc:
             log.warning("could not record the saves of this start: %s", exc)
 
@@ -291,7 +292,7 @@ class Resilience:
         if terminated or self.side is None:
             return {}
         try:
-            reports = policy_.failure_reports(self.run_dir, self.side.incarnation(self.restart))
+            reports = policy_.failure_reports(self.run_dir, self.incarnation)
             return first_failure_account(reports, self.side.task_ends(self.run_dir))
         except (OSError, ValueError, runs.ConfigError) as exc:
             log.warning("could not read the ranks' failure reports: %s", exc)
@@ -303,7 +304,7 @@ class Resilience:
         if self.side is None:
             return
         try:
-            policy_.report_failure(self.run_dir, self.side.incarnation(self.restart), self.rank, step=self.step,
+            policy_.report_failure(self.run_dir, self.incarnation, self.rank, step=self.step,
                                    error=error.splitlines()[0][:300] if error else "", terminated=terminated,
                                    host=os.uname().nodename, save_s=round(self.save_s, 3), saves=self.saves,
                                    phase=self.phase, repeats=repeats,
@@ -315,7 +316,7 @@ class Resilience:
         """Why not to requeue when this or another rank failed in a way a restart repeats, else None."""
         if self.side is None:
             return None
-        reports = policy_.failure_reports(self.run_dir, self.side.incarnation(self.restart))
+        reports = policy_.failure_reports(self.run_dir, self.incarnation)
         repeating = [r for r in reports if r.get("repeats")]
         return repeat_reason(repeating[0]) if repeating else None
 
@@ -332,12 +333,16 @@ class Resilience:
             return why_not
         if self.side is None:
             return "no scheduler to requeue (torchrun or one process): run the same command again to resume"
-        return policy_.request(self.side, self.run_dir, self.side.incarnation(self.restart), "rank 0", reason)
+        return policy_.request(self.side, self.run_dir, self.incarnation, "rank 0", reason)
+
+    @property
+    def incarnation(self) -> str:
+        """This start's name (``JobSide.incarnation``; ``run.N`` without a scheduler)."""
+        return self.side.incarnation(self.restart) if self.side is not None else f"run.{self.restart}"
 
     def _stragglers(self) -> list[dict]:
         """The ranks the straggler report named during this start (``trainer.straggler``)."""
-        incarnation = self.side.incarnation(self.restart) if self.side is not None else f"run.{self.restart}"
-        return straggler.of_start(self.run_dir, incarnation)
+        return straggler.of_start(self.run_dir, self.incarnation)
 
     def _exclude_stragglers(self) -> dict[str, tp.Any]:
         """After a granted requeue, ``health.exclude_stragglers``: their nodes join the excluded ones."""
@@ -409,14 +414,16 @@ def steps_recomputed(ledger: list[dict], metrics_last_step: int | None, resumed_
     return max(0, int(reached) - resumed_step)
 
 
-def start_line(run_dir: Path, step: int, checkpoint: Path | None, restore_s: float, side: JobSide | None) -> dict:
-    """The ledger's line for this start (rank 0): ``hpc.core.requeue.start_line`` with what the trainer
-    adds (the checkpoint it resumed from, the steps it recomputes, restore and start-up times, the image)."""
+def start_line(run_dir: Path, step: int, restart: int, checkpoint: Path | None, restore_s: float,
+               side: JobSide | None) -> dict:
+    """The ledger's line for start number ``restart`` (rank 0, which decided it: ``_agreed_start``):
+    ``hpc.core.requeue.start_line`` with what the trainer adds (the checkpoint it resumed from, the steps it
+    recomputes, restore and start-up times, the image)."""
     rd = runs.RunDir(run_dir)
     ledger, last = rd.read_ledger(), rd.last_metrics() or {}
     wait = side.queue_wait(run_dir, ledger) if side is not None else wait_since_last_stop(run_dir, ledger)
     return policy_.start_line(
-        step, policy_.start_number(ledger, side), side, "trainer", wait,
+        step, restart, side, "trainer", wait,
         checkpoint=checkpoint.name if checkpoint else None,
         steps_recomputed=steps_recomputed(ledger, last.get("step"), step), restore_s=round(restore_s, 3),
         startup_s=round(time.time() - process_start_time(), 3), **inside_record(os.environ))

@@ -194,7 +194,6 @@ class ScriptRank:
         return self.requeue_dir / f"{self.incarnation}.error-rank-{rank}.json"
 
     def _run_command(self) -> int:
-
         argv = self.argv()
         ignored = preempt_signal().name.removeprefix("SIG")
         # the preemption signal ignored across the exec (an ignored signal stays ignored), nothing else changed

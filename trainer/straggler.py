@@ -238,9 +238,7 @@ def straggler_for(run: Run, world: int, guard: Resilience, model: nn.Module,
     settings = run.spec.health
     if not settings.straggler_every or world < 2:
         return None
-    side = guard.side
-    incarnation = side.incarnation(guard.restart) if side is not None else f"run.{guard.restart}"
     judge = verdicts.Judge(settings.straggler_factor, settings.straggler_intervals)
     device = next((p.device for p in model.parameters()), None)
-    return StepSplit(run.run_dir, guard.rank, world, incarnation, settings.straggler_every, judge,
+    return StepSplit(run.run_dir, guard.rank, world, guard.incarnation, settings.straggler_every, judge,
                      metrics=metrics if guard.rank == 0 else None, marks=marks_for(device)).attach(model)

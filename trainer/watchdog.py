@@ -261,10 +261,8 @@ def watchdog_for(run: Run, world: int, guard: Resilience) -> Watchdog | None:
     settings = run.spec.health
     if not settings.watchdog:
         return None
-    side = guard.side
-    incarnation = side.incarnation(guard.restart) if side is not None else f"run.{guard.restart}"
     short = min(run.spec.parallel.step_timeout_s, run.spec.parallel.timeout_s)
-    return Watchdog(run.run_dir, guard.rank, world, incarnation, settings, short,
+    return Watchdog(run.run_dir, guard.rank, world, guard.incarnation, settings, short,
                     on_fire=lambda verdict: end_rank(guard, verdict)).start()
 
 

@@ -64,7 +64,6 @@ def cli() -> None:
 
 def refuse_script_mode(spec: tp.Any, command: str) -> None:
     """``hpcx plan``/``dryrun`` of a script-mode spec: there is no model of hpcx's to count or build."""
-
     if isinstance(spec.workload, ScriptWorkload):
         raise UserError([f"{spec.source}: `job.command` runs your own script, so `hpcx {command}` has no model to "
                          "count or build: expected a spec of hpcx's trainer (a built-in model, a user model or a "

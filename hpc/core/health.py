@@ -27,6 +27,9 @@ from pathlib import Path
 
 from hpc.core.config import field
 
+if tp.TYPE_CHECKING:  # pragma: no cover
+    from hpc.schedulers.base import JobSide
+
 # Words of an error that blame the node's hardware rather than the code.
 HARDWARE = re.compile(r"uncorrectable ECC|ECC error|fallen off the bus|GPU is lost|Xid \d+|"
                       r"CUDA-capable device.*(busy|unavailable)|NVLink (error|failure)|Bus error", re.I)
@@ -141,6 +144,19 @@ def exclusions(found: tp.Sequence[tuple[str, float]], now: float, health: Health
         latest[node] = max(when, latest.get(node, when))
     recent = sorted(((when, node) for node, when in latest.items() if when + window > now), reverse=True)
     return {node: round(when + window, 3) for when, node in recent[:cap]}
+
+
+def exclude(ledger: tp.Sequence[dict], found: tp.Sequence[tuple[str, float]], now: float, health: Health,
+            side: JobSide) -> dict[str, tp.Any]:
+    """Ask the scheduler to keep the nodes of ``found`` (``exclusions``) out of the next start: the stop
+    line's ``excluded_nodes``, ``excluded_until`` and ``exclude_failed`` (why it could not). The list is set
+    anew each time, so that a node whose window has passed comes back; {} when nothing is excluded now or
+    was before (nothing to ask)."""
+    until = exclusions(found, now, health, side.spare_nodes() if found else None)
+    if not until and not active(ledger, 0.0):
+        return {}
+    why_not = side.exclude(list(until))
+    return {"excluded_nodes": list(until), "excluded_until": until, **({"exclude_failed": why_not} if why_not else {})}
 
 
 def active(ledger: tp.Sequence[dict], now: float) -> dict[str, float]:

@@ -52,14 +52,9 @@ def _median_without(ordered: list[float], value: float) -> float | None:
     rest = len(ordered) - 1
     if rest < 1:
         return None
-    place = _index(ordered, value)
+    place = bisect.bisect_left(ordered, value)
     at = lambda j: ordered[j] if j < place else ordered[j + 1]  # noqa: E731 - the list without ``place``
     return (at((rest - 1) // 2) + at(rest // 2)) / 2
-
-
-def _index(ordered: list[float], value: float) -> int:
-
-    return bisect.bisect_left(ordered, value)
 
 
 def _median(ordered: list[float]) -> float | None:
@@ -189,8 +184,4 @@ def exclusion_after_requeue(ledger: tp.Sequence[dict], named: tp.Sequence[tp.Map
     if not settings.exclude_stragglers or not named:
         return {}
     found = [*health.faults(ledger, stragglers=True), *((str(s["host"]), now) for s in named if s.get("host"))]
-    until = health.exclusions(found, now, settings, side.spare_nodes())
-    if not until and not health.active(ledger, 0.0):
-        return {}
-    why_not = side.exclude(list(until))
-    return {"excluded_nodes": list(until), "excluded_until": until, **({"exclude_failed": why_not} if why_not else {})}
+    return health.exclude(ledger, found, now, settings, side)

@@ -75,14 +75,7 @@ def node_health(ledger: list[dict], spec: dict, side: JobSide, account: dict, re
     found = [*health.faults(ledger, settings.exclude_stragglers), *((n, time.time()) for n in nodes if out["node_fault"])]
     if settings.exclude_stragglers:  # this start's stragglers (``exclude_stragglers``): their nodes too
         found += [(str(s["host"]), time.time()) for s in account.get("stragglers", []) if s.get("host")]
-    until = health.exclusions(found, time.time(), settings, side.spare_nodes() if found else None)
-    if not until and not health.active(ledger, 0.0):
-        return out  # nothing excluded before or now: nothing to ask the scheduler
-    why_not = side.exclude(list(until))
-    out.update(excluded_nodes=list(until), excluded_until=until)
-    if why_not:
-        out["exclude_failed"] = why_not
-    return out
+    return {**out, **health.exclude(ledger, found, time.time(), settings, side)}
 
 
 def _loading_failure(side: JobSide, run_dir: Path) -> dict[str, str] | None:
