@@ -26,8 +26,8 @@ def starts(folder: Path) -> list[dict]:
 
 def test_a_slowed_rank_is_named_and_its_node_kept_out_of_the_requeue(sandbox):
     folder = submit(DDP, "job.name=straggler", "job.nodes=1", "job.tasks_per_node=2", "train.steps=100000",
-                    "train.log_every=5", "checkpoint.interval_steps=100000", "health.straggler_every=10",
-                    "health.straggler_intervals=3", "health.exclude_stragglers=true", site="sandbox")
+                    "train.log_every=5", "checkpoint.interval_steps=100000", "health.straggler_every=50",
+                    "health.straggler_intervals=3", "health.straggler_factor=1.3", "health.exclude_stragglers=true", site="sandbox")
     try:
         slowed = hpcx("drill", str(folder), "--at-step", "20", "--slow", "1", "--for", "120", "--json", timeout=300)
         assert slowed.returncode == 0, slowed.stderr
