@@ -8,6 +8,13 @@ median interval between boundaries measured so far, at least ``hang_floor_s`` an
 timeout (``parallel.step_timeout_s``, which would otherwise end the waiting ranks first, naming no one);
 it is armed once one interval was measured (start-up, resume and the first step are the long timeout's).
 
+A save or an evaluation suspends the step clock, not the watch: each rank's thread keeps its heartbeat fresh
+(every ``BEAT_EVERY_S``), and a rank suspended for longer than the timeout reads the heartbeat of one neighbour
+(rank + 1, around the ring: one file per rank per poll at any scale). A neighbour silent for longer than the
+timeout (and ``SILENT_S``) is stopped or gone, and the rank fires: a node that stops during a save is found
+in the hang timeout, not the long collective timeout of saves (``parallel.timeout_s``). Suspended ranks join
+a firing as the others do, so that only the silent ones are named.
+
 When it fires, a rank writes into ``RUN/hangs/INCARNATION/`` its Python stacks (faulthandler, every
 thread: the collective it waits in is the innermost ``torch.distributed`` frame) and its account (step,
 where its main thread is). A rank that has waited half the timeout joins as soon as that folder exists,
@@ -48,6 +55,7 @@ log = logging.getLogger("hpcx.trainer")
 CAP = 0.9  # of the collective timeout: the watchdog fires before it
 BEAT_EVERY_S = 5.0  # heartbeats reach the run folder at most this often (a few per minute per rank)
 MEASURED = 50  # intervals the median is taken over
+SILENT_S = 3 * BEAT_EVERY_S  # a neighbour's heartbeat older than this (and the timeout) while suspended: silent
 
 
 @dataclass
@@ -68,10 +76,13 @@ class Watchdog:
     last: float | None = None  # when (``clock``), None before the first
     intervals: list[float] = field(default_factory=list)
     paused: int = 0  # nesting of ``suspended``
+    paused_at: float = 0.0  # when (``clock``) the outermost suspension began
     tainted: bool = False  # a suspension fell in the current interval: it is not measured
     beat_written: float = float("-inf")
     fired: bool = False
+    silent: int | None = None  # the neighbour found silent while suspended, for the log
     stopped: threading.Event = field(default_factory=threading.Event)
+    writing: threading.Lock = field(default_factory=threading.Lock)  # the loop's heartbeat and the thread's
 
     # ------------------------------------------------------------ the loop's side
 
@@ -81,13 +92,21 @@ class Watchdog:
         if self.last is not None and not self.tainted:
             self.intervals = [*self.intervals[-(MEASURED - 1):], now - self.last]
         self.step, self.last, self.tainted = step, now, False
-        if now - self.beat_written >= BEAT_EVERY_S:
+        self.keep_alive()
+
+    def keep_alive(self) -> None:
+        """Write the heartbeat when due (at most every ``BEAT_EVERY_S``), from the first step boundary on."""
+        now = self.clock()
+        if self.last is not None and now - self.beat_written >= BEAT_EVERY_S:
             self.beat_written = now
             self._write_beat()
 
     @contextlib.contextmanager
     def suspended(self) -> tp.Iterator[None]:
-        """Work that may rightly take long (a save, an evaluation): not a hang; the interval is not measured."""
+        """Work that may rightly take long (a save, an evaluation): not a hang unless a neighbour falls silent
+        meanwhile; the interval is not measured."""
+        if not self.paused:
+            self.paused_at = self.clock()
         self.paused += 1
         try:
             yield
@@ -109,10 +128,28 @@ class Watchdog:
     def due(self) -> bool:
         """Whether to fire now: past the timeout, or past half of it while another rank fired already."""
         limit = self.timeout()
-        if limit is None or self.paused or self.last is None or self.fired:
+        if limit is None or self.last is None or self.fired:
             return False
+        if self.paused:
+            waited = self.clock() - self.paused_at
+            return waited > limit / 2 and (self.hang_folder.is_dir() or (waited > limit and self._neighbour_silent(limit)))
         waited = self.clock() - self.last
         return waited > limit or (waited > limit / 2 and self.hang_folder.is_dir())
+
+    def _neighbour_silent(self, limit: float) -> bool:
+        """Whether the next rank around the ring has written no heartbeat of this start for ``limit`` (and
+        ``SILENT_S``): stopped, or gone. No heartbeat of this start at all is no evidence (it may not have
+        been written); a heartbeat of another start is not this start's neighbour."""
+        if self.world < 2:
+            return False
+        neighbour = (self.rank + 1) % self.world
+        beat = health.read_beat(self.run_dir, neighbour)
+        if beat.get("incarnation") != self.incarnation or not isinstance(beat.get("time"), (int, float)):
+            return False
+        if self.wall() - float(beat["time"]) <= max(limit, SILENT_S):
+            return False
+        self.silent = neighbour
+        return True
 
     # ------------------------------------------------------------ the thread
 
@@ -125,6 +162,7 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self.stopped.wait(self.poll_s):
+            self.keep_alive()
             if self.due():
                 self.fire()
                 return
@@ -139,8 +177,13 @@ class Watchdog:
         """Dump, answer, let the others answer, decide (lowest answering rank), then end the process."""
         self.fired = True
         waited = self.clock() - (self.last or self.clock())
-        log.error("watchdog: no step boundary for %.0f s after step %d: dumping stacks into %s", waited, self.step,
-                  self.hang_folder)
+        if self.silent is not None:
+            log.error("watchdog: suspended (a save or an evaluation) for %.0f s after step %d while rank %d wrote "
+                      "no heartbeat: dumping stacks into %s", self.clock() - self.paused_at, self.step, self.silent,
+                      self.hang_folder)
+        else:
+            log.error("watchdog: no step boundary for %.0f s after step %d: dumping stacks into %s", waited,
+                      self.step, self.hang_folder)
         self.hang_folder.mkdir(parents=True, exist_ok=True)
         self._dump()
         answers = self._await_answers()
@@ -196,10 +239,11 @@ class Watchdog:
     def _write_beat(self) -> None:
         folder = health.beats_dir(self.run_dir)
         try:
-            folder.mkdir(exist_ok=True)
-            health.write_json_atomic(folder / f"rank-{self.rank}.json", {
-                "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "time": self.wall(),
-                "incarnation": self.incarnation})
+            with self.writing:
+                folder.mkdir(exist_ok=True)
+                health.write_json_atomic(folder / f"rank-{self.rank}.json", {
+                    "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "time": self.wall(),
+                    "incarnation": self.incarnation})
         except OSError as exc:  # a heartbeat is a help; training goes on without it
             log.warning("watchdog: could not write the heartbeat: %s", exc)
 

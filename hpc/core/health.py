@@ -178,8 +178,9 @@ def exclusion_words(until: tp.Mapping[str, float], now: float) -> str:
 
 
 def beats_dir(run_dir: Path) -> Path:
-    """``RUN/health/``: each rank's last step boundary (``rank-R.json``: rank, host, pid, step, time,
-    incarnation), overwritten every few seconds by ``trainer.watchdog``; what ``hpcx drill`` aims at."""
+    """``RUN/health/``: each rank's heartbeat (``rank-R.json``: rank, host, pid, the step of its last boundary,
+    the time it was written, incarnation), rewritten every few seconds by ``trainer.watchdog`` while the rank
+    lives (from its first step boundary on); what ``hpcx drill`` aims at."""
     return Path(run_dir) / "health"
 
 
@@ -193,13 +194,24 @@ def read_beats(run_dir: Path) -> dict[int, dict]:
     """Rank → its last heartbeat (unreadable ones left out: a rank may be writing)."""
     found: dict[int, dict] = {}
     for path in sorted(beats_dir(run_dir).glob("rank-*.json")):
-        try:
-            beat = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(beat, dict) and isinstance(beat.get("rank"), int):
+        beat = _beat(path)
+        if beat:
             found[beat["rank"]] = beat
     return found
+
+
+def read_beat(run_dir: Path, rank: int) -> dict:
+    """One rank's last heartbeat; {} when it has none that can be read."""
+    beat = _beat(beats_dir(run_dir) / f"rank-{rank}.json")
+    return beat if beat.get("rank") == rank else {}
+
+
+def _beat(path: Path) -> dict:
+    try:
+        beat = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return beat if isinstance(beat, dict) and isinstance(beat.get("rank"), int) else {}
 
 
 def write_json_atomic(path: Path, record: dict) -> None:

@@ -114,9 +114,17 @@ def test_a_signal_to_the_slow_loops_step_never_leaves_the_rank_stopped(sent, loo
 
 
 def test_a_local_rank_that_hangs_is_named_and_the_job_resumes(tmp_path):
+    """The first start trains slowly (0.1 s a forward call) until the drill landed, so that the SIGSTOP reaches
+    rank 1 while it trains, however loaded the machine: a tiny job's 16 steps take 0.3 s, and a stop after
+    the last step holds a job whose watchdog has ended. It may land in a save (every 3 steps): rank 0 then
+    finds its neighbour silent (tests/resilience/test_watchdog.py)."""
+    landed = tmp_path / "landed"
     folder = submit(str(REPO / "jobs" / "tiny-ddp.toml"), "job.name=local-hang", "train.steps=16", "train.log_every=1",
-                    "checkpoint.interval_steps=3", "health.hang_timeout_s=8", "job.time_limit_min=10")
+                    "checkpoint.interval_steps=3", "health.hang_timeout_s=8", "job.time_limit_min=10",
+                    'model.arch="tests.slurm.slow_model:build"', "model.seq_len=64", "model.vocab_size=256",
+                    f"model.kwargs={{sleep_s = 0.1, until = {json.dumps(str(landed))}}}")
     out = hpcx("drill", str(folder), "--at-step", "5", "--hang", "1", timeout=300)
+    landed.touch()
     assert out.returncode == 0 and "hang at rank 1" in out.stdout, out.stderr
     final = wait_state(folder, ("COMPLETED", "FAILED", "CANCELLED"), timeout=400)
     assert final["state"] == "COMPLETED", (folder / "logs" / "rank-0.log").read_text()[-3000:]

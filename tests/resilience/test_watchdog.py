@@ -106,6 +106,139 @@ def test_a_long_save_or_evaluation_is_not_a_hang_and_is_not_measured(tmp_path):
     assert w.due()
 
 
+def write_beat(run: Path, rank: int, time: float, incarnation: str = "77.0", step: int = 3) -> None:
+    health.beats_dir(run).mkdir(exist_ok=True)
+    health.write_json_atomic(health.beats_dir(run) / f"rank-{rank}.json", {
+        "rank": rank, "host": f"n{rank + 1}", "pid": 4242, "step": step, "time": time, "incarnation": incarnation})
+
+
+@pytest.mark.parametrize("rank,world,neighbour", [(0, 2, 1), (1, 2, 0), (3, 8, 4), (7, 8, 0), (1023, 1024, 0)])
+def test_a_save_that_waits_on_a_silent_neighbour_fires_after_the_timeout(tmp_path, rank, world, neighbour):
+    clock = Clock()
+    w = dog(tmp_path, clock, rank, world, hang_timeout_s=30)
+    steps(w, clock, [1.0, 1.0])
+    write_beat(tmp_path, neighbour, clock.now)  # its last word: at the boundary before the save
+    with w.suspended():
+        clock.now += 29
+        assert not w.due()  # within the timeout: a save may rightly take that long
+        clock.now += 2
+        assert w.due() and w.silent == neighbour  # 31 s without a heartbeat from the next rank around the ring
+    assert not w.due()  # the save ended after all: the step clock starts again
+
+
+@pytest.mark.parametrize("beat", [
+    "fresh",  # alive and writing: a long save is no hang
+    "other start",  # a heartbeat of an earlier start says nothing of this one
+    "none",  # never written (or unreadable): no evidence
+    "torn",
+    "no time",
+    "other rank",  # the file of rank 1 holds another rank's record
+])
+def test_a_long_save_beside_a_neighbour_not_known_silent_is_not_a_hang(tmp_path, beat):
+    clock = Clock()
+    w = dog(tmp_path, clock, 0, 2, hang_timeout_s=30)
+    steps(w, clock, [1.0, 1.0])
+    path = health.beats_dir(tmp_path) / "rank-1.json"
+    with w.suspended():
+        for _ in range(100):  # 500 s of save
+            clock.now += 5
+            if beat == "fresh":
+                write_beat(tmp_path, 1, clock.now)
+            elif beat == "other start":
+                write_beat(tmp_path, 1, 0.0, incarnation="77.1")
+            elif beat == "torn":
+                health.beats_dir(tmp_path).mkdir(exist_ok=True)
+                path.write_text('{"rank": 1, "time"')
+            elif beat == "no time":
+                write_beat(tmp_path, 1, 0.0)
+                path.write_text(json.dumps({**json.loads(path.read_text()), "time": None}))
+            elif beat == "other rank":
+                write_beat(tmp_path, 1, 0.0)
+                path.write_text(json.dumps({**json.loads(path.read_text()), "rank": 5}))
+            assert not w.due()
+
+
+def test_the_silence_must_also_outlast_a_few_heartbeats(tmp_path):
+    """With a timeout shorter than the heartbeat's period, a neighbour is silent only after ``SILENT_S``."""
+    from trainer.watchdog import SILENT_S
+
+    clock = Clock()
+    w = dog(tmp_path, clock, 0, 2, hang_timeout_s=4)
+    steps(w, clock, [1.0, 1.0])
+    write_beat(tmp_path, 1, clock.now)
+    with w.suspended():
+        clock.now += SILENT_S - 0.5
+        assert not w.due()
+        clock.now += 1
+        assert w.due()
+
+
+def test_a_single_rank_never_waits_on_a_neighbour(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, 0, 1, hang_timeout_s=10)
+    steps(w, clock, [1.0, 1.0])
+    with w.suspended():
+        clock.now += 10_000
+        assert not w.due()
+
+
+def test_a_suspended_rank_joins_a_firing_after_half_its_timeout(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, 2, 4, hang_timeout_s=30)
+    steps(w, clock, [1.0, 1.0])
+    with w.suspended():
+        health.hang_dir(tmp_path, "77.0").mkdir(parents=True)  # rank 1 found rank 0 silent and fired
+        clock.now += 14
+        assert not w.due()
+        clock.now += 2
+        assert w.due() and w.silent is None  # it answers, so that it is not named hung
+
+
+def test_the_thread_keeps_the_heartbeat_fresh_while_no_boundary_comes(tmp_path):
+    clock = Clock()
+    w = dog(tmp_path, clock, 1, 2, hang_timeout_s=30)
+    w.keep_alive()
+    assert health.read_beats(tmp_path) == {}  # not before the first step boundary (nothing to aim at yet)
+    steps(w, clock, [1.0])
+    written = health.read_beat(tmp_path, 1)["time"]
+    with w.suspended():
+        clock.now += 3
+        w.keep_alive()
+        assert health.read_beat(tmp_path, 1)["time"] == written  # at most every few seconds
+        clock.now += 3
+        w.keep_alive()
+        beat = health.read_beat(tmp_path, 1)
+        assert beat["time"] == clock.now and beat["step"] == 1  # alive, still at the same boundary
+
+
+def test_real_threads_a_stopped_rank_during_a_save_is_found_by_its_neighbour(tmp_path, monkeypatch):
+    """Two watchdogs on real threads and the real clock: rank 1 reaches a boundary, then is stopped (its
+    thread never runs); rank 0 waits in a save; rank 0 fires naming rank 1. Nothing timed is asserted."""
+    import threading
+    import time
+
+    import trainer.watchdog as watchdog
+
+    monkeypatch.setattr(watchdog, "SILENT_S", 0.5)
+    monkeypatch.setattr(watchdog, "BEAT_EVERY_S", 0.1)
+    fired: list[dict] = []
+    done = threading.Event()
+    w0 = Watchdog(tmp_path, 0, 2, "77.0", Health(hang_timeout_s=1), 120.0,
+                  on_fire=lambda verdict: (fired.append(verdict), done.set()), poll_s=0.05)
+    w1 = Watchdog(tmp_path, 1, 2, "77.0", Health(hang_timeout_s=1), 120.0, on_fire=fired.append)
+    w0.beat(1)
+    w1.beat(1)  # rank 1's last word; its thread is never started (SIGSTOP)
+    with w0.suspended():
+        w0.start()
+        try:
+            assert done.wait(120), "rank 0's watchdog never fired"
+        finally:
+            w0.stop()
+    assert fired[0]["ranks"] == [1] and fired[0]["node_fault"]
+    assert fired[0]["error"].startswith("hang at step 2, rank 1 (last seen in no answer to the watchdog")
+    assert time.time() - health.read_beat(tmp_path, 0)["time"] < 60  # rank 0's thread kept its own beat fresh
+
+
 def test_a_rank_that_waited_half_its_timeout_joins_one_that_fired(tmp_path):
     clock = Clock()
     w = dog(tmp_path, clock, hang_floor_s=10, hang_factor=2)
