@@ -32,7 +32,7 @@ def _sets(*sets: str) -> list[str]:
                                              "site 'pcie-4gpu' (4 GPUs per node, NVLink islands of 1: "
                                              "`node.nvlink_domain`): 1 / 2 = 0.5; `parallel.tp_cross_domain` = true "
                                              "allows a group across islands, over pcie"]),
-    (LLAMA, "sandbox", ["parallel.tp=4", "job.nodes=2", "job.tasks_per_node=2", "model.n_kv_heads=4"],
+    (LLAMA, "sandbox", ["parallel.tp=4", "parallel.tp_on_cpu=true", "job.nodes=2", "job.tasks_per_node=2", "model.n_kv_heads=4"],
      ["does not divide the 2 ranks of one NVLink domain on site 'sandbox' (2 tasks per node (a CPU site))"]),
     (GPT, "dgx-h100", ["parallel.tp=2", "parallel.strategy='ddp'"], ["`parallel.tp` = 2 needs strategy fsdp or hsdp"]),
     (GPT, "dgx-h100", ["parallel.tp=2", "model.dropout=0.1"], ["would draw different dropout masks"]),
@@ -75,7 +75,7 @@ def test_trainer_refuses_a_model_without_a_plan():
 @pytest.mark.parametrize("site,sets,dims", [
     ("dgx-h100", ["job.nodes=2", "parallel.tp=2", "train.global_batch=16"], (1, 8, 2)),
     ("dgx-h100", ["job.nodes=2", "parallel.tp=2", "parallel.strategy='hsdp'", "train.global_batch=16"], (2, 4, 2)),
-    ("sandbox", ["job.nodes=2", "job.tasks_per_node=2", "parallel.tp=2", "train.global_batch=16"], (1, 2, 2)),
+    ("sandbox", ["job.nodes=2", "job.tasks_per_node=2", "parallel.tp=2", "parallel.tp_on_cpu=true", "train.global_batch=16"], (1, 2, 2)),
 ])
 def test_the_launch_splits_the_world_into_data_parallel_and_tp(site, sets, dims):
     spec, _, launch = load_job(LLAMA, site, ["parallel.strategy='fsdp'", *sets])

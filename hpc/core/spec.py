@@ -191,6 +191,9 @@ class Parallel:
                                   "(`node.nvlink_domain`, e.g. 2 on 4× H100 NVL): its per-layer collectives then "
                                   "run over `node.intra_link` (pcie), and `hpcx plan` says what that costs. Off: "
                                   "`tp` stays within one island, under `auto` too.")
+    tp_on_cpu: bool = field(False, doc="Run `tp` > 1 on a site without GPUs (`node.gpus` = 0): its groups are CPU "
+                            "processes talking gloo, which only rehearses a tensor-parallel layout (the split "
+                            "matrices, the DTensor checkpoints) and saves no time. Off: such a spec is refused.")
     reshard_after_forward: bool = field(True, doc="FSDP2's `reshard_after_forward`. false: each unit's gathered "
                                         "parameters stay gathered from its forward to its backward (as "
                                         "shard_grad_op's do) and across the gradient-accumulation micro-batches of "
@@ -485,14 +488,25 @@ def check_command(command: list[str]) -> list[str]:
 
 def given_for_nothing(doc: dict) -> list[str]:
     """Keys the file sets that cannot mean anything (checked as written: a run's resolved.json records
-    every field): an empty ``job.command``, ``[lora]`` keys with LoRA off, ``[task]`` keys without a task."""
+    every field): an empty ``job.command``, ``[lora]`` keys with LoRA off, ``[task]`` keys without a task,
+    ``parallel.tp_on_cpu`` without a ``tp``."""
     from hpc.core.lora import without_rank
     from hpc.core.tasks import without_target
 
     job: dict[str, tp.Any] = doc["job"] if isinstance(doc.get("job"), dict) else {}
     errors = (["`job.command` = []: an empty command runs nothing: give the program and its arguments, e.g. "
                "[\"python\", \"train.py\"], or remove the key to run hpcx's trainer"] if job.get("command") == [] else [])
-    return errors + without_rank(doc) + without_target(doc)
+    return errors + without_rank(doc) + without_target(doc) + tp_on_cpu_without_tp(doc)
+
+
+def tp_on_cpu_without_tp(doc: dict) -> list[str]:
+    """``parallel.tp_on_cpu`` = true with ``parallel.tp`` 1 (or absent): there is no layout to rehearse."""
+    given: dict[str, tp.Any] = doc["parallel"] if isinstance(doc.get("parallel"), dict) else {}
+    degree = given.get("tp", 1)
+    if given.get("tp_on_cpu") is not True or type(degree) is not int or degree != 1:
+        return []
+    return ["`parallel.tp_on_cpu` = true but `parallel.tp` = 1: there is no tensor-parallel layout to rehearse: "
+            "set `parallel.tp` above 1 (or remove `tp_on_cpu`)"]
 
 
 def trainer_sections_given(doc: dict) -> list[str]:

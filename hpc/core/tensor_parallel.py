@@ -3,7 +3,7 @@
 A tensor-parallel group splits each block's matrices by heads (attention) and by columns of the
 MLP, and exchanges activations inside every block (all-gathers and reduce-scatters of the sequence),
 so its ranks must sit in one NVLink domain: one node (``node.gpus`` GPUs; on a CPU site, the node's
-tasks). Each rank computes whole heads, so ``tp`` divides what the family's plan names (``TpPlan.divides``:
+tasks, only with ``parallel.tp_on_cpu``: a rehearsal of the layout over gloo). Each rank computes whole heads, so ``tp`` divides what the family's plan names (``TpPlan.divides``:
 the query heads, and the key/value heads). A user model has no plan (``hpc.core.models.tp_plan``): which of
 its matrices split by rows or columns is its own business.
 The trainer's side is ``trainer.tp``.
@@ -70,6 +70,10 @@ def check_tp(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]
     if degree == 1:
         return []
     key, errors = f"`parallel.tp` = {degree}", []
+    if not site.node.gpus and not spec.parallel.tp_on_cpu:
+        return [f"{key} on site {site.name!r}, which has no GPUs (`node.gpus` = 0): tensor parallelism splits each "
+                "layer over the GPUs of one NVLink domain, and over CPU processes it saves nothing; expected tp = 1, "
+                "or `parallel.tp_on_cpu` = true to rehearse the layout on CPUs"]
     if spec.parallel.strategy not in FSDP_STRATEGIES:
         errors.append(f"{key} needs strategy fsdp or hsdp (FSDP shards over the data-parallel ranks, TP inside "
                       f"them), but `parallel.strategy` = {spec.parallel.strategy!r}")

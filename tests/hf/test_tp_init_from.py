@@ -31,7 +31,7 @@ def test_tp2_fsdp2_reads_a_quarter_each_and_loads_the_files_bits(tmp_path):
     from trainer.run import load_run
 
     wide = hf_folder(tmp_path / "hf", shard="40MB", **WIDE)
-    run = make_run(tmp_path, "tp2", "fsdp", 4, [*LLAMA, *WIDE_SETS, "parallel.tp=2",
+    run = make_run(tmp_path, "tp2", "fsdp", 4, [*LLAMA, *WIDE_SETS, "parallel.tp=2", "parallel.tp_on_cpu=true",
                                                  f"checkpoint.init_from={str(wide)!r}"])
     out = tmp_path / "reports.json"
     result = torchrun(4, ["tests/hf/init_worker.py", str(out), str(run), "digests"], timeout=600)

@@ -28,7 +28,7 @@ def tokens(sandbox) -> Path:
 
 def sets(tokens: Path, name: str) -> list[str]:
     return [f"job.name={name!r}", f"data.source={json.dumps(str(tokens))}", "data.shuffle=true",
-            "model.arch='llama'", "model.size='tiny'", "model.dropout=0.0", "parallel.strategy='fsdp'", "parallel.tp=2",
+            "model.arch='llama'", "model.size='tiny'", "model.dropout=0.0", "parallel.strategy='fsdp'", "parallel.tp=2", "parallel.tp_on_cpu=true",
             "job.nodes=2", "job.tasks_per_node=2", "train.log_every=1", "checkpoint.interval_steps=10",
             f"train.steps={STEPS}"]
 

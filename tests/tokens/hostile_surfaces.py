@@ -430,6 +430,15 @@ NOTHING: dict[str, tuple[str, str]] = {
     "lora-target-twice": ('[model]\narch = "llama"\n[lora]\nrank = 2\ntargets = ["v_proj", "v_proj"]',
                           "v_proj name the same module"),
     "tp-in-script-mode": ('command = ["python", "x.py"]\n[parallel]\ntp = 2', "`[parallel]` configures hpcx's trainer"),
+    # tensor parallelism on a site without GPUs (the cases render on `local`), unless asked to rehearse it
+    "tp-on-a-site-without-gpus": ('[model]\narch = "llama"\n[parallel]\nstrategy = "fsdp"\ntp = 2',
+                                  "which has no GPUs (`node.gpus` = 0)"),
+    "tp-under-hsdp-without-gpus": ('[model]\narch = "llama"\n[parallel]\nstrategy = "hsdp"\ntp = 2',
+                                   "`parallel.tp_on_cpu` = true to rehearse"),
+    "tp-on-cpu-said-false": ('[model]\narch = "gpt"\n[parallel]\nstrategy = "fsdp"\ntp = 2\ntp_on_cpu = false',
+                             "`parallel.tp` = 2 on site 'local', which has no GPUs"),
+    "tp-on-cpu-without-tp": ('[parallel]\ntp_on_cpu = true', "`parallel.tp_on_cpu` = true but `parallel.tp` = 1"),
+    "tp-on-cpu-at-tp-one": ('[parallel]\ntp = 1\ntp_on_cpu = true', "no tensor-parallel layout to rehearse"),
 }
 for _name, (_body, _words) in NOTHING.items():
     CASES["given-for-nothing"][_name] = _spec_case(_body, _words)
@@ -438,14 +447,14 @@ for _name, (_body, _words) in NOTHING.items():
 # ------------------------------------------------------------------------------- one line each
 
 ONE_LINE: dict[str, tuple[str, str]] = {
-    "tp-three-reasons": ('[model]\narch = "llama"\n[parallel]\nstrategy = "fsdp"\ntp = 3',
+    "tp-three-reasons": ('[model]\narch = "llama"\n[parallel]\nstrategy = "fsdp"\ntp = 3\ntp_on_cpu = true',
                          "does not divide the 2 ranks of one NVLink domain"),
     "tp-strategy-and-domain": ('tasks_per_node = 1\n[model]\narch = "llama"\n[parallel]\nstrategy = "none"\n'
-                               "tp = 2", "needs strategy fsdp or hsdp"),
-    "tp-lora-and-dropout": ('[model]\narch = "gpt"\ndropout = 0.1\n[parallel]\nstrategy = "fsdp"\ntp = 2\n[lora]\n'
+                               "tp = 2\ntp_on_cpu = true", "needs strategy fsdp or hsdp"),
+    "tp-lora-and-dropout": ('[model]\narch = "gpt"\ndropout = 0.1\n[parallel]\nstrategy = "fsdp"\ntp = 2\ntp_on_cpu = true\n[lora]\n'
                             "rank = 2", "with `[lora]`"),
     "tp-user-model": ('[model]\narch = "usertask:factory"\nseq_len = 8\nvocab_size = 16\n[parallel]\n'
-                      'strategy = "fsdp"\ntp = 2', "is a user model"),
+                      'strategy = "fsdp"\ntp = 2\ntp_on_cpu = true', "is a user model"),
 }
 for _name, (_body, _words) in ONE_LINE.items():
     CASES["one-line"][_name] = _spec_case(_body, _words)
@@ -454,7 +463,7 @@ for _name, (_body, _words) in ONE_LINE.items():
 @case("one-line")
 def tp_on_the_gpt_renders(d: Path, tok: Path) -> Expect:
     """It printed a TypeError traceback (the GPT's activations took no tp)."""
-    return Expect(render(job(d, '[model]\narch = "gpt"\n[parallel]\nstrategy = "fsdp"\ntp = 2\n')), 0, ["timeout_min"])
+    return Expect(render(job(d, '[model]\narch = "gpt"\n[parallel]\nstrategy = "fsdp"\ntp = 2\ntp_on_cpu = true\n')), 0, ["timeout_min"])
 
 
 @case("one-line")

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 REL = 1e-5
 LLAMA = ["model.arch='llama'", "model.size='tiny'", "train.steps=20"]
 GPT = ["train.steps=20"]
-TP2 = ["parallel.tp=2"]
+TP2 = ["parallel.tp=2", "parallel.tp_on_cpu=true"]
 CONFIGS = {  # name: (strategy, overrides), 4 ranks
     "llama_fsdp4": ("fsdp", LLAMA),
     "llama_tp2_fsdp2": ("fsdp", LLAMA + TP2),
