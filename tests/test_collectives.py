@@ -11,7 +11,7 @@ import pytest
 
 from hpc.plan import collectives as nc
 from hpc.plan.comm import Group, group_topology
-from hpc.login import nccl
+from hpc.core import nccl
 from hpc.core.site import parse_site
 
 from tests.conftest import REPO, RECORDED

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpc.login import nccl
+from hpc.core import nccl
 from hpc.core.site import load_site
 
 from tests.conftest import RECORDED

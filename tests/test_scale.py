@@ -311,7 +311,7 @@ def test_no_torch_or_matplotlib_at_import():
     import subprocess
     import sys
 
-    code = ("import sys, hpc.scale, hpc.cli.scale, hpc.login.nccl; "
+    code = ("import sys, hpc.scale, hpc.cli.scale, hpc.core.nccl; "
             "print(sorted(m for m in ('torch', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -102,9 +102,8 @@ def _file_key(path: str | Path) -> list[int] | None:
 
 
 def _package() -> str:
-    import hpc
-
-    return os.path.dirname(os.path.abspath(hpc.__file__))
+    """The folder of the ``hpc`` package (this file's grandparent)."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _code() -> dict[str, list[int] | None]:

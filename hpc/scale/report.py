@@ -14,7 +14,7 @@ import typing as tp
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hpc.login import nccl
+from hpc.core import nccl
 from hpc.core import runs
 from hpc.core.config import ConfigError
 from hpc.core.resolve import tasks_per_node

@@ -73,7 +73,7 @@ def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
 
 def gather(folder: Path, ok: bool, out: str, c: tp.Any) -> dict[str, tp.Any]:
     from hpc.core.container import identity
-    from hpc.login.nccl import describe, parse_files
+    from hpc.core.nccl import describe, parse_files
 
     ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
     info = parse_files(sorted(folder.glob("task-*.err")))
