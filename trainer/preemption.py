@@ -35,12 +35,18 @@ def preempt_signal() -> signal.Signals:
 
 
 class PreemptionFlag:
-    """Set by a signal, read at step boundaries."""
+    """The stop request of one task: set by a signal, read at step boundaries (the trainer's) or when the
+    command ended (script mode's, ``trainer.script``). ``on_first_request`` runs once, at the first preemption
+    signal (script mode creates the flag file ``hpc.job.preempted`` reads); ``forward`` gets every signal
+    taken (script mode passes it on to the command)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: tp.Callable[[], float] = time.time,
+                 on_first_request: tp.Callable[[], None] | None = None,
+                 forward: tp.Callable[[int], None] | None = None) -> None:
         self.requested = False  # the preemption signal: save, stop, requeue
         self.requested_at: float | None = None  # when it first came (a time limit's warning, or not)
         self.terminated = False  # SIGTERM: stop without saving, never requeue
+        self.clock, self.on_first_request, self.forward = clock, on_first_request, forward
         self._previous_term: tp.Callable | None = None
         self._vote: BoundaryVote | None = None
 
@@ -57,14 +63,21 @@ class PreemptionFlag:
         return self
 
     def _handle(self, signum: int, frame: tp.Any) -> None:  # a handler only sets the flag (and its time)
-        if not self.requested:
-            self.requested_at = time.time()
+        first = not self.requested
+        if first:
+            self.requested_at = self.clock()
         self.requested = True
+        if first and self.on_first_request is not None:
+            self.on_first_request()
+        if self.forward is not None:
+            self.forward(signum)
 
     def _terminate(self, signum: int, frame: tp.Any) -> None:
         self.terminated = True
         if self._previous_term is not None:
             self._previous_term(signum, frame)
+        if self.forward is not None:
+            self.forward(signum)
 
     def mine(self) -> list[int]:
         """This rank's flags as a vote: [preemption requested, SIGTERM seen]."""

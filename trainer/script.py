@@ -13,8 +13,8 @@ container when it has one). Each rank starts the command as a child process:
 - its stdout and stderr are the task's (submitit's per-rank logs under ``RUN/submitit/``);
 - with the preemption signal ignored, so a script that does not listen is not killed by it.
 
-Signals: the task holds USR2 and SIGTERM from its first line (``trainer.entry``); here they are handled.
-USR2 (the scheduler's warning, ``hpcx drill``) creates the flag file ``hpc.job.preempted`` reads and is
+Signals: the task holds USR2 and SIGTERM from its first line (``trainer.entry``); here the trainer's stop
+request (``trainer.preemption.PreemptionFlag``) takes them, as in a trainer rank. USR2 (the scheduler's warning, ``hpcx drill``) creates the flag file ``hpc.job.preempted`` reads and is
 forwarded to the command; SIGTERM (``hpcx cancel``, the end of the time limit) is forwarded and marks the
 start terminated.
 
@@ -45,7 +45,7 @@ from hpc.core.workload import ScriptWorkload
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
-from trainer.preemption import preempt_signal
+from trainer.preemption import PreemptionFlag, preempt_signal
 from trainer.ranks import detect_rank_env, rank_variables
 
 SCRIPT_NOT_ASKED = "the script did not ask for a requeue (hpc.job.requeue())"
@@ -157,8 +157,8 @@ class ScriptRank:
         self.requeue_dir = self.rd.requeue
         self.flag = self.requeue_dir / f"{self.incarnation}.preempted"
         self.asked = self.requeue_dir / f"{self.incarnation}.asked"
-        self.preempted_at: float | None = None
-        self.terminated = False
+        # the stop request, as the trainer's: set by the signals, forwarded to the command
+        self.stop = PreemptionFlag(clock, on_first_request=self._touch_flag, forward=self._forward)
         self.child: subprocess.Popen | None = None
         self.exited_at: float | None = None
 
@@ -211,27 +211,24 @@ class ScriptRank:
 
     # ------------------------------------------------------------ signals
 
+    @property
+    def terminated(self) -> bool:
+        return self.stop.terminated
+
+    @property
+    def preempted_at(self) -> float | None:
+        return self.stop.requested_at
+
     def _take_signals(self) -> None:
         """Own the preemption signal and SIGTERM, then release what ``trainer.entry`` held (one that came
         before the command started is acted on now: the flag is set before the command reads it)."""
-        from trainer.entry import release_signals
+        self.stop.install()
 
-        signal.signal(preempt_signal(), self._preempt)
-        signal.signal(signal.SIGTERM, self._terminate)
-        release_signals()
-
-    def _preempt(self, signum: int, frame: tp.Any) -> None:
-        if self.preempted_at is None:
-            self.preempted_at = self.clock()
-            try:
-                self.flag.touch()
-            except OSError:  # the signal is still forwarded
-                pass
-        self._forward(signum)
-
-    def _terminate(self, signum: int, frame: tp.Any) -> None:
-        self.terminated = True
-        self._forward(signum)
+    def _touch_flag(self) -> None:
+        try:
+            self.flag.touch()
+        except OSError:  # the signal is still forwarded
+            pass
 
     def _forward(self, signum: int) -> None:
         if self.child is not None and self.child.poll() is None:
