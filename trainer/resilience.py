@@ -43,7 +43,6 @@ from hpc.core import runs, straggler
 from hpc.core.failures import (code_roots, first_failure_account, one_line, record_saves, repeat_reason,
                                user_code_error, would_repeat)
 from hpc import schedulers
-from hpc.core.requeue import requeue_verdict
 from hpc.core.container import inside_record
 from hpc.core.procs import process_start_time
 from hpc.schedulers.base import JobSide, wait_since_last_stop
@@ -326,14 +325,7 @@ class Resilience:
             return SIGTERM_NOT_REQUEUED
         if not self.policy.resume:
             return "checkpoint.resume = false: a restart would start over"
-        restarts = self.side.restart_count() if self.side is not None else 0
-        why_not = requeue_verdict(runs.RunDir(self.run_dir).read_ledger(), reason, self.step, self.max_requeues,
-                                  restarts)
-        if why_not is not None:
-            return why_not
-        if self.side is None:
-            return "no scheduler to requeue (torchrun or one process): run the same command again to resume"
-        return policy_.request(self.side, self.run_dir, self.incarnation, "rank 0", reason)
+        return policy_.ask(self.side, self.run_dir, self.incarnation, reason, self.step, self.max_requeues)
 
     @property
     def incarnation(self) -> str:

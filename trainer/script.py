@@ -327,9 +327,8 @@ class ScriptRank:
         if reason == "preempted" and requeue_reason is None:
             why_not = SCRIPT_NOT_ASKED
         if requeue_reason is not None:
-            why_not = self._verdict(requeue_reason, step) or (
-                policy.request(self.side, self.run.run_dir, self.incarnation, "rank 0", requeue_reason)
-                if self.side else "no scheduler started this process: run the command again to resume")
+            why_not = policy.ask(self.side, self.run.run_dir, self.incarnation, requeue_reason, step,
+                                 self.run.spec.job.max_requeues)
         extra = {"error": failures[0]["error"], "failed_ranks": [failures[0].get("rank")],
                  "reported_ranks": sorted(int(r.get("rank") or 0) for r in failures)} if failures else {}
         self._write_stop(step, reason, why_not, command_status=status, **extra)
@@ -353,12 +352,6 @@ class ScriptRank:
                 "tokens_per_s": None, "world_size": self.env.world_size, "strategy": "script",
                 "preempted": reason == "preempted", "cancelled": reason == "terminated",
                 "time_limit": reason == "time_limit", "run_dir": str(self.run.run_dir)}
-
-    def _verdict(self, reason: str, step: int) -> str | None:
-        from hpc.core.requeue import requeue_verdict
-
-        restarts = self.side.restart_count() if self.side else 0
-        return requeue_verdict(self.rd.read_ledger(), reason, step, self.run.spec.job.max_requeues, restarts)
 
     def _write_stop(self, step: int, reason: str, why_not: str | None, **extra: tp.Any) -> None:
         from hpc.core.requeue import stop_line

@@ -144,6 +144,23 @@ def request(side: JobSide, run_dir: Path, incarnation: str, by: str, reason: str
     return why_not
 
 
+NO_SCHEDULER = "no scheduler started this process (torchrun or one process): run the same command again to resume"
+
+
+def ask(side: JobSide | None, run_dir: Path, incarnation: str, reason: str, step: int, max_requeues: int,
+        by: str = "rank 0") -> str | None:
+    """The one requeue of a start at ``step``, as the trainer and script mode both ask it: the policy
+    (``requeue_verdict``: the budget, no progress), then the claim and the scheduler (``request``); None
+    when granted, else why not."""
+    restarts = side.restart_count() if side is not None else 0
+    why_not = requeue_verdict(runs.RunDir(run_dir).read_ledger(), reason, step, max_requeues, restarts)
+    if why_not is not None:
+        return why_not
+    if side is None:
+        return NO_SCHEDULER
+    return request(side, run_dir, incarnation, by, reason)
+
+
 def record_state(run_dir: Path, state: str, **fields: tp.Any) -> None:
     """Append a state the job itself knows (RUNNING at a start, REQUEUED) to ``states.jsonl``."""
     runs.append_jsonl(runs.RunDir(run_dir).states, {"state": state, "time": time.time(), **fields})

@@ -95,3 +95,59 @@ def test_the_line_of_a_start_names_its_number_identity_and_wait(monkeypatch):
     assert line["job_id"] == "77" and line["slurm_restart_count"] == 2 and line["command"] == ["python", "t.py"]
     assert line["queue_wait_s"] == 12.346 and line["queue_wait_source"] == "sacct"
     assert start_line(0, 0, None, "trainer", (None, "none"))["job_id"] is None
+
+
+# ---------------------------------------------------------------- one requeue, asked the same way by both
+
+
+class Side:
+    """A scheduler's job side that grants (or refuses) a requeue, counting the asks."""
+
+    def __init__(self, refuse: str | None = None, restarts: int = 0) -> None:
+        self.refuse, self.restarts, self.asked = refuse, restarts, 0
+
+    def restart_count(self) -> int:
+        return self.restarts
+
+    def requeue(self) -> str | None:
+        self.asked += 1
+        return self.refuse
+
+
+def _ledger(tmp_path, *lines: dict) -> None:
+    from hpc.core.runs import RunDir, append_jsonl
+
+    for line in lines:
+        append_jsonl(RunDir(tmp_path).ledger, line)
+
+
+@pytest.mark.parametrize("lines,reason,step,restarts,why", [
+    ([{"event": "start"}], "preempted", 5, 0, None),
+    ([{"event": "start"}, {"event": "stop", "reason": "failed", "step": 5}, {"event": "start"}], "failed", 5, 1,
+     "failed twice at step 5 without progress"),
+    ([{"event": "start"}, {"event": "stop", "reason": "failed", "step": 5}, {"event": "start"}], "failed", 9, 1, None),
+    ([{"event": "start"}] * 4, "preempted", 9, 0, "job.max_requeues = 3 reached (3 restarts so far)"),
+    ([{"event": "start"}], "time_limit", 2, 3, "job.max_requeues = 3 reached (3 restarts so far)"),
+])
+def test_the_trainer_and_script_mode_ask_the_one_requeue_through_one_function(tmp_path, lines, reason, step,
+                                                                               restarts, why):
+    from hpc.core import requeue
+
+    _ledger(tmp_path, *lines)
+    side = Side(restarts=restarts)
+    assert requeue.ask(side, tmp_path, "9.0", reason, step, 3) == why
+    assert side.asked == (why is None)  # the scheduler is asked only when the policy allows
+    if why is None:  # granted, recorded, and never granted twice for one start
+        assert "REQUEUED" in (tmp_path / "states.jsonl").read_text()
+        assert requeue.ask(side, tmp_path, "9.0", reason, step, 3) == \
+            "this start (9.0) was already requeued by another party"
+        assert side.asked == 1
+
+
+def test_a_requeue_the_scheduler_refuses_or_no_scheduler_says_why(tmp_path):
+    from hpc.core import requeue
+
+    _ledger(tmp_path, {"event": "start"})
+    assert requeue.ask(Side(refuse="scontrol requeue: job not requeueable"), tmp_path, "9.0", "preempted", 3, 3) == \
+        "scontrol requeue: job not requeueable"
+    assert requeue.ask(None, tmp_path, "single.0", "preempted", 3, 3) == requeue.NO_SCHEDULER
