@@ -35,6 +35,8 @@ RUN_DIR = "HPCX_RUN_DIR"
 PREEMPT_FLAG = "HPCX_PREEMPT_FLAG"
 REQUEUE_FILE = "HPCX_REQUEUE_FILE"
 RESTART = "HPCX_RESTART"
+INCARNATION = "HPCX_INCARNATION"  # this start's name in the run folder's records (``hpc.core.health``)
+_beat_written = float("-inf")
 
 
 def under_hpcx() -> bool:
@@ -84,14 +86,34 @@ def requeue() -> bool:
 
 
 def log(step: int, **values: tp.Any) -> None:
-    """On rank 0, one line of ``RUN/metrics.jsonl``: ``step``, this start's number and ``values`` (numbers:
-    ``loss`` and ``lr`` are drawn by ``hpcx plot``, any other shows in ``hpcx status``); ``hpcx drill
-    --at-step`` waits on these steps. Does nothing on other ranks and outside hpcx."""
+    """A step boundary of the script. On rank 0, one line of ``RUN/metrics.jsonl``: ``step``, this start's
+    number and ``values`` (numbers: ``loss`` and ``lr`` are drawn by ``hpcx plot``, any other shows in
+    ``hpcx status``); ``hpcx drill --at-step`` waits on these steps. On every rank, at most every few
+    seconds, the rank's heartbeat (the trainer's: ``hpc.core.health.write_beat``), which ``hpcx drill
+    --hang/--slow/--fail-node`` aims at. Does nothing outside hpcx."""
     folder = run_dir()
-    if folder is None or rank() != 0:
+    if folder is None:
         return
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"hpc.job.log: step = {step!r}: expected an integer >= 0")
+    _beat(folder, step)
+    if rank() != 0:
+        return
     line = {"step": step, "start": restart(), "time": round(time.time(), 3), **values}
     with open(folder / "metrics.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+def _beat(folder: Path, step: int) -> None:
+    """The heartbeat of this rank, when due; a heartbeat is a help, so a failed write is ignored."""
+    global _beat_written
+    from hpc.core import health  # lazy: startup
+
+    now = time.monotonic()
+    if now - _beat_written < health.BEAT_EVERY_S:
+        return
+    _beat_written = now
+    try:
+        health.write_beat(folder, rank(), step, os.environ.get(INCARNATION, ""), time.time())
+    except OSError:
+        pass

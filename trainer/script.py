@@ -184,7 +184,7 @@ class ScriptRank:
         run_id = (self.side.job_id() if self.side else None) or self.run.run_dir.name
         ranks.update(elastic_variables(self.restart, self.run.spec.job.max_requeues, str(run_id),
                                        str(self.error_file(e.rank))))
-        hpcx = {job.RUN_DIR: str(self.run.run_dir), job.PREEMPT_FLAG: str(self.flag),
+        hpcx = {job.RUN_DIR: str(self.run.run_dir), job.PREEMPT_FLAG: str(self.flag), job.INCARNATION: self.incarnation,
                 job.REQUEUE_FILE: str(self.asked), job.RESTART: str(self.restart)}
         return child_env(os.environ, ranks, {**TORCHRUN_DEFAULTS, **self.run.site.nccl}, self.run.spec.env.set, hpcx, launch.cpus_per_task,
                          launch.gpus_per_node > 0)

@@ -53,7 +53,7 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("hpcx.trainer")
 CAP = 0.9  # of the collective timeout: the watchdog fires before it
-BEAT_EVERY_S = 5.0  # heartbeats reach the run folder at most this often (a few per minute per rank)
+BEAT_EVERY_S = health.BEAT_EVERY_S
 MEASURED = 50  # intervals the median is taken over
 SILENT_S = 3 * BEAT_EVERY_S  # a neighbour's heartbeat older than this (and the timeout) while suspended: silent
 
@@ -237,13 +237,9 @@ class Watchdog:
         return verdict
 
     def _write_beat(self) -> None:
-        folder = health.beats_dir(self.run_dir)
         try:
             with self.writing:
-                folder.mkdir(exist_ok=True)
-                health.write_json_atomic(folder / f"rank-{self.rank}.json", {
-                    "rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "time": self.wall(),
-                    "incarnation": self.incarnation})
+                health.write_beat(self.run_dir, self.rank, self.step, self.incarnation, self.wall(), self.host)
         except OSError as exc:  # a heartbeat is a help; training goes on without it
             log.warning("watchdog: could not write the heartbeat: %s", exc)
 

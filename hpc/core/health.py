@@ -190,6 +190,20 @@ def hang_dir(run_dir: Path, incarnation: str) -> Path:
     return Path(run_dir) / "hangs" / incarnation
 
 
+BEAT_EVERY_S = 5.0  # heartbeats reach the run folder at most this often (a few per minute per rank)
+
+
+def write_beat(run_dir: Path, rank: int, step: int, incarnation: str, wall: float, host: str | None = None) -> None:
+    """This process's heartbeat as ``rank`` at ``step`` (the last step boundary): what ``hpcx drill`` aims at
+    and the watchdog reads. One definition for a trainer rank (``trainer.watchdog``) and a script's
+    (``hpc.job.log``)."""
+    folder = beats_dir(run_dir)
+    folder.mkdir(exist_ok=True)
+    write_json_atomic(folder / f"rank-{rank}.json", {
+        "rank": rank, "host": host or os.uname().nodename, "pid": os.getpid(), "step": step, "time": wall,
+        "incarnation": incarnation})
+
+
 def read_beats(run_dir: Path) -> dict[int, dict]:
     """Rank → its last heartbeat (unreadable ones left out: a rank may be writing)."""
     found: dict[int, dict] = {}

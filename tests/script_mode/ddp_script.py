@@ -35,7 +35,7 @@ def main():
     dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment
     rank, world = dist.get_rank(), dist.get_world_size()
     seen = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                           "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HPCX_RESTART",
+                                           "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS", "HPCX_RESTART", "HPCX_INCARNATION",
                                            "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
                                            "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
                                            "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from hpc.core import health
 from tests.conftest import hpcx
 from tests.script_mode.script_lib import (final_weights, ledger, losses, same_weights, script_folder, seen,
                                           status, submit_in, wait_state)
@@ -38,6 +39,10 @@ def test_a_plain_ddp_script_sees_torchruns_environment(tmp_path, run_root, monke
         assert env["TORCHELASTIC_RESTART_COUNT"] == "0" and env["TORCHELASTIC_USE_AGENT_STORE"] == "False"
         assert env["TORCHELASTIC_RUN_ID"] == ledger(run)[0]["job_id"] and env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
         assert env["TORCHELASTIC_MAX_RESTARTS"] == "2" and env["TORCHELASTIC_ERROR_FILE"].endswith(f".error-rank-{rank}.json")
+        # hpc.job.log is the script's step boundary: each rank's heartbeat, as a trainer rank's (hpcx drill aims at it)
+        beat = health.read_beat(run, rank)
+        assert beat["incarnation"] == env["HPCX_INCARNATION"] == f"{ledger(run)[0]['job_id']}.0"
+        assert 1 <= beat["step"] <= STEPS and beat["host"] == env["hostname"]
     start, stop = ledger(run)
     assert start["by"] == "script" and start["command"] == ddp("out")
     assert stop["reason"] == "completed" and stop["command_status"] == 0 and stop["step"] == STEPS

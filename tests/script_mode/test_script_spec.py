@@ -10,6 +10,8 @@ import signal
 import pytest
 
 from hpc import job
+from hpc.core import health
+from hpc.login.drill import fault_commands
 from tests.conftest import hpcx
 from trainer.script import child_env, command_argv, exit_words, rank_variables
 
@@ -143,12 +145,22 @@ def test_the_helper_inside_hpcx(monkeypatch, tmp_path):
     flag.touch()
     assert job.preempted()
     assert job.requeue() and job.requeue() and json.loads(asked.read_text())["rank"] == 0  # twice is once
+    monkeypatch.setenv(job.INCARNATION, "77.2")
+    monkeypatch.setattr(job, "_beat_written", float("-inf"))
     job.log(7, loss=0.5, accuracy=0.9)
     line = json.loads((tmp_path / "metrics.jsonl").read_text())
     assert line["step"] == 7 and line["start"] == 2 and line["loss"] == 0.5 and line["accuracy"] == 0.9
+    beat = health.read_beat(tmp_path, 0)  # a step boundary: the trainer's heartbeat, on every rank
+    assert beat["step"] == 7 and beat["pid"] == os.getpid() and beat["incarnation"] == "77.2"
     monkeypatch.setenv("RANK", "1")
-    job.log(8, loss=0.1)  # other ranks write nothing
+    monkeypatch.setattr(job, "_beat_written", float("-inf"))  # another process, in the job
+    job.log(8, loss=0.1)  # other ranks write no metrics line
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1
+    assert health.read_beat(tmp_path, 1)["step"] == 8
+    job.log(9, loss=0.1)
+    assert health.read_beat(tmp_path, 1)["step"] == 8  # at most every few seconds
+    assert fault_commands("hang", 1, health.read_beats(tmp_path), 60) == [
+        (os.uname().nodename, ["kill", "-STOP", str(os.getpid())], True)]  # what `hpcx drill --hang 1` runs
     with pytest.raises(ValueError, match="step = -1"):
         monkeypatch.setenv("RANK", "0") or job.log(-1)
 
