@@ -285,12 +285,14 @@ class CollectiveTimeouts:
             set_timeout(self.groups, self.short_s)
 
 
-def shutdown(timeout_s: int) -> None:
-    """Wait for every rank (bounded), then destroy the process group. Never raises: the work is done."""
+def shutdown(timeout_s: int, waiting: tp.ContextManager | None = None) -> None:
+    """Wait for every rank (bounded; inside ``waiting``: the watchdog's suspension, under which a rank stopped
+    here is found by its neighbour), then destroy the process group. Never raises: the work is done."""
     if not dist.is_initialized():
         return
     try:
-        monitored_barrier(timeout_s)
+        with waiting if waiting is not None else contextlib.nullcontext():
+            monitored_barrier(timeout_s)
     except Exception as e:  # noqa: BLE001  (a rank that died is reported by that rank; this one finished its work)
         log.warning("teardown barrier failed (%s); destroying the process group anyway", e)
     try:

@@ -42,7 +42,7 @@ from trainer.tasks import LoopTask, task_for
 from trainer.tokens import record_data
 from trainer.watch import watch_for
 from trainer.straggler import straggler_for
-from trainer.watchdog import watchdog_for
+from trainer.watchdog import paused, watchdog_for
 
 log = logging.getLogger("hpcx.trainer")
 
@@ -77,21 +77,23 @@ def run_rank(run_dir: str, preemption: PreemptionFlag | None = None) -> dict[str
         trainer.watchdog = guard.watchdog = watchdog_for(run, env.world_size, guard)
         trainer.straggler = straggler_for(run, env.world_size, guard, trainer.model, trainer.metrics)
         result = train(trainer, state)
-        stop_watchdog(trainer)
     except BaseException as exc:
         stop_watchdog(trainer)
         log.exception("training failed on rank %d", env.rank)
         guard.failed(exc)  # rank 0: ledger line; one requeue unless cancelled or no progress
         flush_logging()
         raise
-    shutdown(run.spec.parallel.timeout_s)
+    # the teardown barrier waits on every rank: one stopped there is found by its neighbour's watchdog
+    shutdown(run.spec.parallel.timeout_s, paused(trainer.watchdog))
+    stop_watchdog(trainer)
     guard.stopped()  # rank 0: ledger line; after a preemption, the one requeue
     flush_logging()
     return result if env.is_rank0 else None
 
 
 def stop_watchdog(trainer: Trainer | None) -> None:
-    """The loop has left (done, stopped or failed): what follows (teardown, a failure's report) is no hang."""
+    """The loop has failed, or every rank passed the teardown barrier: what follows (a failure's report, the
+    stop line, a wait for the time limit) is no hang."""
     if trainer is not None and trainer.watchdog is not None:
         trainer.watchdog.stop()
 

@@ -346,3 +346,32 @@ def test_where_nobody_ends_the_step_the_hung_ranks_of_this_start_on_this_host_ar
         for proc in (hung, stale, elsewhere):
             proc.kill()
             proc.wait()
+
+
+def test_real_processes_a_rank_stopped_before_the_teardown_barrier_is_named(tmp_path):
+    """Two gloo processes with real watchdogs: rank 1 stops itself after its last step; rank 0 waits in the
+    teardown barrier (``trainer.dist.shutdown`` under the watchdog's suspension, as ``trainer.train`` calls it)
+    and its watchdog names rank 1, long before the barrier's 600 s. Nothing timed is asserted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    script = str(REPO / "tests" / "resilience" / "teardown_stop.py")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    procs = [subprocess.Popen([sys.executable, script, str(r), str(tmp_path / "init"), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    try:
+        out0, _ = procs[0].communicate(timeout=300)
+        assert procs[0].returncode == 7, out0.decode()[-3000:]  # rank 0's watchdog fired
+        verdict = json.loads((tmp_path / "fired-0.json").read_text())
+        assert verdict["ranks"] == [1] and verdict["node_fault"], verdict
+        assert verdict["error"].startswith("hang at step 3, rank 1 (last seen in no answer to the watchdog")
+        assert procs[1].poll() is None  # still stopped: the scheduler (or end_hung) ends it
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
