@@ -20,7 +20,8 @@ from tests.conftest import hpcx
 from trainer.preemption import PreemptionFlag
 from hpc.schedulers.local.scheduler import LocalJobSide
 from hpc.schedulers.slurm.scheduler import parse_scontrol, scontrol_seconds
-from trainer.resilience import Resilience, requeue_verdict, set_aside_untrusted, steps_recomputed
+from hpc.core.requeue import requeue_verdict
+from trainer.resilience import Resilience, set_aside_untrusted, steps_recomputed
 
 START = {"event": "start", "step": 0}
 
