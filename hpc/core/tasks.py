@@ -24,7 +24,6 @@ from hpc.core import validate as v
 from hpc.core.config import field
 from hpc.core.errors import ConfigError
 from hpc.core.models import TASK
-from hpc.core.models.user import module_file
 from hpc.core.workload import TaskWorkload
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -151,6 +150,8 @@ def code_notice(spec: JobSpec) -> str | None:
     workload = spec.workload
     if not isinstance(workload, TaskWorkload):
         return None
+    from hpc.core.models.user import module_file  # lazy: startup (a spec's load joins no family)
+
     found = module_file(workload.module)
     where = f"from {found}" if found else "which is not importable here: every task must find it on its sys.path"
     return (f"user code: every task will import the Python module {workload.module!r} ({where}) and call "
@@ -171,6 +172,8 @@ def class_problems(workload: TaskWorkload) -> list[str]:
     ``task.kwargs`` must fit its ``__init__``, and a class of no base must define the protocol's
     methods. One line, naming the user's file and class; nothing when the module is not found here (the
     notice says so) or the class is made in ways a parse cannot follow (a base class, an import)."""
+    from hpc.core.models.user import module_file  # lazy: startup
+
     path = module_file(workload.module)
     if path is None or not path.endswith(".py"):
         return []
