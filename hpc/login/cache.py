@@ -13,8 +13,6 @@ import stat
 import typing as tp
 from pathlib import Path
 
-from hpc.core.runs import write_atomic
-
 MAX_BYTES = 1 << 20
 
 
@@ -53,6 +51,8 @@ def read(name: str) -> tp.Any:
 def write(name: str, value: tp.Any) -> None:
     """Replace the cache file with ``value`` as JSON (mode 0600, its folder 0700); quietly nothing when
     it cannot be written."""
+    from hpc.core.runs import write_atomic  # lazy: startup (status's queries start before it is imported)
+
     path = cache_path(name)
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
