@@ -31,7 +31,6 @@ from hpc.compat import ExecutorHooks
 from hpc.core import procs
 from hpc.core.boot import python_command
 from hpc.core.errors import UserError
-from hpc.core.procs import process_start_time
 from hpc.core.runs import SUBMITIT_DIR, RunDir
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -485,4 +484,4 @@ def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | Non
         reference, source = RunDir(run_dir).read_job().get("submitted_at"), "job.json"
     if reference is None:
         return None, "unknown"
-    return max(0.0, process_start_time() - float(reference)), source
+    return max(0.0, procs.process_start_time() - float(reference)), source
