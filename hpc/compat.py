@@ -14,9 +14,10 @@ needs it (hpcx's own torch-free modules are imported at the top).
 
 from __future__ import annotations
 
+import importlib
 import threading
 import typing as tp
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from hpc.core.errors import ConfigError
 from hpc.core.lora import NF4_BLOCK, NF4_SCALER_BLOCK
@@ -65,8 +66,6 @@ class ExecutorHooks:
         raise NotImplementedError
 
     def submitting(self) -> tp.ContextManager[None]:
-        from contextlib import nullcontext
-
         return nullcontext()
 
     @property
@@ -126,8 +125,6 @@ REBUILD_PARAMETER = ("torch._utils", "_rebuild_parameter")
 
 def rebuild_function(name: tuple[str, str]) -> tp.Callable[..., tp.Any]:
     """The function ``REBUILD_TENSOR_V2``/``_V3`` names, for pickling a tensor as torch.save does."""
-    import importlib
-
     return getattr(importlib.import_module(name[0]), name[1])
 
 
@@ -226,7 +223,7 @@ def checkpoint_wrapper() -> tp.Callable[..., tp.Any]:
 def set_pg_timeout(group: tp.Any, seconds: float) -> None:
     """The timeout of collectives issued from now on in an existing process group; torch has no
     public switch for it (``torch.distributed.distributed_c10d._set_pg_timeout``)."""
-    from datetime import timedelta
+    from datetime import timedelta  # lazy: startup
 
     from torch.distributed.distributed_c10d import _set_pg_timeout  # lazy: torch
 

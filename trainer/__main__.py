@@ -13,12 +13,13 @@ import json
 import os
 import sys
 
+from trainer.preemption import PreemptionFlag
+
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__.strip(), file=sys.stderr)
         return 2
-    from trainer.preemption import PreemptionFlag
     from trainer.train import run_rank  # lazy: torch
 
     result = run_rank(argv[0], preemption=PreemptionFlag().install())

@@ -71,6 +71,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch import nn
+from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType
+from torch.distributed.tensor import DTensor
+from torch.futures import Future as TorchFuture
 
 from hpc import compat
 from hpc.ckpt.dcp import DcpReader, dcp_problems, index_offsets
@@ -79,6 +83,7 @@ from hpc.ckpt.entries import unflatten
 from hpc.ckpt.outputs import fsync_dir
 from hpc.core.dims import ParallelDims, dims_from_mesh
 from hpc.core.errors import CheckpointError, UserError
+from trainer.dist import side_group
 from trainer.lora import base_record, state_options
 
 CHECKPOINTS = "checkpoints"
@@ -132,8 +137,6 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def infer_dims(model: nn.Module) -> ParallelDims:
     """The layout the module shows: a DDP wrapper, or its parameters' device mesh (``hpc.core.dims``
     names the dimensions; a (world, 1) mesh is fsdp no_shard), or neither."""
-    from torch.distributed.tensor import DTensor
-
     ddp = isinstance(model, nn.parallel.DistributedDataParallel)
     for p in model.parameters():
         if isinstance(p, DTensor):
@@ -205,8 +208,6 @@ def own_buffers(msd: dict[str, tp.Any], keys: frozenset[str], dims: ParallelDims
     more than one rank; DDP broadcasts rank 0's at every forward); cloned: DCP gets the ``model`` entry too."""
     if _world() < 2 or not dims.fsdp_enabled:
         return {}
-    from torch.distributed.tensor import DTensor
-
     return {k: msd[k].detach().clone() for k in sorted(keys) if not isinstance(msd[k], DTensor)}
 
 
@@ -520,8 +521,6 @@ def _gloo_group() -> tp.Any:
     """The gloo group async saves use (``trainer.dist.side_group("saves")``), or None without a group."""
     if not dist.is_initialized():
         return None
-    from trainer.dist import side_group
-
     return side_group("saves")
 
 
@@ -549,16 +548,11 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         metadata = self.reader.metadata
         if metadata.storage_meta is None:  # a .metadata from before torch recorded one (as torch's own reader)
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def read_data(self, plan: tp.Any, planner: tp.Any) -> tp.Any:
-        from torch.distributed.checkpoint.planner import LoadItemType
-        from torch.futures import Future as TorchFuture
-
         def place(req: tp.Any) -> tuple[str, int]:  # read each file front to back
             info = self.reader.storage[(req.storage_index.fqn, index_offsets(req.storage_index))]
             return info.relative_path, info.offset

@@ -11,6 +11,7 @@ import typing as tp
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from hpc.core.errors import UserError
 from hpc.core.models import Counted
@@ -66,8 +67,6 @@ def forward_flops(task: tp.Any, model: nn.Module) -> float | None:
     """Forward FLOPs of one sample (torch's FlopCounterMode: 2 per multiply-add of matmuls and convolutions), from
     the task's loss on its first training sample, on the meta device (no memory, no compute); None where the
     task's forward cannot run there (it reads a value, say)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     from trainer.tasks import to_device  # lazy: numpy
 
     try:

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from hpc.core.manifest import PREPARED, SYNTHETIC
 from hpc.core.spec import Data
 from hpc.core.validate import check_batch
+from trainer.tokens import ManifestTokens
 
 SYNTHETIC_SAMPLES = 1 << 40  # effectively endless; synthetic sample g is random tokens seeded from g
 
@@ -275,8 +276,6 @@ def build_dataset(data: Data, kind: str, seq_len: int, vocab_size: int, seed: in
     if kind == SYNTHETIC:
         return SyntheticTokens(vocab_size, seq_len, seed)
     if kind == PREPARED:
-        from trainer.tokens import ManifestTokens
-
         return ManifestTokens(data.source, "train", seq_len, vocab_size, documents=data.packing == "document")
     return TokenFile(data.source, data.dtype, seq_len)
 

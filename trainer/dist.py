@@ -23,9 +23,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
+from hpc.compat import set_pg_timeout
 from hpc.core import runs
 from hpc.schedulers import RankEnv
+from trainer.optim import forget_host_groups
 from trainer.ranks import apply_job_env, detect_rank_env  # noqa: F401  (torch-free: the script mode reads them too)
 
 log = logging.getLogger("hpcx.trainer")
@@ -236,8 +239,6 @@ def _connect_gloo(purpose: str, connect_s: int) -> dist.ProcessGroup:
 def process_groups(model: torch.nn.Module) -> list[dist.ProcessGroup]:
     """The groups training collectives run on: the default group, the side group, and the device-mesh
     groups of the model's sharded (DTensor) parameters."""
-    from torch.distributed.tensor import DTensor
-
     groups = [dist.group.WORLD, side_group()]
     param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
     if param is not None:
@@ -248,8 +249,6 @@ def process_groups(model: torch.nn.Module) -> list[dist.ProcessGroup]:
 def set_timeout(groups: tp.Iterable[dist.ProcessGroup], seconds: float) -> None:
     """The timeout of collectives issued from now on in ``groups``. torch has no public switch for an
     existing group: ``hpc.compat.set_pg_timeout`` reaches its private one (tests/test_compat.py)."""
-    from hpc.compat import set_pg_timeout
-
     for group in groups:
         set_pg_timeout(group, seconds)
 
@@ -300,6 +299,4 @@ def shutdown(timeout_s: int, waiting: tp.ContextManager | None = None) -> None:
     except Exception as e:  # noqa: BLE001  (teardown goes on whatever failed)
         log.warning("destroy_process_group failed: %s", e)
     _SIDE_GROUPS.clear()
-    from trainer.optim import forget_host_groups
-
     forget_host_groups()

@@ -36,16 +36,21 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.tensor import DTensor
 
 from hpc.ckpt import formats
+from hpc.ckpt.dcp import DcpReader
 from hpc.ckpt.entries import Scratch
 from hpc.ckpt.init_source import InitSource, open_source
 from hpc.ckpt.torch_zip import read_exact
 from hpc.ckpt.peft import is_adapter_folder, read_adapters
+from hpc.compat import local_shape_and_offset
 from hpc.core.errors import ConfigError
 from hpc.core.lora import is_adapter
 from hpc.core.models import model_facts
 from hpc.core.spec import JobSpec
+from trainer.checkpoint import load_modules, step_dir
 from trainer.lora import agreed_digest, base_record, check_base, copy_into, has_frozen, is_nf4_tensor, set_base_record
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -93,10 +98,6 @@ def local_block(param: torch.Tensor) -> tuple[tuple[int, int], tuple[int, int] |
     """(rows ``[start, stop)``, columns ``[c, d)`` or None for all) of the tensor this rank holds: all of
     it for a plain tensor; for a DTensor, its block as DTensor and FSDP2 place it (Shard on dim 0 or 1,
     strided shards of FSDP over tensor parallelism included: ``hpc.compat.local_shape_and_offset``)."""
-    from torch.distributed.tensor import DTensor
-
-    from hpc.compat import local_shape_and_offset
-
     rows = param.shape[0] if param.ndim else 1
     if not isinstance(param, DTensor):
         return (0, rows), None
@@ -139,8 +140,6 @@ def read_plan(model: nn.Module, source: InitSource) -> list[Read]:
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
     return param.to_local() if isinstance(param, DTensor) else param
 
 
@@ -204,8 +203,6 @@ def _torch_rows(reader: tp.Any, key: str, start: int, stop: int) -> tuple[torch.
 
 def load_dcp(model: nn.Module, source: InitSource) -> int:
     """The ``model`` entries of a DCP step through torch's planner (collective; resharded as needed)."""
-    from trainer.checkpoint import load_modules
-
     assert source.step is not None  # a dcp source names its step folder
     if any(is_nf4_tensor(p) for _, p in named_params(model)):
         raise ConfigError([f"`checkpoint.init_from` = {source.path}: a DCP checkpoint into an NF4 base "
@@ -213,8 +210,6 @@ def load_dcp(model: nn.Module, source: InitSource) -> int:
                            "from that folder"])
     reader = formats.get(source.kind).open(source.step)
     try:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
         load_modules(reader, model, None, StateDictOptions(strict=False), skip=lambda k: is_adapter(clean_name(k)))
     finally:
         reader.close()
@@ -271,9 +266,6 @@ def start_weights(trainer: Trainer, state: TrainState, spec: JobSpec) -> TrainSt
 
 def reload_base(trainer: Trainer, step: int, spec: JobSpec) -> dict[str, tp.Any] | None:
     """The frozen base read again at a resume; the trained parameters (adapters, ``lora.trainable``) kept."""
-    from hpc.ckpt.dcp import DcpReader
-    from trainer.checkpoint import step_dir
-
     trained = [(p, _local(p).detach().clone()) for p in trainer.model.parameters() if p.requires_grad]
     report = initial_weights(trainer.model, spec)
     with torch.no_grad():

@@ -28,8 +28,11 @@ import weakref
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from hpc.ckpt.digests import file_digest
 from hpc.compat import is_nf4_tensor, to_nf4
 from hpc.core.errors import CheckpointError, ConfigError
 from hpc.core.lora import Lora, base_dtype_problems, is_adapter, is_nf4, rest_dtype, resolved_targets, trains_in_full
@@ -138,8 +141,6 @@ def has_frozen(model: nn.Module) -> bool:
 def state_options(model: nn.Module) -> tp.Any:
     """``StateDictOptions`` of a checkpoint of ``model``: a frozen base is left out, and loading one
     that lacks it is not an error (``init_from`` supplies it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     frozen = has_frozen(model)
     return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
@@ -175,8 +176,6 @@ def source_files(source: InitSource) -> list[Path]:
 
 def source_digest(source: InitSource) -> str:
     """SHA-256 over the base's files (name and content digest of each, ``hpc.ckpt.digests.file_digest``)."""
-    from hpc.ckpt.digests import file_digest
-
     h = hashlib.sha256()
     for f in source_files(source):
         h.update(f"{f.name}\0{file_digest(f)}\n".encode())
@@ -185,8 +184,6 @@ def source_digest(source: InitSource) -> str:
 
 def agreed_digest(source: InitSource) -> str:
     """``source_digest`` computed by rank 0 and broadcast (every rank reads the same files)."""
-    import torch.distributed as dist
-
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return source_digest(source)
     box = [source_digest(source) if dist.get_rank() == 0 else ""]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import sys
 import time
 import typing as tp
@@ -52,8 +53,6 @@ def memory_gb(device: torch.device) -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
     except OSError:
-        import resource
-
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak, KiB on Linux
 
 

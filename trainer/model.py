@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hpc.compat import is_strided_shard, local_shape_and_offset, to_nf4
 from hpc.core.errors import ConfigError, UserError
 from hpc.core.spec import Model as ModelSpec
 from trainer import models
@@ -168,8 +169,6 @@ def init_module(module: nn.Module, name: str, seed: int, device: torch.device) -
     with torch.no_grad():
         for k, p in sharded.items():
             if _is_nf4(p):  # a frozen LoRA base in 4 bits: quantized whole, a new tensor (trainer.lora)
-                from hpc.compat import to_nf4
-
                 setattr(module, k, nn.Parameter(to_nf4(values[k].to(p.dtype)), requires_grad=False))
             else:
                 copy_shard(p, values[k])  # type: ignore[arg-type]  # a DTensor: _is_dtensor chose it
@@ -217,8 +216,6 @@ def local_slice(full: torch.Tensor, mesh: tp.Any, placements: tp.Sequence[tp.Any
     dimension, as DTensor and FSDP2 split it (later ranks get a shorter chunk, or none); FSDP2 over a
     tensor-parallel split of the same dimension (a strided shard) splits by TP first, one block still
     (``hpc.compat.local_shape_and_offset``)."""
-    from hpc.compat import is_strided_shard, local_shape_and_offset
-
     if any(is_strided_shard(p) for p in placements):
         shape, offset = local_shape_and_offset(full.shape, mesh, placements)
         out = full

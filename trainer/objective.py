@@ -22,6 +22,10 @@ import typing as tp
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from hpc.core.models.decoder import loss_chunk_tokens
 
 Batch = tp.Union[torch.Tensor, tp.Sequence[torch.Tensor]]
 
@@ -126,8 +130,6 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 def chunked_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-target fp32 cross-entropy of flat ``logits`` [N, V] against ``targets`` [N] in chunks of
     ``hpc.core.models.decoder.LOSS_CHUNK_LOGITS`` logits (``ChunkedCrossEntropy``)."""
-    from hpc.core.models.decoder import loss_chunk_tokens
-
     return ChunkedCrossEntropy.apply(logits, targets, loss_chunk_tokens(logits.shape[0], logits.shape[-1]))
 
 
@@ -135,12 +137,8 @@ def loss_context(logits: torch.Tensor) -> tp.ContextManager:
     """Where the loss and its backward run: ``loss_parallel`` when the logits are a DTensor split over
     the vocabulary (``parallel.tp`` > 1, ``trainer.tp``: each rank's log-softmax reduces its own columns
     and exchanges one max and one sum per token, never the vocabulary), else nothing."""
-    from torch.distributed.tensor import DTensor
-
     if not isinstance(logits, DTensor):
         return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
     return loss_parallel()
 
 
@@ -149,15 +147,11 @@ def tp_loss_context(tp_enabled: bool) -> tp.ContextManager:
     logits a DTensor split over the vocabulary), else nothing: the loop's side of ``loss_context``."""
     if not tp_enabled:
         return contextlib.nullcontext()
-    from torch.distributed.tensor.parallel import loss_parallel
-
     return loss_parallel()
 
 
 def is_dtensor(x: torch.Tensor) -> bool:
     """Whether ``x`` is a DTensor (the logits of a tensor-parallel model)."""
-    from torch.distributed.tensor import DTensor
-
     return isinstance(x, DTensor)
 
 

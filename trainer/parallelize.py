@@ -43,12 +43,16 @@ import warnings
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
+from hpc.compat import checkpoint_wrapper
 from hpc.core.config import ConfigError
 from hpc.core.dims import ParallelDims
 from hpc.core.resolve import undecided
 from hpc.core.spec import Parallel
 from trainer.model import WeightInit, outer_units
+from trainer.tp import apply_tp
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.models.tp_plan import TpPlan
@@ -88,8 +92,6 @@ def parallelize(model: nn.Module, blocks: nn.ModuleList, parallel: Parallel, dim
     if dims.dp_enabled and parallel.compile:
         refuse_dp_compile(torch.cuda.device_count() if device.type == "cuda" else 0)
     if dims.tp_enabled:
-        from trainer.tp import apply_tp
-
         assert mesh is not None  # tp runs inside fsdp/hsdp (ParallelDims), which have a mesh
         apply_tp(model, blocks, mesh["tp"], tp_plan)
     if parallel.activation_checkpointing:
@@ -181,9 +183,7 @@ def apply_ac(blocks: nn.ModuleList, preserve_rng: bool = True) -> None:
     The wrapper inserts ``_checkpoint_wrapped_module`` into parameter names; the
     ``torch.distributed.checkpoint.state_dict`` helpers strip it, so checkpoints do not depend on it.
     """
-    from hpc.compat import checkpoint_wrapper  # torch's private wrapper, reached in one place
-
-    wrap = checkpoint_wrapper()
+    wrap = checkpoint_wrapper()  # torch's private wrapper, reached in one place (hpc.compat)
     for i, block in enumerate(blocks):
         blocks[i] = wrap(block, preserve_rng_state=preserve_rng)
 
@@ -201,8 +201,6 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, mesh: DeviceMesh, reshar
     The model is on the meta device (nothing is allocated: each parameter becomes a DTensor of this
     rank's shard) or already on ``device``; it is never moved whole to the device first.
     """
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
     mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
     # pin_memory needs CUDA: CPUOffloadPolicy() fails on CPU-only hosts.
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy()
@@ -235,8 +233,6 @@ def unit_reshard(n_blocks: int, n_units: int, reshard_after_forward: bool) -> li
 
 def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     """DistributedDataParallel over the default process group."""
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [device.index] if device.type == "cuda" else None
     # gradients live in the all-reduce buckets: no second full copy of the gradients
     return DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
@@ -295,8 +291,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     the cross-replica all-reduce (the inter-node traffic of HSDP) waits for the last micro-step.
     This is what the planner's memory and communication figures assume.
     """
-    from torch.distributed.fsdp import FSDPModule
-
     if isinstance(model, FSDPModule):
         model.set_requires_all_reduce(enabled)
 
@@ -310,8 +304,6 @@ def reshards(parallel: Parallel, dims: ParallelDims) -> bool:
 def set_reshard_after_backward(model: nn.Module, last: bool) -> None:
     """``parallel.reshard_after_forward`` = false: FSDP2 frees the gathered units after the step's last backward
     only; on the micro-batches before it they stay gathered, so the next forward and backward gather nothing."""
-    from torch.distributed.fsdp import FSDPModule
-
     if isinstance(model, FSDPModule):
         model.set_reshard_after_backward(last)
 

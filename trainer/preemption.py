@@ -26,6 +26,8 @@ import signal
 import time
 import typing as tp
 
+from trainer.entry import release_signals
+
 log = logging.getLogger("hpcx.trainer")
 
 
@@ -53,8 +55,6 @@ class PreemptionFlag:
     def install(self) -> "PreemptionFlag":
         """Own the preemption signal and SIGTERM from now on (replacing submitit's handlers; its SIGTERM
         logger still runs), then release what ``trainer.entry`` held since the task started."""
-        from trainer.entry import release_signals
-
         signal.signal(preempt_signal(), self._handle)
         previous = signal.getsignal(signal.SIGTERM)
         self._previous_term = previous if callable(previous) else None

@@ -14,11 +14,12 @@ import platform
 import sys
 from pathlib import Path
 
+from hpc import schedulers
+from hpc.core.imports import problem
+
 
 def facts() -> dict:
     import torch  # lazy: torch
-
-    from hpc.core.imports import problem
 
     cuda = torch.cuda.is_available()
     out = {"python": platform.python_version(), "executable": sys.executable, "torch": torch.__version__,
@@ -47,8 +48,6 @@ def all_reduce(out_dir: Path, rank: int, local_rank: int, world: int) -> dict:
 
 def main(argv: list[str]) -> None:
     out_dir = Path(argv[0])
-    from hpc import schedulers
-
     place = schedulers.rank_env(os.environ)  # the scheduler's own variables for a task of a plain step
     rank, local_rank, world = (place.rank, place.local_rank, place.world_size) if place else (0, 0, 1)
     found = facts()

@@ -40,13 +40,18 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc.core.requeue import start_number
+from hpc import job, schedulers
+from hpc.core import requeue as policy, runs
+from hpc.core.requeue import start_number, stop_line
+from hpc.core.runs import append_jsonl, read_json, read_jsonl, write_json
 from hpc.core.workload import ScriptWorkload
+from hpc.schedulers.base import wait_since_last_stop
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import JobSpec
 from trainer.preemption import PreemptionFlag, preempt_signal
 from trainer.ranks import detect_rank_env, rank_variables
+from trainer.run import load_run
 
 SCRIPT_NOT_ASKED = "the script did not ask for a requeue (hpc.job.requeue())"
 TERMINATED = "the job got SIGTERM (cancelled or ending): a cancel is not a preemption"
@@ -140,10 +145,6 @@ class ScriptRank:
     """The command on this rank: start, signals, and the records of how it ended."""
 
     def __init__(self, run_dir: Path, workdir: Path, clock: tp.Callable[[], float] = time.time):
-        from hpc import schedulers
-        from hpc.core import runs
-        from trainer.run import load_run
-
         self.run = load_run(run_dir)
         self.command = script_command(self.run.spec)
         self.rd = runs.RunDir(self.run.run_dir)
@@ -177,8 +178,6 @@ class ScriptRank:
         return command_argv(self.command, sys.executable)
 
     def environment(self) -> dict[str, str]:
-        from hpc import job
-
         e, launch = self.env, self.run.launch
         ranks = rank_variables(e.rank, e.local_rank, e.world_size, e.local_world_size, e.master_addr, e.master_port)
         run_id = (self.side.job_id() if self.side else None) or self.run.run_dir.name
@@ -240,10 +239,6 @@ class ScriptRank:
     # ------------------------------------------------------------ records
 
     def _record_start(self) -> None:
-        from hpc.core import requeue as policy
-        from hpc.core.runs import append_jsonl
-        from hpc.schedulers.base import wait_since_last_stop
-
         ledger, side, run_dir = self.rd.read_ledger(), self.side, self.run.run_dir
         wait = side.queue_wait(run_dir, ledger) if side else wait_since_last_stop(run_dir, ledger)
         line = policy.start_line(self._step(), self.restart, side, "script", wait, command=list(self.command))
@@ -260,9 +255,6 @@ class ScriptRank:
         """How the command ended on this rank, recorded (``RUN/requeue/INC.rank-R.ended``; a failure is also
         reported); rank 0 then waits for every rank's and decides. The result on rank 0 (None elsewhere);
         a command that failed here raises, so that the scheduler sees the task fail."""
-        from hpc.core import requeue as policy
-        from hpc.core.runs import write_json
-
         failed = status != 0 and not self.terminated
         error = f"job.command {exit_words(status)} on rank {self.env.rank}: {' '.join(self.command)}"
         error += recorded_error(self.error_file(self.env.rank)) if failed else ""
@@ -284,8 +276,6 @@ class ScriptRank:
         """Every rank's account of its command (rank 0, after its own ended); None when SIGTERM came
         meanwhile (the scheduler ends the job, or, on Slurm, the step after a task failed). A rank that never
         says (its task was killed outright) is waited for ``RANKS_WAIT_S``: then it counts as failed."""
-        from hpc.core.runs import read_json
-
         deadline = time.monotonic() + RANKS_WAIT_S
         while True:
             found = {r: self._ended_path(r) for r in range(self.env.world_size)}
@@ -304,8 +294,6 @@ class ScriptRank:
 
     def _decide(self, status: int) -> dict[str, tp.Any]:
         """Rank 0, once every rank's command ended: the stop line, and the one requeue asked or allowed."""
-        from hpc.core import requeue as policy
-
         step, command = self._step(), list(self.command)
         ranks = self._await_ranks()
         ended_by = self.side.ended_by() if self.terminated and self.side is not None else None
@@ -343,8 +331,6 @@ class ScriptRank:
         """The result on rank 0: how the command ended, and the trainer's summary keys (``steps``, the
         losses this start logged with ``hpc.job.log``, ranks; ``strategy`` "script") so that ``hpcx submit
         --wait`` prints the same line for a script as for the trainer (``hpc.cli.format_result``)."""
-        from hpc.core.runs import read_jsonl
-
         lines = read_jsonl(self.rd.metrics) if self.rd.metrics.exists() else []
         losses = [r["loss"] for r in lines if r.get("start") == self.restart and isinstance(r.get("loss"), (int, float))]
         reason = ended["reason"]
@@ -354,9 +340,6 @@ class ScriptRank:
                 "time_limit": reason == "time_limit", "run_dir": str(self.run.run_dir)}
 
     def _write_stop(self, step: int, reason: str, why_not: str | None, **extra: tp.Any) -> None:
-        from hpc.core.requeue import stop_line
-        from hpc.core.runs import append_jsonl
-
         line = stop_line(step, reason, why_not, self.side, "rank 0", **extra)
         if self.preempted_at is not None:
             line["preempt_signal_at"] = self.preempted_at

@@ -25,6 +25,7 @@ import typing as tp
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.nn.functional import all_reduce
 
 from hpc.core.errors import ConfigError
 
@@ -61,8 +62,6 @@ class HostSyncBatchNorm(nn.BatchNorm1d):  # public base; _check_input_dim below 
 
     def _global_stats(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(mean, biased variance, sample count) per channel over every rank's batch, float64, differentiable."""
-        from torch.distributed.nn.functional import all_reduce
-
         channels, dims = x.size(1), [0, *range(2, x.dim())]
         wide = x.double()
         count = torch.full((1,), x.numel() // channels, dtype=torch.float64)

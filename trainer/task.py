@@ -7,9 +7,12 @@ on a login node. Torch and the trainer are imported inside ``__call__``.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import sys
 import typing as tp
+
+from trainer.preemption import PreemptionFlag  # no torch: installed before torch is imported
 
 
 class TrainTask:
@@ -19,8 +22,6 @@ class TrainTask:
         self.run_dir = str(run_dir)
 
     def __call__(self) -> dict[str, tp.Any] | None:
-        from trainer.preemption import PreemptionFlag  # no torch: installed before torch is imported
-
         # submitit has installed its USR2 handler by now; the flag handler replaces it (see preemption.py).
         preemption = PreemptionFlag().install()
         from trainer.train import run_rank  # lazy: torch
@@ -51,8 +52,6 @@ def exit_without_native_teardown() -> None:
     As the last Python-level exit step, flush and leave with ``os._exit``; an exception that
     reached the top level (``sys.last_value``) keeps exit status 1.
     """
-    import logging
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

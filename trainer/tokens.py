@@ -13,6 +13,7 @@ that reads it, so DataLoader workers never pickle a memory map.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 import typing as tp
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from hpc.core.manifest import PREPARED, load_manifest, manifest_path, val_split_source, window_totals
+from hpc.core.runs import RunDir, write_json
 from hpc.core.spec import Data
 from trainer.objective import document_targets
 
@@ -89,8 +91,6 @@ class ManifestTokens(Dataset):
 def data_record(data: Data, kind: str) -> dict[str, tp.Any]:
     """What a run trained on: the manifest (path, SHA-256, totals), its tokenizer (path, SHA-256,
     vocabulary, EOS; what a model export ships) and the validation source."""
-    import hashlib
-
     if kind != PREPARED:
         return {"source": data.source}
     path = manifest_path(data.source)
@@ -106,8 +106,6 @@ def data_record(data: Data, kind: str) -> dict[str, tp.Any]:
 
 def record_data(run_dir: Path, data: Data, kind: str) -> None:
     """Rank 0 writes ``RUN/data.json`` (``data_record``) and logs a windowed train split's padding."""
-    from hpc.core.runs import RunDir, write_json
-
     record = data_record(data, kind)
     write_json(RunDir(run_dir).data, record)
     train = record.get("splits", {}).get("train", {})

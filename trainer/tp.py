@@ -42,6 +42,8 @@ import typing as tp
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import parallelize_module
 
 from hpc.core.errors import ConfigError
 
@@ -62,7 +64,6 @@ def refuse_without_plan(model: nn.Module, plan: TpPlan | None, degree: int) -> T
 
 def style(role: str, inputs: int = 1) -> ParallelStyle:
     """The ``ParallelStyle`` of one role of a ``TpPlan`` (``inputs``: a gathered module's positional inputs)."""
-    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                    RowwiseParallel, SequenceParallel)
 
@@ -96,8 +97,6 @@ def block_plan(plan: TpPlan) -> dict[str, ParallelStyle]:
 def apply_tp(model: nn.Module, blocks: nn.ModuleList, tp_mesh: DeviceMesh, plan: TpPlan | None) -> TpPlan:
     """Shard ``model`` (on the meta device or allocated) over ``tp_mesh`` by its family's ``plan``; returns
     it. A tied head keeps sharing the embedding's (row-split, Shard(0)) matrix."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     plan = refuse_without_plan(model, plan, tp_mesh.size())
     embedding, head = model.get_submodule(plan.embedding), model.get_submodule(plan.head)
     tied = head.weight is embedding.weight
@@ -114,8 +113,6 @@ def apply_tp(model: nn.Module, blocks: nn.ModuleList, tp_mesh: DeviceMesh, plan:
 def split_positions(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """The GPT's position embedding, replicated over the group: its output ([seq, d]) split along the
     sequence (this rank's positions), to add to the sequence-split token embeddings."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-
     def replicate(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
         for key, param in list(mod.named_parameters(recurse=False)):
             dt = distribute_tensor(param, mesh, [Replicate()], src_data_rank=None)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from hpc.core.dims import ParallelDims
 from hpc.core.models import family, model_facts
@@ -42,6 +43,7 @@ from trainer.tasks import LoopTask, task_for
 from trainer.tokens import record_data
 from trainer.watch import watch_for
 from trainer.straggler import straggler_for
+from trainer.syncbn import convert
 from trainer.watchdog import paused, watchdog_for
 
 log = logging.getLogger("hpcx.trainer")
@@ -250,8 +252,6 @@ def build_parallel_model(spec: JobSpec, launch: Launch, device: torch.device, ma
                        launch.dims.strategy)
     match spec.workload:
         case TaskWorkload(sync_batchnorm=True, target=target):  # refused at submit under none and dp (hpc.core.tasks)
-            from trainer.syncbn import convert
-
             model = convert(model, target, device.type)
     blocks = blocks_for(task.blocks, model, parallel, launch.dims)
     init = WeightInit.of(model, spec.train.seed) if materialize else None
@@ -272,7 +272,5 @@ def _grad_scaler(mixed_precision: str, dims: ParallelDims, device: torch.device)
     if mixed_precision != "fp16":
         return None
     if dims.fsdp_enabled:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
         return ShardedGradScaler(device.type)
     return torch.amp.GradScaler(device.type)

@@ -35,6 +35,7 @@ import faulthandler
 import json
 import logging
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -44,7 +45,7 @@ import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpc.core import health
+from hpc.core import health, requeue
 from hpc.core.health import Health
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -222,8 +223,6 @@ class Watchdog:
         return min(30.0, max(5.0, (self.timeout() or 0.0) / 4))
 
     def _decide(self, answers: dict[int, dict]) -> dict:
-        from hpc.core import requeue
-
         verdict = health.hang_verdict(self.world, answers, health.read_beats(self.run_dir))
         lost = round(self.clock() - (self.last if self.last is not None else self.clock()), 3)  # since the boundary
         verdict.update(time=self.wall(), answered=sorted(answers), timeout_s=self.timeout(), lost_s=lost,
@@ -330,8 +329,6 @@ def end_hung(run_dir: Path, verdict: dict) -> None:
     """SIGKILL the hung ranks that run on this host (their heartbeats say where): under a scheduler that
     restarts the tasks only once all have ended (submitit's local controller), a stopped rank would
     hold the job forever."""
-    import signal
-
     beats = health.read_beats(run_dir)
     for rank in verdict.get("ranks", []):
         beat = beats.get(rank, {})

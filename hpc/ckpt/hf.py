@@ -34,7 +34,8 @@ from hpc.core.models import model_facts
 from hpc.core.runs import RunDir
 from hpc.core.spec import spec_from_dict
 from hpc.core.validate import open_regular
-from hpc.data.chat import folder_templates, template_digest
+from hpc.data.chat import (CONFIG_FILE as TOKENIZER_CONFIG, TEMPLATE_DIR, TEMPLATE_FILE, folder_templates,
+                           template_digest)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GENERATION_FILE = "generation_config.json"
@@ -375,16 +376,14 @@ def _write_templates(folder: Path, templates: dict[str, str]) -> None:
     """The chat templates as transformers' ``save_pretrained`` writes them today: ``chat_template.jinja``
     (the default), ``additional_chat_templates/NAME.jinja`` (the others), and no ``chat_template`` left in
     ``tokenizer_config.json`` (a copied one could be another template than the run's)."""
-    from hpc.data.chat import CONFIG_FILE, TEMPLATE_DIR, TEMPLATE_FILE
-
     write_text(folder / TEMPLATE_FILE, templates["default"])
     for name, text in sorted(templates.items()):
         if name != "default":
             (folder / TEMPLATE_DIR).mkdir(exist_ok=True)
             write_text(folder / TEMPLATE_DIR / f"{name}.jinja", text)
-    config = _read_json(folder / CONFIG_FILE)
+    config = _read_json(folder / TOKENIZER_CONFIG)
     if config.pop("chat_template", None) is not None:
-        write_text(folder / CONFIG_FILE, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        write_text(folder / TOKENIZER_CONFIG, json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def write_text(path: Path, text: str) -> None:

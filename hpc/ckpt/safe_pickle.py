@@ -10,6 +10,7 @@ before it is looked up, so nothing outside the list is ever called.
 
 from __future__ import annotations
 
+import enum
 import io
 import os
 import pathlib
@@ -47,8 +48,6 @@ ALLOWED: dict[tuple[str, str], tp.Any] = {
 def _enum_member(cls: tp.Any, name: tp.Any) -> tp.Any:
     """``getattr(ENUM, NAME)``, as Python 3.11.0–3.11.4 (Debian bookworm's 3.11.2, so many images) pickle an
     enum member: only for an allow-listed enum class and one of its members' names."""
-    import enum
-
     allowed = [v for v in ALLOWED.values() if isinstance(v, type) and issubclass(v, enum.Enum)]
     if cls not in allowed or not isinstance(name, str) or name not in cls.__members__:
         raise RefusedGlobal(f"builtins.getattr({short_repr(cls)}, {short_repr(name)})")

@@ -8,6 +8,7 @@ import typing as tp
 import click
 
 from hpc.cli.clickutil import echo_json, json_option
+from hpc.core.errors import UserError
 
 
 @click.group("container")
@@ -21,8 +22,7 @@ def container_group() -> None:
 def check_command(site_name: str, as_json: bool) -> None:
     """Run two tasks on one node inside the site's image: Python/torch/CUDA/NCCL versions, the GPUs they
     see, whether hpcx's code imports there, and the transports a 2-rank all-reduce chose (NCCL's INFO lines)."""
-    from hpc.core.errors import UserError
-    from hpc.core.site import load_site
+    from hpc.core.site import load_site  # lazy: startup
 
     site = load_site(site_name)
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -28,9 +29,9 @@ from hpc.core.errors import ConfigError, UserError
 def _tomllib() -> tp.Any:
     """tomllib (tomli before 3.11), imported when a TOML file is first read: `hpcx status` reads none."""
     if sys.version_info >= (3, 11):
-        import tomllib
+        import tomllib  # lazy: startup
     else:  # pragma: no cover - exercised on 3.10 only
-        import tomli as tomllib
+        import tomli as tomllib  # lazy: startup
     return tomllib
 
 
@@ -80,7 +81,7 @@ def nearest(key: str, valid: tp.Sequence[str]) -> str | None:
     same = [x for x in valid if skeleton(x) == skeleton(key)]
     if same:
         return same[0]
-    import difflib  # only when a key is wrong
+    import difflib  # lazy: startup (only when a key is wrong)
 
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     return close[0] if close else None
@@ -88,7 +89,7 @@ def nearest(key: str, valid: tp.Sequence[str]) -> str | None:
 
 def lookalike_note(key: str, close: str) -> str:
     """`` (`е` is U+0435 CYRILLIC SMALL LETTER IE, not `e`)`` for each non-ASCII character of ``key``."""
-    import difflib
+    import difflib  # lazy: startup
 
     pairs = {}
     for op, i1, i2, j1, j2 in difflib.SequenceMatcher(None, key, close, autojunk=False).get_opcodes():
@@ -467,8 +468,6 @@ def load_json_bounded(data: str | bytes, what: str, error: type[UserError] = Con
     """``json.loads`` for headers and files hpcx did not write (a safetensors header, a run folder
     from elsewhere): nesting deeper than ``max_depth`` and malformed JSON raise ``error`` with one
     line naming ``what``, never a RecursionError."""
-    import json
-
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
     except UnicodeDecodeError as exc:

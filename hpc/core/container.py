@@ -28,12 +28,15 @@ import re
 import sys
 import typing as tp
 import dataclasses
+import glob
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpc import schedulers
-from hpc.core.config import field
+from hpc.core.config import field, load_json_bounded
 from hpc.core.errors import ConfigError, UserError
+from hpc.core.validate import char_label, open_regular
 
 RUNTIMES = ("none", "pyxis", "apptainer", "oci")
 IMAGE_ENV = "HPCX_CONTAINER_IMAGE"  # set inside the step: the image a task runs in (for its start check)
@@ -208,8 +211,6 @@ def node_devices(c: Container, gpus: int) -> list[str]:
 def derived_problems(runtime: str, named: tp.Sequence[tuple[str, str]]) -> list[str]:
     """Each path hpcx derives itself (``named``: (what it is, path)) that the runtime's mount list would
     read as another mount or option: one line naming it."""
-    from hpc.core.validate import char_label
-
     out = []
     for what, path in named:
         bad = next((ch for ch in path if ch in runtime_of(runtime).list_syntax), None)
@@ -296,8 +297,6 @@ def parse_mount(mount: str) -> Mount:
 def overlay_links() -> dict[str, str]:
     """{name in the overlay: host path}: hpcx's ``hpc`` and ``trainer``, and every pure-Python package
     among hpcx's dependencies (recursively; torch's own are the image's), as this Python imports them."""
-    import importlib.util
-
     links = {name: _package_dir(name) for name in ("hpc", "trainer")}
     for dist in pure_dependencies():
         for top in _top_level(dist):
@@ -311,8 +310,6 @@ def overlay_links() -> dict[str, str]:
 
 
 def _package_dir(name: str) -> str:
-    import importlib
-
     return os.path.dirname(os.path.abspath(importlib.import_module(name).__file__ or ""))
 
 
@@ -384,8 +381,6 @@ def step_mounts(c: Container, run_root: str, workdir: str, links: tp.Mapping[str
     rw += [("the home folder (`container.mount_home`)", os.path.expanduser("~"))] if c.mount_home else []
     found = derived_problems(c.runtime, [*rw, *ro])
     if found:
-        from hpc.core.errors import UserError
-
         raise UserError(found)
     mounts = [parse_mount(m) for m in c.mounts] + [Mount(p, p, False) for _, p in rw]
     mounts += [Mount(p, p, True) for p in sorted({p for _, p in ro})]
@@ -450,8 +445,6 @@ IMAGE_CONFIG_MAX = 1 << 20  # an OCI runtime configuration is a few KB
 def image_file(path: Path, label: str, limit: int = IMAGE_CONFIG_MAX) -> bytes:
     """The bytes of an image's small file: a regular one (no FIFO, no /dev/zero) of at most ``limit``
     bytes, else one line (a ConfigError whose ``label`` names it); b"" when it is absent."""
-    from hpc.core.validate import open_regular
-
     if not os.path.lexists(path):
         return b""
     with open_regular(path, label, "a regular file") as f:
@@ -464,8 +457,6 @@ def image_file(path: Path, label: str, limit: int = IMAGE_CONFIG_MAX) -> bytes:
 def read_image_config(image: str, where: str) -> dict[str, tp.Any]:
     """An OCI bundle's config.json, bounded in size and depth (``where``: the file and key that named the
     image, which every message starts with)."""
-    from hpc.core.config import load_json_bounded
-
     label = f"{where} = {image!r}: its config.json"
     data = image_file(Path(image) / "config.json", label)
     if not data:
@@ -482,8 +473,6 @@ def read_image_config(image: str, where: str) -> dict[str, tp.Any]:
 def inside_problem(env: tp.Mapping[str, str], gpus: bool) -> str | None:
     """Why this image cannot run hpcx's trainer, in one line naming the image; None when it can. Run by each
     task before anything imports torch (``hpc.core.imports.main``), only inside a container."""
-    import importlib.util
-
     image = env.get(IMAGE_ENV)
     if not image:
         return None
@@ -527,7 +516,7 @@ def shm_problem(image: str, env: tp.Mapping[str, str], shm: str = "/dev/shm") ->
         return f"the container image {image} has no {shm} ({exc.strerror}): the site asks for {wanted} GiB"
     size = st.f_blocks * st.f_frsize
     if size < wanted << 30:
-        import platform
+        import platform  # lazy: startup
 
         return (f"the container image {image} has a {shm} of {size / 2**30:.2f} GiB on {platform.node()}, below "
                 f"the site's `container.shm_gb` = {wanted}: ask the site for nodes with a larger one, or lower it")
@@ -537,7 +526,7 @@ def shm_problem(image: str, env: tp.Mapping[str, str], shm: str = "/dev/shm") ->
 def versions_line(env: tp.Mapping[str, str]) -> str:
     """What the image holds, without importing torch: Python, torch, its CUDA and NCCL (printed by the first
     task on each node, and by ``hpcx container check``)."""
-    import platform
+    import platform  # lazy: startup
 
     cuda, nccl = _torch_file("cuda"), _nccl_version()
     return (f"image {env.get(IMAGE_ENV)} on {platform.node()}: python {platform.python_version()}, torch "
@@ -546,8 +535,6 @@ def versions_line(env: tp.Mapping[str, str]) -> str:
 
 def _torch_file(key: str) -> str:
     """A value of torch/version.py (``__version__``, ``cuda``: None in a CPU build), read as text."""
-    import importlib.util
-
     spec = importlib.util.find_spec("torch")
     for folder in list(spec.submodule_search_locations or []) if spec else []:
         try:
@@ -569,8 +556,6 @@ def _nccl_version() -> str:
     for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11"):
         if _version(dist):
             return _version(dist)
-    import glob
-
     for lib in sorted(glob.glob("/usr/lib/*/libnccl.so.2.*") + glob.glob("/usr/local/lib/libnccl.so.2.*")):
         found = re.search(r"libnccl\.so\.(\d+\.\d+\.\d+)$", lib)
         if found:
@@ -583,7 +568,7 @@ def inside_record(env: tp.Mapping[str, str]) -> dict[str, tp.Any]:
     image = env.get(IMAGE_ENV)
     if not image:
         return {}
-    import platform
+    import platform  # lazy: startup
 
     return {"container": {"image": image, "python": platform.python_version(), "torch": _version("torch")}}
 
@@ -599,8 +584,6 @@ def _version(dist: str) -> str:
 
 def _has_cuda_libs() -> bool:
     """torch's own CUDA libraries (a CUDA wheel's ``torch/lib/libtorch_cuda.so``), found without importing it."""
-    import importlib.util
-
     spec = importlib.util.find_spec("torch")
     folders = list(spec.submodule_search_locations or []) if spec else []
     return any(os.path.exists(os.path.join(f, "lib", "libtorch_cuda.so")) for f in folders)

@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import sys
+import sysconfig
+import traceback
 import typing as tp
 from pathlib import Path
 
@@ -103,8 +107,6 @@ def user_code_error(exc: BaseException, roots: tp.Sequence[str]) -> str | None:
 def traceback_frames(exc: BaseException) -> list[tuple[str, int, str]]:
     """(file, line, function) of every frame of ``exc``'s traceback, outermost first, then those of a
     traceback printed in its message (a DataLoader worker's "Original Traceback")."""
-    import traceback
-
     frames = [(f.filename, f.lineno or 0, f.name) for f in traceback.extract_tb(exc.__traceback__)]
     return frames + [(m["file"], int(m["line"]), m["func"]) for m in FRAME_TEXT.finditer(str(exc))]
 
@@ -141,9 +143,6 @@ def code_roots(modules: tp.Sequence[str]) -> list[str]:
     """The folders of the job's own ``modules``, as imported in this process: where its code lives. A
     package's folder; a plain module's folder (the submit folder: its helpers beside it count too), or the
     file alone when it sits among installed packages or python's own."""
-    import sys
-    import sysconfig
-
     installed = {os.path.realpath(p) for p in sysconfig.get_paths().values()}
     roots: list[str] = []
     for name in modules:
@@ -296,8 +295,6 @@ def ranks_words(ranks: tp.Sequence[int]) -> str:
 
 def srun_words(status: int) -> str:
     """Why srun ended when no task said anything (srun itself killed, or a task that never started)."""
-    import signal
-
     if status > 128:
         try:
             name = signal.Signals(status - 128).name

@@ -20,7 +20,10 @@ import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpc.core.config import load_json_bounded
 from hpc.core.errors import ConfigError
+from hpc.core.models import FAMILIES, HfMapped, HfReader, families, family as family_of_arch
+from hpc.core.validate import open_regular
 
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 1 << 20
@@ -38,15 +41,11 @@ class HfTensor:
 
 def architectures() -> dict[str, str]:
     """The ``transformers`` classes whose configs hpcx reads (``HfReader.hf_arch``) → their family."""
-    from hpc.core.models import HfReader, families
-
     return {f.hf_arch: f.name for f in families() if isinstance(f, HfReader)}
 
 
 def _mapping(family: str) -> tp.Any:
     """The family, when it maps onto a transformers class (``HfMapped``); ConfigError otherwise."""
-    from hpc.core.models import FAMILIES, HfMapped, families, family as family_of_arch
-
     found = family_of_arch(family) if family in FAMILIES else None
     if not isinstance(found, HfMapped):
         mapped = ", ".join(repr(f.name) for f in families() if isinstance(f, HfMapped))
@@ -88,9 +87,6 @@ def config_path(path: str) -> Path:
 
 def read_config(path: Path) -> dict[str, tp.Any]:
     """A ``config.json``, bounded; ConfigError naming the file when it is not a JSON object."""
-    from hpc.core.config import load_json_bounded
-    from hpc.core.validate import open_regular
-
     where = f"`model.hf_config`: {path}"
     with open_regular(path, where, "a regular config.json file") as f:  # a FIFO or /dev/zero: refused unopened
         data = f.read(MAX_CONFIG_BYTES + 1)

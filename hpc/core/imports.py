@@ -38,7 +38,7 @@ def main() -> None:
     if found:
         print(f"hpcx: {found}", file=sys.stderr, flush=True)
         sys.exit(2)
-    import runpy
+    import runpy  # lazy: boot
 
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 
@@ -76,7 +76,7 @@ def check() -> None:
     """``problem`` as a ``UserError`` (``hpcx submit``, ``hpcx dryrun``)."""
     found = problem()
     if found:
-        from hpc.core.errors import UserError
+        from hpc.core.errors import UserError  # lazy: boot
 
         raise UserError([found])
 
@@ -117,11 +117,11 @@ def _located(name: str, search: list[str], imported: bool = True) -> str | None:
     file = getattr(module, "__file__", None) if module is not None else None
     if file:
         return os.path.dirname(os.path.abspath(file))
-    from importlib.machinery import PathFinder
+    from importlib.machinery import PathFinder  # lazy: boot
 
     spec = PathFinder.find_spec(name, search)
     if spec is None:  # not on the path: an editable install's finder (on sys.meta_path) may map it
-        import importlib.util
+        import importlib.util  # lazy: boot
 
         spec = importlib.util.find_spec(name) if search == sys.path else None
     if spec is None:
@@ -191,7 +191,7 @@ def _editable_root(info: str) -> str | None:
     """The project folder of an editable install (``direct_url.json``: ``dir_info.editable``), else None."""
     try:
         with open(os.path.join(info, "direct_url.json"), encoding="utf-8") as f:
-            import json
+            import json  # lazy: boot
 
             data = json.load(f)
     except (OSError, ValueError):
@@ -200,7 +200,7 @@ def _editable_root(info: str) -> str | None:
     editable = isinstance(data, dict) and isinstance(data.get("dir_info"), dict) and data["dir_info"].get("editable")
     if not editable or not url.startswith("file://"):
         return None
-    from urllib.parse import unquote, urlparse
+    from urllib.parse import unquote, urlparse  # lazy: boot
 
     return unquote(urlparse(url).path)
 
@@ -230,7 +230,7 @@ def _not_listed(folder: str, listed: tuple[set[str], dict[str, int]] | None) -> 
 
 def _installer(search: list[str], name: str) -> str:
     """Which other distribution lists files under ``name/`` (only asked when refusing: importlib.metadata)."""
-    from importlib import metadata
+    from importlib import metadata  # lazy: boot
 
     for dist in metadata.distributions(path=search):
         if (dist.metadata["Name"] or "").lower() == DISTRIBUTION:

@@ -90,7 +90,7 @@ DEFAULT_TARGETS = ("q_proj", "v_proj", "c_attn")  # PEFT's defaults for Llama-li
 def family_targets(arch: str) -> tuple[tuple[str, str], ...]:
     """(hpcx module name, Hugging Face module name) of every projection ``arch``'s family offers; () when
     it offers none."""
-    from hpc.core.models import family
+    from hpc.core.models import family  # lazy: startup
 
     return tuple(getattr(family(arch), "lora_targets", ()))
 
@@ -168,7 +168,7 @@ def lora_problems(spec: JobSpec) -> list[str]:
             return base
     pairs = family_targets(spec.model.arch)
     if not pairs:
-        from hpc.core.models import family
+        from hpc.core.models import family  # lazy: startup
 
         return [f"`lora.rank` = {lora.rank}: {family(spec.model.arch).phrase} declares no projections for LoRA"]
     names = {n for pair in pairs for n in pair}
@@ -212,7 +212,7 @@ def without_rank(doc: dict[str, tp.Any]) -> list[str]:
 
 def _base_shapes(model: tp.Any) -> dict[str, tuple[int, ...]]:
     """hpcx parameter name → shape of a family with a tensor plan (``HfMapped``); {} otherwise."""
-    from hpc.core.models import HfMapped, family, model_facts
+    from hpc.core.models import HfMapped, family, model_facts  # lazy: startup
 
     fam, facts = family(model.arch), model_facts(model)
     if not isinstance(fam, HfMapped) or facts.shape is None:

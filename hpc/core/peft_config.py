@@ -13,8 +13,12 @@ import math
 import typing as tp
 from pathlib import Path
 
+from hpc.core.config import load_json_bounded
 from hpc.core.errors import CheckpointError, ConfigError
-from hpc.core.hf import HfTensor, tensor_plan
+from hpc.core.hf import HfTensor, hf_config, tensor_plan
+from hpc.core.lora import family_targets, hf_targets, resolved_targets, trains_in_full
+from hpc.core.models import model_facts
+from hpc.core.validate import open_regular
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -41,9 +45,6 @@ def module_problems(lora: tp.Any, arch: str, shape: tp.Any) -> list[str]:
 
 
 def _modules_of(lora: tp.Any, arch: str, shape: tp.Any) -> tuple[dict[str, list[HfTensor]], list[str]]:
-    from hpc.core.hf import hf_config
-    from hpc.core.lora import resolved_targets, trains_in_full
-
     if not lora.trainable:
         return {}, []
     plan = tensor_plan(arch, shape)
@@ -89,9 +90,6 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 def read_adapter_config(folder: Path) -> dict[str, tp.Any]:
     """``adapter_config.json`` of a PEFT folder, read bounded (a regular file of at most 1 MiB, JSON
     nested at most 32 deep) and checked to be a LoRA one whose fields have PEFT's types."""
-    from hpc.core.config import load_json_bounded
-    from hpc.core.validate import open_regular
-
     where = folder / ADAPTER_CONFIG
     with open_regular(where, str(where), "PEFT's adapter_config.json", CheckpointError) as f:
         data = f.read(MAX_CONFIG_BYTES + 1)
@@ -164,23 +162,17 @@ def adapter_base(folder: str | Path) -> Path:
 def adapter_problems(folder: Path, spec: tp.Any) -> list[str]:
     """A PEFT folder's settings that differ from the spec's ``[lora]`` (rank, alpha, targets, and
     ``modules_to_save`` against ``trainable``)."""
-    from hpc.core.lora import hf_targets
-
     doc, lora, where = read_adapter_config(folder), spec.lora, f"`checkpoint.init_from`: {folder / ADAPTER_CONFIG}"
     if not lora.enabled:
         return [f"{where}: a LoRA adapter folder, but `lora.rank` = 0"]
     out = [f"{where}: {key} = {doc.get(key, default)!r}, the spec's `lora.{ours}` = {want!r}"
            for key, ours, want, default in (("r", "rank", lora.rank, 8), ("lora_alpha", "alpha", lora.alpha, 8))
            if doc.get(key, default) != want]
-    from hpc.core.models import model_facts
-
     facts = model_facts(spec.model)
     if doc.get("fan_in_fan_out", False) != fan_in_fan_out(facts.family, facts.shape):
         out.append(f"{where}: fan_in_fan_out = {doc.get('fan_in_fan_out', False)}, but {spec.model.arch!r} stores "
                    f"its targets {'transposed (Conv1D)' if not doc.get('fan_in_fan_out') else 'as nn.Linear does'}")
     theirs = doc.get("target_modules")
-    from hpc.core.lora import family_targets
-
     known = [hf for _, hf in family_targets(spec.model.arch)]
     unknown = [t for t in (theirs if isinstance(theirs, list) else []) if t not in known]
     if unknown:
@@ -197,8 +189,6 @@ def _saved_problems(doc: dict[str, tp.Any], spec: tp.Any, where: str) -> list[st
     name ends with one) are not the modules the spec's ``lora.trainable`` trains in full. A folder without
     any is fine: the parameters the spec trains in full start from the base (PEFT's model has the
     base's there too)."""
-    from hpc.core.models import model_facts
-
     theirs = doc.get("modules_to_save")
     names = theirs or []  # a list of names or null (read_adapter_config)
     if not names:  # a plain adapter folder: what the spec trains in full starts from the base, as in PEFT

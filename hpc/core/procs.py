@@ -6,6 +6,8 @@ started (queue wait and start-up figures); scheduler queries started ahead of th
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 import typing as tp
 
@@ -51,8 +53,6 @@ def start_ahead(cmds: tp.Iterable[list[str]]) -> None:
     """Start each command (stdout and stderr piped, stdin closed) now, for ``take_ahead`` to hand to the
     caller that runs the very same argument list later: a query whose answer takes a fixed wait (slurmdbd)
     then overlaps the caller's own start-up. A command that cannot start is left to that caller."""
-    import subprocess
-
     for cmd in cmds:
         if tuple(cmd) in _AHEAD:
             continue
@@ -72,8 +72,6 @@ def stop_ahead() -> int:
     """Kill and reap the processes started ahead that nobody took, with what they started (each has a
     session of its own: a site's wrapper script around squeue and its children); how many there were.
     Their pipes are closed unread, so nothing left holding one keeps this process waiting."""
-    import signal
-
     left = list(_AHEAD.values())
     _AHEAD.clear()
     for proc in left:

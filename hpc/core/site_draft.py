@@ -12,6 +12,7 @@ import typing as tp
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from hpc.core.config import ConfigError, read_toml
 from hpc.core.runs import write_atomic
 from hpc.core.site import SECTIONS, SiteProfile, parse_site
 
@@ -54,8 +55,6 @@ def render(site: SiteProfile, note: str) -> str:
 def write_draft(path: Path, site: SiteProfile, mfu: float, source: str) -> SiteProfile:
     """Write the draft to ``path`` (a new file: an existing one is refused) and return it as loaded back."""
     if path.exists():
-        from hpc.core.config import ConfigError
-
         raise ConfigError([f"{path}: exists; a site draft is never written over a file (choose a new name)"])
     drafted = with_mfu(site, mfu, source)
     text = render(drafted, f"node.mfu = {drafted.node.mfu} was measured: {source}. Check every value.")
@@ -65,6 +64,4 @@ def write_draft(path: Path, site: SiteProfile, mfu: float, source: str) -> SiteP
 
 def load_draft(path: Path) -> SiteProfile:
     """A written draft, loaded as any profile is (so a draft that would not load is never left unnoticed)."""
-    from hpc.core.config import read_toml
-
     return parse_site(read_toml(path), path.stem, str(path))

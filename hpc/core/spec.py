@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 import typing as tp
@@ -20,11 +21,12 @@ from hpc.core import runroot, validate as v
 from hpc.core.container import JobContainer
 from hpc.core.health import Health
 from hpc.core.config import ConfigError, apply_overrides, build_document, field, read_toml, untouched
-from hpc.core.lora import Lora
-from hpc.core.manifest import check_data_source
+from hpc.core.lora import Lora, lora_problems, without_rank
+from hpc.core.manifest import (PREPARED, check_data_source, check_validation, source_kind, split_samples,
+                               val_split_source)
 from hpc.core.optim import SCHEDULES, Optim, adamw_fields_given, optim_problems
-from hpc.core.models import DEFAULT_ARCH, FAMILIES
-from hpc.core.tasks import Task, apply_task, task_problems
+from hpc.core.models import DEFAULT_ARCH, FAMILIES, model_facts, model_problems, section_class
+from hpc.core.tasks import Task, apply_task, class_problems, task_problems, without_target
 from hpc.core.validate import looks_secret  # noqa: F401  (re-exported: the one secret-name policy)
 from hpc.core.workload import TaskWorkload, Workload, workload_of
 
@@ -299,8 +301,6 @@ if tp.TYPE_CHECKING:  # the class is joined when first asked for: mypy sees the 
 def sections() -> dict[str, type]:
     """Each section's class by name; ``[model]`` is joined from the families when first asked
     (``hpc.core.models.section_class``), so importing this module loads no family."""
-    from hpc.core.models import section_class
-
     return {"job": Job, "model": section_class(CommonModel), "data": Data, "train": Train, "parallel": Parallel,
             "checkpoint": Checkpoint, "env": Env, "lora": Lora, "optim": Optim, "task": Task,
             "container": JobContainer, "health": Health}
@@ -321,7 +321,7 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
     them already, so the job and the export do not read it again)."""
     errors: list[str] = []
     if read_hf_config and isinstance(doc.get("model"), dict) and doc["model"].get("hf_config"):
-        from hpc.core.hf import apply_hf_config
+        from hpc.core.hf import apply_hf_config  # lazy: startup
 
         doc = {**doc, "model": dict(doc["model"])}
         errors += apply_hf_config(doc["model"])
@@ -339,8 +339,6 @@ def spec_from_dict(doc: dict, source: str = "<spec>", read_hf_config: bool = Tru
             _typed(errors, "train", ("schedule",)):
         errors += optim_problems(spec)
     if _typed(errors, "lora", ("rank", "targets", "trainable")) and not errors:
-        from hpc.core.lora import lora_problems
-
         errors += lora_problems(spec)
     if _typed(errors, "model", ("kwargs",)):
         errors += v.check_model_kwargs(spec.model.kwargs)
@@ -409,8 +407,6 @@ def resolve_paths(spec: JobSpec) -> list[str]:
             spec.job.run_root = str(runroot.expand_run_root(spec.job.run_root, f"`job.run_root` = {spec.job.run_root!r}"))
         except ConfigError as exc:
             errors += exc.messages
-    from hpc.core.models import model_facts
-
     if spec.checkpoint.init_from:
         spec.checkpoint.init_from = str(Path(os.path.expandvars(os.path.expanduser(spec.checkpoint.init_from)))
                                         .absolute())
@@ -421,12 +417,8 @@ def resolve_paths(spec: JobSpec) -> list[str]:
         problems += _packing_problems(spec, kind)
     user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
     if user_task:  # its class, read from its source (hpcx never imports a user's module here)
-        from hpc.core.tasks import class_problems
-
         problems += class_problems(user_task)
     if not problems and not user_task:  # a task evaluates on its own eval_dataset()
-        from hpc.core.manifest import check_validation
-
         more, spec.data.val_source = check_validation(spec.data, spec.train, facts.seq_len, facts.vocab_size, kind)
         problems += more
     return errors + problems
@@ -435,9 +427,6 @@ def resolve_paths(spec: JobSpec) -> list[str]:
 def _packing_problems(spec: JobSpec, kind: str) -> list[str]:
     """``data.packing = "document"`` needs document boundaries (a prepared folder's index) and a model
     whose forward takes them (a built-in family)."""
-    from hpc.core.manifest import PREPARED
-    from hpc.core.models import model_facts
-
     if kind != PREPARED:
         what = "synthetic samples" if kind == "synthetic" else "a flat token file"
         return [f"`data.packing` = 'document': `data.source` = {spec.data.source!r} is {what}, which records no "
@@ -490,9 +479,6 @@ def given_for_nothing(doc: dict) -> list[str]:
     """Keys the file sets that cannot mean anything (checked as written: a run's resolved.json records
     every field): an empty ``job.command``, ``[lora]`` keys with LoRA off, ``[task]`` keys without a task,
     ``parallel.tp_on_cpu`` without a ``tp``."""
-    from hpc.core.lora import without_rank
-    from hpc.core.tasks import without_target
-
     job: dict[str, tp.Any] = doc["job"] if isinstance(doc.get("job"), dict) else {}
     errors = (["`job.command` = []: an empty command runs nothing: give the program and its arguments, e.g. "
                "[\"python\", \"train.py\"], or remove the key to run hpcx's trainer"] if job.get("command") == [] else [])
@@ -525,8 +511,6 @@ def trainer_sections_given(doc: dict) -> list[str]:
 
 def json_list(items: tp.Sequence[str]) -> str:
     """``["a", "b"]`` as TOML and JSON write it."""
-    import json
-
     return json.dumps(list(items))
 
 
@@ -555,8 +539,6 @@ def _check_env(env: tp.Any) -> list[str]:
 
 
 def _check_model(model: Model) -> list[str]:
-    from hpc.core.models import model_problems
-
     return model_problems(model)
 
 
@@ -628,9 +610,6 @@ def _late_decays(spec: JobSpec) -> list[str]:
 
 def _eval_shortfall(spec: JobSpec) -> list[str]:
     """The validation split holds fewer samples than ``eval_steps × global_batch`` (each is counted once)."""
-    from hpc.core.manifest import split_samples, source_kind, val_split_source
-    from hpc.core.models import model_facts
-
     t = spec.train
     where = val_split_source(spec.data, source_kind(spec.data.source)) if t.eval_every and t.eval_steps else None
     if where is None:

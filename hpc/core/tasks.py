@@ -13,6 +13,8 @@ preemption, requeue) is the spec's as for any run.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import keyword
 import re
 import typing as tp
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from hpc.core import validate as v
 from hpc.core.config import field
 from hpc.core.errors import ConfigError
+from hpc.core.models import TASK
 from hpc.core.workload import TaskWorkload
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -57,8 +60,6 @@ class Task:
 
 def task_problems(spec: JobSpec, doc: dict[str, tp.Any]) -> list[str]:
     """What is wrong with ``[task]`` and the sections a task owns, as written in ``doc``."""
-    from hpc.core.models import TASK
-
     task = spec.task
     model_doc: dict[str, tp.Any] = doc["model"] if isinstance(doc.get("model"), dict) else {}
     if not task.target:
@@ -110,10 +111,6 @@ def sync_batchnorm_problems(spec: JobSpec, strategy: str) -> list[str]:
 def changed_model_fields(spec: JobSpec, model_doc: dict[str, tp.Any]) -> list[tuple[str, tp.Any]]:
     """(name, value) of each ``[model]`` field a task's spec sets: ``arch`` other than the task family's
     (as a run's resolved.json records it), any other field away from its default."""
-    import dataclasses
-
-    from hpc.core.models import TASK
-
     out = [("arch", model_doc["arch"])] if model_doc.get("arch", TASK) != TASK else []
     recorded = {"arch": None, "seq_len": spec.task.tokens_per_sample}  # what ``apply_task`` sets
     for f in dataclasses.fields(spec.model):
@@ -144,8 +141,6 @@ def kwargs_problems(kwargs: tp.Mapping[str, tp.Any]) -> list[str]:
 def apply_task(spec: JobSpec) -> None:
     """A spec with a task: ``model.arch`` becomes the task family's (its facts are the counted model's) and
     ``model.seq_len`` the task's ``tokens_per_sample`` (the planner's FLOPs and the trainer's tokens/s)."""
-    from hpc.core.models import TASK
-
     if isinstance(spec.workload, TaskWorkload):
         spec.model.arch, spec.model.seq_len = TASK, spec.workload.tokens_per_sample
 
@@ -155,7 +150,7 @@ def code_notice(spec: JobSpec) -> str | None:
     workload = spec.workload
     if not isinstance(workload, TaskWorkload):
         return None
-    from hpc.core.models.user import module_file
+    from hpc.core.models.user import module_file  # lazy: startup (a spec's load joins no family)
 
     found = module_file(workload.module)
     where = f"from {found}" if found else "which is not importable here: every task must find it on its sys.path"
@@ -177,9 +172,7 @@ def class_problems(workload: TaskWorkload) -> list[str]:
     ``task.kwargs`` must fit its ``__init__``, and a class of no base must define the protocol's
     methods. One line, naming the user's file and class; nothing when the module is not found here (the
     notice says so) or the class is made in ways a parse cannot follow (a base class, an import)."""
-    import ast
-
-    from hpc.core.models.user import module_file
+    from hpc.core.models.user import module_file  # lazy: startup
 
     path = module_file(workload.module)
     if path is None or not path.endswith(".py"):
@@ -203,8 +196,6 @@ def _module_source(path: str, label: str) -> bytes:
 
 
 def _class_problems(tree: tp.Any, name: str, path: str, label: str, kwargs: tp.Mapping[str, tp.Any]) -> list[str]:
-    import ast
-
     bound = _top_level_bindings(tree)
     if name not in bound and not bound.get("*") and "__getattr__" not in bound:
         classes = sorted(n for n, node in bound.items() if isinstance(node, ast.ClassDef))
@@ -232,8 +223,6 @@ def _class_problems(tree: tp.Any, name: str, path: str, label: str, kwargs: tp.M
 def _top_level_bindings(tree: tp.Any) -> dict[str, tp.Any]:
     """Name → the statement that binds it at the module's top level (inside ``if``/``try`` blocks too);
     ``"*"`` for a star import, which may bind anything."""
-    import ast
-
     out: dict[str, tp.Any] = {}
     todo = list(tree.body)
     while todo:
@@ -253,8 +242,6 @@ def _top_level_bindings(tree: tp.Any) -> dict[str, tp.Any]:
 
 def _init_problems(init: tp.Any, kwargs: tp.Mapping[str, tp.Any]) -> str:
     """What ``Class(**kwargs)`` would raise TypeError for, from ``__init__``'s signature; "" when it fits."""
-    import ast
-
     if not isinstance(init, ast.FunctionDef):
         given = ", ".join(kwargs)
         return (f"takes no keyword arguments (it defines no __init__), but `task.kwargs` gives {given}"

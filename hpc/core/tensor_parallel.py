@@ -16,6 +16,8 @@ import typing as tp
 from hpc.core.dims import FSDP_STRATEGIES
 from hpc.core.models import family, model_facts
 from hpc.core.models.tp_plan import tp_plan_of
+from hpc.core.site import nvlink_domain as site_domain
+from hpc.core.validate import check_batch
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.site import SiteProfile
@@ -25,8 +27,6 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 def nvlink_domain(site: SiteProfile, tasks_per_node: int) -> int:
     """Ranks of one NVLink domain: ``node.nvlink_domain`` (by default the node's GPUs on an NVLink or NVSwitch
     node, 1 on pcie; ``hpc.core.site.nvlink_domain``); a CPU site's node (its tasks)."""
-    from hpc.core.site import nvlink_domain as site_domain
-
     return site_domain(site.node) if site.node.gpus else tasks_per_node
 
 
@@ -46,8 +46,6 @@ def allowed_degrees(facts: tp.Any, site: SiteProfile, tasks_per_node: int, cross
 def batch_problems(spec: JobSpec, site: SiteProfile, tasks_per_node: int) -> list[str]:
     """``train.global_batch`` against the data-parallel ranks: at the spec's ``tp``, or, under ``auto`` at tp 1,
     at every degree the planner may choose (it picks among the degrees where the batch divides)."""
-    from hpc.core.validate import check_batch
-
     world, micro, batch = spec.job.nodes * tasks_per_node, spec.train.micro_batch, spec.train.global_batch
     tp_ = spec.parallel.tp if not tasks_per_node % spec.parallel.tp else 1
     degrees = [tp_]

@@ -136,7 +136,7 @@ def _identifier_problem(part: str) -> str | None:
 def check_model_arch(arch: str) -> list[str]:
     """``model.arch`` = ``package.module:function``: dotted identifiers, one `:`, a function name, and a
     module of the user's, not of the standard library."""
-    from hpc.core.models import FAMILIES
+    from hpc.core.models import FAMILIES  # lazy: startup
 
     label = f"`model.arch` = {shown(arch)!r}"
     expected = f"expected {', '.join(repr(name) for name in FAMILIES)} or 'package.module:function'"

@@ -8,17 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+from hpc import schedulers
 from hpc.data.prepare import MANIFEST, merge, pending_groups
 from hpc.core.errors import UserError
+from hpc.core.site import choose_site, load_site
 
 WAIT_POLL_S = 2.0
 
 
 def submit_array(folder: Path, plan: dict, site_name: str | None) -> tuple[str, str] | None:
     """Submit the groups and the merge (None when every group was finished: then only the merge runs, here)."""
-    from hpc import schedulers
-    from hpc.core.site import choose_site, load_site
-
     site = load_site(choose_site(site_name, None))
     problem = schedulers.path_problem(str(folder))
     if problem:
@@ -32,9 +31,6 @@ def submit_array(folder: Path, plan: dict, site_name: str | None) -> tuple[str, 
 
 def wait_for_manifest(folder: Path, site_name: str | None, merge_id: str, timeout_s: float) -> None:
     """Until the merge job has ended; then its manifest must be there."""
-    from hpc import schedulers
-    from hpc.core.site import choose_site, load_site
-
     scheduler = schedulers.get(load_site(choose_site(site_name, None)).scheduler.kind)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not scheduler.states({merge_id: folder})[merge_id].done:

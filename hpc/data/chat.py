@@ -24,10 +24,14 @@ import hashlib
 import json
 import re
 import typing as tp
+from datetime import datetime
 from pathlib import Path
 
+from hpc.core.config import load_json_bounded
 from hpc.core.errors import UserError
+from hpc.core.validate import open_regular
 from hpc.data.inputs import BadInput, Limits, Segments
+from hpc.data.tokenizer import MAX_FILE_BYTES
 
 TEMPLATE_FILE = "chat_template.jinja"
 TEMPLATE_DIR = "additional_chat_templates"
@@ -45,16 +49,11 @@ def read_json_file(path: Path) -> tp.Any:
     may have); None when it does not exist."""
     if not path.exists():
         return None
-    from hpc.core.config import load_json_bounded
-    from hpc.data.tokenizer import MAX_FILE_BYTES as limit
-
-    return load_json_bounded(read_text(path, limit), str(path), UserError)
+    return load_json_bounded(read_text(path, MAX_FILE_BYTES), str(path), UserError)
 
 
 def read_text(path: Path, limit: int = MAX_TEMPLATE_BYTES) -> str:
     """A bounded UTF-8 text file (a FIFO or a device is refused before it is opened)."""
-    from hpc.core.validate import open_regular
-
     with open_regular(path, str(path), "a regular file", UserError) as f:
         data = f.read(limit + 1)
     if len(data) > limit:
@@ -87,8 +86,6 @@ def find_template(folder: Path, tok: tp.Any) -> dict[str, tp.Any] | None:
     entry = {"source": source, "sha256": digest, "templates": templates, "variables": variables,
              "generation": bool(GENERATION_TAG.search(templates["default"]))}
     if any("strftime_now" in text for text in templates.values()):
-        from datetime import datetime
-
         entry["now"] = datetime.now().isoformat(timespec="seconds")  # one date for every group (same_plan)
     return entry
 
@@ -205,14 +202,10 @@ def _tojson(x: tp.Any, ensure_ascii: bool = False, indent: int | None = None, se
 
 
 def _strftime_now(format: str) -> str:
-    from datetime import datetime
-
     return datetime.now().strftime(format)
 
 
 def _strftime_at(now: str) -> tp.Callable[[str], str]:
-    from datetime import datetime
-
     when = datetime.fromisoformat(now)
     return lambda format: when.strftime(format)
 

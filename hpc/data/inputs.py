@@ -17,10 +17,12 @@ import io
 import json
 import os
 import typing as tp
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpc.core.errors import UserError
+from hpc.core.validate import check_regular, open_regular
 
 KINDS = (".txt", ".jsonl", ".parquet")
 COMPRESSIONS = ("", ".gz", ".zst")
@@ -99,8 +101,6 @@ def expand_inputs(args: tp.Sequence[str]) -> list[Path]:
 
 
 def _files_under(path: Path) -> set[Path]:
-    from hpc.core.validate import check_regular
-
     if path.is_dir():
         return {Path(os.path.abspath(p)) for p in path.rglob("*") if p.is_file() and input_kind(p.name)}
     if not input_kind(path.name):
@@ -124,10 +124,8 @@ class Decoded(io.RawIOBase):
 
     def _new(self) -> tp.Any:
         if self.comp == ".gz":
-            import zlib
-
             return zlib.decompressobj(31)
-        import zstandard
+        import zstandard  # lazy: zstandard
 
         return zstandard.ZstdDecompressor().decompressobj()
 
@@ -183,8 +181,6 @@ def _kind_of(path: Path) -> tuple[str, str]:
 def open_binary(path: Path, limits: Limits = Limits()) -> tuple[tp.BinaryIO, tp.BinaryIO]:
     """(decompressed stream, raw file); the raw file's position is the progress through the input.
     A FIFO or device is refused before it is opened."""
-    from hpc.core.validate import open_regular
-
     raw = open_regular(path, str(path), EXPECTED_INPUT, UserError)
     comp = _kind_of(path)[1]
     if not comp:
@@ -329,7 +325,7 @@ def _paragraph(path: Path, lines: list[str], first: int, too_long: bool, limits:
 def _parquet_documents(path: Path, stream: tp.BinaryIO, raw: tp.BinaryIO, fmt: Format,
                        limits: Limits, chat: Renderer | None = None) -> tp.Iterator[tuple]:
     """One document per row; columns read in batches (pyarrow), so memory stays bounded."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow
 
     if stream is not raw:  # a compressed parquet file is not seekable: it is read whole, up to a bound
         data = stream.read(limits.parquet_bytes + 1)

@@ -10,16 +10,19 @@ group ran, and a preparation killed and started again redoes only the unfinished
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from hpc.core.config import load_json_bounded
 from hpc.data.chat import ChatRenderer, add_config_tokens, plan_template, same_plan, template_record
 from hpc.data.inputs import BadInput, Format, Limits, expand_inputs, read_documents
 from hpc.data.shards import SPLITS, ShardWriter
@@ -100,8 +103,6 @@ def start(out: Path, plan: dict, inputs: tp.Sequence[str] = ()) -> bool:
         raise UserError([f"--out {out}: cannot create it ({exc.strerror}): expected a folder this user may write"]) from None
     path = state / "plan.json"
     if path.exists():
-        from hpc.core.config import load_json_bounded
-
         old = load_json_bounded(path.read_text(encoding="utf-8"), str(path), UserError)
         if same_plan(old, plan):
             plan.update(old)  # the first plan's date for a template's strftime_now
@@ -148,8 +149,6 @@ def _remove_shards(out: Path) -> None:
 def abandon(out: Path, created: bool) -> None:
     """After a refusal before any group finished: what this preparation wrote, and ``out`` itself when
     it was made for it, are removed (nothing is left to resume)."""
-    import shutil
-
     state = out / STATE
     if (out / MANIFEST).exists() or (any(state.glob("group-*.json")) and not _nothing_prepared(out)):
         return
@@ -219,8 +218,6 @@ def one_malloc_arena() -> None:
     the corpus (``bench/data_prepare``: 147 → 153 MB for twice the text, against 153 → 183 MB).
     Elsewhere than glibc, nothing."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").mallopt(-8, 1)  # M_ARENA_MAX
     except (OSError, AttributeError):
         pass

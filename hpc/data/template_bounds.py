@@ -22,6 +22,7 @@ starts each rendering afresh. Deterministic: nothing here reads a clock.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import typing as tp
@@ -29,6 +30,7 @@ import typing as tp
 import jinja2.nodes as nodes
 from jinja2 import Environment
 from jinja2.nodes import EvalContext
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 STEPS = 200_000  # loop iterations, calls and range elements of one rendering (a real one: ~10 per message)
@@ -132,8 +134,6 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, op, left, right)
 
     def call(__self, __context: tp.Any, __obj: tp.Any, *args: tp.Any, **kwargs: tp.Any) -> tp.Any:
-        from jinja2.runtime import LoopContext
-
         # a recursive loop's ``loop(...)`` costs a new loop context and generator: weighed as much
         __self.budget.step(RECURSE_STEPS if isinstance(__obj, LoopContext) else 1)
         owner, name = getattr(__obj, "__self__", None), getattr(__obj, "__name__", "")
@@ -195,8 +195,6 @@ def _replaced_len(s: str, old: str, new: str) -> int:
 
 def _checked_filter(fn: tp.Callable, name: str, budget: Budget) -> tp.Callable:
     """The filter ``fn`` with its result's size bounded before it runs."""
-    import functools
-
     @functools.wraps(fn)
     def checked(*args: tp.Any, **kwargs: tp.Any) -> tp.Any:
         budget.step()

@@ -10,7 +10,9 @@ import typing as tp
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpc.core.config import load_json_bounded
 from hpc.core.errors import UserError
+from hpc.core.validate import check_regular, open_regular
 
 # Where a folder's tokenizer_config.json names no EOS, the first of these in the vocabulary is it.
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]", "<|im_end|>")
@@ -44,8 +46,6 @@ EXPECTED = "a Hugging Face tokenizer.json or a folder holding one"
 def tokenizer_file(path: str | Path) -> Path:
     """``tokenizer.json`` itself, or the one inside a folder: a regular file (a FIFO or a device is
     refused before it is opened)."""
-    from hpc.core.validate import check_regular
-
     p = Path(os.path.abspath(os.path.expanduser(path)))
     if p.is_dir():
         p = p / "tokenizer.json"
@@ -56,8 +56,6 @@ def tokenizer_file(path: str | Path) -> Path:
 def read_tokenizer(path: str | Path, max_vocab: int = MAX_VOCAB) -> tuple[Path, bytes, tp.Any]:
     """(file, its bytes, the ``tokenizers.Tokenizer``): read once, bounded in bytes and vocabulary; a
     file it cannot read is a UserError naming it."""
-    from hpc.core.validate import open_regular
-
     file = tokenizer_file(path)
     limit = max(MAX_FILE_BYTES, 48 * max_vocab)
     with open_regular(file, f"--tokenizer {file}", EXPECTED, UserError) as f:
@@ -102,9 +100,6 @@ def describe_tokenizer(path: str | Path, eos: str | None = None, max_vocab: int 
 
 def _config_eos(folder: Path) -> str | None:
     """``eos_token`` of a ``tokenizer_config.json`` beside the tokenizer, when there is one."""
-    from hpc.core.config import load_json_bounded
-    from hpc.core.validate import open_regular
-
     path = folder / "tokenizer_config.json"
     if not path.exists():
         return None

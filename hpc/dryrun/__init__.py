@@ -42,6 +42,7 @@ needs a GPU.
 from __future__ import annotations
 
 import math
+import re
 import resource
 import time
 import typing as tp
@@ -49,16 +50,28 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
-from hpc.compat import memoized_strided_shards
+from hpc.ckpt import formats
+from hpc.ckpt.init_source import open_source
+from hpc.compat import is_nf4_tensor, memoized_strided_shards
+from hpc.core.lora import with_lora
 from hpc.dryrun.fake_pg import fake_process_group
-from hpc.core.models.decoder import FLEX_BLOCK
+from hpc.core.models.decoder import FLEX, FLEX_BLOCK, block_mask_bytes, document_kernel
 from hpc.plan.memory import Config, init_bytes, model_states, staging_bytes
 from hpc.core.models import count_text, model_facts
 from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.site import SiteProfile
 from hpc.core.optim import state_bytes
 from hpc.core.spec import JobSpec
+from hpc.dryrun.startup import checked_model
+from trainer.checkpoint import build_state
+from trainer.init_from import read_plan
+from trainer.models.decoder import block_mask
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallelize import blocks_for, fsdp_units, mesh_groups, unit_reshard
 
 TOLERANCE = 0.01
 STATES = ("params", "grads", "optimizer")
@@ -110,10 +123,7 @@ class DryRun:
 
 def dryrun(spec: JobSpec, site: SiteProfile, launch: Launch, rank: int = 0) -> DryRun:
     """Build ``spec`` as rank ``rank`` of ``launch`` on the fake process group and measure it."""
-    from trainer.optim import build_optimizer
-    from trainer.parallelize import blocks_for
     from trainer.tasks import task_for  # lazy: numpy
-    from hpc.dryrun.startup import checked_model
     from trainer.train import build_parallel_model  # lazy: numpy
 
     started = time.perf_counter()
@@ -152,10 +162,6 @@ def init_reads(model: nn.Module, spec: JobSpec) -> dict[str, tp.Any] | None:
     """What this rank reads of ``checkpoint.init_from`` (headers only; byte ranges for safetensors)."""
     if not spec.checkpoint.init_from:
         return None
-    from hpc.ckpt import formats
-    from hpc.ckpt.init_source import open_source
-    from trainer.init_from import read_plan
-
     facts = model_facts(spec.model)
     source = open_source(spec.checkpoint.init_from, facts.family, facts.shape)
     planned = formats.get(source.kind).planned_reads  # its byte ranges are known from the headers
@@ -170,9 +176,6 @@ def mask_report(spec: JobSpec, gpu: bool) -> dict[str, tp.Any] | None:
     the planner's count; the per-span kernel holds no mask (0 and 0)."""
     if spec.data.packing != "document":
         return None
-    from hpc.core.models.decoder import FLEX, block_mask_bytes, document_kernel
-    from trainer.models.decoder import block_mask
-
     batch, seq = spec.train.micro_batch, model_facts(spec.model).seq_len
     kernel = document_kernel(gpu, spec.model.dropout)
     built = planned = 0
@@ -186,10 +189,6 @@ def mask_report(spec: JobSpec, gpu: bool) -> dict[str, tp.Any] | None:
 def placement_report(model: nn.Module) -> tuple[dict[str, str], list[str]]:
     """({parameter name, block index as ``*``: its mesh dimensions and placements}, names of plain
     tensors). Blocks whose placements differ keep their own names."""
-    import re
-
-    from torch.distributed.tensor import DTensor
-
     seen: dict[str, set[str]] = {}
     plain = []
     for name, p in model.named_parameters():
@@ -226,10 +225,6 @@ def step_on_meta(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
 def local_bytes(t: torch.Tensor) -> tuple[int, int]:
     """(bytes this rank stores for ``t``, bytes of its visible local part). A DTensor's local shard
     is a view into FSDP2's padded storage, so the two differ on ranks with a shorter chunk."""
-    from torch.distributed.tensor import DTensor
-
-    from hpc.compat import is_nf4_tensor
-
     if is_nf4_tensor(t):  # a QLoRA base: its 4-bit data and scales, not numel × the dtype it dequantizes to
         names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]  # a traceable tensor subclass
         n = sum(getattr(t, k).numel() * getattr(t, k).element_size() for k in names)
@@ -259,10 +254,6 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 def unit_report(model: nn.Module, blocks: nn.ModuleList, reshard_after_forward: bool) -> list[Unit]:
     """The FSDP units ``apply_fsdp`` made, in its order (none when the layout is not FSDP)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    from trainer.parallelize import fsdp_units, unit_reshard
-
     if not isinstance(model, FSDPModule):
         return []
     names = {m: n for n, m in model.named_modules()}
@@ -281,11 +272,6 @@ def unit_report(model: nn.Module, blocks: nn.ModuleList, reshard_after_forward: 
 def checkpoint_plan(model: nn.Module, optimizer: torch.optim.Optimizer, spec: JobSpec, launch: Launch,
                     rank: int) -> dict[str, tp.Any]:
     """This rank's DCP local save plan for the trainer's checkpoint state: tensors, shards, bytes."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    from trainer.checkpoint import build_state
-    from trainer.optim import build_scheduler
-
     state = build_state(model, optimizer, build_scheduler(optimizer, spec.train, spec.optim), 0, {"step": 0}, launch.dims)
     planner = DefaultSavePlanner()
     planner.set_up_planner(state, None, is_coordinator=rank == 0)
@@ -299,8 +285,6 @@ def checkpoint_plan(model: nn.Module, optimizer: torch.optim.Optimizer, spec: Jo
 
 def mesh_report(mesh: tp.Any, launch: Launch, rank: int) -> dict[str, tp.Any]:
     """The mesh's dimensions, this rank's coordinate, and for each dimension its groups' spread over nodes."""
-    from trainer.parallelize import mesh_groups
-
     tpn = launch.tasks_per_node
     doc: dict[str, tp.Any] = {"node": rank // tpn, "local_rank": rank % tpn, "shape": None, "names": None,
                               "coordinate": None, "dims": {}}
@@ -326,8 +310,6 @@ def _where(spec: JobSpec, site: SiteProfile, launch: Launch) -> str:
 
 def add_plan(result: DryRun, spec: JobSpec, launch: Launch, gpu: bool = True) -> None:
     """``hpcx plan``'s figures for this layout, and every difference over TOLERANCE as a problem."""
-    from hpc.core.lora import with_lora
-
     facts = with_lora(model_facts(spec.model), spec)
     if facts.n_params is None:
         return  # a user model: the planner cannot count it without torch; nothing to compare

@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import typing as tp
 
+import torch.distributed as dist
+
 from hpc.compat import clear_sharding_cache, fake_store
 
 
@@ -21,8 +23,6 @@ from hpc.compat import clear_sharding_cache, fake_store
 def fake_process_group(world_size: int, rank: int = 0) -> tp.Iterator[None]:
     """This process as ``rank`` of ``world_size`` on the fake backend, torn down on leaving (so one
     process can simulate many worlds in a row)."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized in this process; the fake one needs its own")
     if not 0 <= rank < world_size:

@@ -27,6 +27,9 @@ from hpc.core.models import model_facts
 from hpc.core.resolve import Launch, launch_parallel
 from hpc.core.spec import JobSpec
 from hpc.core.workload import TaskWorkload
+from trainer.model import build_model, missing_resets
+from trainer.objective import micro_loss
+from trainer.parallelize import blocks_for
 
 BATCH, SEQ = 2, 8  # the meta batch of the forward check: [BATCH, min(SEQ, seq_len)] token ids
 
@@ -34,7 +37,6 @@ BATCH, SEQ = 2, 8  # the meta batch of the forward check: [BATCH, min(SEQ, seq_l
 def checked_model(spec: JobSpec, launch: Launch) -> tuple[nn.Module, str | None]:
     """(the bare model on meta, what the forward check found) when nothing above would fail the job;
     else a ConfigError with one line per problem, each prefixed by the spec's file."""
-    from trainer.parallelize import blocks_for
     from trainer.tasks import task_for  # lazy: numpy
 
     model = built_model(spec)
@@ -55,7 +57,6 @@ def checked_model(spec: JobSpec, launch: Launch) -> tuple[nn.Module, str | None]
 
 def built_model(spec: JobSpec) -> nn.Module:
     """``trainer.model.build_model`` on meta; whatever the user's function raises is one line."""
-    from trainer.model import build_model
     from trainer.tasks import task_for  # lazy: numpy
 
     user_task = spec.workload if isinstance(spec.workload, TaskWorkload) else None
@@ -76,8 +77,6 @@ def built_model(spec: JobSpec) -> nn.Module:
 
 def reset_problems(model: nn.Module, spec: JobSpec) -> list[str]:
     """One line naming every module ``WeightInit`` would refuse (paths and classes), or none."""
-    from trainer.model import missing_resets
-
     missing = missing_resets(model)
     if not missing:
         return []
@@ -112,8 +111,6 @@ def collapsed(items: tp.Sequence[tuple[str, str]]) -> list[str]:
 def forward_problems(model: nn.Module, spec: JobSpec) -> tuple[list[str], str]:
     """(problems, what was checked): the user model's forward on a ``[BATCH, seq]`` meta batch, as the
     loop calls it (``tokens[:, :-1]``), and the loss (``trainer.objective.micro_loss``) on its output."""
-    from trainer.objective import micro_loss
-
     facts = model_facts(spec.model)
     seq = max(1, min(SEQ, facts.seq_len))
     tokens = torch.zeros((BATCH, seq + 1), dtype=torch.long, device="meta")

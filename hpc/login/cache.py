@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import typing as tp
 from pathlib import Path
 
@@ -30,8 +31,6 @@ def read(name: str) -> tp.Any:
     except OSError:
         return None
     try:
-        import stat
-
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022 \
                 or info.st_size > MAX_BYTES:
@@ -52,7 +51,7 @@ def read(name: str) -> tp.Any:
 def write(name: str, value: tp.Any) -> None:
     """Replace the cache file with ``value`` as JSON (mode 0600, its folder 0700); quietly nothing when
     it cannot be written."""
-    from hpc.core.runs import write_atomic
+    from hpc.core.runs import write_atomic  # lazy: startup (status's queries start before it is imported)
 
     path = cache_path(name)
     try:

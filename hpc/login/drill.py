@@ -21,7 +21,7 @@ import time
 import typing as tp
 from pathlib import Path
 
-from hpc.core import runs
+from hpc.core import health, runs
 from hpc import schedulers
 from hpc.core.config import ConfigError
 from hpc.login.submit import job_state
@@ -120,8 +120,6 @@ def parse_rank(text: str | None, option: str, world: int) -> int | None:
 
 def current_beats(run_dir: Path) -> dict[int, dict]:
     """The heartbeats of the current start (``hpc.core.health``): written since its ledger start line."""
-    from hpc.core import health
-
     starts = [e for e in runs.RunDir(run_dir).read_ledger() if e.get("event") == "start"]
     since = float(starts[-1].get("time", 0.0)) - 1.0 if starts else float("inf")
     return {r: b for r, b in health.read_beats(run_dir).items() if float(b.get("time", 0.0)) >= since}

@@ -11,6 +11,7 @@ from hpc.core.models import code_notice
 from hpc.core.resolve import Launch
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
+from hpc.core.tasks import code_notice as task_notice
 from hpc.core.workload import ScriptWorkload
 
 
@@ -58,8 +59,6 @@ def script_summary(script: ScriptWorkload, spec: JobSpec, site: SiteProfile, lau
 def user_code_notice(spec: JobSpec) -> str | None:
     """What the model means for the tasks, from its family (a `module:function` model: that code is
     imported and called in every task); None for the built-in families."""
-    from hpc.core.tasks import code_notice as task_notice
-
     return task_notice(spec) or code_notice(spec.model)
 
 

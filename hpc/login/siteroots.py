@@ -19,6 +19,8 @@ import sys
 import typing as tp
 from pathlib import Path
 
+from hpc.core.config import ConfigError
+from hpc.core.sitepath import find_sites
 from hpc.login import cache
 
 CACHE = "site-roots.json"
@@ -28,8 +30,6 @@ MAX_PROFILES = 64  # profiles the record keeps (those of this call first: a site
 def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
     """Every site profile's run root. A profile that does not load is named through ``warn`` and its
     ``storage.run_root`` is still searched when it can be read, so its runs never vanish silently."""
-    from hpc.core.sitepath import find_sites
-
     record = cache.read(CACHE)
     known = record["profiles"] if _current(record) else {}
     seen: dict[str, dict[str, tp.Any]] = {}
@@ -44,7 +44,7 @@ def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
             seen[str(path)] = facts
         roots += _roots(path, facts, warn)
     if changed:
-        import hpc.core.site  # noqa: F401 - the modules a load uses are named even if none was loaded this time
+        import hpc.core.site  # noqa: F401  # lazy: startup (the modules a load uses, named even if none loaded)
 
         others = {p: f for p, f in known.items() if p not in seen}
         kept = {**seen, **dict(list(others.items())[:max(0, MAX_PROFILES - len(seen))])}
@@ -54,8 +54,7 @@ def run_roots(warn: tp.Callable[[str], None]) -> list[Path]:
 
 def _load(path: Path) -> dict[str, tp.Any]:
     """What a full load says: {"loads", "run_root" (as written, or None), "error" (the first problem)}."""
-    from hpc.core.config import ConfigError
-    from hpc.core.site import load_site, written_run_root
+    from hpc.core.site import load_site, written_run_root  # lazy: startup
 
     try:
         # by its path: a name found on the search path is loaded from there (``a.toml.toml`` is named
@@ -69,7 +68,6 @@ def _roots(path: Path, facts: dict[str, tp.Any], warn: tp.Callable[[str], None])
     """The profile's run root expanded in this environment, or a warning (and the root as written, when
     that one value expands)."""
     from hpc.core import runroot  # lazy: startup (hpcx status, whose fast path imports little)
-    from hpc.core.config import ConfigError
 
     written, error = facts["run_root"], facts["error"]
     if facts["loads"]:

@@ -8,8 +8,12 @@ need none of the spec machinery, so it is imported only to submit.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shutil
 import sys
+import threading
 import time
 import typing as tp
 from dataclasses import dataclass
@@ -52,8 +56,6 @@ def submit(spec: JobSpec, site: SiteProfile, launch: Launch, spec_path: Path,
     A file that cannot be written (a full disk, a quota) leaves nothing behind: the run folder is
     removed, a job already handed to the scheduler is cancelled, and the ConfigError says which.
     """
-    import shutil
-
     group = site.storage.group_readable
     sched = schedulers.get(site.scheduler.kind)
     with runs.private_umask(group):
@@ -113,7 +115,7 @@ def base_problems(spec: JobSpec) -> list[str]:
     config) checked as at submit, from headers. A full run's resume reads its own checkpoint only."""
     if not (spec.lora.enabled and spec.checkpoint.init_from):
         return []
-    from hpc.core.peft_config import config_problems
+    from hpc.core.peft_config import config_problems  # lazy: startup
 
     problems = config_problems(spec)
     if problems:
@@ -126,13 +128,13 @@ def base_problems(spec: JobSpec) -> list[str]:
 def rank_task(spec: JobSpec, run_dir: Path, workdir: str) -> tp.Any:
     """What submitit runs on every rank: hpcx's trainer (``TrainTask``), or the spec's own command
     (``ScriptTask``: script mode) in ``workdir``, the folder ``hpcx submit`` ran in. Both torch-free."""
-    from hpc.core.workload import ScriptWorkload
+    from hpc.core.workload import ScriptWorkload  # lazy: startup
 
     if isinstance(spec.workload, ScriptWorkload):
-        from trainer.script import ScriptTask
+        from trainer.script import ScriptTask  # lazy: startup
 
         return ScriptTask(str(run_dir), workdir)
-    from trainer.task import TrainTask
+    from trainer.task import TrainTask  # lazy: startup
 
     return TrainTask(str(run_dir))
 
@@ -156,9 +158,9 @@ def check_resumable(rd: runs.RunDir) -> None:
 
 def recorded_job(rd: runs.RunDir) -> tuple[JobSpec, SiteProfile, Launch]:
     """(spec, site, launch) as ``resolved.json`` recorded them at submit (what every rank reads)."""
-    from hpc.core.resolve import Launch, decided
-    from hpc.core.site import parse_site
-    from hpc.core.spec import spec_from_dict
+    from hpc.core.resolve import Launch, decided  # lazy: startup
+    from hpc.core.site import parse_site  # lazy: startup
+    from hpc.core.spec import spec_from_dict  # lazy: startup
 
     doc = rd.read_resolved()
     try:
@@ -176,13 +178,11 @@ def write_run_files(spec: JobSpec, site: SiteProfile, launch: Launch, rd: runs.R
                     overrides: tp.Sequence[str], step: schedulers.Step) -> None:
     """spec.toml, resolved.json and render.txt (rendered from the submission's ``step``): everything the
     job reads, before it exists."""
-    import shutil
-
     try:
         shutil.copyfile(spec_path, rd.spec)
     except FileNotFoundError:
         pass  # the spec was deleted since it was read: resolved.json has it all
-    from hpc.core.resolve import resolved_document
+    from hpc.core.resolve import resolved_document  # lazy: startup
 
     doc = resolved_document(spec, site, launch, str(rd.path))
     doc["overrides"] = list(overrides)
@@ -215,10 +215,6 @@ def submit_or_clean_up(executor: tp.Any, task: tp.Any, run_dir: Path, remove: bo
     """Submit; if the scheduler refuses (bad partition, account, QOS …), remove the run folder
     (unless not ``remove``: a resumed run's folder is kept as it was) and say why in one line: no
     half-made run is left behind."""
-    import contextlib
-    import io
-    import shutil
-
     from submitit.core.utils import FailedJobError, FailedSubmissionError  # lazy: submitit
 
     removed = "folder was removed" if remove else "folder is as it was"
@@ -275,8 +271,6 @@ def ask_states(run_dirs: tp.Sequence[Path], timeout: float = QUERY_TIMEOUT_S,
 def _in_background(ask: tp.Callable, *args: tp.Any) -> tp.Callable[[], tp.Any]:
     """``ask(*args)`` in a thread; the function returned waits for its answer (or raises what it raised).
     The scheduler bounds its own wait (``timeout``), so the join needs none."""
-    import threading
-
     box: dict[str, tp.Any] = {}
 
     def run() -> None:
@@ -529,7 +523,7 @@ def stop_summary(stop: dict) -> dict[str, tp.Any]:
 
 def goodput(run_dir: Path) -> dict[str, tp.Any]:
     """Where the run's time went, by cause (``hpc.core.goodput``)."""
-    from hpc.core.goodput import by_cause
+    from hpc.core.goodput import by_cause  # lazy: startup
 
     rd = runs.RunDir(run_dir)
     return by_cause(rd.read_ledger(), rd.read_metrics())

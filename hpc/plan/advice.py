@@ -164,7 +164,7 @@ def advise(facts: ModelFacts, setup: Setup, site: SiteProfile, rows: list[Row], 
            shorter: ModelFacts | None = None) -> list[str]:
     """Nothing fits: the leanest row and why not, the per-rank floor and its levers, then what would
     fit, with numbers. ``shorter``: the model at half the sequence length (a lever the floor weighs)."""
-    from hpc.plan.floor import floor_lines
+    from hpc.plan.floor import floor_lines  # lazy: startup
 
     leanest = min((r for r in rows if r.need_gb is not None), key=lambda r: r.need_gb or 0.0)
     head = f"Nothing fits: the leanest, {leanest.label}, needs {fit_text(leanest)}"

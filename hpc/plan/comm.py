@@ -44,6 +44,7 @@ and how often it runs per step (``repeat``); ``hpc.plan.timing`` turns that into
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import typing as tp
 from dataclasses import dataclass, field
@@ -53,7 +54,7 @@ from hpc.plan.memory import (DDP_BUCKET_BYTES, GB, PARAM_BYTES, REDUCE_BYTES, Co
                              trained_share)
 from hpc.core.models import ModelFacts, family_of
 from hpc.core.models.tp_plan import tp_plan_of
-from hpc.core.site import SiteProfile
+from hpc.core.site import SiteProfile, nvlink_bandwidth, nvlink_domain
 
 HOST_LINK_GBS = 25.0  # PCIe Gen4 x16 host<->GPU copies, achieved (assumed; not in the site profile)
 
@@ -221,10 +222,6 @@ class Collective:
 def island_site(site: SiteProfile, tp: int) -> SiteProfile:
     """The site a tensor-parallel group of ``tp`` GPUs sees: inside one NVLink island (``node.nvlink_domain``)
     its link is NVLink at ``nvlink_bandwidth``; wider (``parallel.tp_cross_domain``), the node's own link."""
-    import dataclasses
-
-    from hpc.core.site import nvlink_bandwidth, nvlink_domain
-
     domain = nvlink_domain(site.node)
     if tp > domain or site.node.intra_link in ("nvswitch", "nvlink") or domain <= 1:
         return site

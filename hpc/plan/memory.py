@@ -41,7 +41,9 @@ from dataclasses import dataclass
 
 from hpc.core.dims import ParallelDims
 from hpc.core import models
+from hpc.core.lora import NF4_DEQUANT_BYTES, base_bytes
 from hpc.core.models import ModelFacts, compute_bytes
+from hpc.core.models.decoder import FLEX, block_mask_bytes, dense_mask_bytes, document_kernel
 
 GB = 1e9
 PARAM_BYTES = 4  # stored parameters: fp32 under every strategy (see module docstring)
@@ -163,8 +165,6 @@ def stored_bytes(per_rank: int, trained: int, cfg: Config, facts: ModelFacts | N
     each rank: nf4 runs are never sharded)."""
     if facts is None or facts.trainable_params is None:
         return per_rank * PARAM_BYTES
-    from hpc.core.lora import base_bytes
-
     rest, nf4 = base_bytes(facts.base_dtype, cfg.mixed_precision)
     frozen = per_rank - trained
     return trained * PARAM_BYTES + frozen * rest - min(facts.nf4_params, frozen) * (rest - nf4)
@@ -187,8 +187,6 @@ def buffer_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, list[str]]:
     if not cfg.dims.fsdp_enabled:
         total, notes = _replica_buffers(copied_matmuls(facts, cfg), c, cfg)
         if facts.nf4_largest:
-            from hpc.core.lora import NF4_DEQUANT_BYTES
-
             notes.append("one NF4 projection dequantized at a time for its matmul")
             total += facts.nf4_largest * NF4_DEQUANT_BYTES
         return total, notes
@@ -211,8 +209,6 @@ def copied_matmuls(facts: ModelFacts, cfg: Config) -> int:
     matmul = facts.n_params or 0 if facts.matmul_params is None else facts.matmul_params
     if facts.trainable_params is None:
         return matmul
-    from hpc.core.lora import base_bytes
-
     return matmul if base_bytes(facts.base_dtype, cfg.mixed_precision)[0] == PARAM_BYTES else min(
         matmul, facts.trainable_params)
 
@@ -275,8 +271,6 @@ def document_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, float, str]:
     (``trainer.models.decoder.DocumentAttention``): flex_attention's BlockMask of one micro-batch, shared
     by the layers; or, SDPA per document span, the spans' outputs each block keeps beside their
     concatenation (one [tokens, q_dim] tensor per block; one block's under activation checkpointing)."""
-    from hpc.core.models.decoder import FLEX, block_mask_bytes, document_kernel
-
     b, s = cfg.micro_batch, facts.seq_len
     if document_kernel(cfg.gpu, cfg.dropout) == FLEX:
         held = block_mask_bytes(b, s)
@@ -291,8 +285,6 @@ def document_bytes(facts: ModelFacts, cfg: Config) -> tuple[float, float, str]:
 def mask_bytes(micro_batch: int, seq_len: int) -> int:
     """The dense boolean document mask of one micro-batch (the ``mask`` kernel: ``hpcx dryrun``'s meta
     build, never a training step's): ``[micro_batch, 1, seq_len, seq_len]``."""
-    from hpc.core.models.decoder import dense_mask_bytes
-
     return dense_mask_bytes(micro_batch, seq_len)
 
 

@@ -16,6 +16,7 @@ from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
 from hpc.core.tasks import sync_batchnorm_problems
 from hpc.core.workload import ScriptWorkload
+from hpc.plan import choose
 
 
 def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
@@ -25,9 +26,7 @@ def resolve(spec: JobSpec, site: SiteProfile) -> Launch:
         raise ConfigError([f"{spec.source}: {e}" for e in errors])
     if isinstance(spec.workload, ScriptWorkload):  # the script decides its own layout: nothing to plan
         return script_launch(spec, site)
-    from hpc.plan import choose  # the planner decides `auto`
-
-    choice = choose(spec, site, spec.job.nodes)
+    choice = choose(spec, site, spec.job.nodes)  # the planner decides `auto`
     errors = sync_batchnorm_problems(spec, choice.dims.strategy)
     if errors:
         raise ConfigError([f"{spec.source}: {e}" for e in errors])

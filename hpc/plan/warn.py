@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import typing as tp
 
+from hpc.core.models import model_facts
+from hpc.core.optim import state_bytes
+from hpc.core.spec import compute_precision
+from hpc.plan.memory import HOST_USABLE, Config, estimate, headroom_gb
+
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.resolve import Launch
     from hpc.core.site import SiteProfile
@@ -30,11 +35,6 @@ def layout_label(launch: Launch) -> str:
 def need_figures(spec: JobSpec, site: SiteProfile, launch: Launch) -> tuple[float, float | None, float, float | None] | None:
     """(need per rank, its capacity, host need per node, usable host per node) in GB, as the plan's row of
     the launch's layout counts them; None when the model's size is unknown."""
-    from hpc.core.models import model_facts
-    from hpc.core.spec import compute_precision
-    from hpc.core.optim import state_bytes
-    from hpc.plan.memory import HOST_USABLE, Config, estimate, headroom_gb
-
     gpu = site.node.gpus > 0
     facts = model_facts(spec.model)
     offload = bool(launch.cpu_offload) and launch.dims.fsdp_enabled

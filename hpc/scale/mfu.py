@@ -12,6 +12,7 @@ import time
 import typing as tp
 from pathlib import Path
 
+from hpc import plan
 from hpc.core.models import model_facts
 
 from hpc.scale.predict import predicted_step
@@ -22,8 +23,6 @@ from hpc.scale.study import read_study
 def study_mfu(study_dir: Path, report: dict[str, tp.Any]) -> tuple[float, str] | None:
     """(MFU, where it came from) at the report's baseline point; None where nothing was measured or
     the site has no peak FLOP/s."""
-    from hpc import plan
-
     base = next((r for r in report["points"] if r["nodes"] == report.get("baseline_nodes")), None)
     if base is None or not base.get("step_time_s"):
         return None

@@ -6,12 +6,15 @@ from __future__ import annotations
 import typing as tp
 from dataclasses import dataclass, replace
 
+from hpc import plan
 from hpc.core.models import model_facts
 from hpc.plan import MFU_DEFAULT as ASSUMED_MFU  # noqa: F401  (hpc.scale re-exports it: the compute estimate when nothing was measured)
 from hpc.core.resolve import tasks_per_node
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec
 from hpc.core.validate import check_batch
+from hpc.plan.comm import step_comm
+from hpc.plan.memory import Config
 
 from hpc.scale.study import point_batch
 
@@ -34,10 +37,6 @@ def predicted_step(spec: JobSpec, site: SiteProfile, nodes: int) -> dict[str, tp
     """``dict(compute_s, comm_s, tokens_per_s, limiting_link)`` of one step at ``nodes`` nodes, from the
     planner's pieces: its strategy choice, ``step_comm`` (timed by NCCL's cost model) and compute at the
     site's ``node.mfu`` (else ASSUMED_MFU) of its peak (None where unknown). Step time is compute + communication (no overlap: a lower bound on throughput)."""
-    from hpc import plan
-    from hpc.plan.comm import step_comm
-    from hpc.plan.memory import Config
-
     facts, setup, t = model_facts(spec.model), plan.setup_of(spec, site, nodes), spec.train
     if facts.n_params is None or check_batch(t.global_batch, t.micro_batch, setup.world):
         return {"compute_s": None, "comm_s": None, "tokens_per_s": None, "limiting_link": ""}

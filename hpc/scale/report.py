@@ -17,9 +17,12 @@ from pathlib import Path
 from hpc.core import nccl
 from hpc.core import runs
 from hpc.core.config import ConfigError
+from hpc.core.models import model_facts
 from hpc.core.resolve import tasks_per_node
 from hpc.core.site import SiteProfile, load_site, parse_site
 from hpc.core.spec import JobSpec, load_spec
+from hpc.plan.comm import Group, group_link
+from hpc.plan.memory import DDP_BUCKET_BYTES, REDUCE_BYTES
 
 from hpc.scale.predict import Anchor, Prediction, predict, predicted_step
 from hpc.scale import study as studies
@@ -226,11 +229,6 @@ def _share(p: Prediction) -> float | None:
 
 def bucket_advice(spec: JobSpec, site: SiteProfile, nodes: int) -> list[str]:
     """DDP: the latency term is one α per ring step per bucket; bigger buckets mean fewer calls."""
-    from hpc.plan.comm import Group, group_link
-    from hpc.plan.memory import DDP_BUCKET_BYTES, REDUCE_BYTES
-
-    from hpc.core.models import model_facts
-
     facts, tpn = model_facts(spec.model), tasks_per_node(spec, site)
     world = nodes * tpn
     if facts.n_params is None or world < 2 or spec.parallel.strategy not in ("ddp", "auto"):

@@ -25,6 +25,8 @@ from hpc.plan.resolve import resolve
 from hpc.core.site import SiteProfile
 from hpc.core.spec import JobSpec, load_spec
 from hpc.core.validate import INT32_MAX, check_batch
+from hpc.login import submit as sub
+from hpc.schedulers import TERMINAL
 
 STUDY_FILE = "study.json"  # the points, each with its run folder
 STUDY_SPEC = "spec.toml"  # the study's copy of the spec
@@ -113,8 +115,6 @@ def new_study_dir(root: Path, name: str, group_readable: bool) -> Path:
 def start_study(spec_path: Path, site: SiteProfile, overrides: tp.Sequence[str], nodes: tp.Sequence[int],
                 mode: str = "weak", steps: int | None = None) -> Path:
     """Check every point, create the study folder, submit one job per point; returns at once."""
-    from hpc.login import submit as sub
-
     if mode not in MODES:
         raise ConfigError([f"--mode {mode!r}: expected weak or strong"])
     spec = load_spec(spec_path, overrides)
@@ -137,8 +137,6 @@ def start_study(spec_path: Path, site: SiteProfile, overrides: tp.Sequence[str],
 
 def submit_point(study_dir: Path, study: dict, point: dict, site: SiteProfile) -> None:
     """Submit one point and record its run folder (or why it failed) in study.json at once."""
-    from hpc.login import submit as sub
-
     all_overrides = [*study["overrides"], *point["overrides"]]
     try:
         spec = load_spec(study_dir / STUDY_SPEC, all_overrides)
@@ -159,8 +157,6 @@ def read_study(path: Path) -> dict:
 
 def point_state(point: dict) -> str:
     """The scheduler's state of a point's job (SUBMIT FAILED when it never reached the scheduler)."""
-    from hpc.login import submit as sub
-
     if not point.get("run_dir"):
         return "SUBMIT FAILED"
     return sub.job_state(Path(point["run_dir"])).state
@@ -169,8 +165,6 @@ def point_state(point: dict) -> str:
 def follow_study(study_dir: Path, on_change: tp.Callable[[dict, str], None], poll_s: float = 5.0,
                  state_of: tp.Callable[[dict], str] | None = None, timeout_s: float | None = None) -> dict[int, str]:
     """Poll until every point's job has ended (or ``timeout_s``); ``on_change(point, state)`` on each change."""
-    from hpc.schedulers import TERMINAL
-
     state_of, start = state_of or point_state, time.time()
     seen: dict[int, str] = {}
     while True:

@@ -23,6 +23,7 @@ import importlib
 import os
 import typing as tp
 
+from hpc.core.errors import UserError
 from hpc.schedulers.base import (SUBMITIT_DIR, TERMINAL, ContainerRuntime, JobSide, JobState, RankEnv, Scheduler,
                                  Step, rendezvous_port)
 
@@ -111,8 +112,6 @@ def detect_site(name: str, saved: tp.Mapping[str, str | None]) -> str:
         draft = get(kind).detect(name, saved)
         if draft is not None:
             return draft
-    from hpc.core.errors import UserError
-
     raise UserError(["hpcx site detect: no scheduler kind can draft a site profile"])
 
 

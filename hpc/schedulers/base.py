@@ -21,6 +21,8 @@ from __future__ import annotations
 import abc
 import os
 import re
+import subprocess
+import sys
 import typing as tp
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +30,7 @@ from pathlib import Path
 from hpc.compat import ExecutorHooks
 from hpc.core import procs
 from hpc.core.boot import python_command
+from hpc.core.errors import UserError
 from hpc.core.runs import SUBMITIT_DIR, RunDir
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -96,7 +99,7 @@ class RankEnv:
 
 
 def _hostname() -> str:
-    import socket  # here, not at the top: `hpcx status` imports this module and never builds a RankEnv
+    import socket  # lazy: startup (`hpcx status` imports this module and never builds a RankEnv)
 
     return socket.gethostname()
 
@@ -127,8 +130,6 @@ def run_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> str | None:
 
 def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool, str]:
     """(exited 0 within ``timeout``, its stdout — or, when it failed, why: stderr, exit status, timeout)."""
-    import subprocess
-
     if procs.asked is not None:
         procs.asked.append(list(cmd))
     proc = procs.take_ahead(cmd)  # the same command, started before this process had loaded the code that asks
@@ -158,10 +159,7 @@ def try_command(cmd: list[str], timeout: float = QUERY_TIMEOUT_S) -> tuple[bool,
 def run_on(cmd: list[str], wait: bool) -> str:
     """Run ``cmd`` (an argument list) to its end (UserError when it fails), or start it detached from
     this process (its own session, no terminal: it outlives ``hpcx drill``); ``cmd`` as words."""
-    import shlex
-    import subprocess
-
-    from hpc.core.errors import UserError
+    import shlex  # lazy: startup
 
     if wait:
         ok, why = try_command(cmd, timeout=60)
@@ -191,7 +189,7 @@ def read_result(path: Path) -> tuple[str, object]:
 
 def plain_unpickler(f: tp.BinaryIO) -> tp.Any:
     """An unpickler that refuses every class and function (``find_class``): plain values only."""
-    import pickle  # only a finished local job's state needs it, never the list of Slurm runs
+    import pickle  # lazy: startup (only a finished local job's state needs it, never the list of Slurm runs)
 
     class Plain(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> tp.Any:
@@ -219,7 +217,7 @@ def task_command(python: str, folder: str) -> str:
     ``python -u -c BOOT trainer.entry FOLDER`` (``hpc.core.imports``: hpcx's own ``hpc`` and ``trainer``,
     whatever the submit folder holds), started so that a preemption signal or a SIGTERM that comes
     before the trainer's handler waits for it instead of killing the task or being dropped (``TASK_SHELL``)."""
-    import shlex
+    import shlex  # lazy: startup
 
     return shlex.join(task_argv(python, folder))
 
@@ -239,7 +237,7 @@ class Step:
 
     @property
     def command(self) -> str:
-        import shlex
+        import shlex  # lazy: startup
 
         return shlex.join(self.argv)
 
@@ -281,8 +279,6 @@ class TaskCommand(ExecutorHooks):
     def task_command_text(self) -> str:
         if self.hpcx_command:
             return self.hpcx_command
-        import sys
-
         return task_command(sys.executable, str(self.folder))  # type: ignore[attr-defined]
 
 
@@ -351,15 +347,11 @@ class Scheduler(abc.ABC):
         """Run ``argv`` on ``host``, a node of the running job (``hpcx drill``'s faults: a signal to one
         rank's process); with ``wait``, until it ends (UserError when it fails), else left running.
         What was run, for the report."""
-        from hpc.core.errors import UserError
-
         raise UserError([f"a {self.kind} job: hpcx cannot run a command on its nodes"])
 
     def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
         """``hpcx data prepare --site``: the unfinished ``groups`` of the preparation in ``folder`` as jobs,
         then its merge job; (id of the group jobs, id of the merge job). Not every kind can."""
-        from hpc.core.errors import UserError
-
         raise UserError([f"--site {site.name}: a {self.kind} site: expected a Slurm site for a job array "
                          "(without --site, prepare runs here)"])
 
@@ -492,6 +484,4 @@ def wait_since_last_stop(run_dir: Path, ledger: list[dict]) -> tuple[float | Non
         reference, source = RunDir(run_dir).read_job().get("submitted_at"), "job.json"
     if reference is None:
         return None, "unknown"
-    from hpc.core.procs import process_start_time
-
-    return max(0.0, process_start_time() - float(reference)), source
+    return max(0.0, procs.process_start_time() - float(reference)), source

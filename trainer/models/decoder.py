@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from hpc.core.models.decoder import FLEX, MASK, SEGMENTS, LlamaShape, document_kernel
 
@@ -165,8 +166,6 @@ def block_mask(documents: torch.Tensor, window: int) -> tp.Any:
     """flex_attention's BlockMask of packed documents: key ≤ query in the same document (and within
     ``window``). Built by evaluating the mask_mod block by block (compiled on CUDA, as torchtitan does:
     eager, ``create_block_mask`` materializes the dense mask once while it builds)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         keep = (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
         return keep & (q_idx - kv_idx < window) if window else keep
@@ -182,8 +181,6 @@ _COMPILED_FLEX: list[tp.Callable] = []
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tp.Any) -> torch.Tensor:
     """``flex_attention`` under ``mask``, GQA by ``enable_gqa``: compiled on CUDA (eager it is a reference
     that materializes the scores); eager elsewhere (the CPU runs its forward only: tests, no-grad eval)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
     gqa = k.shape[1] != q.shape[1]
     if q.device.type == "cuda":
         if not _COMPILED_FLEX:

@@ -8,6 +8,7 @@ import importlib
 import typing as tp
 
 from hpc.core.errors import ConfigError
+from hpc.core.imports import submit_folder_last
 from hpc.core.spec import Model as ModelSpec
 
 
@@ -19,8 +20,6 @@ def build(spec: ModelSpec) -> tp.Any:
 def _user_function(arch: str) -> tp.Callable[..., tp.Any]:
     """``pkg.mod:fn``'s function, imported from ``sys.path`` and then the current folder (where the job
     was submitted: ``hpc.core.imports.submit_folder_last``)."""
-    from hpc.core.imports import submit_folder_last
-
     module_name, function_name = arch.split(":")
     submit_folder_last()
     try:

@@ -39,16 +39,19 @@ import collections
 import collections.abc
 import dataclasses
 import importlib
+import inspect
 import math
 import numbers
 import typing as tp
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.utils.data import Dataset, default_collate
 
 from hpc.core.errors import ConfigError
 from hpc.core.failures import code_roots, looks_like_infrastructure, one_line, traceback_frames, user_code_error
+from hpc.core.imports import submit_folder_last
 from hpc.core.workload import TaskWorkload
 from trainer.evaluate import Evaluator, build_evaluator
 from trainer.tasks.lm import LanguageModelTask
@@ -142,8 +145,6 @@ def user_task(workload: TaskWorkload, shuffle: bool) -> UserTask:
 def load_task(target: str, kwargs: dict[str, tp.Any]) -> tp.Any:
     """``pkg.mod:Class(**kwargs)``, imported from ``sys.path`` and then the submit folder
     (``hpc.core.imports.submit_folder_last``); one line naming what is missing."""
-    from hpc.core.imports import submit_folder_last
-
     module_name, class_name = target.split(":")
     submit_folder_last()
     try:
@@ -187,8 +188,6 @@ def raised_at(exc: BaseException, module_name: str) -> str:
 
 def method_at(method: tp.Any) -> str:
     """`` (defined at file:line)`` of a task's method, for a message about what it returned; "" if unknown."""
-    import inspect
-
     try:
         func = inspect.unwrap(getattr(method, "__func__", method))
         return f" (defined at {inspect.getsourcefile(func)}:{func.__code__.co_firstlineno})"
@@ -399,8 +398,6 @@ class UserTask:
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise self._wrong("pretrained(model)", f"returned {_described(state)}, expected a dict of tensors by "
                               "the bare model's parameter names")
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         try:
             set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
         except (RuntimeError, KeyError, ValueError) as exc:

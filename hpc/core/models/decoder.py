@@ -10,10 +10,10 @@ import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.config import field
+from hpc.core.models import ModelFacts, compute_bytes, count_text, residual_bytes
 from hpc.core.models.tp_plan import BlockTp, TpPlan, tp_facts
 
 if tp.TYPE_CHECKING:  # pragma: no cover
-    from hpc.core.models import ModelFacts
     from hpc.core.spec import Model
 
 # LoRA's targets of a Llama-block model (``hpc.core.lora``): hpcx's module name, Hugging Face's
@@ -243,8 +243,6 @@ def block_activations(shape: LlamaShape, micro_batch: int, checkpointing: bool, 
     vocabulary; the inputs of the column-wise layers (one all-gathered tensor for q/k/v, one for
     gate/up, the head's) are kept whole, as DTensor's autograd saves the gathered input.
     """
-    from hpc.core.models import compute_bytes, residual_bytes
-
     c, r = compute_bytes(mixed_precision), residual_bytes(mixed_precision, autocast)
     tokens, d, q, kv, f = micro_batch * shape.seq_len, shape.d_model, shape.q_dim, shape.kv_dim, shape.ffn_dim
     norm = d * (4 + r) + 4
@@ -283,8 +281,6 @@ def block_shape(model: Model, base: LlamaShape) -> LlamaShape:
 
 def block_label(arch: str, model: Model, shape: LlamaShape) -> str:
     """``qwen2 qwen2.5-7b (7.62B params)``, or the architecture when the spec (or its HF config) changes it."""
-    from hpc.core.models import count_text
-
     changed = any(getattr(model, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"))
     text = (f"{arch} {model.size}" if not changed else
             f"{arch} {shape.n_layers} layers × dim {shape.d_model}, {shape.n_heads} heads / {shape.n_kv_heads} kv")
@@ -294,8 +290,6 @@ def block_label(arch: str, model: Model, shape: LlamaShape) -> str:
 
 def block_facts(arch: str, label: str, s: LlamaShape) -> ModelFacts:
     """The ``ModelFacts`` of a Llama-block model of family ``arch``."""
-    from hpc.core.models import ModelFacts
-
     return ModelFacts(label=label, n_params=s.n_params, unit_params=s.block_params,
                       root_params=s.embedding_params + s.head_params,
                       kept_params=s.embedding_params + s.head_params if s.tied else s.head_params, n_units=s.n_layers,
@@ -337,8 +331,6 @@ def block_activation_bytes(facts: ModelFacts, micro_batch: int, checkpointing: b
 
 def preset_text(presets: tp.Mapping[str, LlamaShape]) -> str:
     """``tiny (…), qwen2.5-7b (7.62B) …``: presets with their parameter counts."""
-    from hpc.core.models import count_text
-
     return ", ".join(f"{name} ({count_text(s.n_params)})" for name, s in presets.items())
 
 
@@ -379,7 +371,7 @@ def hf_names(shape: LlamaShape) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 def hf_tensor_plan(shape: LlamaShape) -> list[tp.Any]:
     """Every Hugging Face tensor and the hpcx parameter it is (copied as is)."""
-    from hpc.core.hf import HfTensor
+    from hpc.core.hf import HfTensor  # lazy: startup
 
     return [HfTensor(hf, ours, "copy", dims) for ours, (hf, dims) in hf_names(shape).items()]
 

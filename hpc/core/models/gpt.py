@@ -239,7 +239,7 @@ def hf_tensor_plan(s: GPTShape) -> list[tp.Any]:
 
 
 def _hf(name: str, source: str, op: str, shape: tuple[int, ...]) -> tp.Any:
-    from hpc.core.hf import HfTensor
+    from hpc.core.hf import HfTensor  # lazy: startup
 
     return HfTensor(name, source, op, shape)
 

@@ -20,6 +20,7 @@ import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.config import field
+from hpc.core.errors import ConfigError
 from hpc.core.models import Counted, ModelFacts, count_text
 from hpc.core.models.tp_plan import tp_facts
 from hpc.core.models.decoder import (BLOCK_LORA_TARGETS, BLOCK_TP_PLAN, REQUIRED, BlockFields, block_problems, LlamaShape, block_activations, hf_names,  # noqa: F401
@@ -192,8 +193,6 @@ def hf_spec_fields(path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     """The ``[model]`` shape fields of a ``LlamaForCausalLM`` config.json (``path``, for messages);
     ConfigError with one line per value hpcx's Llama does not implement. Rotary settings come from
     ``rope_theta`` / ``rope_scaling`` or transformers 5's ``rope_parameters``."""
-    from hpc.core.errors import ConfigError
-
     problems = _unsupported(path, doc)
     if problems:
         raise ConfigError(problems)

@@ -22,6 +22,7 @@ import typing as tp
 from dataclasses import dataclass, replace
 
 from hpc.core.config import field
+from hpc.core.errors import ConfigError
 from hpc.core.models.decoder import (BLOCK_HF_KEYS, INT_MAX, BlockFamily, HeadFields, LlamaShape, block_shape,
                                      block_spec_fields, block_unsupported, hf_block_config)
 
@@ -84,8 +85,6 @@ def hf_config(s: LlamaShape) -> dict[str, tp.Any]:
 def hf_spec_fields(path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     """The ``[model]`` shape fields of a ``MistralForCausalLM`` config.json (``path``, for messages);
     ConfigError with one line per value hpcx's Mistral does not implement."""
-    from hpc.core.errors import ConfigError
-
     problems = _unsupported(path, doc)
     if problems:
         raise ConfigError(problems)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import typing as tp
 from dataclasses import dataclass
 
+from hpc.core.errors import ConfigError
 from hpc.core.models.decoder import (BLOCK_HF_KEYS, BlockFamily, HeadFields, LlamaShape, block_spec_fields, block_unsupported, hf_block_config)
 
 if tp.TYPE_CHECKING:  # pragma: no cover
@@ -74,8 +75,6 @@ def hf_config(s: LlamaShape) -> dict[str, tp.Any]:
 def hf_spec_fields(path: tp.Any, doc: dict[str, tp.Any]) -> dict[str, tp.Any]:
     """The ``[model]`` shape fields of a ``Qwen2ForCausalLM`` config.json (``path``, for messages);
     ConfigError with one line per value hpcx's Qwen2 does not implement."""
-    from hpc.core.errors import ConfigError
-
     problems = _unsupported(path, doc)
     if problems:
         raise ConfigError(problems)

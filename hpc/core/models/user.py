@@ -8,12 +8,16 @@ builds it on the meta device, ``trainer.count``). The trainer side is ``trainer.
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import typing as tp
 from dataclasses import dataclass
+from importlib.machinery import PathFinder
 
 from hpc.core.config import field
 from hpc.core.models import FAMILIES, USER, Counted, ModelFacts, count_text
+from hpc.core.validate import check_model_arch
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.core.spec import Model
@@ -55,8 +59,6 @@ def facts(model: Model, counted: Counted | None = None) -> ModelFacts:
 def problems(model: Model) -> list[str]:
     """A ``package.module:function`` arch of the user's (``check_model_arch``), the context and vocabulary
     set, a stated count that fits."""
-    from hpc.core.validate import check_model_arch
-
     if not USER_ARCH.match(model.arch) or check_model_arch(model.arch):
         built_in = ", ".join(repr(arch) for arch in FAMILIES)
         return check_model_arch(model.arch) or [f"`model.arch` = {model.arch!r}: expected {built_in} or "
@@ -81,10 +83,6 @@ def module_file(module: str, folder: str | None = None) -> str | None:
     ``__init__`` runs): searched on ``sys.path``, then from ``folder`` (default: the current one, where
     each task starts; it comes after hpcx's own paths, ``hpc.core.imports.submit_folder_last``). None
     when it is not found."""
-    import os
-    import sys
-    from importlib.machinery import PathFinder
-
     search: list[str] | None = [*sys.path, folder or os.getcwd()]
     spec = None
     parts = module.split(".")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import typing as tp
 from pathlib import Path
 
@@ -31,8 +32,6 @@ class LocalExecutor(TaskCommand, submitit.LocalExecutor):
 def detached_stdio(log: Path) -> tp.Iterator[None]:
     """File descriptors 0, 1 and 2 of this process on /dev/null and ``log`` while the block runs (what a
     child started there inherits), then back as they were."""
-    import sys
-
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = [os.dup(fd) for fd in (0, 1, 2)]

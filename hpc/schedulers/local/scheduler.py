@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal as signals
+import sys
 import time
 import typing as tp
 from pathlib import Path
@@ -22,6 +23,7 @@ from pathlib import Path
 from hpc import compat
 from hpc.core.errors import UserError
 from hpc.core.procs import pid_alive, process_start_time
+from hpc.core.runs import RunDir
 from hpc.schedulers.base import (QUERY_TIMEOUT_S, SUBMITIT_DIR, JobSide, JobState, Scheduler, read_result,
                                  Step, result_path, run_on, wait_since_last_stop)
 
@@ -84,8 +86,6 @@ def pid_identity(pid: int) -> str | None:
 def controller_alive(job_id: str, run_dir: Path) -> bool:
     """The job's controller still runs: its pid is alive and, when ``job.json`` recorded the
     controller's identity, it is still that process (pids are reused)."""
-    from hpc.core.runs import RunDir
-
     pid = int(job_id)
     recorded = RunDir(run_dir).read_job().get("pid_identity")
     if not pid_alive(pid):
@@ -133,8 +133,7 @@ def local_state(job_id: str, run_dir: Path) -> JobState:
     has no such state: rank 0 stops at its signal, saves and leaves), else the result pickle tells
     COMPLETED or FAILED. A task whose code did not load (``hpc.core.failures.loading_failure``) is never
     retried here: the controller restarts tasks only on the trainer's requeue status; FAILED says why."""
-    from hpc.core import failures  # its patterns only here: a Slurm site's profile loads this module too
-    from hpc.core.runs import RunDir
+    from hpc.core import failures  # lazy: startup (a Slurm site's profile loads this module too)
 
     if controller_alive(job_id, run_dir):
         return JobState("RUNNING", "localhost", "process")
@@ -164,8 +163,6 @@ class LocalScheduler(Scheduler):
 
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path,
                  step: Step | None = None) -> tp.Any:
-        import sys
-
         from hpc.schedulers.local.executor import LocalExecutor  # lazy: submitit
 
         step = step or self.step(spec, site, launch, str(Path(folder).parent), sys.executable)
@@ -252,8 +249,7 @@ class LocalJobSide(JobSide):
         failed. The job ends here; ``hpcx status`` reads TIMEOUT off the ledger (``local_state``)."""
 
     def leave_for_requeue(self) -> None:
-        import logging
-        import sys
+        import logging  # lazy: startup
 
         log = logging.getLogger("hpcx.trainer")
         code = compat.local_requeue_exit_code()  # the status submitit's controller restarts the tasks on

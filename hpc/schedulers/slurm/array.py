@@ -5,12 +5,18 @@ interpreter of the submitting shell (the nodes share its file system)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import shlex
 import typing as tp
 from pathlib import Path
 
+from hpc.core.container import mount_problems, overlay_links, step_mounts
 from hpc.core.errors import UserError
+from hpc.core.imports import python_command
 from hpc.schedulers.base import try_command
+from hpc.schedulers.slurm.container import inner_python, prepare_run, wrap_step
 
 SUBMIT_TIMEOUT_S = 60.0
 ARRAY_MINUTES = 240  # per array task; a group of 256 MiB takes minutes on one core
@@ -21,8 +27,6 @@ def job_script(python: str, args: tp.Sequence[str], step: tp.Callable[[list[str]
     as ``python -c BOOT hpc.data.task ARGS`` (``hpc.core.imports``: not the submit folder's ``hpc``). With
     ``step`` (the site's container: ``container.Step`` for an argv), the same command in the image: run by
     ``srun --ntasks=1`` where the runtime is a flag of srun's."""
-    from hpc.core.imports import python_command
-
     argv = python_command(python, "hpc.data.task", *args)
     srun: list[str] = []
     if step is not None:
@@ -38,13 +42,6 @@ def container_step(c: tp.Any, folder: Path) -> tp.Callable[[list[str]], tp.Any] 
     inputs' and the tokenizer's folders read-only, hpcx's overlay and bundle under ``folder/.prepare``."""
     if not c.enabled:
         return None
-    import dataclasses
-    import json
-    import os
-
-    from hpc.core.container import mount_problems, overlay_links, step_mounts
-    from hpc.schedulers.slurm.container import inner_python, prepare_run, wrap_step
-
     plan = json.loads((folder / ".prepare" / "plan.json").read_text())
     reads = sorted({os.path.dirname(os.path.abspath(i["path"])) for i in plan["inputs"]}
                    | {os.path.dirname(os.path.abspath(plan["tokenizer"]["path"]))})

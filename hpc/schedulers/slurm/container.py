@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 import typing as tp
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ from pathlib import Path
 from hpc.core.container import (BUNDLE, CDI_NAME, IMAGE_ENV, NODE_DEVICES, OVERLAY, SHM_ENV, Container, Mount,
                                 overlay_links, step_mounts, write_overlay)
 from hpc.core.errors import UserError
-from hpc.schedulers.base import ContainerRuntime
+from hpc.core.validate import char_label
+from hpc.schedulers.base import TASK_WRAPPER, ContainerRuntime
 from hpc.schedulers.slurm.oci import LOADER, write_bundle  # noqa: F401 (LOADER: re-exported)
 
 
@@ -78,8 +80,6 @@ def check_run_folder(run_dir: str) -> None:
     """The run folder is on PYTHONPATH inside the image (split at `:`) and in every runtime's step line."""
     bad = next((ch for ch in run_dir if ch in ":\n"), None)
     if bad:
-        from hpc.core.validate import char_label
-
         shown = "`:`" if bad == ":" else char_label(bad)
         raise UserError([f"the run folder {run_dir!r} holds {shown}, which PYTHONPATH inside the image would split: "
                          "use a run root and job name without `:` or a newline"])
@@ -184,9 +184,7 @@ class Oci(NoContainer):
     def prepare(self, c: Container, run_dir: Path, mounts: list[Mount], workdir: str, where: str, gpus: int,
                 source: str) -> None:
         """The per-run bundle and, for runc, the task's script on the host."""
-        import sys
-
-        from hpc.core.imports import python_command
+        from hpc.core.imports import python_command  # lazy: startup
 
         write_bundle(c, run_dir / BUNDLE, mounts, c.workdir or workdir, where, gpus, source)
         if c.oci_launch == "runc":
@@ -245,8 +243,7 @@ def step_for(c: Container, run_dir: str, folder: str, workdir: str, gpus: bool,
 def trainer_step(c: Container, run_dir: str, folder: str, workdir: str, gpus: bool, links: tp.Mapping[str, str],
                  reads: tp.Sequence[tuple[str, str]] = ()) -> tuple[Wrapped, list[Mount]]:
     """``step_for`` and the mounts it was made with (what ``prepare_run`` writes into an OCI bundle)."""
-    from hpc.core.imports import python_command
-    from hpc.schedulers.base import TASK_WRAPPER
+    from hpc.core.imports import python_command  # lazy: startup
 
     check_run_folder(run_dir)
     inner = inner_python(c, run_dir)

@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
+import sys
 import time
 import typing as tp
 from pathlib import Path
 
+from hpc.core.container import Container, identity, overlay_links, step_mounts, submit_problems
 from hpc.core.errors import UserError
+from hpc.core.imports import python_command
+from hpc.core.nccl import describe, parse_files
 from hpc.schedulers.base import try_command
-from hpc.schedulers.slurm.container import Wrapped
+from hpc.schedulers.slurm.container import Wrapped, inner_python, prepare_run, wrap_step
 
 TASKS = 2
 CHECK_MINUTES = 10
@@ -27,11 +32,6 @@ def check_script(step: Wrapped, folder: Path) -> str:
 
 def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
     """Submit the check, wait for it, and gather what each task saw (``trainer.probe``) and NCCL's transports."""
-    from hpc.core.container import Container, step_mounts, overlay_links
-    from hpc.core.imports import python_command
-    from hpc.schedulers.slurm.container import inner_python, prepare_run, wrap_step
-    from hpc.core.container import submit_problems
-
     c: Container = site.container
     if c.enabled:
         found = submit_problems(c, site.source)
@@ -47,16 +47,12 @@ def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
             prepare_run(c, folder, workdir, gpus=site.node.gpus, where=f"{site.source}: `container.image`",
                         source=site.source, links=links, mounts=mounts)
         except UserError:
-            import shutil
-
             shutil.rmtree(folder, ignore_errors=True)  # nothing left behind by a check that never ran
             raise
         inner = inner_python(c, str(folder))
         argv = [*inner[:-1], *python_command(inner[-1], "trainer.probe", str(folder))]
         step = wrap_step(argv, c, str(folder), mounts, workdir, bool(site.node.gpus))
     else:
-        import sys
-
         step = Wrapped((), tuple(python_command(sys.executable, "trainer.probe", str(folder))))
     script = folder / "check.sh"
     script.write_text(check_script(step, folder))
@@ -72,9 +68,6 @@ def run_check(site: tp.Any, timeout: float = 900) -> dict[str, tp.Any]:
 
 
 def gather(folder: Path, ok: bool, out: str, c: tp.Any) -> dict[str, tp.Any]:
-    from hpc.core.container import identity
-    from hpc.core.nccl import describe, parse_files
-
     ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank-*.json"))]
     info = parse_files(sorted(folder.glob("task-*.err")))
     transports = sorted(info.transports())

@@ -20,11 +20,13 @@ import glob
 import json
 import os
 import stat
+import subprocess
 import sys
 import typing as tp
 from pathlib import Path
 
-from hpc.core.container import BUNDLE, Container, ConfigError, Mount, node_devices, read_image_config
+from hpc.core.config import load_json_bounded
+from hpc.core.container import BUNDLE, ConfigError, Container, Mount, image_file, node_devices, read_image_config
 
 RUNC = ["runc", "--root=/run/hpcx-runc"]
 NODE = "node.json"  # beside the bundle's config.json: what each node adds (``node_plan``)
@@ -192,9 +194,6 @@ def set_env(config: dict[str, tp.Any], name: str, value: str, prepend: bool = Fa
 def cdi_specs(folders: tp.Sequence[str] | None = None) -> list[tuple[str, dict[str, tp.Any]]]:
     """(file, spec) of each CDI spec in ``folders`` (default ``CDI_DIRS``): JSON, or YAML where PyYAML is
     installed; each bounded in size and depth."""
-    from hpc.core.config import load_json_bounded
-    from hpc.core.container import image_file
-
     out = []
     for folder in CDI_DIRS if folders is None else folders:
         for path in sorted(glob.glob(os.path.join(folder, "*"))):
@@ -212,7 +211,7 @@ def cdi_specs(folders: tp.Sequence[str] | None = None) -> list[tuple[str, dict[s
 
 def _yaml(data: bytes, path: str) -> tp.Any:
     try:
-        import yaml  # type: ignore[import-untyped]
+        import yaml  # type: ignore[import-untyped]  # lazy: startup
     except ImportError:
         raise NodeError(f"CDI spec {path} is YAML and the host Python has no PyYAML: write it as JSON "
                         "(`nvidia-ctk cdi generate --format=json`)") from None
@@ -272,8 +271,6 @@ def task_config(run: Path, taskdir: Path) -> dict[str, tp.Any]:
 
 def main(argv: list[str]) -> None:
     """RUN TASKDIR ID: write TASKDIR/config.json, then become ``runc run`` (which forwards signals)."""
-    import subprocess
-
     run, taskdir, name = Path(argv[0]), Path(argv[1]), argv[2]
     try:
         config = task_config(run, taskdir)

@@ -8,6 +8,7 @@ reports and asks for the requeue unless the policy says no. Torch-free.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 import typing as tp
@@ -16,6 +17,7 @@ from pathlib import Path
 from hpc.core import failures, health, straggler
 from hpc.core.requeue import failure_reports, request, requeue_verdict, start_number, started_here, stop_line
 from hpc.core.runs import RunDir, append_jsonl
+from hpc.schedulers.slurm.scheduler import SlurmJobSide
 
 if tp.TYPE_CHECKING:  # pragma: no cover
     from hpc.schedulers.base import JobSide
@@ -132,10 +134,6 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or not argv[1].lstrip("-").isdigit():
         print("usage: python -m hpc.requeue RUN_DIR SRUN_STATUS", file=sys.stderr)
         return 2
-    import signal
-
-    from hpc.schedulers.slurm.scheduler import SlurmJobSide
-
     # A granted requeue ends the job at once: Slurm sends SIGTERM to the batch shell and to this check,
     # which must still record the stop line and the REQUEUED state (SIGKILL follows only after KillWait).
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -17,15 +17,21 @@ import os
 import re
 import shlex
 import signal
+import sys
+import threading
 import time
 import typing as tp
 from pathlib import Path
+from types import SimpleNamespace as Ns
 
+from hpc.compat import make_sbatch_string
+from hpc.core.container import image_source, job_reads, submit_problems
 from hpc.core.errors import UserError
 from hpc.schedulers.base import (PLACEMENT, Placement, QUERY_TIMEOUT_S, SUBMITIT_DIR, UNREACHABLE, ContainerRuntime,
                                  JobSide, JobState, RankEnv, Scheduler, Step, batch_log, run_on, task_argv, try_command, unknown,
                                  wait_since_last_stop)
-from hpc.schedulers.slurm import ranks
+from hpc.schedulers.slurm import container as sc, ranks
+from hpc.schedulers.slurm.container import RUNTIMES, prepare_run, request_host_requeue
 from hpc.schedulers.slurm.options import check_sbatch, directive_value
 from hpc.schedulers.slurm.section import overcommits
 
@@ -37,7 +43,7 @@ if tp.TYPE_CHECKING:  # pragma: no cover
 
 def _log() -> tp.Any:
     """The trainer's logger (the job side logs; `hpcx status` does not import logging for it)."""
-    import logging
+    import logging  # lazy: startup
 
     return logging.getLogger("hpcx.trainer")
 
@@ -76,7 +82,7 @@ def setup_lines(spec: JobSpec, site: SiteProfile) -> list[str]:
 
 def teardown_lines(run_dir: str, python: str) -> list[str]:
     """After srun: its status is the job's; a failure goes to the requeue check (``hpc.core.requeue``)."""
-    from hpc.core.imports import python_command
+    from hpc.core.imports import python_command  # lazy: startup
 
     check = shlex.join(python_command(python, "hpc.requeue", run_dir))  # python -m hpc.requeue RUN_DIR
     return ["hpcx_srun_status=$?  # srun ends as soon as any task fails (--kill-on-bad-exit=1)",
@@ -128,8 +134,6 @@ def slurm_parameters(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: 
 
 def render_sbatch(params: dict[str, tp.Any], step: Step, folder: str) -> str:
     """The sbatch script submitit writes for these parameters and the step's command."""
-    from hpc.compat import make_sbatch_string
-
     return make_sbatch_string(command=step.command, folder=folder, **params)
 
 
@@ -146,9 +150,6 @@ def slurm_step(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, p
     plain = plain_step(spec, site, run_dir, python)
     if not site.container.enabled:
         return plain
-    from hpc.core.container import job_reads
-    from hpc.schedulers.slurm import container as sc
-
     links = sc.overlay_links()
     wrapped, mounts = sc.trainer_step(site.container, run_dir, f"{run_dir}/{SUBMITIT_DIR}", workdir,
                                       bool(launch.gpus_per_node), links, job_reads(spec))
@@ -161,9 +162,6 @@ def slurm_step(spec: JobSpec, site: SiteProfile, launch: Launch, run_dir: str, p
 def prepare_container(spec: JobSpec, site: SiteProfile, run_dir: Path, step: Step) -> None:
     """At submit: the image is there (UserError naming the file that named it: the spec's [container] or the
     site's), then the step's overlay and what its runtime needs on the nodes (``container.prepare_run``)."""
-    from hpc.core.container import image_source, submit_problems
-    from hpc.schedulers.slurm.container import prepare_run
-
     source = image_source(spec, site)
     found = submit_problems(site.container, source)
     if found:
@@ -176,8 +174,6 @@ def prepare_container(spec: JobSpec, site: SiteProfile, run_dir: Path, step: Ste
 def owned_options() -> frozenset[str]:
     """Every option on hpcx's own ``#SBATCH`` lines, read off scripts rendered for each way a site takes
     GPUs with every optional field set: what a site's [scheduler.sbatch] may not give a second time."""
-    from types import SimpleNamespace as Ns
-
     spec = Ns(job=Ns(name="j", time_limit_min=1), env=Ns(set={}, passthrough=[]))
     launch = Ns(nodes=1, tasks_per_node=1, cpus_per_task=1, signal_lead_s=1, gpus_per_node=1,
                 partition="p", account="a", qos="q")
@@ -269,7 +265,7 @@ def parse_scontrol(text: str) -> dict[str, str]:
 
 def scontrol_seconds(stamp: str) -> float | None:
     """``2026-11-29T18:37:30`` (the controller's local time) as epoch seconds; None for Unknown/None."""
-    import datetime  # imported here: status, which asks only sacct/squeue, never needs it
+    import datetime  # lazy: startup (status, which asks only sacct/squeue, never needs it)
 
     try:
         return datetime.datetime.fromisoformat(stamp).timestamp()
@@ -335,8 +331,6 @@ def _scontrol(ids: list[str], timeout: float) -> tuple[dict[str, JobState] | Non
 def _in_background(query: tp.Callable, ids: list[str], timeout: float) -> tp.Callable[[float], tuple]:
     """Start ``query(ids, timeout)`` in a thread; the function returned waits for its answer until a
     deadline (``time.monotonic()``), then says it had none."""
-    import threading
-
     box: dict[str, tuple] = {}
     thread = threading.Thread(target=lambda: box.update(answer=query(ids, timeout)), daemon=True)
     thread.start()
@@ -402,7 +396,7 @@ def _connect(socket: tp.Any, host: str, port: int, timeout: float) -> None:
 def controller_down(timeout: float) -> str:
     """Why slurmctld cannot be reached (a TCP connect to each controller fails within ``timeout``), or
     "" when one answers or this machine's slurm.conf does not say where it is."""
-    import socket
+    import socket  # lazy: startup
 
     conf = slurm_conf()
     try:
@@ -438,7 +432,7 @@ class SlurmScheduler(Scheduler):
         return not overcommits(section)  # --overcommit: tasks share CPUs
 
     def detect(self, name: str, saved: tp.Mapping[str, str | None]) -> str | None:
-        from hpc.schedulers.slurm.detect import detect_site
+        from hpc.schedulers.slurm.detect import detect_site  # lazy: startup
 
         return detect_site(name, saved.get("topo"), saved.get("query"), saved.get("scontrol"))
 
@@ -456,14 +450,10 @@ class SlurmScheduler(Scheduler):
         return slurm_step(spec, site, launch, run_dir, python, os.getcwd())
 
     def container_runtimes(self) -> tp.Mapping[str, ContainerRuntime]:
-        from hpc.schedulers.slurm.container import RUNTIMES
-
         return RUNTIMES
 
     def executor(self, spec: JobSpec, site: SiteProfile, launch: Launch, folder: Path,
                  step: Step | None = None) -> tp.Any:
-        import sys
-
         from hpc.schedulers.slurm.executor import SlurmExecutor  # lazy: submitit
 
         run_dir = str(Path(folder).parent)
@@ -523,7 +513,7 @@ class SlurmScheduler(Scheduler):
         return run_on(cmd, wait)
 
     def submit_prepare(self, folder: Path, site: SiteProfile, python: str, groups: list[int]) -> tuple[str, str]:
-        from hpc.schedulers.slurm.array import ARRAY_MINUTES, submit_prepare
+        from hpc.schedulers.slurm.array import ARRAY_MINUTES, submit_prepare  # lazy: startup
 
         return submit_prepare(folder, site.scheduler, python, groups, min(4, site.node.cpus), ARRAY_MINUTES,
                               site.container)
@@ -565,8 +555,6 @@ class SlurmJobSide(JobSide):
         failure, say); a restart count different from ours means another incarnation: never requeue then.
         """
         job = self.job_id() or ""
-        from hpc.schedulers.slurm.container import request_host_requeue
-
         if request_host_requeue(os.environ, job, self.restart_count()):  # inside an image without scontrol
             _log().warning("requeue of job %s asked of the batch script on the host (after srun)", job)
             return None
