@@ -19,8 +19,8 @@ preemption reads the flag at its step boundaries::
 Outside hpcx (``torchrun train.py``, a plain ``python train.py``) ``preempted()`` is False, ``requeue()``
 returns False, ``log`` does nothing and ``run_dir()`` is None: the same script runs anywhere.
 
-The variables read: ``HPCX_RUN_DIR``, ``HPCX_PREEMPT_FLAG``, ``HPCX_REQUEUE_FILE``, ``HPCX_RESTART``, ``HPCX_INCARNATION`` and
-torchrun's ``RANK``; see docs/tasks.md for the whole contract.
+The variables read: ``HPCX_RUN_DIR``, ``HPCX_PREEMPT_FLAG``, ``HPCX_REQUEUE_FILE``, ``HPCX_RESTART``,
+``HPCX_INCARNATION`` and torchrun's ``RANK``; see docs/tasks.md for the whole contract.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ container when it has one). Each rank starts the command as a child process:
 - with the preemption signal ignored, so a script that does not listen is not killed by it.
 
 Signals: the task holds USR2 and SIGTERM from its first line (``trainer.entry``); here the trainer's stop
-request (``trainer.preemption.PreemptionFlag``) takes them, as in a trainer rank. USR2 (the scheduler's warning, ``hpcx drill``) creates the flag file ``hpc.job.preempted`` reads and is
-forwarded to the command; SIGTERM (``hpcx cancel``, the end of the time limit) is forwarded and marks the
+request (``trainer.preemption.PreemptionFlag``) takes them, as in a trainer rank. USR2 (the scheduler's
+warning, ``hpcx drill``) creates the flag file ``hpc.job.preempted`` reads and is forwarded to the command; SIGTERM (``hpcx cancel``, the end of the time limit) is forwarded and marks the
 start terminated.
 
 When the command has exited, rank 0 writes the ledger's stop line (``hpc.core.requeue``): completed;
@@ -42,7 +42,6 @@ from pathlib import Path
 
 from hpc import job, schedulers
 from hpc.core import requeue as policy, runs
-from hpc.core.requeue import start_number, stop_line
 from hpc.core.runs import append_jsonl, read_json, read_jsonl, write_json
 from hpc.core.workload import ScriptWorkload
 from hpc.schedulers.base import wait_since_last_stop
@@ -153,7 +152,7 @@ class ScriptRank:
         self.side = schedulers.job_side()
         self.clock = clock
         # the trainer's definition of a start's number; a rank other than 0 may read rank 0's line of this start
-        self.restart = start_number(self.rd.read_ledger(), self.side, own_line_written=not self.env.is_rank0)
+        self.restart = policy.start_number(self.rd.read_ledger(), self.side, own_line_written=not self.env.is_rank0)
         self.incarnation = self.side.incarnation(self.restart) if self.side else f"single.{self.restart}"
         self.requeue_dir = self.rd.requeue
         self.flag = self.requeue_dir / f"{self.incarnation}.preempted"
@@ -169,7 +168,9 @@ class ScriptRank:
         self.requeue_dir.mkdir(exist_ok=True)
         if self.env.is_rank0:
             self._record_start()
-        self._take_signals()
+        # own the preemption signal and SIGTERM, then release what ``trainer.entry`` held (one that came before
+        # the command started is acted on now: the flag is set before the command reads it)
+        self.stop.install()
         status = self._run_command()
         self.exited_at = self.clock()  # when this rank's command ended: the first to fail is named
         return self._ended(status)
@@ -183,8 +184,8 @@ class ScriptRank:
         run_id = (self.side.job_id() if self.side else None) or self.run.run_dir.name
         ranks.update(elastic_variables(self.restart, self.run.spec.job.max_requeues, str(run_id),
                                        str(self.error_file(e.rank))))
-        hpcx = {job.RUN_DIR: str(self.run.run_dir), job.PREEMPT_FLAG: str(self.flag), job.INCARNATION: self.incarnation,
-                job.REQUEUE_FILE: str(self.asked), job.RESTART: str(self.restart)}
+        hpcx = {job.RUN_DIR: str(self.run.run_dir), job.PREEMPT_FLAG: str(self.flag), job.REQUEUE_FILE: str(self.asked),
+                job.RESTART: str(self.restart), job.INCARNATION: self.incarnation}
         return child_env(os.environ, ranks, {**TORCHRUN_DEFAULTS, **self.run.site.nccl}, self.run.spec.env.set, hpcx, launch.cpus_per_task,
                          launch.gpus_per_node > 0)
 
@@ -217,11 +218,6 @@ class ScriptRank:
     @property
     def preempted_at(self) -> float | None:
         return self.stop.requested_at
-
-    def _take_signals(self) -> None:
-        """Own the preemption signal and SIGTERM, then release what ``trainer.entry`` held (one that came
-        before the command started is acted on now: the flag is set before the command reads it)."""
-        self.stop.install()
 
     def _touch_flag(self) -> None:
         try:
@@ -340,7 +336,7 @@ class ScriptRank:
                 "time_limit": reason == "time_limit", "run_dir": str(self.run.run_dir)}
 
     def _write_stop(self, step: int, reason: str, why_not: str | None, **extra: tp.Any) -> None:
-        line = stop_line(step, reason, why_not, self.side, "rank 0", **extra)
+        line = policy.stop_line(step, reason, why_not, self.side, "rank 0", **extra)
         if self.preempted_at is not None:
             line["preempt_signal_at"] = self.preempted_at
         append_jsonl(self.rd.ledger, line)

@@ -3,8 +3,9 @@
 A tensor-parallel group splits each block's matrices by heads (attention) and by columns of the
 MLP, and exchanges activations inside every block (all-gathers and reduce-scatters of the sequence),
 so its ranks must sit in one NVLink domain: one node (``node.gpus`` GPUs; on a CPU site, the node's
-tasks, only with ``parallel.tp_on_cpu``: a rehearsal of the layout over gloo). Each rank computes whole heads, so ``tp`` divides what the family's plan names (``TpPlan.divides``:
-the query heads, and the key/value heads). A user model has no plan (``hpc.core.models.tp_plan``): which of
+tasks, only with ``parallel.tp_on_cpu``: a rehearsal of the layout over gloo). Each rank computes whole
+heads, so ``tp`` divides what the family's plan names (``TpPlan.divides``: the query heads, and the
+key/value heads). A user model has no plan (``hpc.core.models.tp_plan``): which of
 its matrices split by rows or columns is its own business.
 The trainer's side is ``trainer.tp``.
 """
